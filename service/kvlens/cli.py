@@ -1,0 +1,166 @@
+"""``kvlens serve|demo``: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TextIO
+
+import uvicorn
+from prometheus_client import CollectorRegistry
+
+from kvlens import __version__
+from kvlens.config import ENV_PREFIX, Settings, SettingsError, load_settings
+from kvlens.exporter.aggregator import Aggregator
+from kvlens.exporter.app import create_app
+from kvlens.records import batch_from_objects
+from kvlens.sources import demo, push
+
+log = logging.getLogger("kvlens")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=os.environ.get(f"{ENV_PREFIX}LOG_LEVEL", "INFO"), format="%(levelname)s %(name)s: %(message)s")
+    command: Callable[[argparse.Namespace], int] = args.run
+    try:
+        return command(args)
+    except SettingsError as error:
+        print(f"kvlens: {error}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvlens", description="Is your prefix cache actually paying off?")
+    parser.add_argument("--version", action="version", version=f"kvlens {__version__}")
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    def server_flags(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("--host", help=f"listen address (env {ENV_PREFIX}HOST; default 127.0.0.1)")
+        sub.add_argument("--port", type=int, help=f"listen port (env {ENV_PREFIX}PORT; default 9433)")
+        sub.add_argument(
+            "--config",
+            type=Path,
+            default=os.environ.get(f"{ENV_PREFIX}CONFIG") or None,
+            help=f"YAML settings file (env {ENV_PREFIX}CONFIG); environment variables override it",
+        )
+
+    serve = commands.add_parser("serve", help="run the sidecar: POST /v1/records, GET /metrics")
+    server_flags(serve)
+    serve.set_defaults(run=_serve)
+
+    run_demo = commands.add_parser("demo", help="run the sidecar fed by built-in article-shaped traffic")
+    server_flags(run_demo)
+    run_demo.add_argument("--rate", type=float, default=20.0, help="requests per second (default 20)")
+    run_demo.add_argument("--seed", type=int, default=0, help="random seed of the traffic")
+    run_demo.add_argument("--every", type=float, default=5.0, help="seconds between summary lines")
+    run_demo.add_argument("--duration", type=float, help="stop after this many seconds (default: run)")
+    run_demo.set_defaults(run=_demo)
+    return parser
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    return load_settings(args.config, host=args.host, port=args.port)
+
+
+def _server(settings: Settings, aggregator: Aggregator, log_level: str) -> uvicorn.Server:
+    app = create_app(settings, CollectorRegistry(), aggregator)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=log_level,
+        access_log=False,
+        workers=1,  # counters live in this process; more workers would split them
+        timeout_keep_alive=5,
+        limit_concurrency=1000,
+    )
+    return uvicorn.Server(config)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    server = _server(settings, Aggregator(settings), "info")
+    server.run()
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    aggregator = Aggregator(settings, sources=(push.SOURCE, demo.SOURCE))
+    server = _server(settings, aggregator, "warning")
+    traffic = demo.DemoTraffic(rate_per_second=args.rate, seed=args.seed)
+    stop = threading.Event()
+    base = f"http://{settings.host}:{settings.port}"
+    print(
+        "kvlens demo: built-in traffic shaped like the articles' fleet (many short requests that\n"
+        "hit a small shared prefix, a few long ones that miss), fed through the live exporter.\n"
+        f"  metrics   {base}/metrics\n"
+        f"  API docs  {base}/docs\n"
+        f"  push your own records: curl -X POST {base}/v1/records "
+        "-d '{\"prompt_tokens\": 128, \"cached_tokens\": 16}'\n"
+        "Ctrl-C to stop.",
+        flush=True,
+    )
+    threads = [
+        threading.Thread(target=_feed, args=(traffic, aggregator, stop), name="demo-feed", daemon=True),
+        threading.Thread(
+            target=_summarize, args=(aggregator, stop, args.every, sys.stdout), name="demo-summary", daemon=True
+        ),
+    ]
+    if args.duration is not None:
+        threading.Timer(args.duration, lambda: setattr(server, "should_exit", True)).start()
+    for thread in threads:
+        thread.start()
+    try:
+        server.run()
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=2)
+    print_summary(aggregator, sys.stdout)
+    return 0
+
+
+def _feed(traffic: demo.TrafficSource, aggregator: Aggregator, stop: threading.Event, tick: float = 0.5) -> None:
+    last = time.time()
+    while not stop.wait(tick):
+        now = time.time()
+        records = traffic.records(last, now)
+        last = now
+        if records:
+            aggregator.add(batch_from_objects(records), demo.SOURCE)
+
+
+def _summarize(aggregator: Aggregator, stop: threading.Event, every: float, out: TextIO) -> None:
+    while not stop.wait(every):
+        print_summary(aggregator, out)
+
+
+def print_summary(aggregator: Aggregator, out: TextIO) -> None:
+    totals = aggregator.snapshot().totals()
+    if not totals.requests:
+        print("  no requests yet", file=out, flush=True)
+        return
+
+    def percent(value: float | None, digits: int) -> str:
+        return "n/a" if value is None else f"{100 * value:.{digits}f} %"
+
+    print(
+        f"  {totals.requests:>8,} requests | request hit {percent(totals.request_hit_ratio, 1)}"
+        f" | token reuse {percent(totals.token_reuse_ratio, 2)}"
+        f" | compute saved {percent(totals.compute_saved_ratio, 3)}",
+        file=out,
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

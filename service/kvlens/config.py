@@ -1,0 +1,179 @@
+"""Settings of the sidecar: environment variables (``KVLENS_*``) over an optional YAML file over
+defaults. Everything is validated at start and every error is reported at once."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+from kvlens.definitions import CostModel
+from kvlens.records import valid_label
+
+ENV_PREFIX = "KVLENS_"
+
+DEFAULT_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+)  # fmt: skip
+DEFAULT_REUSE_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
+DEFAULT_PROMPT_LENGTH_EDGES = (512, 2048, 8192, 32768)
+
+
+class CostModelSetting(BaseModel):
+    """``C(n) = a*n + b*n*(n+1)/2`` for one model (see DESIGN section 1)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    a: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 1.0
+    b: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 1.0 / 1024.0
+
+    def to_cost_model(self) -> CostModel:
+        return CostModel(a=self.a, b=self.b)
+
+
+class Settings(BaseSettings):
+    """Sidecar settings. Lists and maps in environment variables are JSON."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", validate_default=True
+    )
+
+    host: str = Field("127.0.0.1", description="Listen address (loopback unless you open it).")
+    port: int = Field(9433, ge=1, le=65535, description="Listen port for ingest and /metrics.")
+    max_body_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024, description="Largest request body, also after decompression."
+    )
+    ingest_token: SecretStr | None = Field(
+        None, description="Bearer token required on POST /v1/records when set."
+    )
+    prompt_length_edges: list[int] = Field(
+        list(DEFAULT_PROMPT_LENGTH_EDGES),
+        description="Edges of the `prompt_len` label; `0-511` is below the first edge.",
+    )
+    latency_buckets_seconds: list[float] = Field(
+        list(DEFAULT_LATENCY_BUCKETS), description="Buckets of the latency histograms."
+    )
+    reuse_ratio_buckets: list[float] = Field(
+        list(DEFAULT_REUSE_BUCKETS), description="Buckets of kvlens_request_reuse_ratio."
+    )
+    default_cost_model: CostModelSetting = Field(
+        CostModelSetting(), description="Cost model for models not in `cost_models`."
+    )
+    cost_models: dict[str, CostModelSetting] = Field(
+        {}, description="Cost model per model name, e.g. `{\"llama\": {\"a\": 1, \"b\": 0.001}}`."
+    )
+    models: list[str] = Field(
+        [], description="Allow-list of `model` label values; empty: the first `max_models` seen."
+    )
+    max_models: int = Field(50, ge=1, le=10_000, description="Cap on `model` values without allow-list.")
+    default_model: str = Field("unknown", description="`model` label of records that carry none.")
+    max_rejections_listed: int = Field(
+        100, ge=0, le=100_000, description="Rejections listed per ingest answer (the count is exact)."
+    )
+
+    @field_validator("prompt_length_edges")
+    @classmethod
+    def _edges_increase(cls, edges: list[int]) -> list[int]:
+        if any(e <= 0 for e in edges) or any(b <= a for a, b in zip(edges, edges[1:], strict=False)):
+            raise ValueError("must be positive and strictly increasing")
+        return edges
+
+    @field_validator("latency_buckets_seconds")
+    @classmethod
+    def _buckets_increase(cls, buckets: list[float]) -> list[float]:
+        if not buckets:
+            raise ValueError("must not be empty")
+        if any(not math.isfinite(b) or b <= 0 for b in buckets) or any(
+            b <= a for a, b in zip(buckets, buckets[1:], strict=False)
+        ):
+            raise ValueError("must be finite, positive and strictly increasing")
+        return buckets
+
+    @field_validator("reuse_ratio_buckets")
+    @classmethod
+    def _ratio_buckets(cls, buckets: list[float]) -> list[float]:
+        if not buckets or any(not 0 <= b <= 1 for b in buckets) or any(
+            b <= a for a, b in zip(buckets, buckets[1:], strict=False)
+        ):
+            raise ValueError("must be non-empty, within 0..1 and strictly increasing")
+        return buckets
+
+    @field_validator("models", "cost_models", "default_model")
+    @classmethod
+    def _label_values(cls, value: Any) -> Any:
+        names = [value] if isinstance(value, str) else list(value)
+        bad = [name for name in names if not name or not valid_label(name) or name == "other"]
+        if bad:
+            raise ValueError(
+                "model names must be non-empty printable UTF-8 of at most 128 bytes, not 'other'"
+            )
+        return value
+
+    def cost_model_for(self, model: str) -> CostModel:
+        return self.cost_models.get(model, self.default_cost_model).to_cost_model()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Flags beat the environment, which beats the YAML file, which beats the defaults.
+        return init_settings, env_settings, YamlConfigSettingsSource(settings_cls)
+
+
+class SettingsError(Exception):
+    """Invalid settings; ``str()`` lists every problem, one per line, without the values."""
+
+
+def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
+    """Build settings from flags (``overrides``), environment and an optional YAML file."""
+    if config_file is not None and not config_file.is_file():
+        raise SettingsError(f"config file {config_file}: not found")
+    settings_cls: type[Settings] = Settings
+    if config_file is not None:
+        settings_cls = type(
+            "FileSettings", (Settings,), {"model_config": {**Settings.model_config, "yaml_file": config_file}}
+        )
+    try:
+        return settings_cls(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as error:
+        lines = [
+            f"  {'.'.join(str(part) for part in e['loc']) or '(file)'}: {e['msg']}" for e in error.errors()
+        ]
+        raise SettingsError(f"{len(lines)} invalid setting(s):\n" + "\n".join(lines)) from None
+    except Exception as error:  # a YAML syntax error, an unreadable file
+        raise SettingsError(f"config file {config_file}: {error}") from None
+
+
+def settings_table() -> str:
+    """The README's settings table, generated from :class:`Settings` (a test checks drift)."""
+    rows = ["| setting | environment variable | default | meaning |", "|---|---|---|---|"]
+    for name, info in Settings.model_fields.items():
+        default = info.get_default(call_default_factory=True)
+        if isinstance(default, BaseModel):
+            default = default.model_dump()
+        shown = "unset" if default is None else f"`{_compact(default)}`"
+        rows.append(f"| `{name}` | `{ENV_PREFIX}{name.upper()}` | {shown} | {info.description} |")
+    return "\n".join(rows)
+
+
+def _compact(value: Any) -> str:
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_compact(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_compact(v)}" for k, v in value.items()) + "}"
+    return str(value)

@@ -1,0 +1,169 @@
+"""Every number kvlens reports, defined once (DESIGN section 1).
+
+For request i: prompt length ``n`` (tokens fed to the model) and reused length ``h`` (prompt
+tokens whose KV came from the prefix cache), ``0 <= h <= n``. Functions take numpy columns (or
+scalars) and do no I/O; the live exporter, the analyzer and the simulator all call these.
+
+Ratios are ratios of sums over one window (:class:`Totals`), never means of per-request ratios.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+import numpy as np
+import numpy.typing as npt
+
+FloatArray = npt.NDArray[np.float64]
+ArrayLike = npt.ArrayLike
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Modelled prefill work ``C(n) = a*n + b*n*(n+1)/2``.
+
+    ``a`` is the per-token linear work (projections, MLP), ``b`` the work per causal
+    query-key pair (attention). Units are arbitrary "work units"; the default makes one
+    token of linear work one unit and a 1024-token causal attention row about one unit.
+    """
+
+    a: float = 1.0
+    b: float = 1.0 / 1024.0
+
+    def __post_init__(self) -> None:
+        for name in ("a", "b"):
+            value = getattr(self, name)
+            if not (np.isfinite(value) and value >= 0):
+                raise ValueError(f"cost model {name} must be a finite number >= 0")
+
+    def work(self, tokens: ArrayLike) -> FloatArray:
+        """``C(n)``: the work to prefill ``n`` tokens from scratch."""
+        n = np.asarray(tokens, dtype=np.float64)
+        return np.asarray(self.a * n + self.b * n * (n + 1.0) / 2.0, dtype=np.float64)
+
+    def remaining_work(self, prompt_tokens: ArrayLike, cached_tokens: ArrayLike) -> FloatArray:
+        """Work left when ``h`` tokens come from the cache: ``C(n) - C(h)``.
+
+        Written as ``a*m + b*(m*h + m*(m+1)/2)`` with ``m = n - h``: the ``m`` new tokens
+        still attend to the ``h`` cached ones, so this is never ``C(m)``.
+        """
+        n = np.asarray(prompt_tokens, dtype=np.float64)
+        h = np.asarray(cached_tokens, dtype=np.float64)
+        m = n - h
+        return np.asarray(self.a * m + self.b * (m * h + m * (m + 1.0) / 2.0), dtype=np.float64)
+
+
+DEFAULT_COST_MODEL = CostModel()
+
+
+def reusable_full_block_tokens(shared_prefix_tokens: ArrayLike, block_size: int) -> npt.NDArray[np.int64]:
+    """Tokens of a shared prefix that a block cache can reuse: only full blocks are cached."""
+    if block_size <= 0:
+        raise ValueError("block_size must be a positive integer")
+    shared = np.asarray(shared_prefix_tokens, dtype=np.int64)
+    return np.asarray((shared // block_size) * block_size, dtype=np.int64)
+
+
+def safe_ratio(numerator: float, denominator: float) -> float | None:
+    """``numerator / denominator``, or None for an empty window (never NaN)."""
+    if denominator <= 0:
+        return None
+    return float(numerator) / float(denominator)
+
+
+@dataclass(frozen=True)
+class Totals:
+    """The sums over one window from which every ratio is taken.
+
+    Totals add: the totals of two batches equal the totals of their union, which is what lets
+    the exporter keep running sums and Prometheus sum counters across replicas.
+    """
+
+    requests: int = 0
+    hit_requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prompt_work_units: float = 0.0
+    reused_work_units: float = 0.0
+
+    @classmethod
+    def of(
+        cls,
+        prompt_tokens: ArrayLike,
+        cached_tokens: ArrayLike,
+        cost_model: CostModel = DEFAULT_COST_MODEL,
+    ) -> Totals:
+        n = np.asarray(prompt_tokens, dtype=np.int64)
+        h = np.asarray(cached_tokens, dtype=np.int64)
+        return cls(
+            requests=int(n.size),
+            hit_requests=int(np.count_nonzero(h > 0)),
+            prompt_tokens=int(n.sum()),
+            cached_tokens=int(h.sum()),
+            prompt_work_units=float(cost_model.work(n).sum()),
+            reused_work_units=float(cost_model.work(h).sum()),
+        )
+
+    def __add__(self, other: Totals) -> Totals:
+        return Totals(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    @property
+    def request_hit_ratio(self) -> float | None:
+        """``count(h > 0) / count(requests)``."""
+        return safe_ratio(self.hit_requests, self.requests)
+
+    @property
+    def token_reuse_ratio(self) -> float | None:
+        """``sum(h) / sum(n)``."""
+        return safe_ratio(self.cached_tokens, self.prompt_tokens)
+
+    @property
+    def compute_saved_ratio(self) -> float | None:
+        """``sum C(h) / sum C(n)``: share of modelled prefill work the cache saved."""
+        return safe_ratio(self.reused_work_units, self.prompt_work_units)
+
+
+@dataclass(frozen=True)
+class TtftComponents:
+    """TTFT split into queue, prefill and the rest (``ttft - queue - prefill``).
+
+    Sources may measure the parts on overlapping clocks, so "other" is clamped at 0 and the
+    requests where it came out negative are flagged in ``overlapped``.
+    """
+
+    queue: FloatArray
+    prefill: FloatArray
+    other: FloatArray
+    overlapped: npt.NDArray[np.bool_]
+
+
+def ttft_components(ttft: ArrayLike, queue: ArrayLike, prefill: ArrayLike) -> TtftComponents:
+    t = np.asarray(ttft, dtype=np.float64)
+    q = np.asarray(queue, dtype=np.float64)
+    p = np.asarray(prefill, dtype=np.float64)
+    other = t - q - p
+    overlapped = other < 0
+    return TtftComponents(q, p, np.where(overlapped, 0.0, other), overlapped)
+
+
+def ttft_seconds(queue: ArrayLike, prefill: ArrayLike, other: ArrayLike = 0.0) -> FloatArray:
+    """Time to first token as the sum of its parts."""
+    return np.asarray(queue, dtype=np.float64) + np.asarray(prefill, dtype=np.float64) + other
+
+
+def cache_route_pays(
+    *,
+    prefill_saved_seconds: float,
+    extra_queue_seconds: float,
+    transfer_seconds: float = 0.0,
+    routing_seconds: float = 0.0,
+) -> bool:
+    """Routing rule: send a request to the replica holding its prefix only when the prefill
+    it saves, net of KV transfer, exceeds the extra queueing and routing it costs."""
+    return prefill_saved_seconds - transfer_seconds > extra_queue_seconds + routing_seconds
+
+
+def request_reuse_fraction(prompt_tokens: ArrayLike, cached_tokens: ArrayLike) -> FloatArray:
+    """Per-request ``h / n`` (0 for empty prompts), for distributions only, never averaged."""
+    n = np.asarray(prompt_tokens, dtype=np.float64)
+    h = np.asarray(cached_tokens, dtype=np.float64)
+    return np.divide(h, n, out=np.zeros_like(h), where=n > 0)

@@ -1,0 +1,1 @@
+"""Live path: aggregate record batches into counters and histograms, and serve them."""

@@ -1,0 +1,318 @@
+"""Running sums behind the exported counters and histograms.
+
+State is a set of dense numpy arrays indexed by group (model x prompt_len x cache), sized once
+from the label caps, so memory depends on the number of series and never on the number of
+records. A batch is reduced with ``np.bincount`` outside the lock and added under it; a scrape
+copies the arrays under the same lock (:meth:`Aggregator.snapshot`) and formats outside it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from kvlens import definitions
+from kvlens.config import Settings
+from kvlens.records import REASONS, RecordBatch, Rejections, Validated
+
+Int64Array = npt.NDArray[np.int64]
+FloatArray = npt.NDArray[np.float64]
+
+OTHER_MODEL = "other"
+CACHE_LABELS = ("miss", "hit")
+TTFT_COMPONENTS = ("queue", "prefill", "other")
+LATENCY_FIELDS = ("queue_seconds", "prefill_seconds", "ttft_seconds", "e2e_seconds")
+
+
+def prompt_length_labels(edges: list[int]) -> list[str]:
+    """``[512, 2048]`` -> ``["0-511", "512-2047", "2048+"]``: closed, readable, unambiguous."""
+    lows = [0, *edges]
+    return [f"{low}-{high - 1}" for low, high in zip(lows, edges, strict=False)] + [f"{lows[-1]}+"]
+
+
+class ModelLabels:
+    """The closed set of ``model`` label values: an allow-list, or the first K names seen.
+    Everything else becomes ``other`` (the last index)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.fixed = bool(settings.models)
+        self.capacity = len(settings.models) if self.fixed else settings.max_models
+        self.default = settings.default_model
+        self.names: list[str] = list(settings.models)
+        self._index = {name: i for i, name in enumerate(self.names)}
+        self.other = self.capacity
+
+    def index_of(self, name: str) -> int:
+        """Label index for ``name``; admits new names while there is room. Call under a lock."""
+        found = self._index.get(name)
+        if found is not None:
+            return found
+        if self.fixed or len(self.names) >= self.capacity:
+            return self.other
+        self._index[name] = len(self.names)
+        self.names.append(name)
+        return self._index[name]
+
+    def label(self, index: int) -> str:
+        return OTHER_MODEL if index == self.other else self.names[index]
+
+
+@dataclass
+class Histograms:
+    """Non-cumulative bucket counts (last column is +Inf) and sums, one row per group."""
+
+    counts: Int64Array
+    sums: FloatArray
+
+    @classmethod
+    def zeros(cls, rows: int, buckets: int) -> Histograms:
+        return cls(np.zeros((rows, buckets + 1), np.int64), np.zeros(rows, np.float64))
+
+    def copy(self) -> Histograms:
+        return Histograms(self.counts.copy(), self.sums.copy())
+
+    def __iadd__(self, other: Histograms) -> Histograms:
+        self.counts += other.counts
+        self.sums += other.sums
+        return self
+
+
+@dataclass
+class GroupState:
+    """The running sums: per group (model x prompt_len x cache) unless noted."""
+
+    requests: Int64Array
+    prompt_tokens: Int64Array
+    cached_tokens: Int64Array
+    prompt_work: FloatArray
+    reused_work: FloatArray
+    latency: dict[str, Histograms]
+    reuse: Histograms  # per model x prompt_len
+    ttft_components: FloatArray  # per model x component
+    ttft_overlap: Int64Array  # per model
+
+    @classmethod
+    def zeros(cls, groups: int, model_slots: int, latency_buckets: int, reuse_buckets: int) -> GroupState:
+        return cls(
+            requests=np.zeros(groups, np.int64),
+            prompt_tokens=np.zeros(groups, np.int64),
+            cached_tokens=np.zeros(groups, np.int64),
+            prompt_work=np.zeros(groups, np.float64),
+            reused_work=np.zeros(groups, np.float64),
+            latency={name: Histograms.zeros(groups, latency_buckets) for name in LATENCY_FIELDS},
+            reuse=Histograms.zeros(groups // 2, reuse_buckets),
+            ttft_components=np.zeros((model_slots, len(TTFT_COMPONENTS)), np.float64),
+            ttft_overlap=np.zeros(model_slots, np.int64),
+        )
+
+    def __iadd__(self, other: GroupState) -> GroupState:
+        for name in ("requests", "prompt_tokens", "cached_tokens", "prompt_work", "reused_work"):
+            getattr(self, name).__iadd__(getattr(other, name))
+        for name, hist in other.latency.items():
+            self.latency[name] += hist
+        self.reuse += other.reuse
+        self.ttft_components += other.ttft_components
+        self.ttft_overlap += other.ttft_overlap
+        return self
+
+    def copy(self) -> GroupState:
+        return GroupState(
+            requests=self.requests.copy(),
+            prompt_tokens=self.prompt_tokens.copy(),
+            cached_tokens=self.cached_tokens.copy(),
+            prompt_work=self.prompt_work.copy(),
+            reused_work=self.reused_work.copy(),
+            latency={name: hist.copy() for name, hist in self.latency.items()},
+            reuse=self.reuse.copy(),
+            ttft_components=self.ttft_components.copy(),
+            ttft_overlap=self.ttft_overlap.copy(),
+        )
+
+
+@dataclass
+class Snapshot:
+    """A consistent copy of the state, for one scrape or one summary."""
+
+    model_labels: list[str]
+    prompt_len_labels: list[str]
+    latency_buckets: list[float]
+    reuse_buckets: list[float]
+    state: GroupState
+    received: dict[str, int]
+    rejected: dict[tuple[str, str], int]
+    unknown_fields: dict[str, int]
+    series_overflow: int
+
+    def group_labels(self, group: int) -> tuple[str, str, str]:
+        """(model, prompt_len, cache) of a flat group index."""
+        model_len, hit = divmod(group, 2)
+        model, length = divmod(model_len, len(self.prompt_len_labels))
+        return self.model_labels[model], self.prompt_len_labels[length], CACHE_LABELS[hit]
+
+    def totals(self) -> definitions.Totals:
+        """Fleet-wide sums since start (ratios of these are lifetime; Prometheus takes windows)."""
+        state = self.state
+        return definitions.Totals(
+            requests=int(state.requests.sum()),
+            hit_requests=int(state.requests[1::2].sum()),
+            prompt_tokens=int(state.prompt_tokens.sum()),
+            cached_tokens=int(state.cached_tokens.sum()),
+            prompt_work_units=float(state.prompt_work.sum()),
+            reused_work_units=float(state.reused_work.sum()),
+        )
+
+
+@dataclass
+class _HealthCounts:
+    received: Counter[str] = field(default_factory=Counter)
+    rejected: Counter[tuple[str, str]] = field(default_factory=Counter)
+    unknown_fields: Counter[str] = field(default_factory=Counter)
+    series_overflow: int = 0
+
+
+class Aggregator:
+    """Adds validated batches into the running sums. Thread-safe."""
+
+    def __init__(self, settings: Settings, sources: tuple[str, ...] = ("push",)) -> None:
+        self.settings = settings
+        self.sources = sources
+        self._lock = threading.Lock()
+        self._models = ModelLabels(settings)
+        self._length_edges = np.asarray(settings.prompt_length_edges, np.int64)
+        self._length_labels = prompt_length_labels(settings.prompt_length_edges)
+        self._latency_edges = np.asarray(settings.latency_buckets_seconds, np.float64)
+        self._reuse_edges = np.asarray(settings.reuse_ratio_buckets, np.float64)
+        self._model_slots = self._models.capacity + 1  # + other
+        self._groups = self._model_slots * len(self._length_labels) * 2
+        self._state = GroupState.zeros(
+            self._groups, self._model_slots, self._latency_edges.size, self._reuse_edges.size
+        )
+        self._health = _HealthCounts()
+        self._cost_by_slot: dict[int, definitions.CostModel] = {}
+
+    def add(self, validated: Validated, source: str) -> None:
+        """Count one validated batch: its records, its rejections and its unknown fields."""
+        batch = validated.batch
+        with self._lock:
+            model_slots, overflow = self._model_slots_of(batch)
+        reduced = self._reduce(batch, model_slots) if len(batch) else None
+        rejected = validated.rejections.counts_by_reason()
+        with self._lock:
+            health = self._health
+            health.received[source] += len(batch) + len(validated.rejections)
+            health.unknown_fields[source] += validated.unknown_fields
+            health.series_overflow += overflow
+            for reason, count in rejected.items():
+                health.rejected[(source, reason)] += count
+            if reduced is not None:
+                self._state += reduced
+
+    def add_rejections(self, rejections: Rejections, source: str) -> None:
+        """Count records that never decoded (malformed lines) as received and rejected."""
+        with self._lock:
+            self._health.received[source] += len(rejections)
+            for reason, count in rejections.counts_by_reason().items():
+                self._health.rejected[(source, reason)] += count
+
+    def _model_slots_of(self, batch: RecordBatch) -> tuple[npt.NDArray[np.intp], int]:
+        names = [*batch.model_names, self.settings.default_model]  # code -1 -> default
+        lookup = np.fromiter((self._models.index_of(name) for name in names), np.intp, len(names))
+        slots = lookup[batch.model_codes]
+        overflow = int(np.count_nonzero(slots == self._models.other)) if (lookup == self._models.other).any() else 0
+        return slots, overflow
+
+    def _cost_model(self, slot: int) -> definitions.CostModel:
+        cost = self._cost_by_slot.get(slot)
+        if cost is None:
+            cost = self.settings.cost_model_for(self._models.label(slot))
+            self._cost_by_slot[slot] = cost
+        return cost
+
+    def _reduce(self, batch: RecordBatch, model_slots: npt.NDArray[np.intp]) -> GroupState:
+        n, h = batch.prompt_tokens, batch.cached_tokens
+        hit = h > 0
+        length = np.searchsorted(self._length_edges, n, side="right")
+        model_length = model_slots * len(self._length_labels) + length
+        group = model_length * 2 + hit
+        groups = self._groups
+
+        prompt_work = np.empty(n.size, np.float64)
+        reused_work = np.empty(n.size, np.float64)
+        distinct_slots = np.unique(model_slots)
+        for slot in distinct_slots.tolist():
+            cost = self._cost_model(slot)
+            rows = slice(None) if distinct_slots.size == 1 else model_slots == slot
+            prompt_work[rows] = cost.work(n[rows])
+            reused_work[rows] = cost.work(h[rows])
+
+        def by_group(weights: npt.NDArray[np.generic] | None = None) -> FloatArray:
+            return np.bincount(group, weights=weights, minlength=groups)
+
+        latency = {
+            name: _histogram(group, getattr(batch, name), self._latency_edges, groups)
+            for name in LATENCY_FIELDS
+        }
+        reuse = _histogram(
+            model_length, definitions.request_reuse_fraction(n, h), self._reuse_edges, groups // 2
+        )
+        components = definitions.ttft_components(batch.ttft_seconds, batch.queue_seconds, batch.prefill_seconds)
+        complete = np.isfinite(components.other) & np.isfinite(components.queue) & np.isfinite(components.prefill)
+        slots_complete = model_slots[complete]
+        ttft_components = np.stack(
+            [
+                np.bincount(slots_complete, weights=part[complete], minlength=self._model_slots)
+                for part in (components.queue, components.prefill, components.other)
+            ],
+            axis=1,
+        )
+        overlap = np.bincount(
+            slots_complete, weights=components.overlapped[complete], minlength=self._model_slots
+        )
+        return GroupState(
+            requests=by_group().astype(np.int64),
+            prompt_tokens=by_group(n).astype(np.int64),
+            cached_tokens=by_group(h).astype(np.int64),
+            prompt_work=by_group(prompt_work),
+            reused_work=by_group(reused_work),
+            latency=latency,
+            reuse=reuse,
+            ttft_components=ttft_components,
+            ttft_overlap=overlap.astype(np.int64),
+        )
+
+    def snapshot(self) -> Snapshot:
+        with self._lock:
+            health = self._health
+            models = self._models
+            unused = [""] * (models.capacity - len(models.names))
+            sources = {*self.sources, *health.received}
+            return Snapshot(
+                model_labels=[*models.names, *unused, OTHER_MODEL],
+                prompt_len_labels=list(self._length_labels),
+                latency_buckets=list(self.settings.latency_buckets_seconds),
+                reuse_buckets=list(self.settings.reuse_ratio_buckets),
+                state=self._state.copy(),
+                received={source: health.received[source] for source in sorted(sources)},
+                rejected={
+                    **{(source, reason): 0 for source in sorted(sources) for reason in REASONS},
+                    **health.rejected,
+                },
+                unknown_fields={source: health.unknown_fields[source] for source in sorted(sources)},
+                series_overflow=health.series_overflow,
+            )
+
+
+def _histogram(rows: npt.NDArray[np.intp], values: FloatArray, edges: FloatArray, row_count: int) -> Histograms:
+    """Bucket ``values`` (NaN = absent, skipped) per row; a value equal to an edge falls in it (le)."""
+    present = ~np.isnan(values)
+    if not present.all():
+        rows, values = rows[present], values[present]
+    width = edges.size + 1
+    bucket = np.searchsorted(edges, values, side="left")
+    counts = np.bincount(rows * width + bucket, minlength=row_count * width).reshape(row_count, width)
+    sums = np.bincount(rows, weights=values, minlength=row_count)
+    return Histograms(counts.astype(np.int64), sums)

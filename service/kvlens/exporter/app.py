@@ -1,0 +1,153 @@
+"""The sidecar's HTTP app: ingest, ``/metrics``, health. Built by :func:`create_app`; nothing is
+registered globally, so every test (and every process) brings its own registry."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+from pydantic import BaseModel, Field
+from starlette.concurrency import run_in_threadpool
+
+from kvlens import __version__
+from kvlens.config import Settings
+from kvlens.exporter.aggregator import Aggregator
+from kvlens.exporter.collector import KVLensCollector
+from kvlens.records import Record, Rejections, batch_from_objects
+from kvlens.sources import push
+
+
+class Rejection(BaseModel):
+    index: int = Field(description="0-based position of the record in the array or NDJSON lines.")
+    field: str | None = Field(description="The field at fault; null when the whole record is.")
+    reason: str = Field(description="Reason code, as in kvlens_records_rejected_total{reason}.")
+    message: str = Field(description="The rule that was broken (the value is never echoed).")
+
+
+class IngestResult(BaseModel):
+    accepted: int = Field(description="Records counted.")
+    rejected_count: int = Field(description="Records rejected (exact).")
+    rejected: list[Rejection] = Field(description="The first rejections, in payload order (capped).")
+    unknown_fields: int = Field(description="Fields ignored because kvlens does not know them.")
+
+
+class ErrorBody(BaseModel):
+    error: str
+
+
+_RECORD_SCHEMA = Record.model_json_schema()
+_INGEST_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "description": "One record, an array of records, or NDJSON (one record per line); "
+        "`Content-Encoding: gzip` accepted.",
+        "content": {
+            "application/json": {"schema": {"anyOf": [_RECORD_SCHEMA, {"type": "array", "items": _RECORD_SCHEMA}]}},
+            "application/x-ndjson": {"schema": _RECORD_SCHEMA},
+        },
+    }
+}
+
+
+def create_app(settings: Settings, registry: CollectorRegistry, aggregator: Aggregator | None = None) -> FastAPI:
+    aggregator = aggregator or Aggregator(settings)
+    registry.register(KVLensCollector(aggregator))
+    app = FastAPI(
+        title="kvlens",
+        version=__version__,
+        description="Prefix-cache statistics sidecar: push per-request records, scrape /metrics.",
+    )
+    app.state.aggregator = aggregator
+    app.state.registry = registry
+    token = settings.ingest_token.get_secret_value().encode() if settings.ingest_token else None
+
+    @app.exception_handler(RequestValidationError)
+    async def _no_echo(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's default 422 body quotes the offending input; ours names fields only.
+        fields = sorted({".".join(str(p) for p in e.get("loc", ())) for e in exc.errors()})
+        return JSONResponse({"error": f"invalid request: {', '.join(fields)}"}, status_code=422)
+
+    @app.post(
+        "/v1/records",
+        response_model=IngestResult,
+        openapi_extra=_INGEST_BODY,
+        responses={
+            400: {"model": ErrorBody, "description": "Nothing in the body decodes."},
+            401: {"model": ErrorBody, "description": "Missing or wrong bearer token."},
+            413: {"model": ErrorBody, "description": "Body over the limit, also after gzip."},
+        },
+        summary="Ingest finished-request records (partial acceptance).",
+    )
+    async def ingest(request: Request) -> Response:
+        if token is not None and not _authorized(request, token):
+            return _error(401, "missing or invalid bearer token", {"WWW-Authenticate": "Bearer"})
+        try:
+            body = await _read_body(request, settings.max_body_bytes)
+            result = await run_in_threadpool(_ingest, body, request.headers.get("content-encoding"))
+        except push.PayloadTooLarge as error:
+            return _error(413, str(error))
+        except push.PayloadUndecodable as error:
+            return _error(400, str(error))
+        return Response(result.model_dump_json(), media_type="application/json")
+
+    def _ingest(body: bytes, content_encoding: str | None) -> IngestResult:
+        decoded = push.decode_records(push.decompress(body, content_encoding, settings.max_body_bytes))
+        validated = batch_from_objects(decoded.objects, decoded.positions)
+        aggregator.add(validated, push.SOURCE)
+        rejections = validated.rejections
+        if decoded.malformed:
+            malformed = Rejections.single(decoded.malformed, "malformed_json")
+            aggregator.add_rejections(malformed, push.SOURCE)
+            rejections = rejections + malformed
+        return IngestResult(
+            accepted=len(validated.batch),
+            rejected_count=len(rejections),
+            rejected=[Rejection(**r) for r in rejections.details(settings.max_rejections_listed)],
+            unknown_fields=validated.unknown_fields,
+        )
+
+    @app.get("/metrics", summary="Prometheus text, or OpenMetrics by content negotiation.")
+    async def metrics(request: Request) -> Response:
+        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+        # Rendering is CPU work: off the event loop, so a scrape never stalls ingestion.
+        data = await run_in_threadpool(encoder, registry)
+        return Response(data, media_type=content_type)
+
+    @app.get("/healthz", summary="Liveness.")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", summary="Readiness: the aggregator answers a snapshot.")
+    async def readyz() -> dict[str, str]:
+        aggregator.snapshot()
+        return {"status": "ready"}
+
+    return app
+
+
+def _authorized(request: Request, token: bytes) -> bool:
+    scheme, _, presented = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(presented.strip().encode(), token)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise push.PayloadTooLarge(f"body exceeds {limit} bytes")
+    chunks = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise push.PayloadTooLarge(f"body exceeds {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status, headers=headers)

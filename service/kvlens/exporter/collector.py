@@ -1,0 +1,178 @@
+"""The prometheus_client collector: reads a snapshot at scrape time, does no I/O, never raises.
+
+Each family is built on its own; one that fails is left out and counted in
+``kvlens_collector_errors_total`` so that a bug in one family never blanks ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator
+
+import numpy as np
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from kvlens import __version__
+from kvlens.exporter import metrics
+from kvlens.exporter.aggregator import TTFT_COMPONENTS, Aggregator, Histograms, Snapshot
+
+log = logging.getLogger(__name__)
+
+
+class KVLensCollector(Collector):
+    def __init__(self, aggregator: Aggregator) -> None:
+        self.aggregator = aggregator
+        self.errors = 0
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            snapshot = self.aggregator.snapshot()
+        except Exception:
+            log.exception("kvlens collector: snapshot failed")
+            self.errors += 1
+            yield self._errors_family()
+            return
+        builders: list[Callable[[Snapshot], Metric]] = [
+            *(_group_counter(spec, attribute) for spec, attribute in _GROUP_COUNTER_FIELDS),
+            *(_latency_histogram(spec, field) for spec, field in _LATENCY_FIELDS),
+            _reuse_ratio,
+            _ttft_components,
+            _ttft_overlap,
+            _received,
+            _rejected,
+            _unknown_fields,
+            _overflow,
+            _build_info,
+        ]
+        for build in builders:
+            try:
+                family = build(snapshot)
+            except Exception:
+                log.exception("kvlens collector: a metric family failed to render")
+                self.errors += 1
+                continue
+            yield family
+        yield self._errors_family()
+
+    def _errors_family(self) -> Metric:
+        family = CounterMetricFamily(
+            metrics.SCRAPE_ERRORS.name, metrics.SCRAPE_ERRORS.help, labels=metrics.SCRAPE_ERRORS.labels
+        )
+        family.add_metric([], self.errors)
+        return family
+
+
+_GROUP_COUNTER_FIELDS = (
+    (metrics.REQUESTS, "requests"),
+    (metrics.PROMPT_TOKENS, "prompt_tokens"),
+    (metrics.CACHED_TOKENS, "cached_tokens"),
+    (metrics.PROMPT_WORK, "prompt_work"),
+    (metrics.REUSED_WORK, "reused_work"),
+)
+_LATENCY_FIELDS = (
+    (metrics.QUEUE, "queue_seconds"),
+    (metrics.PREFILL, "prefill_seconds"),
+    (metrics.TTFT, "ttft_seconds"),
+    (metrics.E2E, "e2e_seconds"),
+)
+
+
+def _counter(spec: metrics.MetricSpec) -> CounterMetricFamily:
+    return CounterMetricFamily(spec.name, spec.help, labels=spec.labels)
+
+
+def _group_counter(spec: metrics.MetricSpec, attribute: str) -> Callable[[Snapshot], Metric]:
+    def build(snapshot: Snapshot) -> Metric:
+        family = _counter(spec)
+        values = getattr(snapshot.state, attribute)
+        for group in np.flatnonzero(snapshot.state.requests).tolist():
+            family.add_metric(snapshot.group_labels(group), float(values[group]))
+        return family
+
+    return build
+
+
+def _histogram_family(
+    spec: metrics.MetricSpec,
+    hist: Histograms,
+    edges: list[float],
+    rows: Iterable[tuple[int, list[str]]],
+) -> Metric:
+    family = HistogramMetricFamily(spec.name, spec.help, labels=spec.labels)
+    bounds = [floatToGoString(edge) for edge in edges] + ["+Inf"]
+    cumulative = np.cumsum(hist.counts, axis=1)
+    for row, labels in rows:
+        counts = cumulative[row]
+        if counts[-1] == 0:
+            continue
+        family.add_metric(labels, list(zip(bounds, counts.tolist(), strict=True)), float(hist.sums[row]))
+    return family
+
+
+def _latency_histogram(spec: metrics.MetricSpec, field: str) -> Callable[[Snapshot], Metric]:
+    def build(snapshot: Snapshot) -> Metric:
+        groups = np.flatnonzero(snapshot.state.requests).tolist()
+        rows = ((group, list(snapshot.group_labels(group))) for group in groups)
+        return _histogram_family(spec, snapshot.state.latency[field], snapshot.latency_buckets, rows)
+
+    return build
+
+
+def _reuse_ratio(snapshot: Snapshot) -> Metric:
+    model_lengths = np.flatnonzero(snapshot.state.reuse.counts.sum(axis=1)).tolist()
+    rows = ((row, list(snapshot.group_labels(row * 2)[:2])) for row in model_lengths)
+    return _histogram_family(metrics.REUSE_RATIO, snapshot.state.reuse, snapshot.reuse_buckets, rows)
+
+
+def _ttft_components(snapshot: Snapshot) -> Metric:
+    family = _counter(metrics.TTFT_COMPONENT)
+    seen = snapshot.state.ttft_components
+    for slot in np.flatnonzero(seen.sum(axis=1) > 0).tolist():
+        for column, component in enumerate(TTFT_COMPONENTS):
+            family.add_metric([snapshot.model_labels[slot], component], float(seen[slot, column]))
+    return family
+
+
+def _ttft_overlap(snapshot: Snapshot) -> Metric:
+    family = _counter(metrics.TTFT_OVERLAP)
+    for slot in np.flatnonzero(snapshot.state.ttft_components.sum(axis=1) > 0).tolist():
+        family.add_metric([snapshot.model_labels[slot]], float(snapshot.state.ttft_overlap[slot]))
+    return family
+
+
+def _received(snapshot: Snapshot) -> Metric:
+    family = _counter(metrics.RECEIVED)
+    for source, count in snapshot.received.items():
+        family.add_metric([source], count)
+    return family
+
+
+def _rejected(snapshot: Snapshot) -> Metric:
+    family = _counter(metrics.REJECTED)
+    for (source, reason), count in sorted(snapshot.rejected.items()):
+        family.add_metric([source, reason], count)
+    return family
+
+
+def _unknown_fields(snapshot: Snapshot) -> Metric:
+    family = _counter(metrics.UNKNOWN_FIELDS)
+    for source, count in snapshot.unknown_fields.items():
+        family.add_metric([source], count)
+    return family
+
+
+def _overflow(snapshot: Snapshot) -> Metric:
+    family = _counter(metrics.OVERFLOW)
+    family.add_metric([], snapshot.series_overflow)
+    return family
+
+
+def _build_info(snapshot: Snapshot) -> Metric:
+    family = GaugeMetricFamily(metrics.BUILD_INFO.name, metrics.BUILD_INFO.help, labels=metrics.BUILD_INFO.labels)
+    family.add_metric([__version__], 1)
+    return family

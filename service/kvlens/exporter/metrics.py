@@ -1,0 +1,101 @@
+"""The metrics kvlens exports: one table that the collector, the README and the tests share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final, Literal
+
+Kind = Literal["counter", "histogram", "gauge"]
+GROUP_LABELS: Final = ("model", "prompt_len", "cache")
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str  # the family name; counters are exposed with `_total`
+    kind: Kind
+    labels: tuple[str, ...]
+    help: str
+
+    @property
+    def exposed_name(self) -> str:
+        return f"{self.name}_total" if self.kind == "counter" else self.name
+
+
+REQUESTS = MetricSpec("kvlens_requests", "counter", GROUP_LABELS, "Finished requests.")
+PROMPT_TOKENS = MetricSpec("kvlens_prompt_tokens", "counter", GROUP_LABELS, "Prompt tokens (n).")
+CACHED_TOKENS = MetricSpec(
+    "kvlens_cached_tokens", "counter", GROUP_LABELS, "Prompt tokens whose KV came from the prefix cache (h)."
+)
+PROMPT_WORK = MetricSpec(
+    "kvlens_prompt_work_units",
+    "counter",
+    GROUP_LABELS,
+    "Modelled prefill work without cache, sum of C(n) = a*n + b*n*(n+1)/2.",
+)
+REUSED_WORK = MetricSpec(
+    "kvlens_reused_work_units", "counter", GROUP_LABELS, "Modelled prefill work the cache saved, sum of C(h)."
+)
+QUEUE = MetricSpec("kvlens_queue_seconds", "histogram", GROUP_LABELS, "Time a request waited before scheduling.")
+PREFILL = MetricSpec("kvlens_prefill_seconds", "histogram", GROUP_LABELS, "Prefill time, first scheduled to first token.")
+TTFT = MetricSpec("kvlens_ttft_seconds", "histogram", GROUP_LABELS, "Time to first token as the source measured it.")
+E2E = MetricSpec("kvlens_e2e_seconds", "histogram", GROUP_LABELS, "End-to-end request latency.")
+REUSE_RATIO = MetricSpec(
+    "kvlens_request_reuse_ratio",
+    "histogram",
+    ("model", "prompt_len"),
+    "Per-request share of prompt tokens reused (h/n); for distributions, never averaged.",
+)
+TTFT_COMPONENT = MetricSpec(
+    "kvlens_ttft_component_seconds",
+    "counter",
+    ("model", "component"),
+    "TTFT split into queue, prefill and other (ttft - queue - prefill, clamped at 0).",
+)
+TTFT_OVERLAP = MetricSpec(
+    "kvlens_ttft_component_overlap",
+    "counter",
+    ("model",),
+    "Requests whose queue + prefill exceeded their TTFT (sources measured overlapping spans).",
+)
+RECEIVED = MetricSpec("kvlens_records_received", "counter", ("source",), "Records received, valid or not.")
+REJECTED = MetricSpec(
+    "kvlens_records_rejected", "counter", ("source", "reason"), "Records rejected, by reason; never counted."
+)
+UNKNOWN_FIELDS = MetricSpec(
+    "kvlens_record_unknown_fields", "counter", ("source",), "Fields kvlens does not know, ignored."
+)
+OVERFLOW = MetricSpec(
+    "kvlens_series_overflow",
+    "counter",
+    (),
+    "Records whose model was folded into model=\"other\" by the label cap.",
+)
+SCRAPE_ERRORS = MetricSpec(
+    "kvlens_collector_errors", "counter", (), "Metric families that failed to render and were left out."
+)
+BUILD_INFO = MetricSpec("kvlens_build_info", "gauge", ("version",), "kvlens build; the value is 1.")
+
+GROUP_COUNTERS: Final = (REQUESTS, PROMPT_TOKENS, CACHED_TOKENS, PROMPT_WORK, REUSED_WORK)
+LATENCY_HISTOGRAMS: Final = (QUEUE, PREFILL, TTFT, E2E)
+ALL: Final = (
+    *GROUP_COUNTERS,
+    *LATENCY_HISTOGRAMS,
+    REUSE_RATIO,
+    TTFT_COMPONENT,
+    TTFT_OVERLAP,
+    RECEIVED,
+    REJECTED,
+    UNKNOWN_FIELDS,
+    OVERFLOW,
+    SCRAPE_ERRORS,
+    BUILD_INFO,
+)
+
+
+def metrics_table() -> str:
+    """The README's metrics table (a test fails when the README drifts from it)."""
+    rows = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
+    for spec in ALL:
+        labels = ", ".join(f"`{label}`" for label in spec.labels) or "none"
+        rows.append(f"| `{spec.exposed_name}` | {spec.kind} | {labels} | {spec.help} |")
+    return "\n".join(rows)

@@ -1,0 +1,477 @@
+"""The canonical per-request record, and the columnar batch every consumer works on.
+
+:class:`Record` is the documented schema (it is what the OpenAPI page shows, and what senders
+may validate against). The live path never builds one ``Record`` per request: decoded JSON
+objects go through :func:`batch_from_objects`, which validates whole columns at once against
+the bounds declared on :class:`Record` (one source for both) and returns a :class:`RecordBatch`
+of the valid records and a :class:`Rejections` for the others, with a reason per record.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Final
+
+import annotated_types
+import numpy as np
+import numpy.typing as npt
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_TOKENS: Final = 10_000_000
+MAX_SECONDS: Final = 86_400.0
+MAX_UNIX_TIME: Final = 4_102_444_800.0  # 2100-01-01
+MAX_LABEL_BYTES: Final = 128
+MAX_PREFIX_BLOCKS: Final = 1_000_000
+
+Tokens = Annotated[int, Field(ge=0, le=MAX_TOKENS)]
+Seconds = Annotated[float, Field(ge=0, le=MAX_SECONDS)]
+LabelText = Annotated[str, Field(max_length=MAX_LABEL_BYTES)]
+
+
+class Record(BaseModel):
+    """One finished request. Only ``prompt_tokens`` and ``cached_tokens`` are required.
+
+    Durations are what the source measured; kvlens never subtracts its own clock from a
+    source's. Unknown fields are ignored (and counted), so newer senders never break older
+    sidecars. Token counts must be JSON integers; durations JSON numbers; NaN, Infinity,
+    booleans and numeric strings are rejected.
+    """
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+    request_id: Annotated[str, Field(max_length=256)] | None = Field(
+        None, description="Request id as the engine or gateway knows it. Never a label."
+    )
+    model: LabelText | None = Field(
+        None,
+        description="Served model or LoRA name (a label: printable UTF-8, at most 128 bytes).",
+    )
+    prompt_tokens: Tokens = Field(description="n: tokens fed to the model, after chat template.")
+    cached_tokens: Tokens = Field(description="h: prompt tokens whose KV came from the cache.")
+    output_tokens: Tokens | None = Field(None, description="Generated tokens.")
+    queue_seconds: Seconds | None = Field(None, description="Time waiting before scheduling.")
+    prefill_seconds: Seconds | None = Field(None, description="First scheduled to first token.")
+    ttft_seconds: Seconds | None = Field(None, description="Time to first token.")
+    decode_seconds: Seconds | None = Field(None, description="First token to last token.")
+    e2e_seconds: Seconds | None = Field(None, description="Arrival to finish.")
+    arrival_time: Annotated[float, Field(ge=0, le=MAX_UNIX_TIME)] | None = Field(
+        None, description="Arrival, unix seconds (for ordering and replay, not for latency)."
+    )
+    replica: LabelText | None = Field(None, description="Engine replica or data-parallel rank.")
+    tenant: LabelText | None = Field(None, description="Tenant; a label only when enabled.")
+    finish_reason: Annotated[str, Field(max_length=32)] | None = Field(
+        None, description="stop, length, abort, error, ..."
+    )
+    block_size: Annotated[int, Field(ge=1, le=MAX_TOKENS)] | None = Field(
+        None, description="KV block size in tokens of the engine that served the request."
+    )
+    prefix_hashes: Annotated[list[int | str], Field(max_length=MAX_PREFIX_BLOCKS)] | None = Field(
+        None, description="Chained hashes of the prompt's full blocks (optional, never a label)."
+    )
+
+    @model_validator(mode="after")
+    def _cached_within_prompt(self) -> Record:
+        if self.cached_tokens > self.prompt_tokens:
+            raise ValueError("cached_tokens must not exceed prompt_tokens")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# Rejection reasons: a closed set, used as the `reason` label of kvlens_records_rejected_total.
+
+REASONS: Final = (
+    "missing",
+    "not_an_integer",
+    "not_a_number",
+    "not_finite",
+    "out_of_range",
+    "not_a_string",
+    "too_long",
+    "invalid_label",
+    "not_a_list",
+    "cached_exceeds_prompt",
+    "not_an_object",
+    "malformed_json",
+)
+_REASON_CODE: Final = {name: code for code, name in enumerate(REASONS, start=1)}
+_OK: Final = 0
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    name: str
+    kind: type  # int, float, str or list
+    required: bool
+    low: float | None = None
+    high: float | None = None
+    max_length: int | None = None
+    is_label: bool = False
+
+
+def _field_specs() -> tuple[FieldSpec, ...]:
+    """Read kinds and bounds off :class:`Record`, so the schema and the validator agree."""
+    specs = []
+    for name, info in Record.model_fields.items():
+        low = high = max_length = None
+        for meta in info.metadata:
+            if isinstance(meta, annotated_types.Ge):
+                low = meta.ge
+            elif isinstance(meta, annotated_types.Le):
+                high = meta.le
+            elif isinstance(meta, annotated_types.MaxLen):
+                max_length = meta.max_length
+        annotation = info.annotation
+        args = getattr(annotation, "__args__", (annotation,))
+        base = args[0]
+        for arg in args:  # unwrap Annotated[...] | None
+            origin = getattr(arg, "__origin__", arg)
+            if origin is not type(None):
+                base = origin
+                low = low if low is not None else _meta(arg, annotated_types.Ge, "ge")
+                high = high if high is not None else _meta(arg, annotated_types.Le, "le")
+                if max_length is None:
+                    max_length = _meta(arg, annotated_types.MaxLen, "max_length")
+                break
+        base = typing.get_origin(base) or base
+        specs.append(
+            FieldSpec(
+                name=name,
+                kind=base,
+                required=info.is_required(),
+                low=low,
+                high=high,
+                max_length=max_length,
+                is_label=name in ("model", "replica", "tenant"),
+            )
+        )
+    return tuple(specs)
+
+
+def _meta(annotation: Any, kind: type, attribute: str) -> Any:
+    for meta in getattr(annotation, "__metadata__", ()):
+        for item in getattr(meta, "metadata", [meta]):
+            if isinstance(item, kind):
+                return getattr(item, attribute)
+    return None
+
+
+FIELDS: Final = _field_specs()
+FIELD_NAMES: Final = tuple(spec.name for spec in FIELDS)
+_FIELD_INDEX: Final = {spec.name: i for i, spec in enumerate(FIELDS)}
+
+
+def reason_message(field_name: str | None, reason: str) -> str:
+    """A sentence for a rejection. It names the rule, never the offending value."""
+    spec = FIELDS[_FIELD_INDEX[field_name]] if field_name in _FIELD_INDEX else None
+    if reason == "out_of_range" and spec is not None:
+        return f"must be between {_number(spec.low)} and {_number(spec.high)}"
+    if reason == "too_long" and spec is not None:
+        return f"must be at most {spec.max_length} characters"
+    return {
+        "missing": "is required and was missing or null",
+        "not_an_integer": "must be a JSON integer (not a float, string or boolean)",
+        "not_a_number": "must be a JSON number (not a string or boolean)",
+        "not_finite": "must be a finite number (NaN and Infinity are not accepted)",
+        "not_a_string": "must be a string",
+        "invalid_label": f"must be printable UTF-8 of at most {MAX_LABEL_BYTES} bytes",
+        "not_a_list": "must be a list of integers or strings",
+        "cached_exceeds_prompt": "must not exceed prompt_tokens",
+        "not_an_object": "a record must be a JSON object",
+        "malformed_json": "the line is not valid JSON",
+    }.get(reason, reason)
+
+
+def _number(value: float | None) -> str:
+    if value is None:
+        return "?"
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rejections:
+    """Rejected records, as columns: position in the payload, field and reason codes."""
+
+    index: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
+    field_code: npt.NDArray[np.int16] = field(default_factory=lambda: np.zeros(0, np.int16))
+    reason_code: npt.NDArray[np.int16] = field(default_factory=lambda: np.zeros(0, np.int16))
+
+    def __len__(self) -> int:
+        return int(self.index.size)
+
+    @classmethod
+    def single(cls, index: Sequence[int], reason: str) -> Rejections:
+        """Whole-record rejections (not an object, malformed line): no field."""
+        count = len(index)
+        return cls(
+            np.asarray(index, dtype=np.int64),
+            np.full(count, -1, np.int16),
+            np.full(count, _REASON_CODE[reason], np.int16),
+        )
+
+    def __add__(self, other: Rejections) -> Rejections:
+        return Rejections(
+            np.concatenate([self.index, other.index]),
+            np.concatenate([self.field_code, other.field_code]),
+            np.concatenate([self.reason_code, other.reason_code]),
+        )
+
+    def counts_by_reason(self) -> dict[str, int]:
+        counts = np.bincount(self.reason_code, minlength=len(REASONS) + 1)
+        return {REASONS[code - 1]: int(counts[code]) for code in np.flatnonzero(counts)}
+
+    def details(self, limit: int) -> list[dict[str, Any]]:
+        """The first ``limit`` rejections in payload order, for an HTTP answer or a log."""
+        order = np.argsort(self.index, kind="stable")[:limit]
+        out = []
+        for i in order.tolist():
+            field_code = int(self.field_code[i])
+            field_name = FIELD_NAMES[field_code] if field_code >= 0 else None
+            reason = REASONS[int(self.reason_code[i]) - 1]
+            out.append(
+                {
+                    "index": int(self.index[i]),
+                    "field": field_name,
+                    "reason": reason,
+                    "message": reason_message(field_name, reason),
+                }
+            )
+        return out
+
+
+_ABSENT_INT: Final = -1
+
+
+@dataclass(frozen=True)
+class RecordBatch:
+    """Valid records as columns. Absent optional numbers are NaN (durations) or -1 (counts);
+    labels are dictionary-encoded (``model_codes`` index ``model_names``, -1 when absent)."""
+
+    prompt_tokens: npt.NDArray[np.int64]
+    cached_tokens: npt.NDArray[np.int64]
+    output_tokens: npt.NDArray[np.int64]
+    queue_seconds: npt.NDArray[np.float64]
+    prefill_seconds: npt.NDArray[np.float64]
+    ttft_seconds: npt.NDArray[np.float64]
+    decode_seconds: npt.NDArray[np.float64]
+    e2e_seconds: npt.NDArray[np.float64]
+    arrival_time: npt.NDArray[np.float64]
+    block_size: npt.NDArray[np.int64]
+    model_codes: npt.NDArray[np.int32]
+    model_names: list[str]
+    request_id: list[str | None]
+    replica: list[str | None]
+    tenant: list[str | None]
+    finish_reason: list[str | None]
+    prefix_hashes: list[list[int | str] | None]
+
+    def __len__(self) -> int:
+        return int(self.prompt_tokens.size)
+
+
+@dataclass(frozen=True)
+class Validated:
+    batch: RecordBatch
+    rejections: Rejections
+    unknown_fields: int
+
+
+class _Missing:
+    __slots__ = ()
+
+
+MISSING: Final = _Missing()
+_ABSENT_TYPES: Final = frozenset({type(None), _Missing})
+
+
+def batch_from_objects(objects: Sequence[Any], positions: Sequence[int] | None = None) -> Validated:
+    """Validate decoded JSON values column by column.
+
+    ``positions`` gives each object's index in the original payload (defaults to 0..N-1), so
+    rejections point at the right line even when the caller dropped undecodable ones.
+    """
+    count = len(objects)
+    index = np.arange(count, dtype=np.int64) if positions is None else np.asarray(positions, np.int64)
+    field_error = np.full(count, -1, np.int16)
+    reason_error = np.zeros(count, np.int16)
+
+    if set(map(type, objects)) - {dict}:
+        not_object = np.fromiter((type(o) is not dict for o in objects), bool, count)
+        reason_error[not_object] = _REASON_CODE["not_an_object"]
+        objects = [o if type(o) is dict else {} for o in objects]
+
+    columns: dict[str, Any] = {}
+    known_keys = 0
+    for code, spec in enumerate(FIELDS):
+        raw = [o.get(spec.name, MISSING) for o in objects]
+        known_keys += count - raw.count(MISSING)
+        values, reasons = _validate_column(spec, raw)
+        columns[spec.name] = values
+        _first_error(field_error, reason_error, reasons, code)
+
+    cached_over = columns["cached_tokens"] > columns["prompt_tokens"]
+    cached_over &= reason_error == _OK
+    _first_error(
+        field_error,
+        reason_error,
+        np.where(cached_over, _REASON_CODE["cached_exceeds_prompt"], _OK).astype(np.int16),
+        _FIELD_INDEX["cached_tokens"],
+    )
+    unknown_fields = sum(map(len, objects)) - known_keys
+
+    bad = reason_error != _OK
+    rejections = Rejections(index[bad], field_error[bad], reason_error[bad]) if bad.any() else Rejections()
+    if bad.any():
+        keep = ~bad
+        for name, values in columns.items():
+            columns[name] = values[keep] if isinstance(values, np.ndarray) else list(itertools.compress(values, keep))
+
+    model_codes, model_names = _dictionary_encode(columns.pop("model"))
+    batch = RecordBatch(model_codes=model_codes, model_names=model_names, **columns)
+    return Validated(batch, rejections, unknown_fields)
+
+
+def _first_error(
+    field_error: npt.NDArray[np.int16],
+    reason_error: npt.NDArray[np.int16],
+    reasons: npt.NDArray[np.int16],
+    field_code: int,
+) -> None:
+    new = (reasons != _OK) & (reason_error == _OK)
+    if new.any():
+        field_error[new] = field_code
+        reason_error[new] = reasons[new]
+
+
+def _validate_column(spec: FieldSpec, raw: list[Any]) -> tuple[Any, npt.NDArray[np.int16]]:
+    if spec.kind is int or spec.kind is float:
+        return _numeric_column(spec, raw)
+    if spec.kind is str:
+        return _string_column(spec, raw)
+    return _list_column(spec, raw)
+
+
+def _numeric_column(spec: FieldSpec, raw: list[Any]) -> tuple[Any, npt.NDArray[np.int16]]:
+    count = len(raw)
+    is_int = spec.kind is int
+    dtype = np.int64 if is_int else np.float64
+    absent = _ABSENT_INT if is_int else math.nan
+    low = spec.low if spec.low is not None else -math.inf
+    high = spec.high if spec.high is not None else math.inf
+    reasons = np.zeros(count, np.int16)
+    types = set(map(type, raw))
+    accepted = {int} if is_int else {int, float}
+
+    if types <= accepted | _ABSENT_TYPES:
+        has_absent = bool(types & _ABSENT_TYPES)
+        if has_absent:
+            present = np.fromiter((v is not MISSING and v is not None for v in raw), bool, count)
+            raw = [v if v is not MISSING and v is not None else absent for v in raw]
+        try:
+            values = np.array(raw, dtype=dtype)
+        except OverflowError:  # an integer beyond int64: fall through to the careful path
+            pass
+        else:
+            if not has_absent:
+                present = np.ones(count, bool)
+            if not is_int:
+                not_finite = present & ~np.isfinite(values)
+                reasons[not_finite] = _REASON_CODE["not_finite"]
+            in_range = (values >= low) & (values <= high)
+            reasons[present & ~in_range & (reasons == _OK)] = _REASON_CODE["out_of_range"]
+            if spec.required and has_absent:
+                reasons[~present] = _REASON_CODE["missing"]
+            values[reasons != _OK] = absent
+            return values, reasons
+
+    values = np.full(count, absent, dtype=dtype)
+    wrong_type = _REASON_CODE["not_an_integer" if is_int else "not_a_number"]
+    for i, value in enumerate(raw):
+        kind = type(value)
+        if value is MISSING or value is None:
+            if spec.required:
+                reasons[i] = _REASON_CODE["missing"]
+        elif kind not in accepted:
+            reasons[i] = wrong_type
+        elif kind is float and not math.isfinite(value):
+            reasons[i] = _REASON_CODE["not_finite"]
+        elif not low <= value <= high:
+            reasons[i] = _REASON_CODE["out_of_range"]
+        else:
+            values[i] = value
+    return values, reasons
+
+
+def _string_column(spec: FieldSpec, raw: list[Any]) -> tuple[list[str | None], npt.NDArray[np.int16]]:
+    count = len(raw)
+    reasons = np.zeros(count, np.int16)
+    types = set(map(type, raw))
+    if types <= _ABSENT_TYPES:
+        return [None] * count, reasons
+    max_length = spec.max_length or MAX_LABEL_BYTES
+    values: list[str | None] = [v if type(v) is str and v else None for v in raw]
+    if not types <= {str} | _ABSENT_TYPES:
+        for i, value in enumerate(raw):
+            if not (value is MISSING or value is None or type(value) is str):
+                reasons[i] = _REASON_CODE["not_a_string"]
+    distinct = {v for v in values if v is not None}
+    if spec.is_label:
+        bad = {v for v in distinct if not valid_label(v)}
+        if bad:
+            reasons[[v in bad for v in values]] = _REASON_CODE["invalid_label"]
+    elif max(map(len, distinct), default=0) > max_length:
+        reasons[[v is not None and len(v) > max_length for v in values]] = _REASON_CODE["too_long"]
+    if spec.required:
+        reasons[[v is None and r == _OK for v, r in zip(values, reasons.tolist(), strict=True)]] = (
+            _REASON_CODE["missing"]
+        )
+    return values, reasons
+
+
+def valid_label(value: str) -> bool:
+    """Printable, valid UTF-8 (no lone surrogates) and short: safe for any exposition."""
+    if not value.isprintable():
+        return False
+    try:
+        return len(value.encode("utf-8")) <= MAX_LABEL_BYTES
+    except UnicodeEncodeError:
+        return False
+
+
+def _list_column(spec: FieldSpec, raw: list[Any]) -> tuple[list[Any], npt.NDArray[np.int16]]:
+    count = len(raw)
+    reasons = np.zeros(count, np.int16)
+    if set(map(type, raw)) <= _ABSENT_TYPES:
+        return [None] * count, reasons
+    values: list[Any] = [None] * count
+    max_length = spec.max_length or MAX_PREFIX_BLOCKS
+    for i, value in enumerate(raw):
+        if value is MISSING or value is None:
+            continue
+        if (
+            type(value) is list
+            and len(value) <= max_length
+            and all(type(item) is str or type(item) is int for item in value)
+        ):
+            values[i] = value
+        else:
+            reasons[i] = _REASON_CODE["not_a_list"]
+    return values, reasons
+
+
+def _dictionary_encode(labels: list[str | None]) -> tuple[npt.NDArray[np.int32], list[str]]:
+    distinct = list(dict.fromkeys(labels))
+    if len(distinct) == 1:
+        name = distinct[0]
+        codes = np.full(len(labels), -1 if name is None else 0, np.int32)
+        return codes, [] if name is None else [name]
+    names = [name for name in distinct if name is not None]
+    lookup: dict[str | None, int] = {name: i for i, name in enumerate(names)}
+    lookup[None] = -1
+    return np.fromiter(map(lookup.__getitem__, labels), np.int32, len(labels)), names

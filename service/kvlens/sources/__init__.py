@@ -1,0 +1,1 @@
+"""One adapter per outside format, each turning it into record batches."""

@@ -1,0 +1,92 @@
+"""Built-in traffic for ``kvlens demo``: the shape of the articles' fleet.
+
+Many short chat requests share a small template prefix (one or two 16-token blocks) and hit;
+a few long prompts (documents, RAG) miss. The request hit ratio looks excellent while token
+reuse and modelled compute saved stay small. Prefill time follows the cost model's remaining
+work; queueing comes in bursts, so TTFT is sometimes queue-bound whatever the cache does.
+
+This is one :class:`TrafficSource`; the simulator supplies another through the same seam.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from kvlens.definitions import DEFAULT_COST_MODEL, CostModel, reusable_full_block_tokens
+
+SOURCE = "demo"
+
+
+class TrafficSource(Protocol):
+    def records(self, start: float, end: float) -> list[dict[str, Any]]:
+        """Records of the requests that finished between ``start`` and ``end`` (unix seconds)."""
+        ...
+
+
+@dataclass
+class DemoTraffic:
+    rate_per_second: float = 20.0
+    seed: int = 0
+    cost_model: CostModel = DEFAULT_COST_MODEL
+    seconds_per_work_unit: float = 1e-5
+    block_size: int = 16
+    models: tuple[str, ...] = ("llama-3.1-8b-instruct", "qwen2.5-7b-instruct")
+    _rng: np.random.Generator = field(init=False, repr=False)
+    _issued: int = field(default=0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._rng = np.random.default_rng(self.seed)
+
+    def records(self, start: float, end: float) -> list[dict[str, Any]]:
+        rng = self._rng
+        count = int(rng.poisson(self.rate_per_second * max(end - start, 0.0)))
+        if count == 0:
+            return []
+        kind = rng.choice(3, size=count, p=[0.85, 0.05, 0.10])  # short chat, RAG, long document
+        short, rag, long = kind == 0, kind == 1, kind == 2
+        prompt = np.where(
+            short,
+            rng.integers(96, 400, count),
+            np.where(rag, rng.integers(1024, 3072, count), rng.integers(4096, 24576, count)),
+        )
+        template = reusable_full_block_tokens(rng.choice([20, 36], size=count), self.block_size)
+        warm = rng.random(count) < 0.95
+        shared_document = long & (rng.random(count) < 0.05)
+        cached = np.where(short & warm, template, 0)
+        cached = np.where(shared_document, reusable_full_block_tokens(4100, self.block_size), cached)
+        cached = np.minimum(cached, prompt)
+
+        prefill = self.cost_model.remaining_work(prompt, cached) * self.seconds_per_work_unit + 0.002
+        burst = rng.random(count) < 0.08
+        queue = rng.exponential(0.03, count) + np.where(burst, rng.exponential(0.8, count), 0.0)
+        other = 0.002 + rng.exponential(0.002, count)
+        ttft = queue + prefill + other
+        output = rng.integers(16, 512, count)
+        decode = output * 0.015
+        arrival = np.sort(rng.uniform(start, end, count))
+        model = rng.choice(len(self.models), size=count, p=[0.9, 0.1] if len(self.models) == 2 else None)
+
+        out = []
+        for i in range(count):
+            self._issued += 1
+            out.append(
+                {
+                    "request_id": f"demo-{self._issued}",
+                    "model": self.models[int(model[i])],
+                    "prompt_tokens": int(prompt[i]),
+                    "cached_tokens": int(cached[i]),
+                    "output_tokens": int(output[i]),
+                    "queue_seconds": round(float(queue[i]), 6),
+                    "prefill_seconds": round(float(prefill[i]), 6),
+                    "ttft_seconds": round(float(ttft[i]), 6),
+                    "decode_seconds": round(float(decode[i]), 6),
+                    "e2e_seconds": round(float(ttft[i] + decode[i]), 6),
+                    "arrival_time": round(float(arrival[i]), 3),
+                    "block_size": self.block_size,
+                    "finish_reason": "stop",
+                }
+            )
+        return out

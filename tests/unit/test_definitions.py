@@ -1,0 +1,121 @@
+"""Every golden value of DESIGN section 1 (article 1), and the properties the definitions keep."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvlens import definitions as d
+
+ARTICLE = d.CostModel(a=1.0, b=1.0 / 1024.0)
+
+
+def article_totals() -> d.Totals:
+    n = np.array([128] * 90 + [8192] * 10)
+    h = np.array([16] * 90 + [0] * 10)
+    return d.Totals.of(n, h, ARTICLE)
+
+
+def test_article_ratios() -> None:
+    totals = article_totals()
+    assert totals.prompt_tokens == 93_440
+    assert totals.cached_tokens == 1_440
+    assert f"{100 * totals.request_hit_ratio:.2f}" == "90.00"
+    assert f"{100 * totals.token_reuse_ratio:.2f}" == "1.54"
+    assert f"{100 * totals.compute_saved_ratio:.3f}" == "0.344"
+
+
+def test_remaining_work_is_not_work_of_the_suffix() -> None:
+    assert ARTICLE.remaining_work(8192, 4096) == pytest.approx(28674.0, abs=1e-9)
+    assert ARTICLE.work(8192 - 4096) == pytest.approx(12290.0, abs=1e-9)  # the wrong C(n - h)
+
+
+def test_only_full_blocks_are_reusable() -> None:
+    assert d.reusable_full_block_tokens(1000, 16) == 992
+    with pytest.raises(ValueError):
+        d.reusable_full_block_tokens(1000, 0)
+
+
+def test_faster_prefill_under_queueing() -> None:
+    before = d.ttft_seconds(0.800, 0.200)
+    after = d.ttft_seconds(0.800, 0.020)
+    assert before == pytest.approx(1.000)
+    assert after == pytest.approx(0.820)
+    assert f"{before / after:.2f}" == "1.22"
+
+
+def test_routing_prefers_the_idle_uncached_replica() -> None:
+    cached_replica = d.ttft_seconds(0.600, 0.040)
+    uncached_replica = d.ttft_seconds(0.020, 0.200)
+    assert cached_replica == pytest.approx(0.640)
+    assert uncached_replica == pytest.approx(0.220)
+    assert not d.cache_route_pays(prefill_saved_seconds=0.200 - 0.040, extra_queue_seconds=0.600 - 0.020)
+    assert d.cache_route_pays(prefill_saved_seconds=0.160, extra_queue_seconds=0.100)
+
+
+def test_ttft_components_clamp_and_flag_overlap() -> None:
+    parts = d.ttft_components([1.0, 0.5], [0.3, 0.4], [0.2, 0.3])
+    assert parts.other.tolist() == pytest.approx([0.5, 0.0])
+    assert parts.overlapped.tolist() == [False, True]
+
+
+def test_empty_window_has_no_ratio() -> None:
+    empty = d.Totals()
+    assert empty.request_hit_ratio is None
+    assert empty.token_reuse_ratio is None
+    assert empty.compute_saved_ratio is None
+
+
+def test_cost_model_refuses_negative_or_nan() -> None:
+    with pytest.raises(ValueError):
+        d.CostModel(a=-1.0)
+    with pytest.raises(ValueError):
+        d.CostModel(b=float("nan"))
+
+
+prompt_and_cached = st.integers(0, 10_000_000).flatmap(lambda n: st.tuples(st.just(n), st.integers(0, n)))
+cost_models = st.builds(
+    d.CostModel,
+    a=st.floats(0, 100, allow_nan=False),
+    b=st.floats(0, 1, allow_nan=False),
+)
+requests = st.lists(prompt_and_cached, min_size=0, max_size=50)
+
+
+@given(prompt_and_cached, cost_models)
+def test_remaining_work_equals_difference_and_exceeds_suffix_work(pair: tuple[int, int], cost: d.CostModel) -> None:
+    n, h = pair
+    remaining = float(cost.remaining_work(n, h))
+    difference = float(cost.work(n) - cost.work(h))
+    assert remaining == pytest.approx(difference, rel=1e-9, abs=1e-6)
+    assert remaining >= float(cost.work(n - h)) - 1e-6 * max(1.0, remaining)
+
+
+@given(requests, cost_models)
+def test_every_ratio_is_within_zero_and_one(pairs: list[tuple[int, int]], cost: d.CostModel) -> None:
+    n = np.array([p[0] for p in pairs], dtype=np.int64)
+    h = np.array([p[1] for p in pairs], dtype=np.int64)
+    totals = d.Totals.of(n, h, cost)
+    for ratio in (totals.request_hit_ratio, totals.token_reuse_ratio, totals.compute_saved_ratio):
+        assert ratio is None or 0.0 <= ratio <= 1.0
+
+
+@given(requests, requests, cost_models)
+def test_totals_of_two_batches_equal_totals_of_their_union(
+    first: list[tuple[int, int]], second: list[tuple[int, int]], cost: d.CostModel
+) -> None:
+    def totals(pairs: list[tuple[int, int]]) -> d.Totals:
+        return d.Totals.of([p[0] for p in pairs], [p[1] for p in pairs], cost)
+
+    added = totals(first) + totals(second)
+    union = totals(first + second)
+    assert (added.requests, added.hit_requests, added.prompt_tokens, added.cached_tokens) == (
+        union.requests,
+        union.hit_requests,
+        union.prompt_tokens,
+        union.cached_tokens,
+    )
+    assert added.prompt_work_units == pytest.approx(union.prompt_work_units, rel=1e-12)
+    assert added.reused_work_units == pytest.approx(union.reused_work_units, rel=1e-12)
