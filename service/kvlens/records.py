@@ -19,7 +19,7 @@ from typing import Annotated, Any, Final
 import annotated_types
 import numpy as np
 import numpy.typing as npt
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 MAX_TOKENS: Final = 10_000_000
 MAX_SECONDS: Final = 86_400.0
@@ -29,7 +29,25 @@ MAX_PREFIX_BLOCKS: Final = 1_000_000
 
 Tokens = Annotated[int, Field(ge=0, le=MAX_TOKENS)]
 Seconds = Annotated[float, Field(ge=0, le=MAX_SECONDS)]
-LabelText = Annotated[str, Field(max_length=MAX_LABEL_BYTES)]
+
+
+def valid_label(value: str) -> bool:
+    """Printable, valid UTF-8 (no lone surrogates) and short: safe for any exposition."""
+    if not value.isprintable():
+        return False
+    try:
+        return len(value.encode("utf-8")) <= MAX_LABEL_BYTES
+    except UnicodeEncodeError:
+        return False
+
+
+def _checked_label(value: str) -> str:
+    if not valid_label(value):
+        raise ValueError(f"must be printable UTF-8 of at most {MAX_LABEL_BYTES} bytes")
+    return value
+
+
+LabelText = Annotated[str, Field(max_length=MAX_LABEL_BYTES), AfterValidator(_checked_label)]
 
 
 class Record(BaseModel):
@@ -432,16 +450,6 @@ def _string_column(spec: FieldSpec, raw: list[Any]) -> tuple[list[str | None], n
             _REASON_CODE["missing"]
         )
     return values, reasons
-
-
-def valid_label(value: str) -> bool:
-    """Printable, valid UTF-8 (no lone surrogates) and short: safe for any exposition."""
-    if not value.isprintable():
-        return False
-    try:
-        return len(value.encode("utf-8")) <= MAX_LABEL_BYTES
-    except UnicodeEncodeError:
-        return False
 
 
 def _list_column(spec: FieldSpec, raw: list[Any]) -> tuple[list[Any], npt.NDArray[np.int16]]:

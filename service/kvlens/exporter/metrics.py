@@ -59,7 +59,7 @@ TTFT_OVERLAP = MetricSpec(
 )
 RECEIVED = MetricSpec("kvlens_records_received", "counter", ("source",), "Records received, valid or not.")
 REJECTED = MetricSpec(
-    "kvlens_records_rejected", "counter", ("source", "reason"), "Records rejected, by reason; never counted."
+    "kvlens_records_rejected", "counter", ("source", "reason"), "Records rejected, by reason; a rejected record is counted nowhere else."
 )
 UNKNOWN_FIELDS = MetricSpec(
     "kvlens_record_unknown_fields", "counter", ("source",), "Fields kvlens does not know, ignored."
