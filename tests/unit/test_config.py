@@ -1,0 +1,91 @@
+"""Settings: sources and precedence, every error reported at once, README tables in sync."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from kvlens.cli import main
+from kvlens.config import SettingsError, load_settings, settings_table
+from kvlens.exporter.metrics import metrics_table
+
+README = Path(__file__).parent.parent.parent / "README.md"
+
+
+def test_defaults() -> None:
+    settings = load_settings()
+    assert settings.host == "127.0.0.1"
+    assert settings.latency_buckets_seconds[0] == 0.001 and settings.latency_buckets_seconds[-1] == 120.0
+    assert settings.cost_model_for("anything").b == pytest.approx(1 / 1024)
+
+
+def test_flags_over_environment_over_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "kvlens.yaml"
+    config.write_text(
+        "port: 9000\nmax_models: 7\nprompt_length_edges: [100, 1000]\n"
+        "cost_models:\n  llama:\n    a: 2\n    b: 0.5\n"
+    )
+    monkeypatch.setenv("KVLENS_PORT", "9100")
+    monkeypatch.setenv("KVLENS_MAX_MODELS", "9")
+    settings = load_settings(config, max_models=11)
+    assert settings.port == 9100  # environment beats the file
+    assert settings.max_models == 11  # a flag beats the environment
+    assert settings.prompt_length_edges == [100, 1000]  # from the file
+    assert settings.cost_model_for("llama").a == 2.0
+
+
+def test_all_errors_are_reported_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVLENS_PORT", "70000")
+    monkeypatch.setenv("KVLENS_PROMPT_LENGTH_EDGES", "[512, 256]")
+    monkeypatch.setenv("KVLENS_LATENCY_BUCKETS_SECONDS", "[0.1, -1]")
+    monkeypatch.setenv("KVLENS_MODELS", '["ok", "bad\\nname"]')
+    with pytest.raises(SettingsError) as caught:
+        load_settings()
+    message = str(caught.value)
+    assert message.startswith("4 invalid setting(s)")
+    for name in ("port", "prompt_length_edges", "latency_buckets_seconds", "models"):
+        assert name in message
+
+
+def test_unknown_key_in_file_is_an_error(tmp_path: Path) -> None:
+    config = tmp_path / "kvlens.yaml"
+    config.write_text("prot: 9000\n")
+    with pytest.raises(SettingsError, match="prot"):
+        load_settings(config)
+
+
+def test_missing_or_broken_file(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="not found"):
+        load_settings(tmp_path / "absent.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("port: [\n")
+    with pytest.raises(SettingsError):
+        load_settings(broken)
+
+
+def test_secret_token_is_not_shown() -> None:
+    settings = load_settings(ingest_token="hunter2-token")
+    assert "hunter2" not in repr(settings)
+
+
+def test_cli_exits_2_with_the_errors(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("KVLENS_MAX_MODELS", "0")
+    assert main(["serve"]) == 2
+    assert "max_models" in capsys.readouterr().err
+
+
+def readme_section(name: str) -> str:
+    text = README.read_text()
+    match = re.search(rf"<!-- {name}:start -->\n(.*?)\n<!-- {name}:end -->", text, re.S)
+    assert match, f"README lacks the {name} markers"
+    return match.group(1)
+
+
+def test_readme_metrics_table_matches_the_metric_definitions() -> None:
+    assert readme_section("metrics") == metrics_table(), "regenerate: .venv/bin/python scripts/readme_tables.py"
+
+
+def test_readme_settings_table_matches_the_settings() -> None:
+    assert readme_section("settings") == settings_table(), "regenerate: .venv/bin/python scripts/readme_tables.py"
