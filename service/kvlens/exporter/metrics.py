@@ -68,7 +68,7 @@ OVERFLOW = MetricSpec(
     "kvlens_series_overflow",
     "counter",
     (),
-    "Records whose model was folded into model=\"other\" by the label cap.",
+    "Records whose model was folded into the label value other by the label cap.",
 )
 SCRAPE_ERRORS = MetricSpec(
     "kvlens_collector_errors", "counter", (), "Metric families that failed to render and were left out."
