@@ -28,7 +28,9 @@ log = logging.getLogger("kvlens")
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get(f"{ENV_PREFIX}LOG_LEVEL", "INFO"), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get(f"{ENV_PREFIX}LOG_LEVEL", "INFO"), format="%(levelname)s %(name)s: %(message)s"
+    )
     command: Callable[[argparse.Namespace], int] = args.run
     try:
         return command(args)
@@ -105,14 +107,17 @@ def _demo(args: argparse.Namespace) -> int:
         f"  metrics   {base}/metrics\n"
         f"  API docs  {base}/docs\n"
         f"  push your own records: curl -X POST {base}/v1/records "
-        "-d '{\"prompt_tokens\": 128, \"cached_tokens\": 16}'\n"
+        '-d \'{"prompt_tokens": 128, "cached_tokens": 16}\'\n'
         "Ctrl-C to stop.",
         flush=True,
     )
     threads = [
         threading.Thread(target=_feed, args=(traffic, aggregator, stop), name="demo-feed", daemon=True),
         threading.Thread(
-            target=_summarize, args=(aggregator, stop, args.every, sys.stdout), name="demo-summary", daemon=True
+            target=_summarize,
+            args=(aggregator, stop, args.every, sys.stdout),
+            name="demo-summary",
+            daemon=True,
         ),
     ]
     if args.duration is not None:
@@ -129,7 +134,9 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _feed(traffic: demo.TrafficSource, aggregator: Aggregator, stop: threading.Event, tick: float = 0.5) -> None:
+def _feed(
+    traffic: demo.TrafficSource, aggregator: Aggregator, stop: threading.Event, tick: float = 0.5
+) -> None:
     last = time.time()
     while not stop.wait(tick):
         now = time.time()

@@ -3,6 +3,7 @@ defaults. Everything is validated at start and every error is reported at once."
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 from typing import Annotated, Any
@@ -68,7 +69,7 @@ class Settings(BaseSettings):
         CostModelSetting(), description="Cost model for models not in `cost_models`."
     )
     cost_models: dict[str, CostModelSetting] = Field(
-        {}, description="Cost model per model name, e.g. `{\"llama\": {\"a\": 1, \"b\": 0.001}}`."
+        {}, description='Cost model per model name, e.g. `{"llama": {"a": 1, "b": 0.001}}`.'
     )
     models: list[str] = Field(
         [], description="Allow-list of `model` label values; empty: the first `max_models` seen."
@@ -82,7 +83,7 @@ class Settings(BaseSettings):
     @field_validator("prompt_length_edges")
     @classmethod
     def _edges_increase(cls, edges: list[int]) -> list[int]:
-        if any(e <= 0 for e in edges) or any(b <= a for a, b in zip(edges, edges[1:], strict=False)):
+        if any(e <= 0 for e in edges) or any(b <= a for a, b in itertools.pairwise(edges)):
             raise ValueError("must be positive and strictly increasing")
         return edges
 
@@ -92,7 +93,7 @@ class Settings(BaseSettings):
         if not buckets:
             raise ValueError("must not be empty")
         if any(not math.isfinite(b) or b <= 0 for b in buckets) or any(
-            b <= a for a, b in zip(buckets, buckets[1:], strict=False)
+            b <= a for a, b in itertools.pairwise(buckets)
         ):
             raise ValueError("must be finite, positive and strictly increasing")
         return buckets
@@ -100,8 +101,10 @@ class Settings(BaseSettings):
     @field_validator("reuse_ratio_buckets")
     @classmethod
     def _ratio_buckets(cls, buckets: list[float]) -> list[float]:
-        if not buckets or any(not 0 <= b <= 1 for b in buckets) or any(
-            b <= a for a, b in zip(buckets, buckets[1:], strict=False)
+        if (
+            not buckets
+            or any(not 0 <= b <= 1 for b in buckets)
+            or any(b <= a for a, b in itertools.pairwise(buckets))
         ):
             raise ValueError("must be non-empty, within 0..1 and strictly increasing")
         return buckets

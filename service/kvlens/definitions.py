@@ -10,6 +10,7 @@ Ratios are ratios of sums over one window (:class:`Totals`), never means of per-
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+
 import numpy as np
 import numpy.typing as npt
 
@@ -147,7 +148,8 @@ def ttft_components(ttft: ArrayLike, queue: ArrayLike, prefill: ArrayLike) -> Tt
 
 def ttft_seconds(queue: ArrayLike, prefill: ArrayLike, other: ArrayLike = 0.0) -> FloatArray:
     """Time to first token as the sum of its parts."""
-    return np.asarray(queue, dtype=np.float64) + np.asarray(prefill, dtype=np.float64) + other
+    parts = (np.asarray(part, dtype=np.float64) for part in (queue, prefill, other))
+    return np.asarray(sum(parts), dtype=np.float64)
 
 
 def cache_route_pays(

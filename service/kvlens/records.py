@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Final
 
 import annotated_types
+import msgspec
 import numpy as np
 import numpy.typing as npt
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -134,7 +136,9 @@ def _field_specs() -> tuple[FieldSpec, ...]:
     """Read kinds and bounds off :class:`Record`, so the schema and the validator agree."""
     specs = []
     for name, info in Record.model_fields.items():
-        low = high = max_length = None
+        low: Any = None
+        high: Any = None
+        max_length: Any = None
         for meta in info.metadata:
             if isinstance(meta, annotated_types.Ge):
                 low = meta.ge
@@ -144,7 +148,7 @@ def _field_specs() -> tuple[FieldSpec, ...]:
                 max_length = meta.max_length
         annotation = info.annotation
         args = getattr(annotation, "__args__", (annotation,))
-        base = args[0]
+        base: Any = args[0]
         for arg in args:  # unwrap Annotated[...] | None
             origin = getattr(arg, "__origin__", arg)
             if origin is not type(None):
@@ -180,6 +184,7 @@ def _meta(annotation: Any, kind: type, attribute: str) -> Any:
 FIELDS: Final = _field_specs()
 FIELD_NAMES: Final = tuple(spec.name for spec in FIELDS)
 _FIELD_INDEX: Final = {spec.name: i for i, spec in enumerate(FIELDS)}
+_KNOWN: Final = frozenset(FIELD_NAMES)
 
 
 def reason_message(field_name: str | None, reason: str) -> str:
@@ -324,12 +329,18 @@ def batch_from_objects(objects: Sequence[Any], positions: Sequence[int] | None =
         reason_error[not_object] = _REASON_CODE["not_an_object"]
         objects = [o if type(o) is dict else {} for o in objects]
 
+    raw_columns = _extract_columns(objects)
     columns: dict[str, Any] = {}
     known_keys = 0
+    types: set[type]
     for code, spec in enumerate(FIELDS):
-        raw = [o.get(spec.name, MISSING) for o in objects]
-        known_keys += count - raw.count(MISSING)
-        values, reasons = _validate_column(spec, raw)
+        raw = raw_columns.get(spec.name)
+        if raw is None:
+            raw, types = [MISSING] * count, {_Missing}
+        else:
+            types = set(map(type, raw))
+            known_keys += count - (raw.count(MISSING) if _Missing in types else 0)
+        values, reasons = _validate_column(spec, raw, types)
         columns[spec.name] = values
         _first_error(field_error, reason_error, reasons, code)
 
@@ -348,11 +359,91 @@ def batch_from_objects(objects: Sequence[Any], positions: Sequence[int] | None =
     if bad.any():
         keep = ~bad
         for name, values in columns.items():
-            columns[name] = values[keep] if isinstance(values, np.ndarray) else list(itertools.compress(values, keep))
+            columns[name] = (
+                values[keep] if isinstance(values, np.ndarray) else list(itertools.compress(values, keep))
+            )
 
+    return Validated(_assemble(columns), rejections, unknown_fields)
+
+
+def _assemble(columns: dict[str, Any]) -> RecordBatch:
     model_codes, model_names = _dictionary_encode(columns.pop("model"))
-    batch = RecordBatch(model_codes=model_codes, model_names=model_names, **columns)
-    return Validated(batch, rejections, unknown_fields)
+    return RecordBatch(model_codes=model_codes, model_names=model_names, **columns)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fast path: a JSON array whose records are all valid and carry only known fields is decoded
+# and validated in one pass by msgspec against a struct built from the same FIELDS. Anything else
+# (one bad record, an unknown field) returns None and goes through batch_from_objects, which
+# reports each record's reason and counts unknown fields.
+
+
+def _wire_struct() -> type[msgspec.Struct]:
+    kinds: dict[type, Any] = {int: int, float: float, str: str, list: list[int | str]}
+    fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
+    for spec in FIELDS:
+        limits: dict[str, Any] = {"ge": spec.low, "le": spec.high, "max_length": spec.max_length}
+        meta = msgspec.Meta(**{k: v for k, v in limits.items() if v is not None})
+        annotated: Any = Annotated[kinds[spec.kind], meta]
+        fields.append((spec.name, annotated) if spec.required else (spec.name, annotated | None, None))
+    return msgspec.defstruct("WireRecord", fields, kw_only=True, forbid_unknown_fields=True)
+
+
+_WIRE_DECODER: Final = msgspec.json.Decoder(list[_wire_struct()])  # type: ignore[misc]
+
+
+def batch_from_json_array(data: bytes) -> RecordBatch | None:
+    """The batch, when every record in the JSON array ``data`` is valid and has only known
+    fields; otherwise None (the caller then validates record by record)."""
+    try:
+        records = _WIRE_DECODER.decode(data)
+    except msgspec.DecodeError:
+        return None
+    count = len(records)
+    columns: dict[str, Any] = {}
+    for spec in FIELDS:
+        raw = list(map(operator.attrgetter(spec.name), records))
+        if spec.kind is int or spec.kind is float:
+            columns[spec.name] = _numbers_with_absent(raw, spec.kind, count)
+        elif spec.kind is str:
+            if "" in raw:
+                raw = [v or None for v in raw]
+            if spec.is_label and not all(map(valid_label, set(raw) - {None})):
+                return None
+            columns[spec.name] = raw
+        else:
+            columns[spec.name] = raw
+    if (columns["cached_tokens"] > columns["prompt_tokens"]).any():
+        return None
+    return _assemble(columns)
+
+
+def _numbers_with_absent(raw: list[Any], kind: type, count: int) -> npt.NDArray[Any]:
+    dtype = np.int64 if kind is int else np.float64
+    try:
+        return np.fromiter(raw, dtype, count)
+    except TypeError:  # some are None (absent)
+        absent = _ABSENT_INT if kind is int else math.nan
+        return np.fromiter((absent if v is None else v for v in raw), dtype, count)
+
+
+def _extract_columns(objects: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:
+    """Known fields as lists, ``MISSING`` where a record lacks one.
+
+    Senders usually emit the same keys in every record; then one ``itemgetter`` per record and a
+    transpose do the work of a dictionary lookup per field per record.
+    """
+    if not objects:
+        return {}
+    keys = tuple(objects[0])
+    if len(keys) >= 2 and _KNOWN.issuperset(keys) and set(map(len, objects)) == {len(keys)}:
+        try:
+            rows = list(map(operator.itemgetter(*keys), objects))
+        except KeyError:
+            pass  # same sizes, other keys: read field by field
+        else:
+            return {key: list(column) for key, column in zip(keys, zip(*rows, strict=True), strict=True)}
+    return {name: [o.get(name, MISSING) for o in objects] for name in FIELD_NAMES}
 
 
 def _first_error(
@@ -367,15 +458,21 @@ def _first_error(
         reason_error[new] = reasons[new]
 
 
-def _validate_column(spec: FieldSpec, raw: list[Any]) -> tuple[Any, npt.NDArray[np.int16]]:
+def _validate_column(spec: FieldSpec, raw: list[Any], types: set[type]) -> tuple[Any, npt.NDArray[np.int16]]:
+    """Values and a reason code per record (0 = valid); ``types`` is the set of types in ``raw``."""
+    if types <= _ABSENT_TYPES and not spec.required:
+        absent: Any = [None] * len(raw)
+        if spec.kind is int or spec.kind is float:
+            absent = np.full(len(raw), _ABSENT_INT if spec.kind is int else math.nan)
+        return absent, np.zeros(len(raw), np.int16)
     if spec.kind is int or spec.kind is float:
-        return _numeric_column(spec, raw)
+        return _numeric_column(spec, raw, types)
     if spec.kind is str:
-        return _string_column(spec, raw)
+        return _string_column(spec, raw, types)
     return _list_column(spec, raw)
 
 
-def _numeric_column(spec: FieldSpec, raw: list[Any]) -> tuple[Any, npt.NDArray[np.int16]]:
+def _numeric_column(spec: FieldSpec, raw: list[Any], types: set[type]) -> tuple[Any, npt.NDArray[np.int16]]:
     count = len(raw)
     is_int = spec.kind is int
     dtype = np.int64 if is_int else np.float64
@@ -383,7 +480,6 @@ def _numeric_column(spec: FieldSpec, raw: list[Any]) -> tuple[Any, npt.NDArray[n
     low = spec.low if spec.low is not None else -math.inf
     high = spec.high if spec.high is not None else math.inf
     reasons = np.zeros(count, np.int16)
-    types = set(map(type, raw))
     accepted = {int} if is_int else {int, float}
 
     if types <= accepted | _ABSENT_TYPES:
@@ -392,7 +488,7 @@ def _numeric_column(spec: FieldSpec, raw: list[Any]) -> tuple[Any, npt.NDArray[n
             present = np.fromiter((v is not MISSING and v is not None for v in raw), bool, count)
             raw = [v if v is not MISSING and v is not None else absent for v in raw]
         try:
-            values = np.array(raw, dtype=dtype)
+            values = np.fromiter(raw, dtype, count)
         except OverflowError:  # an integer beyond int64: fall through to the careful path
             pass
         else:
@@ -426,37 +522,34 @@ def _numeric_column(spec: FieldSpec, raw: list[Any]) -> tuple[Any, npt.NDArray[n
     return values, reasons
 
 
-def _string_column(spec: FieldSpec, raw: list[Any]) -> tuple[list[str | None], npt.NDArray[np.int16]]:
-    count = len(raw)
-    reasons = np.zeros(count, np.int16)
-    types = set(map(type, raw))
-    if types <= _ABSENT_TYPES:
-        return [None] * count, reasons
-    max_length = spec.max_length or MAX_LABEL_BYTES
-    values: list[str | None] = [v if type(v) is str and v else None for v in raw]
-    if not types <= {str} | _ABSENT_TYPES:
-        for i, value in enumerate(raw):
-            if not (value is MISSING or value is None or type(value) is str):
-                reasons[i] = _REASON_CODE["not_a_string"]
-    distinct = {v for v in values if v is not None}
+def _string_column(
+    spec: FieldSpec, raw: list[Any], types: set[type]
+) -> tuple[list[str | None], npt.NDArray[np.int16]]:
+    reasons = np.zeros(len(raw), np.int16)
+    values: list[Any] = raw
+    if types != {str}:
+        values = [v if type(v) is str else None for v in raw]
+        if not types <= {str} | _ABSENT_TYPES:
+            for i, value in enumerate(raw):
+                if not (value is MISSING or value is None or type(value) is str):
+                    reasons[i] = _REASON_CODE["not_a_string"]
+    if "" in values:  # an empty label or id means "not given"
+        values = [v or None for v in values]
     if spec.is_label:
-        bad = {v for v in distinct if not valid_label(v)}
+        bad = {v for v in set(values) if v is not None and not valid_label(v)}
         if bad:
             reasons[[v in bad for v in values]] = _REASON_CODE["invalid_label"]
-    elif max(map(len, distinct), default=0) > max_length:
-        reasons[[v is not None and len(v) > max_length for v in values]] = _REASON_CODE["too_long"]
-    if spec.required:
-        reasons[[v is None and r == _OK for v, r in zip(values, reasons.tolist(), strict=True)]] = (
-            _REASON_CODE["missing"]
-        )
+    else:
+        max_length = spec.max_length or MAX_LABEL_BYTES
+        lengths = map(len, values) if None not in values else (len(v) for v in values if v is not None)
+        if max(lengths, default=0) > max_length:
+            reasons[[v is not None and len(v) > max_length for v in values]] = _REASON_CODE["too_long"]
     return values, reasons
 
 
 def _list_column(spec: FieldSpec, raw: list[Any]) -> tuple[list[Any], npt.NDArray[np.int16]]:
     count = len(raw)
     reasons = np.zeros(count, np.int16)
-    if set(map(type, raw)) <= _ABSENT_TYPES:
-        return [None] * count, reasons
     values: list[Any] = [None] * count
     max_length = spec.max_length or MAX_PREFIX_BLOCKS
     for i, value in enumerate(raw):

@@ -50,7 +50,9 @@ def test_article_ratios_from_scraped_counters(kvlens_server: Running) -> None:
     assert f"{saved:.5f}" == "0.00344"
 
 
-def test_live_output_passes_promtool_and_the_openmetrics_parser(kvlens_server: Running, promtool: str) -> None:
+def test_live_output_passes_promtool_and_the_openmetrics_parser(
+    kvlens_server: Running, promtool: str
+) -> None:
     httpx.post(
         f"{kvlens_server.url}/v1/records",
         content=gzip.compress(ndjson(article_records())),
@@ -92,13 +94,16 @@ def test_hostile_input_never_crashes_or_reaches_the_exposition(kvlens_server: Ru
             assert math.isfinite(sample.value), sample
     values = scraped_sums(text)
     assert total(values, "kvlens_requests_total") == 3  # the valid ones beside the bad
-    assert subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True).returncode == 0
+    assert (
+        subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True).returncode
+        == 0
+    )
 
 
 def test_client_killed_mid_request_leaves_the_server_serving(kvlens_server: Running) -> None:
     port = int(kvlens_server.url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port)) as sock:
-        sock.sendall(b"POST /v1/records HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n{\"prompt_tok")
+        sock.sendall(b'POST /v1/records HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n{"prompt_tok')
     response = httpx.post(f"{kvlens_server.url}/v1/records", content=ndjson(article_records()))
     assert response.json()["accepted"] == 100
 
@@ -123,7 +128,9 @@ def test_scrapes_during_ingestion_see_monotonic_counters(kvlens_server: Running)
     seen = []
     with httpx.Client() as client:
         while not stop.is_set() and worker.is_alive():
-            seen.append(total(scraped_sums(client.get(f"{kvlens_server.url}/metrics").text), "kvlens_requests_total"))
+            seen.append(
+                total(scraped_sums(client.get(f"{kvlens_server.url}/metrics").text), "kvlens_requests_total")
+            )
     worker.join()
     assert not errors
     assert seen == sorted(seen)

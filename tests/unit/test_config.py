@@ -70,7 +70,9 @@ def test_secret_token_is_not_shown() -> None:
     assert "hunter2" not in repr(settings)
 
 
-def test_cli_exits_2_with_the_errors(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_exits_2_with_the_errors(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("KVLENS_MAX_MODELS", "0")
     assert main(["serve"]) == 2
     assert "max_models" in capsys.readouterr().err
@@ -84,8 +86,12 @@ def readme_section(name: str) -> str:
 
 
 def test_readme_metrics_table_matches_the_metric_definitions() -> None:
-    assert readme_section("metrics") == metrics_table(), "regenerate: .venv/bin/python scripts/readme_tables.py"
+    assert readme_section("metrics") == metrics_table(), (
+        "regenerate: .venv/bin/python scripts/readme_tables.py"
+    )
 
 
 def test_readme_settings_table_matches_the_settings() -> None:
-    assert readme_section("settings") == settings_table(), "regenerate: .venv/bin/python scripts/readme_tables.py"
+    assert readme_section("settings") == settings_table(), (
+        "regenerate: .venv/bin/python scripts/readme_tables.py"
+    )

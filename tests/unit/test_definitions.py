@@ -85,7 +85,9 @@ requests = st.lists(prompt_and_cached, min_size=0, max_size=50)
 
 
 @given(prompt_and_cached, cost_models)
-def test_remaining_work_equals_difference_and_exceeds_suffix_work(pair: tuple[int, int], cost: d.CostModel) -> None:
+def test_remaining_work_equals_difference_and_exceeds_suffix_work(
+    pair: tuple[int, int], cost: d.CostModel
+) -> None:
     n, h = pair
     remaining = float(cost.remaining_work(n, h))
     difference = float(cost.work(n) - cost.work(h))

@@ -24,7 +24,9 @@ def article_registry() -> tuple[CollectorRegistry, KVLensCollector]:
     aggregator = Aggregator(load_settings())
     aggregator.add(batch_from_objects(article_records()), "push")
     aggregator.add(
-        batch_from_objects([{"prompt_tokens": 5, "cached_tokens": 9}, {"prompt_tokens": "7", "cached_tokens": 0}]),
+        batch_from_objects(
+            [{"prompt_tokens": 5, "cached_tokens": 9}, {"prompt_tokens": "7", "cached_tokens": 0}]
+        ),
         "push",
     )
     registry = CollectorRegistry()
@@ -72,7 +74,9 @@ def test_golden_exposition_values() -> None:
     assert total("kvlens_records_rejected_total", reason="not_an_integer") == 1
     assert total("kvlens_ttft_seconds_count", prompt_len="8192-32767") == 10
     assert total("kvlens_ttft_seconds_bucket", prompt_len="0-511", le="0.05") == 90
-    assert total("kvlens_ttft_component_seconds_total", component="queue") == pytest.approx(90 * 0.02 + 10 * 0.5)
+    assert total("kvlens_ttft_component_seconds_total", component="queue") == pytest.approx(
+        90 * 0.02 + 10 * 0.5
+    )
 
 
 def test_every_exported_family_is_in_the_metric_table() -> None:

@@ -100,7 +100,9 @@ def test_partial_acceptance_names_each_bad_line(client: TestClient) -> None:
 def test_rejected_list_is_capped_but_count_exact() -> None:
     app = create_app(load_settings(max_rejections_listed=5), CollectorRegistry())
     with TestClient(app) as client:
-        result = client.post("/v1/records", content=ndjson([{"prompt_tokens": -1, "cached_tokens": 0}] * 50)).json()
+        result = client.post(
+            "/v1/records", content=ndjson([{"prompt_tokens": -1, "cached_tokens": 0}] * 50)
+        ).json()
     assert result["rejected_count"] == 50
     assert len(result["rejected"]) == 5
 
@@ -140,7 +142,10 @@ def test_gzip_bomb_is_413(client: TestClient) -> None:
 
 
 def test_bad_gzip_and_unknown_encoding_are_400(client: TestClient) -> None:
-    assert client.post("/v1/records", content=b"\x1f\x8bnope", headers={"content-encoding": "gzip"}).status_code == 400
+    assert (
+        client.post("/v1/records", content=b"\x1f\x8bnope", headers={"content-encoding": "gzip"}).status_code
+        == 400
+    )
     assert client.post("/v1/records", content=b"{}", headers={"content-encoding": "br"}).status_code == 400
 
 
@@ -167,11 +172,15 @@ def test_allow_list_fixes_the_model_label() -> None:
 def test_bearer_token_is_required_when_set() -> None:
     app = create_app(load_settings(ingest_token="s3cret-token"), CollectorRegistry())
     with TestClient(app) as client:
-        denied = client.post("/v1/records", content=orjson.dumps(GOOD), headers={"authorization": "Bearer wrong"})
+        denied = client.post(
+            "/v1/records", content=orjson.dumps(GOOD), headers={"authorization": "Bearer wrong"}
+        )
         assert denied.status_code == 401
         assert "wrong" not in denied.text and "s3cret" not in denied.text
         assert client.post("/v1/records", content=orjson.dumps(GOOD)).status_code == 401
-        ok = client.post("/v1/records", content=orjson.dumps(GOOD), headers={"authorization": "Bearer s3cret-token"})
+        ok = client.post(
+            "/v1/records", content=orjson.dumps(GOOD), headers={"authorization": "Bearer s3cret-token"}
+        )
         assert ok.status_code == 200
 
 
@@ -207,6 +216,9 @@ def test_article_end_to_end_in_process(client: TestClient) -> None:
     values = scrape(client)
     requests = total(values, "kvlens_requests_total")
     assert round(total(values, "kvlens_requests_total", cache="hit") / requests, 4) == 0.9
-    assert round(total(values, "kvlens_cached_tokens_total") / total(values, "kvlens_prompt_tokens_total"), 4) == 0.0154
+    assert (
+        round(total(values, "kvlens_cached_tokens_total") / total(values, "kvlens_prompt_tokens_total"), 4)
+        == 0.0154
+    )
     work = total(values, "kvlens_reused_work_units_total") / total(values, "kvlens_prompt_work_units_total")
     assert round(work, 5) == 0.00344

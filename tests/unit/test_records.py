@@ -7,12 +7,14 @@ import math
 from typing import Any
 
 import numpy as np
+import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from kvlens.records import REASONS, Record, batch_from_objects
+from kvlens.records import REASONS, Record, RecordBatch, batch_from_json_array, batch_from_objects
+from kvlens.sources.demo import DemoTraffic
 
 GOOD = {"prompt_tokens": 128, "cached_tokens": 16}
 
@@ -99,7 +101,9 @@ def test_unknown_fields_are_ignored_and_counted() -> None:
 
 
 def test_models_are_dictionary_encoded() -> None:
-    validated = batch_from_objects([{**GOOD, "model": "a"}, {**GOOD, "model": "b"}, GOOD, {**GOOD, "model": "a"}])
+    validated = batch_from_objects(
+        [{**GOOD, "model": "a"}, {**GOOD, "model": "b"}, GOOD, {**GOOD, "model": "a"}]
+    )
     assert validated.batch.model_names == ["a", "b"]
     assert validated.batch.model_codes.tolist() == [0, 1, -1, 0]
 
@@ -110,7 +114,9 @@ def test_positions_map_rejections_back_to_payload_lines() -> None:
 
 
 def test_rejection_counts_are_by_reason() -> None:
-    validated = batch_from_objects([{"cached_tokens": 1}, {"cached_tokens": 2}, {**GOOD, "queue_seconds": -1}])
+    validated = batch_from_objects(
+        [{"cached_tokens": 1}, {"cached_tokens": 2}, {**GOOD, "queue_seconds": -1}]
+    )
     assert validated.rejections.counts_by_reason() == {"missing": 2, "out_of_range": 1}
     assert set(validated.rejections.counts_by_reason()) <= set(REASONS)
 
@@ -158,3 +164,41 @@ def test_validator_agrees_with_documented_schema(record: dict[str, Any]) -> None
         assert not schema_accepts
     validated = batch_from_objects([json.loads(text)])
     assert (len(validated.batch) == 1) == schema_accepts, validated.rejections.details(1)
+
+    fast = batch_from_json_array(f"[{text}]".encode())
+    if schema_accepts and "unknown" not in record:
+        assert fast is not None
+        assert_same_batch(fast, validated.batch)
+    else:
+        assert fast is None
+
+
+def assert_same_batch(first: RecordBatch, second: RecordBatch) -> None:
+    for name in RecordBatch.__dataclass_fields__:
+        a, b = getattr(first, name), getattr(second, name)
+        if isinstance(a, np.ndarray):
+            np.testing.assert_array_equal(a, b, err_msg=name)
+        else:
+            assert a == b, name
+
+
+def test_fast_path_matches_the_column_validator_on_a_realistic_batch() -> None:
+    traffic = DemoTraffic(rate_per_second=500, seed=5)
+    records = [*traffic.records(0.0, 1.0), {**GOOD, "model": ""}, {**GOOD, "ttft_seconds": None}]
+    fast = batch_from_json_array(orjson.dumps(records))
+    assert fast is not None
+    assert_same_batch(fast, batch_from_objects(records).batch)
+
+
+@pytest.mark.parametrize(
+    "records",
+    [
+        [GOOD, {**GOOD, "unknown_field": 1}],
+        [GOOD, {"prompt_tokens": 1, "cached_tokens": 2}],
+        [GOOD, {**GOOD, "model": "tab\there"}],
+        [GOOD, {**GOOD, "queue_seconds": -1}],
+        [GOOD, [1]],
+    ],
+)
+def test_fast_path_declines_what_needs_per_record_reasons(records: list[Any]) -> None:
+    assert batch_from_json_array(orjson.dumps(records)) is None

@@ -11,13 +11,14 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from kvlens import definitions
 from kvlens.config import Settings
-from kvlens.records import REASONS, RecordBatch, Rejections, Validated
+from kvlens.records import REASONS, RecordBatch, Validated
 
 Int64Array = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
@@ -198,8 +199,8 @@ class Aggregator:
         """Count one validated batch: its records, its rejections and its unknown fields."""
         batch = validated.batch
         with self._lock:
-            model_slots, overflow = self._model_slots_of(batch)
-        reduced = self._reduce(batch, model_slots) if len(batch) else None
+            model_slots, distinct_slots, overflow = self._model_slots_of(batch)
+        reduced = self._reduce(batch, model_slots, distinct_slots) if len(batch) else None
         rejected = validated.rejections.counts_by_reason()
         with self._lock:
             health = self._health
@@ -211,19 +212,17 @@ class Aggregator:
             if reduced is not None:
                 self._state += reduced
 
-    def add_rejections(self, rejections: Rejections, source: str) -> None:
-        """Count records that never decoded (malformed lines) as received and rejected."""
-        with self._lock:
-            self._health.received[source] += len(rejections)
-            for reason, count in rejections.counts_by_reason().items():
-                self._health.rejected[(source, reason)] += count
-
-    def _model_slots_of(self, batch: RecordBatch) -> tuple[npt.NDArray[np.intp], int]:
-        names = [*batch.model_names, self.settings.default_model]  # code -1 -> default
+    def _model_slots_of(self, batch: RecordBatch) -> tuple[npt.NDArray[np.intp], list[int], int]:
+        """Label slot per record, the slots this batch may use, and records folded into other."""
+        names = list(batch.model_names)
+        if (batch.model_codes < 0).any():
+            names.append(self.settings.default_model)  # code -1 indexes the last entry
         lookup = np.fromiter((self._models.index_of(name) for name in names), np.intp, len(names))
         slots = lookup[batch.model_codes]
-        overflow = int(np.count_nonzero(slots == self._models.other)) if (lookup == self._models.other).any() else 0
-        return slots, overflow
+        overflow = (
+            int(np.count_nonzero(slots == self._models.other)) if (lookup == self._models.other).any() else 0
+        )
+        return slots, sorted(set(lookup.tolist())), overflow
 
     def _cost_model(self, slot: int) -> definitions.CostModel:
         cost = self._cost_by_slot.get(slot)
@@ -232,7 +231,9 @@ class Aggregator:
             self._cost_by_slot[slot] = cost
         return cost
 
-    def _reduce(self, batch: RecordBatch, model_slots: npt.NDArray[np.intp]) -> GroupState:
+    def _reduce(
+        self, batch: RecordBatch, model_slots: npt.NDArray[np.intp], distinct_slots: list[int]
+    ) -> GroupState:
         n, h = batch.prompt_tokens, batch.cached_tokens
         hit = h > 0
         length = np.searchsorted(self._length_edges, n, side="right")
@@ -242,27 +243,34 @@ class Aggregator:
 
         prompt_work = np.empty(n.size, np.float64)
         reused_work = np.empty(n.size, np.float64)
-        distinct_slots = np.unique(model_slots)
-        for slot in distinct_slots.tolist():
+        for slot in distinct_slots:
             cost = self._cost_model(slot)
-            rows = slice(None) if distinct_slots.size == 1 else model_slots == slot
+            rows = slice(None) if len(distinct_slots) == 1 else model_slots == slot
             prompt_work[rows] = cost.work(n[rows])
             reused_work[rows] = cost.work(h[rows])
 
-        def by_group(weights: npt.NDArray[np.generic] | None = None) -> FloatArray:
+        def by_group(weights: npt.NDArray[Any] | None = None) -> npt.NDArray[Any]:
             return np.bincount(group, weights=weights, minlength=groups)
 
-        latency = {
-            name: _histogram(group, getattr(batch, name), self._latency_edges, groups)
-            for name in LATENCY_FIELDS
-        }
+        # All latency fields in one pass: row = field * groups + group.
+        fields = len(LATENCY_FIELDS)
+        rows = (np.arange(fields)[:, None] * groups + group[None, :]).ravel()
+        values = np.concatenate([getattr(batch, name) for name in LATENCY_FIELDS])
+        stacked = _histogram(rows, values, self._latency_edges, fields * groups)
+        counts = stacked.counts.reshape(fields, groups, -1)
+        sums = stacked.sums.reshape(fields, groups)
+        latency = {name: Histograms(counts[i], sums[i]) for i, name in enumerate(LATENCY_FIELDS)}
         reuse = _histogram(
             model_length, definitions.request_reuse_fraction(n, h), self._reuse_edges, groups // 2
         )
-        components = definitions.ttft_components(batch.ttft_seconds, batch.queue_seconds, batch.prefill_seconds)
-        complete = np.isfinite(components.other) & np.isfinite(components.queue) & np.isfinite(components.prefill)
+        components = definitions.ttft_components(
+            batch.ttft_seconds, batch.queue_seconds, batch.prefill_seconds
+        )
+        complete = (
+            np.isfinite(components.other) & np.isfinite(components.queue) & np.isfinite(components.prefill)
+        )
         slots_complete = model_slots[complete]
-        ttft_components = np.stack(
+        ttft_components: FloatArray = np.stack(
             [
                 np.bincount(slots_complete, weights=part[complete], minlength=self._model_slots)
                 for part in (components.queue, components.prefill, components.other)
@@ -306,7 +314,9 @@ class Aggregator:
             )
 
 
-def _histogram(rows: npt.NDArray[np.intp], values: FloatArray, edges: FloatArray, row_count: int) -> Histograms:
+def _histogram(
+    rows: npt.NDArray[np.intp], values: FloatArray, edges: FloatArray, row_count: int
+) -> Histograms:
     """Bucket ``values`` (NaN = absent, skipped) per row; a value equal to an edge falls in it (le)."""
     present = ~np.isnan(values)
     if not present.all():
@@ -314,5 +324,5 @@ def _histogram(rows: npt.NDArray[np.intp], values: FloatArray, edges: FloatArray
     width = edges.size + 1
     bucket = np.searchsorted(edges, values, side="left")
     counts = np.bincount(rows * width + bucket, minlength=row_count * width).reshape(row_count, width)
-    sums = np.bincount(rows, weights=values, minlength=row_count)
+    sums: FloatArray = np.bincount(rows, weights=values, minlength=row_count).astype(np.float64)
     return Histograms(counts.astype(np.int64), sums)

@@ -18,7 +18,7 @@ from kvlens import __version__
 from kvlens.config import Settings
 from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.collector import KVLensCollector
-from kvlens.records import Record, Rejections, batch_from_objects
+from kvlens.records import Record
 from kvlens.sources import push
 
 
@@ -47,14 +47,18 @@ _INGEST_BODY: dict[str, Any] = {
         "description": "One record, an array of records, or NDJSON (one record per line); "
         "`Content-Encoding: gzip` accepted.",
         "content": {
-            "application/json": {"schema": {"anyOf": [_RECORD_SCHEMA, {"type": "array", "items": _RECORD_SCHEMA}]}},
+            "application/json": {
+                "schema": {"anyOf": [_RECORD_SCHEMA, {"type": "array", "items": _RECORD_SCHEMA}]}
+            },
             "application/x-ndjson": {"schema": _RECORD_SCHEMA},
         },
     }
 }
 
 
-def create_app(settings: Settings, registry: CollectorRegistry, aggregator: Aggregator | None = None) -> FastAPI:
+def create_app(
+    settings: Settings, registry: CollectorRegistry, aggregator: Aggregator | None = None
+) -> FastAPI:
     aggregator = aggregator or Aggregator(settings)
     registry.register(KVLensCollector(aggregator))
     app = FastAPI(
@@ -96,18 +100,12 @@ def create_app(settings: Settings, registry: CollectorRegistry, aggregator: Aggr
         return Response(result.model_dump_json(), media_type="application/json")
 
     def _ingest(body: bytes, content_encoding: str | None) -> IngestResult:
-        decoded = push.decode_records(push.decompress(body, content_encoding, settings.max_body_bytes))
-        validated = batch_from_objects(decoded.objects, decoded.positions)
+        validated = push.read_records(push.decompress(body, content_encoding, settings.max_body_bytes))
         aggregator.add(validated, push.SOURCE)
-        rejections = validated.rejections
-        if decoded.malformed:
-            malformed = Rejections.single(decoded.malformed, "malformed_json")
-            aggregator.add_rejections(malformed, push.SOURCE)
-            rejections = rejections + malformed
         return IngestResult(
             accepted=len(validated.batch),
-            rejected_count=len(rejections),
-            rejected=[Rejection(**r) for r in rejections.details(settings.max_rejections_listed)],
+            rejected_count=len(validated.rejections),
+            rejected=[Rejection(**r) for r in validated.rejections.details(settings.max_rejections_listed)],
             unknown_fields=validated.unknown_fields,
         )
 

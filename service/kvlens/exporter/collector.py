@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator
+from typing import cast
 
 import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -19,6 +20,7 @@ from kvlens.exporter import metrics
 from kvlens.exporter.aggregator import TTFT_COMPONENTS, Aggregator, Histograms, Snapshot
 
 log = logging.getLogger(__name__)
+_go_float = cast(Callable[[float], str], floatToGoString)  # how prometheus_client writes `le`
 
 
 class KVLensCollector(Collector):
@@ -104,7 +106,7 @@ def _histogram_family(
     rows: Iterable[tuple[int, list[str]]],
 ) -> Metric:
     family = HistogramMetricFamily(spec.name, spec.help, labels=spec.labels)
-    bounds = [floatToGoString(edge) for edge in edges] + ["+Inf"]
+    bounds = [_go_float(edge) for edge in edges] + ["+Inf"]
     cumulative = np.cumsum(hist.counts, axis=1)
     for row, labels in rows:
         counts = cumulative[row]
@@ -173,6 +175,8 @@ def _overflow(snapshot: Snapshot) -> Metric:
 
 
 def _build_info(snapshot: Snapshot) -> Metric:
-    family = GaugeMetricFamily(metrics.BUILD_INFO.name, metrics.BUILD_INFO.help, labels=metrics.BUILD_INFO.labels)
+    family = GaugeMetricFamily(
+        metrics.BUILD_INFO.name, metrics.BUILD_INFO.help, labels=metrics.BUILD_INFO.labels
+    )
     family.add_metric([__version__], 1)
     return family

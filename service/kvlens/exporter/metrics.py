@@ -35,9 +35,15 @@ PROMPT_WORK = MetricSpec(
 REUSED_WORK = MetricSpec(
     "kvlens_reused_work_units", "counter", GROUP_LABELS, "Modelled prefill work the cache saved, sum of C(h)."
 )
-QUEUE = MetricSpec("kvlens_queue_seconds", "histogram", GROUP_LABELS, "Time a request waited before scheduling.")
-PREFILL = MetricSpec("kvlens_prefill_seconds", "histogram", GROUP_LABELS, "Prefill time, first scheduled to first token.")
-TTFT = MetricSpec("kvlens_ttft_seconds", "histogram", GROUP_LABELS, "Time to first token as the source measured it.")
+QUEUE = MetricSpec(
+    "kvlens_queue_seconds", "histogram", GROUP_LABELS, "Time a request waited before scheduling."
+)
+PREFILL = MetricSpec(
+    "kvlens_prefill_seconds", "histogram", GROUP_LABELS, "Prefill time, first scheduled to first token."
+)
+TTFT = MetricSpec(
+    "kvlens_ttft_seconds", "histogram", GROUP_LABELS, "Time to first token as the source measured it."
+)
 E2E = MetricSpec("kvlens_e2e_seconds", "histogram", GROUP_LABELS, "End-to-end request latency.")
 REUSE_RATIO = MetricSpec(
     "kvlens_request_reuse_ratio",
@@ -59,7 +65,10 @@ TTFT_OVERLAP = MetricSpec(
 )
 RECEIVED = MetricSpec("kvlens_records_received", "counter", ("source",), "Records received, valid or not.")
 REJECTED = MetricSpec(
-    "kvlens_records_rejected", "counter", ("source", "reason"), "Records rejected, by reason; a rejected record is counted nowhere else."
+    "kvlens_records_rejected",
+    "counter",
+    ("source", "reason"),
+    "Records rejected, by reason; a rejected record is counted nowhere else.",
 )
 UNKNOWN_FIELDS = MetricSpec(
     "kvlens_record_unknown_fields", "counter", ("source",), "Fields kvlens does not know, ignored."

@@ -1,20 +1,22 @@
 """``POST /v1/records`` payloads: a JSON object, a JSON array, or NDJSON; gzip allowed.
 
-Decoding is all or nothing per line: a line that does not decode is reported by its index and
-the lines beside it still count. orjson is tried first on the whole payload (NDJSON is joined
-into one array); only when that fails does decoding fall back line by line, and then to the
-standard library, which also reads NaN, Infinity and 1e400 so that they are rejected by field
-with a clear reason rather than as undecodable lines.
+The whole payload is first read as one JSON array (NDJSON lines joined with commas) by the
+all-or-nothing fast path of :func:`kvlens.records.batch_from_json_array`. When that fails, the
+payload is decoded line by line: a line that does not decode is reported by its index and the
+lines beside it still count. orjson is tried first, then the standard library, which also reads
+NaN, Infinity and 1e400 so that they are rejected by field with a clear reason rather than as
+undecodable lines.
 """
 
 from __future__ import annotations
 
 import json
 import zlib
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
+
+from kvlens.records import Rejections, Validated, batch_from_json_array, batch_from_objects
 
 SOURCE = "push"
 _GZIP_MAGIC = b"\x1f\x8b"
@@ -26,17 +28,6 @@ class PayloadTooLarge(Exception):
 
 class PayloadUndecodable(Exception):
     """Nothing in the body decodes; the message says why without quoting it."""
-
-
-@dataclass(frozen=True)
-class DecodedPayload:
-    objects: list[Any]
-    positions: list[int] | None  # index in the payload of each object; None means 0..N-1
-    malformed: list[int]  # indices of lines that did not decode
-
-    @property
-    def total(self) -> int:
-        return len(self.objects) + len(self.malformed)
 
 
 def decompress(body: bytes, content_encoding: str | None, max_bytes: int) -> bytes:
@@ -60,25 +51,46 @@ def decompress(body: bytes, content_encoding: str | None, max_bytes: int) -> byt
     return bytes(out)
 
 
-def decode_records(body: bytes) -> DecodedPayload:
+def read_records(body: bytes) -> Validated:
+    """Every record of a payload, validated; rejections point at array indices or NDJSON lines
+    (blank lines not counted). Raises :class:`PayloadUndecodable` when nothing decodes."""
     text = body.strip()
-    if not text:
-        return DecodedPayload([], None, [])
     if text[:1] == b"[":
+        as_array, expected = text, None
+    else:
+        lines = text.count(b"\n") + 1
+        as_array = b"[" + text.replace(b"\n", b",") + b"]" if b"\n\n" not in text else b""
+        expected = lines
+    if as_array:
+        batch = batch_from_json_array(as_array)
+        if batch is not None and expected in (None, len(batch)):
+            return Validated(batch, Rejections(), 0)
+    objects, positions, malformed = _decode(text, as_array, expected)
+    validated = batch_from_objects(objects, positions)
+    if malformed:
+        rejections = validated.rejections + Rejections.single(malformed, "malformed_json")
+        return Validated(validated.batch, rejections, validated.unknown_fields)
+    return validated
+
+
+def _decode(
+    text: bytes, as_array: bytes, expected: int | None
+) -> tuple[list[Any], list[int] | None, list[int]]:
+    """Decoded values, their positions in the payload (None: 0..N-1) and undecodable lines."""
+    if not text:
+        return [], None, []
+    if expected is None:  # a JSON array
         value = _loads(text)
         if value is _UNDECODABLE:
             raise PayloadUndecodable("body is not valid JSON (an array was expected)")
-        return DecodedPayload(value, None, [])
-
-    lines = text.count(b"\n") + 1
-    if lines > 1 and text[:1] == b"{":  # one pretty-printed object?
-        single = orjson_or_none(text)
+        return value, None, []
+    joined = _orjson_or_none(as_array) if as_array else None
+    if isinstance(joined, list) and len(joined) == expected:
+        return joined, None, []
+    if expected > 1 and text[:1] == b"{":  # one pretty-printed object?
+        single = _orjson_or_none(text)
         if isinstance(single, dict):
-            return DecodedPayload([single], None, [])
-    if b"\n\n" not in text:
-        joined = orjson_or_none(b"[" + text.replace(b"\n", b",") + b"]")
-        if isinstance(joined, list) and len(joined) == lines:
-            return DecodedPayload(joined, None, [])
+            return [single], None, []
 
     objects: list[Any] = []
     positions: list[int] = []
@@ -97,15 +109,15 @@ def decode_records(body: bytes) -> DecodedPayload:
     if not objects:
         single = _loads(text)  # one pretty-printed object holding NaN or Infinity
         if single is not _UNDECODABLE:
-            return DecodedPayload([single], None, [])
+            return [single], None, []
         raise PayloadUndecodable("no line is valid JSON (expected an object, an array or NDJSON)")
-    return DecodedPayload(objects, positions, malformed)
+    return objects, positions, malformed
 
 
 _UNDECODABLE: Any = object()
 
 
-def orjson_or_none(data: bytes) -> Any:
+def _orjson_or_none(data: bytes) -> Any:
     try:
         return orjson.loads(data)
     except orjson.JSONDecodeError:

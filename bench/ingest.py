@@ -1,0 +1,333 @@
+"""Ingest and exposition benchmarks, each printed beside a baseline measured in the same run.
+
+    .venv/bin/python bench/ingest.py [--quick]
+
+Figures (medians of repeated runs; these machines are noisy, so compare ratios):
+- in-process ingest (decode + validate + aggregate) vs the raw orjson parse of the same NDJSON
+  payload, and vs a naive implementation (pydantic per record, prometheus_client
+  ``.labels(...).inc()/.observe()`` per record);
+- HTTP ingest of 1,000-record NDJSON batches to ``kvlens serve`` vs the naive implementation
+  served the same way (uvicorn, one worker, a separate process), with and without a scraper;
+- ``/metrics`` render time at about 2,000 and 20,000 series vs prometheus_client rendering
+  the same number of series from its own Counter/Histogram objects;
+- RSS after 1M and after 10M records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import orjson
+import psutil
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from kvlens.config import load_settings
+from kvlens.exporter.aggregator import Aggregator
+from kvlens.exporter.collector import KVLensCollector
+from kvlens.records import Record, batch_from_objects
+from kvlens.sources import push
+from kvlens.sources.demo import DemoTraffic
+
+ROOT = Path(__file__).resolve().parent.parent
+BATCH = 1000
+
+
+def payload(batches: int, seed: int = 1) -> list[bytes]:
+    traffic = DemoTraffic(rate_per_second=BATCH * 1.2, seed=seed)
+    out = []
+    for i in range(batches):
+        records = traffic.records(float(i), float(i + 1))[:BATCH]
+        out.append(b"\n".join(orjson.dumps(r) for r in records) + b"\n")
+    return out
+
+
+def interleaved_rates(runs: dict[str, Callable[[], int]], repeats: int) -> dict[str, list[float]]:
+    """Records per second of each run, the runs taking turns in every repeat so that they share
+    the machine's state (these machines are noisy); compare per-repeat ratios, not rates."""
+    rates: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            records = run()
+            rates[name].append(records / (time.perf_counter() - start))
+    return rates
+
+
+def median_ratio(numerator: list[float], denominator: list[float]) -> float:
+    return statistics.median(a / b for a, b in zip(numerator, denominator, strict=True))
+
+
+# ---- the naive implementation: what one writes first ------------------------------------------
+
+NAIVE_APP = textwrap.dedent(
+    """
+    import orjson
+    from fastapi import FastAPI, Request, Response
+    from prometheus_client import CollectorRegistry, generate_latest
+    from bench.ingest import NaiveExporter
+
+    exporter = NaiveExporter()
+    app = FastAPI()
+
+    @app.post("/v1/records")
+    async def ingest(request: Request) -> Response:
+        accepted = exporter.ingest(await request.body())
+        return Response(orjson.dumps({"accepted": accepted}), media_type="application/json")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(exporter.registry), media_type="text/plain")
+    """
+)
+
+LATENCY_BUCKETS = load_settings().latency_buckets_seconds
+
+
+class NaiveExporter:
+    """Per record: orjson, pydantic validation, then prometheus_client per metric."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        labels = ("model", "prompt_len", "cache")
+        self.counters = [
+            Counter(name, name, labels, registry=self.registry)
+            for name in ("requests", "prompt_tokens", "cached_tokens", "prompt_work", "reused_work")
+        ]
+        self.histograms = [
+            Histogram(name, name, labels, buckets=LATENCY_BUCKETS, registry=self.registry)
+            for name in ("queue_seconds", "prefill_seconds", "ttft_seconds", "e2e_seconds")
+        ]
+
+    def ingest(self, body: bytes) -> int:
+        accepted = 0
+        for line in body.splitlines():
+            try:
+                record = Record.model_validate(orjson.loads(line))
+            except Exception:
+                continue
+            n, h = record.prompt_tokens, record.cached_tokens
+            length = "0-511" if n < 512 else "512-2047" if n < 2048 else "2048-8191" if n < 8192 else "8192+"
+            labels = (record.model or "unknown", length, "hit" if h else "miss")
+            work = (n + n * (n + 1) / 2048, h + h * (h + 1) / 2048)
+            for counter, value in zip(self.counters, (1, n, h, *work), strict=True):
+                counter.labels(*labels).inc(value)
+            for histogram, seconds in zip(
+                self.histograms,
+                (record.queue_seconds, record.prefill_seconds, record.ttft_seconds, record.e2e_seconds),
+                strict=True,
+            ):
+                if seconds is not None:
+                    histogram.labels(*labels).observe(seconds)
+            accepted += 1
+        return accepted
+
+
+# ---- figures -----------------------------------------------------------------------------------
+
+
+def in_process(bodies: list[bytes], repeats: int) -> None:
+    records = sum(body.count(b"\n") for body in bodies)
+
+    def parse_only() -> int:
+        for body in bodies:
+            for line in body.splitlines():
+                orjson.loads(line)
+        return records
+
+    def kvlens_ingest() -> int:
+        aggregator = Aggregator(load_settings())
+        for body in bodies:
+            aggregator.add(push.read_records(body), "push")
+        return records
+
+    def naive() -> int:
+        exporter = NaiveExporter()
+        return sum(exporter.ingest(body) for body in bodies)
+
+    rates = interleaved_rates({"parse": parse_only, "kvlens": kvlens_ingest, "naive": naive}, repeats)
+    ours = statistics.median(rates["kvlens"])
+    print(f"in-process ingest      {ours:>12,.0f} records/s (median of {repeats})")
+    print(
+        f"  raw orjson parse     {statistics.median(rates['parse']):>12,.0f} records/s   "
+        f"kvlens = {median_ratio(rates['kvlens'], rates['parse']):.0%} of it (target >= 35 %)"
+    )
+    print(
+        f"  naive per-record     {statistics.median(rates['naive']):>12,.0f} records/s   "
+        f"kvlens = {median_ratio(rates['kvlens'], rates['naive']):.1f}x (target >= 5x)"
+    )
+
+
+def start_server(args: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    process = subprocess.Popen(
+        [sys.executable, *args, "--port", str(port)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(400):
+        try:
+            httpx.get(f"{url}/metrics", timeout=1)
+            return process, url
+        except httpx.TransportError:
+            time.sleep(0.05)
+    process.kill()
+    raise RuntimeError(f"server {args} did not start")
+
+
+def http_rate(url: str, bodies: list[bytes], scrape: bool) -> tuple[float, float]:
+    """Records per second over HTTP, and the median scrape time when scraping alongside."""
+    stop = threading.Event()
+    scrape_times: list[float] = []
+
+    def scraper() -> None:
+        with httpx.Client() as client:
+            while not stop.wait(0.2):
+                start = time.perf_counter()
+                client.get(f"{url}/metrics")
+                scrape_times.append(time.perf_counter() - start)
+
+    thread = threading.Thread(target=scraper)
+    if scrape:
+        thread.start()
+    records = sum(body.count(b"\n") for body in bodies)
+    with httpx.Client(timeout=60) as client:
+        start = time.perf_counter()
+        for body in bodies:
+            client.post(f"{url}/v1/records", content=body, headers={"content-type": "application/x-ndjson"})
+        elapsed = time.perf_counter() - start
+    stop.set()
+    if scrape:
+        thread.join()
+    return records / elapsed, statistics.median(scrape_times) if scrape_times else 0.0
+
+
+def over_http(bodies: list[bytes], repeats: int) -> None:
+    naive_module = ROOT / "bench" / "_naive_app.py"
+    naive_module.write_text(NAIVE_APP)
+    ours_process, ours_url = start_server(["-m", "kvlens.cli", "serve"])
+    naive_process, naive_url = start_server(
+        ["-m", "uvicorn", "bench._naive_app:app", "--log-level", "warning", "--no-access-log"]
+    )
+    try:
+        ours_rates, naive_rates = [], []
+        for _ in range(repeats):  # taking turns, as in interleaved_rates
+            ours_rates.append(http_rate(ours_url, bodies, False)[0])
+            naive_rates.append(http_rate(naive_url, bodies, False)[0])
+        scraped, scrape_seconds = http_rate(ours_url, bodies, True)
+    finally:
+        for process in (ours_process, naive_process):
+            process.terminate()
+            process.wait()
+        naive_module.unlink()
+    ours = statistics.median(ours_rates)
+    print(f"HTTP ingest (1,000-record NDJSON)  {ours:>10,.0f} records/s (median of {repeats})")
+    print(
+        f"  naive served the same way        {statistics.median(naive_rates):>10,.0f} records/s   "
+        f"kvlens = {median_ratio(ours_rates, naive_rates):.1f}x (target >= 3x)"
+    )
+    print(
+        f"  with a scrape every 200 ms       {scraped:>10,.0f} records/s   "
+        f"= {scraped / ours:.0%} of unscraped; median scrape {scrape_seconds * 1000:.1f} ms"
+    )
+
+
+def render(target_series: int, repeats: int) -> None:
+    """Fill enough (model, prompt_len, cache) groups to expose about ``target_series`` samples."""
+    settings = load_settings(max_models=500)
+    aggregator = Aggregator(settings)
+    registry = CollectorRegistry()
+    registry.register(KVLensCollector(aggregator))
+    models = 0
+    while generate_latest(registry).count(b"\n") - generate_latest(registry).count(b"\n# ") < target_series:
+        records = [
+            {"model": f"model-{models}", "prompt_tokens": n, "cached_tokens": h, "queue_seconds": 0.01,
+             "prefill_seconds": 0.02, "ttft_seconds": 0.04, "e2e_seconds": 1.0}
+            for n in (100, 1000, 4000, 10000, 40000) for h in (0, 64)
+        ]  # fmt: skip
+        aggregator.add(batch_from_objects(records), "push")
+        models += 1
+    text = generate_latest(registry)
+    series = text.count(b"\n") - text.count(b"# ")
+
+    baseline = CollectorRegistry()
+    counter = Counter("baseline", "baseline", ("model", "i"), registry=baseline)
+    histogram = Histogram("baseline_seconds", "b", ("model", "i"), buckets=LATENCY_BUCKETS, registry=baseline)
+    per_label_set = 1 + len(LATENCY_BUCKETS) + 3  # a counter and a histogram (buckets, +Inf, sum, count)
+    for i in range(series // per_label_set):
+        counter.labels("m", str(i)).inc()
+        histogram.labels("m", str(i)).observe(0.1)
+    baseline_series = generate_latest(baseline).count(b"\n") - generate_latest(baseline).count(b"# ")
+
+    def timed(reg: CollectorRegistry) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            generate_latest(reg)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1000
+
+    ours, theirs = timed(registry), timed(baseline)
+    print(
+        f"/metrics render, {series:>6,} series   {ours:7.1f} ms   "
+        f"prometheus_client native, {baseline_series:,} series: {theirs:.1f} ms"
+    )
+
+
+def rss(records_total: int) -> None:
+    process = psutil.Process()
+    aggregator = Aggregator(load_settings())
+    traffic = DemoTraffic(rate_per_second=BATCH * 1.2, seed=3)
+    objects = [traffic.records(float(i), float(i + 1))[:BATCH] for i in range(50)]
+    done = 0
+    after_first_million = None
+    while done < records_total:
+        for batch in objects:
+            aggregator.add(batch_from_objects(batch), "push")
+            done += len(batch)
+            if after_first_million is None and done >= 1_000_000:
+                gc.collect()
+                after_first_million = process.memory_info().rss
+            if done >= records_total:
+                break
+    gc.collect()
+    first, last = after_first_million or 0, process.memory_info().rss
+    print(
+        f"RSS after 1M records {first / 2**20:7.1f} MiB, after {done / 1e6:.0f}M "
+        f"{last / 2**20:7.1f} MiB: {(last - first) / 2**20:+.1f} MiB (target within 10 MiB)"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="smaller runs (a smoke test, not figures)")
+    args = parser.parse_args()
+    repeats = 3 if args.quick else 7
+    bodies = payload(20 if args.quick else 100)
+    size = sum(map(len, bodies)) / len(bodies)
+    print(f"payload: {len(bodies)} NDJSON batches of {BATCH} records, {size:,.0f} bytes each")
+    in_process(bodies, repeats)
+    over_http(bodies[:20] if args.quick else bodies, 3 if args.quick else 5)
+    for target in (2_000, 20_000):
+        render(target, repeats)
+    rss(2_000_000 if args.quick else 10_000_000)
+
+
+if __name__ == "__main__":
+    main()
