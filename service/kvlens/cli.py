@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TextIO
 
 import uvicorn
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, ProcessCollector
 
 from kvlens import __version__
 from kvlens.config import ENV_PREFIX, Settings, SettingsError, load_settings
@@ -73,7 +73,9 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def _server(settings: Settings, aggregator: Aggregator, log_level: str) -> uvicorn.Server:
-    app = create_app(settings, CollectorRegistry(), aggregator)
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)  # process_start_time_seconds shows restarts
+    app = create_app(settings, registry, aggregator)
     config = uvicorn.Config(
         app,
         host=settings.host,

@@ -7,8 +7,8 @@ Each family is built on its own; one that fails is left out and counted in
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator
-from typing import cast
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, cast
 
 import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -45,10 +45,10 @@ class KVLensCollector(Collector):
             _reuse_ratio,
             _ttft_components,
             _ttft_overlap,
-            _received,
-            _rejected,
-            _unknown_fields,
-            _overflow,
+            _health_counter(metrics.RECEIVED, lambda snap: snap.received),
+            _health_counter(metrics.REJECTED, lambda snap: snap.rejected),
+            _health_counter(metrics.UNKNOWN_FIELDS, lambda snap: snap.unknown_fields),
+            _health_counter(metrics.OVERFLOW, lambda snap: {(): snap.series_overflow}),
             _build_info,
         ]
         for build in builders:
@@ -147,31 +147,18 @@ def _ttft_overlap(snapshot: Snapshot) -> Metric:
     return family
 
 
-def _received(snapshot: Snapshot) -> Metric:
-    family = _counter(metrics.RECEIVED)
-    for source, count in snapshot.received.items():
-        family.add_metric([source], count)
-    return family
+def _health_counter(
+    spec: metrics.MetricSpec, counts: Callable[[Snapshot], Mapping[Any, int]]
+) -> Callable[[Snapshot], Metric]:
+    """A counter family from a mapping of label value(s) to count."""
 
+    def build(snapshot: Snapshot) -> Metric:
+        family = _counter(spec)
+        for key, count in sorted(counts(snapshot).items()):
+            family.add_metric(list(key) if isinstance(key, tuple) else [key], count)
+        return family
 
-def _rejected(snapshot: Snapshot) -> Metric:
-    family = _counter(metrics.REJECTED)
-    for (source, reason), count in sorted(snapshot.rejected.items()):
-        family.add_metric([source, reason], count)
-    return family
-
-
-def _unknown_fields(snapshot: Snapshot) -> Metric:
-    family = _counter(metrics.UNKNOWN_FIELDS)
-    for source, count in snapshot.unknown_fields.items():
-        family.add_metric([source], count)
-    return family
-
-
-def _overflow(snapshot: Snapshot) -> Metric:
-    family = _counter(metrics.OVERFLOW)
-    family.add_metric([], snapshot.series_overflow)
-    return family
+    return build
 
 
 def _build_info(snapshot: Snapshot) -> Metric:
