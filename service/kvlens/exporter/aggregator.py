@@ -8,6 +8,7 @@ copies the arrays under the same lock (:meth:`Aggregator.snapshot`) and formats 
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -147,6 +148,12 @@ class Snapshot:
     rejected: dict[tuple[str, str], int]
     unknown_fields: dict[str, int]
     series_overflow: int
+
+    @functools.cached_property
+    def active_groups(self) -> list[tuple[int, list[str]]]:
+        """(group index, [model, prompt_len, cache]) of every group that has seen a request."""
+        groups = np.flatnonzero(self.state.requests).tolist()
+        return [(group, list(self.group_labels(group))) for group in groups]
 
     def group_labels(self, group: int) -> tuple[str, str, str]:
         """(model, prompt_len, cache) of a flat group index."""

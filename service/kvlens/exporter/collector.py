@@ -91,9 +91,9 @@ def _counter(spec: metrics.MetricSpec) -> CounterMetricFamily:
 def _group_counter(spec: metrics.MetricSpec, attribute: str) -> Callable[[Snapshot], Metric]:
     def build(snapshot: Snapshot) -> Metric:
         family = _counter(spec)
-        values = getattr(snapshot.state, attribute)
-        for group in np.flatnonzero(snapshot.state.requests).tolist():
-            family.add_metric(snapshot.group_labels(group), float(values[group]))
+        values = getattr(snapshot.state, attribute).tolist()
+        for group, labels in snapshot.active_groups:
+            family.add_metric(labels, values[group])
         return family
 
     return build
@@ -108,19 +108,20 @@ def _histogram_family(
     family = HistogramMetricFamily(spec.name, spec.help, labels=spec.labels)
     bounds = [_go_float(edge) for edge in edges] + ["+Inf"]
     cumulative = np.cumsum(hist.counts, axis=1)
+    sums = hist.sums.tolist()
     for row, labels in rows:
-        counts = cumulative[row]
+        counts = cumulative[row].tolist()
         if counts[-1] == 0:
             continue
-        family.add_metric(labels, list(zip(bounds, counts.tolist(), strict=True)), float(hist.sums[row]))
+        family.add_metric(labels, list(zip(bounds, counts, strict=True)), sums[row])
     return family
 
 
 def _latency_histogram(spec: metrics.MetricSpec, field: str) -> Callable[[Snapshot], Metric]:
     def build(snapshot: Snapshot) -> Metric:
-        groups = np.flatnonzero(snapshot.state.requests).tolist()
-        rows = ((group, list(snapshot.group_labels(group))) for group in groups)
-        return _histogram_family(spec, snapshot.state.latency[field], snapshot.latency_buckets, rows)
+        return _histogram_family(
+            spec, snapshot.state.latency[field], snapshot.latency_buckets, snapshot.active_groups
+        )
 
     return build
 
