@@ -30,8 +30,8 @@ class Running:
         return out
 
 
-def start_kvlens(*args: str, env: dict[str, str] | None = None) -> Running:
-    port = free_port()
+def start_kvlens(*args: str, env: dict[str, str] | None = None, port: int | None = None) -> Running:
+    port = port or free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "kvlens.cli", *args, "--port", str(port)],
         stdout=subprocess.PIPE,

@@ -146,6 +146,7 @@ class Snapshot:
     state: GroupState
     received: dict[str, int]
     rejected: dict[tuple[str, str], int]
+    dropped: dict[str, int]
     unknown_fields: dict[str, int]
     series_overflow: int
 
@@ -178,6 +179,7 @@ class Snapshot:
 class _HealthCounts:
     received: Counter[str] = field(default_factory=Counter)
     rejected: Counter[tuple[str, str]] = field(default_factory=Counter)
+    dropped: Counter[str] = field(default_factory=Counter)
     unknown_fields: Counter[str] = field(default_factory=Counter)
     series_overflow: int = 0
 
@@ -185,7 +187,7 @@ class _HealthCounts:
 class Aggregator:
     """Adds validated batches into the running sums. Thread-safe."""
 
-    def __init__(self, settings: Settings, sources: tuple[str, ...] = ("push",)) -> None:
+    def __init__(self, settings: Settings, sources: tuple[str, ...] = ("push", "vllm_plugin")) -> None:
         self.settings = settings
         self.sources = sources
         self._lock = threading.Lock()
@@ -218,6 +220,11 @@ class Aggregator:
                 health.rejected[(source, reason)] += count
             if reduced is not None:
                 self._state += reduced
+
+    def add_dropped(self, source: str, count: int) -> None:
+        """Records a sender says it dropped before delivery."""
+        with self._lock:
+            self._health.dropped[source] += count
 
     def _model_slots_of(self, batch: RecordBatch) -> tuple[npt.NDArray[np.intp], list[int], int]:
         """Label slot per record, the slots this batch may use, and records folded into other."""
@@ -316,6 +323,7 @@ class Aggregator:
                     **{(source, reason): 0 for source in sorted(sources) for reason in REASONS},
                     **health.rejected,
                 },
+                dropped={source: health.dropped[source] for source in sorted(sources)},
                 unknown_fields={source: health.unknown_fields[source] for source in sorted(sources)},
                 series_overflow=health.series_overflow,
             )

@@ -19,7 +19,7 @@ from kvlens.config import Settings
 from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.collector import KVLensCollector
 from kvlens.records import Record
-from kvlens.sources import push
+from kvlens.sources import push, vllm_plugin
 
 
 class Rejection(BaseModel):
@@ -90,18 +90,24 @@ def create_app(
     async def ingest(request: Request) -> Response:
         if token is not None and not _authorized(request, token):
             return _error(401, "missing or invalid bearer token", {"WWW-Authenticate": "Bearer"})
+        source = request.headers.get(vllm_plugin.SOURCE_HEADER, push.SOURCE)
+        if source not in aggregator.sources:
+            source = push.SOURCE
+        dropped = request.headers.get(vllm_plugin.DROPPED_HEADER, "")
+        if dropped.isdigit() and len(dropped) <= 12:
+            aggregator.add_dropped(source, int(dropped))
         try:
             body = await _read_body(request, settings.max_body_bytes)
-            result = await run_in_threadpool(_ingest, body, request.headers.get("content-encoding"))
+            result = await run_in_threadpool(_ingest, body, request.headers.get("content-encoding"), source)
         except push.PayloadTooLarge as error:
             return _error(413, str(error))
         except push.PayloadUndecodable as error:
             return _error(400, str(error))
         return Response(result.model_dump_json(), media_type="application/json")
 
-    def _ingest(body: bytes, content_encoding: str | None) -> IngestResult:
+    def _ingest(body: bytes, content_encoding: str | None, source: str) -> IngestResult:
         validated = push.read_records(push.decompress(body, content_encoding, settings.max_body_bytes))
-        aggregator.add(validated, push.SOURCE)
+        aggregator.add(validated, source)
         return IngestResult(
             accepted=len(validated.batch),
             rejected_count=len(validated.rejections),

@@ -47,6 +47,7 @@ class KVLensCollector(Collector):
             _ttft_overlap,
             _health_counter(metrics.RECEIVED, lambda snap: snap.received),
             _health_counter(metrics.REJECTED, lambda snap: snap.rejected),
+            _health_counter(metrics.DROPPED, lambda snap: snap.dropped),
             _health_counter(metrics.UNKNOWN_FIELDS, lambda snap: snap.unknown_fields),
             _health_counter(metrics.OVERFLOW, lambda snap: {(): snap.series_overflow}),
             _build_info,

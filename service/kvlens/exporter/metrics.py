@@ -70,6 +70,12 @@ REJECTED = MetricSpec(
     ("source", "reason"),
     "Records rejected, by reason; a rejected record is counted nowhere else.",
 )
+DROPPED = MetricSpec(
+    "kvlens_records_dropped",
+    "counter",
+    ("source",),
+    "Records a sender dropped before delivery, as it reported (the vLLM plugin's queue overflowed).",
+)
 UNKNOWN_FIELDS = MetricSpec(
     "kvlens_record_unknown_fields", "counter", ("source",), "Fields kvlens does not know, ignored."
 )
@@ -94,6 +100,7 @@ ALL: Final = (
     TTFT_OVERLAP,
     RECEIVED,
     REJECTED,
+    DROPPED,
     UNKNOWN_FIELDS,
     OVERFLOW,
     SCRAPE_ERRORS,
