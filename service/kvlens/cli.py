@@ -56,6 +56,12 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="run the sidecar: POST /v1/records, GET /metrics")
     server_flags(serve)
+    serve.add_argument(
+        "--scrape",
+        action="append",
+        metavar="URL",
+        help=f"a vLLM /metrics URL to reconcile with (repeatable; env {ENV_PREFIX}SCRAPE_TARGETS as JSON)",
+    )
     serve.set_defaults(run=_serve)
 
     run_demo = commands.add_parser("demo", help="run the sidecar fed by built-in article-shaped traffic")
@@ -69,7 +75,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _settings(args: argparse.Namespace) -> Settings:
-    return load_settings(args.config, host=args.host, port=args.port)
+    return load_settings(
+        args.config, host=args.host, port=args.port, scrape_targets=getattr(args, "scrape", None)
+    )
 
 
 def _server(settings: Settings, aggregator: Aggregator, log_level: str) -> uvicorn.Server:

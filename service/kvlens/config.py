@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import urllib.parse
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -76,6 +77,14 @@ class Settings(BaseSettings):
     )
     max_models: int = Field(50, ge=1, le=10_000, description="Cap on `model` values without allow-list.")
     default_model: str = Field("unknown", description="`model` label of records that carry none.")
+    scrape_targets: list[str] = Field(
+        [], description="vLLM `/metrics` URLs to scrape for the engine's own counters (`--scrape`)."
+    )
+    scrape_interval_seconds: float = Field(15.0, gt=0, le=3600, description="Seconds between scrapes.")
+    scrape_timeout_seconds: float = Field(
+        5.0, gt=0, le=300, description="Hard deadline for a whole scrape (connect to last byte)."
+    )
+    scrape_max_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Largest scraped exposition.")
     max_rejections_listed: int = Field(
         100, ge=0, le=100_000, description="Rejections listed per ingest answer (the count is exact)."
     )
@@ -108,6 +117,15 @@ class Settings(BaseSettings):
         ):
             raise ValueError("must be non-empty, within 0..1 and strictly increasing")
         return buckets
+
+    @field_validator("scrape_targets")
+    @classmethod
+    def _http_urls(cls, urls: list[str]) -> list[str]:
+        if any(urllib.parse.urlsplit(url).scheme not in ("http", "https") for url in urls):
+            raise ValueError("scrape targets must be http(s) URLs")
+        if len(set(urls)) != len(urls):
+            raise ValueError("scrape targets must be distinct")
+        return urls
 
     @field_validator("models", "cost_models", "default_model")
     @classmethod

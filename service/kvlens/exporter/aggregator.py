@@ -221,6 +221,11 @@ class Aggregator:
             if reduced is not None:
                 self._state += reduced
 
+    def model_label(self, name: str) -> str:
+        """The ``model`` label value for ``name`` under the cap (for engine-reported series)."""
+        with self._lock:
+            return self._models.label(self._models.index_of(name or self.settings.default_model))
+
     def add_dropped(self, source: str, count: int) -> None:
         """Records a sender says it dropped before delivery."""
         with self._lock:

@@ -3,9 +3,14 @@ registered globally, so every test (and every process) brings its own registry."
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
+import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -18,8 +23,11 @@ from kvlens import __version__
 from kvlens.config import Settings
 from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.collector import KVLensCollector
+from kvlens.exporter.upstream import UpstreamState
 from kvlens.records import Record
-from kvlens.sources import push, vllm_plugin
+from kvlens.sources import push, vllm_metrics, vllm_plugin
+
+log = logging.getLogger(__name__)
 
 
 class Rejection(BaseModel):
@@ -60,11 +68,40 @@ def create_app(
     settings: Settings, registry: CollectorRegistry, aggregator: Aggregator | None = None
 ) -> FastAPI:
     aggregator = aggregator or Aggregator(settings)
-    registry.register(KVLensCollector(aggregator))
+    targets = {vllm_metrics.target_name(url): url for url in settings.scrape_targets}
+    upstream = UpstreamState(tuple(targets))
+    registry.register(KVLensCollector(aggregator, upstream if targets else None))
+
+    async def scrape_forever(target: str, url: str) -> None:
+        async with httpx.AsyncClient(timeout=settings.scrape_timeout_seconds) as client:
+            while True:
+                try:
+                    text = await vllm_metrics.fetch(
+                        client,
+                        url,
+                        deadline_seconds=settings.scrape_timeout_seconds,
+                        max_bytes=settings.scrape_max_bytes,
+                    )
+                    scrape = await run_in_threadpool(vllm_metrics.parse, text)
+                    upstream.record_scrape(target, scrape, aggregator.model_label)
+                except vllm_metrics.ScrapeError as error:
+                    log.warning("kvlens: scrape of %s failed: %s", target, error)
+                    upstream.record_failure(target, error.reason)
+                await asyncio.sleep(settings.scrape_interval_seconds)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        tasks = [asyncio.create_task(scrape_forever(target, url)) for target, url in targets.items()]
+        yield
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     app = FastAPI(
         title="kvlens",
         version=__version__,
         description="Prefix-cache statistics sidecar: push per-request records, scrape /metrics.",
+        lifespan=lifespan,
     )
     app.state.aggregator = aggregator
     app.state.registry = registry

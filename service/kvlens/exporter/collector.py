@@ -18,14 +18,16 @@ from prometheus_client.utils import floatToGoString
 from kvlens import __version__
 from kvlens.exporter import metrics
 from kvlens.exporter.aggregator import TTFT_COMPONENTS, Aggregator, Histograms, Snapshot
+from kvlens.exporter.upstream import UpstreamState
 
 log = logging.getLogger(__name__)
 _go_float = cast(Callable[[float], str], floatToGoString)  # how prometheus_client writes `le`
 
 
 class KVLensCollector(Collector):
-    def __init__(self, aggregator: Aggregator) -> None:
+    def __init__(self, aggregator: Aggregator, upstream: UpstreamState | None = None) -> None:
         self.aggregator = aggregator
+        self.upstream = upstream
         self.errors = 0
 
     def describe(self) -> Iterable[Metric]:
@@ -53,14 +55,21 @@ class KVLensCollector(Collector):
             _build_info,
         ]
         for build in builders:
-            try:
-                family = build(snapshot)
-            except Exception:
-                log.exception("kvlens collector: a metric family failed to render")
-                self.errors += 1
-                continue
-            yield family
+            yield from self._safely(build, snapshot)
+        if self.upstream is not None:
+            yield from self._safely(_upstream_families, self.upstream)
         yield self._errors_family()
+
+    def _safely(self, build: Callable[[Any], Iterable[Metric] | Metric], state: Any) -> Iterator[Metric]:
+        """The families ``build`` makes of ``state``, or none (counted) when it raises."""
+        try:
+            built = build(state)
+            families = [built] if isinstance(built, Metric) else list(built)
+        except Exception:
+            log.exception("kvlens collector: a metric family failed to render")
+            self.errors += 1
+            return
+        yield from families
 
     def _errors_family(self) -> Metric:
         family = CounterMetricFamily(
@@ -169,3 +178,28 @@ def _build_info(snapshot: Snapshot) -> Metric:
     )
     family.add_metric([__version__], 1)
     return family
+
+
+def _upstream_families(upstream: UpstreamState) -> list[Metric]:
+    snapshot = upstream.snapshot()
+    families: list[Metric] = []
+    for counter, spec in metrics.ENGINE_COUNTERS.items():
+        family = _counter(spec)
+        for (name, target, model), value in sorted(snapshot.counters.items()):
+            if name == counter:
+                family.add_metric([target, model], value)
+        families.append(family)
+    up = GaugeMetricFamily(
+        metrics.UPSTREAM_UP.name, metrics.UPSTREAM_UP.help, labels=metrics.UPSTREAM_UP.labels
+    )
+    for target, value in sorted(snapshot.up.items()):
+        up.add_metric([target], value)
+    running = GaugeMetricFamily(
+        metrics.ENGINE_RUNNING.name, metrics.ENGINE_RUNNING.help, labels=metrics.ENGINE_RUNNING.labels
+    )
+    for (target, model), value in sorted(snapshot.running.items()):
+        running.add_metric([target, model], value)
+    errors = _counter(metrics.UPSTREAM_ERRORS)
+    for (target, reason), count in sorted(snapshot.errors.items()):
+        errors.add_metric([target, reason], count)
+    return [*families, up, running, errors]

@@ -85,6 +85,34 @@ OVERFLOW = MetricSpec(
     (),
     "Records whose model was folded into the label value other by the label cap.",
 )
+ENGINE_COUNTERS: Final = {
+    counter: MetricSpec(f"kvlens_engine_{counter}", "counter", ("target", "model"), help_text)
+    for counter, help_text in (
+        ("prefix_cache_queried_tokens", "Engine-reported prefix-cache lookups, in tokens (vLLM /metrics)."),
+        ("prefix_cache_hit_tokens", "Engine-reported prefix-cache hits, in tokens (vLLM /metrics)."),
+        ("prefix_cache_queried_blocks", "Engine-reported prefix-cache lookups, in blocks (vLLM 0.8.x)."),
+        ("prefix_cache_hit_blocks", "Engine-reported prefix-cache hits, in blocks (vLLM 0.8.x)."),
+        ("prompt_tokens", "Engine-reported prompt tokens (vLLM /metrics)."),
+        ("cached_prompt_tokens", "Engine-reported cached prompt tokens, local and external (vLLM 0.16+)."),
+        ("requests", "Engine-reported finished requests (vLLM request_success)."),
+    )
+}
+ENGINE_RUNNING = MetricSpec(
+    "kvlens_engine_requests_running",
+    "gauge",
+    ("target", "model"),
+    "Requests the engine runs now (its batch).",
+)
+UPSTREAM_UP = MetricSpec(
+    "kvlens_upstream_up", "gauge", ("target",), "1 when the last scrape of the engine's /metrics succeeded."
+)
+UPSTREAM_ERRORS = MetricSpec(
+    "kvlens_upstream_scrape_errors",
+    "counter",
+    ("target", "reason"),
+    "Failed scrapes of an engine's /metrics: timeout, too_large, http_status, connect, parse.",
+)
+UPSTREAM: Final = (*ENGINE_COUNTERS.values(), ENGINE_RUNNING, UPSTREAM_UP, UPSTREAM_ERRORS)  # with --scrape
 SCRAPE_ERRORS = MetricSpec(
     "kvlens_collector_errors", "counter", (), "Metric families that failed to render and were left out."
 )
@@ -103,6 +131,7 @@ ALL: Final = (
     DROPPED,
     UNKNOWN_FIELDS,
     OVERFLOW,
+    *UPSTREAM,
     SCRAPE_ERRORS,
     BUILD_INFO,
 )
