@@ -20,7 +20,7 @@ from kvlens.config import ENV_PREFIX, Settings, SettingsError, load_settings
 from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.app import create_app
 from kvlens.records import batch_from_objects
-from kvlens.sources import demo, push
+from kvlens.sources import demo
 
 log = logging.getLogger("kvlens")
 
@@ -57,6 +57,20 @@ def _parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run the sidecar: POST /v1/records, GET /metrics")
     server_flags(serve)
     serve.add_argument(
+        "--tail",
+        action="append",
+        metavar="GLOB",
+        help="follow JSON-lines files (repeatable; each takes the --format given after it)",
+    )
+    serve.add_argument(
+        "--format",
+        action="append",
+        dest="formats",
+        metavar="F",
+        help="format of the --tail before it: kvlens (default), sglang, openai-usage",
+    )
+    serve.add_argument("--model", help="model label for tailed lines that carry none (SGLang)")
+    serve.add_argument(
         "--scrape",
         action="append",
         metavar="URL",
@@ -76,8 +90,32 @@ def _parser() -> argparse.ArgumentParser:
 
 def _settings(args: argparse.Namespace) -> Settings:
     return load_settings(
-        args.config, host=args.host, port=args.port, scrape_targets=getattr(args, "scrape", None)
+        args.config,
+        host=args.host,
+        port=args.port,
+        scrape_targets=getattr(args, "scrape", None),
+        tails=_tails(
+            getattr(args, "tail", None), getattr(args, "formats", None), getattr(args, "model", None)
+        ),
     )
+
+
+def _tails(
+    globs: list[str] | None, formats: list[str] | None, model: str | None
+) -> list[dict[str, str]] | None:
+    """Pair each --tail with the --format given for it (kvlens when none)."""
+    if not globs:
+        if formats:
+            raise SettingsError("--format needs a --tail to apply to")
+        return None
+    formats = formats or []
+    if len(formats) > len(globs):
+        raise SettingsError("more --format than --tail flags")
+    padded = formats + ["kvlens"] * (len(globs) - len(formats))
+    return [
+        {"path": path, "format": format_name, **({"model": model} if model else {})}
+        for path, format_name in zip(globs, padded, strict=True)
+    ]
 
 
 def _server(settings: Settings, aggregator: Aggregator, log_level: str) -> uvicorn.Server:
@@ -106,7 +144,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     settings = _settings(args)
-    aggregator = Aggregator(settings, sources=(push.SOURCE, demo.SOURCE))
+    aggregator = Aggregator(settings, extra_sources=(demo.SOURCE,))
     server = _server(settings, aggregator, "warning")
     traffic = demo.DemoTraffic(rate_per_second=args.rate, seed=args.seed)
     stop = threading.Event()

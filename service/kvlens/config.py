@@ -9,7 +9,15 @@ import urllib.parse
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -19,6 +27,7 @@ from pydantic_settings import (
 
 from kvlens.definitions import CostModel
 from kvlens.records import valid_label
+from kvlens.sources import formats
 
 ENV_PREFIX = "KVLENS_"
 
@@ -39,6 +48,33 @@ class CostModelSetting(BaseModel):
 
     def to_cost_model(self) -> CostModel:
         return CostModel(a=self.a, b=self.b)
+
+
+class TailSetting(BaseModel):
+    """One followed glob of JSON-lines files (``--tail GLOB --format F``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(description="Glob of the files to follow; it must not match rotated copies.")
+    format: str = Field("kvlens", description="kvlens, sglang or openai-usage (ignored with fields).")
+    model: str | None = Field(None, description="`model` for lines that carry none (SGLang never does).")
+    fields: dict[str, str] = Field({}, description="Record field -> dotted path, for other JSON logs.")
+    missing_cached_is_zero: bool = Field(
+        False, description="openai-usage: no prompt_tokens_details means 0 cached (vLLM < 0.24)."
+    )
+
+    @model_validator(mode="after")
+    def _known_format(self) -> TailSetting:
+        self.converter()  # raises ValueError for an unknown format or field
+        return self
+
+    def converter(self) -> formats.Converter:
+        return formats.converter(
+            self.format,
+            model=self.model,
+            fields=self.fields,
+            missing_cached_is_zero=self.missing_cached_is_zero,
+        )
 
 
 class Settings(BaseSettings):
@@ -85,6 +121,16 @@ class Settings(BaseSettings):
         5.0, gt=0, le=300, description="Hard deadline for a whole scrape (connect to last byte)."
     )
     scrape_max_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Largest scraped exposition.")
+    tails: list[TailSetting] = Field(
+        [], description="JSON-lines files to follow (`--tail GLOB --format F`), as a list of objects."
+    )
+    tail_poll_seconds: float = Field(1.0, gt=0, le=60, description="Seconds between polls of followed files.")
+    tail_max_line_bytes: int = Field(
+        1024 * 1024, ge=1024, description="Longer lines are skipped and counted."
+    )
+    state_dir: Path = Field(
+        Path(".kvlens"), description="Where tail checkpoints are kept (a writable volume)."
+    )
     max_rejections_listed: int = Field(
         100, ge=0, le=100_000, description="Rejections listed per ingest answer (the count is exact)."
     )

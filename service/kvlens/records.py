@@ -304,6 +304,10 @@ class Validated:
     rejections: Rejections
     unknown_fields: int
 
+    def with_rejections(self, more: Rejections) -> Validated:
+        """The same batch with records rejected before validation (undecodable lines) added."""
+        return Validated(self.batch, self.rejections + more, self.unknown_fields) if len(more) else self
+
 
 class _Missing:
     __slots__ = ()

@@ -187,9 +187,9 @@ class _HealthCounts:
 class Aggregator:
     """Adds validated batches into the running sums. Thread-safe."""
 
-    def __init__(self, settings: Settings, sources: tuple[str, ...] = ("push", "vllm_plugin")) -> None:
+    def __init__(self, settings: Settings, extra_sources: tuple[str, ...] = ()) -> None:
         self.settings = settings
-        self.sources = sources
+        self.sources = ("push", "vllm_plugin", *(("tail",) if settings.tails else ()), *extra_sources)
         self._lock = threading.Lock()
         self._models = ModelLabels(settings)
         self._length_edges = np.asarray(settings.prompt_length_edges, np.int64)

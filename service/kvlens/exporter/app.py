@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,7 +26,7 @@ from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.collector import KVLensCollector
 from kvlens.exporter.upstream import UpstreamState
 from kvlens.records import Record
-from kvlens.sources import push, vllm_metrics, vllm_plugin
+from kvlens.sources import push, tail, vllm_metrics, vllm_plugin
 
 log = logging.getLogger(__name__)
 
@@ -89,13 +90,38 @@ def create_app(
                     upstream.record_failure(target, error.reason)
                 await asyncio.sleep(settings.scrape_interval_seconds)
 
+    def follow_files(stop: threading.Event) -> list[threading.Thread]:
+        threads = []
+        for spec in settings.tails:
+            convert = spec.converter()
+            tailer = tail.Tailer(
+                spec.path,
+                tail.checkpoint_path(settings.state_dir, spec.path),
+                max_line_bytes=settings.tail_max_line_bytes,
+            )
+            thread = threading.Thread(
+                target=tail.follow,
+                args=(tailer, convert, lambda validated: aggregator.add(validated, "tail"), stop),
+                kwargs={"poll_seconds": settings.tail_poll_seconds},
+                name=f"kvlens-tail-{spec.path}",
+                daemon=True,
+            )
+            thread.start()
+            threads.append(thread)
+        return threads
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         tasks = [asyncio.create_task(scrape_forever(target, url)) for target, url in targets.items()]
+        stop_tails = threading.Event()
+        tails = follow_files(stop_tails)
         yield
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        stop_tails.set()
+        for thread in tails:  # each writes its last checkpoint as it ends
+            await asyncio.to_thread(thread.join, 10)
 
     app = FastAPI(
         title="kvlens",

@@ -10,13 +10,11 @@ undecodable lines.
 
 from __future__ import annotations
 
-import json
 import zlib
 from typing import Any
 
-import orjson
-
 from kvlens.records import Rejections, Validated, batch_from_json_array, batch_from_objects
+from kvlens.sources.jsonlines import UNDECODABLE, decode_lines, loads, orjson_or_none
 
 SOURCE = "push"
 _GZIP_MAGIC = b"\x1f\x8b"
@@ -66,11 +64,9 @@ def read_records(body: bytes) -> Validated:
         if batch is not None and expected in (None, len(batch)):
             return Validated(batch, Rejections(), 0)
     objects, positions, malformed = _decode(text, as_array, expected)
-    validated = batch_from_objects(objects, positions)
-    if malformed:
-        rejections = validated.rejections + Rejections.single(malformed, "malformed_json")
-        return Validated(validated.batch, rejections, validated.unknown_fields)
-    return validated
+    return batch_from_objects(objects, positions).with_rejections(
+        Rejections.single(malformed, "malformed_json")
+    )
 
 
 def _decode(
@@ -80,57 +76,22 @@ def _decode(
     if not text:
         return [], None, []
     if expected is None:  # a JSON array
-        value = _loads(text)
-        if value is _UNDECODABLE:
+        value = loads(text)
+        if value is UNDECODABLE:
             raise PayloadUndecodable("body is not valid JSON (an array was expected)")
         return value, None, []
-    joined = _orjson_or_none(as_array) if as_array else None
+    joined = orjson_or_none(as_array) if as_array else None
     if isinstance(joined, list) and len(joined) == expected:
         return joined, None, []
     if expected > 1 and text[:1] == b"{":  # one pretty-printed object?
-        single = _orjson_or_none(text)
+        single = orjson_or_none(text)
         if isinstance(single, dict):
             return [single], None, []
 
-    objects: list[Any] = []
-    positions: list[int] = []
-    malformed: list[int] = []
-    index = 0
-    for line in text.split(b"\n"):
-        if not line.strip():
-            continue
-        value = _loads(line)
-        if value is _UNDECODABLE:
-            malformed.append(index)
-        else:
-            objects.append(value)
-            positions.append(index)
-        index += 1
+    objects, positions, malformed = decode_lines(text.split(b"\n"))
     if not objects:
-        single = _loads(text)  # one pretty-printed object holding NaN or Infinity
-        if single is not _UNDECODABLE:
+        single = loads(text)  # one pretty-printed object holding NaN or Infinity
+        if single is not UNDECODABLE:
             return [single], None, []
         raise PayloadUndecodable("no line is valid JSON (expected an object, an array or NDJSON)")
     return objects, positions, malformed
-
-
-_UNDECODABLE: Any = object()
-
-
-def _orjson_or_none(data: bytes) -> Any:
-    try:
-        return orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return None
-
-
-def _loads(data: bytes) -> Any:
-    """orjson, then the standard library (which reads NaN/Infinity/1e400 for field-level errors)."""
-    try:
-        return orjson.loads(data)
-    except orjson.JSONDecodeError:
-        pass
-    try:
-        return json.loads(data)
-    except (ValueError, RecursionError):
-        return _UNDECODABLE

@@ -1,0 +1,133 @@
+"""Outside JSON line formats -> kvlens record dicts (validated afterwards like any record).
+
+- ``kvlens``: records as they are.
+- ``sglang``: one line per request from SGLang's ``--export-metrics-to-file`` (its ``meta_info``
+  flattened beside ``request_parameters``): ``prompt_tokens``, ``cached_tokens``,
+  ``completion_tokens``, ``e2e_latency``, and with ``--enable-metrics`` ``queue_time`` and
+  ``first_token_latency``; ``id``; ``finish_reason`` as ``{"type": ...}``. SGLang writes no model
+  name per request: give one with the tail's ``model``.
+- ``openai-usage``: gateway logs holding an OpenAI response or just its ``usage``:
+  Chat/Completions ``usage.prompt_tokens`` and ``usage.prompt_tokens_details.cached_tokens``;
+  Responses ``usage.input_tokens`` and ``usage.input_tokens_details.cached_tokens``. vLLM before
+  0.24 omits ``prompt_tokens_details`` when nothing was cached: set ``missing_cached_is_zero``
+  for those (only when ``--enable-prompt-tokens-details`` is on, or every request reads as a miss).
+- a field mapping for any other JSON log: ``{"prompt_tokens": "usage.input", ...}`` (dotted paths).
+
+A converter never raises: what it cannot find it leaves out, and validation names the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from kvlens.records import FIELD_NAMES
+
+Converter = Callable[[Any], Any]
+FORMATS = ("kvlens", "sglang", "openai-usage")
+
+
+def converter(
+    name: str,
+    *,
+    model: str | None = None,
+    fields: Mapping[str, str] | None = None,
+    missing_cached_is_zero: bool = False,
+) -> Converter:
+    """The converter for a format name, or for a field mapping when ``fields`` is given."""
+    if fields:
+        unknown = sorted(set(fields) - set(FIELD_NAMES))
+        if unknown:
+            raise ValueError(f"field mapping names unknown record fields: {', '.join(unknown)}")
+        return _mapping(fields, model)
+    if name == "kvlens":
+        return _with_model(lambda line: line, model)
+    if name == "sglang":
+        return _with_model(_sglang, model)
+    if name == "openai-usage":
+        return _with_model(lambda line: _openai_usage(line, missing_cached_is_zero), model)
+    raise ValueError(f"unknown format {name!r}; one of {', '.join(FORMATS)}, or a field mapping")
+
+
+def _with_model(convert: Converter, model: str | None) -> Converter:
+    if model is None:
+        return convert
+
+    def with_model(line: Any) -> Any:
+        record = convert(line)
+        if isinstance(record, dict) and record.get("model") is None:
+            record["model"] = model
+        return record
+
+    return with_model
+
+
+def _pick(line: Mapping[str, Any], pairs: tuple[tuple[str, str], ...]) -> dict[str, Any]:
+    return {field: line[key] for key, field in pairs if key in line}
+
+
+_SGLANG_FIELDS = (
+    ("id", "request_id"),
+    ("prompt_tokens", "prompt_tokens"),
+    ("cached_tokens", "cached_tokens"),
+    ("completion_tokens", "output_tokens"),
+    ("e2e_latency", "e2e_seconds"),
+    ("queue_time", "queue_seconds"),
+    ("first_token_latency", "ttft_seconds"),
+)
+
+
+def _sglang(line: Any) -> Any:
+    if not isinstance(line, dict):
+        return line
+    record = _pick(line, _SGLANG_FIELDS)
+    reason = line.get("finish_reason")
+    if isinstance(reason, dict) and isinstance(reason.get("type"), str):
+        record["finish_reason"] = reason["type"]
+    return record
+
+
+_USAGE_NAMES = (("prompt_tokens", "prompt_tokens_details"), ("input_tokens", "input_tokens_details"))
+
+
+def _openai_usage(line: Any, missing_cached_is_zero: bool) -> Any:
+    if not isinstance(line, dict):
+        return line
+    usage: dict[str, Any] = line["usage"] if isinstance(line.get("usage"), dict) else line
+    record: dict[str, Any] = {}
+    for total, details in _USAGE_NAMES:
+        if total in usage:
+            record["prompt_tokens"] = usage[total]
+            detail = usage.get(details)
+            if isinstance(detail, dict) and "cached_tokens" in detail:
+                record["cached_tokens"] = detail["cached_tokens"]
+            elif missing_cached_is_zero:
+                record["cached_tokens"] = 0
+            break
+    output = usage.get("completion_tokens", usage.get("output_tokens"))
+    if output is not None:
+        record["output_tokens"] = output
+    if usage is not line:
+        if isinstance(line.get("model"), str):
+            record["model"] = line["model"]
+        if isinstance(line.get("id"), str):
+            record["request_id"] = line["id"]
+    return record
+
+
+def _mapping(fields: Mapping[str, str], model: str | None) -> Converter:
+    paths = {field: path.split(".") for field, path in fields.items()}
+
+    def convert(line: Any) -> Any:
+        if not isinstance(line, dict):
+            return line
+        record = {}
+        for field, path in paths.items():
+            value: Any = line
+            for key in path:
+                value = value.get(key) if isinstance(value, dict) else None
+            if value is not None:
+                record[field] = value
+        return record
+
+    return _with_model(convert, model)
