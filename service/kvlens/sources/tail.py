@@ -85,7 +85,8 @@ class Tailer:
             if followed is None:
                 continue
             followed.path = path
-            if status.st_size < followed.position:  # truncated (or copytruncate): start over
+            if status.st_size < followed.position or not self._same_start(followed, status.st_size):
+                # truncated, or truncated and written again past where we were: start over
                 log.info("kvlens tail: %s was truncated; reading it from the start", path)
                 followed.position = 0
                 followed.pending.clear()
@@ -121,6 +122,18 @@ class Tailer:
         followed = _Followed(path, handle, position, _fingerprint(handle, length), length)
         self._files[key] = followed
         return followed
+
+    @staticmethod
+    def _same_start(followed: _Followed, size: int) -> bool:
+        """Whether the file still begins with the bytes it began with (and widen the print)."""
+        if _fingerprint(followed.handle, followed.fingerprint_bytes) != followed.fingerprint:
+            followed.fingerprint_bytes = min(size, FINGERPRINT_BYTES)
+            followed.fingerprint = _fingerprint(followed.handle, followed.fingerprint_bytes)
+            return False
+        if followed.fingerprint_bytes < FINGERPRINT_BYTES and size > followed.fingerprint_bytes:
+            followed.fingerprint_bytes = min(size, FINGERPRINT_BYTES)
+            followed.fingerprint = _fingerprint(followed.handle, followed.fingerprint_bytes)
+        return True
 
     def _read(self, followed: _Followed, lines: list[bytes]) -> int:
         """Read to the end of a file; complete lines go to ``lines``. Returns lines skipped."""

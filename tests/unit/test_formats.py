@@ -1,0 +1,106 @@
+"""Outside line formats -> kvlens records."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvlens.records import batch_from_objects
+from kvlens.sources.formats import FORMATS, converter
+
+# One line of SGLang's --export-metrics-to-file: meta_info flattened beside request_parameters.
+SGLANG_LINE = {
+    "request_parameters": '{"rid": "a1", "sampling_params": {"max_new_tokens": 64}}',
+    "id": "a1",
+    "finish_reason": {"type": "stop", "matched": 2},
+    "prompt_tokens": 1024,
+    "completion_tokens": 64,
+    "cached_tokens": 512,
+    "e2e_latency": 1.25,
+    "queue_time": 0.05,
+    "first_token_latency": 0.21,
+}
+
+
+def test_sglang() -> None:
+    record = converter("sglang", model="qwen")(SGLANG_LINE)
+    assert record == {
+        "request_id": "a1",
+        "prompt_tokens": 1024,
+        "cached_tokens": 512,
+        "output_tokens": 64,
+        "e2e_seconds": 1.25,
+        "queue_seconds": 0.05,
+        "ttft_seconds": 0.21,
+        "finish_reason": "stop",
+        "model": "qwen",
+    }
+    assert len(batch_from_objects([record]).batch) == 1
+
+
+CHAT = {
+    "id": "chatcmpl-9",
+    "model": "llama",
+    "usage": {"prompt_tokens": 200, "completion_tokens": 10, "prompt_tokens_details": {"cached_tokens": 128}},
+}
+RESPONSES = {
+    "id": "resp_1",
+    "model": "llama",
+    "usage": {"input_tokens": 300, "output_tokens": 5, "input_tokens_details": {"cached_tokens": 256}},
+}
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        (CHAT, {"request_id": "chatcmpl-9", "model": "llama", "prompt_tokens": 200, "cached_tokens": 128}),
+        (RESPONSES, {"request_id": "resp_1", "model": "llama", "prompt_tokens": 300, "cached_tokens": 256}),
+        (CHAT["usage"], {"prompt_tokens": 200, "cached_tokens": 128}),  # a bare usage object
+    ],
+)
+def test_openai_usage(line: dict[str, Any], expected: dict[str, Any]) -> None:
+    record = converter("openai-usage")(line)
+    assert {k: record[k] for k in expected} == expected
+
+
+def test_missing_details_is_a_rejection_unless_the_switch_says_zero() -> None:
+    line = {"model": "llama", "usage": {"prompt_tokens": 50, "completion_tokens": 3}}  # vLLM < 0.24, 0 cached
+    strict = batch_from_objects([converter("openai-usage")(line)])
+    assert strict.rejections.details(1)[0]["reason"] == "missing"
+    lenient = batch_from_objects([converter("openai-usage", missing_cached_is_zero=True)(line)])
+    assert lenient.batch.cached_tokens.tolist() == [0]
+
+
+def test_field_mapping() -> None:
+    convert = converter(
+        "kvlens", fields={"prompt_tokens": "tokens.in", "cached_tokens": "tokens.hit", "model": "m"}
+    )
+    assert convert({"tokens": {"in": 9, "hit": 3}, "m": "x"}) == {
+        "prompt_tokens": 9,
+        "cached_tokens": 3,
+        "model": "x",
+    }
+    with pytest.raises(ValueError, match="unknown record fields"):
+        converter("kvlens", fields={"prompt_tokenz": "a"})
+
+
+def test_unknown_format() -> None:
+    with pytest.raises(ValueError, match="unknown format"):
+        converter("csv")
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=20), children, max_size=5)
+    ),
+    max_leaves=20,
+)
+
+
+@given(st.sampled_from(FORMATS), json_values)
+def test_converters_never_raise(name: str, value: Any) -> None:
+    batch_from_objects([converter(name, model="m")(value)])

@@ -1,0 +1,255 @@
+"""Following files through what log rotation does to them; checkpoints across restarts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from kvlens.sources.tail import Tailer
+
+
+def line(i: int) -> bytes:
+    return json.dumps({"prompt_tokens": 100 + i, "cached_tokens": i % 3}).encode() + b"\n"
+
+
+def append(path: Path, *numbers: int) -> None:
+    with open(path, "ab") as out:
+        out.write(b"".join(line(i) for i in numbers))
+
+
+def numbers(lines: list[bytes]) -> list[int]:
+    return [json.loads(raw)["prompt_tokens"] - 100 for raw in lines]
+
+
+def new_tailer(tmp_path: Path) -> Tailer:
+    tailer = Tailer(str(tmp_path / "logs" / "*.log"), tmp_path / "state" / "tail.json", max_line_bytes=4096)
+    _open_tailers.append(tailer)
+    return tailer
+
+
+_open_tailers: list[Tailer] = []
+
+
+@pytest.fixture(autouse=True)
+def close_tailers() -> Iterator[None]:
+    yield
+    while _open_tailers:
+        _open_tailers.pop().close()
+
+
+def setup(tmp_path: Path) -> Path:
+    (tmp_path / "logs").mkdir()
+    return tmp_path / "logs" / "app.log"
+
+
+def test_reads_appended_lines_once(tmp_path: Path) -> None:
+    log = setup(tmp_path)
+    append(log, 0, 1)
+    tailer = new_tailer(tmp_path)
+    assert numbers(tailer.poll().lines) == [0, 1]
+    assert tailer.poll().lines == []
+    append(log, 2)
+    assert numbers(tailer.poll().lines) == [2]
+
+
+def test_partial_last_line_is_counted_once_when_complete(tmp_path: Path) -> None:
+    log = setup(tmp_path)
+    whole = line(7)
+    log.write_bytes(whole[:10])
+    tailer = new_tailer(tmp_path)
+    assert tailer.poll().lines == []
+    with open(log, "ab") as out:
+        out.write(whole[10:])
+    assert numbers(tailer.poll().lines) == [7]
+    assert tailer.poll().lines == []
+
+
+def test_rename_rotation(tmp_path: Path) -> None:
+    log = setup(tmp_path)
+    append(log, 0)
+    tailer = new_tailer(tmp_path)
+    assert numbers(tailer.poll().lines) == [0]
+    append(log, 1)  # written before the rotation, not yet read
+    log.rename(tmp_path / "logs" / "app.log.1")  # out of the glob
+    append(log, 2)
+    assert sorted(numbers(tailer.poll().lines)) == [1, 2]
+    append(log, 3)
+    assert numbers(tailer.poll().lines) == [3]
+
+
+def test_delete_and_recreate(tmp_path: Path) -> None:
+    log = setup(tmp_path)
+    append(log, 0)
+    tailer = new_tailer(tmp_path)
+    tailer.poll()
+    append(log, 1)
+    log.unlink()
+    assert numbers(tailer.poll().lines) == [1]  # read to the end through the open descriptor
+    append(log, 2)
+    assert numbers(tailer.poll().lines) == [2]
+
+
+def test_copytruncate_and_truncation(tmp_path: Path) -> None:
+    log = setup(tmp_path)
+    append(log, 0, 1, 2)
+    tailer = new_tailer(tmp_path)
+    tailer.poll()
+    (tmp_path / "logs" / "app.log.1").write_bytes(log.read_bytes())  # the copy, outside the glob
+    with open(log, "r+b") as out:
+        out.truncate(0)
+    append(log, 3)
+    assert numbers(tailer.poll().lines) == [3]
+
+
+def test_over_long_line_is_skipped_and_counted(tmp_path: Path) -> None:
+    log = setup(tmp_path)
+    with open(log, "ab") as out:
+        out.write(line(0) + b'{"x": "' + b"y" * 10_000 + b'"}\n' + line(1))
+    polled = new_tailer(tmp_path).poll()
+    assert numbers(polled.lines) == [0, 1]
+    assert polled.too_long == 1
+
+
+def test_over_long_partial_line_is_skipped_across_polls(tmp_path: Path) -> None:
+    log = setup(tmp_path)
+    tailer = new_tailer(tmp_path)
+    log.write_bytes(b'{"x": "' + b"y" * 5000)
+    assert tailer.poll().too_long == 1
+    append(log, 4)  # no newline came before it: line 4 ends the over-long line and goes with it
+    assert numbers(tailer.poll().lines) == []
+    append(log, 5)
+    assert numbers(tailer.poll().lines) == [5]
+
+
+def test_restart_resumes_from_the_checkpoint(tmp_path: Path) -> None:
+    log = setup(tmp_path)
+    append(log, 0, 1)
+    first = new_tailer(tmp_path)
+    assert numbers(first.poll().lines) == [0, 1]
+    first.close()
+    append(log, 2)
+    second = new_tailer(tmp_path)
+    assert numbers(second.poll().lines) == [2]  # neither 0 nor 1 again
+
+
+def test_restart_after_the_file_was_replaced_reads_the_new_one_whole(tmp_path: Path) -> None:
+    log = setup(tmp_path)
+    append(log, 0, 1)
+    first = new_tailer(tmp_path)
+    first.poll()
+    first.close()
+    log.unlink()
+    append(log, 8, 9)  # may even reuse the inode: the fingerprint tells them apart
+    assert numbers(new_tailer(tmp_path).poll().lines) == [8, 9]
+
+
+def test_checkpoint_is_written_atomically(tmp_path: Path) -> None:
+    log = setup(tmp_path)
+    append(log, 0)
+    tailer = new_tailer(tmp_path)
+    tailer.poll()
+    checkpoint = tmp_path / "state" / "tail.json"
+    saved = json.loads(checkpoint.read_text())
+    (entry,) = saved["files"].values()
+    assert entry["offset"] == len(line(0))
+    assert not (tmp_path / "state" / "tail.json.tmp").exists()
+
+
+def test_unreadable_checkpoint_starts_over(tmp_path: Path) -> None:
+    log = setup(tmp_path)
+    append(log, 0)
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "tail.json").write_text("{not json")
+    assert numbers(new_tailer(tmp_path).poll().lines) == [0]
+
+
+class RotatingLog(RuleBasedStateMachine):
+    """Writes, rotations, deletions, truncations, restarts and polls in any order: no line is
+    read twice, and every line is read unless it was lost the way polling loses lines (its file
+    removed or truncated before a poll saw it, or removed across a restart)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.directory = Path(tempfile.mkdtemp())
+        (self.directory / "logs").mkdir()
+        self.log = self.directory / "logs" / "app.log"
+        self.tailer = new_tailer(self.directory)
+        self.written: list[int] = []
+        self.read: list[int] = []
+        self.lost = False
+        self.unread = False  # lines written since the last poll
+        self.seen = False  # the current tailer has opened the current app.log
+        self.removed_since_poll = False
+        self.rotations = 0
+
+    @rule(count=st.integers(1, 5))
+    def write(self, count: int) -> None:
+        if not self.log.exists():
+            self.seen = False
+        start = len(self.written)
+        append(self.log, *range(start, start + count))
+        self.written.extend(range(start, start + count))
+        self.unread = True
+
+    def _remove(self) -> None:
+        if self.unread and not self.seen:
+            self.lost = True
+        self.removed_since_poll = True
+
+    @rule()
+    def rotate(self) -> None:
+        if self.log.exists():
+            self._remove()
+            self.rotations += 1
+            self.log.rename(self.directory / "logs" / f"app.log.{self.rotations}")
+
+    @rule()
+    def delete(self) -> None:
+        if self.log.exists():
+            self._remove()
+            self.log.unlink()
+
+    @rule()
+    def truncate(self) -> None:
+        if self.log.exists():
+            self.lost |= self.unread
+            with open(self.log, "r+b") as out:
+                out.truncate(0)
+
+    @rule()
+    def poll(self) -> None:
+        self.read.extend(numbers(self.tailer.poll().lines))
+        self.unread = False
+        self.removed_since_poll = False
+        self.seen = self.log.exists()
+
+    @rule()
+    def restart(self) -> None:
+        self.lost |= self.removed_since_poll and self.unread
+        self.tailer.close()
+        self.tailer = new_tailer(self.directory)
+        self.seen = False
+
+    @invariant()
+    def read_at_most_once(self) -> None:
+        assert len(self.read) == len(set(self.read))
+        assert set(self.read) <= set(self.written)
+
+    def teardown(self) -> None:
+        self.read.extend(numbers(self.tailer.poll().lines))
+        if not self.lost:
+            assert sorted(self.read) == self.written
+        self.tailer.close()
+        shutil.rmtree(self.directory)
+
+
+RotatingLog.TestCase.settings = settings(max_examples=80, stateful_step_count=25, deadline=None)
+test_rotating_log = RotatingLog.TestCase
