@@ -116,6 +116,7 @@ REASONS: Final = (
     "cached_exceeds_prompt",
     "not_an_object",
     "malformed_json",
+    "missing_cached_tokens",
 )
 _REASON_CODE: Final = {name: code for code, name in enumerate(REASONS, start=1)}
 _OK: Final = 0
@@ -205,6 +206,7 @@ def reason_message(field_name: str | None, reason: str) -> str:
         "cached_exceeds_prompt": "must not exceed prompt_tokens",
         "not_an_object": "a record must be a JSON object",
         "malformed_json": "the line is not valid JSON",
+        "missing_cached_tokens": "the span has no cached-token attribute (it is not counted as a miss)",
     }.get(reason, reason)
 
 

@@ -157,3 +157,19 @@ def test_demo_serves_article_shaped_numbers() -> None:
         output = running.output()
     assert "/metrics" in output
     assert "request hit" in output and "token reuse" in output and "compute saved" in output
+
+
+def test_otlp_protobuf_over_http(kvlens_server: Running) -> None:
+    from tests.unit.test_otlp import SGLANG_SPAN, VLLM_SPAN, protobuf_export
+
+    body = gzip.compress(protobuf_export(*[SGLANG_SPAN] * 9, VLLM_SPAN))
+    answer = httpx.post(
+        f"{kvlens_server.url}/v1/traces",
+        content=body,
+        headers={"content-type": "application/x-protobuf", "content-encoding": "gzip"},
+    )
+    assert answer.status_code == 200
+    assert answer.headers["content-type"] == "application/x-protobuf"
+    values = scraped_sums(httpx.get(f"{kvlens_server.url}/metrics").text)
+    assert total(values, "kvlens_requests_total", model="qwen") == 9
+    assert total(values, "kvlens_records_rejected_total", source="otlp", reason="missing_cached_tokens") == 1

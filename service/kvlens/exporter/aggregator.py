@@ -189,7 +189,7 @@ class Aggregator:
 
     def __init__(self, settings: Settings, extra_sources: tuple[str, ...] = ()) -> None:
         self.settings = settings
-        self.sources = ("push", "vllm_plugin", *(("tail",) if settings.tails else ()), *extra_sources)
+        self.sources = ("push", "vllm_plugin", "otlp", *(("tail",) if settings.tails else ()), *extra_sources)
         self._lock = threading.Lock()
         self._models = ModelLabels(settings)
         self._length_edges = np.asarray(settings.prompt_length_edges, np.int64)

@@ -26,7 +26,7 @@ from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.collector import KVLensCollector
 from kvlens.exporter.upstream import UpstreamState
 from kvlens.records import Record
-from kvlens.sources import push, tail, vllm_metrics, vllm_plugin
+from kvlens.sources import otlp, push, tail, vllm_metrics, vllm_plugin
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +177,33 @@ def create_app(
             rejected=[Rejection(**r) for r in validated.rejections.details(settings.max_rejections_listed)],
             unknown_fields=validated.unknown_fields,
         )
+
+    @app.post(
+        "/v1/traces",
+        summary="OTLP/HTTP traces (protobuf or JSON, gzip): LLM request spans become records.",
+        responses={400: {"description": "Not an OTLP export."}, 415: {"description": "Unsupported type."}},
+    )
+    async def traces(request: Request) -> Response:
+        if token is not None and not _authorized(request, token):
+            return _error(401, "missing or invalid bearer token", {"WWW-Authenticate": "Bearer"})
+        content_type = request.headers.get("content-type", otlp.PROTOBUF)
+        media = content_type.split(";")[0].strip().lower()
+        media = media if media in (otlp.JSON, otlp.PROTOBUF) else otlp.PROTOBUF
+        try:
+            body = await _read_body(request, settings.max_body_bytes)
+            body = push.decompress(body, request.headers.get("content-encoding"), settings.max_body_bytes)
+            result = await run_in_threadpool(otlp.read_traces, body, content_type)
+        except push.PayloadTooLarge as error:
+            return _error(413, str(error))
+        except otlp.ProtobufUnavailable as error:
+            return _error(415, str(error))
+        except (otlp.TracesUndecodable, push.PayloadUndecodable) as error:
+            return Response(otlp.error_status(str(error), media), status_code=400, media_type=media)
+        aggregator.add(result.validated, otlp.SOURCE)
+        rejected = len(result.validated.rejections)
+        counts = result.validated.rejections.counts_by_reason()
+        message = ", ".join(f"{count} {reason}" for reason, count in sorted(counts.items()))
+        return Response(otlp.response(rejected, message, media), media_type=media)
 
     @app.get("/metrics", summary="Prometheus text, or OpenMetrics by content negotiation.")
     async def metrics(request: Request) -> Response:
