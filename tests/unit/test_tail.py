@@ -251,5 +251,5 @@ class RotatingLog(RuleBasedStateMachine):
         shutil.rmtree(self.directory)
 
 
-RotatingLog.TestCase.settings = settings(max_examples=80, stateful_step_count=25, deadline=None)
+RotatingLog.TestCase.settings = settings(max_examples=100, stateful_step_count=25, deadline=None)
 test_rotating_log = RotatingLog.TestCase

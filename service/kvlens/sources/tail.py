@@ -85,12 +85,16 @@ class Tailer:
             if followed is None:
                 continue
             followed.path = path
-            if status.st_size < followed.position or not self._same_start(followed, status.st_size):
+            if status.st_size < followed.position or not _starts_as_before(followed):
                 # truncated, or truncated and written again past where we were: start over
                 log.info("kvlens tail: %s was truncated; reading it from the start", path)
                 followed.position = 0
                 followed.pending.clear()
                 followed.skipping = False
+                followed.fingerprint_bytes = 0
+            if followed.fingerprint_bytes < min(status.st_size, FINGERPRINT_BYTES):
+                followed.fingerprint_bytes = min(status.st_size, FINGERPRINT_BYTES)
+                followed.fingerprint = _fingerprint(followed.handle, followed.fingerprint_bytes)
             too_long += self._read(followed, lines)
         for key in [k for k in self._files if k not in seen]:  # renamed away or deleted
             followed = self._files.pop(key)
@@ -122,18 +126,6 @@ class Tailer:
         followed = _Followed(path, handle, position, _fingerprint(handle, length), length)
         self._files[key] = followed
         return followed
-
-    @staticmethod
-    def _same_start(followed: _Followed, size: int) -> bool:
-        """Whether the file still begins with the bytes it began with (and widen the print)."""
-        if _fingerprint(followed.handle, followed.fingerprint_bytes) != followed.fingerprint:
-            followed.fingerprint_bytes = min(size, FINGERPRINT_BYTES)
-            followed.fingerprint = _fingerprint(followed.handle, followed.fingerprint_bytes)
-            return False
-        if followed.fingerprint_bytes < FINGERPRINT_BYTES and size > followed.fingerprint_bytes:
-            followed.fingerprint_bytes = min(size, FINGERPRINT_BYTES)
-            followed.fingerprint = _fingerprint(followed.handle, followed.fingerprint_bytes)
-        return True
 
     def _read(self, followed: _Followed, lines: list[bytes]) -> int:
         """Read to the end of a file; complete lines go to ``lines``. Returns lines skipped."""
@@ -197,6 +189,11 @@ class Tailer:
                 os.fsync(directory)
             finally:
                 os.close(directory)
+
+
+def _starts_as_before(followed: _Followed) -> bool:
+    """Whether the file still begins with the bytes it began with when last printed."""
+    return _fingerprint(followed.handle, followed.fingerprint_bytes) == followed.fingerprint
 
 
 def _fingerprint(handle: IO[bytes], length: int) -> str:
