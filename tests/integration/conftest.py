@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -58,11 +57,3 @@ def kvlens_server() -> Iterator[Running]:
     running = start_kvlens("serve")
     yield running
     running.output()
-
-
-@pytest.fixture(scope="session")
-def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        pytest.fail("promtool is missing: scripts/test installs Debian's prometheus package")
-    return path
