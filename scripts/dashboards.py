@@ -1,0 +1,392 @@
+"""Generate dashboards/kvlens-overview.json (run after editing; a test fails on drift).
+
+    .venv/bin/python scripts/dashboards.py
+
+Panels are declared here once, with the query, unit and description each must carry, so the
+dashboard cannot lose a unit or a description by hand-editing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+OUT = Path(__file__).resolve().parent.parent / "dashboards" / "kvlens-overview.json"
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+SEL = 'job=~"$job", model=~"$model"'
+RATE = "$__rate_interval"
+
+
+def ratio(numerator: str, denominator: str, window: str = RATE, by: str = "") -> str:
+    group = f" by ({by})" if by else ""
+    return (
+        f"sum{group} (increase({numerator}[{window}])) / sum{group} (increase({denominator}[{window}]))"
+        if window == "$__range"
+        else f"sum{group} (rate({numerator}[{window}])) / sum{group} (rate({denominator}[{window}]))"
+    )
+
+
+HIT = (f'kvlens_requests_total{{{SEL}, cache="hit"}}', f"kvlens_requests_total{{{SEL}}}")
+REUSE = (f"kvlens_cached_tokens_total{{{SEL}}}", f"kvlens_prompt_tokens_total{{{SEL}}}")
+SAVED = (f"kvlens_reused_work_units_total{{{SEL}}}", f"kvlens_prompt_work_units_total{{{SEL}}}")
+
+
+def quantile(q: float, metric: str) -> str:
+    return f"histogram_quantile({q}, sum by (prompt_len, cache, le) (rate({metric}_bucket{{{SEL}}}[{RATE}])))"
+
+
+def target(expr: str, legend: str = "", ref: str = "A", instant: bool = False) -> dict[str, Any]:
+    out: dict[str, Any] = {"datasource": DATASOURCE, "expr": expr, "legendFormat": legend, "refId": ref}
+    if instant:
+        out.update({"instant": True, "range": False, "format": "table"})
+    return out
+
+
+def panel(
+    kind: str,
+    title: str,
+    description: str,
+    unit: str,
+    targets: list[dict[str, Any]],
+    grid: tuple[int, int, int, int],
+    **options: Any,
+) -> dict[str, Any]:
+    x, y, w, h = grid
+    defaults: dict[str, Any] = {"unit": unit}
+    if unit == "percentunit":
+        defaults.update({"min": 0, "max": 1})
+    defaults.update(options.pop("defaults", {}))
+    return {
+        "type": kind,
+        "title": title,
+        "description": description,
+        "datasource": DATASOURCE,
+        "gridPos": {"x": x, "y": y, "w": w, "h": h},
+        "fieldConfig": {"defaults": defaults, "overrides": []},
+        "targets": targets,
+        **options,
+    }
+
+
+def row(title: str, y: int) -> dict[str, Any]:
+    return {
+        "type": "row",
+        "title": title,
+        "collapsed": False,
+        "gridPos": {"x": 0, "y": y, "w": 24, "h": 1},
+        "panels": [],
+    }
+
+
+def panels() -> list[dict[str, Any]]:
+    stat = {
+        "options": {"reduceOptions": {"calcs": ["lastNotNull"]}, "colorMode": "value", "graphMode": "none"}
+    }
+    divergence_thresholds = {
+        "thresholds": {
+            "mode": "absolute",
+            "steps": [
+                {"color": "green", "value": None},
+                {"color": "orange", "value": 0.2},
+                {"color": "red", "value": 0.5},
+            ],
+        }
+    }
+    out = [
+        row("Is the prefix cache paying off? (over the selected time range)", 0),
+        panel(
+            "stat",
+            "Request hit ratio",
+            "Share of requests that reused any cached prefix: count(h > 0) / count(requests). "
+            "It flatters: a request that reuses 16 of 8,000 tokens counts as a hit.",
+            "percentunit",
+            [target(ratio(*HIT, window="$__range"))],
+            (0, 1, 6, 5),
+            **stat,
+        ),
+        panel(
+            "stat",
+            "Token reuse ratio",
+            "Share of prompt tokens whose KV came from the cache: sum(h) / sum(n).",
+            "percentunit",
+            [target(ratio(*REUSE, window="$__range"))],
+            (6, 1, 6, 5),
+            **stat,
+        ),
+        panel(
+            "stat",
+            "Compute saved (modelled)",
+            "Share of modelled prefill work the cache saved: sum C(h) / sum C(n), "
+            "with C(n) = a*n + b*n*(n+1)/2 (attention grows with the square of the length).",
+            "percentunit",
+            [target(ratio(*SAVED, window="$__range"))],
+            (12, 1, 6, 5),
+            **stat,
+        ),
+        panel(
+            "stat",
+            "Hit ratio minus token reuse",
+            "How much the request hit ratio overstates token reuse. "
+            "Above 0.5 the hit ratio says little about the cache's value (alert KVLensHitRatioFlatters).",
+            "percentunit",
+            [target(f"({ratio(*HIT, window='$__range')}) - ({ratio(*REUSE, window='$__range')})")],
+            (18, 1, 6, 5),
+            defaults=divergence_thresholds,
+            **stat,
+        ),
+        panel(
+            "timeseries",
+            "Request hit vs token reuse vs compute saved, by model",
+            "The three ratios over time, each a ratio of sums over the rate interval. "
+            "Diverging lines mean the "
+            "hit ratio flatters.",
+            "percentunit",
+            [
+                target(ratio(*HIT, by="model"), "{{model}} request hit", "A"),
+                target(ratio(*REUSE, by="model"), "{{model}} token reuse", "B"),
+                target(ratio(*SAVED, by="model"), "{{model}} compute saved", "C"),
+            ],
+            (0, 6, 24, 8),
+        ),
+        row("Latency by prompt length and hit status", 14),
+        panel(
+            "timeseries",
+            "TTFT p50 and p95 by prompt length and hit status",
+            "Time to first token, quantiles per prompt_len x cache group from that group's summed buckets.",
+            "s",
+            [
+                target(quantile(0.95, "kvlens_ttft_seconds"), "{{prompt_len}} {{cache}} p95", "A"),
+                target(quantile(0.5, "kvlens_ttft_seconds"), "{{prompt_len}} {{cache}} p50", "B"),
+            ],
+            (0, 15, 12, 8),
+        ),
+        panel(
+            "timeseries",
+            "TTFT decomposition",
+            "Share of TTFT spent queueing, in prefill, and elsewhere "
+            "(ttft - queue - prefill). When queueing dominates, a faster prefill barely moves TTFT.",
+            "percentunit",
+            [
+                target(
+                    f"sum by (component) (rate(kvlens_ttft_component_seconds_total{{{SEL}}}[{RATE}]))"
+                    " / ignoring "
+                    f"(component) group_left sum(rate(kvlens_ttft_component_seconds_total{{{SEL}}}[{RATE}]))",
+                    "{{component}}",
+                )
+            ],
+            (12, 15, 12, 8),
+            defaults={"custom": {"stacking": {"mode": "normal"}, "fillOpacity": 40}},
+        ),
+        panel(
+            "timeseries",
+            "Queue p50 and p95 by prompt length and hit status",
+            "Time waiting before scheduling, per prompt_len x cache group.",
+            "s",
+            [
+                target(quantile(0.95, "kvlens_queue_seconds"), "{{prompt_len}} {{cache}} p95", "A"),
+                target(quantile(0.5, "kvlens_queue_seconds"), "{{prompt_len}} {{cache}} p50", "B"),
+            ],
+            (0, 23, 12, 8),
+        ),
+        panel(
+            "timeseries",
+            "Prefill p50 and p95 by prompt length and hit status",
+            "First scheduled to first token, per prompt_len x cache group: "
+            "hits should be faster at equal length.",
+            "s",
+            [
+                target(quantile(0.95, "kvlens_prefill_seconds"), "{{prompt_len}} {{cache}} p95", "A"),
+                target(quantile(0.5, "kvlens_prefill_seconds"), "{{prompt_len}} {{cache}} p50", "B"),
+            ],
+            (12, 23, 12, 8),
+        ),
+        row("Per model", 31),
+        panel(
+            "table",
+            "Per model",
+            "Requests per second and the three ratios per model over the selected range.",
+            "none",
+            [
+                target(
+                    f"sum by (model) (increase(kvlens_requests_total{{{SEL}}}[$__range])) / $__range_s",
+                    "",
+                    "A",
+                    instant=True,
+                ),
+                target(ratio(*HIT, window="$__range", by="model"), "", "B", instant=True),
+                target(ratio(*REUSE, window="$__range", by="model"), "", "C", instant=True),
+                target(ratio(*SAVED, window="$__range", by="model"), "", "D", instant=True),
+            ],
+            (0, 32, 24, 7),
+            transformations=[
+                {"id": "merge"},
+                {
+                    "id": "organize",
+                    "options": {
+                        "renameByName": {
+                            "Value #A": "requests/s",
+                            "Value #B": "request hit",
+                            "Value #C": "token reuse",
+                            "Value #D": "compute saved",
+                        },
+                        "excludeByName": {"Time": True},
+                    },
+                },
+            ],
+        ),
+        row("kvlens vs the engine", 39),
+        panel(
+            "timeseries",
+            "Token reuse: kvlens vs the engine's counters",
+            "kvlens's token reuse beside vLLM's own (prompt_tokens_cached / prompt_tokens, "
+            "and local prefix-cache hits / queries), scraped with --scrape. "
+            "Gaps: retries counted twice before vLLM 0.27, preemption, "
+            "traffic kvlens does not receive.",
+            "percentunit",
+            [
+                target(ratio(*REUSE, by="model"), "{{model}} kvlens", "A"),
+                target(
+                    ratio(
+                        f"kvlens_engine_cached_prompt_tokens_total{{{SEL}}}",
+                        f"kvlens_engine_prompt_tokens_total{{{SEL}}}",
+                        by="model",
+                    ),
+                    "{{model}} engine",
+                    "B",
+                ),
+                target(
+                    ratio(
+                        f"kvlens_engine_prefix_cache_hit_tokens_total{{{SEL}}}",
+                        f"kvlens_engine_prefix_cache_queried_tokens_total{{{SEL}}}",
+                        by="model",
+                    ),
+                    "{{model}} engine local prefix cache",
+                    "C",
+                ),
+            ],
+            (0, 40, 16, 8),
+        ),
+        panel(
+            "stat",
+            "Engine scrape up",
+            "1 when kvlens's last scrape of the engine's /metrics succeeded.",
+            "none",
+            [target('kvlens_upstream_up{job=~"$job"}', "{{target}}")],
+            (16, 40, 8, 8),
+            **stat,
+        ),
+        row("Ingestion health", 48),
+        panel(
+            "timeseries",
+            "Records received by source",
+            "Records per second reaching kvlens, valid or not.",
+            "reqps",
+            [
+                target(
+                    f'sum by (source) (rate(kvlens_records_received_total{{job=~"$job"}}[{RATE}]))',
+                    "{{source}}",
+                )
+            ],
+            (0, 49, 8, 8),
+        ),
+        panel(
+            "timeseries",
+            "Records rejected by reason",
+            "Rejected records per second by source and reason; a rejected record is counted nowhere else.",
+            "reqps",
+            [
+                target(
+                    f'sum by (source, reason) (rate(kvlens_records_rejected_total{{job=~"$job"}}[{RATE}]))',
+                    "{{source}} {{reason}}",
+                )
+            ],
+            (8, 49, 8, 8),
+        ),
+        panel(
+            "timeseries",
+            "Records dropped and folded",
+            "Records the plugin dropped before delivery, and records "
+            "whose model was folded into other by the label cap, per second.",
+            "reqps",
+            [
+                target(
+                    f'sum by (source) (rate(kvlens_records_dropped_total{{job=~"$job"}}[{RATE}]))',
+                    "dropped {{source}}",
+                    "A",
+                ),
+                target(
+                    f'sum(rate(kvlens_series_overflow_total{{job=~"$job"}}[{RATE}]))',
+                    "folded into other",
+                    "B",
+                ),
+            ],
+            (16, 49, 8, 8),
+        ),
+    ]
+    for number, item in enumerate(out, start=1):
+        item["id"] = number
+    return out
+
+
+def variable(name: str, label: str, query: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "label": label,
+        "type": "query",
+        "datasource": DATASOURCE,
+        "query": {"query": query, "refId": name},
+        "definition": query,
+        "refresh": 2,
+        "sort": 1,
+        **extra,
+    }
+
+
+def dashboard() -> dict[str, Any]:
+    return {
+        "uid": "kvlens-overview",
+        "title": "kvlens: is the prefix cache paying off?",
+        "description": "Request hit ratio, token reuse and modelled compute saved side by side; "
+        "latency by prompt "
+        "length and hit status; reconciliation with vLLM; ingestion health.",
+        "tags": ["kvlens", "vllm", "prefix-cache"],
+        "editable": True,
+        "schemaVersion": 39,
+        "version": 1,
+        "time": {"from": "now-6h", "to": "now"},
+        "refresh": "30s",
+        "links": [],
+        "annotations": {"list": []},
+        "templating": {
+            "list": [
+                {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus"},
+                variable(
+                    "job",
+                    "Job",
+                    "label_values(kvlens_build_info, job)",
+                    multi=True,
+                    includeAll=True,
+                    allValue=".*",
+                ),
+                variable(
+                    "model",
+                    "Model",
+                    'label_values(kvlens_requests_total{job=~"$job"}, model)',
+                    multi=True,
+                    includeAll=True,
+                    allValue=".*",
+                ),
+            ]
+        },
+        "panels": panels(),
+    }
+
+
+def render() -> str:
+    return json.dumps(dashboard(), indent=2) + "\n"
+
+
+if __name__ == "__main__":
+    OUT.parent.mkdir(exist_ok=True)
+    OUT.write_text(render())

@@ -1,0 +1,154 @@
+"""A real Prometheus (Debian's) scrapes a real kvlens fed known records, evaluates the rules,
+and answers every dashboard query; the headline ratios match the records."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from tests.article import LONG, SHORT, article_records
+from tests.dashboards import DASHBOARDS, load, queries
+from tests.integration.conftest import Running, free_port, start_kvlens
+from tests.integration.test_scrape import FIXTURE, FakeEngine
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+@pytest.fixture
+def engine() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeEngine)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    FakeEngine.exposition = FIXTURE
+    yield f"http://127.0.0.1:{server.server_address[1]}/metrics"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+def prometheus(tmp_path: Path, engine: str) -> Iterator[tuple[Running, str]]:
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.fail("prometheus is missing: scripts/test installs Debian's prometheus package")
+    kvlens = start_kvlens(
+        "serve",
+        "--scrape",
+        engine,
+        env={"KVLENS_SCRAPE_INTERVAL_SECONDS": "0.5", "KVLENS_MODELS": '["article-model", "Qwen/Qwen3-8B"]'},
+    )
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        orjson.dumps(
+            {
+                "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                "rule_files": [
+                    str(p) for p in sorted((ROOT / "deploy" / "prometheus").glob("kvlens-*.yaml"))
+                ],
+                "scrape_configs": [
+                    {
+                        "job_name": "kvlens",
+                        "static_configs": [{"targets": [kvlens.url.removeprefix("http://")]}],
+                    }
+                ],
+            }
+        ).decode()
+    )
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            binary,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait(lambda: httpx.get(f"{url}/-/ready", timeout=1).status_code == 200)
+        yield kvlens, url
+    finally:
+        process.terminate()
+        process.wait(timeout=20)
+        kvlens.output()
+
+
+def wait(done: Any, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if done():
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)  # Prometheus scrapes and evaluates on its own 1 s clock
+    raise AssertionError("timed out waiting for Prometheus")
+
+
+def finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
+
+
+def query(url: str, expr: str) -> list[dict[str, Any]]:
+    answer = httpx.get(f"{url}/api/v1/query", params={"query": expr}).json()
+    assert answer["status"] == "success", (expr, answer)
+    return answer["data"]["result"]  # type: ignore[no-any-return]
+
+
+def scalar(url: str, expr: str) -> float | None:
+    """The single value of ``expr``, or None while it has none."""
+    result = query(url, expr)
+    assert len(result) <= 1, result
+    return float(result[0]["value"][1]) if result else None
+
+
+def test_rules_and_every_dashboard_query_on_a_real_prometheus(prometheus: tuple[Running, str]) -> None:
+    kvlens, url = prometheus
+    post = lambda records: httpx.post(f"{kvlens.url}/v1/records", content=orjson.dumps(records))  # noqa: E731
+    # Earlier traffic creates the series, and Prometheus must see them before the measured
+    # requests: a series' first sample is its baseline. Plenty of it, so that rate() never
+    # clamps its extrapolation at zero (which it would do per series, skewing the ratios).
+    post([{**SHORT, "model": "article-model"}, {**LONG, "model": "article-model"}] * 1000)
+    wait(lambda: scalar(url, "sum(kvlens_requests_total)") == 2000)
+    post(article_records())
+    FakeEngine.exposition = FIXTURE.replace("} 1008.0", "} 2016.0").replace("} 2048.0", "} 4096.0")
+    wait(lambda: scalar(url, "sum(kvlens_requests_total)") == 2100)
+    # Until the rules have been evaluated on a scrape that saw those requests, the ratios are
+    # NaN (0/0) or absent.
+    headline = [
+        f":kvlens_{name}:ratio_rate5m"
+        for name in ("request_hit_ratio", "token_reuse_ratio", "compute_saved_ratio")
+    ]
+    wait(
+        lambda: all(
+            finite(scalar(url, expr))
+            for expr in [*headline, "model:kvlens_engine_token_reuse_ratio:ratio_rate5m"]
+        )
+    )
+
+    # The headline ratios, as the recording rules compute them, equal the records' own.
+    assert scalar(url, ":kvlens_request_hit_ratio:ratio_rate5m") == pytest.approx(0.9000, abs=0.001)
+    assert scalar(url, ":kvlens_token_reuse_ratio:ratio_rate5m") == pytest.approx(0.0154, abs=0.001)
+    assert scalar(url, ":kvlens_compute_saved_ratio:ratio_rate5m") == pytest.approx(0.00344, abs=0.001)
+
+    rules = httpx.get(f"{url}/api/v1/rules").json()["data"]["groups"]
+    assert {group["name"] for group in rules} == {"kvlens-ratios", "kvlens-latency", "kvlens-alerts"}
+    assert all(rule["health"] == "ok" for group in rules for rule in group["rules"]), rules
+
+    for path in DASHBOARDS:
+        for title, _, expr in queries(load(path)):
+            result = query(url, expr)
+            assert result, f"{path.name}: panel {title!r} returned no data for {expr}"
