@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import logging
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TextIO
 
 import uvicorn
+import yaml
 from prometheus_client import CollectorRegistry, ProcessCollector
 
 from kvlens import __version__
@@ -85,6 +88,42 @@ def _parser() -> argparse.ArgumentParser:
     run_demo.add_argument("--every", type=float, default=5.0, help="seconds between summary lines")
     run_demo.add_argument("--duration", type=float, help="stop after this many seconds (default: run)")
     run_demo.set_defaults(run=_demo)
+
+    def input_flags(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument(
+            "--format", dest="input_format", help="kvlens, sglang or openai-usage (default: detect)"
+        )
+        sub.add_argument("--model", help="model for records that carry none (SGLang)")
+        sub.add_argument("--config", type=Path, help="YAML settings: prompt_length_edges, cost_models, ...")
+        sub.add_argument(
+            "--json", action="store_true", help="print the report as JSON (schema in the README)"
+        )
+        sub.add_argument("--markdown", action="store_true", help="print the report as Markdown")
+
+    analyze = commands.add_parser("analyze", help="report, diagnose and calibrate recorded traffic")
+    analyze.add_argument(
+        "files", nargs="+", metavar="FILE", help="JSON-lines files (.gz allowed; - for stdin)"
+    )
+    input_flags(analyze)
+    analyze.add_argument("--html", type=Path, metavar="OUT", help="write a self-contained HTML report")
+    analyze.add_argument(
+        "--calibrate", type=Path, metavar="OUT", help="write fitted cost models (YAML settings)"
+    )
+    analyze.set_defaults(run=_analyze)
+
+    compare = commands.add_parser(
+        "compare", help="compare cache-off / cold / warm replays of one request sequence"
+    )
+    compare.add_argument(
+        "--arm", action="append", required=True, metavar="NAME=FILE", help="an arm; the first is the baseline"
+    )
+    input_flags(compare)
+    warm = compare.add_mutually_exclusive_group()
+    warm.add_argument("--warmup", type=int, default=0, metavar="N", help="the first N requests are warm-up")
+    warm.add_argument(
+        "--warmup-until", type=float, metavar="T", help="requests arriving before T are warm-up"
+    )
+    compare.set_defaults(run=_compare)
     return parser
 
 
@@ -180,6 +219,70 @@ def _demo(args: argparse.Namespace) -> int:
             thread.join(timeout=2)
     print_summary(aggregator, sys.stdout)
     return 0
+
+
+def _analyze(args: argparse.Namespace) -> int:
+    from kvlens.analysis import calibration, render
+    from kvlens.analysis.analyze import analyze
+
+    settings = load_settings(args.config)
+    with _progress(args.files) as progress:
+        report, fits = analyze(
+            args.files, settings, format_name=args.input_format, model=args.model, progress=progress
+        )
+    if args.calibrate:
+        args.calibrate.write_text(yaml.safe_dump(calibration.cost_model_file(fits), sort_keys=False))
+    if args.html:
+        args.html.write_text(render.html_page(report))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    elif args.markdown:
+        print(render.markdown(report), end="")
+    elif not args.html:
+        render.terminal(report)
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from kvlens.analysis import compare, reader
+    from kvlens.analysis.report import Derived
+
+    settings = load_settings(args.config)
+    arms = []
+    for spec in args.arm:
+        name, separator, path = spec.partition("=")
+        if not separator or not name or not path:
+            print(f"kvlens: --arm takes NAME=FILE, not {spec!r}", file=sys.stderr)
+            return 2
+        read = reader.read([path], format_name=args.input_format, model=args.model)
+        derived = Derived.of(
+            read.batch, settings.prompt_length_edges, settings.cost_model_for, settings.default_model
+        )
+        arms.append(compare.Arm(name, derived))
+    try:
+        result = compare.compare(arms, warmup=args.warmup, warmup_until=args.warmup_until)
+    except compare.ArmsDiffer as error:
+        print(f"kvlens compare: {error}", file=sys.stderr)
+        return 2
+    print(
+        json.dumps(result, indent=2) if args.json else compare.markdown(result),
+        end="" if not args.json else "\n",
+    )
+    return 0
+
+
+@contextlib.contextmanager
+def _progress(files: list[str]) -> Iterator[Callable[[int], None] | None]:
+    """A progress bar on stderr for long inputs read at a terminal."""
+    sizes = [Path(f).stat().st_size for f in files if f != "-" and Path(f).is_file()]
+    if not sys.stderr.isatty() or sum(sizes) < 64 * 1024 * 1024:
+        yield None
+        return
+    from rich.progress import Progress
+
+    with Progress(transient=True) as bar:
+        task = bar.add_task("reading", total=sum(sizes))
+        yield lambda count: bar.advance(task, count)
 
 
 def _feed(

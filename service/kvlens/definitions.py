@@ -169,3 +169,14 @@ def request_reuse_fraction(prompt_tokens: ArrayLike, cached_tokens: ArrayLike) -
     n = np.asarray(prompt_tokens, dtype=np.float64)
     h = np.asarray(cached_tokens, dtype=np.float64)
     return np.divide(h, n, out=np.zeros_like(h), where=n > 0)
+
+
+def prompt_length_labels(edges: list[int]) -> list[str]:
+    """Names of the prompt-length groups: ``[512, 2048]`` -> ``["0-511", "512-2047", "2048+"]``."""
+    lows = [0, *edges]
+    return [f"{low}-{high - 1}" for low, high in zip(lows, edges, strict=False)] + [f"{lows[-1]}+"]
+
+
+def prompt_length_bucket(prompt_tokens: ArrayLike, edges: ArrayLike) -> npt.NDArray[np.intp]:
+    """Index into :func:`prompt_length_labels` of each prompt length."""
+    return np.searchsorted(np.asarray(edges), np.asarray(prompt_tokens), side="right")

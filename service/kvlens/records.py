@@ -299,6 +299,31 @@ class RecordBatch:
     def __len__(self) -> int:
         return int(self.prompt_tokens.size)
 
+    @classmethod
+    def concat(cls, batches: Sequence[RecordBatch]) -> RecordBatch:
+        """One batch of many; model codes are re-encoded against the union of names."""
+        if len(batches) == 1:
+            return batches[0]
+        names: list[str] = []
+        index: dict[str, int] = {}
+        codes = []
+        for batch in batches:
+            for name in batch.model_names:
+                if name not in index:
+                    index[name] = len(names)
+                    names.append(name)
+            remap = np.array([index[name] for name in batch.model_names] + [-1], np.int32)
+            codes.append(remap[batch.model_codes])  # -1 (no model) indexes the trailing -1
+        columns: dict[str, Any] = {}
+        for name in cls.__dataclass_fields__:
+            if name in ("model_codes", "model_names"):
+                continue
+            parts = [getattr(batch, name) for batch in batches]
+            columns[name] = (
+                np.concatenate(parts) if isinstance(parts[0], np.ndarray) else list(itertools.chain(*parts))
+            )
+        return cls(model_codes=np.concatenate(codes).astype(np.int32), model_names=names, **columns)
+
 
 @dataclass(frozen=True)
 class Validated:

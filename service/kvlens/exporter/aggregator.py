@@ -19,6 +19,7 @@ import numpy.typing as npt
 
 from kvlens import definitions
 from kvlens.config import Settings
+from kvlens.definitions import prompt_length_bucket, prompt_length_labels
 from kvlens.records import REASONS, RecordBatch, Validated
 
 Int64Array = npt.NDArray[np.int64]
@@ -28,12 +29,6 @@ OTHER_MODEL = "other"
 CACHE_LABELS = ("miss", "hit")
 TTFT_COMPONENTS = ("queue", "prefill", "other")
 LATENCY_FIELDS = ("queue_seconds", "prefill_seconds", "ttft_seconds", "e2e_seconds")
-
-
-def prompt_length_labels(edges: list[int]) -> list[str]:
-    """``[512, 2048]`` -> ``["0-511", "512-2047", "2048+"]``: closed, readable, unambiguous."""
-    lows = [0, *edges]
-    return [f"{low}-{high - 1}" for low, high in zip(lows, edges, strict=False)] + [f"{lows[-1]}+"]
 
 
 class ModelLabels:
@@ -255,7 +250,7 @@ class Aggregator:
     ) -> GroupState:
         n, h = batch.prompt_tokens, batch.cached_tokens
         hit = h > 0
-        length = np.searchsorted(self._length_edges, n, side="right")
+        length = prompt_length_bucket(n, self._length_edges)
         model_length = model_slots * len(self._length_labels) + length
         group = model_length * 2 + hit
         groups = self._groups

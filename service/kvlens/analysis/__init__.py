@@ -1,0 +1,1 @@
+"""Offline: read recorded traffic, report, diagnose, calibrate, compare experiments."""

@@ -1,0 +1,206 @@
+"""``kvlens compare``: one fixed request sequence replayed under different cache settings.
+
+The arms (for example ``off``, ``cold``, ``warm``) must hold the same requests in the same
+order: same count, same prompt lengths position by position; otherwise the comparison is
+refused, naming the first difference. The first ``warmup`` requests (or those arriving before
+``warmup_until``) are reported apart and kept out of the timed window. Per prompt-length x
+cache group of the baseline arm, each arm's p50 and p95 of TTFT and prefill are compared with
+the baseline's, with paired bootstrap 95 % intervals (the same resampled requests in both arms).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvlens.analysis.report import Derived
+from kvlens.records import RecordBatch
+
+SCHEMA = "kvlens.compare/v1"
+RESAMPLES = 1000
+QUANTILES = (50, 95)
+METRICS = ("ttft_seconds", "prefill_seconds")
+
+
+class ArmsDiffer(ValueError):
+    """The arms do not replay the same request sequence."""
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    derived: Derived
+
+
+def check_same_sequence(arms: list[Arm]) -> None:
+    base = arms[0]
+    for arm in arms[1:]:
+        a, b = base.derived.batch, arm.derived.batch
+        if len(a) != len(b):
+            raise ArmsDiffer(f"arm {arm.name} has {len(b)} requests, {base.name} has {len(a)}")
+        different = np.flatnonzero(a.prompt_tokens != b.prompt_tokens)
+        if different.size:
+            i = int(different[0])
+            raise ArmsDiffer(
+                f"arm {arm.name} differs from {base.name} at request {i + 1}: prompt_tokens "
+                f"{int(b.prompt_tokens[i])} vs {int(a.prompt_tokens[i])} "
+                "(the arms must replay the same requests in the same order)"
+            )
+        for left, right in zip(a.request_id, b.request_id, strict=True):
+            if left is not None and right is not None and left != right:
+                raise ArmsDiffer(f"arm {arm.name} differs from {base.name}: request_id {right!r} vs {left!r}")
+
+
+def warmup_mask(batch: RecordBatch, warmup: int, warmup_until: float | None) -> npt.NDArray[np.bool_]:
+    mask = np.zeros(len(batch), bool)
+    mask[:warmup] = True
+    if warmup_until is not None:
+        mask |= batch.arrival_time < warmup_until
+    return mask
+
+
+def compare(
+    arms: list[Arm], *, warmup: int = 0, warmup_until: float | None = None, seed: int = 0
+) -> dict[str, Any]:
+    check_same_sequence(arms)
+    base = arms[0]
+    warm = warmup_mask(base.derived.batch, warmup, warmup_until)
+    for arm in arms[1:]:
+        warm |= warmup_mask(arm.derived.batch, warmup, warmup_until)
+    timed = ~warm
+    rng = np.random.default_rng(seed)
+    groups = []
+    for length, label in enumerate(base.derived.length_labels):
+        for cache, hit in (("hit", True), ("miss", False)):
+            rows = np.flatnonzero(timed & (base.derived.length_group == length) & (base.derived.hit == hit))
+            if rows.size == 0:
+                continue
+            groups.append(
+                {
+                    "prompt_len": label,
+                    "cache_in_baseline": cache,
+                    "requests": int(rows.size),
+                    "arms": {
+                        arm.name: {metric: _deltas(base, arm, metric, rows, rng) for metric in METRICS}
+                        for arm in arms[1:]
+                    },
+                }
+            )
+    return {
+        "schema": SCHEMA,
+        "baseline": base.name,
+        "arms": [arm.name for arm in arms],
+        "requests": len(base.derived.batch),
+        "warmup": {arm.name: _warmup_summary(arm, warm) for arm in arms},
+        "groups": groups,
+        "not_benefiting": {arm.name: _not_benefiting(base, arm, timed) for arm in arms[1:]},
+    }
+
+
+def _deltas(
+    base: Arm, arm: Arm, metric: str, rows: npt.NDArray[np.int64], rng: np.random.Generator
+) -> dict[str, Any]:
+    before = getattr(base.derived.batch, metric)[rows]
+    after = getattr(arm.derived.batch, metric)[rows]
+    present = ~(np.isnan(before) | np.isnan(after))
+    if not present.any():
+        return {"count": 0}
+    out: dict[str, Any] = {"count": int(present.sum())}
+    for q in QUANTILES:
+        delta = float(np.percentile(after[present], q) - np.percentile(before[present], q))
+        pairs = int(present.sum())
+        interval = _bootstrap(before[present], after[present], q, rng) if pairs > 1 else None
+        out[f"p{q}"] = {
+            "baseline": float(np.percentile(before[present], q)),
+            "arm": float(np.percentile(after[present], q)),
+            "delta": delta,
+            "ci95": interval,
+        }
+    return out
+
+
+def _bootstrap(
+    before: npt.NDArray[np.float64], after: npt.NDArray[np.float64], q: int, rng: np.random.Generator
+) -> list[float]:
+    """95 % interval of the paired difference of the q-th percentiles (the same resampled
+    requests in both arms), resampled in chunks to bound memory."""
+    size = before.size
+    per_chunk = max(1, 4_000_000 // size)
+    deltas = []
+    for start in range(0, RESAMPLES, per_chunk):
+        picks = rng.integers(0, size, size=(min(per_chunk, RESAMPLES - start), size))
+        deltas.append(np.percentile(after[picks], q, axis=1) - np.percentile(before[picks], q, axis=1))
+    return [float(v) for v in np.percentile(np.concatenate(deltas), [2.5, 97.5])]
+
+
+def _warmup_summary(arm: Arm, warm: npt.NDArray[np.bool_]) -> dict[str, Any]:
+    totals = arm.derived.totals(warm)
+    ttft = arm.derived.batch.ttft_seconds[warm]
+    present = ttft[~np.isnan(ttft)]
+    return {
+        "requests": totals.requests,
+        "token_reuse_ratio": totals.token_reuse_ratio,
+        "ttft_p50": float(np.percentile(present, 50)) if present.size else None,
+    }
+
+
+def _not_benefiting(base: Arm, arm: Arm, timed: npt.NDArray[np.bool_]) -> dict[str, Any]:
+    """Timed requests whose TTFT in this arm is not below the baseline's."""
+    before, after = base.derived.batch.ttft_seconds, arm.derived.batch.ttft_seconds
+    comparable = timed & ~(np.isnan(before) | np.isnan(after))
+    worse = comparable & (after >= before)
+    reused = arm.derived.batch.cached_tokens > 0
+    examples = [
+        {
+            "request": int(i) + 1,
+            "request_id": arm.derived.batch.request_id[i],
+            "prompt_tokens": int(arm.derived.batch.prompt_tokens[i]),
+            "cached_tokens": int(arm.derived.batch.cached_tokens[i]),
+            "ttft_baseline": float(before[i]),
+            "ttft_arm": float(after[i]),
+        }
+        for i in np.flatnonzero(worse)[:10]
+    ]
+    return {
+        "requests": int(worse.sum()),
+        "share": float(worse.sum() / comparable.sum()) if comparable.any() else None,
+        "of_which_reused_nothing": int((worse & ~reused).sum()),
+        "examples": examples,
+    }
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [f"# kvlens compare (baseline: {result['baseline']})", ""]
+    for name, summary in result["warmup"].items():
+        lines.append(f"- warm-up, {name}: {summary['requests']} requests (kept out of the timed window)")
+    header = ["prompt_len", "cache (baseline)", "requests", "arm", "metric"]
+    header += ["p50 delta ms [95 % CI]", "p95 delta ms [95 % CI]"]
+    lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for group in result["groups"]:
+        for arm, metrics in group["arms"].items():
+            for metric, stats in metrics.items():
+                if not stats.get("count"):
+                    continue
+                cells = [_delta_cell(stats[f"p{q}"]) for q in QUANTILES]
+                lines.append(
+                    f"| {group['prompt_len']} | {group['cache_in_baseline']} | {group['requests']} | {arm} | "
+                    f"{metric.removesuffix('_seconds')} | {cells[0]} | {cells[1]} |"
+                )
+    lines.append("")
+    for arm, info in result["not_benefiting"].items():
+        share = "n/a" if info["share"] is None else f"{info['share']:.1%}"
+        lines.append(
+            f"- {arm}: {info['requests']} timed requests ({share}) were not faster than "
+            f"{result['baseline']}; "
+            f"{info['of_which_reused_nothing']} of them reused nothing"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _delta_cell(stats: dict[str, Any]) -> str:
+    ci = stats["ci95"]
+    interval = "" if ci is None else f" [{ci[0] * 1000:+.1f}, {ci[1] * 1000:+.1f}]"
+    return f"{stats['delta'] * 1000:+.1f}{interval}"

@@ -1,0 +1,170 @@
+"""Read recorded traffic for ``kvlens analyze`` and ``kvlens compare``.
+
+Files are JSON lines (gzip by name or magic bytes; ``-`` is stdin) in the live sources' formats,
+read by the same parsers: kvlens records (also what the vLLM plugin writes with
+``KVLENS_PLUGIN_FILE``), SGLang's per-request export, and ``openai-usage`` gateway logs. A
+file's format is detected from its first record unless given. A line of another format is
+named and skipped, never misread; a malformed or invalid line is reported with its file and
+line number and skipped; the lines beside it still count.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import sys
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from kvlens.records import RecordBatch, Rejections, batch_from_json_array, batch_from_objects
+from kvlens.sources import formats
+from kvlens.sources.jsonlines import UNDECODABLE, loads
+
+CHUNK_LINES = 50_000
+_GZIP = b"\x1f\x8b"
+MAX_EXAMPLES = 20
+
+
+def detect_format(value: Any) -> str | None:
+    """The format a decoded line looks like, or None when it looks like none."""
+    if not isinstance(value, dict):
+        return None
+    if "request_parameters" in value or ("completion_tokens" in value and "e2e_latency" in value):
+        return "sglang"
+    if isinstance(value.get("usage"), dict) or "input_tokens" in value or "prompt_tokens_details" in value:
+        return "openai-usage"
+    if "prompt_tokens" in value:
+        return "kvlens"
+    return None
+
+
+@dataclass
+class ReadResult:
+    batch: RecordBatch
+    lines: int = 0
+    skipped: Counter[str] = field(default_factory=Counter)  # reason -> lines
+    examples: list[dict[str, Any]] = field(default_factory=list)  # the first skipped lines, why
+    formats: dict[str, str] = field(default_factory=dict)  # file -> format read
+
+    @property
+    def skipped_total(self) -> int:
+        return sum(self.skipped.values())
+
+
+def read(
+    paths: list[str],
+    *,
+    format_name: str | None = None,
+    model: str | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> ReadResult:
+    """All records of ``paths``; ``progress`` is told how many bytes were read as reading goes."""
+    batches: list[RecordBatch] = []
+    result = ReadResult(batch=batch_from_objects([]).batch)
+    for path in paths:
+        with _open(path) as stream:
+            file_format = format_name
+            for first_line, chunk in _chunks(stream, progress):
+                if file_format is None:
+                    file_format = _first_format(chunk) or "kvlens"
+                    result.formats[path] = file_format
+                batches.append(_read_chunk(path, first_line, chunk, file_format, model, result))
+            result.formats.setdefault(path, file_format or "kvlens")
+    if batches:
+        result.batch = RecordBatch.concat(batches)
+    return result
+
+
+def _open(path: str) -> IO[bytes]:
+    """The file (or stdin for ``-``), decompressed when gzip by name or by magic bytes."""
+    if path == "-":
+        stdin = sys.stdin.buffer
+        head = stdin.peek(2)[:2] if isinstance(stdin, io.BufferedReader) else b""
+        return gzip.GzipFile(fileobj=stdin) if head == _GZIP else stdin  # type: ignore[return-value]
+    with open(path, "rb") as probe:
+        head = probe.read(2)
+    if path.endswith(".gz") or head == _GZIP:
+        return gzip.open(path, "rb")  # type: ignore[return-value]
+    return open(path, "rb")  # noqa: SIM115 - closed by the caller's with
+
+
+def _chunks(stream: IO[bytes], progress: Callable[[int], None] | None) -> Iterator[tuple[int, list[bytes]]]:
+    """(number of the chunk's first line, its lines without newlines), CHUNK_LINES at a time."""
+    line_number = 1
+    chunk: list[bytes] = []
+    for line in stream:
+        chunk.append(line.rstrip(b"\r\n"))
+        if len(chunk) == CHUNK_LINES:
+            if progress is not None:
+                progress(sum(map(len, chunk)) + len(chunk))
+            yield line_number, chunk
+            line_number += len(chunk)
+            chunk = []
+    if chunk:
+        if progress is not None:
+            progress(sum(map(len, chunk)) + len(chunk))
+        yield line_number, chunk
+
+
+def _first_format(chunk: list[bytes]) -> str | None:
+    for line in chunk:
+        if line.strip():
+            detected = detect_format(loads(line))
+            if detected:
+                return detected
+    return None
+
+
+def _read_chunk(
+    path: str, first_line: int, chunk: list[bytes], file_format: str, model: str | None, result: ReadResult
+) -> RecordBatch:
+    numbered = [(first_line + i, line) for i, line in enumerate(chunk) if line.strip()]
+    result.lines += len(numbered)
+    if file_format == "kvlens" and model is None and numbered:
+        fast = batch_from_json_array(b"[" + b",".join(line for _, line in numbered) + b"]")
+        if fast is not None and len(fast) == len(numbered):
+            return fast
+    convert = formats.converter(file_format, model=model)
+    objects, positions = [], []
+    for number, line in numbered:
+        value = loads(line)
+        if value is UNDECODABLE:
+            _skip(result, path, number, None, "malformed_json", "the line is not valid JSON")
+            continue
+        detected = detect_format(value)
+        if detected is not None and detected != file_format:
+            _skip(
+                result, path, number, None, "other_format", f"looks like {detected} in a {file_format} file"
+            )
+            continue
+        objects.append(convert(value))
+        positions.append(number)
+    validated = batch_from_objects(objects, positions)
+    _count_rejections(result, path, validated.rejections)
+    return validated.batch
+
+
+def _count_rejections(result: ReadResult, path: str, rejections: Rejections) -> None:
+    for reason, count in rejections.counts_by_reason().items():
+        result.skipped[reason] += count
+    room = MAX_EXAMPLES - len(result.examples)
+    for detail in rejections.details(room) if room > 0 else []:
+        result.examples.append({"file": path, "line": detail["index"], **detail})
+        del result.examples[-1]["index"]
+
+
+def _skip(
+    result: ReadResult, path: str, line: int, field_name: str | None, reason: str, message: str
+) -> None:
+    result.skipped[reason] += 1
+    if len(result.examples) < MAX_EXAMPLES:
+        result.examples.append(
+            {"file": path, "line": line, "field": field_name, "reason": reason, "message": message}
+        )
+
+
+def source_label(path: str) -> str:
+    return "stdin" if path == "-" else Path(path).name
