@@ -17,7 +17,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.article import LONG, SHORT, article_records
+from tests.article import article_records
 from tests.dashboards import DASHBOARDS, load, queries
 from tests.integration.conftest import Running, free_port, start_kvlens
 from tests.integration.test_scrape import FIXTURE, FakeEngine
@@ -121,7 +121,8 @@ def test_rules_and_every_dashboard_query_on_a_real_prometheus(prometheus: tuple[
     # Earlier traffic creates the series, and Prometheus must see them before the measured
     # requests: a series' first sample is its baseline. Plenty of it, so that rate() never
     # clamps its extrapolation at zero (which it would do per series, skewing the ratios).
-    post([{**SHORT, "model": "article-model"}, {**LONG, "model": "article-model"}] * 1000)
+    short, long = article_records()[0], article_records()[-1]  # with timings: histograms exist too
+    post([short, long] * 1000)
     wait(lambda: scalar(url, "sum(kvlens_requests_total)") == 2000)
     post(article_records())
     FakeEngine.exposition = FIXTURE.replace("} 1008.0", "} 2016.0").replace("} 2048.0", "} 4096.0")

@@ -88,7 +88,7 @@ def _open(path: str) -> IO[bytes]:
         head = probe.read(2)
     if path.endswith(".gz") or head == _GZIP:
         return gzip.open(path, "rb")  # type: ignore[return-value]
-    return open(path, "rb")  # noqa: SIM115 - closed by the caller's with
+    return open(path, "rb")
 
 
 def _chunks(stream: IO[bytes], progress: Callable[[int], None] | None) -> Iterator[tuple[int, list[bytes]]]:
