@@ -124,6 +124,29 @@ def _parser() -> argparse.ArgumentParser:
         "--warmup-until", type=float, metavar="T", help="requests arriving before T are warm-up"
     )
     compare.set_defaults(run=_compare)
+
+    decode = commands.add_parser("bandwidth", help="decode traffic model: would W4A16 speed up decode?")
+    shape = decode.add_argument_group("model shape: a config.json, or the numbers")
+    shape.add_argument("--config-json", type=Path, help="a Hugging Face config.json")
+    shape.add_argument("--layers", type=int)
+    shape.add_argument("--kv-heads", type=int)
+    shape.add_argument("--head-dim", type=int)
+    shape.add_argument("--kv-dtype-bytes", type=float, default=None, help="bytes per KV value (default 2)")
+    size = decode.add_mutually_exclusive_group(required=True)
+    size.add_argument("--params", help="parameter count, e.g. 8B (16-bit weights: 2 bytes each)")
+    size.add_argument("--weight-bytes", help="16-bit weight bytes, e.g. 14GiB")
+    decode.add_argument(
+        "--bits", type=int, default=4, choices=(4, 8), help="quantized weight bits (default 4)"
+    )
+    decode.add_argument("--group-size", type=int, default=128, help="weights per 16-bit scale (default 128)")
+    decode.add_argument("--quantized-fraction", type=float, default=0.9, help="share of weights quantized")
+    decode.add_argument("--bandwidth", required=True, help="memory bandwidth, e.g. 4.8TB/s or 1TiB/s")
+    decode.add_argument("--batch", default="1,8,32", help="batch sizes, comma-separated")
+    decode.add_argument("--context", default="8192", help="context lengths in tokens, comma-separated")
+    decode.add_argument("--compute-floor-ms", type=float, default=0.0, help="a compute-bound floor per step")
+    decode.add_argument("--extra-ms", type=float, default=0.0, help="extra time per quantized step")
+    decode.add_argument("--json", action="store_true")
+    decode.set_defaults(run=_bandwidth)
     return parser
 
 
@@ -268,6 +291,89 @@ def _compare(args: argparse.Namespace) -> int:
         json.dumps(result, indent=2) if args.json else compare.markdown(result),
         end="" if not args.json else "\n",
     )
+    return 0
+
+
+def _bandwidth(args: argparse.Namespace) -> int:
+    from kvlens import bandwidth as bw
+
+    try:
+        if args.config_json:
+            shape = bw.shape_from_hf_config(json.loads(args.config_json.read_text()))
+        elif args.layers and args.kv_heads and args.head_dim:
+            shape = bw.ModelShape(args.layers, args.kv_heads, args.head_dim)
+        else:
+            raise ValueError("give --config-json, or --layers, --kv-heads and --head-dim")
+        if args.kv_dtype_bytes:
+            shape = bw.ModelShape(shape.layers, shape.kv_heads, shape.head_dim, args.kv_dtype_bytes)
+        weights_16 = (
+            bw.parse_bytes(args.weight_bytes) if args.weight_bytes else 2 * bw.parse_count(args.params)
+        )
+        ratio = bw.quantized_weight_ratio(args.quantized_fraction, args.bits, args.group_size)
+        bandwidth = bw.parse_bandwidth(args.bandwidth)
+        batches = [float(b) for b in args.batch.split(",")]
+        contexts = [float(c) for c in args.context.split(",")]
+    except (ValueError, OSError) as error:
+        print(f"kvlens bandwidth: {error}", file=sys.stderr)
+        return 2
+    weights_q = weights_16 * ratio
+    steps = [
+        bw.compare_step(
+            weight_bytes_16=weights_16,
+            weight_bytes_q=weights_q,
+            kv_bytes_per_token_=shape.kv_bytes_per_token,
+            batch=batch,
+            context_tokens=context,
+            bandwidth=bandwidth,
+            compute_floor=args.compute_floor_ms / 1000,
+            extra_q=args.extra_ms / 1000,
+        )
+        for context in contexts
+        for batch in batches
+    ]
+    result = {
+        "kv_bytes_per_token": shape.kv_bytes_per_token,
+        "weight_bytes_16": weights_16,
+        "weight_bytes_quantized": weights_q,
+        "weight_ratio": ratio,
+        "bandwidth_bytes_per_second": bandwidth,
+        "break_even_extra_seconds": bw.break_even_extra_seconds(weights_16, weights_q, bandwidth),
+        "steps": [
+            {
+                "batch": step.batch,
+                "context_tokens": step.context_tokens,
+                "step_seconds_16": step.seconds_16,
+                "step_seconds_quantized": step.seconds_q,
+                "speedup": step.speedup,
+                "tokens_per_second_16": step.throughput_16,
+                "tokens_per_second_quantized": step.throughput_q,
+                "weight_share_16": bw.weight_share(
+                    weights_16,
+                    step.batch,
+                    bw.kv_bytes_per_sequence(step.context_tokens, shape.kv_bytes_per_token),
+                ),
+            }
+            for step in steps
+        ],
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    gib = 1024**3
+    print(
+        f"weights {weights_16 / gib:.2f} GiB -> {weights_q / gib:.2f} GiB ({1 / ratio:.2f}x smaller), "
+        f"KV {shape.kv_bytes_per_token / 1024:.0f} KiB/token; quantization pays while its extra time per "
+        f"step is under {result['break_even_extra_seconds'] * 1000:.2f} ms"
+    )
+    print(f"{'batch':>6} {'context':>8} {'16-bit ms':>10} {'W' + str(args.bits) + ' ms':>9} {'speedup':>8} "
+          f"{'tok/s 16-bit':>13} {'tok/s W' + str(args.bits):>10} {'weights share':>14}")  # fmt: skip
+    for row in result["steps"]:
+        print(
+            f"{row['batch']:>6.0f} {row['context_tokens']:>8.0f} {row['step_seconds_16'] * 1000:>10.2f} "
+            f"{row['step_seconds_quantized'] * 1000:>9.2f} {row['speedup']:>7.2f}x "
+            f"{row['tokens_per_second_16']:>13.1f} {row['tokens_per_second_quantized']:>10.1f} "
+            f"{row['weight_share_16']:>13.1%}"
+        )
     return 0
 
 
