@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import uvicorn
 import yaml
@@ -331,7 +331,7 @@ def _bandwidth(args: argparse.Namespace) -> int:
         for context in contexts
         for batch in batches
     ]
-    result = {
+    result: dict[str, Any] = {
         "kv_bytes_per_token": shape.kv_bytes_per_token,
         "weight_bytes_16": weights_16,
         "weight_bytes_quantized": weights_q,
