@@ -276,7 +276,22 @@ def panels() -> list[dict[str, Any]]:
             (16, 40, 8, 8),
             **stat,
         ),
-        row("Ingestion health", 48),
+        row("Decode: would weight-only quantization help?", 48),
+        panel(
+            "timeseries",
+            "Would weight-only quantization speed up decode now?",
+            "Modelled decode speedup of W4A16 at the current batch (the engine's running requests) and "
+            "context (recent prompt + output), (W16 + B*K) / (W4 + B*K), and the share of decode traffic "
+            "that is weights. Long contexts and big batches make KV reads dominate: quantizing weights "
+            "then saves memory but little time. Needs model_shapes in kvlens's settings.",
+            "none",
+            [
+                target(f"kvlens_w4a16_decode_speedup{{{SEL}}}", "{{model}} W4A16 speedup (x)", "A"),
+                target(f"kvlens_decode_weight_share{{{SEL}}}", "{{model}} weights' share of traffic", "B"),
+            ],
+            (0, 49, 24, 8),
+        ),
+        row("Ingestion health", 57),
         panel(
             "timeseries",
             "Records received by source",
@@ -288,7 +303,7 @@ def panels() -> list[dict[str, Any]]:
                     "{{source}}",
                 )
             ],
-            (0, 49, 8, 8),
+            (0, 58, 8, 8),
         ),
         panel(
             "timeseries",
@@ -301,7 +316,7 @@ def panels() -> list[dict[str, Any]]:
                     "{{source}} {{reason}}",
                 )
             ],
-            (8, 49, 8, 8),
+            (8, 58, 8, 8),
         ),
         panel(
             "timeseries",
@@ -321,7 +336,7 @@ def panels() -> list[dict[str, Any]]:
                     "B",
                 ),
             ],
-            (16, 49, 8, 8),
+            (16, 58, 8, 8),
         ),
     ]
     for number, item in enumerate(out, start=1):

@@ -25,6 +25,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from kvlens import bandwidth
 from kvlens.definitions import CostModel
 from kvlens.records import valid_label
 from kvlens.sources import formats
@@ -77,6 +78,25 @@ class TailSetting(BaseModel):
         )
 
 
+class ModelShapeSetting(BaseModel):
+    """A served model's decode traffic shape, for the live W4A16 estimate (``kvlens bandwidth``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    layers: int = Field(ge=1, description="num_hidden_layers")
+    kv_heads: int = Field(ge=1, description="num_key_value_heads")
+    head_dim: int = Field(ge=1, description="head_dim (or hidden_size / num_attention_heads)")
+    kv_dtype_bytes: float = Field(2, gt=0, description="bytes per KV value")
+    weight_bytes: float = Field(gt=0, description="16-bit weight bytes; a number or a size like 14GiB")
+    quantized_fraction: float = Field(0.9, ge=0, le=1, description="share of weights W4A16 would quantize")
+    group_size: int = Field(128, ge=1, description="weights per 16-bit scale")
+
+    @field_validator("weight_bytes", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> Any:
+        return bandwidth.parse_bytes(value) if isinstance(value, str) else value
+
+
 class Settings(BaseSettings):
     """Sidecar settings. Lists and maps in environment variables are JSON."""
 
@@ -121,6 +141,9 @@ class Settings(BaseSettings):
         5.0, gt=0, le=300, description="Hard deadline for a whole scrape (connect to last byte)."
     )
     scrape_max_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Largest scraped exposition.")
+    model_shapes: dict[str, ModelShapeSetting] = Field(
+        {}, description="Per model: decode shape for the live weight-quantization estimate (kvlens_decode_*)."
+    )
     tails: list[TailSetting] = Field(
         [], description="JSON-lines files to follow (`--tail GLOB --format F`), as a list of objects."
     )

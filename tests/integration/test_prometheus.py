@@ -46,7 +46,12 @@ def prometheus(tmp_path: Path, engine: str) -> Iterator[tuple[Running, str]]:
         "serve",
         "--scrape",
         engine,
-        env={"KVLENS_SCRAPE_INTERVAL_SECONDS": "0.5", "KVLENS_MODELS": '["article-model", "Qwen/Qwen3-8B"]'},
+        env={
+            "KVLENS_SCRAPE_INTERVAL_SECONDS": "0.5",
+            "KVLENS_MODELS": '["article-model", "Qwen/Qwen3-8B"]',
+            "KVLENS_MODEL_SHAPES": '{"article-model": {"layers": 32, "kv_heads": 8, "head_dim": 128, '
+            '"weight_bytes": "14GiB"}}',
+        },
     )
     config = tmp_path / "prometheus.yml"
     config.write_text(

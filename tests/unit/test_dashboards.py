@@ -53,7 +53,7 @@ def known_metrics() -> set[str]:
 def test_every_query_uses_exported_metrics_and_grafana_intervals(path: Path) -> None:
     known = known_metrics()
     for title, expr, _ in queries(load(path)):
-        used = set(re.findall(r"\b(?:[a-z_]*:)?kvlens_[a-z_]+(?::[a-z0-9_]+)?\b", expr))
+        used = set(re.findall(r"\b(?:[a-z_]*:)?kvlens_[a-z0-9_]+(?::[a-z0-9_]+)?\b", expr))
         assert used and used <= known, (title, used - known)
         for window in re.findall(r"\[([^\]]+)\]", expr):
             assert window in ("$__rate_interval", "$__range"), (title, window)

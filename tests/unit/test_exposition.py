@@ -82,7 +82,8 @@ def test_golden_exposition_values() -> None:
 def test_every_exported_family_is_in_the_metric_table() -> None:
     registry, _ = article_registry()
     names = {family.name for family in text_string_to_metric_families(generate_latest(registry).decode())}
-    assert names == {spec.name for spec in metrics.ALL} - {spec.name for spec in metrics.UPSTREAM}
+    optional = {spec.name for spec in (*metrics.UPSTREAM, *metrics.DECODE)}  # with --scrape / model_shapes
+    assert names == {spec.name for spec in metrics.ALL} - optional
 
 
 def test_openmetrics_output_passes_the_strict_parser() -> None:
@@ -117,3 +118,30 @@ def broken_snapshot(real):  # type: ignore[no-untyped-def]
         return snap
 
     return snapshot
+
+
+def test_live_w4a16_estimate_uses_the_bandwidth_model() -> None:
+    from kvlens import bandwidth
+
+    settings = load_settings(
+        model_shapes={"m": {"layers": 32, "kv_heads": 8, "head_dim": 128, "weight_bytes": "14GiB"}}
+    )
+    aggregator = Aggregator(settings)
+    records = [{"model": "m", "prompt_tokens": 8000, "cached_tokens": 0, "output_tokens": 192}] * 50
+    aggregator.add(batch_from_objects(records), "push")
+    registry = CollectorRegistry()
+    registry.register(KVLensCollector(aggregator))
+    values = samples(generate_latest(registry).decode())
+    m = frozenset({("model", "m")})
+    assert values[("kvlens_decode_context_tokens", m)] == pytest.approx(8192)
+    assert values[("kvlens_decode_batch", m)] == 1  # no engine scrape: batch 1
+    step = bandwidth.compare_step(
+        weight_bytes_16=14 * 2**30,
+        weight_bytes_q=14 * 2**30 * bandwidth.quantized_weight_ratio(0.9, 4, 128),
+        kv_bytes_per_token_=128 * 1024,
+        batch=1,
+        context_tokens=8192,
+        bandwidth=1.0,
+    )
+    assert values[("kvlens_w4a16_decode_speedup", m)] == pytest.approx(step.speedup)
+    assert values[("kvlens_decode_weight_share", m)] == pytest.approx(14 / 15)

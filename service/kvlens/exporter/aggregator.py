@@ -26,6 +26,7 @@ Int64Array = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
 
 OTHER_MODEL = "other"
+CONTEXT_WINDOW = 1000  # requests: the weight of the context-length mean
 CACHE_LABELS = ("miss", "hit")
 TTFT_COMPONENTS = ("queue", "prefill", "other")
 LATENCY_FIELDS = ("queue_seconds", "prefill_seconds", "ttft_seconds", "e2e_seconds")
@@ -144,6 +145,7 @@ class Snapshot:
     dropped: dict[str, int]
     unknown_fields: dict[str, int]
     series_overflow: int
+    context_tokens: dict[str, float]  # model -> recent mean of prompt + output tokens
 
     @functools.cached_property
     def active_groups(self) -> list[tuple[int, list[str]]]:
@@ -197,6 +199,9 @@ class Aggregator:
             self._groups, self._model_slots, self._latency_edges.size, self._reuse_edges.size
         )
         self._health = _HealthCounts()
+        # Context length (prompt + output) per model, an exponentially weighted mean over about
+        # the last CONTEXT_WINDOW requests: the decode traffic estimate needs "now", not a lifetime.
+        self._context = np.full(self._model_slots, np.nan)
         self._cost_by_slot: dict[int, definitions.CostModel] = {}
 
     def add(self, validated: Validated, source: str) -> None:
@@ -205,6 +210,7 @@ class Aggregator:
         with self._lock:
             model_slots, distinct_slots, overflow = self._model_slots_of(batch)
         reduced = self._reduce(batch, model_slots, distinct_slots) if len(batch) else None
+        context = self._context_means(batch, model_slots) if len(batch) else None
         rejected = validated.rejections.counts_by_reason()
         with self._lock:
             health = self._health
@@ -215,6 +221,20 @@ class Aggregator:
                 health.rejected[(source, reason)] += count
             if reduced is not None:
                 self._state += reduced
+            if context is not None:
+                counts, means = context
+                seen = counts > 0
+                decay = (1.0 - 1.0 / CONTEXT_WINDOW) ** counts[seen]
+                previous = np.where(np.isnan(self._context[seen]), means[seen], self._context[seen])
+                self._context[seen] = previous * decay + means[seen] * (1.0 - decay)
+
+    def _context_means(
+        self, batch: RecordBatch, model_slots: npt.NDArray[np.intp]
+    ) -> tuple[Int64Array, FloatArray]:
+        context = batch.prompt_tokens + np.maximum(batch.output_tokens, 0)
+        counts = np.bincount(model_slots, minlength=self._model_slots)
+        sums = np.bincount(model_slots, weights=context, minlength=self._model_slots)
+        return counts, np.divide(sums, counts, out=np.zeros(self._model_slots), where=counts > 0)
 
     def model_label(self, name: str) -> str:
         """The ``model`` label value for ``name`` under the cap (for engine-reported series)."""
@@ -326,6 +346,10 @@ class Aggregator:
                 dropped={source: health.dropped[source] for source in sorted(sources)},
                 unknown_fields={source: health.unknown_fields[source] for source in sorted(sources)},
                 series_overflow=health.series_overflow,
+                context_tokens={
+                    models.label(slot): float(self._context[slot])
+                    for slot in np.flatnonzero(~np.isnan(self._context)).tolist()
+                },
             )
 
 

@@ -15,7 +15,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from kvlens import __version__
+from kvlens import __version__, bandwidth
+from kvlens.config import ModelShapeSetting
 from kvlens.exporter import metrics
 from kvlens.exporter.aggregator import TTFT_COMPONENTS, Aggregator, Histograms, Snapshot
 from kvlens.exporter.upstream import UpstreamState
@@ -58,6 +59,9 @@ class KVLensCollector(Collector):
             yield from self._safely(build, snapshot)
         if self.upstream is not None:
             yield from self._safely(_upstream_families, self.upstream)
+        if self.aggregator.settings.model_shapes:
+            shapes = self.aggregator.settings.model_shapes
+            yield from self._safely(lambda snap: _decode_families(snap, self.upstream, shapes), snapshot)
         yield self._errors_family()
 
     def _safely(self, build: Callable[[Any], Iterable[Metric] | Metric], state: Any) -> Iterator[Metric]:
@@ -203,3 +207,45 @@ def _upstream_families(upstream: UpstreamState) -> list[Metric]:
     for (target, reason), count in sorted(snapshot.errors.items()):
         errors.add_metric([target, reason], count)
     return [*families, up, running, errors]
+
+
+def _decode_families(
+    snapshot: Snapshot, upstream: UpstreamState | None, shapes: Mapping[str, ModelShapeSetting]
+) -> list[Metric]:
+    """The live W4A16 estimate per model with a configured shape (kvlens.bandwidth): the batch is
+    the engine's running requests when kvlens scrapes it, else 1; the context is the recent mean."""
+    running: dict[str, float] = {}
+    if upstream is not None:
+        for (_, model), value in upstream.snapshot().running.items():
+            running[model] = running.get(model, 0.0) + value
+    families = {
+        spec.name: GaugeMetricFamily(spec.name, spec.help, labels=spec.labels) for spec in metrics.DECODE
+    }
+    for model, shape in sorted(shapes.items()):
+        if model not in snapshot.context_tokens:
+            continue
+        context = snapshot.context_tokens[model]
+        batch = max(running.get(model, 1.0), 1.0)
+        per_token = bandwidth.kv_bytes_per_token(
+            shape.layers, shape.kv_heads, shape.head_dim, shape.kv_dtype_bytes
+        )
+        ratio = bandwidth.quantized_weight_ratio(shape.quantized_fraction, 4, shape.group_size)
+        step = bandwidth.compare_step(
+            weight_bytes_16=shape.weight_bytes,
+            weight_bytes_q=shape.weight_bytes * ratio,
+            kv_bytes_per_token_=per_token,
+            batch=batch,
+            context_tokens=context,
+            bandwidth=1.0,  # memory-bound: the speedup does not depend on it
+        )
+        share = bandwidth.weight_share(
+            shape.weight_bytes, batch, bandwidth.kv_bytes_per_sequence(context, per_token)
+        )
+        for spec, value in (
+            (metrics.DECODE_CONTEXT, context),
+            (metrics.DECODE_BATCH, batch),
+            (metrics.DECODE_WEIGHT_SHARE, share),
+            (metrics.W4A16_SPEEDUP, step.speedup),
+        ):
+            families[spec.name].add_metric([model], value)
+    return list(families.values())

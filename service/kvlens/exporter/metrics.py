@@ -112,6 +112,31 @@ UPSTREAM_ERRORS = MetricSpec(
     ("target", "reason"),
     "Failed scrapes of an engine's /metrics: timeout, too_large, http_status, connect, parse.",
 )
+DECODE_CONTEXT = MetricSpec(
+    "kvlens_decode_context_tokens",
+    "gauge",
+    ("model",),
+    "Recent mean context per request (prompt + output tokens), over about the last 1000 requests.",
+)
+DECODE_BATCH = MetricSpec(
+    "kvlens_decode_batch",
+    "gauge",
+    ("model",),
+    "Batch the decode model assumes: the engine's running requests, or 1.",
+)
+DECODE_WEIGHT_SHARE = MetricSpec(
+    "kvlens_decode_weight_share",
+    "gauge",
+    ("model",),
+    "Modelled share of decode traffic that is weights now, W / (W + B*K) (needs model_shapes).",
+)
+W4A16_SPEEDUP = MetricSpec(
+    "kvlens_w4a16_decode_speedup",
+    "gauge",
+    ("model",),
+    "Modelled decode speedup of W4A16 at the current batch and context, (W16 + B*K) / (W4 + B*K).",
+)
+DECODE: Final = (DECODE_CONTEXT, DECODE_BATCH, DECODE_WEIGHT_SHARE, W4A16_SPEEDUP)  # with model_shapes
 UPSTREAM: Final = (*ENGINE_COUNTERS.values(), ENGINE_RUNNING, UPSTREAM_UP, UPSTREAM_ERRORS)  # with --scrape
 SCRAPE_ERRORS = MetricSpec(
     "kvlens_collector_errors", "counter", (), "Metric families that failed to render and were left out."
@@ -132,6 +157,7 @@ ALL: Final = (
     UNKNOWN_FIELDS,
     OVERFLOW,
     *UPSTREAM,
+    *DECODE,
     SCRAPE_ERRORS,
     BUILD_INFO,
 )
