@@ -88,6 +88,9 @@ def create_app(
                 except vllm_metrics.ScrapeError as error:
                     log.warning("kvlens: scrape of %s failed: %s", target, error)
                     upstream.record_failure(target, error.reason)
+                except Exception:  # a bug must not end the scraping: count it as unparsable
+                    log.exception("kvlens: scrape of %s failed", target)
+                    upstream.record_failure(target, "parse")
                 await asyncio.sleep(settings.scrape_interval_seconds)
 
     def follow_files(stop: threading.Event) -> list[threading.Thread]:
@@ -154,18 +157,21 @@ def create_app(
         if token is not None and not _authorized(request, token):
             return _error(401, "missing or invalid bearer token", {"WWW-Authenticate": "Bearer"})
         source = request.headers.get(vllm_plugin.SOURCE_HEADER, push.SOURCE)
-        if source not in aggregator.sources:
+        if source not in (push.SOURCE, vllm_plugin.SOURCE):
             source = push.SOURCE
+        # What the sender dropped since its last delivery: counted once the batch is taken (200,
+        # or 400 which the sender does not retry), never on 413, which it retries.
         dropped = request.headers.get(vllm_plugin.DROPPED_HEADER, "")
-        if dropped.isdigit() and len(dropped) <= 12:
-            aggregator.add_dropped(source, int(dropped))
+        dropped_count = int(dropped) if dropped.isdigit() and len(dropped) <= 12 else 0
         try:
             body = await _read_body(request, settings.max_body_bytes)
             result = await run_in_threadpool(_ingest, body, request.headers.get("content-encoding"), source)
         except push.PayloadTooLarge as error:
             return _error(413, str(error))
         except push.PayloadUndecodable as error:
+            aggregator.add_dropped(source, dropped_count)
             return _error(400, str(error))
+        aggregator.add_dropped(source, dropped_count)
         return Response(result.model_dump_json(), media_type="application/json")
 
     def _ingest(body: bytes, content_encoding: str | None, source: str) -> IngestResult:

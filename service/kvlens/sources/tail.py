@@ -224,6 +224,8 @@ def follow(
                 polled = tailer.poll()
             except OSError as error:  # a vanished directory, a full disk for the checkpoint
                 log.warning("kvlens tail %s: %s", tailer.pattern, error)
+            except Exception:  # a bug must not end the following: log it and poll again
+                log.exception("kvlens tail %s: poll failed", tailer.pattern)
             else:
                 if polled.lines or polled.too_long:
                     skipped = Rejections.single([-1] * polled.too_long, "too_long")  # no line to point at
