@@ -222,3 +222,13 @@ def test_article_end_to_end_in_process(client: TestClient) -> None:
     )
     work = total(values, "kvlens_reused_work_units_total") / total(values, "kvlens_prompt_work_units_total")
     assert round(work, 5) == 0.00344
+
+
+def test_allow_listed_models_are_exported_at_zero_from_the_start() -> None:
+    app = create_app(load_settings(models=["llama"]), CollectorRegistry())
+    with TestClient(app) as client:
+        values = scrape(client)
+    assert values['kvlens_requests_total{"cache": "hit", "model": "llama", "prompt_len": "0-511"}'] == 0
+    assert total(values, "kvlens_requests_total") == 0
+    assert len([k for k in values if k.startswith("kvlens_requests_total")]) == 10  # 5 lengths x hit/miss
+    assert not [k for k in values if k.startswith("kvlens_ttft_seconds")]  # histograms wait for data

@@ -146,11 +146,14 @@ class Snapshot:
     unknown_fields: dict[str, int]
     series_overflow: int
     context_tokens: dict[str, float]  # model -> recent mean of prompt + output tokens
+    declared_models: int = 0  # allow-listed models: their groups are exported from the start
 
     @functools.cached_property
     def active_groups(self) -> list[tuple[int, list[str]]]:
-        """(group index, [model, prompt_len, cache]) of every group that has seen a request."""
-        groups = np.flatnonzero(self.state.requests).tolist()
+        """(group index, [model, prompt_len, cache]) of every group that has seen a request, and
+        of every group of an allow-listed model, so that rate() never loses a first increment."""
+        declared = self.declared_models * len(self.prompt_len_labels) * 2
+        groups = sorted({*range(declared), *np.flatnonzero(self.state.requests).tolist()})
         return [(group, list(self.group_labels(group))) for group in groups]
 
     def group_labels(self, group: int) -> tuple[str, str, str]:
@@ -346,6 +349,7 @@ class Aggregator:
                 dropped={source: health.dropped[source] for source in sorted(sources)},
                 unknown_fields={source: health.unknown_fields[source] for source in sorted(sources)},
                 series_overflow=health.series_overflow,
+                declared_models=models.capacity if models.fixed else 0,
                 context_tokens={
                     models.label(slot): float(self._context[slot])
                     for slot in np.flatnonzero(~np.isnan(self._context)).tolist()
