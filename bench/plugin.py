@@ -36,7 +36,7 @@ FIELDS = dict(
 def main() -> None:
     iteration = SimpleNamespace(finished_requests=[SimpleNamespace(**FIELDS) for _ in range(PER_CALL)])
     shipper = vllm_plugin.Shipper(
-        SimpleNamespace(send=lambda records, dropped: None),
+        SimpleNamespace(send=lambda records, dropped, batch_id: None),
         build=vllm_plugin.records_from_rows,
         capacity=10_000_000,
     )

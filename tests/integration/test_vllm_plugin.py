@@ -132,7 +132,7 @@ def test_old_vllm_without_cached_tokens_sends_nothing(
 
     sent: list[object] = []
     shipper = vllm_plugin.Shipper(
-        SimpleNamespace(send=lambda records, dropped: sent.append(records)), flush_seconds=0.05
+        SimpleNamespace(send=lambda records, dropped, batch_id: sent.append(records)), flush_seconds=0.05
     )
     recorder = vllm_plugin.RequestRecorder(shipper, "m", "0")
     with caplog.at_level(logging.ERROR, logger="kvlens.vllm_plugin"):
@@ -207,4 +207,27 @@ def test_drops_while_down_are_reported_once_the_sidecar_is_back() -> None:
         server.output()
     assert total(values, "kvlens_requests_total") == 50
     assert total(values, "kvlens_records_dropped_total", "source=vllm_plugin") == 150
+    assert shipper.dropped == 0
+
+
+def test_a_retried_batch_keeps_its_id_and_its_drop_count() -> None:
+    calls: list[tuple[int, int, str]] = []
+
+    class FlakySink:
+        def send(self, records: list[dict[str, object]], dropped: int, batch_id: str) -> None:
+            calls.append((len(records), dropped, batch_id))
+            if len(calls) == 1:
+                raise ConnectionError("the answer was lost")
+
+    # A batch bigger than the queue, and a flush long after the offers: the 3 oldest are dropped.
+    shipper = vllm_plugin.Shipper(
+        FlakySink(), capacity=5, batch_size=10, flush_seconds=0.3, max_backoff_seconds=0.05
+    )
+    for i in range(8):
+        shipper.offer({"prompt_tokens": 10, "cached_tokens": i})
+    deadline = time.monotonic() + 10
+    while shipper.delivered < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the shipper retries on its own backoff
+    shipper.close()
+    assert calls[0] == calls[1] == (5, 3, calls[0][2])  # the same records, drops and id, twice
     assert shipper.dropped == 0

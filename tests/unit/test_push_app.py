@@ -232,3 +232,22 @@ def test_allow_listed_models_are_exported_at_zero_from_the_start() -> None:
     assert total(values, "kvlens_requests_total") == 0
     assert len([k for k in values if k.startswith("kvlens_requests_total")]) == 10  # 5 lengths x hit/miss
     assert not [k for k in values if k.startswith("kvlens_ttft_seconds")]  # histograms wait for data
+
+
+def test_a_batch_retried_with_its_id_is_counted_once(client: TestClient) -> None:
+    body = orjson.dumps([GOOD, GOOD])
+    first = client.post("/v1/records", content=body, headers={"kvlens-batch-id": "b1", "kvlens-dropped": "7"})
+    again = client.post("/v1/records", content=body, headers={"kvlens-batch-id": "b1", "kvlens-dropped": "7"})
+    assert first.json()["accepted"] == again.json()["accepted"] == 2
+    assert again.headers["kvlens-duplicate"] == "1"
+    client.post("/v1/records", content=body, headers={"kvlens-batch-id": "b2"})
+    values = scrape(client)
+    assert total(values, "kvlens_requests_total") == 4
+    assert values['kvlens_records_dropped_total{"source": "push"}'] == 7
+
+
+def test_a_refused_batch_id_may_be_retried(client: TestClient) -> None:
+    too_big = b"[" + b" " * 70_000 + b"]"
+    assert client.post("/v1/records", content=too_big, headers={"kvlens-batch-id": "b3"}).status_code == 413
+    retry = client.post("/v1/records", content=orjson.dumps([GOOD]), headers={"kvlens-batch-id": "b3"})
+    assert retry.json()["accepted"] == 1

@@ -8,10 +8,12 @@ import contextlib
 import hmac
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -135,6 +137,7 @@ def create_app(
     app.state.aggregator = aggregator
     app.state.registry = registry
     token = settings.ingest_token.get_secret_value().encode() if settings.ingest_token else None
+    batches = BatchLedger()
 
     @app.exception_handler(RequestValidationError)
     async def _no_echo(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -156,6 +159,11 @@ def create_app(
     async def ingest(request: Request) -> Response:
         if token is not None and not _authorized(request, token):
             return _error(401, "missing or invalid bearer token", {"WWW-Authenticate": "Bearer"})
+        batch_id = request.headers.get(vllm_plugin.BATCH_HEADER, "")[:64]
+        if batch_id and not batches.claim(batch_id):
+            return Response(
+                batches.answer(batch_id), media_type="application/json", headers={"kvlens-duplicate": "1"}
+            )
         source = request.headers.get(vllm_plugin.SOURCE_HEADER, push.SOURCE)
         if source not in (push.SOURCE, vllm_plugin.SOURCE):
             source = push.SOURCE
@@ -167,12 +175,19 @@ def create_app(
             body = await _read_body(request, settings.max_body_bytes)
             result = await run_in_threadpool(_ingest, body, request.headers.get("content-encoding"), source)
         except push.PayloadTooLarge as error:
+            batches.release(batch_id)  # the sender retries it
             return _error(413, str(error))
         except push.PayloadUndecodable as error:
             aggregator.add_dropped(source, dropped_count)
+            batches.settle(batch_id, orjson.dumps({"error": str(error)}))
             return _error(400, str(error))
+        except BaseException:
+            batches.release(batch_id)
+            raise
         aggregator.add_dropped(source, dropped_count)
-        return Response(result.model_dump_json(), media_type="application/json")
+        answer = result.model_dump_json().encode()
+        batches.settle(batch_id, answer)
+        return Response(answer, media_type="application/json")
 
     def _ingest(body: bytes, content_encoding: str | None, source: str) -> IngestResult:
         validated = push.read_records(push.decompress(body, content_encoding, settings.max_body_bytes))
@@ -228,6 +243,40 @@ def create_app(
         return {"status": "ready"}
 
     return app
+
+
+class BatchLedger:
+    """Recent batch ids (``kvlens-batch-id``, sent by the vLLM plugin) and their answers, so that a
+    batch retried after a lost answer is counted once. Bounded: the oldest ids are forgotten."""
+
+    def __init__(self, capacity: int = 10_000) -> None:
+        self._answers: OrderedDict[str, bytes | None] = OrderedDict()
+        self._capacity = capacity
+        self._lock = threading.Lock()
+
+    def claim(self, batch_id: str) -> bool:
+        """True for a batch not seen before (it is now in progress); False for a repeat."""
+        with self._lock:
+            if batch_id in self._answers:
+                return False
+            self._answers[batch_id] = None
+            while len(self._answers) > self._capacity:
+                self._answers.popitem(last=False)
+            return True
+
+    def answer(self, batch_id: str) -> bytes:
+        with self._lock:
+            return self._answers.get(batch_id) or b'{"accepted": 0, "duplicate": true}'
+
+    def settle(self, batch_id: str, answer: bytes) -> None:
+        if batch_id:
+            with self._lock:
+                self._answers[batch_id] = answer
+
+    def release(self, batch_id: str) -> None:
+        if batch_id:
+            with self._lock:
+                self._answers.pop(batch_id, None)
 
 
 def _authorized(request: Request, token: bytes) -> bool:

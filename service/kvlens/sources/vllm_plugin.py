@@ -35,6 +35,7 @@ import operator
 import os
 import threading
 import urllib.parse
+import uuid
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -45,6 +46,7 @@ log = logging.getLogger("kvlens.vllm_plugin")
 SOURCE = "vllm_plugin"
 SOURCE_HEADER = "kvlens-source"
 DROPPED_HEADER = "kvlens-dropped"
+BATCH_HEADER = "kvlens-batch-id"
 DEFAULT_URL = "http://127.0.0.1:9433/v1/records"
 
 # (attribute on FinishedRequestStats, kvlens record field); request_id first, then numbers.
@@ -64,8 +66,9 @@ _FIELDS = tuple(field for _, field in _FIELD_MAP)
 
 
 class Sink(Protocol):
-    def send(self, records: list[dict[str, Any]], dropped: int) -> None:
-        """Deliver one batch; raise on failure (the batch is retried)."""
+    def send(self, records: list[dict[str, Any]], dropped: int, batch_id: str) -> None:
+        """Deliver one batch; raise on failure (the batch is retried with the same id, so the
+        sidecar counts it once even when an earlier try reached it but its answer was lost)."""
 
 
 class HttpSink:
@@ -82,7 +85,7 @@ class HttpSink:
         self._token = token
         self._timeout = timeout
 
-    def send(self, records: list[dict[str, Any]], dropped: int) -> None:
+    def send(self, records: list[dict[str, Any]], dropped: int, batch_id: str) -> None:
         body = orjson.dumps(records)  # a JSON array
         connection_class = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
         connection = connection_class(self._host, self._port, timeout=self._timeout)
@@ -90,6 +93,7 @@ class HttpSink:
             "content-type": "application/json",
             SOURCE_HEADER: SOURCE,
             DROPPED_HEADER: str(dropped),
+            BATCH_HEADER: batch_id,
         }
         if self._token:
             headers["authorization"] = f"Bearer {self._token}"
@@ -110,7 +114,7 @@ class FileSink:
     def __init__(self, path: str) -> None:
         self._path = path
 
-    def send(self, records: list[dict[str, Any]], dropped: int) -> None:
+    def send(self, records: list[dict[str, Any]], dropped: int, batch_id: str) -> None:
         lines = b"".join(orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE) for record in records)
         with open(self._path, "ab") as out:
             out.write(lines)
@@ -137,6 +141,7 @@ class Shipper:
         self._flush_seconds = flush_seconds
         self._max_backoff = max_backoff_seconds
         self.dropped = 0  # dropped and not yet reported to the sidecar
+        self._dropped_lock = threading.Lock()
         self.delivered = 0
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -146,7 +151,8 @@ class Shipper:
     def offer(self, record: Any) -> None:
         """Never blocks: when full, the oldest record is dropped (and counted)."""
         if len(self._queue) >= self._capacity:
-            self.dropped += 1
+            with self._dropped_lock:
+                self.dropped += 1
         self._queue.append(record)
         if len(self._queue) == self._batch_size:
             self._wake.set()  # once per full batch; the thread drains what is beyond it
@@ -167,26 +173,30 @@ class Shipper:
     def _run(self) -> None:
         backoff = 0.0
         pending: list[Any] = []
+        pending_dropped = 0  # the drops this batch reports, fixed with its id across retries
+        batch_id = ""
         while True:
             stopping = self._stop.is_set()
             if not stopping and (backoff or len(self._queue) < self._batch_size):
                 self._wake.wait(max(self._flush_seconds, backoff))
                 self._wake.clear()
-            pending = pending or self._take()
+            if not pending:
+                pending = self._take()
+                pending_dropped, batch_id = self.dropped, uuid.uuid4().hex
             if not pending:
                 if stopping:
                     return
                 continue
-            dropped = self.dropped
             try:
-                self._sink.send(self._build(pending), dropped)
+                self._sink.send(self._build(pending), pending_dropped, batch_id)
             except Exception as error:
                 backoff = min(self._max_backoff, max(0.5, backoff * 2))
                 log.warning("kvlens: delivery failed (%s); retrying in %.1f s", type(error).__name__, backoff)
                 if stopping:
                     return
                 continue
-            self.dropped -= dropped
+            with self._dropped_lock:
+                self.dropped -= pending_dropped
             self.delivered += len(pending)
             pending = []
             backoff = 0.0
