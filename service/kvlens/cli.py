@@ -40,6 +40,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as error:
         print(f"kvlens: {error}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as error:
+        if error.name not in ("rich", "scipy"):
+            raise
+        print("kvlens: this command needs the analyze extra: pip install 'kvlens[analyze]'", file=sys.stderr)
+        return 2
 
 
 def _parser() -> argparse.ArgumentParser:
