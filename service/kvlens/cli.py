@@ -41,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvlens: {error}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as error:
-        if error.name not in ("rich", "scipy"):
+        if (error.name or "").split(".")[0] not in ("rich", "scipy"):
             raise
         print("kvlens: this command needs the analyze extra: pip install 'kvlens[analyze]'", file=sys.stderr)
         return 2

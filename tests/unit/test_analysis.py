@@ -289,3 +289,11 @@ def test_html_report_is_self_contained(tmp_path: Path) -> None:
     assert page.startswith("<!doctype html>") and "<svg" in page
     assert "<script" not in page and "http://" not in page and "https://" not in page
     assert "90.00 %" in page and "measured vs modelled prefill" in page
+
+
+def test_missing_analyze_extra_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(__import__("sys").modules, "rich.console", None)
+    assert main(["analyze", str(write(tmp_path / "a.jsonl", article_records()))]) == 2
+    assert "kvlens[analyze]" in capsys.readouterr().err
