@@ -3,7 +3,6 @@ registered globally, so every test (and every process) brings its own registry."
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
 import logging
@@ -12,7 +11,6 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,10 +23,10 @@ from starlette.concurrency import run_in_threadpool
 from kvlens import __version__
 from kvlens.config import Settings
 from kvlens.exporter.aggregator import Aggregator
+from kvlens.exporter.background import BackgroundSources
 from kvlens.exporter.collector import KVLensCollector
-from kvlens.exporter.upstream import UpstreamState
 from kvlens.records import Record
-from kvlens.sources import otlp, push, tail, vllm_metrics, vllm_plugin
+from kvlens.sources import otlp, push, vllm_plugin
 
 log = logging.getLogger(__name__)
 
@@ -71,62 +69,14 @@ def create_app(
     settings: Settings, registry: CollectorRegistry, aggregator: Aggregator | None = None
 ) -> FastAPI:
     aggregator = aggregator or Aggregator(settings)
-    targets = {vllm_metrics.target_name(url): url for url in settings.scrape_targets}
-    upstream = UpstreamState(tuple(targets))
-    registry.register(KVLensCollector(aggregator, upstream if targets else None))
-
-    async def scrape_forever(target: str, url: str) -> None:
-        async with httpx.AsyncClient(timeout=settings.scrape_timeout_seconds) as client:
-            while True:
-                try:
-                    text = await vllm_metrics.fetch(
-                        client,
-                        url,
-                        deadline_seconds=settings.scrape_timeout_seconds,
-                        max_bytes=settings.scrape_max_bytes,
-                    )
-                    scrape = await run_in_threadpool(vllm_metrics.parse, text)
-                    upstream.record_scrape(target, scrape, aggregator.model_label)
-                except vllm_metrics.ScrapeError as error:
-                    log.warning("kvlens: scrape of %s failed: %s", target, error)
-                    upstream.record_failure(target, error.reason)
-                except Exception:  # a bug must not end the scraping: count it as unparsable
-                    log.exception("kvlens: scrape of %s failed", target)
-                    upstream.record_failure(target, "parse")
-                await asyncio.sleep(settings.scrape_interval_seconds)
-
-    def follow_files(stop: threading.Event) -> list[threading.Thread]:
-        threads = []
-        for spec in settings.tails:
-            convert = spec.converter()
-            tailer = tail.Tailer(
-                spec.path,
-                tail.checkpoint_path(settings.state_dir, spec.path),
-                max_line_bytes=settings.tail_max_line_bytes,
-            )
-            thread = threading.Thread(
-                target=tail.follow,
-                args=(tailer, convert, lambda validated: aggregator.add(validated, "tail"), stop),
-                kwargs={"poll_seconds": settings.tail_poll_seconds},
-                name=f"kvlens-tail-{spec.path}",
-                daemon=True,
-            )
-            thread.start()
-            threads.append(thread)
-        return threads
+    background = BackgroundSources(settings, aggregator)
+    registry.register(KVLensCollector(aggregator, background.upstream))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        tasks = [asyncio.create_task(scrape_forever(target, url)) for target, url in targets.items()]
-        stop_tails = threading.Event()
-        tails = follow_files(stop_tails)
+        await background.start()
         yield
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        stop_tails.set()
-        for thread in tails:  # each writes its last checkpoint as it ends
-            await asyncio.to_thread(thread.join, 10)
+        await background.stop()
 
     app = FastAPI(
         title="kvlens",

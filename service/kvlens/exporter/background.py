@@ -1,0 +1,84 @@
+"""The sources that run beside the HTTP app: engine /metrics scrapes (asyncio tasks) and file
+tails (threads, since file I/O blocks). Started and stopped by the app's lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import httpx
+from starlette.concurrency import run_in_threadpool
+
+from kvlens.config import Settings, TailSetting
+from kvlens.exporter.aggregator import Aggregator
+from kvlens.exporter.upstream import UpstreamState
+from kvlens.sources import tail, vllm_metrics
+
+log = logging.getLogger(__name__)
+
+
+class BackgroundSources:
+    def __init__(self, settings: Settings, aggregator: Aggregator) -> None:
+        self.settings = settings
+        self.aggregator = aggregator
+        self.targets = {vllm_metrics.target_name(url): url for url in settings.scrape_targets}
+        self.upstream = UpstreamState(tuple(self.targets)) if self.targets else None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._threads: list[threading.Thread] = []
+        self._stop_tails = threading.Event()
+
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._scrape_forever(t, url)) for t, url in self.targets.items()]
+        self._threads = [self._follow(spec) for spec in self.settings.tails]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._stop_tails.set()
+        for thread in self._threads:  # each writes its last checkpoint as it ends
+            await asyncio.to_thread(thread.join, 10)
+
+    async def _scrape_forever(self, target: str, url: str) -> None:
+        settings, upstream = self.settings, self.upstream
+        assert upstream is not None
+        async with httpx.AsyncClient(timeout=settings.scrape_timeout_seconds) as client:
+            while True:
+                try:
+                    text = await vllm_metrics.fetch(
+                        client,
+                        url,
+                        deadline_seconds=settings.scrape_timeout_seconds,
+                        max_bytes=settings.scrape_max_bytes,
+                    )
+                    scrape = await run_in_threadpool(vllm_metrics.parse, text)
+                    upstream.record_scrape(target, scrape, self.aggregator.model_label)
+                except vllm_metrics.ScrapeError as error:
+                    log.warning("kvlens: scrape of %s failed: %s", target, error)
+                    upstream.record_failure(target, error.reason)
+                except Exception:  # a bug must not end the scraping: count it as unparsable
+                    log.exception("kvlens: scrape of %s failed", target)
+                    upstream.record_failure(target, "parse")
+                await asyncio.sleep(settings.scrape_interval_seconds)
+
+    def _follow(self, spec: TailSetting) -> threading.Thread:
+        tailer = tail.Tailer(
+            spec.path,
+            tail.checkpoint_path(self.settings.state_dir, spec.path),
+            max_line_bytes=self.settings.tail_max_line_bytes,
+        )
+        thread = threading.Thread(
+            target=tail.follow,
+            args=(
+                tailer,
+                spec.converter(),
+                lambda validated: self.aggregator.add(validated, "tail"),
+                self._stop_tails,
+            ),
+            kwargs={"poll_seconds": self.settings.tail_poll_seconds},
+            name=f"kvlens-tail-{spec.path}",
+            daemon=True,
+        )
+        thread.start()
+        return thread
