@@ -95,3 +95,12 @@ def test_readme_settings_table_matches_the_settings() -> None:
     assert readme_section("settings") == settings_table(), (
         "regenerate: .venv/bin/python scripts/readme_tables.py"
     )
+
+
+def test_readme_example_settings_file_loads(tmp_path: Path) -> None:
+    example = re.search(r"Example `kvlens.yaml`:\n\n```yaml\n(.*?)```", README.read_text(), re.S)
+    assert example, "README lacks the example settings file"
+    path = tmp_path / "kvlens.yaml"
+    path.write_text(example.group(1))
+    settings = load_settings(path)
+    assert settings.tails and settings.scrape_targets and settings.models
