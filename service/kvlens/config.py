@@ -109,6 +109,9 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(
         8 * 1024 * 1024, ge=1024, description="Largest request body, also after decompression."
     )
+    body_timeout_seconds: float = Field(
+        30.0, gt=0, le=600, description="Deadline for receiving a whole request body (408 after)."
+    )
     ingest_token: SecretStr | None = Field(
         None, description="Bearer token required on POST /v1/records when set."
     )

@@ -173,3 +173,17 @@ def test_otlp_protobuf_over_http(kvlens_server: Running) -> None:
     values = scraped_sums(httpx.get(f"{kvlens_server.url}/metrics").text)
     assert total(values, "kvlens_requests_total", model="qwen") == 9
     assert total(values, "kvlens_records_rejected_total", source="otlp", reason="missing_cached_tokens") == 1
+
+
+def test_a_stalled_body_gets_408_and_other_clients_are_served() -> None:
+    running = start_kvlens("serve", env={"KVLENS_BODY_TIMEOUT_SECONDS": "1"})
+    try:
+        port = int(running.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as stalled:
+            stalled.sendall(b'POST /v1/records HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n[{"prompt_')
+            ok = httpx.post(f"{running.url}/v1/records", content=ndjson(article_records()))
+            assert ok.json()["accepted"] == 100  # served while the other connection stalls
+            answer = stalled.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 408")
+    finally:
+        running.output()

@@ -3,6 +3,7 @@ registered globally, so every test (and every process) brings its own registry."
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
@@ -102,6 +103,7 @@ def create_app(
         responses={
             400: {"model": ErrorBody, "description": "Nothing in the body decodes."},
             401: {"model": ErrorBody, "description": "Missing or wrong bearer token."},
+            408: {"model": ErrorBody, "description": "The body did not arrive within the deadline."},
             413: {"model": ErrorBody, "description": "Body over the limit, also after gzip."},
         },
         summary="Ingest finished-request records (partial acceptance).",
@@ -122,11 +124,14 @@ def create_app(
         dropped = request.headers.get(vllm_plugin.DROPPED_HEADER, "")
         dropped_count = int(dropped) if dropped.isdigit() and len(dropped) <= 12 else 0
         try:
-            body = await _read_body(request, settings.max_body_bytes)
+            body = await _read_body(request, settings.max_body_bytes, settings.body_timeout_seconds)
             result = await run_in_threadpool(_ingest, body, request.headers.get("content-encoding"), source)
         except push.PayloadTooLarge as error:
             batches.release(batch_id)  # the sender retries it
             return _error(413, str(error))
+        except BodyTooSlow as error:
+            batches.release(batch_id)
+            return _error(408, str(error))
         except push.PayloadUndecodable as error:
             aggregator.add_dropped(source, dropped_count)
             batches.settle(batch_id, orjson.dumps({"error": str(error)}))
@@ -161,11 +166,13 @@ def create_app(
         media = content_type.split(";")[0].strip().lower()
         media = media if media in (otlp.JSON, otlp.PROTOBUF) else otlp.PROTOBUF
         try:
-            body = await _read_body(request, settings.max_body_bytes)
+            body = await _read_body(request, settings.max_body_bytes, settings.body_timeout_seconds)
             body = push.decompress(body, request.headers.get("content-encoding"), settings.max_body_bytes)
             result = await run_in_threadpool(otlp.read_traces, body, content_type)
         except push.PayloadTooLarge as error:
             return _error(413, str(error))
+        except BodyTooSlow as error:
+            return _error(408, str(error))
         except otlp.ProtobufUnavailable as error:
             return _error(415, str(error))
         except (otlp.TracesUndecodable, push.PayloadUndecodable) as error:
@@ -234,18 +241,31 @@ def _authorized(request: Request, token: bytes) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(presented.strip().encode(), token)
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+class BodyTooSlow(Exception):
+    """The request body did not arrive within the deadline."""
+
+
+async def _read_body(request: Request, limit: int, deadline_seconds: float) -> bytes:
+    """The whole body, under a size limit and a total deadline (a client that stalls mid-body
+    would otherwise hold its connection and a worker slot forever)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise push.PayloadTooLarge(f"body exceeds {limit} bytes")
-    chunks = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise push.PayloadTooLarge(f"body exceeds {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+
+    async def read() -> bytes:
+        chunks = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise push.PayloadTooLarge(f"body exceeds {limit} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        return await asyncio.wait_for(read(), deadline_seconds)
+    except asyncio.TimeoutError:
+        raise BodyTooSlow(f"the body did not arrive within {deadline_seconds:g} s") from None
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
