@@ -9,7 +9,9 @@ Ratios are ratios of sums over one window (:class:`Totals`), never means of per-
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -54,6 +56,28 @@ class CostModel:
 
 
 DEFAULT_COST_MODEL = CostModel()
+
+
+def modelled_work(
+    prompt_tokens: npt.NDArray[np.int64],
+    cached_tokens: npt.NDArray[np.int64],
+    keys: npt.NDArray[Any],
+    cost_for: Callable[[Any], CostModel],
+    distinct: list[Any] | None = None,
+) -> tuple[FloatArray, FloatArray]:
+    """``C(n)`` and ``C(h)`` per request, each with its own model's cost (``keys`` name the model
+    of each request; ``cost_for`` maps a key to its cost model; ``distinct``, the keys present,
+    when the caller knows them already: np.unique is costly on the ingest path)."""
+    prompt_work = np.empty(prompt_tokens.size, np.float64)
+    reused_work = np.empty(prompt_tokens.size, np.float64)
+    if distinct is None:
+        distinct = np.unique(keys).tolist() if keys.size else []
+    for key in distinct:
+        rows = slice(None) if len(distinct) == 1 else keys == key
+        cost = cost_for(key)
+        prompt_work[rows] = cost.work(prompt_tokens[rows])
+        reused_work[rows] = cost.work(cached_tokens[rows])
+    return prompt_work, reused_work
 
 
 def reusable_full_block_tokens(shared_prefix_tokens: ArrayLike, block_size: int) -> npt.NDArray[np.int64]:

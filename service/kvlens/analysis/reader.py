@@ -16,7 +16,6 @@ import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import IO, Any
 
 from kvlens.records import RecordBatch, Rejections, batch_from_json_array, batch_from_objects
@@ -164,7 +163,3 @@ def _skip(
         result.examples.append(
             {"file": path, "line": line, "field": field_name, "reason": reason, "message": message}
         )
-
-
-def source_label(path: str) -> str:
-    return "stdin" if path == "-" else Path(path).name

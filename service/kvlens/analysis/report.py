@@ -39,13 +39,9 @@ class Derived:
     ) -> Derived:
         names = np.array([*batch.model_names, default_model], dtype=object)
         model = names[batch.model_codes]  # code -1 picks the default
-        prompt_work = np.empty(len(batch))
-        reused_work = np.empty(len(batch))
-        for name in np.unique(model).tolist() if len(batch) else []:
-            rows = model == name
-            cost = cost_for(name)
-            prompt_work[rows] = cost.work(batch.prompt_tokens[rows])
-            reused_work[rows] = cost.work(batch.cached_tokens[rows])
+        prompt_work, reused_work = definitions.modelled_work(
+            batch.prompt_tokens, batch.cached_tokens, model, cost_for
+        )
         return cls(
             batch=batch,
             model=model,

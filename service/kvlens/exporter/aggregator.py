@@ -278,13 +278,9 @@ class Aggregator:
         group = model_length * 2 + hit
         groups = self._groups
 
-        prompt_work = np.empty(n.size, np.float64)
-        reused_work = np.empty(n.size, np.float64)
-        for slot in distinct_slots:
-            cost = self._cost_model(slot)
-            rows = slice(None) if len(distinct_slots) == 1 else model_slots == slot
-            prompt_work[rows] = cost.work(n[rows])
-            reused_work[rows] = cost.work(h[rows])
+        prompt_work, reused_work = definitions.modelled_work(
+            n, h, model_slots, self._cost_model, distinct_slots
+        )
 
         def by_group(weights: npt.NDArray[Any] | None = None) -> npt.NDArray[Any]:
             return np.bincount(group, weights=weights, minlength=groups)
