@@ -4,6 +4,8 @@ import shutil
 
 import pytest
 
+pytest_plugins = ["tests.stand_in"]  # the vllm fixture: vLLM's plugin interface
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import importlib
 import logging
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from importlib.metadata import entry_points
-from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import httpx
@@ -20,50 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvlens.sources import vllm_plugin
 from tests.integration.conftest import free_port, start_kvlens
+from tests.stand_in import finished, load_plugin_class, vllm_config
 
 pytestmark = pytest.mark.integration
-STAND_IN = Path(__file__).parent.parent / "fixtures" / "vllm_stand_in"
-
-
-@pytest.fixture
-def vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
-    """vLLM 0.33's plugin interface on sys.path, and a fresh plugin module and shipper."""
-    monkeypatch.syspath_prepend(str(STAND_IN))
-    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
-        monkeypatch.delitem(sys.modules, name)
-    importlib.reload(vllm_plugin)
-    yield importlib.import_module("vllm.v1.metrics.stats")
-    if vllm_plugin._shipper is not None:
-        vllm_plugin._shipper.close(timeout=0.2)
-    importlib.reload(vllm_plugin)
-
-
-def finished(stats: ModuleType, count: int, **overrides: object) -> object:
-    requests = []
-    for i in range(count):
-        values = {
-            "finish_reason": stats.FinishReason.STOP,
-            "request_id": f"chatcmpl-{i}",
-            "num_prompt_tokens": 128 if i < 90 else 8192,
-            "num_cached_tokens": 16 if i < 90 else 0,
-            "num_generation_tokens": 32,
-            "queued_time": 0.02,
-            "prefill_time": 0.01,
-            "decode_time": 0.3,
-            "e2e_latency": 0.35,
-            **overrides,
-        }
-        requests.append(stats.FinishedRequestStats(**values))
-    return stats.IterationStats(finished_requests=requests)
-
-
-def vllm_config(name: str = "Qwen/Qwen3-8B") -> object:
-    return SimpleNamespace(model_config=SimpleNamespace(served_model_name=name))
-
-
-def load_plugin_class() -> type:
-    (entry,) = [e for e in entry_points(group="vllm.stat_logger_plugins") if e.name == "kvlens"]
-    return entry.load()  # type: ignore[no-any-return]
 
 
 def sums(url: str) -> dict[str, float]:
@@ -189,7 +144,7 @@ def test_record_stays_fast_while_the_sidecar_hangs(vllm: ModuleType, monkeypatch
 
 def test_drops_while_down_are_reported_once_the_sidecar_is_back() -> None:
     port = free_port()
-    sink = vllm_plugin.HttpSink(f"http://127.0.0.1:{port}/v1/records", None, timeout=2)
+    sink = vllm_plugin.HttpSink(f"http://127.0.0.1:{port}/v1/records", None, deadline=2)
     shipper = vllm_plugin.Shipper(
         sink, capacity=50, batch_size=1000, flush_seconds=0.05, max_backoff_seconds=0.2
     )

@@ -1,0 +1,140 @@
+"""Helpers for tests that run a real ``kvlens`` process and talk to it over real sockets."""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Running:
+    process: subprocess.Popen[str]
+    url: str
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    def output(self) -> str:
+        """Stop the process (SIGTERM, so it shuts down cleanly) and return what it printed."""
+        self.process.terminate()
+        out, _ = self.process.communicate(timeout=20)
+        return out
+
+    def samples(self, **headers: str) -> Samples:
+        return parse_samples(httpx.get(f"{self.url}/metrics", headers=headers, timeout=10).text)
+
+    def value(self, name: str, **labels: str) -> float:
+        """The sum of the samples of ``name`` whose labels include ``labels``."""
+        return total(self.samples(), name, **labels)
+
+    def wait_for(self, name: str, expected: float, timeout: float = 20, **labels: str) -> float:
+        """Poll /metrics until ``name`` reaches ``expected`` (the sidecar works on its own clock)."""
+        deadline = time.monotonic() + timeout
+        while (found := self.value(name, **labels)) < expected and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return found
+
+    def memory(self) -> Memory:
+        return Memory(self.process.pid)
+
+
+def start_kvlens(
+    *args: str, env: dict[str, str] | None = None, port: int | None = None, scheme: str = "http"
+) -> Running:
+    port = port or free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvlens.cli", *args, "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "KVLENS_LOG_LEVEL": "WARNING", **(env or {})},
+    )
+    url = f"{scheme}://127.0.0.1:{port}"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"kvlens exited early:\n{process.stdout.read() if process.stdout else ''}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                pass
+            if scheme != "http" or httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                return Running(process, url)
+        except (OSError, httpx.TransportError):
+            time.sleep(0.05)  # waiting for a process to bind, not for time to pass
+    process.kill()
+    raise RuntimeError("kvlens did not start within 20 s")
+
+
+def parse_samples(text: str) -> Samples:
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def total(samples: Samples, name: str, **labels: str) -> float:
+    wanted = set(labels.items())
+    return sum(value for (found, keys), value in samples.items() if found == name and wanted <= keys)
+
+
+class Memory:
+    """Resident memory of another process: its current size, and its peak since :meth:`reset`.
+
+    The peak is the kernel's high-water mark (VmHWM), reset through ``/proc/PID/clear_refs``, so a
+    spike between two samples is never missed.
+    """
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.baseline = 0.0
+
+    def _status(self, field: str) -> float:
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+        raise LookupError(field)
+
+    def rss_mib(self) -> float:
+        return self._status("VmRSS")
+
+    def reset(self) -> None:
+        Path(f"/proc/{self.pid}/clear_refs").write_text("5")
+        self.baseline = self.rss_mib()
+
+    def peak_growth_mib(self) -> float:
+        """How far the peak rose above the resident size at :meth:`reset`."""
+        return self._status("VmHWM") - self.baseline
+
+
+def raise_open_files_limit(wanted: int = 8192) -> None:
+    """Let this process (and the servers it starts) hold ``wanted`` sockets."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(wanted, hard), hard))
+
+
+def in_thread(target: Callable[[], object]) -> threading.Thread:
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread
