@@ -23,11 +23,13 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from kvlens.sources import jsonscan
+
 MAX_TOKENS: Final = 10_000_000
 MAX_SECONDS: Final = 86_400.0
 MAX_UNIX_TIME: Final = 4_102_444_800.0  # 2100-01-01
 MAX_LABEL_BYTES: Final = 128
-MAX_PREFIX_BLOCKS: Final = 1_000_000
+MAX_PREFIX_BLOCKS: Final = 100_000  # 1.6M tokens at 16 a block; bounds what one record may hold
 
 Tokens = Annotated[int, Field(ge=0, le=MAX_TOKENS)]
 Seconds = Annotated[float, Field(ge=0, le=MAX_SECONDS)]
@@ -90,7 +92,9 @@ class Record(BaseModel):
         None, description="KV block size in tokens of the engine that served the request."
     )
     prefix_hashes: Annotated[list[int | str], Field(max_length=MAX_PREFIX_BLOCKS)] | None = Field(
-        None, description="Chained hashes of the prompt's full blocks (optional, never a label)."
+        None,
+        description="Chained hashes of the prompt's full blocks (optional, never a label; checked "
+        "but not kept by the live sidecar, which has no use for them).",
     )
 
     @model_validator(mode="after")
@@ -117,6 +121,7 @@ REASONS: Final = (
     "not_an_object",
     "malformed_json",
     "missing_cached_tokens",
+    "duplicate",
 )
 _REASON_CODE: Final = {name: code for code, name in enumerate(REASONS, start=1)}
 _OK: Final = 0
@@ -207,6 +212,7 @@ def reason_message(field_name: str | None, reason: str) -> str:
         "not_an_object": "a record must be a JSON object",
         "malformed_json": "the line is not valid JSON",
         "missing_cached_tokens": "the span has no cached-token attribute (it is not counted as a miss)",
+        "duplicate": "a record with this request_id and these values was counted already",
     }.get(reason, reason)
 
 
@@ -299,6 +305,19 @@ class RecordBatch:
     def __len__(self) -> int:
         return int(self.prompt_tokens.size)
 
+    def select(self, keep: npt.NDArray[np.bool_]) -> RecordBatch:
+        """The records where ``keep`` is True."""
+        columns: dict[str, Any] = {}
+        for name in self.__dataclass_fields__:
+            values = getattr(self, name)
+            if name == "model_names":
+                columns[name] = values
+            elif isinstance(values, np.ndarray):
+                columns[name] = values[keep]
+            else:
+                columns[name] = list(itertools.compress(values, keep.tolist()))
+        return RecordBatch(**columns)
+
     @classmethod
     def concat(cls, batches: Sequence[RecordBatch]) -> RecordBatch:
         """One batch of many; model codes are re-encoded against the union of names."""
@@ -334,6 +353,19 @@ class Validated:
     def with_rejections(self, more: Rejections) -> Validated:
         """The same batch with records rejected before validation (undecodable lines) added."""
         return Validated(self.batch, self.rejections + more, self.unknown_fields) if len(more) else self
+
+    @classmethod
+    def concat(cls, parts: Sequence[Validated]) -> Validated:
+        if len(parts) == 1:
+            return parts[0]
+        rejections = Rejections()
+        for part in parts:
+            rejections = rejections + part.rejections if len(part.rejections) else rejections
+        return cls(
+            RecordBatch.concat([part.batch for part in parts]),
+            rejections,
+            sum(part.unknown_fields for part in parts),
+        )
 
 
 class _Missing:
@@ -409,10 +441,13 @@ def _assemble(columns: dict[str, Any]) -> RecordBatch:
 # reports each record's reason and counts unknown fields.
 
 
-def _wire_struct() -> type[msgspec.Struct]:
-    kinds: dict[type, Any] = {int: int, float: float, str: str, list: list[int | str]}
+def _wire_struct(prefix_hashes: Any) -> type[msgspec.Struct]:
+    kinds: dict[type, Any] = {int: int, float: float, str: str, list: prefix_hashes}
     fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
     for spec in FIELDS:
+        if spec.kind is list and prefix_hashes is msgspec.Raw:
+            fields.append((spec.name, msgspec.Raw, msgspec.Raw()))
+            continue
         limits: dict[str, Any] = {"ge": spec.low, "le": spec.high, "max_length": spec.max_length}
         meta = msgspec.Meta(**{k: v for k, v in limits.items() if v is not None})
         annotated: Any = Annotated[kinds[spec.kind], meta]
@@ -420,14 +455,21 @@ def _wire_struct() -> type[msgspec.Struct]:
     return msgspec.defstruct("WireRecord", fields, kw_only=True, forbid_unknown_fields=True)
 
 
-_WIRE_DECODER: Final = msgspec.json.Decoder(list[_wire_struct()])  # type: ignore[misc]
+# Offline (analyze) keeps prefix_hashes; the live sidecar checks them but keeps only b"" (absent),
+# so that a body of short hashes cannot cost ten times its size in Python strings.
+_WIRE_DECODER: Final = msgspec.json.Decoder(list[_wire_struct(list[int | str])])  # type: ignore[misc]
+_LIVE_WIRE_DECODER: Final = msgspec.json.Decoder(list[_wire_struct(msgspec.Raw)])  # type: ignore[misc]
+_HASHES_DECODER: Final = msgspec.json.Decoder(
+    Annotated[list[int | str], msgspec.Meta(max_length=MAX_PREFIX_BLOCKS)]
+)
 
 
-def batch_from_json_array(data: bytes) -> RecordBatch | None:
+def batch_from_json_array(data: bytes, *, keep_prefix_hashes: bool = True) -> RecordBatch | None:
     """The batch, when every record in the JSON array ``data`` is valid and has only known
-    fields; otherwise None (the caller then validates record by record)."""
+    fields; otherwise None (the caller then validates record by record). Without
+    ``keep_prefix_hashes`` they are checked, and left out of the batch."""
     try:
-        records = _WIRE_DECODER.decode(data)
+        records = (_WIRE_DECODER if keep_prefix_hashes else _LIVE_WIRE_DECODER).decode(data)
     except msgspec.DecodeError:
         return None
     count = len(records)
@@ -442,11 +484,63 @@ def batch_from_json_array(data: bytes) -> RecordBatch | None:
             if spec.is_label and not all(map(valid_label, set(raw) - {None})):
                 return None
             columns[spec.name] = raw
-        else:
+        elif keep_prefix_hashes:
             columns[spec.name] = raw
+        else:
+            if any(bytes(r) not in (b"", b"null") and decode_prefix_hashes(r) is None for r in raw):
+                return None
+            columns[spec.name] = [None] * count
     if (columns["cached_tokens"] > columns["prompt_tokens"]).any():
         return None
     return _assemble(columns)
+
+
+def decode_prefix_hashes(raw: bytes | msgspec.Raw) -> list[int | str] | None:
+    """The hashes in the JSON text ``raw``, or None when it is not a list of at most
+    MAX_PREFIX_BLOCKS integers and strings. Never builds more than that many items."""
+    data = bytes(raw)
+    too_many = data.count(b",") >= MAX_PREFIX_BLOCKS  # a bound: commas inside strings raise it
+    if too_many and jsonscan.scan(data).separator_count >= MAX_PREFIX_BLOCKS:
+        return None
+    try:
+        hashes: list[int | str] = _HASHES_DECODER.decode(data)
+    except msgspec.DecodeError:
+        return None
+    return hashes
+
+
+def valid_prefix_hashes(value: Any) -> bool:
+    return (
+        type(value) is list
+        and len(value) <= MAX_PREFIX_BLOCKS
+        and all(type(item) is str or type(item) is int for item in value)
+    )
+
+
+def reduce_to_known(value: Any) -> tuple[Any, int]:
+    """A decoded record reduced to what validation reads, and its number of unknown fields.
+
+    The live sidecar decodes a hostile body one record at a time; keeping only the known fields,
+    with a container where a scalar belongs replaced by an empty one of its type (validation only
+    needs the type), and prefix_hashes checked and dropped, bounds what a record can hold on to.
+    """
+    if type(value) is not dict:
+        return ([] if type(value) is list else {} if type(value) is dict else value), 0
+    reduced: dict[str, Any] = {}
+    unknown = 0
+    for key, item in value.items():
+        if key not in _KNOWN:
+            unknown += 1
+            continue
+        kind = type(item)
+        if key == "prefix_hashes":
+            item = None if item is None or valid_prefix_hashes(item) else 0
+        elif kind is list:
+            item = []
+        elif kind is dict:
+            item = {}
+        reduced[key] = item
+    return reduced, unknown
 
 
 def _numbers_with_absent(raw: list[Any], kind: type, count: int) -> npt.NDArray[Any]:
@@ -586,11 +680,7 @@ def _list_column(spec: FieldSpec, raw: list[Any]) -> tuple[list[Any], npt.NDArra
     for i, value in enumerate(raw):
         if value is MISSING or value is None:
             continue
-        if (
-            type(value) is list
-            and len(value) <= max_length
-            and all(type(item) is str or type(item) is int for item in value)
-        ):
+        if valid_prefix_hashes(value) and len(value) <= max_length:
             values[i] = value
         else:
             reasons[i] = _REASON_CODE["not_a_list"]

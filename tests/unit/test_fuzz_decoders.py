@@ -12,10 +12,14 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvlens.errors import InputError, PayloadUndecodable
 from kvlens.records import REASONS, Validated
+from kvlens.sources.encoding import DecodeLimits, decode
 from kvlens.sources.formats import FORMATS, converter
 from kvlens.sources.jsonlines import records_from_lines
-from kvlens.sources.push import PayloadTooLarge, PayloadUndecodable, decompress, read_records
+from kvlens.sources.push import read_records
+
+LIMITS = DecodeLimits(1 << 20, 100, 16)
 
 record_like = st.fixed_dictionaries(
     {},
@@ -52,9 +56,9 @@ def as_ndjson(records: list[Any]) -> bytes:
 def test_push_payloads_account_for_every_record(records: list[dict[str, Any]], shape: str) -> None:
     body = as_ndjson(records) if shape != "array" else json.dumps(records, allow_nan=True).encode()
     if shape == "gzip":
-        body = decompress(gzip.compress(body), "gzip", 1 << 20)
+        body = decode(gzip.compress(body), "gzip", LIMITS)
     try:
-        validated = read_records(body)
+        validated = read_records(body, 1000)
     except PayloadUndecodable:
         assert not records
         return
@@ -65,13 +69,13 @@ def test_push_payloads_account_for_every_record(records: list[dict[str, Any]], s
 @given(st.binary(max_size=300))
 def test_push_arbitrary_bytes(body: bytes) -> None:
     with contextlib.suppress(PayloadUndecodable):
-        check(read_records(body))
+        check(read_records(body, 1000))
 
 
 @given(st.binary(max_size=300))
 def test_gzip_arbitrary_bytes(body: bytes) -> None:
-    with contextlib.suppress(PayloadUndecodable, PayloadTooLarge):
-        decompress(b"\x1f\x8b" + body, "gzip", 4096)
+    with contextlib.suppress(InputError):
+        decode(b"\x1f\x8b" + body, "gzip", DecodeLimits(4096, 100, 16))
 
 
 tail_lines = st.lists(
@@ -90,7 +94,7 @@ def test_nan_is_a_field_rejection_not_a_lost_line() -> None:
         b'{"prompt_tokens": 5, "cached_tokens": 1, "ttft_seconds": NaN}\n'
         b'{"prompt_tokens": 5, "cached_tokens": 1}'
     )
-    validated = read_records(body)
+    validated = read_records(body, 1000)
     assert len(validated.batch) == 1
     assert validated.rejections.details(1)[0]["field"] == "ttft_seconds"
     assert validated.rejections.counts_by_reason() == {"not_finite": 1}

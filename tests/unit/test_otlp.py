@@ -21,8 +21,14 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvlens.config import load_settings
+from kvlens.errors import PayloadUndecodable, UnsupportedMediaType
 from kvlens.exporter.app import create_app
-from kvlens.sources.otlp import TracesUndecodable, read_traces
+from kvlens.sources import otlp
+
+
+def read_traces(body: bytes, content_type: str) -> otlp.TracesResult:
+    return otlp.read_traces(body, otlp.media_type(content_type), 1000)
+
 
 # The span vLLM 0.33 emits (reference/engines.md section 2): no cached-token attribute.
 VLLM_SPAN = {
@@ -136,15 +142,15 @@ def test_spans_become_records(encode: Any, content_type: str) -> None:
 
 def test_undecodable_bodies() -> None:
     for body, content_type in ((b"{", "application/json"), (b"\xff\xff\xff", "application/x-protobuf")):
-        with pytest.raises(TracesUndecodable):
+        with pytest.raises(PayloadUndecodable):
             read_traces(body, content_type)
-    with pytest.raises(TracesUndecodable, match="unsupported content type"):
+    with pytest.raises(UnsupportedMediaType):
         read_traces(b"", "text/csv")
 
 
 @given(st.binary(max_size=200))
 def test_protobuf_parser_fuzz(body: bytes) -> None:
-    with contextlib.suppress(TracesUndecodable):
+    with contextlib.suppress(PayloadUndecodable):
         read_traces(body, "application/x-protobuf")
 
 
@@ -165,7 +171,7 @@ def test_protobuf_parser_fuzz(body: bytes) -> None:
     )
 )
 def test_json_parser_fuzz(value: Any) -> None:
-    with contextlib.suppress(TracesUndecodable):
+    with contextlib.suppress(PayloadUndecodable):
         read_traces(orjson.dumps(value), "application/json")
 
 
@@ -227,4 +233,4 @@ def test_bad_exports_get_a_status_body(client: TestClient) -> None:
     )
     assert answer.status_code == 400
     assert answer.content.startswith(b"\x08\x03\x12")
-    assert client.post("/v1/traces", content=b"", headers={"content-type": "text/csv"}).status_code == 400
+    assert client.post("/v1/traces", content=b"", headers={"content-type": "text/csv"}).status_code == 415

@@ -4,28 +4,42 @@ A span is an LLM request when it carries ``gen_ai.usage.prompt_tokens`` (or
 ``gen_ai.usage.input_tokens``); other spans in the same export are ignored. Cached tokens come
 from ``gen_ai.usage.cached_tokens`` (SGLang) or ``gen_ai.usage.cache_read.input_tokens`` (the
 name proposed for vLLM, which sets none as of 0.33). A request span without either is rejected
-as ``missing_cached_tokens``, never counted as a miss.
+as ``missing_cached_tokens``, never counted as a miss. When a span carries several attributes for
+one field, the first in :data:`ATTRIBUTES` wins (so the model that served the request beats the
+model that was asked for), whatever their order in the span.
 
-Protobuf bodies are decoded with ``opentelemetry-proto`` (the ``otlp`` extra); JSON bodies
-(proto3 JSON: ``intValue`` as a string, hex ids) are read directly.
+Both encodings are read by decoders of kvlens's own that look only at span attributes and never
+build what they skip, so a body's cost is bounded by its size and the limits, not by what it
+nests: protobuf by a wire-format reader (at most :data:`FIELDS_PER_RECORD` x max_records fields
+stepped over), JSON by msgspec, one span at a time, after a scan has counted the spans.
 """
 
 from __future__ import annotations
 
+import math
+import re
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
+import msgspec
 import orjson
 
+from kvlens.errors import PayloadUndecodable, TooManyRecords, UnsupportedMediaType
 from kvlens.records import Rejections, Validated, batch_from_objects
+from kvlens.sources import jsonscan
 
 SOURCE = "otlp"
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
+MEDIA_TYPES: Final = {PROTOBUF: PROTOBUF, "application/protobuf": PROTOBUF, JSON: JSON}
+FIELDS_PER_RECORD: Final = 40  # protobuf fields a request may have us step over, per record allowed
+MAX_ATTRIBUTES_PER_SPAN: Final = 1024  # past it a span's attributes are not read (OTel SDKs cap 128)
+MAX_ARRAY_VALUE_BYTES: Final = 64 * 1024
 
-# span attribute -> record field; the first present attribute of a field wins
-_ATTRIBUTES = (
+# span attribute -> record field; for each field the first attribute present wins
+ATTRIBUTES: Final = (
     ("gen_ai.usage.prompt_tokens", "prompt_tokens"),
     ("gen_ai.usage.input_tokens", "prompt_tokens"),
     ("gen_ai.usage.cached_tokens", "cached_tokens"),
@@ -42,15 +56,10 @@ _ATTRIBUTES = (
     ("gen_ai.request.model", "model"),
     ("gen_ai.response.finish_reasons", "finish_reason"),
 )
-_FIELD_OF = dict(_ATTRIBUTES)
-
-
-class TracesUndecodable(Exception):
-    """The body is not an OTLP trace export of the declared content type."""
-
-
-class ProtobufUnavailable(Exception):
-    """A protobuf body arrived but opentelemetry-proto is not installed."""
+_RANK: Final = {key: rank for rank, (key, _) in enumerate(ATTRIBUTES)}
+_FIELD_OF: Final = dict(ATTRIBUTES)
+_WANTED: Final = {key.encode(): key for key, _ in ATTRIBUTES}
+_INT64: Final = re.compile(r"-?[0-9]{1,19}")
 
 
 @dataclass(frozen=True)
@@ -59,27 +68,34 @@ class TracesResult:
     spans: int  # LLM request spans seen (accepted + rejected)
 
 
-def read_traces(body: bytes, content_type: str) -> TracesResult:
-    """Records of the LLM request spans in an export; raises TracesUndecodable."""
-    kind = content_type.split(";")[0].strip().lower()
-    if kind == JSON:
-        spans = list(_json_spans(body))
-    elif kind in (PROTOBUF, "application/protobuf"):
-        spans = list(_protobuf_spans(body))
-    else:
-        raise TracesUndecodable(f"unsupported content type {kind[:64]!r}; use {PROTOBUF} or {JSON}")
+def media_type(content_type: str | None) -> str:
+    """The OTLP encoding of a request's Content-Type (protobuf when none is given)."""
+    if not content_type:
+        return PROTOBUF
+    media = MEDIA_TYPES.get(content_type.split(";")[0].strip().lower())
+    if media is None:
+        raise UnsupportedMediaType(f"Content-Type must be {PROTOBUF} or {JSON}")
+    return media
+
+
+def read_traces(body: bytes, media: str, max_records: int) -> TracesResult:
+    """Records of the LLM request spans in an export of encoding ``media`` (see
+    :func:`media_type`); raises :class:`~kvlens.errors.InputError`."""
+    spans = _json_spans(body, max_records) if media == JSON else _protobuf_spans(body, max_records)
     records: list[dict[str, Any]] = []
     positions: list[int] = []
     missing: list[int] = []
+    malformed: list[int] = []
     for attributes in spans:
+        index = len(positions) + len(missing) + len(malformed)
+        if attributes is None:  # a span that does not decode: it may have been a request
+            malformed.append(index)
+            continue
         record: dict[str, Any] = {}
-        for key, value in attributes.items():
-            field = _FIELD_OF.get(key)
-            if field is not None and field not in record:
-                record[field] = value
+        for key in sorted(attributes, key=_RANK.__getitem__):
+            record.setdefault(_FIELD_OF[key], attributes[key])
         if "prompt_tokens" not in record:
             continue  # not an LLM request span
-        index = len(positions) + len(missing)
         if "cached_tokens" not in record:
             missing.append(index)
             continue
@@ -88,88 +104,241 @@ def read_traces(body: bytes, content_type: str) -> TracesResult:
             record["finish_reason"] = reasons[0] if reasons and isinstance(reasons[0], str) else None
         records.append(record)
         positions.append(index)
-    validated = batch_from_objects(records, positions)
-    without_cached = Rejections.single(missing, "missing_cached_tokens")
-    return TracesResult(validated.with_rejections(without_cached), len(positions) + len(missing))
+    validated = batch_from_objects(records, positions).with_rejections(
+        Rejections.single(missing, "missing_cached_tokens") + Rejections.single(malformed, "malformed_json")
+    )
+    return TracesResult(validated, len(positions) + len(missing) + len(malformed))
 
 
-def _json_spans(body: bytes) -> Iterator[dict[str, Any]]:
+def _too_many(max_records: int) -> TooManyRecords:
+    return TooManyRecords(f"more than {max_records} spans in one export; send smaller batches")
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON (proto3 JSON mapping: lowerCamelCase names, int64 as strings)
+
+
+class _KeyValue(msgspec.Struct):
+    key: str = ""
+    value: msgspec.Raw = msgspec.Raw()
+
+
+class _Span(msgspec.Struct):
+    attributes: list[msgspec.Raw] = []
+
+
+class _ScopeSpans(msgspec.Struct):
+    spans: list[msgspec.Raw] = []
+
+
+class _ResourceSpans(msgspec.Struct):
+    scopeSpans: list[_ScopeSpans] = []
+
+
+class _Export(msgspec.Struct):
+    resourceSpans: list[_ResourceSpans] = []
+
+
+class _ArrayValue(msgspec.Struct):
+    values: list[_AnyValue] = []
+
+
+class _AnyValue(msgspec.Struct):
+    stringValue: str | None = None
+    boolValue: bool | None = None
+    intValue: int | str | None = None
+    doubleValue: float | str | None = None
+    arrayValue: _ArrayValue | None = None
+
+
+_EXPORT: Final = msgspec.json.Decoder(_Export)
+_SPAN: Final = msgspec.json.Decoder(_Span)
+_KEY_VALUE: Final = msgspec.json.Decoder(_KeyValue)
+_ANY_VALUE: Final = msgspec.json.Decoder(_AnyValue)
+_SPAN_DEPTH: Final = 7  # {resourceSpans: [{scopeSpans: [{spans: [{  <- here
+
+
+def _json_spans(body: bytes, max_records: int) -> Iterator[dict[str, Any] | None]:
+    if not body.strip():
+        return
+    structure = jsonscan.scan(body, object_depth=_SPAN_DEPTH, object_limit=max_records)
+    if structure.objects_at_depth > max_records:
+        raise _too_many(max_records)
+    if not structure.balanced or body.lstrip()[:1] != b"{":
+        raise PayloadUndecodable("the body is not an OTLP JSON export (a JSON object)")
     try:
-        export = orjson.loads(body) if body.strip() else {}
-    except orjson.JSONDecodeError:
-        raise TracesUndecodable("body is not valid JSON") from None
-    if not isinstance(export, dict):
-        raise TracesUndecodable("an OTLP export is a JSON object")
-    for resource_spans in _list(export.get("resourceSpans")):
-        for scope_spans in _list(resource_spans.get("scopeSpans")):
-            for span in _list(scope_spans.get("spans")):
-                yield {
-                    item["key"]: _json_value(item.get("value"))
-                    for item in _list(span.get("attributes"))
-                    if isinstance(item.get("key"), str)
-                }
-
-
-def _list(value: Any) -> list[dict[str, Any]]:
-    return [item for item in value if isinstance(item, dict)] if isinstance(value, list) else []
-
-
-def _json_value(value: Any) -> Any:
-    if not isinstance(value, dict):
-        return None
-    if "intValue" in value:  # int64 is a string in proto3 JSON
-        raw = value["intValue"]
-        if isinstance(raw, int) and not isinstance(raw, bool):
-            return raw
-        return int(raw) if isinstance(raw, str) and raw.lstrip("-").isdigit() else raw
-    if "doubleValue" in value:
-        return value["doubleValue"]
-    if "stringValue" in value:
-        return value["stringValue"]
-    if "boolValue" in value:
-        return value["boolValue"]
-    if "arrayValue" in value and isinstance(value["arrayValue"], dict):
-        return [_json_value(v) for v in _list(value["arrayValue"].get("values"))]
-    return None
-
-
-def _protobuf_spans(body: bytes) -> Iterator[dict[str, Any]]:
-    try:
-        from google.protobuf.message import DecodeError
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-    except ImportError:
-        raise ProtobufUnavailable(
-            "protobuf OTLP needs opentelemetry-proto: pip install 'kvlens[otlp]'"
-        ) from None
-    request = ExportTraceServiceRequest()
-    try:
-        request.ParseFromString(body)
-    except (DecodeError, ValueError):
-        raise TracesUndecodable("body is not a valid OTLP protobuf export") from None
-    for resource_spans in request.resource_spans:
-        for scope_spans in resource_spans.scope_spans:
+        export = _EXPORT.decode(body)
+    except msgspec.DecodeError:  # also ValidationError: a field of the wrong type
+        raise PayloadUndecodable("the body is not an OTLP JSON export") from None
+    for resource_spans in export.resourceSpans:
+        for scope_spans in resource_spans.scopeSpans:
             for span in scope_spans.spans:
-                yield {attribute.key: _protobuf_value(attribute.value) for attribute in span.attributes}
+                try:
+                    yield _json_attributes(_SPAN.decode(span).attributes)
+                except msgspec.DecodeError:
+                    yield None
 
 
-def _protobuf_value(value: Any) -> Any:
-    kind = value.WhichOneof("value")
-    if kind == "array_value":
-        return [_protobuf_value(v) for v in value.array_value.values]
-    if kind in ("int_value", "double_value", "string_value", "bool_value"):
-        return getattr(value, kind)
+def _json_attributes(raw_attributes: list[msgspec.Raw]) -> dict[str, Any]:
+    attributes: dict[str, Any] = {}
+    for raw in raw_attributes[:MAX_ATTRIBUTES_PER_SPAN]:
+        item = _KEY_VALUE.decode(raw)
+        if item.key in _RANK and bytes(item.value):
+            attributes[item.key] = _json_value(_ANY_VALUE.decode(item.value))
+    return attributes
+
+
+def _json_value(value: _AnyValue) -> Any:
+    if value.stringValue is not None:
+        return value.stringValue
+    if value.boolValue is not None:
+        return value.boolValue
+    if value.intValue is not None:
+        raw = value.intValue
+        if isinstance(raw, int):
+            return raw
+        return int(raw) if _INT64.fullmatch(raw) else raw  # else rejected as not_an_integer
+    if value.doubleValue is not None:
+        raw_double = value.doubleValue
+        if isinstance(raw_double, float):
+            return raw_double
+        special = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+        return special.get(raw_double, raw_double)  # rejected: not finite, or not a number
+    if value.arrayValue is not None:
+        return [_json_value(item) for item in value.arrayValue.values]
     return None
 
 
-def error_status(message: str, content_type: str) -> bytes:
-    """A google.rpc.Status (code 3, INVALID_ARGUMENT) for a 400, in the request's encoding."""
-    if content_type.split(";")[0].strip().lower() == JSON:
-        return orjson.dumps({"code": 3, "message": message})
-    text = message.encode()[:1000]
-    return b"\x08\x03" + b"\x12" + _varint(len(text)) + text  # field 1 code, field 2 message
+# ---------------------------------------------------------------------------------------------
+# Protobuf: ExportTraceServiceRequest{1: ResourceSpans{2: ScopeSpans{2: Span{9: KeyValue{
+#   1: key, 2: AnyValue{1: string, 2: bool, 3: int64, 4: double, 5: ArrayValue{1: AnyValue}}}}}}}
 
 
-def _varint(value: int) -> bytes:
+class _Steps:
+    """Counts the fields a request has us step over; past the budget the export is refused."""
+
+    def __init__(self, budget: int, max_records: int) -> None:
+        self.left = budget
+        self.max_records = max_records
+
+
+def _protobuf_spans(body: bytes, max_records: int) -> Iterator[dict[str, Any] | None]:
+    steps = _Steps(FIELDS_PER_RECORD * max_records, max_records)
+    spans = 0
+    view = memoryview(body)
+    for resource_spans in _messages(view, 1, steps):
+        for scope_spans in _messages(resource_spans, 2, steps):
+            for span in _messages(scope_spans, 2, steps):
+                spans += 1
+                if spans > max_records:
+                    raise _too_many(max_records)
+                yield _protobuf_attributes(span, steps)
+
+
+def _protobuf_attributes(span: memoryview, steps: _Steps) -> dict[str, Any]:
+    attributes: dict[str, Any] = {}
+    for count, item in enumerate(_messages(span, 9, steps)):
+        if count == MAX_ATTRIBUTES_PER_SPAN:
+            break
+        key_first = len(item) > 2 and item[0] == 0x0A and item[1] < 0x80  # as encoders write it
+        if key_first and bytes(item[2 : 2 + item[1]]) not in _WANTED:
+            continue  # most attributes: skipped after one look at the key
+        key = value = None
+        for number, payload in _fields(item, steps):
+            if number == 1:
+                key = _WANTED.get(bytes(payload))
+            elif number == 2:
+                value = payload
+        if key is not None and value is not None:
+            attributes[key] = _protobuf_value(value, steps)
+    return attributes
+
+
+def _protobuf_value(value: memoryview, steps: _Steps) -> Any:
+    result: Any = None
+    for number, payload in _fields(value, steps, scalars=True):
+        if number == 1 and isinstance(payload, memoryview):
+            result = _utf8(payload)
+        elif number == 2 and isinstance(payload, int):
+            result = bool(payload)
+        elif number == 3 and isinstance(payload, int):
+            result = payload - (1 << 64) if payload >= 1 << 63 else payload  # int64, two's complement
+        elif number == 4 and isinstance(payload, bytes):
+            result = struct.unpack("<d", payload)[0]
+        elif number == 5 and isinstance(payload, memoryview) and len(payload) <= MAX_ARRAY_VALUE_BYTES:
+            result = [_protobuf_value(item, steps) for item in _messages(payload, 1, steps)]
+    return result
+
+
+def _utf8(payload: memoryview) -> str | bytes:
+    try:
+        return bytes(payload).decode("utf-8")
+    except UnicodeDecodeError:
+        return b""  # not a string: rejected by field
+
+
+def _messages(buffer: memoryview, wanted: int, steps: _Steps) -> Iterator[memoryview]:
+    """The payloads of the length-delimited field ``wanted`` of a message."""
+    for number, payload in _fields(buffer, steps):
+        if number == wanted:
+            yield payload
+
+
+def _fields(buffer: memoryview, steps: _Steps, *, scalars: bool = False) -> Iterator[tuple[int, Any]]:
+    """(field number, payload) of each length-delimited field, and with ``scalars`` of each varint
+    (int) and fixed64 (bytes) field too."""
+    position, end = 0, len(buffer)
+    while position < end:
+        steps.left -= 1
+        if steps.left < 0:
+            raise _too_many(steps.max_records)
+        tag = buffer[position]  # one-byte tags and lengths are the rule: read them inline
+        if tag < 0x80:
+            position += 1
+        else:
+            tag, position = _varint(buffer, position)
+        wire = tag & 7
+        if wire == 2:
+            length = buffer[position] if position < end else 0x80
+            if length < 0x80:
+                position += 1
+            else:
+                length, position = _varint(buffer, position)
+            stop = position + length
+            if stop > end:
+                raise PayloadUndecodable("the body is not a valid OTLP protobuf export")
+            yield tag >> 3, buffer[position:stop]
+            position = stop
+        elif wire == 0:
+            value, position = _varint(buffer, position)
+            if scalars:
+                yield tag >> 3, value
+        elif wire in (1, 5):
+            width = 8 if wire == 1 else 4
+            if scalars and wire == 1:
+                yield tag >> 3, bytes(buffer[position : position + width])
+            position += width
+        else:
+            raise PayloadUndecodable("the body is not a valid OTLP protobuf export")
+    if position != end:
+        raise PayloadUndecodable("the body is not a valid OTLP protobuf export")
+
+
+def _varint(buffer: memoryview, position: int) -> tuple[int, int]:
+    result = shift = 0
+    while shift < 70:
+        if position >= len(buffer):
+            break
+        byte = buffer[position]
+        position += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, position
+        shift += 7
+    raise PayloadUndecodable("the body is not a valid OTLP protobuf export")
+
+
+def _encode_varint(value: int) -> bytes:
     out = bytearray()
     while True:
         byte, value = value & 0x7F, value >> 7
@@ -178,17 +347,29 @@ def _varint(value: int) -> bytes:
             return bytes(out)
 
 
-def response(rejected: int, message: str, content_type: str) -> bytes:
-    """ExportTraceServiceResponse, in the request's encoding (partial success when rejected)."""
-    if content_type.split(";")[0].strip().lower() == JSON:
+def _length_delimited(number: int, payload: bytes) -> bytes:
+    return _encode_varint(number << 3 | 2) + _encode_varint(len(payload)) + payload
+
+
+# ---------------------------------------------------------------------------------------------
+# Answers, in the request's encoding
+
+
+def error_status(message: str, media: str) -> bytes:
+    """A google.rpc.Status (code 3, INVALID_ARGUMENT) for a 400."""
+    if media == JSON:
+        return orjson.dumps({"code": 3, "message": message})
+    return b"\x08\x03" + _length_delimited(2, message.encode()[:1000])
+
+
+def response(rejected: int, message: str, media: str) -> bytes:
+    """ExportTraceServiceResponse (partial success when spans were rejected)."""
+    if media == JSON:
         body: dict[str, Any] = {}
         if rejected:
             body["partialSuccess"] = {"rejectedSpans": str(rejected), "errorMessage": message}
         return orjson.dumps(body)
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
-
-    answer = ExportTraceServiceResponse()
-    if rejected:
-        answer.partial_success.rejected_spans = rejected
-        answer.partial_success.error_message = message
-    return bytes(answer.SerializeToString())
+    if not rejected:
+        return b""
+    partial = b"\x08" + _encode_varint(rejected) + _length_delimited(2, message.encode())
+    return _length_delimited(1, partial)

@@ -1,97 +1,158 @@
-"""``POST /v1/records`` payloads: a JSON object, a JSON array, or NDJSON; gzip allowed.
+"""``POST /v1/records`` payloads: a JSON object, a JSON array, or NDJSON.
 
-The whole payload is first read as one JSON array (NDJSON lines joined with commas) by the
-all-or-nothing fast path of :func:`kvlens.records.batch_from_json_array`. When that fails, the
-payload is decoded line by line: a line that does not decode is reported by its index and the
-lines beside it still count. orjson is tried first, then the standard library, which also reads
-NaN, Infinity and 1e400 so that they are rejected by field with a clear reason rather than as
-undecodable lines.
+A payload is first tried whole by the all-or-nothing fast path of
+:func:`kvlens.records.batch_from_json_array` (NDJSON lines joined with commas). When that fails,
+it is split into its records (array elements by :mod:`kvlens.sources.jsonscan`, lines by newline)
+and each is decoded and reduced on its own: a record that does not decode is reported by its index
+and the records beside it still count.
+
+What a body may cost is bounded before anything is decoded: at most ``max_records`` records (array
+elements, or NDJSON lines, blank ones included); the fast path runs only when the body cannot hold
+more objects than that; a record of up to :data:`SMALL_RECORD_BYTES` is decoded whole (orjson, then
+the standard library, which also reads NaN, Infinity and 1e400 so that they are rejected by field
+with a clear reason), a larger one field by field, skipping what kvlens does not read.
 """
 
 from __future__ import annotations
 
-import zlib
-from typing import Any
+import math
+from typing import Any, Final
 
-from kvlens.records import Rejections, Validated, batch_from_json_array, batch_from_objects
-from kvlens.sources.jsonlines import UNDECODABLE, decode_lines, loads, orjson_or_none
+import msgspec
+
+from kvlens.errors import PayloadUndecodable, TooManyRecords
+from kvlens.records import (
+    FIELD_NAMES,
+    Rejections,
+    Validated,
+    batch_from_json_array,
+    batch_from_objects,
+    decode_prefix_hashes,
+    reduce_to_known,
+)
+from kvlens.sources import jsonscan
+from kvlens.sources.jsonlines import UNDECODABLE, loads
 
 SOURCE = "push"
-_GZIP_MAGIC = b"\x1f\x8b"
+SMALL_RECORD_BYTES: Final = 64 * 1024
+VALIDATE_CHUNK: Final = 8192  # records reduced and validated at a time
+_WHITESPACE: Final = b" \t\r\n"
+
+# A record's known fields as undecoded JSON; unknown fields are skipped by the decoder unbuilt.
+_RawRecord = msgspec.defstruct(
+    "RawRecord", [(name, msgspec.Raw, msgspec.Raw()) for name in FIELD_NAMES], kw_only=True
+)
+_RAW_RECORD: Final = msgspec.json.Decoder(_RawRecord)
+_SCALAR: Final = msgspec.json.Decoder(bool | int | float | str | None)
 
 
-class PayloadTooLarge(Exception):
-    """The body, or what it decompresses to, is over the limit."""
-
-
-class PayloadUndecodable(Exception):
-    """Nothing in the body decodes; the message says why without quoting it."""
-
-
-def decompress(body: bytes, content_encoding: str | None, max_bytes: int) -> bytes:
-    """Undo gzip (by header or magic bytes), refusing to inflate past ``max_bytes``."""
-    encoding = (content_encoding or "").strip().lower()
-    if encoding in ("", "identity") and not body.startswith(_GZIP_MAGIC):
-        return body
-    if encoding not in ("", "identity", "gzip", "x-gzip"):
-        raise PayloadUndecodable(f"unsupported Content-Encoding {encoding[:32]!r}; use gzip or none")
-    out = bytearray()
-    data = body
-    try:
-        while data:
-            inflater = zlib.decompressobj(wbits=31)
-            out += inflater.decompress(data, max_bytes + 1 - len(out))
-            if len(out) > max_bytes or inflater.unconsumed_tail:
-                raise PayloadTooLarge(f"decompressed body exceeds {max_bytes} bytes")
-            data = inflater.unused_data  # concatenated gzip members
-    except zlib.error:
-        raise PayloadUndecodable("body is not valid gzip") from None
-    return bytes(out)
-
-
-def read_records(body: bytes) -> Validated:
+def read_records(body: bytes, max_records: int) -> Validated:
     """Every record of a payload, validated; rejections point at array indices or NDJSON lines
-    (blank lines not counted). Raises :class:`PayloadUndecodable` when nothing decodes."""
-    text = body.strip()
-    if text[:1] == b"[":
-        as_array, expected = text, None
-    else:
-        lines = text.count(b"\n") + 1
-        as_array = b"[" + text.replace(b"\n", b",") + b"]" if b"\n\n" not in text else b""
-        expected = lines
-    if as_array:
-        batch = batch_from_json_array(as_array)
-        if batch is not None and expected in (None, len(batch)):
-            return Validated(batch, Rejections(), 0)
-    objects, positions, malformed = _decode(text, as_array, expected)
-    return batch_from_objects(objects, positions).with_rejections(
-        Rejections.single(malformed, "malformed_json")
-    )
-
-
-def _decode(
-    text: bytes, as_array: bytes, expected: int | None
-) -> tuple[list[Any], list[int] | None, list[int]]:
-    """Decoded values, their positions in the payload (None: 0..N-1) and undecodable lines."""
+    (blank lines not counted). Raises :class:`~kvlens.errors.TooManyRecords` past
+    ``max_records`` and :class:`~kvlens.errors.PayloadUndecodable` when nothing decodes."""
+    text = body.strip(_WHITESPACE)
     if not text:
-        return [], None, []
-    if expected is None:  # a JSON array
-        value = loads(text)
-        if value is UNDECODABLE:
-            raise PayloadUndecodable("body is not valid JSON (an array was expected)")
-        return value, None, []
-    joined = orjson_or_none(as_array) if as_array else None
-    if isinstance(joined, list) and len(joined) == expected:
-        return joined, None, []
-    if expected > 1 and text[:1] == b"{":  # one pretty-printed object?
-        single = orjson_or_none(text)
-        if isinstance(single, dict):
-            return [single], None, []
+        return batch_from_objects([])
+    if text[:1] == b"[":
+        return _read_array(text, max_records)
+    return _read_lines(text, max_records)
 
-    objects, positions, malformed = decode_lines(text.split(b"\n"))
-    if not objects:
-        single = loads(text)  # one pretty-printed object holding NaN or Infinity
-        if single is not UNDECODABLE:
-            return [single], None, []
+
+def _too_many(max_records: int) -> TooManyRecords:
+    return TooManyRecords(f"more than {max_records} records in one request; send smaller batches")
+
+
+def _read_array(text: bytes, max_records: int) -> Validated:
+    if text.count(b"{") <= max_records:  # it cannot hold more records than that
+        batch = batch_from_json_array(text, keep_prefix_hashes=False)
+        if batch is not None:
+            return Validated(batch, Rejections(), 0)
+    structure = jsonscan.scan(text, max_records - 1, stop_past_limit=True)
+    if structure.separator_count >= max_records:
+        raise _too_many(max_records)
+    if not structure.balanced:
+        raise PayloadUndecodable("the body is not valid JSON (an array was expected)")
+    return _read_elements(jsonscan.array_elements(text, structure))
+
+
+def _read_lines(text: bytes, max_records: int) -> Validated:
+    lines = text.count(b"\n") + 1
+    if lines > max_records:
+        raise _too_many(max_records)
+    if b"\n\n" not in text and text.count(b"{") <= max_records:
+        batch = batch_from_json_array(b"[" + text.replace(b"\n", b",") + b"]", keep_prefix_hashes=False)
+        if batch is not None and len(batch) == lines:
+            return Validated(batch, Rejections(), 0)
+    if lines > 1 and text[:1] == b"{" and jsonscan.scan(text).balanced:
+        return _read_elements([text])  # one pretty-printed record
+    elements = [line.strip(_WHITESPACE) for line in text.split(b"\n")]
+    elements = [line for line in elements if line]
+    validated = _read_elements(elements)
+    if len(validated.rejections) == len(elements) == _malformed(validated):
         raise PayloadUndecodable("no line is valid JSON (expected an object, an array or NDJSON)")
-    return objects, positions, malformed
+    return validated
+
+
+def _malformed(validated: Validated) -> int:
+    return validated.rejections.counts_by_reason().get("malformed_json", 0)
+
+
+def _read_elements(elements: list[bytes]) -> Validated:
+    """Decode, reduce and validate records one chunk at a time (memory: one chunk's objects)."""
+    parts = []
+    for start in range(0, len(elements), VALIDATE_CHUNK):
+        objects: list[Any] = []
+        kept: list[int] = []
+        malformed: list[int] = []
+        unknown = 0
+        for index, element in enumerate(elements[start : start + VALIDATE_CHUNK], start):
+            value, extra = decode_record(element)
+            if value is UNDECODABLE:
+                malformed.append(index)
+                continue
+            objects.append(value)
+            kept.append(index)
+            unknown += extra
+        validated = batch_from_objects(objects, kept).with_rejections(
+            Rejections.single(malformed, "malformed_json")
+        )
+        parts.append(Validated(validated.batch, validated.rejections, validated.unknown_fields + unknown))
+    return Validated.concat(parts) if parts else batch_from_objects([])
+
+
+def decode_record(element: bytes) -> tuple[Any, int]:
+    """One record's JSON text -> (what validation reads, unknown fields); UNDECODABLE when the
+    text is not JSON."""
+    if len(element) <= SMALL_RECORD_BYTES:
+        value = loads(element)
+        return (UNDECODABLE, 0) if value is UNDECODABLE else reduce_to_known(value)
+    try:
+        raw = _RAW_RECORD.decode(element)
+    except msgspec.ValidationError:  # valid JSON, not an object
+        return 0, 0
+    except msgspec.DecodeError:
+        return UNDECODABLE, 0
+    fields = {
+        name: _raw_value(name, value)
+        for name in FIELD_NAMES
+        if (value := getattr(raw, name))  # an empty Raw: absent
+    }
+    unknown = jsonscan.scan(element).keys - len(fields)
+    return reduce_to_known(fields)[0], unknown
+
+
+def _raw_value(name: str, raw: msgspec.Raw) -> Any:
+    """A field's value, or an empty stand-in of its type when it is a container (validation needs
+    only the type) or a number beyond float range (rejected as such)."""
+    if name == "prefix_hashes":
+        hashes = decode_prefix_hashes(raw)
+        return 0 if hashes is None else hashes
+    try:
+        return _SCALAR.decode(raw)
+    except msgspec.ValidationError:
+        first = bytes(raw)[:1]
+        if first == b"[":
+            return []
+        if first == b"{":
+            return {}
+        return -math.inf if first == b"-" else math.inf

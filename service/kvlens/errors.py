@@ -1,0 +1,85 @@
+"""Every exception kvlens raises on purpose, in one tree.
+
+::
+
+    KVLensError
+    ├── SettingsError             invalid settings; every problem listed, no value echoed (exit 2)
+    ├── InputError                bytes from a client or a file that kvlens will not take
+    │   ├── PayloadTooLarge       413: over max_body_bytes, also once decompressed
+    │   ├── TooManyRecords        413: over max_records_per_request (records, lines, spans, objects)
+    │   ├── CompressionBomb       413: over max_decompression_ratio or max_gzip_members
+    │   ├── UnsupportedEncoding   415: a Content-Encoding other than gzip, deflate or identity
+    │   ├── UnsupportedMediaType  415: a Content-Type the endpoint cannot read
+    │   ├── PayloadUndecodable    400: nothing in the body decodes
+    │   └── BodyTooSlow           408: the body did not arrive within its deadline
+    ├── ScrapeError               a scrape of an engine's /metrics failed; ``reason`` is a closed set
+    └── ArmsDiffer                ``kvlens compare``: the arms are not replays of one sequence
+
+An :class:`InputError` carries the HTTP status it is answered with. Its message names the rule that
+was broken and never quotes what the client sent (header values, record fields), so it is safe in
+a response body and in a log line.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class KVLensError(Exception):
+    """Base of every exception kvlens raises on purpose."""
+
+
+class SettingsError(KVLensError):
+    """Invalid settings; ``str()`` lists every problem, one per line, without the values."""
+
+
+class InputError(KVLensError):
+    status: ClassVar[int] = 400
+    reason: ClassVar[str] = "undecodable"  # the label of kvlens_ingest_refused_total
+
+
+class PayloadTooLarge(InputError):
+    status = 413
+    reason = "too_large"
+
+
+class TooManyRecords(InputError):
+    status = 413
+    reason = "too_many_records"
+
+
+class CompressionBomb(InputError):
+    status = 413
+    reason = "compression_bomb"
+
+
+class UnsupportedEncoding(InputError):
+    status = 415
+    reason = "unsupported_encoding"
+
+
+class UnsupportedMediaType(InputError):
+    status = 415
+    reason = "unsupported_media_type"
+
+
+class PayloadUndecodable(InputError):
+    status = 400
+    reason = "undecodable"
+
+
+class BodyTooSlow(InputError):
+    status = 408
+    reason = "too_slow"
+
+
+class ScrapeError(KVLensError):
+    """A failed scrape; ``reason`` is a closed set: timeout, too_large, http_status, connect, parse."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class ArmsDiffer(KVLensError, ValueError):
+    """``kvlens compare`` arms that are not replays of one request sequence."""

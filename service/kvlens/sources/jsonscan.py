@@ -1,0 +1,165 @@
+"""The structure of a JSON text, found without decoding it: where its top-level values are separated,
+how many keys its top-level object has, how deep it nests.
+
+Decoding a hostile body to find out how many records it holds costs what the attack wants it to
+cost: ``[{},{},...]`` is 3 bytes a record on the wire and about 60 bytes a record as Python objects.
+This scan looks at bytes only, with numpy, in slices of :data:`SLICE_BYTES`, so its memory is a
+few times the slice whatever the text holds, and it takes a few milliseconds per MiB. The caller
+then refuses a body with too many records before anything is decoded, and decodes the others one
+element at a time.
+
+Strings are tracked like a JSON tokenizer does: a quote preceded by an odd run of backslashes is
+escaped; structural characters inside strings are ignored. The scan does not validate JSON; a
+decoder does that on each element.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+SLICE_BYTES: Final = 256 * 1024
+_OBJECT, _ARRAY, _CLOSE, _COMMA, _COLON = 1, 2, 3, 4, 5
+_KIND: Final = np.zeros(256, np.int8)
+for _char, _kind in (
+    (b"{", _OBJECT),
+    (b"[", _ARRAY),
+    (b"}", _CLOSE),
+    (b"]", _CLOSE),
+    (b",", _COMMA),
+    (b":", _COLON),
+):
+    _KIND[_char[0]] = _kind
+_QUOTE, _BACKSLASH = ord('"'), ord("\\")
+_WHITESPACE: Final = b" \t\r\n"
+
+
+@dataclass(frozen=True)
+class Structure:
+    separators: npt.NDArray[np.int64] | None  # offsets of the top-level commas; None past the limit
+    separator_count: int  # top-level commas, always counted
+    keys: int  # keys of the top-level object (colons at depth 1)
+    objects_at_depth: int  # objects opened at the depth asked for (e.g. OTLP spans at 7)
+    max_depth: int
+    end: int  # offset just after the structural character that closed the top-level value
+    balanced: bool  # one top-level array or object, closed, with only whitespace after it
+    complete: bool  # False when the scan stopped early: unbalanced, or past the separator limit
+
+
+def scan(
+    text: bytes,
+    separator_limit: int = 0,
+    *,
+    stop_past_limit: bool = False,
+    object_depth: int = 0,
+    object_limit: int | None = None,
+) -> Structure:
+    """The structure of ``text``; top-level comma offsets are kept while there are at most
+    ``separator_limit`` of them (with ``stop_past_limit``, the scan ends there). Objects opened at
+    ``object_depth`` are counted (past ``object_limit``, the scan ends). A scan that finds the text
+    unbalanced ends at once."""
+    separators: list[npt.NDArray[np.int64]] | None = []
+    separator_count = keys = max_depth = objects_at_depth = 0
+    depth = 0
+    in_string = False
+    escaped_first = False  # the slice starts right after an odd run of backslashes
+    end = -1
+    balanced = complete = True
+    view = memoryview(text)
+    for start in range(0, len(text), SLICE_BYTES):
+        chunk = np.frombuffer(view[start : start + SLICE_BYTES], np.uint8)
+        quotes = np.flatnonzero(chunk == _QUOTE)
+        backslashes = np.flatnonzero(chunk == _BACKSLASH)
+        if backslashes.size or escaped_first:
+            escaped, escaped_first = _escaped(backslashes, chunk.size, escaped_first)
+            if escaped.size and quotes.size:
+                quotes = quotes[~np.isin(quotes, escaped, assume_unique=True)]
+        structural = np.flatnonzero(_KIND[chunk])
+        if structural.size:
+            outside = (np.searchsorted(quotes, structural).astype(np.int32) + in_string) % 2 == 0
+            structural = structural[outside]
+        in_string = bool((in_string + quotes.size) % 2)
+        if not structural.size:
+            continue
+        kinds = _KIND[chunk[structural]]
+        steps = (kinds <= _ARRAY).astype(np.int32) - (kinds == _CLOSE)
+        depths = depth + np.cumsum(steps, dtype=np.int32)
+        depth = int(depths[-1])
+        max_depth = max(max_depth, int(depths.max()))
+        closing = np.flatnonzero(depths <= 0)
+        if closing.size:
+            if depths.min() < 0 or end >= 0 or closing.size > 1 or kinds[closing[0]] != _CLOSE:
+                balanced = False
+            end = start + int(structural[closing[0]]) + 1
+        top_commas = structural[(kinds == _COMMA) & (depths == 1)]
+        separator_count += top_commas.size
+        keys += int(np.count_nonzero((kinds == _COLON) & (depths == 1)))
+        if object_depth:
+            objects_at_depth += int(np.count_nonzero((kinds == _OBJECT) & (depths == object_depth)))
+        if separators is not None:
+            separators.append(top_commas + start)
+            if separator_count > separator_limit:
+                separators = None
+        if (
+            not balanced
+            or (stop_past_limit and separator_count > separator_limit)
+            or (object_limit is not None and objects_at_depth > object_limit)
+        ):
+            complete = False
+            break
+    balanced = (
+        balanced
+        and complete
+        and depth == 0
+        and not in_string
+        and end > 0
+        and not text[end:].strip(_WHITESPACE)
+    )
+    return Structure(
+        separators=None if separators is None else np.concatenate([np.zeros(0, np.int64), *separators]),
+        separator_count=separator_count,
+        keys=keys,
+        objects_at_depth=objects_at_depth,
+        max_depth=max_depth,
+        end=end,
+        balanced=balanced,
+        complete=complete,
+    )
+
+
+def _escaped(
+    backslashes: npt.NDArray[np.intp], size: int, escaped_first: bool
+) -> tuple[npt.NDArray[np.intp], bool]:
+    """Offsets of the characters that a backslash escapes, and whether the next slice's first is."""
+    if not backslashes.size:
+        return np.array([0]), False  # escaped_first: the first character is escaped, no run here
+    breaks = np.flatnonzero(np.diff(backslashes) != 1)
+    starts = backslashes[np.concatenate(([0], breaks + 1))]
+    ends = backslashes[np.concatenate((breaks, [backslashes.size - 1]))]
+    lengths = ends - starts + 1
+    escaped_alone = np.zeros(0, np.intp)
+    if escaped_first:
+        if starts[0] == 0:
+            lengths[0] -= 1  # the first backslash is itself escaped by the previous slice
+        else:
+            escaped_alone = np.array([0])
+    odd = lengths % 2 == 1
+    following = ends[odd] + 1
+    carry = bool(following.size and following[-1] == size)
+    return np.concatenate((escaped_alone, following[following < size])), carry
+
+
+def array_elements(text: bytes, structure: Structure) -> list[bytes]:
+    """The elements of the top-level array ``text``, scanned and balanced, with separators kept."""
+    if structure.separators is None:
+        raise ValueError("the separators were not kept: scan with a higher separator_limit")
+    first = text.index(b"[") + 1
+    last = structure.end - 1
+    if not structure.separator_count and not text[first:last].strip(_WHITESPACE):
+        return []
+    starts = [first, *(structure.separators + 1).tolist()]
+    stops = [*structure.separators.tolist(), last]
+    return [text[begin:stop].strip(_WHITESPACE) for begin, stop in zip(starts, stops, strict=True)]
