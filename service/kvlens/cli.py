@@ -19,7 +19,9 @@ import yaml
 from prometheus_client import CollectorRegistry, ProcessCollector
 
 from kvlens import __version__
-from kvlens.config import ENV_PREFIX, Settings, SettingsError, load_settings
+from kvlens.config import ENV_PREFIX, Settings, load_settings
+from kvlens.errors import SettingsError
+from kvlens.exporter import server
 from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.app import create_app
 from kvlens.records import batch_from_objects
@@ -155,9 +157,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _settings(args: argparse.Namespace) -> Settings:
+def _settings(args: argparse.Namespace, **overrides: Any) -> Settings:
     return load_settings(
         args.config,
+        **overrides,
         host=args.host,
         port=args.port,
         scrape_targets=getattr(args, "scrape", None),
@@ -189,17 +192,23 @@ def _server(settings: Settings, aggregator: Aggregator, log_level: str) -> uvico
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)  # process_start_time_seconds shows restarts
     app = create_app(settings, registry, aggregator)
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=log_level,
-        access_log=False,
-        workers=1,  # counters live in this process; more workers would split them
-        timeout_keep_alive=5,
-        limit_concurrency=1000,
-    )
-    return uvicorn.Server(config)
+    sockets = server.raise_open_files_limit()
+    if sockets < settings.max_connections + 64:
+        log.warning(
+            "kvlens: the open-files limit (%d) is under max_connections (%d): raise it or lower the cap",
+            sockets,
+            settings.max_connections,
+        )
+    if settings.ingest_open:
+        log.warning(
+            "ingest (POST /v1/records, /v1/traces) listens on %s without a token: anyone "
+            "who reaches this port can push records. Set KVLENS_INGEST_TOKEN (and KVLENS_PLUGIN_TOKEN in "
+            "vLLM), or listen on 127.0.0.1.",
+            settings.host,
+        )
+    guard = app.state.sidecar.health.connections
+    assert guard is not None
+    return server.build_server(settings, app, guard, log_level)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -210,7 +219,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    settings = _settings(args)
+    settings = _settings(args, docs=True)
     aggregator = Aggregator(settings, extra_sources=(demo.SOURCE,))
     server = _server(settings, aggregator, "warning")
     traffic = demo.DemoTraffic(rate_per_second=args.rate, seed=args.seed)

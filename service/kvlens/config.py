@@ -3,6 +3,7 @@ defaults. Everything is validated at start and every error is reported at once."
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import math
 import urllib.parse
@@ -27,6 +28,7 @@ from pydantic_settings import (
 
 from kvlens import bandwidth
 from kvlens.definitions import CostModel
+from kvlens.errors import SettingsError
 from kvlens.records import valid_label
 from kvlens.sources import formats
 
@@ -106,14 +108,71 @@ class Settings(BaseSettings):
 
     host: str = Field("127.0.0.1", description="Listen address (loopback unless you open it).")
     port: int = Field(9433, ge=1, le=65535, description="Listen port for ingest and /metrics.")
+    ingest_token: SecretStr | None = Field(
+        None, description="Bearer token required on POST /v1/records and /v1/traces when set."
+    )
+    metrics_token: SecretStr | None = Field(
+        None,
+        description="Bearer token accepted on GET /metrics (with it or basic auth set, one is required).",
+    )
+    metrics_username: str | None = Field(None, description="Basic-auth user for GET /metrics.")
+    metrics_password: SecretStr | None = Field(None, description="Basic-auth password for GET /metrics.")
+    tls_cert_file: Path | None = Field(
+        None, description="PEM certificate chain: serve HTTPS (with `tls_key_file`)."
+    )
+    tls_key_file: Path | None = Field(None, description="PEM private key of `tls_cert_file`.")
+    tls_reload_seconds: float = Field(
+        60.0, gt=0, le=86_400, description="How often the certificate files are checked for renewal."
+    )
+    docs: bool = Field(
+        False, description="Serve /docs and /redoc (their scripts come from a public CDN; off by default)."
+    )
     max_body_bytes: int = Field(
         8 * 1024 * 1024, ge=1024, description="Largest request body, also after decompression."
+    )
+    max_records_per_request: int = Field(
+        50_000,
+        ge=1,
+        le=1_000_000,
+        description="Records (NDJSON lines, array elements, spans) per request; more get 413.",
+    )
+    max_decompression_ratio: float = Field(
+        100.0, ge=2, description="Decompressed/compressed size allowed past the first MiB; more get 413."
+    )
+    max_gzip_members: int = Field(16, ge=1, le=10_000, description="Gzip members per body; more get 413.")
+    max_concurrent_ingest: int = Field(
+        4, ge=1, le=1024, description="Ingest requests in progress at once; more get 503 with Retry-After."
+    )
+    max_connections: int = Field(
+        4096,
+        ge=16,
+        le=1_000_000,
+        description="Open connections; past it the longest-idle one is closed (503 when none is idle).",
+    )
+    header_timeout_seconds: float = Field(
+        10.0,
+        gt=0,
+        le=300,
+        description="A connection must send a whole request head within this long (and never pause "
+        "longer inside a body); else it is closed.",
     )
     body_timeout_seconds: float = Field(
         30.0, gt=0, le=600, description="Deadline for receiving a whole request body (408 after)."
     )
-    ingest_token: SecretStr | None = Field(
-        None, description="Bearer token required on POST /v1/records when set."
+    batch_id_window: int = Field(
+        10_000,
+        ge=0,
+        le=1_000_000,
+        description="Committed `kvlens-batch-id`s remembered (about 130 bytes each).",
+    )
+    dedupe_request_ids: bool = Field(
+        False, description="De-duplicate records by request_id and content (else per request: kvlens-dedupe)."
+    )
+    request_id_window: int = Field(
+        100_000,
+        ge=1,
+        le=10_000_000,
+        description="Records remembered for de-duplication (about 60 bytes each).",
     )
     prompt_length_edges: list[int] = Field(
         list(DEFAULT_PROMPT_LENGTH_EDGES),
@@ -144,6 +203,12 @@ class Settings(BaseSettings):
         5.0, gt=0, le=300, description="Hard deadline for a whole scrape (connect to last byte)."
     )
     scrape_max_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Largest scraped exposition.")
+    upstream_max_models: int = Field(
+        50, ge=1, le=10_000, description="Cap on `model` values of engine counters (a budget of their own)."
+    )
+    upstream_max_series: int = Field(
+        1000, ge=1, le=1_000_000, description="Engine counter series followed per scrape target."
+    )
     model_shapes: dict[str, ModelShapeSetting] = Field(
         {}, description="Per model: decode shape for the live weight-quantization estimate (kvlens_decode_*)."
     )
@@ -155,7 +220,8 @@ class Settings(BaseSettings):
         1024 * 1024, ge=1024, description="Longer lines are skipped and counted."
     )
     state_dir: Path = Field(
-        Path(".kvlens"), description="Where tail checkpoints are kept (a writable volume)."
+        Path("~/.local/state/kvlens"),
+        description="Where tail checkpoints are kept: a writable volume (the image uses /var/lib/kvlens).",
     )
     max_rejections_listed: int = Field(
         100, ge=0, le=100_000, description="Rejections listed per ingest answer (the count is exact)."
@@ -199,7 +265,20 @@ class Settings(BaseSettings):
             raise ValueError("scrape targets must be distinct")
         return urls
 
-    @field_validator("models", "cost_models", "default_model")
+    @field_validator("state_dir")
+    @classmethod
+    def _expand_home(cls, path: Path) -> Path:
+        return path.expanduser()
+
+    @model_validator(mode="after")
+    def _pairs(self) -> Settings:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if (self.metrics_username is None) != (self.metrics_password is None):
+            raise ValueError("metrics_username and metrics_password go together")
+        return self
+
+    @field_validator("models", "cost_models", "default_model", "model_shapes")
     @classmethod
     def _label_values(cls, value: Any) -> Any:
         names = [value] if isinstance(value, str) else list(value)
@@ -209,6 +288,11 @@ class Settings(BaseSettings):
                 "model names must be non-empty printable UTF-8 of at most 128 bytes, not 'other'"
             )
         return value
+
+    @property
+    def ingest_open(self) -> bool:
+        """Whether ingest is reachable beyond loopback without a token."""
+        return self.ingest_token is None and not _loopback(self.host)
 
     def cost_model_for(self, model: str) -> CostModel:
         return self.cost_models.get(model, self.default_cost_model).to_cost_model()
@@ -226,8 +310,13 @@ class Settings(BaseSettings):
         return init_settings, env_settings, YamlConfigSettingsSource(settings_cls)
 
 
-class SettingsError(Exception):
-    """Invalid settings; ``str()`` lists every problem, one per line, without the values."""
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve anywhere
 
 
 def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvlens.cli import main
-from kvlens.config import SettingsError, load_settings, settings_table
+from kvlens.config import load_settings, settings_table
+from kvlens.errors import SettingsError
 from kvlens.exporter.metrics import metrics_table
 
 README = Path(__file__).parent.parent.parent / "README.md"

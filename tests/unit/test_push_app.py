@@ -141,12 +141,12 @@ def test_gzip_bomb_is_413(client: TestClient) -> None:
     assert response.status_code == 413
 
 
-def test_bad_gzip_and_unknown_encoding_are_400(client: TestClient) -> None:
+def test_bad_gzip_is_400_and_an_unknown_encoding_415(client: TestClient) -> None:
     assert (
         client.post("/v1/records", content=b"\x1f\x8bnope", headers={"content-encoding": "gzip"}).status_code
         == 400
     )
-    assert client.post("/v1/records", content=b"{}", headers={"content-encoding": "br"}).status_code == 400
+    assert client.post("/v1/records", content=b"{}", headers={"content-encoding": "br"}).status_code == 415
 
 
 def test_label_cap_folds_into_other_and_counts(client: TestClient) -> None:

@@ -1,15 +1,22 @@
 """The sidecar's HTTP app: ingest, ``/metrics``, health. Built by :func:`create_app`; nothing is
-registered globally, so every test (and every process) brings its own registry."""
+registered globally, so every test (and every process) brings its own registry.
+
+Handlers live at module level and find the sidecar's parts in ``request.app.state.sidecar``;
+:func:`create_app` only wires them. No client input yields a 5xx, and no answer or log line quotes
+what a client sent (an :class:`~kvlens.errors.InputError` names the rule, not the value).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import hmac
 import logging
-import threading
-from collections import OrderedDict
+import traceback
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -19,17 +26,27 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 from pydantic import BaseModel, Field
-from starlette.concurrency import run_in_threadpool
 
 from kvlens import __version__
 from kvlens.config import Settings
+from kvlens.errors import InputError
 from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.background import BackgroundSources
 from kvlens.exporter.collector import KVLensCollector
-from kvlens.records import Record
-from kvlens.sources import otlp, push, vllm_plugin
+from kvlens.exporter.ingest import (
+    RETRY_AFTER_SECONDS,
+    BatchLedger,
+    IngestGate,
+    IngestWorker,
+    RecentRecords,
+    read_body,
+)
+from kvlens.exporter.runtime import ConnectionGuard, ScrapeRenderer, ServiceHealth
+from kvlens.records import Record, Rejections, Validated
+from kvlens.sources import encoding, otlp, push, vllm_plugin
 
 log = logging.getLogger(__name__)
+DEDUPE_HEADER = "kvlens-dedupe"
 
 
 class Rejection(BaseModel):
@@ -41,13 +58,127 @@ class Rejection(BaseModel):
 
 class IngestResult(BaseModel):
     accepted: int = Field(description="Records counted.")
-    rejected_count: int = Field(description="Records rejected (exact).")
+    rejected_count: int = Field(description="Records rejected (exact), duplicates not included.")
     rejected: list[Rejection] = Field(description="The first rejections, in payload order (capped).")
     unknown_fields: int = Field(description="Fields ignored because kvlens does not know them.")
+    duplicates: int = Field(0, description="Records counted already (de-duplication was asked for).")
+    duplicate: bool = Field(False, description="The whole batch (kvlens-batch-id) was counted already.")
 
 
 class ErrorBody(BaseModel):
     error: str
+
+
+@dataclass
+class Sidecar:
+    """The parts the handlers share."""
+
+    settings: Settings
+    aggregator: Aggregator
+    background: BackgroundSources
+    registry: CollectorRegistry
+    health: ServiceHealth = field(init=False)
+    worker: IngestWorker = field(default_factory=IngestWorker)
+    ledger: BatchLedger = field(init=False)
+    recent: RecentRecords = field(init=False)
+    renderer: ScrapeRenderer = field(init=False)
+    ingest_token: bytes | None = field(init=False)
+    decode_limits: encoding.DecodeLimits = field(init=False)
+
+    def __post_init__(self) -> None:
+        settings = self.settings
+        self.health = ServiceHealth(
+            ingest_open=settings.ingest_open,
+            gate=IngestGate(settings.max_concurrent_ingest),
+            connections=ConnectionGuard(settings.max_connections, settings.header_timeout_seconds),
+        )
+        self.ledger = BatchLedger(settings.batch_id_window)
+        self.recent = RecentRecords(settings.request_id_window)
+        self.renderer = ScrapeRenderer(self.registry)
+        self.ingest_token = (
+            settings.ingest_token.get_secret_value().encode() if settings.ingest_token else None
+        )
+        self.decode_limits = encoding.DecodeLimits(
+            settings.max_body_bytes, settings.max_decompression_ratio, settings.max_gzip_members
+        )
+
+    def count(self, validated: Validated, source: str, dedupe: bool) -> tuple[Validated, int]:
+        """Add a batch to the sums (dropping duplicates first when asked); on the worker thread."""
+        duplicates = 0
+        if dedupe and len(validated.batch):
+            keep = self.recent.fresh(validated.batch)
+            duplicates = int(len(keep) - keep.sum())
+            if duplicates:
+                validated = Validated(
+                    validated.batch.select(keep),
+                    validated.rejections + Rejections.single([-1] * duplicates, "duplicate"),
+                    validated.unknown_fields,
+                )
+        self.aggregator.add(validated, source)
+        return validated, duplicates
+
+
+def create_app(
+    settings: Settings, registry: CollectorRegistry, aggregator: Aggregator | None = None
+) -> FastAPI:
+    aggregator = aggregator or Aggregator(settings)
+    background = BackgroundSources(settings, aggregator)
+    sidecar = Sidecar(settings, aggregator, background, registry)
+    registry.register(KVLensCollector(aggregator, background, sidecar.health))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await background.start()
+        watch = asyncio.create_task(sidecar.health.loop_lag.watch())
+        yield
+        watch.cancel()
+        await background.stop()
+        await asyncio.to_thread(sidecar.worker.close)
+
+    app = FastAPI(
+        title="kvlens",
+        version=__version__,
+        description="Prefix-cache statistics sidecar: push per-request records, scrape /metrics.",
+        lifespan=lifespan,
+        docs_url="/docs" if settings.docs else None,
+        redoc_url="/redoc" if settings.docs else None,
+    )
+    app.router.redirect_slashes = False  # a redirect would be built from the client's Host header
+    app.state.sidecar = sidecar
+    app.state.aggregator = aggregator
+    app.state.registry = registry
+    app.add_exception_handler(RequestValidationError, _no_echo)
+    app.add_exception_handler(Exception, _internal_error)
+    app.post(
+        "/v1/records",
+        response_model=IngestResult,
+        openapi_extra=_INGEST_BODY,
+        responses={
+            400: {"model": ErrorBody, "description": "Nothing in the body decodes."},
+            401: {"model": ErrorBody, "description": "Missing or wrong bearer token."},
+            408: {"model": ErrorBody, "description": "The body did not arrive within the deadline."},
+            413: {"model": ErrorBody, "description": "Over a limit: size (also decompressed), records."},
+            415: {"model": ErrorBody, "description": "A Content-Encoding other than gzip or deflate."},
+            503: {"model": ErrorBody, "description": "Busy, or this batch id is in progress: retry."},
+        },
+        summary="Ingest finished-request records (partial acceptance).",
+    )(ingest_records)
+    app.post(
+        "/v1/traces",
+        summary="OTLP/HTTP traces (protobuf or JSON, gzip or deflate): LLM request spans become records.",
+        responses={
+            400: {"description": "Not an OTLP export."},
+            413: {"description": "Over a limit."},
+            415: {"description": "Unsupported type or encoding."},
+            503: {"description": "Busy: retry."},
+        },
+    )(ingest_traces)
+    app.get("/metrics", summary="Prometheus text, or OpenMetrics by content negotiation.")(metrics)
+    app.get("/healthz", summary="Liveness.")(healthz)
+    app.get("/readyz", summary="Readiness: 503 with the reasons while a source cannot keep its promise.")(
+        readyz
+    )
+    return app
 
 
 _RECORD_SCHEMA = Record.model_json_schema()
@@ -55,7 +186,8 @@ _INGEST_BODY: dict[str, Any] = {
     "requestBody": {
         "required": True,
         "description": "One record, an array of records, or NDJSON (one record per line); "
-        "`Content-Encoding: gzip` accepted.",
+        "`Content-Encoding: gzip` or `deflate` accepted. Headers: `kvlens-batch-id` (a batch retried "
+        "with the same id counts once), `kvlens-dedupe: request-id` (drop records counted already).",
         "content": {
             "application/json": {
                 "schema": {"anyOf": [_RECORD_SCHEMA, {"type": "array", "items": _RECORD_SCHEMA}]}
@@ -66,206 +198,212 @@ _INGEST_BODY: dict[str, Any] = {
 }
 
 
-def create_app(
-    settings: Settings, registry: CollectorRegistry, aggregator: Aggregator | None = None
-) -> FastAPI:
-    aggregator = aggregator or Aggregator(settings)
-    background = BackgroundSources(settings, aggregator)
-    registry.register(KVLensCollector(aggregator, background.upstream))
+def _sidecar(request: Request) -> Sidecar:
+    sidecar: Sidecar = request.app.state.sidecar
+    return sidecar
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await background.start()
-        yield
-        await background.stop()
 
-    app = FastAPI(
-        title="kvlens",
-        version=__version__,
-        description="Prefix-cache statistics sidecar: push per-request records, scrape /metrics.",
-        lifespan=lifespan,
-    )
-    app.state.aggregator = aggregator
-    app.state.registry = registry
-    token = settings.ingest_token.get_secret_value().encode() if settings.ingest_token else None
-    batches = BatchLedger()
-
-    @app.exception_handler(RequestValidationError)
-    async def _no_echo(request: Request, exc: RequestValidationError) -> JSONResponse:
-        # FastAPI's default 422 body quotes the offending input; ours names fields only.
-        fields = sorted({".".join(str(p) for p in e.get("loc", ())) for e in exc.errors()})
-        return JSONResponse({"error": f"invalid request: {', '.join(fields)}"}, status_code=422)
-
-    @app.post(
-        "/v1/records",
-        response_model=IngestResult,
-        openapi_extra=_INGEST_BODY,
-        responses={
-            400: {"model": ErrorBody, "description": "Nothing in the body decodes."},
-            401: {"model": ErrorBody, "description": "Missing or wrong bearer token."},
-            408: {"model": ErrorBody, "description": "The body did not arrive within the deadline."},
-            413: {"model": ErrorBody, "description": "Body over the limit, also after gzip."},
-        },
-        summary="Ingest finished-request records (partial acceptance).",
-    )
-    async def ingest(request: Request) -> Response:
-        if token is not None and not _authorized(request, token):
-            return _error(401, "missing or invalid bearer token", {"WWW-Authenticate": "Bearer"})
-        batch_id = request.headers.get(vllm_plugin.BATCH_HEADER, "")[:64]
-        if batch_id and not batches.claim(batch_id):
-            return Response(
-                batches.answer(batch_id), media_type="application/json", headers={"kvlens-duplicate": "1"}
+async def ingest_records(request: Request) -> Response:
+    sidecar = _sidecar(request)
+    settings = sidecar.settings
+    if sidecar.ingest_token is not None and not _bearer_matches(request, sidecar.ingest_token):
+        return _unauthorized(sidecar)
+    batch_id = request.headers.get(vllm_plugin.BATCH_HEADER, "")
+    key = BatchLedger.key(batch_id) if batch_id else None
+    source = request.headers.get(vllm_plugin.SOURCE_HEADER, push.SOURCE)
+    source = source if source in (push.SOURCE, vllm_plugin.SOURCE) else push.SOURCE
+    dedupe = settings.dedupe_request_ids or request.headers.get(DEDUPE_HEADER, "").lower() == "request-id"
+    # What the sender dropped since its last delivery: counted once the batch is taken (200, or 400
+    # which the sender does not retry), never on 413, 408 or 503, which it retries.
+    dropped = request.headers.get(vllm_plugin.DROPPED_HEADER, "")
+    dropped_count = int(dropped) if dropped.isascii() and dropped.isdigit() and len(dropped) <= 12 else 0
+    async with sidecar.health.gate.slot() as admitted:
+        if not admitted:
+            return _busy(sidecar, "busy", "too many ingest requests in progress")
+        if key is not None:
+            state = sidecar.ledger.begin(key)
+            if state == BatchLedger.IN_PROGRESS:
+                return _busy(sidecar, "batch_in_progress", "this kvlens-batch-id is in progress; retry")
+            if isinstance(state, tuple):
+                accepted, rejected, unknown, duplicates = state
+                answer = {
+                    "accepted": accepted,
+                    "rejected_count": rejected,
+                    "rejected": [],
+                    "unknown_fields": unknown,
+                    "duplicates": duplicates,
+                    "duplicate": True,
+                }
+                return Response(
+                    orjson.dumps(answer), media_type="application/json", headers={"kvlens-duplicate": "1"}
+                )
+        try:
+            body = await read_body(
+                request,
+                settings.max_body_bytes,
+                settings.body_timeout_seconds,
+                settings.header_timeout_seconds,
             )
-        source = request.headers.get(vllm_plugin.SOURCE_HEADER, push.SOURCE)
-        if source not in (push.SOURCE, vllm_plugin.SOURCE):
-            source = push.SOURCE
-        # What the sender dropped since its last delivery: counted once the batch is taken (200,
-        # or 400 which the sender does not retry), never on 413, which it retries.
-        dropped = request.headers.get(vllm_plugin.DROPPED_HEADER, "")
-        dropped_count = int(dropped) if dropped.isdigit() and len(dropped) <= 12 else 0
-        try:
-            body = await _read_body(request, settings.max_body_bytes, settings.body_timeout_seconds)
-            result = await run_in_threadpool(_ingest, body, request.headers.get("content-encoding"), source)
-        except push.PayloadTooLarge as error:
-            batches.release(batch_id)  # the sender retries it
-            return _error(413, str(error))
-        except BodyTooSlow as error:
-            batches.release(batch_id)
-            return _error(408, str(error))
-        except push.PayloadUndecodable as error:
-            aggregator.add_dropped(source, dropped_count)
-            batches.settle(batch_id, orjson.dumps({"error": str(error)}))
-            return _error(400, str(error))
+            content_encoding = request.headers.get("content-encoding")
+
+            def work() -> IngestResult:
+                text = encoding.decode(body, content_encoding, sidecar.decode_limits)
+                validated = push.read_records(text, settings.max_records_per_request)
+                counted, duplicates = sidecar.count(validated, source, dedupe)
+                return IngestResult(
+                    accepted=len(counted.batch),
+                    rejected_count=len(validated.rejections),
+                    rejected=[
+                        Rejection(**r) for r in validated.rejections.details(settings.max_rejections_listed)
+                    ],
+                    unknown_fields=validated.unknown_fields,
+                    duplicates=duplicates,
+                )
+
+            result = await sidecar.worker.run(work)
+        except InputError as error:
+            if key is not None:
+                sidecar.ledger.abandon(key)
+            if error.status == 400:
+                sidecar.aggregator.add_dropped(source, dropped_count)
+            return _refused(sidecar, error)
         except BaseException:
-            batches.release(batch_id)
+            if key is not None:
+                sidecar.ledger.abandon(key)
             raise
-        aggregator.add_dropped(source, dropped_count)
-        answer = result.model_dump_json().encode()
-        batches.settle(batch_id, answer)
-        return Response(answer, media_type="application/json")
-
-    def _ingest(body: bytes, content_encoding: str | None, source: str) -> IngestResult:
-        validated = push.read_records(push.decompress(body, content_encoding, settings.max_body_bytes))
-        aggregator.add(validated, source)
-        return IngestResult(
-            accepted=len(validated.batch),
-            rejected_count=len(validated.rejections),
-            rejected=[Rejection(**r) for r in validated.rejections.details(settings.max_rejections_listed)],
-            unknown_fields=validated.unknown_fields,
+    if key is not None:
+        sidecar.ledger.commit(
+            key, (result.accepted, result.rejected_count, result.unknown_fields, result.duplicates)
         )
-
-    @app.post(
-        "/v1/traces",
-        summary="OTLP/HTTP traces (protobuf or JSON, gzip): LLM request spans become records.",
-        responses={400: {"description": "Not an OTLP export."}, 415: {"description": "Unsupported type."}},
-    )
-    async def traces(request: Request) -> Response:
-        if token is not None and not _authorized(request, token):
-            return _error(401, "missing or invalid bearer token", {"WWW-Authenticate": "Bearer"})
-        content_type = request.headers.get("content-type", otlp.PROTOBUF)
-        media = content_type.split(";")[0].strip().lower()
-        media = media if media in (otlp.JSON, otlp.PROTOBUF) else otlp.PROTOBUF
-        try:
-            body = await _read_body(request, settings.max_body_bytes, settings.body_timeout_seconds)
-            body = push.decompress(body, request.headers.get("content-encoding"), settings.max_body_bytes)
-            result = await run_in_threadpool(otlp.read_traces, body, content_type)
-        except push.PayloadTooLarge as error:
-            return _error(413, str(error))
-        except BodyTooSlow as error:
-            return _error(408, str(error))
-        except otlp.ProtobufUnavailable as error:
-            return _error(415, str(error))
-        except (otlp.TracesUndecodable, push.PayloadUndecodable) as error:
-            return Response(otlp.error_status(str(error), media), status_code=400, media_type=media)
-        aggregator.add(result.validated, otlp.SOURCE)
-        rejected = len(result.validated.rejections)
-        counts = result.validated.rejections.counts_by_reason()
-        message = ", ".join(f"{count} {reason}" for reason, count in sorted(counts.items()))
-        return Response(otlp.response(rejected, message, media), media_type=media)
-
-    @app.get("/metrics", summary="Prometheus text, or OpenMetrics by content negotiation.")
-    async def metrics(request: Request) -> Response:
-        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
-        # Rendering is CPU work: off the event loop, so a scrape never stalls ingestion.
-        data = await run_in_threadpool(encoder, registry)
-        return Response(data, media_type=content_type)
-
-    @app.get("/healthz", summary="Liveness.")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/readyz", summary="Readiness: the aggregator answers a snapshot.")
-    async def readyz() -> dict[str, str]:
-        aggregator.snapshot()
-        return {"status": "ready"}
-
-    return app
+    sidecar.aggregator.add_dropped(source, dropped_count)
+    return Response(result.model_dump_json().encode(), media_type="application/json")
 
 
-class BatchLedger:
-    """Recent batch ids (``kvlens-batch-id``, sent by the vLLM plugin) and their answers, so that a
-    batch retried after a lost answer is counted once. Bounded: the oldest ids are forgotten."""
-
-    def __init__(self, capacity: int = 10_000) -> None:
-        self._answers: OrderedDict[str, bytes | None] = OrderedDict()
-        self._capacity = capacity
-        self._lock = threading.Lock()
-
-    def claim(self, batch_id: str) -> bool:
-        """True for a batch not seen before (it is now in progress); False for a repeat."""
-        with self._lock:
-            if batch_id in self._answers:
-                return False
-            self._answers[batch_id] = None
-            while len(self._answers) > self._capacity:
-                self._answers.popitem(last=False)
-            return True
-
-    def answer(self, batch_id: str) -> bytes:
-        with self._lock:
-            return self._answers.get(batch_id) or b'{"accepted": 0, "duplicate": true}'
-
-    def settle(self, batch_id: str, answer: bytes) -> None:
-        if batch_id:
-            with self._lock:
-                self._answers[batch_id] = answer
-
-    def release(self, batch_id: str) -> None:
-        if batch_id:
-            with self._lock:
-                self._answers.pop(batch_id, None)
-
-
-def _authorized(request: Request, token: bytes) -> bool:
-    scheme, _, presented = request.headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(presented.strip().encode(), token)
-
-
-class BodyTooSlow(Exception):
-    """The request body did not arrive within the deadline."""
-
-
-async def _read_body(request: Request, limit: int, deadline_seconds: float) -> bytes:
-    """The whole body, under a size limit and a total deadline (a client that stalls mid-body
-    would otherwise hold its connection and a worker slot forever)."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise push.PayloadTooLarge(f"body exceeds {limit} bytes")
-
-    async def read() -> bytes:
-        chunks = []
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise push.PayloadTooLarge(f"body exceeds {limit} bytes")
-            chunks.append(chunk)
-        return b"".join(chunks)
-
+async def ingest_traces(request: Request) -> Response:
+    sidecar = _sidecar(request)
+    settings = sidecar.settings
+    if sidecar.ingest_token is not None and not _bearer_matches(request, sidecar.ingest_token):
+        return _unauthorized(sidecar)
     try:
-        return await asyncio.wait_for(read(), deadline_seconds)
-    except asyncio.TimeoutError:
-        raise BodyTooSlow(f"the body did not arrive within {deadline_seconds:g} s") from None
+        media = otlp.media_type(request.headers.get("content-type"))
+    except InputError as error:
+        return _refused(sidecar, error)
+    dedupe = settings.dedupe_request_ids or request.headers.get(DEDUPE_HEADER, "").lower() == "request-id"
+    async with sidecar.health.gate.slot() as admitted:
+        if not admitted:
+            return _busy(sidecar, "busy", "too many ingest requests in progress")
+        try:
+            body = await read_body(
+                request,
+                settings.max_body_bytes,
+                settings.body_timeout_seconds,
+                settings.header_timeout_seconds,
+            )
+            content_encoding = request.headers.get("content-encoding")
+
+            def work() -> bytes:
+                text = encoding.decode(body, content_encoding, sidecar.decode_limits)
+                result = otlp.read_traces(text, media, settings.max_records_per_request)
+                counted, _ = sidecar.count(result.validated, otlp.SOURCE, dedupe)
+                rejections = counted.rejections
+                counts = rejections.counts_by_reason()
+                message = ", ".join(f"{count} {reason}" for reason, count in sorted(counts.items()))
+                return otlp.response(len(rejections), message, media)
+
+            answer = await sidecar.worker.run(work)
+        except InputError as error:
+            if error.status == 400:
+                sidecar.health.refuse(error.reason)
+                return Response(otlp.error_status(str(error), media), status_code=400, media_type=media)
+            return _refused(sidecar, error)
+    return Response(answer, media_type=media)
+
+
+async def metrics(request: Request) -> Response:
+    sidecar = _sidecar(request)
+    challenge = _metrics_challenge(request, sidecar.settings)
+    if challenge is not None:
+        return _error(401, "authentication required", {"WWW-Authenticate": challenge})
+    encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+    data = await sidecar.renderer.render(encoder, content_type)
+    return Response(data, media_type=content_type)
+
+
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+async def readyz(request: Request) -> Response:
+    sidecar = _sidecar(request)
+    sidecar.aggregator.snapshot()
+    problems = sidecar.background.problems()
+    if problems:
+        return JSONResponse({"status": "not ready", "problems": problems}, status_code=503)
+    return JSONResponse({"status": "ready"})
+
+
+async def _no_echo(request: Request, exc: Exception) -> Response:
+    # FastAPI's default 422 body quotes the offending input; ours names fields only.
+    errors = exc.errors() if isinstance(exc, RequestValidationError) else []
+    fields = sorted({".".join(str(p) for p in e.get("loc", ())) for e in errors})
+    return _error(422, f"invalid request: {', '.join(fields)}")
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    # Where it broke, not what it said: an exception's message may quote a client's bytes.
+    frames = "".join(traceback.format_tb(exc.__traceback__))
+    log.error("kvlens: %s in %s %s\n%s", type(exc).__name__, request.method, request.url.path, frames)
+    return _error(500, "internal error")
+
+
+def _bearer_matches(request: Request, token: bytes) -> bool:
+    scheme, _, presented = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(
+        presented.strip().encode("utf-8", "replace"), token
+    )
+
+
+def _metrics_challenge(request: Request, settings: Settings) -> str | None:
+    """None when /metrics may be served; else the WWW-Authenticate challenge to answer with."""
+    token, user, password = settings.metrics_token, settings.metrics_username, settings.metrics_password
+    if token is None and password is None:
+        return None
+    if token is not None and _bearer_matches(request, token.get_secret_value().encode()):
+        return None
+    if (
+        password is not None
+        and user is not None
+        and _basic_matches(request, user, password.get_secret_value())
+    ):
+        return None
+    return 'Basic realm="kvlens"' if password is not None else "Bearer"
+
+
+def _basic_matches(request: Request, user: str, password: str) -> bool:
+    scheme, _, encoded = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "basic":
+        return False
+    try:
+        presented = base64.b64decode(encoded.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        return False
+    expected = f"{user}:{password}".encode()
+    return hmac.compare_digest(presented, expected)
+
+
+def _busy(sidecar: Sidecar, reason: str, message: str) -> JSONResponse:
+    sidecar.health.refuse(reason)
+    return _error(503, message, {"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+
+def _refused(sidecar: Sidecar, error: InputError) -> JSONResponse:
+    sidecar.health.refuse(error.reason)
+    return _error(error.status, str(error))
+
+
+def _unauthorized(sidecar: Sidecar) -> JSONResponse:
+    sidecar.health.refuse("unauthorized")
+    return _error(401, "missing or invalid bearer token", {"WWW-Authenticate": "Bearer"})
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:

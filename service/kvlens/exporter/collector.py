@@ -19,16 +19,26 @@ from kvlens import __version__, bandwidth
 from kvlens.config import ModelShapeSetting
 from kvlens.exporter import metrics
 from kvlens.exporter.aggregator import TTFT_COMPONENTS, Aggregator, Histograms, Snapshot
+from kvlens.exporter.background import BackgroundSources
+from kvlens.exporter.runtime import LAG_BUCKETS, ServiceHealth
 from kvlens.exporter.upstream import UpstreamState
+from kvlens.sources.tail import TailStatus
 
 log = logging.getLogger(__name__)
 _go_float = cast(Callable[[float], str], floatToGoString)  # how prometheus_client writes `le`
 
 
 class KVLensCollector(Collector):
-    def __init__(self, aggregator: Aggregator, upstream: UpstreamState | None = None) -> None:
+    def __init__(
+        self,
+        aggregator: Aggregator,
+        background: BackgroundSources | None = None,
+        health: ServiceHealth | None = None,
+    ) -> None:
         self.aggregator = aggregator
-        self.upstream = upstream
+        self.upstream = background.upstream if background is not None else None
+        self.tails = background.tails if background is not None else []
+        self.health = health
         self.errors = 0
 
     def describe(self) -> Iterable[Metric]:
@@ -57,8 +67,12 @@ class KVLensCollector(Collector):
         ]
         for build in builders:
             yield from self._safely(build, snapshot)
+        if self.health is not None:
+            yield from self._safely(_service_families, self.health)
         if self.upstream is not None:
             yield from self._safely(_upstream_families, self.upstream)
+        if self.tails:
+            yield from self._safely(_tail_families, self.tails)
         if self.aggregator.settings.model_shapes:
             shapes = self.aggregator.settings.model_shapes
             yield from self._safely(lambda snap: _decode_families(snap, self.upstream, shapes), snapshot)
@@ -206,7 +220,63 @@ def _upstream_families(upstream: UpstreamState) -> list[Metric]:
     errors = _counter(metrics.UPSTREAM_ERRORS)
     for (target, reason), count in sorted(snapshot.errors.items()):
         errors.add_metric([target, reason], count)
-    return [*families, up, running, errors]
+    scrapes = _counter(metrics.UPSTREAM_SCRAPES)
+    for target, count in sorted(snapshot.scrapes.items()):
+        scrapes.add_metric([target], count)
+    rejected = _counter(metrics.UPSTREAM_REJECTED)
+    for (target, reason), count in sorted(snapshot.rejected.items()):
+        rejected.add_metric([target, reason], count)
+    return [*families, up, running, errors, scrapes, rejected]
+
+
+def _gauge(spec: metrics.MetricSpec) -> GaugeMetricFamily:
+    return GaugeMetricFamily(spec.name, spec.help, labels=spec.labels)
+
+
+def _tail_families(tails: list[TailStatus]) -> list[Metric]:
+    ok, failures = _gauge(metrics.TAIL_CHECKPOINT_OK), _counter(metrics.TAIL_CHECKPOINT_FAILURES)
+    for status in tails:
+        ok.add_metric([status.pattern], 1 if status.checkpoint_ok else 0)
+        failures.add_metric([status.pattern], status.checkpoint_failures)
+    return [ok, failures]
+
+
+def _service_families(health: ServiceHealth) -> list[Metric]:
+    in_flight = _gauge(metrics.INGEST_IN_FLIGHT)
+    in_flight.add_metric([], health.gate.in_flight)
+    refused = _counter(metrics.INGEST_REFUSED)
+    for reason in INGEST_REFUSALS:
+        refused.add_metric([reason], health.refused[reason])
+    ingest_open = _gauge(metrics.INGEST_OPEN)
+    ingest_open.add_metric([], 1 if health.ingest_open else 0)
+    families: list[Metric] = [in_flight, refused, ingest_open]
+    if health.connections is not None:
+        connections = _gauge(metrics.CONNECTIONS_OPEN)
+        connections.add_metric([], health.connections.open)
+        closed = _counter(metrics.CONNECTIONS_CLOSED)
+        for reason in ("header_timeout", "over_capacity"):
+            closed.add_metric([reason], health.connections.closed[reason])
+        families += [connections, closed]
+    lag = HistogramMetricFamily(metrics.LOOP_LAG.name, metrics.LOOP_LAG.help)
+    counts, total = health.loop_lag.snapshot()
+    bounds = [_go_float(edge) for edge in LAG_BUCKETS] + ["+Inf"]
+    lag.add_metric([], list(zip(bounds, counts, strict=True)), total)
+    families.append(lag)
+    return families
+
+
+INGEST_REFUSALS = (
+    "busy",
+    "batch_in_progress",
+    "unauthorized",
+    "too_large",
+    "too_many_records",
+    "compression_bomb",
+    "unsupported_encoding",
+    "unsupported_media_type",
+    "undecodable",
+    "too_slow",
+)
 
 
 def _decode_families(

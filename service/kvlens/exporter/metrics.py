@@ -83,7 +83,7 @@ OVERFLOW = MetricSpec(
     "kvlens_series_overflow",
     "counter",
     (),
-    "Records whose model was folded into the label value other by the label cap.",
+    "Records counted under the model label other: past the label cap, or named other themselves.",
 )
 ENGINE_COUNTERS: Final = {
     counter: MetricSpec(f"kvlens_engine_{counter}", "counter", ("target", "model"), help_text)
@@ -112,6 +112,16 @@ UPSTREAM_ERRORS = MetricSpec(
     ("target", "reason"),
     "Failed scrapes of an engine's /metrics: timeout, too_large, http_status, connect, parse.",
 )
+UPSTREAM_SCRAPES = MetricSpec(
+    "kvlens_upstream_scrapes", "counter", ("target",), "Successful scrapes of an engine's /metrics."
+)
+UPSTREAM_REJECTED = MetricSpec(
+    "kvlens_upstream_samples_rejected",
+    "counter",
+    ("target", "reason"),
+    "Engine counter samples refused: invalid_value (not finite, negative or over 2**53), "
+    "series_overflow (past upstream_max_series).",
+)
 DECODE_CONTEXT = MetricSpec(
     "kvlens_decode_context_tokens",
     "gauge",
@@ -137,7 +147,64 @@ W4A16_SPEEDUP = MetricSpec(
     "Modelled decode speedup of W4A16 at the current batch and context, (W16 + B*K) / (W4 + B*K).",
 )
 DECODE: Final = (DECODE_CONTEXT, DECODE_BATCH, DECODE_WEIGHT_SHARE, W4A16_SPEEDUP)  # with model_shapes
-UPSTREAM: Final = (*ENGINE_COUNTERS.values(), ENGINE_RUNNING, UPSTREAM_UP, UPSTREAM_ERRORS)  # with --scrape
+UPSTREAM: Final = (
+    *ENGINE_COUNTERS.values(),
+    ENGINE_RUNNING,
+    UPSTREAM_UP,
+    UPSTREAM_ERRORS,
+    UPSTREAM_SCRAPES,
+    UPSTREAM_REJECTED,
+)  # with --scrape
+TAIL_CHECKPOINT_OK = MetricSpec(
+    "kvlens_tail_checkpoint_ok",
+    "gauge",
+    ("path",),
+    "1 while the tail's checkpoint is written; 0 when it cannot be (lines are still counted, "
+    "but a restart would read them again).",
+)
+TAIL_CHECKPOINT_FAILURES = MetricSpec(
+    "kvlens_tail_checkpoint_failures", "counter", ("path",), "Failed writes of the tail's checkpoint."
+)
+TAIL: Final = (TAIL_CHECKPOINT_OK, TAIL_CHECKPOINT_FAILURES)  # with tails
+INGEST_IN_FLIGHT = MetricSpec(
+    "kvlens_ingest_in_flight", "gauge", (), "Ingest requests in progress (receiving, waiting or decoding)."
+)
+INGEST_REFUSED = MetricSpec(
+    "kvlens_ingest_refused",
+    "counter",
+    ("reason",),
+    "Ingest requests refused whole: busy, batch_in_progress, unauthorized, too_large, "
+    "too_many_records, compression_bomb, unsupported_encoding, unsupported_media_type, "
+    "undecodable, too_slow.",
+)
+INGEST_OPEN = MetricSpec(
+    "kvlens_ingest_open",
+    "gauge",
+    (),
+    "1 when ingest is reachable beyond loopback without a token (set KVLENS_INGEST_TOKEN).",
+)
+CONNECTIONS_OPEN = MetricSpec("kvlens_connections_open", "gauge", (), "Open HTTP connections.")
+CONNECTIONS_CLOSED = MetricSpec(
+    "kvlens_connections_closed",
+    "counter",
+    ("reason",),
+    "Connections the sidecar closed: header_timeout (no whole request head in time), "
+    "over_capacity (past max_connections).",
+)
+LOOP_LAG = MetricSpec(
+    "kvlens_event_loop_lag_seconds",
+    "histogram",
+    (),
+    "How late the event loop wakes a task sleeping 100 ms; a blocked loop delays every request.",
+)
+SERVICE: Final = (
+    INGEST_IN_FLIGHT,
+    INGEST_REFUSED,
+    INGEST_OPEN,
+    CONNECTIONS_OPEN,
+    CONNECTIONS_CLOSED,
+    LOOP_LAG,
+)
 SCRAPE_ERRORS = MetricSpec(
     "kvlens_collector_errors", "counter", (), "Metric families that failed to render and were left out."
 )
@@ -156,7 +223,9 @@ ALL: Final = (
     DROPPED,
     UNKNOWN_FIELDS,
     OVERFLOW,
+    *SERVICE,
     *UPSTREAM,
+    *TAIL,
     *DECODE,
     SCRAPE_ERRORS,
     BUILD_INFO,
