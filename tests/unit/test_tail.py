@@ -157,6 +157,8 @@ def test_checkpoint_is_written_atomically(tmp_path: Path) -> None:
     tailer = new_tailer(tmp_path)
     tailer.poll()
     checkpoint = tmp_path / "state" / "tail.json"
+    assert not checkpoint.exists()  # not before the lines read are counted
+    tailer.checkpoint()
     saved = json.loads(checkpoint.read_text())
     (entry,) = saved["files"].values()
     assert entry["offset"] == len(line(0))

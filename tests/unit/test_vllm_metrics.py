@@ -9,6 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvlens.config import load_settings
+from kvlens.exporter.aggregator import ModelLabels
 from kvlens.exporter.upstream import UpstreamState
 from kvlens.sources.vllm_metrics import ScrapeError, parse, target_name
 
@@ -84,21 +86,57 @@ def exposition(hits: float, engine: str = "0") -> str:
     )
 
 
+def upstream_state(*targets: str, max_series: int = 1000) -> UpstreamState:
+    return UpstreamState(targets, ModelLabels(load_settings()), max_series=max_series)
+
+
 def test_counters_are_reset_aware_and_start_at_the_first_scrape() -> None:
-    upstream = UpstreamState(("vllm:8000",))
+    upstream = upstream_state("vllm:8000")
     seen = []
     for hits in (100, 150, 20, 50):  # the engine restarted between 150 and 20
-        upstream.record_scrape("vllm:8000", parse(exposition(hits)), lambda model: model)
+        upstream.record_scrape("vllm:8000", parse(exposition(hits)))
         seen.append(upstream.snapshot().counters[("prefix_cache_hit_tokens", "vllm:8000", "m")])
     assert seen == [0.0, 50.0, 70.0, 100.0]
     assert upstream.snapshot().up == {"vllm:8000": 1}
 
 
 def test_failure_marks_the_target_down_and_counts_the_reason() -> None:
-    upstream = UpstreamState(("a:1", "b:2"))
-    upstream.record_scrape("a:1", parse(exposition(5)), str)
+    upstream = upstream_state("a:1", "b:2")
+    upstream.record_scrape("a:1", parse(exposition(5)))
     upstream.record_failure("b:2", "timeout")
     snapshot = upstream.snapshot()
     assert snapshot.up == {"a:1": 1, "b:2": 0}
     assert snapshot.errors[("b:2", "timeout")] == 1
     assert snapshot.errors[("a:1", "timeout")] == 0
+
+
+def test_values_that_cannot_count_tokens_are_refused_and_counted() -> None:
+    upstream = upstream_state("e:1")
+    for hits in ("10", "NaN", "-5", "+Inf", "1e300", "30"):
+        upstream.record_scrape("e:1", parse(exposition(hits)))  # type: ignore[arg-type]
+    snapshot = upstream.snapshot()
+    assert snapshot.counters[("prefix_cache_hit_tokens", "e:1", "m")] == 20.0  # 10 -> 30, nothing else
+    assert snapshot.rejected[("e:1", "invalid_value")] == 4
+
+
+def test_series_past_the_cap_are_refused_and_churn_is_forgotten() -> None:
+    upstream = upstream_state("e:1", max_series=2)
+    lines = "".join(f'vllm:prompt_tokens_total{{model_name="m",pod="{i}"}} {i}\n' for i in range(3))
+    upstream.record_scrape("e:1", parse("# TYPE vllm:prompt_tokens_total counter\n" + lines))
+    assert upstream.snapshot().rejected[("e:1", "series_overflow")] == 1
+    assert len(upstream._previous["e:1"]) == 2
+    fresh = 'vllm:prompt_tokens_total{model_name="m",pod="new"} 7\n'
+    upstream.record_scrape("e:1", parse("# TYPE vllm:prompt_tokens_total counter\n" + fresh))
+    assert set(upstream._previous["e:1"]) == {("prompt_tokens", (("model_name", "m"), ("pod", "new")))}
+
+
+def test_engine_model_names_are_labels_under_their_own_budget() -> None:
+    labels = ModelLabels(load_settings(max_models=50), capacity=1)
+    upstream = UpstreamState(("e:1",), labels, max_series=100)
+    text = "".join(
+        f'vllm:prompt_tokens_total{{model_name="{name}"}} 1\n'
+        for name in ("first", "second", "other", "bad\\nname")
+    )
+    upstream.record_scrape("e:1", parse("# TYPE vllm:prompt_tokens_total counter\n" + text))
+    models = {model for (_, _, model) in upstream.snapshot().counters}
+    assert models == {"first", "other"}

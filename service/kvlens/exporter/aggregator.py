@@ -20,7 +20,7 @@ import numpy.typing as npt
 from kvlens import definitions
 from kvlens.config import Settings
 from kvlens.definitions import prompt_length_bucket, prompt_length_labels
-from kvlens.records import REASONS, RecordBatch, Validated
+from kvlens.records import REASONS, RecordBatch, Validated, valid_label
 
 Int64Array = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
@@ -34,11 +34,13 @@ LATENCY_FIELDS = ("queue_seconds", "prefill_seconds", "ttft_seconds", "e2e_secon
 
 class ModelLabels:
     """The closed set of ``model`` label values: an allow-list, or the first K names seen.
-    Everything else becomes ``other`` (the last index)."""
+    Everything else becomes ``other`` (the last index), and so does a name that is ``other``
+    itself (the overflow value is reserved: it never takes a slot of its own, so no series is
+    exported twice) or that is not a valid label value."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, capacity: int | None = None) -> None:
         self.fixed = bool(settings.models)
-        self.capacity = len(settings.models) if self.fixed else settings.max_models
+        self.capacity = len(settings.models) if self.fixed else capacity or settings.max_models
         self.default = settings.default_model
         self.names: list[str] = list(settings.models)
         self._index = {name: i for i, name in enumerate(self.names)}
@@ -49,7 +51,7 @@ class ModelLabels:
         found = self._index.get(name)
         if found is not None:
             return found
-        if self.fixed or len(self.names) >= self.capacity:
+        if self.fixed or len(self.names) >= self.capacity or name == OTHER_MODEL or not valid_label(name):
             return self.other
         self._index[name] = len(self.names)
         self.names.append(name)
@@ -238,11 +240,6 @@ class Aggregator:
         counts = np.bincount(model_slots, minlength=self._model_slots)
         sums = np.bincount(model_slots, weights=context, minlength=self._model_slots)
         return counts, np.divide(sums, counts, out=np.zeros(self._model_slots), where=counts > 0)
-
-    def model_label(self, name: str) -> str:
-        """The ``model`` label value for ``name`` under the cap (for engine-reported series)."""
-        with self._lock:
-            return self._models.label(self._models.index_of(name or self.settings.default_model))
 
     def add_dropped(self, source: str, count: int) -> None:
         """Records a sender says it dropped before delivery."""

@@ -8,10 +8,10 @@ import logging
 import threading
 
 import httpx
-from starlette.concurrency import run_in_threadpool
 
 from kvlens.config import Settings, TailSetting
-from kvlens.exporter.aggregator import Aggregator
+from kvlens.errors import ScrapeError
+from kvlens.exporter.aggregator import Aggregator, ModelLabels
 from kvlens.exporter.upstream import UpstreamState
 from kvlens.sources import tail, vllm_metrics
 
@@ -23,14 +23,25 @@ class BackgroundSources:
         self.settings = settings
         self.aggregator = aggregator
         self.targets = {vllm_metrics.target_name(url): url for url in settings.scrape_targets}
-        self.upstream = UpstreamState(tuple(self.targets)) if self.targets else None
+        self.upstream = (
+            UpstreamState(
+                tuple(self.targets),
+                ModelLabels(settings, capacity=settings.upstream_max_models),
+                max_series=settings.upstream_max_series,
+            )
+            if self.targets
+            else None
+        )
+        self.tails = [tail.TailStatus(spec.path) for spec in settings.tails]
         self._tasks: list[asyncio.Task[None]] = []
         self._threads: list[threading.Thread] = []
         self._stop_tails = threading.Event()
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._scrape_forever(t, url)) for t, url in self.targets.items()]
-        self._threads = [self._follow(spec) for spec in self.settings.tails]
+        self._threads = [
+            self._follow(spec, status) for spec, status in zip(self.settings.tails, self.tails, strict=True)
+        ]
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -39,6 +50,10 @@ class BackgroundSources:
         self._stop_tails.set()
         for thread in self._threads:  # each writes its last checkpoint as it ends
             await asyncio.to_thread(thread.join, 10)
+
+    def problems(self) -> list[str]:
+        """Why the sidecar cannot keep its promises now (readiness fails while there are any)."""
+        return [status.problem for status in self.tails if status.problem]
 
     async def _scrape_forever(self, target: str, url: str) -> None:
         settings, upstream = self.settings, self.upstream
@@ -52,9 +67,9 @@ class BackgroundSources:
                         deadline_seconds=settings.scrape_timeout_seconds,
                         max_bytes=settings.scrape_max_bytes,
                     )
-                    scrape = await run_in_threadpool(vllm_metrics.parse, text)
-                    upstream.record_scrape(target, scrape, self.aggregator.model_label)
-                except vllm_metrics.ScrapeError as error:
+                    scrape = await asyncio.to_thread(vllm_metrics.parse, text)
+                    upstream.record_scrape(target, scrape)
+                except ScrapeError as error:
                     log.warning("kvlens: scrape of %s failed: %s", target, error)
                     upstream.record_failure(target, error.reason)
                 except Exception:  # a bug must not end the scraping: count it as unparsable
@@ -62,7 +77,7 @@ class BackgroundSources:
                     upstream.record_failure(target, "parse")
                 await asyncio.sleep(settings.scrape_interval_seconds)
 
-    def _follow(self, spec: TailSetting) -> threading.Thread:
+    def _follow(self, spec: TailSetting, status: tail.TailStatus) -> threading.Thread:
         tailer = tail.Tailer(
             spec.path,
             tail.checkpoint_path(self.settings.state_dir, spec.path),
@@ -76,7 +91,7 @@ class BackgroundSources:
                 lambda validated: self.aggregator.add(validated, "tail"),
                 self._stop_tails,
             ),
-            kwargs={"poll_seconds": self.settings.tail_poll_seconds},
+            kwargs={"poll_seconds": self.settings.tail_poll_seconds, "status": status},
             name=f"kvlens-tail-{spec.path}",
             daemon=True,
         )

@@ -7,13 +7,18 @@ A file is known by its device and inode, not its name, and kept open while it is
 - truncation and copytruncate: a file shorter than the offset is read again from 0 (lines
   written between the copy and the truncation are lost, as with every shipper);
 - a partial last line waits for its newline and is counted once;
-- a line longer than ``max_line_bytes`` is skipped (and counted) up to its newline.
+- a line longer than ``max_line_bytes`` is skipped (and counted once) up to its newline, also
+  across a restart in its middle.
 
 The glob must not match rotated copies (``app.log.1``), or they would be read as new files.
 
-Offsets are checkpointed to a JSON file written atomically (temporary file, fsync, rename)
-**before** the lines read are handed on: a crash loses at most one poll of lines and never
-counts a line twice. A restart resumes a file whose inode and first bytes match the checkpoint.
+Lines are read in batches of at most :data:`BATCH_BYTES` (plus one partial line), so memory does
+not depend on how much is waiting. After a batch is counted, the offsets are checkpointed to a JSON
+file written atomically (temporary file, fsync, rename): the checkpoint is never ahead of what was
+counted, so a crash re-reads at most one batch and never loses one. A checkpoint that cannot be
+written loses nothing either: the lines are counted, the failure is reported (readiness, metrics)
+and the write is tried again after the next batch. A restart resumes a file whose inode and first
+bytes match the checkpoint.
 """
 
 from __future__ import annotations
@@ -28,15 +33,16 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Final
 
 from kvlens.records import Rejections, Validated
 from kvlens.sources.jsonlines import records_from_lines
 
 log = logging.getLogger(__name__)
 
-FINGERPRINT_BYTES = 256
-READ_CHUNK = 4 * 1024 * 1024
+FINGERPRINT_BYTES: Final = 256
+BATCH_BYTES: Final = 1024 * 1024
+READ_BYTES: Final = 256 * 1024
 
 
 @dataclass
@@ -48,10 +54,12 @@ class _Followed:
     fingerprint_bytes: int
     pending: bytearray = field(default_factory=bytearray)  # a partial last line
     skipping: bool = False  # inside an over-long line, until its newline
+    gone: bool = False  # no longer matched by the glob: read to its end, then closed
 
     @property
     def offset(self) -> int:
-        """Just after the last complete line handed on (what a restart resumes from)."""
+        """Just after the last complete line handed on (what a restart resumes from); inside an
+        over-long line, where reading stopped (with ``skipping`` saved beside it)."""
         return self.position - len(self.pending)
 
 
@@ -59,19 +67,23 @@ class _Followed:
 class Poll:
     lines: list[bytes]
     too_long: int  # lines skipped for their length
+    more: bool  # the batch was full: more is waiting, poll again without sleeping
 
 
 class Tailer:
     def __init__(self, pattern: str, checkpoint: Path, *, max_line_bytes: int = 1024 * 1024) -> None:
         self.pattern = pattern
-        self.checkpoint = checkpoint
+        self.checkpoint_file = checkpoint
         self.max_line_bytes = max_line_bytes
         self._files: dict[tuple[int, int], _Followed] = {}
         self._resume = self._load_checkpoint()
+        self.dirty = False  # state changed since the last checkpoint written
 
-    def poll(self) -> Poll:
-        """Lines completed since the last poll, across all matched files; checkpoints first."""
+    def poll(self, max_bytes: int = BATCH_BYTES) -> Poll:
+        """Lines completed since the last poll, across all matched files, about ``max_bytes``
+        of them at most. Call :meth:`checkpoint` once they are counted."""
         lines: list[bytes] = []
+        budget = [max_bytes]
         too_long = 0
         seen: set[tuple[int, int]] = set()
         for path in sorted(glob.glob(self.pattern)):
@@ -85,6 +97,7 @@ class Tailer:
             if followed is None:
                 continue
             followed.path = path
+            followed.gone = False
             if status.st_size < followed.position or not _starts_as_before(followed):
                 # truncated, or truncated and written again past where we were: start over
                 log.info("kvlens tail: %s was truncated; reading it from the start", path)
@@ -92,20 +105,31 @@ class Tailer:
                 followed.pending.clear()
                 followed.skipping = False
                 followed.fingerprint_bytes = 0
+                self.dirty = True
             if followed.fingerprint_bytes < min(status.st_size, FINGERPRINT_BYTES):
                 followed.fingerprint_bytes = min(status.st_size, FINGERPRINT_BYTES)
                 followed.fingerprint = _fingerprint(followed.handle, followed.fingerprint_bytes)
-            too_long += self._read(followed, lines)
-        for key in [k for k in self._files if k not in seen]:  # renamed away or deleted
-            followed = self._files.pop(key)
-            too_long += self._read(followed, lines)
-            followed.handle.close()
+            if budget[0] > 0:
+                too_long += self._read(followed, lines, budget)
+        for key, followed in list(self._files.items()):
+            if key in seen:
+                continue
+            followed.gone = True  # renamed away or deleted: read to its end through the handle
+            if budget[0] > 0:
+                too_long += self._read(followed, lines, budget)
+                if budget[0] > 0:  # it reached its end
+                    del self._files[key]
+                    followed.handle.close()
+                    self.dirty = True
         if lines or too_long:
-            self._write_checkpoint()
-        return Poll(lines, too_long)
+            self.dirty = True
+        return Poll(lines, too_long, more=budget[0] <= 0)
 
     def close(self) -> None:
-        self._write_checkpoint()
+        try:
+            self.checkpoint()
+        except OSError as error:
+            log.warning("kvlens tail %s: last checkpoint not written: %s", self.pattern, type(error).__name__)
         for followed in self._files.values():
             followed.handle.close()
         self._files.clear()
@@ -114,25 +138,29 @@ class Tailer:
         try:
             handle = open(path, "rb")  # noqa: SIM115 - held open while the file is followed
         except OSError as error:
-            log.warning("kvlens tail: cannot open %s: %s", path, error)
+            log.warning("kvlens tail: cannot open %s: %s", path, type(error).__name__)
             return None
         position = 0
+        skipping = False
         resumed = self._resume.pop(f"{key[0]}:{key[1]}", None)
         if resumed:
             length = int(resumed.get("fingerprint_bytes", 0))
             if _fingerprint(handle, length) == resumed.get("fingerprint"):
                 position = int(resumed.get("offset", 0))
+                skipping = bool(resumed.get("skipping", False))
         length = min(os.fstat(handle.fileno()).st_size, FINGERPRINT_BYTES)
-        followed = _Followed(path, handle, position, _fingerprint(handle, length), length)
+        followed = _Followed(path, handle, position, _fingerprint(handle, length), length, skipping=skipping)
         self._files[key] = followed
         return followed
 
-    def _read(self, followed: _Followed, lines: list[bytes]) -> int:
-        """Read to the end of a file; complete lines go to ``lines``. Returns lines skipped."""
+    def _read(self, followed: _Followed, lines: list[bytes], budget: list[int]) -> int:
+        """Read a file up to its end or the budget; complete lines go to ``lines``. Returns the
+        number of over-long lines skipped."""
         too_long = 0
         limit = self.max_line_bytes
         followed.handle.seek(followed.position)
-        while chunk := followed.handle.read(READ_CHUNK):
+        while budget[0] > 0 and (chunk := followed.handle.read(min(READ_BYTES, budget[0]))):
+            budget[0] -= len(chunk)
             followed.position += len(chunk)
             start = 0
             while (newline := chunk.find(b"\n", start)) >= 0:
@@ -157,38 +185,43 @@ class Tailer:
 
     def _load_checkpoint(self) -> dict[str, dict[str, Any]]:
         try:
-            data = json.loads(self.checkpoint.read_text())
+            data = json.loads(self.checkpoint_file.read_text())
             return {str(k): v for k, v in data.get("files", {}).items() if isinstance(v, dict)}
         except FileNotFoundError:
             return {}
         except (OSError, ValueError, AttributeError) as error:
-            log.warning("kvlens tail: ignoring unreadable checkpoint %s: %s", self.checkpoint, error)
+            log.warning("kvlens tail: ignoring unreadable checkpoint %s: %s", self.checkpoint_file, error)
             return {}
 
-    def _write_checkpoint(self) -> None:
+    def checkpoint(self) -> None:
+        """Write the offsets of everything read so far (call once it is counted); raises OSError."""
+        if not self.dirty:
+            return
         files = {
             f"{dev}:{ino}": {
                 "path": f.path,
                 "offset": f.offset,
+                "skipping": f.skipping,
                 "fingerprint": f.fingerprint,
                 "fingerprint_bytes": f.fingerprint_bytes,
             }
             for (dev, ino), f in self._files.items()
         }
         files.update({k: v for k, v in self._resume.items() if k not in files})  # not seen yet
-        self.checkpoint.parent.mkdir(parents=True, exist_ok=True)
-        temporary = self.checkpoint.with_name(self.checkpoint.name + ".tmp")
+        self.checkpoint_file.parent.mkdir(parents=True, exist_ok=True)
+        temporary = self.checkpoint_file.with_name(self.checkpoint_file.name + ".tmp")
         with open(temporary, "w") as out:
-            json.dump({"version": 1, "pattern": self.pattern, "files": files}, out)
+            json.dump({"version": 2, "pattern": self.pattern, "files": files}, out)
             out.flush()
             os.fsync(out.fileno())
-        os.replace(temporary, self.checkpoint)
+        os.replace(temporary, self.checkpoint_file)
         with contextlib.suppress(OSError):  # make the rename itself durable
-            directory = os.open(self.checkpoint.parent, os.O_RDONLY)
+            directory = os.open(self.checkpoint_file.parent, os.O_RDONLY)
             try:
                 os.fsync(directory)
             finally:
                 os.close(directory)
+        self.dirty = False
 
 
 def _starts_as_before(followed: _Followed) -> bool:
@@ -210,27 +243,68 @@ def checkpoint_path(state_dir: Path, pattern: str) -> Path:
     return state_dir / f"tail-{hashlib.sha256(pattern.encode()).hexdigest()[:16]}.json"
 
 
+class TailStatus:
+    """Whether a tail's checkpoint is being written; said in the log once per change."""
+
+    def __init__(self, pattern: str) -> None:
+        self.pattern = pattern
+        self.checkpoint_ok = True
+        self.checkpoint_failures = 0
+        self.problem: str | None = None
+        self._lock = threading.Lock()
+
+    def checkpoint_written(self) -> None:
+        with self._lock:
+            if not self.checkpoint_ok:
+                log.warning("kvlens tail %s: checkpoints are written again", self.pattern)
+            self.checkpoint_ok, self.problem = True, None
+
+    def checkpoint_failed(self, error: OSError, where: Path) -> None:
+        with self._lock:
+            self.checkpoint_failures += 1
+            if self.checkpoint_ok:
+                log.warning(
+                    "kvlens tail %s: cannot write its checkpoint in %s (%s); lines are still counted, "
+                    "but a restart would read them again: give state_dir a writable volume",
+                    self.pattern,
+                    where.parent,
+                    type(error).__name__,
+                )
+            self.checkpoint_ok = False
+            reason = type(error).__name__
+            self.problem = f"tail {self.pattern}: checkpoint in {where.parent} cannot be written ({reason})"
+
+
 def follow(
     tailer: Tailer,
     convert: Callable[[Any], Any],
     deliver: Callable[[Validated], None],
     stop: threading.Event,
     poll_seconds: float,
+    status: TailStatus | None = None,
 ) -> None:
-    """Poll until ``stop`` is set; each poll's lines go to ``deliver`` as one validated batch."""
+    """Poll until ``stop`` is set: each batch of lines goes to ``deliver``, then to the checkpoint."""
+    status = status or TailStatus(tailer.pattern)
     try:
         while True:
+            more = False
             try:
                 polled = tailer.poll()
-            except OSError as error:  # a vanished directory, a full disk for the checkpoint
-                log.warning("kvlens tail %s: %s", tailer.pattern, error)
-            except Exception:  # a bug must not end the following: log it and poll again
-                log.exception("kvlens tail %s: poll failed", tailer.pattern)
-            else:
+                more = polled.more
                 if polled.lines or polled.too_long:
                     skipped = Rejections.single([-1] * polled.too_long, "too_long")  # no line to point at
                     deliver(records_from_lines(polled.lines, convert).with_rejections(skipped))
-            if stop.wait(poll_seconds):
+                try:
+                    tailer.checkpoint()
+                except OSError as error:
+                    status.checkpoint_failed(error, tailer.checkpoint_file)
+                else:
+                    status.checkpoint_written()
+            except OSError as error:  # a vanished directory
+                log.warning("kvlens tail %s: %s", tailer.pattern, type(error).__name__)
+            except Exception:  # a bug must not end the following: log it and poll again
+                log.exception("kvlens tail %s: poll failed", tailer.pattern)
+            if stop.is_set() or (not more and stop.wait(poll_seconds)):
                 return
     finally:
         tailer.close()

@@ -26,6 +26,8 @@ from typing import Final
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvlens.errors import ScrapeError
+
 # engine family (name without _total) -> (kvlens counter when counting tokens, when counting blocks)
 COUNTERS: Final = {
     "vllm:prefix_cache_queries": ("prefix_cache_queried_tokens", None),
@@ -37,14 +39,6 @@ COUNTERS: Final = {
     "vllm:request_success": ("requests", None),
 }
 RUNNING: Final = "vllm:num_requests_running"
-
-
-class ScrapeError(Exception):
-    """A failed scrape; ``reason`` is a closed set: timeout, too_large, http_status, connect, parse."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -104,7 +98,7 @@ def parse(text: str) -> EngineScrape:
                 # vLLM 0.8.x counted prefix-cache blocks under the same names; its HELP says so.
                 counter = blocks if blocks and "block" in family.documentation.lower() else tokens
                 for sample in family.samples:
-                    if sample.name.endswith("_total") and math.isfinite(sample.value) and sample.value >= 0:
+                    if sample.name.endswith("_total"):  # values are checked where they are added
                         counters.append(
                             EngineSample(
                                 counter,
