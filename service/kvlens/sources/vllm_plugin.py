@@ -4,9 +4,12 @@ Registered under the entry-point group ``vllm.stat_logger_plugins``, so installi
 the vLLM image is the whole install. vLLM (0.12+) loads it in ``AsyncLLM`` and calls
 ``record()`` from its output-handler asyncio task, so ``record()`` only reads a few attributes
 and appends a tuple to a bounded queue. A background thread batches by size and time and POSTs
-them (a JSON array) to the sidecar, retrying with backoff. While the sidecar is down the queue keeps the
-newest records and counts the oldest it drops; the count reaches the sidecar with the next
-delivery (``kvlens_records_dropped_total``). At exit it flushes for up to two seconds.
+them (a JSON array) to the sidecar, retrying with backoff, each attempt under a hard total
+deadline (a sidecar that answers one byte a second cannot hold it). While the sidecar is down the
+queue keeps the newest records and counts the oldest it drops; a record that cannot be encoded
+(a field of a type JSON has no word for) is dropped alone and counted the same way; the count
+reaches the sidecar with the next delivery (``kvlens_records_dropped_total``). At exit it flushes
+for up to two seconds.
 
 Fields come from ``IterationStats.finished_requests`` (``FinishedRequestStats``), read with
 ``getattr`` because vLLM calls them unstable: ``request_id`` (0.20+), ``num_prompt_tokens``,
@@ -22,17 +25,19 @@ Environment: ``KVLENS_PLUGIN_URL`` (default ``http://127.0.0.1:9433/v1/records``
 ``KVLENS_PLUGIN_TOKEN`` (bearer token), ``KVLENS_PLUGIN_FILE`` (append JSONL there instead of
 POSTing), ``KVLENS_PLUGIN_QUEUE`` (records held while the sidecar is away, default 100000),
 ``KVLENS_PLUGIN_BATCH`` (records per POST, default 1000), ``KVLENS_PLUGIN_FLUSH_SECONDS``
-(default 1).
+(default 1), ``KVLENS_PLUGIN_TIMEOUT_SECONDS`` (deadline of one whole POST, default 10).
 """
 
 from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import http.client
 import logging
 import operator
 import os
+import socket
 import threading
 import urllib.parse
 import uuid
@@ -66,15 +71,16 @@ _FIELDS = tuple(field for _, field in _FIELD_MAP)
 
 
 class Sink(Protocol):
-    def send(self, records: list[dict[str, Any]], dropped: int, batch_id: str) -> None:
-        """Deliver one batch; raise on failure (the batch is retried with the same id, so the
-        sidecar counts it once even when an earlier try reached it but its answer was lost)."""
+    def send(self, records: list[bytes], dropped: int, batch_id: str) -> None:
+        """Deliver one batch of encoded records; raise on failure (the batch is retried with the
+        same id, so the sidecar counts it once even when an earlier try reached it but its answer
+        was lost)."""
 
 
 class HttpSink:
     """POST to the sidecar with the standard library (nothing to install into vLLM's image)."""
 
-    def __init__(self, url: str, token: str | None, timeout: float = 5.0) -> None:
+    def __init__(self, url: str, token: str | None, deadline: float = 10.0) -> None:
         parsed = urllib.parse.urlsplit(url)
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
             raise ValueError("KVLENS_PLUGIN_URL must be an http(s) URL")
@@ -83,12 +89,16 @@ class HttpSink:
         self._port = parsed.port
         self._path = parsed.path or "/v1/records"
         self._token = token
-        self._timeout = timeout
+        self._deadline = deadline
 
-    def send(self, records: list[dict[str, Any]], dropped: int, batch_id: str) -> None:
-        body = orjson.dumps(records)  # a JSON array
+    def send(self, records: list[bytes], dropped: int, batch_id: str) -> None:
+        body = b"[" + b",".join(records) + b"]"
         connection_class = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-        connection = connection_class(self._host, self._port, timeout=self._timeout)
+        connection = connection_class(self._host, self._port, timeout=min(5.0, self._deadline))
+        # http.client's timeout is per socket operation: a peer that drips its answer resets it with
+        # every byte. The watchdog shuts the socket down at the deadline, which ends any read.
+        watchdog = threading.Timer(self._deadline, _shut_down, args=(connection,))
+        watchdog.daemon = True
         headers = {
             "content-type": "application/json",
             SOURCE_HEADER: SOURCE,
@@ -97,15 +107,24 @@ class HttpSink:
         }
         if self._token:
             headers["authorization"] = f"Bearer {self._token}"
+        watchdog.start()
         try:
             connection.request("POST", self._path, body=body, headers=headers)
             response = connection.getresponse()
             response.read()
         finally:
+            watchdog.cancel()
             connection.close()
         if response.status >= 500 or response.status in (401, 408, 413, 429):
             raise ConnectionError(f"sidecar answered {response.status}")
         # 400 means nothing in the batch decoded: retrying the same bytes would not help.
+
+
+def _shut_down(connection: http.client.HTTPConnection) -> None:
+    sock = connection.sock
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
 
 
 class FileSink:
@@ -114,10 +133,21 @@ class FileSink:
     def __init__(self, path: str) -> None:
         self._path = path
 
-    def send(self, records: list[dict[str, Any]], dropped: int, batch_id: str) -> None:
-        lines = b"".join(orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE) for record in records)
+    def send(self, records: list[bytes], dropped: int, batch_id: str) -> None:
         with open(self._path, "ab") as out:
-            out.write(lines)
+            out.write(b"".join(record + b"\n" for record in records))
+
+
+def encode_records(records: list[dict[str, Any]]) -> tuple[list[bytes], int]:
+    """Each record as JSON; one that cannot be encoded is left out, and counted (the second
+    value), so that it never holds back the records beside it."""
+    encoded = []
+    for record in records:
+        try:
+            encoded.append(orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY))
+        except TypeError as error:
+            log.warning("kvlens: a finished request could not be encoded (%s); dropped and counted", error)
+    return encoded, len(records) - len(encoded)
 
 
 class Shipper:
@@ -143,6 +173,7 @@ class Shipper:
         self.dropped = 0  # dropped and not yet reported to the sidecar
         self._dropped_lock = threading.Lock()
         self.delivered = 0
+        self.failures = 0  # failed attempts to deliver
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvlens-shipper", daemon=True)
@@ -181,15 +212,21 @@ class Shipper:
                 self._wake.wait(max(self._flush_seconds, backoff))
                 self._wake.clear()
             if not pending:
-                pending = self._take()
+                taken = self._take()
+                pending, poisoned = encode_records(self._build(taken))
+                with self._dropped_lock:
+                    self.dropped += poisoned
                 pending_dropped, batch_id = self.dropped, uuid.uuid4().hex
+                if not pending and poisoned:
+                    continue  # nothing left to send; the drops go with the next batch
             if not pending:
                 if stopping:
                     return
                 continue
             try:
-                self._sink.send(self._build(pending), pending_dropped, batch_id)
+                self._sink.send(pending, pending_dropped, batch_id)
             except Exception as error:
+                self.failures += 1
                 backoff = min(self._max_backoff, max(0.5, backoff * 2))
                 log.warning("kvlens: delivery failed (%s); retrying in %.1f s", type(error).__name__, backoff)
                 if stopping:
@@ -216,7 +253,9 @@ def shared_shipper() -> Shipper:
                 FileSink(path)
                 if path
                 else HttpSink(
-                    os.environ.get("KVLENS_PLUGIN_URL", DEFAULT_URL), os.environ.get("KVLENS_PLUGIN_TOKEN")
+                    os.environ.get("KVLENS_PLUGIN_URL", DEFAULT_URL),
+                    os.environ.get("KVLENS_PLUGIN_TOKEN"),
+                    deadline=float(os.environ.get("KVLENS_PLUGIN_TIMEOUT_SECONDS", "10")),
                 )
             )
             _shipper = Shipper(
