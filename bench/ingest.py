@@ -149,7 +149,7 @@ def in_process(bodies: list[bytes], repeats: int) -> None:
     def kvlens_ingest() -> int:
         aggregator = Aggregator(load_settings())
         for body in bodies:
-            aggregator.add(push.read_records(body), "push")
+            aggregator.add(push.read_records(body, 100_000), "push")
         return records
 
     def naive() -> int:

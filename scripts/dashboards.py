@@ -338,6 +338,52 @@ def panels() -> list[dict[str, Any]]:
             ],
             (16, 58, 8, 8),
         ),
+        row("Sidecar under load", 66),
+        panel(
+            "timeseries",
+            "Ingest requests refused by reason",
+            "Whole requests refused per second: busy and batch_in_progress are retried by the sender; "
+            "the others (bombs, oversized, undecodable, unauthorized) lose their records.",
+            "reqps",
+            [
+                target(
+                    f'sum by (reason) (rate(kvlens_ingest_refused_total{{job=~"$job"}}[{RATE}]))',
+                    "{{reason}}",
+                )
+            ],
+            (0, 67, 8, 8),
+        ),
+        panel(
+            "timeseries",
+            "Event-loop lag p99",
+            "How late the sidecar's event loop wakes a sleeping task: a blocked loop delays every "
+            "request, probes included (README: Reliability and limits).",
+            "s",
+            [
+                target(
+                    "histogram_quantile(0.99, sum by (le, instance) "
+                    f'(rate(kvlens_event_loop_lag_seconds_bucket{{job=~"$job"}}[{RATE}])))',
+                    "{{instance}}",
+                )
+            ],
+            (8, 67, 8, 8),
+        ),
+        panel(
+            "timeseries",
+            "Connections",
+            "Open connections, and those the sidecar closed: no whole request head in time, or "
+            "evicted past max_connections (per second).",
+            "short",
+            [
+                target('sum by (instance) (kvlens_connections_open{job=~"$job"})', "open {{instance}}", "A"),
+                target(
+                    f'sum by (reason) (rate(kvlens_connections_closed_total{{job=~"$job"}}[{RATE}]))',
+                    "closed: {{reason}}",
+                    "B",
+                ),
+            ],
+            (16, 67, 8, 8),
+        ),
     ]
     for number, item in enumerate(out, start=1):
         item["id"] = number

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import resource
 import socket
@@ -11,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -132,6 +134,42 @@ def raise_open_files_limit(wanted: int = 8192) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < wanted:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(wanted, hard), hard))
+
+
+class TextHandler(BaseHTTPRequestHandler):
+    """A quiet request handler with a helper to answer a Prometheus exposition."""
+
+    def answer(self, body: bytes, status: int = 200) -> None:
+        self.send_response(status)
+        self.send_header("content-type", "text/plain; version=0.0.4")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+class EngineServer:
+    """An engine /metrics on loopback whose text is made anew for every scrape by
+    ``exposition(n)`` (n counts the scrapes); None answers 503, as an engine restarting."""
+
+    def __init__(self, exposition: Callable[[int], str | None]) -> None:
+        scrapes = itertools.count()
+
+        class Handler(TextHandler):
+            def do_GET(self) -> None:
+                text = exposition(next(scrapes))
+                self.answer(b"" if text is None else text.encode(), 200 if text is not None else 503)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/metrics"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
 def in_thread(target: Callable[[], object]) -> threading.Thread:

@@ -7,11 +7,8 @@ under their own budget; a series cap per target; only finite deltas.
 
 from __future__ import annotations
 
-import itertools
 import subprocess
-import threading
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import orjson
@@ -19,6 +16,7 @@ import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 
 from tests.hostile.conftest import Serve
+from tests.live import EngineServer
 
 pytestmark = pytest.mark.integration
 HELP = (
@@ -27,42 +25,12 @@ HELP = (
 )
 
 
-class Engine:
-    """An engine /metrics whose text is made anew for every scrape by ``exposition(n)``."""
-
-    def __init__(self, exposition: Callable[[int], str]) -> None:
-        self.exposition = exposition
-        self.scrapes = itertools.count()
-        engine = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                body = engine.exposition(next(engine.scrapes)).encode()
-                self.send_response(200)
-                self.send_header("content-type", "text/plain; version=0.0.4")
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/metrics"
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.fixture
-def engine() -> Iterator[Callable[[Callable[[int], str]], Engine]]:
-    engines: list[Engine] = []
+def engine() -> Iterator[Callable[[Callable[[int], str]], EngineServer]]:
+    engines: list[EngineServer] = []
 
-    def make(exposition: Callable[[int], str]) -> Engine:
-        engines.append(Engine(exposition))
+    def make(exposition: Callable[[int], str]) -> EngineServer:
+        engines.append(EngineServer(exposition))
         return engines[-1]
 
     yield make
@@ -71,7 +39,7 @@ def engine() -> Iterator[Callable[[Callable[[int], str]], Engine]]:
 
 
 def test_engine_models_do_not_spend_the_records_label_budget(
-    serve: Serve, engine: Callable[..., Engine]
+    serve: Serve, engine: Callable[..., EngineServer]
 ) -> None:
     models = "".join(f'vllm:prompt_tokens_total{{model_name="engine-{i}"}} {i}\n' for i in range(5))
     upstream = engine(lambda n: HELP + models)
@@ -85,7 +53,7 @@ def test_engine_models_do_not_spend_the_records_label_budget(
 
 
 def test_engine_label_values_are_held_to_the_label_rules(
-    serve: Serve, engine: Callable[..., Engine], promtool: str
+    serve: Serve, engine: Callable[..., EngineServer], promtool: str
 ) -> None:
     hostile = ["new\\nline", 'quo\\"te', "long-" + "x" * 300, "back\\\\slash"]
     text = "".join(f'vllm:prompt_tokens_total{{model_name="{name}"}} 5\n' for name in hostile)
@@ -109,7 +77,7 @@ def test_engine_label_values_are_held_to_the_label_rules(
 
 
 def test_series_that_change_every_scrape_keep_memory_flat(
-    serve: Serve, engine: Callable[..., Engine]
+    serve: Serve, engine: Callable[..., EngineServer]
 ) -> None:
     def churn(n: int) -> str:  # 2,000 series with labels that never repeat
         lines = (f'vllm:prompt_tokens_total{{model_name="m",pod="p{n}-{i}"}} {i}\n' for i in range(2000))
@@ -126,7 +94,7 @@ def test_series_that_change_every_scrape_keep_memory_flat(
     assert sidecar.value("kvlens_upstream_samples_rejected_total", reason="series_overflow") > 0  # cap 1,000
 
 
-def test_engine_counters_stay_finite(serve: Serve, engine: Callable[..., Engine]) -> None:
+def test_engine_counters_stay_finite(serve: Serve, engine: Callable[..., EngineServer]) -> None:
     values = ["1.7e308", "1e308"]
     upstream = engine(lambda n: HELP + f'vllm:prompt_tokens_total{{model_name="m"}} {values[n % 2]}\n')
     sidecar = serve("--scrape", upstream.url, KVLENS_SCRAPE_INTERVAL_SECONDS="0.02")

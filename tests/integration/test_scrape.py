@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -13,12 +13,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.conftest import Running, free_port, start_kvlens
+from tests.live import TextHandler
 
 pytestmark = pytest.mark.integration
 FIXTURE = (Path(__file__).parent.parent / "fixtures" / "vllm-0.33-metrics.prom").read_text()
 
 
-class FakeEngine(BaseHTTPRequestHandler):
+class FakeEngine(TextHandler):
     """Serves vLLM 0.33 exposition text, and the ways an upstream goes wrong."""
 
     exposition = FIXTURE
@@ -26,11 +27,11 @@ class FakeEngine(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         if self.path == "/metrics":
-            self._answer(self.exposition.encode())
+            self.answer(self.exposition.encode())
         elif self.path == "/huge/metrics":
-            self._answer(b"# " + b"x" * (2 * 1024 * 1024) + b"\n")
+            self.answer(b"# " + b"x" * (2 * 1024 * 1024) + b"\n")
         elif self.path == "/garbage/metrics":
-            self._answer(b'vllm:prompt_tokens_total{model_name="m" 3\n')
+            self.answer(b'vllm:prompt_tokens_total{model_name="m" 3\n')
         elif self.path == "/missing/metrics":
             self.send_response(404)
             self.end_headers()
@@ -43,16 +44,6 @@ class FakeEngine(BaseHTTPRequestHandler):
                     return
                 self.wfile.write(b"#")
                 self.wfile.flush()
-
-    def _answer(self, body: bytes) -> None:
-        self.send_response(200)
-        self.send_header("content-type", "text/plain; version=0.0.4")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
 
 
 @pytest.fixture

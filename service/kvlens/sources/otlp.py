@@ -347,7 +347,7 @@ def _encode_varint(value: int) -> bytes:
             return bytes(out)
 
 
-def _length_delimited(number: int, payload: bytes) -> bytes:
+def length_delimited(number: int, payload: bytes) -> bytes:
     return _encode_varint(number << 3 | 2) + _encode_varint(len(payload)) + payload
 
 
@@ -359,7 +359,7 @@ def error_status(message: str, media: str) -> bytes:
     """A google.rpc.Status (code 3, INVALID_ARGUMENT) for a 400."""
     if media == JSON:
         return orjson.dumps({"code": 3, "message": message})
-    return b"\x08\x03" + _length_delimited(2, message.encode()[:1000])
+    return b"\x08\x03" + length_delimited(2, message.encode()[:1000])
 
 
 def response(rejected: int, message: str, media: str) -> bytes:
@@ -371,5 +371,5 @@ def response(rejected: int, message: str, media: str) -> bytes:
         return orjson.dumps(body)
     if not rejected:
         return b""
-    partial = b"\x08" + _encode_varint(rejected) + _length_delimited(2, message.encode())
-    return _length_delimited(1, partial)
+    partial = b"\x08" + _encode_varint(rejected) + length_delimited(2, message.encode())
+    return length_delimited(1, partial)

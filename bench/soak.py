@@ -1,0 +1,346 @@
+"""Soak: a real ``kvlens serve`` under mixed traffic and a trickle of abuse, for minutes.
+
+    .venv/bin/python bench/soak.py [--minutes 10]
+
+What runs at once, all against one sidecar on loopback:
+- push: NDJSON batches of 100 records every 50 ms (some gzip, all with a ``kvlens-batch-id``,
+  one in ten sent twice as a retry after a lost answer);
+- OTLP: protobuf exports of 20 spans every 200 ms;
+- a tailed file: 50 lines every 100 ms, renamed away and started anew every 15 s;
+- scrapes of ``/metrics`` every 100 ms (counters must never go backwards: PromQL's resets() = 0);
+- an engine ``/metrics`` that kvlens scrapes every second and that restarts every 20 s (its
+  counters fall to 0, and it is down for 2 s);
+- abuse at a low rate: gzip bombs, bodies of empty objects, protobuf span bombs, unknown
+  encodings, non-ASCII headers, a stalled body, idle sockets that send nothing.
+
+It prints records sent vs counted, RSS at start (after warm-up), end and peak, the event loop's
+lag p99 (kvlens_event_loop_lag_seconds), 5xx answers, scrape p99 and /healthz p99; and exits 1
+when a record is lost or counted twice, a 5xx was answered, or a counter went backwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import itertools
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import orjson
+import psutil
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.live import EngineServer, Running, raise_open_files_limit, start_kvlens  # noqa: E402
+
+from kvlens.sources.otlp import length_delimited  # noqa: E402
+
+WARM_UP_SECONDS = 20
+
+
+class Tally:
+    """What the clients did and saw, shared by the worker threads."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.sent = {"push": 0, "otlp": 0, "tail": 0}
+        self.server_errors: list[str] = []
+        self.scrape_seconds: list[float] = []
+        self.health_seconds: list[float] = []
+        self.resets = 0
+        self.abuse = 0
+
+    def add(self, source: str, count: int) -> None:
+        with self.lock:
+            self.sent[source] += count
+
+    def answered(self, what: str, status: int) -> None:
+        if status >= 500:
+            with self.lock:
+                self.server_errors.append(f"{what}: {status}")
+
+
+def record(i: int) -> dict[str, object]:
+    long = i % 10 == 0
+    return {
+        "request_id": f"soak-{i}",
+        "model": "soak",
+        "prompt_tokens": 8192 if long else 128,
+        "cached_tokens": 0 if long else 16,
+        "queue_seconds": 0.02,
+        "prefill_seconds": 0.8 if long else 0.01,
+        "ttft_seconds": 0.85 if long else 0.035,
+    }
+
+
+def pusher(url: str, tally: Tally, stop: threading.Event) -> None:
+    numbers = itertools.count()
+    with httpx.Client(timeout=30) as client:
+        for batch_number in itertools.count():
+            if stop.wait(0.05):
+                return
+            body = b"\n".join(orjson.dumps(record(next(numbers))) for _ in range(100))
+            headers = {"kvlens-batch-id": uuid.uuid4().hex}
+            if batch_number % 3 == 0:
+                body, headers["content-encoding"] = gzip.compress(body), "gzip"
+            for attempt in range(2 if batch_number % 10 == 0 else 1):  # a retry after a lost answer
+                answer = client.post(f"{url}/v1/records", content=body, headers=headers)
+                tally.answered("push", answer.status_code)
+                if answer.status_code == 200 and attempt == 0:
+                    tally.add("push", answer.json()["accepted"])
+
+
+def otlp_export(count: int) -> bytes:
+    request = ExportTraceServiceRequest()
+    scope = request.resource_spans.add().scope_spans.add()
+    for i in range(count):
+        span = scope.spans.add(name="llm_request")
+        attributes = {
+            "gen_ai.usage.input_tokens": 2048,
+            "gen_ai.usage.cached_tokens": 1024 if i % 2 else 0,
+            "gen_ai.response.model": "soak",
+            "gen_ai.latency.time_to_first_token": 0.08,
+        }
+        for key, value in attributes.items():
+            any_value = AnyValue(int_value=value) if isinstance(value, int) else AnyValue()
+            if isinstance(value, float):
+                any_value = AnyValue(double_value=value)
+            elif isinstance(value, str):
+                any_value = AnyValue(string_value=value)
+            span.attributes.append(KeyValue(key=key, value=any_value))
+    return bytes(request.SerializeToString())
+
+
+def otlp_sender(url: str, tally: Tally, stop: threading.Event) -> None:
+    body = otlp_export(20)
+    with httpx.Client(timeout=30) as client:
+        while not stop.wait(0.2):
+            answer = client.post(
+                f"{url}/v1/traces", content=body, headers={"content-type": "application/x-protobuf"}
+            )
+            tally.answered("otlp", answer.status_code)
+            if answer.status_code == 200:
+                tally.add("otlp", 20)
+
+
+def tail_writer(log: Path, tally: Tally, stop: threading.Event) -> None:
+    numbers = itertools.count(10**9)
+    rotated = time.monotonic()
+    while not stop.wait(0.1):
+        lines = b"".join(orjson.dumps(record(next(numbers))) + b"\n" for _ in range(50))
+        with log.open("ab") as out:
+            out.write(lines)
+        tally.add("tail", 50)
+        if time.monotonic() - rotated > 15:
+            log.rename(log.with_name(log.name + f".{int(time.time())}"))
+            rotated = time.monotonic()
+
+
+def scraper(url: str, tally: Tally, stop: threading.Event) -> None:
+    last: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
+    with httpx.Client(timeout=30) as client:
+        while not stop.wait(0.1):
+            started = time.monotonic()
+            answer = client.get(f"{url}/metrics")
+            tally.scrape_seconds.append(time.monotonic() - started)
+            tally.answered("scrape", answer.status_code)
+            for family in text_string_to_metric_families(answer.text):
+                if family.type != "counter":
+                    continue
+                for sample in family.samples:
+                    key = (sample.name, frozenset(sample.labels.items()))
+                    if sample.value < last.get(key, 0.0):
+                        tally.resets += 1
+                    last[key] = sample.value
+
+
+def prober(url: str, tally: Tally, stop: threading.Event) -> None:
+    with httpx.Client(timeout=30) as client:
+        while not stop.wait(0.25):
+            started = time.monotonic()
+            tally.answered("healthz", client.get(f"{url}/healthz").status_code)
+            tally.health_seconds.append(time.monotonic() - started)
+
+
+def abuser(url: str, port: int, tally: Tally, stop: threading.Event) -> None:
+    """One attack every two seconds, in turn; each must be answered 4xx (or the socket closed)."""
+    zeros = gzip.compress(b"[" + b"0," * 4_000_000 + b"0]", 9)
+    members = gzip.compress(b"") * 100_000
+    empty_spans = b"\x0a\x06\x12\x04\x12\x02\x12\x00" * 10  # short, then a span bomb below
+    span_bomb = length_delimited(1, length_delimited(2, b"\x12\x00" * 1_000_000))
+    attacks: list[Callable[[httpx.Client], int]] = [
+        lambda c: (
+            c.post(f"{url}/v1/records", content=zeros, headers={"content-encoding": "gzip"}).status_code
+        ),
+        lambda c: c.post(f"{url}/v1/records", content=b"[" + b"{}," * 200_000 + b"{}]").status_code,
+        lambda c: (
+            c.post(f"{url}/v1/traces", content=members, headers={"content-encoding": "gzip"}).status_code
+        ),
+        lambda c: (
+            c.post(
+                f"{url}/v1/traces", content=span_bomb, headers={"content-type": "application/x-protobuf"}
+            ).status_code
+        ),
+        lambda c: c.post(f"{url}/v1/records", content=b"{}", headers={"content-encoding": "br"}).status_code,
+        lambda c: (
+            c.post(f"{url}/v1/traces", content=empty_spans, headers={"content-type": "text/csv"}).status_code
+        ),
+        lambda c: _raw(port, b"POST /v1/records HTTP/1.1\r\nHost: k\r\nkvlens-dropped: \xc2\xb2\r\n"),
+        lambda c: _raw(port, b"POST /v1/records HTTP/1.1\r\nHost: k\r\nContent-Length: 100\r\n", body=b"[{"),
+    ]
+    idle: list[socket.socket] = []
+    with httpx.Client(timeout=60) as client:
+        for attack in itertools.cycle(attacks):
+            if stop.wait(2.0):
+                break
+            tally.answered("abuse", attack(client))
+            tally.abuse += 1
+            idle = [sock for sock in idle if sock.fileno() >= 0][-200:]
+            idle.extend(socket.create_connection(("127.0.0.1", port)) for _ in range(20))
+    for sock in idle:
+        sock.close()
+
+
+def _raw(port: int, head: bytes, body: bytes = b"[]") -> int:
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        length = b"" if b"Content-Length" in head else f"Content-Length: {len(body)}\r\n".encode()
+        sock.sendall(head + length + b"\r\n" + body)
+        answer = sock.recv(4096)
+    return int(answer.split(b" ", 2)[1]) if answer else 400
+
+
+def engine_exposition(started: float) -> Callable[[int], str | None]:
+    """A vLLM /metrics that restarts every 20 s: its counter falls to 0 and it is down for 2 s."""
+
+    def exposition(scrape: int) -> str | None:
+        age = (time.monotonic() - started) % 20
+        if age < 2:
+            return None
+        return (
+            "# HELP vllm:prompt_tokens_total Number of prefill tokens processed.\n"
+            "# TYPE vllm:prompt_tokens_total counter\n"
+            f'vllm:prompt_tokens_total{{model_name="soak"}} {int(age * 1000)}\n'
+        )
+
+    return exposition
+
+
+def histogram_p99(samples: dict[str, float]) -> float:
+    """p99 from cumulative buckets, as histogram_quantile does (upper bound of the bucket)."""
+    bounds = sorted((float(le), count) for le, count in samples.items())
+    total = bounds[-1][1]
+    for bound, count in bounds:
+        if total and count >= 0.99 * total:
+            return bound
+    return float("nan")
+
+
+def counted(running: Running) -> tuple[float, dict[str, float]]:
+    """Records counted (model soak), and the event-loop lag histogram's buckets."""
+    requests, lag = 0.0, {}
+    for (name, labels), value in running.samples().items():
+        tags = dict(labels)
+        if name == "kvlens_requests_total" and tags.get("model") == "soak":
+            requests += value
+        elif name == "kvlens_event_loop_lag_seconds_bucket":
+            lag[tags["le"]] = value
+    return requests, lag
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=10.0)
+    args = parser.parse_args()
+    raise_open_files_limit()
+    workdir = Path(tempfile.mkdtemp(prefix="kvlens-soak-"))
+    log = workdir / "app.log"
+    engine = EngineServer(engine_exposition(time.monotonic()))
+    sidecar = start_kvlens(
+        "serve",
+        "--tail",
+        str(log),
+        "--scrape",
+        engine.url,
+        env={
+            "KVLENS_STATE_DIR": str(workdir / "state"),
+            "KVLENS_TAIL_POLL_SECONDS": "0.2",
+            "KVLENS_SCRAPE_INTERVAL_SECONDS": "1",
+            "KVLENS_BODY_TIMEOUT_SECONDS": "5",
+        },
+    )
+    process = psutil.Process(sidecar.process.pid)
+    tally = Tally()
+    stop = threading.Event()
+    workers = [
+        threading.Thread(target=target, args=arguments, daemon=True)
+        for target, arguments in (
+            (pusher, (sidecar.url, tally, stop)),
+            (otlp_sender, (sidecar.url, tally, stop)),
+            (tail_writer, (log, tally, stop)),
+            (scraper, (sidecar.url, tally, stop)),
+            (prober, (sidecar.url, tally, stop)),
+            (abuser, (sidecar.url, sidecar.port, tally, stop)),
+        )
+    ]
+    for worker in workers:
+        worker.start()
+    started = time.monotonic()
+    rss: list[tuple[float, float]] = []
+    deadline = started + args.minutes * 60
+    while time.monotonic() < deadline:
+        rss.append((time.monotonic() - started, process.memory_info().rss / 2**20))
+        time.sleep(1.0)  # a sampling interval, not a wait for an event
+    stop.set()
+    for worker in workers:
+        worker.join(60)
+    sent = sum(tally.sent.values())
+    settle = time.monotonic() + 30
+    while (seen := counted(sidecar))[0] < sent and time.monotonic() < settle:
+        time.sleep(0.2)  # the tail's last poll, the worker's last batch
+    requests, lag = seen
+    output = sidecar.output()
+    engine.close()
+
+    after_warm_up = [mib for at, mib in rss if at >= min(WARM_UP_SECONDS, args.minutes * 30)]
+    start_mib, end_mib, peak_mib = after_warm_up[0], after_warm_up[-1], max(mib for _, mib in rss)
+    lag_p99 = histogram_p99(lag)
+    scrape = sorted(tally.scrape_seconds)
+    health = sorted(tally.health_seconds)
+    print(f"soak: {args.minutes:g} min, {len(scrape)} scrapes, {tally.abuse} attacks")
+    print(f"  records sent      {sent:>10,}  ({', '.join(f'{k} {v:,}' for k, v in tally.sent.items())})")
+    print(f"  records counted   {int(requests):>10,}")
+    print(
+        f"  RSS MiB           start {start_mib:.1f} (after warm-up)  end {end_mib:.1f}  peak {peak_mib:.1f}"
+    )
+    print(f"  RSS growth        {end_mib - start_mib:+.1f} MiB after warm-up (target within 10)")
+    minutes = [f"{mib:.0f}" for at, mib in rss if int(at) % 60 == 0]
+    print(f"  RSS each minute   {' '.join(minutes)} MiB (the batch-id window fills in ~8 min)")
+    print(f"  event-loop lag    p99 <= {lag_p99 * 1000:.0f} ms (bucket bound)")
+    print(f"  5xx answers       {len(tally.server_errors)}")
+    print(f"  counter resets    {tally.resets}")
+    scrape_p99 = scrape[int(0.99 * len(scrape))]
+    print(
+        f"  scrape            p50 {statistics.median(scrape) * 1000:.1f} ms  p99 {scrape_p99 * 1000:.1f} ms"
+    )
+    print(f"  /healthz          p99 {health[int(0.99 * len(health))] * 1000:.1f} ms")
+    failed = requests != sent or tally.server_errors or tally.resets
+    if failed:
+        print("FAILED", tally.server_errors[:10], file=sys.stderr)
+        print(output[-3000:], file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

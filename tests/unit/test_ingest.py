@@ -1,0 +1,142 @@
+"""The bounded pieces an ingest request goes through, and the runtime guards, one by one."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import tracemalloc
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry
+
+from kvlens.exporter.ingest import BatchLedger, IngestGate, RecentRecords
+from kvlens.exporter.runtime import ConnectionGuard, LoopLag, ScrapeRenderer
+from kvlens.records import batch_from_objects
+
+
+def test_batch_ids_are_compared_whole() -> None:
+    ledger = BatchLedger(10)
+    first, second = BatchLedger.key("p" * 64 + "-1"), BatchLedger.key("p" * 64 + "-2")
+    assert ledger.begin(first) == BatchLedger.NEW
+    assert ledger.begin(second) == BatchLedger.NEW
+    assert ledger.begin(first) == BatchLedger.IN_PROGRESS
+    ledger.commit(first, (100, 0, 0, 0))
+    assert ledger.begin(first) == (100, 0, 0, 0)
+    ledger.abandon(second)  # failed: the same batch may come again
+    assert ledger.begin(second) == BatchLedger.NEW
+
+
+def test_the_ledger_forgets_the_oldest_past_its_window() -> None:
+    ledger = BatchLedger(2)
+    keys = [BatchLedger.key(str(i)) for i in range(3)]
+    for key in keys:
+        ledger.begin(key)
+        ledger.commit(key, (1, 0, 0, 0))
+    assert ledger.begin(keys[0]) == BatchLedger.NEW
+    assert ledger.begin(keys[2]) == (1, 0, 0, 0)
+
+
+def test_ten_thousand_committed_ids_hold_under_5_mib() -> None:
+    ledger = BatchLedger(10_000)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for i in range(10_000):
+        key = BatchLedger.key(f"{i:040d}")
+        ledger.begin(key)
+        ledger.commit(key, (1000 + i, 100, 3, 0))
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert used < 5 * 1024 * 1024
+    assert used / 10_000 < 250  # bytes per id, as documented (about 130-200)
+
+
+def test_recent_records_drop_replays_and_keep_children_that_measured_differently() -> None:
+    recent = RecentRecords(capacity=100)
+    parent = {"request_id": "r", "prompt_tokens": 500, "cached_tokens": 0, "e2e_seconds": 0.5}
+    child = {**parent, "cached_tokens": 496, "e2e_seconds": 0.51}
+    anonymous = {"prompt_tokens": 10, "cached_tokens": 0}  # no id: never a duplicate
+    batch = batch_from_objects([parent, child, anonymous]).batch
+    assert recent.fresh(batch).tolist() == [True, True, True]
+    assert recent.fresh(batch).tolist() == [False, False, True]  # absent durations (NaN) match too
+
+
+def test_recent_records_forget_past_their_window() -> None:
+    recent = RecentRecords(capacity=2)
+    records = [{"request_id": str(i), "prompt_tokens": 1, "cached_tokens": 0} for i in range(3)]
+    recent.fresh(batch_from_objects(records).batch)
+    assert recent.fresh(batch_from_objects(records[:1]).batch).tolist() == [True]
+
+
+def test_the_gate_admits_up_to_its_capacity() -> None:
+    async def scenario() -> list[bool]:
+        gate = IngestGate(2)
+        admitted = []
+        async with gate.slot() as one, gate.slot() as two, gate.slot() as three:
+            admitted = [one, two, three]
+        assert gate.in_flight == 0 and gate.refused == 1
+        return admitted
+
+    assert asyncio.run(scenario()) == [True, True, False]
+
+
+def test_concurrent_scrapes_share_renders() -> None:
+    renders = []
+    started, release = threading.Event(), threading.Event()
+
+    def encoder(registry: CollectorRegistry) -> bytes:
+        renders.append(1)
+        started.set()
+        release.wait(5)
+        return f"render {len(renders)}".encode()
+
+    async def scenario() -> list[bytes]:
+        renderer = ScrapeRenderer(CollectorRegistry())
+        first = asyncio.create_task(renderer.render(encoder, "text/plain"))
+        await asyncio.to_thread(started.wait, 5)  # the first render runs; now the others arrive
+        later = [asyncio.create_task(renderer.render(encoder, "text/plain")) for _ in range(5)]
+        for _ in range(3):
+            await asyncio.sleep(0)  # each reaches its await
+        release.set()
+        return await asyncio.gather(first, *later)
+
+    answers = asyncio.run(scenario())
+    assert answers == [b"render 1"] + [b"render 2"] * 5  # fresher than their arrival, rendered once
+    assert len(renders) == 2
+
+
+@dataclass
+class FakeConnection:
+    waiting_for_head: bool
+    closed: bool = False
+
+    def close_idle(self) -> None:
+        self.closed = True
+
+    def __hash__(self) -> int:
+        return id(self)
+
+
+def test_past_the_connection_cap_the_oldest_idle_one_goes() -> None:
+    guard = ConnectionGuard(max_connections=3, header_timeout=10)
+    busy, idle, other = FakeConnection(False), FakeConnection(True), FakeConnection(True)
+    for connection in (busy, idle, other):
+        assert guard.admit(connection)
+    newcomer = FakeConnection(True)
+    assert guard.admit(newcomer)
+    assert idle.closed and not busy.closed and not other.closed
+    assert guard.open == 3 and guard.closed["over_capacity"] == 1
+
+
+def test_when_every_connection_is_busy_a_new_one_is_refused() -> None:
+    guard = ConnectionGuard(max_connections=1, header_timeout=10)
+    assert guard.admit(FakeConnection(False))
+    assert not guard.admit(FakeConnection(True))
+
+
+def test_loop_lag_buckets_are_cumulative() -> None:
+    lag = LoopLag()
+    for value in (0.0005, 0.02, 0.02, 7.0):
+        lag.observe(value)
+    counts, total = lag.snapshot()
+    assert counts[0] == 1 and counts[-1] == 4 and counts == sorted(counts)
+    assert total == 0.0005 + 0.02 + 0.02 + 7.0

@@ -1,0 +1,67 @@
+"""The structural scan agrees with a JSON decoder on every text a decoder accepts, whatever the
+slice boundaries, and finds the cost of a body without building it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlens.sources import jsonscan
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.text(alphabet=st.sampled_from('ab,:[]{}"\\\n '), max_size=6),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=3), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+def dumps(value: Any, compact: bool) -> bytes:
+    return json.dumps(value, separators=(",", ":") if compact else (", ", ": ")).encode()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(json_values, max_size=6), st.booleans(), st.integers(1, 40))
+def test_array_elements_are_what_a_decoder_finds(values: list[Any], compact: bool, slice_bytes: int) -> None:
+    text = dumps(values, compact)
+    original = jsonscan.SLICE_BYTES
+    jsonscan.SLICE_BYTES = slice_bytes  # boundaries inside strings, escapes and numbers
+    try:
+        structure = jsonscan.scan(text, 100)
+    finally:
+        jsonscan.SLICE_BYTES = original
+    assert structure.balanced
+    assert [json.loads(element) for element in jsonscan.array_elements(text, structure)] == values
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.text(max_size=4), json_values, max_size=6))
+def test_keys_of_an_object_are_counted(value: dict[str, Any]) -> None:
+    assert jsonscan.scan(dumps(value, True)).keys == len(value)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [b"[1,2", b"[1]]", b"[1],", b"[1] [2]", b'["open', b"{}{}", b"1", b"", b"]["],
+)
+def test_texts_that_are_not_one_array_or_object_are_unbalanced(text: bytes) -> None:
+    assert not jsonscan.scan(text, 10).balanced
+
+
+def test_the_scan_stops_past_the_limit_without_keeping_offsets() -> None:
+    text = b"[" + b"0," * 1_000_000 + b"0]"
+    structure = jsonscan.scan(text, 999, stop_past_limit=True)
+    assert structure.separator_count >= 1000 and structure.separators is None
+    assert not structure.complete
+
+
+def test_objects_at_a_depth_are_counted_up_to_a_limit() -> None:
+    spans = b'{"resourceSpans":[{"scopeSpans":[{"spans":[' + b",".join([b"{}"] * 50) + b"]}]}]}"
+    assert jsonscan.scan(spans, object_depth=7).objects_at_depth == 50
+    assert not jsonscan.scan(spans, object_depth=7, object_limit=10).complete
