@@ -156,16 +156,26 @@ class EngineServer:
 
     def __init__(self, exposition: Callable[[int], str | None]) -> None:
         scrapes = itertools.count()
+        self.served = 0  # scrapes answered
+        server = self
 
         class Handler(TextHandler):
             def do_GET(self) -> None:
                 text = exposition(next(scrapes))
                 self.answer(b"" if text is None else text.encode(), 200 if text is not None else 503)
+                server.served += 1
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/metrics"
+
+    def wait_for_scrapes(self, count: int, timeout: float = 30) -> int:
+        """Wait until ``count`` scrapes were answered (the sidecar scrapes on its own clock)."""
+        deadline = time.monotonic() + timeout
+        while self.served < count and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.served
 
     def close(self) -> None:
         self.server.shutdown()

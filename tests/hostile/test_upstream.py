@@ -44,8 +44,7 @@ def test_engine_models_do_not_spend_the_records_label_budget(
     models = "".join(f'vllm:prompt_tokens_total{{model_name="engine-{i}"}} {i}\n' for i in range(5))
     upstream = engine(lambda n: HELP + models)
     sidecar = serve("--scrape", upstream.url, KVLENS_MAX_MODELS="2", KVLENS_SCRAPE_INTERVAL_SECONDS="0.05")
-    assert sidecar.wait_for("kvlens_upstream_up", 1) == 1
-    assert sidecar.wait_for("kvlens_upstream_scrapes_total", 2) >= 2
+    assert upstream.wait_for_scrapes(3) >= 3  # its model names were all seen before ours
     records = [{"prompt_tokens": 10, "cached_tokens": 1, "model": name} for name in ("a", "b")]
     httpx.post(f"{sidecar.url}/v1/records", content=orjson.dumps(records))
     assert sidecar.value("kvlens_requests_total", model="a") == 1
@@ -85,11 +84,10 @@ def test_series_that_change_every_scrape_keep_memory_flat(
 
     upstream = engine(churn)
     sidecar = serve("--scrape", upstream.url, KVLENS_SCRAPE_INTERVAL_SECONDS="0.01")
-    assert sidecar.wait_for("kvlens_upstream_scrapes_total", 20) >= 20
+    assert upstream.wait_for_scrapes(20) >= 20
     memory = sidecar.memory()
     before = memory.rss_mib()
-    scraped = sidecar.value("kvlens_upstream_scrapes_total")
-    assert sidecar.wait_for("kvlens_upstream_scrapes_total", scraped + 200, timeout=60) >= scraped + 200
+    assert upstream.wait_for_scrapes(220, timeout=60) >= 220
     assert memory.rss_mib() - before < 20  # 400,000 series came and went
     assert sidecar.value("kvlens_upstream_samples_rejected_total", reason="series_overflow") > 0  # cap 1,000
 
@@ -98,7 +96,7 @@ def test_engine_counters_stay_finite(serve: Serve, engine: Callable[..., EngineS
     values = ["1.7e308", "1e308"]
     upstream = engine(lambda n: HELP + f'vllm:prompt_tokens_total{{model_name="m"}} {values[n % 2]}\n')
     sidecar = serve("--scrape", upstream.url, KVLENS_SCRAPE_INTERVAL_SECONDS="0.02")
-    assert sidecar.wait_for("kvlens_upstream_scrapes_total", 10) >= 10
+    assert upstream.wait_for_scrapes(11) >= 11
     total = sidecar.value("kvlens_engine_prompt_tokens_total")
     assert total == 0  # values past 2**53 cannot count tokens exactly: refused, never added
     assert sidecar.value("kvlens_upstream_samples_rejected_total", reason="invalid_value") >= 10
