@@ -457,8 +457,12 @@ def _wire_struct(prefix_hashes: Any) -> type[msgspec.Struct]:
 
 # Offline (analyze) keeps prefix_hashes; the live sidecar checks them but keeps only b"" (absent),
 # so that a body of short hashes cannot cost ten times its size in Python strings.
-_WIRE_DECODER: Final = msgspec.json.Decoder(list[_wire_struct(list[int | str])])  # type: ignore[misc]
-_LIVE_WIRE_DECODER: Final = msgspec.json.Decoder(list[_wire_struct(msgspec.Raw)])  # type: ignore[misc]
+_WireRecord = _wire_struct(list[int | str])
+_LiveWireRecord = _wire_struct(msgspec.Raw)
+_WIRE_DECODER: Final = msgspec.json.Decoder(list[_WireRecord])  # type: ignore[valid-type]
+_LIVE_WIRE_DECODER: Final = msgspec.json.Decoder(list[_LiveWireRecord])  # type: ignore[valid-type]
+_LIVE_LINE_DECODER: Final = msgspec.json.Decoder(_LiveWireRecord)
+_ABSENT_RAW: Final = _LiveWireRecord.__struct_defaults__[-1]  # prefix_hashes' default: absent
 _HASHES_DECODER: Final = msgspec.json.Decoder(
     Annotated[list[int | str], msgspec.Meta(max_length=MAX_PREFIX_BLOCKS)]
 )
@@ -472,6 +476,20 @@ def batch_from_json_array(data: bytes, *, keep_prefix_hashes: bool = True) -> Re
         records = (_WIRE_DECODER if keep_prefix_hashes else _LIVE_WIRE_DECODER).decode(data)
     except msgspec.DecodeError:
         return None
+    return _wire_batch(records, keep_prefix_hashes)
+
+
+def batch_from_json_lines(data: bytes) -> RecordBatch | None:
+    """Like :func:`batch_from_json_array` (live: prefix_hashes checked, not kept) for JSON values
+    separated by whitespace: NDJSON, or one pretty-printed record."""
+    try:
+        records = _LIVE_LINE_DECODER.decode_lines(data)
+    except msgspec.DecodeError:
+        return None
+    return _wire_batch(records, keep_prefix_hashes=False)
+
+
+def _wire_batch(records: list[Any], keep_prefix_hashes: bool) -> RecordBatch | None:
     count = len(records)
     columns: dict[str, Any] = {}
     for spec in FIELDS:
@@ -487,7 +505,9 @@ def batch_from_json_array(data: bytes, *, keep_prefix_hashes: bool = True) -> Re
         elif keep_prefix_hashes:
             columns[spec.name] = raw
         else:
-            if any(bytes(r) not in (b"", b"null") and decode_prefix_hashes(r) is None for r in raw):
+            if raw.count(_ABSENT_RAW) != count and any(
+                r is not _ABSENT_RAW and bytes(r) != b"null" and decode_prefix_hashes(r) is None for r in raw
+            ):
                 return None
             columns[spec.name] = [None] * count
     if (columns["cached_tokens"] > columns["prompt_tokens"]).any():

@@ -1,7 +1,7 @@
 """``POST /v1/records`` payloads: a JSON object, a JSON array, or NDJSON.
 
 A payload is first tried whole by the all-or-nothing fast path of
-:func:`kvlens.records.batch_from_json_array` (NDJSON lines joined with commas). When that fails,
+:func:`kvlens.records.batch_from_json_array` (or ``batch_from_json_lines`` for NDJSON). When that fails,
 it is split into its records (array elements by :mod:`kvlens.sources.jsonscan`, lines by newline)
 and each is decoded and reduced on its own: a record that does not decode is reported by its index
 and the records beside it still count.
@@ -26,6 +26,7 @@ from kvlens.records import (
     Rejections,
     Validated,
     batch_from_json_array,
+    batch_from_json_lines,
     batch_from_objects,
     decode_prefix_hashes,
     reduce_to_known,
@@ -35,6 +36,7 @@ from kvlens.sources.jsonlines import UNDECODABLE, loads
 
 SOURCE = "push"
 SMALL_RECORD_BYTES: Final = 64 * 1024
+MIN_RECORD_BYTES: Final = len(b'{"prompt_tokens":0,"cached_tokens":0}')  # the shortest valid record
 VALIDATE_CHUNK: Final = 8192  # records reduced and validated at a time
 _WHITESPACE: Final = b" \t\r\n"
 
@@ -50,12 +52,25 @@ def read_records(body: bytes, max_records: int) -> Validated:
     """Every record of a payload, validated; rejections point at array indices or NDJSON lines
     (blank lines not counted). Raises :class:`~kvlens.errors.TooManyRecords` past
     ``max_records`` and :class:`~kvlens.errors.PayloadUndecodable` when nothing decodes."""
-    text = body.strip(_WHITESPACE)
-    if not text:
+    first = _first_byte(body)
+    if first is None:
         return batch_from_objects([])
-    if text[:1] == b"[":
-        return _read_array(text, max_records)
-    return _read_lines(text, max_records)
+    if first == b"[":
+        return _read_array(body, max_records)
+    return _read_lines(body, max_records)
+
+
+def _first_byte(body: bytes) -> bytes | None:
+    for index, byte in enumerate(body):
+        if byte not in _WHITESPACE:
+            return body[index : index + 1]
+    return None
+
+
+def _may_hold_more(body: bytes, max_records: int) -> bool:
+    """Whether the body could hold more than ``max_records`` records (each needs a ``{`` and at
+    least MIN_RECORD_BYTES bytes): the fast path builds a record per record before it can count."""
+    return len(body) > MIN_RECORD_BYTES * max_records and body.count(b"{") > max_records
 
 
 def _too_many(max_records: int) -> TooManyRecords:
@@ -63,7 +78,7 @@ def _too_many(max_records: int) -> TooManyRecords:
 
 
 def _read_array(text: bytes, max_records: int) -> Validated:
-    if text.count(b"{") <= max_records:  # it cannot hold more records than that
+    if not _may_hold_more(text, max_records):
         batch = batch_from_json_array(text, keep_prefix_hashes=False)
         if batch is not None:
             return Validated(batch, Rejections(), 0)
@@ -76,14 +91,14 @@ def _read_array(text: bytes, max_records: int) -> Validated:
 
 
 def _read_lines(text: bytes, max_records: int) -> Validated:
-    lines = text.count(b"\n") + 1
-    if lines > max_records:
+    if len(text) > max_records and text.count(b"\n") >= max_records:
         raise _too_many(max_records)
-    if b"\n\n" not in text and text.count(b"{") <= max_records:
-        batch = batch_from_json_array(b"[" + text.replace(b"\n", b",") + b"]", keep_prefix_hashes=False)
-        if batch is not None and len(batch) == lines:
+    if not _may_hold_more(text, max_records):
+        batch = batch_from_json_lines(text)
+        if batch is not None:
             return Validated(batch, Rejections(), 0)
-    if lines > 1 and text[:1] == b"{" and jsonscan.scan(text).balanced:
+    text = text.strip(_WHITESPACE)
+    if text[:1] == b"{" and b"\n" in text and jsonscan.scan(text).balanced:
         return _read_elements([text])  # one pretty-printed record
     elements = [line.strip(_WHITESPACE) for line in text.split(b"\n")]
     elements = [line for line in elements if line]
