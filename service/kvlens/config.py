@@ -217,7 +217,9 @@ class Settings(BaseSettings):
     )
     tail_poll_seconds: float = Field(1.0, gt=0, le=60, description="Seconds between polls of followed files.")
     tail_max_line_bytes: int = Field(
-        1024 * 1024, ge=1024, description="Longer lines are skipped and counted."
+        1024 * 1024,
+        ge=1024,
+        description="Longer lines are counted from their small top-level fields, or skipped (too_long).",
     )
     state_dir: Path = Field(
         Path("~/.local/state/kvlens"),

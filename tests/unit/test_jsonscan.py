@@ -65,3 +65,34 @@ def test_objects_at_a_depth_are_counted_up_to_a_limit() -> None:
     spans = b'{"resourceSpans":[{"scopeSpans":[{"spans":[' + b",".join([b"{}"] * 50) + b"]}]}]}"
     assert jsonscan.scan(spans, object_depth=7).objects_at_depth == 50
     assert not jsonscan.scan(spans, object_depth=7, object_limit=10).complete
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.dictionaries(st.text(max_size=5), json_values | st.text(min_size=60, max_size=80), max_size=6),
+    st.integers(1, 50),
+)
+def test_the_extractor_keeps_the_small_top_level_fields(value: dict[str, Any], slice_bytes: int) -> None:
+    text = dumps(value, False)
+    extractor = jsonscan.FieldExtractor(value_limit=50)
+    for start in range(0, len(text), slice_bytes):
+        extractor.feed(text[start : start + slice_bytes])
+    kept = extractor.finish()
+    assert kept is not None
+    # a value's bytes run from after its colon to its comma: the space after ": " counts
+    small = {key: item for key, item in value.items() if len(b" " + dumps(item, False)) <= 50}
+    assert json.loads(kept) == small
+
+
+@pytest.mark.parametrize("text", [b'["a", 1]', b'{"a": 1', b'{"a": 1} x', b"x{", b'"string"'])
+def test_the_extractor_gives_nothing_for_what_is_not_one_object(text: bytes) -> None:
+    extractor = jsonscan.FieldExtractor()
+    extractor.feed(text)
+    assert extractor.finish() is None
+
+
+def test_the_extractor_stops_keeping_past_its_total() -> None:
+    extractor = jsonscan.FieldExtractor(total_limit=100)
+    extractor.feed(json.dumps({f"k{i}": i for i in range(1000)}).encode())
+    kept = extractor.finish()
+    assert kept is not None and len(kept) <= 102 and json.loads(kept)["k0"] == 0

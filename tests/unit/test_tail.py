@@ -109,24 +109,45 @@ def test_copytruncate_and_truncation(tmp_path: Path) -> None:
     assert numbers(tailer.poll().lines) == [3]
 
 
-def test_over_long_line_is_skipped_and_counted(tmp_path: Path) -> None:
+def test_an_over_long_object_is_handed_on_as_its_small_fields(tmp_path: Path) -> None:
     log = setup(tmp_path)
+    prompt = json.dumps({"text": "y" * 10_000})  # a field kvlens does not read, over the limit
+    long = json.dumps({"prompt_tokens": 109, "request_parameters": prompt, "cached_tokens": 1})
     with open(log, "ab") as out:
-        out.write(line(0) + b'{"x": "' + b"y" * 10_000 + b'"}\n' + line(1))
+        out.write(line(0) + long.encode() + b"\n" + b'"' + b"z" * 10_000 + b'"\n' + line(1))
     polled = new_tailer(tmp_path).poll()
-    assert numbers(polled.lines) == [0, 1]
-    assert polled.too_long == 1
+    assert numbers(polled.lines) == [0, 9, 1]  # in file order
+    assert json.loads(polled.lines[1]) == {"prompt_tokens": 109, "cached_tokens": 1}
+    assert (polled.shortened, polled.too_long) == (1, 1)  # the string line is no object
 
 
-def test_over_long_partial_line_is_skipped_across_polls(tmp_path: Path) -> None:
+def test_an_over_long_line_is_counted_once_when_it_ends(tmp_path: Path) -> None:
     log = setup(tmp_path)
     tailer = new_tailer(tmp_path)
-    log.write_bytes(b'{"x": "' + b"y" * 5000)
-    assert tailer.poll().too_long == 1
-    append(log, 4)  # no newline came before it: line 4 ends the over-long line and goes with it
-    assert numbers(tailer.poll().lines) == []
+    log.write_bytes(b'{"prompt_tokens": 104, "cached_tokens": 1, "pad": "' + b"y" * 5000)
+    polled = tailer.poll()
+    assert (polled.lines, polled.too_long, polled.shortened) == ([], 0, 0)  # not over yet
+    with open(log, "ab") as out:
+        out.write(b'"}\n')
+    polled = tailer.poll()
+    assert numbers(polled.lines) == [4] and polled.shortened == 1
     append(log, 5)
     assert numbers(tailer.poll().lines) == [5]
+
+
+def test_a_restart_inside_an_over_long_line_reads_it_again_from_its_start(tmp_path: Path) -> None:
+    log = setup(tmp_path)
+    append(log, 0)
+    with open(log, "ab") as out:
+        out.write(b'{"prompt_tokens": 107, "cached_tokens": 7, "pad": "' + b"y" * 5000)
+    first = new_tailer(tmp_path)
+    assert numbers(first.poll().lines) == [0]
+    first.close()  # the checkpoint points at the long line's start: nothing of it was counted
+    with open(log, "ab") as out:
+        out.write(b'"}\n')
+    append(log, 8)
+    polled = new_tailer(tmp_path).poll()
+    assert numbers(polled.lines) == [7, 8] and polled.shortened == 1
 
 
 def test_restart_resumes_from_the_checkpoint(tmp_path: Path) -> None:

@@ -235,10 +235,12 @@ def _gauge(spec: metrics.MetricSpec) -> GaugeMetricFamily:
 
 def _tail_families(tails: list[TailStatus]) -> list[Metric]:
     ok, failures = _gauge(metrics.TAIL_CHECKPOINT_OK), _counter(metrics.TAIL_CHECKPOINT_FAILURES)
+    shortened = _counter(metrics.TAIL_SHORTENED)
     for status in tails:
         ok.add_metric([status.pattern], 1 if status.checkpoint_ok else 0)
         failures.add_metric([status.pattern], status.checkpoint_failures)
-    return [ok, failures]
+        shortened.add_metric([status.pattern], status.lines_shortened)
+    return [ok, failures, shortened]
 
 
 def _service_families(health: ServiceHealth) -> list[Metric]:

@@ -165,7 +165,13 @@ TAIL_CHECKPOINT_OK = MetricSpec(
 TAIL_CHECKPOINT_FAILURES = MetricSpec(
     "kvlens_tail_checkpoint_failures", "counter", ("path",), "Failed writes of the tail's checkpoint."
 )
-TAIL: Final = (TAIL_CHECKPOINT_OK, TAIL_CHECKPOINT_FAILURES)  # with tails
+TAIL_SHORTENED = MetricSpec(
+    "kvlens_tail_lines_shortened",
+    "counter",
+    ("path",),
+    "Lines over tail_max_line_bytes counted from their small top-level fields (the rest unread).",
+)
+TAIL: Final = (TAIL_CHECKPOINT_OK, TAIL_CHECKPOINT_FAILURES, TAIL_SHORTENED)  # with tails
 INGEST_IN_FLIGHT = MetricSpec(
     "kvlens_ingest_in_flight", "gauge", (), "Ingest requests in progress (receiving, waiting or decoding)."
 )

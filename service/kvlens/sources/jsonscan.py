@@ -49,6 +49,46 @@ class Structure:
     complete: bool  # False when the scan stopped early: unbalanced, or past the separator limit
 
 
+@dataclass(frozen=True)
+class Tokens:
+    """Structural characters outside strings in one slice: offsets in the slice, kinds, and the
+    depth after each (1 inside the top-level array or object)."""
+
+    offsets: npt.NDArray[np.intp]
+    kinds: npt.NDArray[np.int8]
+    depths: npt.NDArray[np.int32]
+
+
+class Tokenizer:
+    """Finds the structural characters of a JSON text fed slice by slice; what it carries from
+    one slice to the next is three numbers (depth, inside a string, an escape pending)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = False
+        self.escaped_first = False  # the slice starts right after an odd run of backslashes
+
+    def feed(self, piece: bytes | memoryview) -> Tokens:
+        chunk = np.frombuffer(piece, np.uint8)
+        quotes = np.flatnonzero(chunk == _QUOTE)
+        backslashes = np.flatnonzero(chunk == _BACKSLASH)
+        if backslashes.size or self.escaped_first:
+            escaped, self.escaped_first = _escaped(backslashes, chunk.size, self.escaped_first)
+            if escaped.size and quotes.size:
+                quotes = quotes[~np.isin(quotes, escaped, assume_unique=True)]
+        structural = np.flatnonzero(_KIND[chunk])
+        if structural.size:
+            outside = (np.searchsorted(quotes, structural).astype(np.int32) + self.in_string) % 2 == 0
+            structural = structural[outside]
+        self.in_string = bool((self.in_string + quotes.size) % 2)
+        kinds = _KIND[chunk[structural]]
+        steps = (kinds <= _ARRAY).astype(np.int32) - (kinds == _CLOSE)
+        depths = self.depth + np.cumsum(steps, dtype=np.int32)
+        if depths.size:
+            self.depth = int(depths[-1])
+        return Tokens(structural, kinds, depths)
+
+
 def scan(
     text: bytes,
     separator_limit: int = 0,
@@ -63,38 +103,22 @@ def scan(
     unbalanced ends at once."""
     separators: list[npt.NDArray[np.int64]] | None = []
     separator_count = keys = max_depth = objects_at_depth = 0
-    depth = 0
-    in_string = False
-    escaped_first = False  # the slice starts right after an odd run of backslashes
+    tokenizer = Tokenizer()
     end = -1
     balanced = complete = True
     view = memoryview(text)
     for start in range(0, len(text), SLICE_BYTES):
-        chunk = np.frombuffer(view[start : start + SLICE_BYTES], np.uint8)
-        quotes = np.flatnonzero(chunk == _QUOTE)
-        backslashes = np.flatnonzero(chunk == _BACKSLASH)
-        if backslashes.size or escaped_first:
-            escaped, escaped_first = _escaped(backslashes, chunk.size, escaped_first)
-            if escaped.size and quotes.size:
-                quotes = quotes[~np.isin(quotes, escaped, assume_unique=True)]
-        structural = np.flatnonzero(_KIND[chunk])
-        if structural.size:
-            outside = (np.searchsorted(quotes, structural).astype(np.int32) + in_string) % 2 == 0
-            structural = structural[outside]
-        in_string = bool((in_string + quotes.size) % 2)
-        if not structural.size:
+        tokens = tokenizer.feed(view[start : start + SLICE_BYTES])
+        kinds, depths = tokens.kinds, tokens.depths
+        if not kinds.size:
             continue
-        kinds = _KIND[chunk[structural]]
-        steps = (kinds <= _ARRAY).astype(np.int32) - (kinds == _CLOSE)
-        depths = depth + np.cumsum(steps, dtype=np.int32)
-        depth = int(depths[-1])
         max_depth = max(max_depth, int(depths.max()))
         closing = np.flatnonzero(depths <= 0)
         if closing.size:
             if depths.min() < 0 or end >= 0 or closing.size > 1 or kinds[closing[0]] != _CLOSE:
                 balanced = False
-            end = start + int(structural[closing[0]]) + 1
-        top_commas = structural[(kinds == _COMMA) & (depths == 1)]
+            end = start + int(tokens.offsets[closing[0]]) + 1
+        top_commas = tokens.offsets[(kinds == _COMMA) & (depths == 1)]
         separator_count += top_commas.size
         keys += int(np.count_nonzero((kinds == _COLON) & (depths == 1)))
         if object_depth:
@@ -113,8 +137,8 @@ def scan(
     balanced = (
         balanced
         and complete
-        and depth == 0
-        and not in_string
+        and tokenizer.depth == 0
+        and not tokenizer.in_string
         and end > 0
         and not text[end:].strip(_WHITESPACE)
     )
@@ -163,3 +187,86 @@ def array_elements(text: bytes, structure: Structure) -> list[bytes]:
     starts = [first, *(structure.separators + 1).tolist()]
     stops = [*structure.separators.tolist(), last]
     return [text[begin:stop].strip(_WHITESPACE) for begin, stop in zip(starts, stops, strict=True)]
+
+
+class FieldExtractor:
+    """The small top-level fields of a JSON object too long to hold, kept while it streams past.
+
+    A log line can be megabytes for a field kvlens does not read (SGLang's ``request_parameters``
+    holds the whole prompt). Fed slice by slice, this keeps each top-level ``"key": value`` whose
+    value is at most ``value_limit`` bytes, up to ``total_limit`` bytes in all, and drops the rest
+    unread; :meth:`finish` gives them back as one small JSON object, or None when the text was not
+    a JSON object. Memory: the limits, whatever the line's size.
+    """
+
+    KEY_LIMIT: Final = 1024
+
+    def __init__(self, value_limit: int = 4096, total_limit: int = 64 * 1024) -> None:
+        self._tokenizer = Tokenizer()
+        self._value_limit = value_limit
+        self._total_limit = total_limit
+        self._kept: list[bytes] = []
+        self._kept_bytes = 0
+        self._key = bytearray()
+        self._value = bytearray()
+        self._in_value = False
+        self._overflow = False  # the current key or value is over its limit: drop the pair
+        self._state = "before"  # before the opening brace, inside, after the closing one, or broken
+
+    def feed(self, piece: bytes) -> None:
+        if self._state in ("after", "broken") or not piece:
+            if self._state == "after" and piece.strip(_WHITESPACE):
+                self._state = "broken"
+            return
+        tokens = self._tokenizer.feed(piece)
+        cursor = 0
+        for offset, kind, depth in zip(
+            tokens.offsets.tolist(), tokens.kinds.tolist(), tokens.depths.tolist(), strict=True
+        ):
+            if self._state == "before":
+                if kind != _OBJECT or piece[:offset].strip(_WHITESPACE):
+                    self._state = "broken"
+                    return
+                self._state, cursor = "inside", offset + 1
+                continue
+            if depth == 1 and kind == _COLON and not self._in_value:
+                self._take(piece[cursor:offset])
+                self._in_value, cursor = True, offset + 1
+            elif (depth == 1 and kind == _COMMA) or (depth == 0 and kind == _CLOSE):
+                self._take(piece[cursor:offset])
+                self._commit()
+                cursor = offset + 1
+                if depth == 0:
+                    self._state = "after"
+                    if piece[cursor:].strip(_WHITESPACE):
+                        self._state = "broken"
+                    return
+        if self._state == "before":
+            if piece.strip(_WHITESPACE):
+                self._state = "broken"
+        else:
+            self._take(piece[cursor:])
+
+    def finish(self) -> bytes | None:
+        """The kept fields as a JSON object, or None when the text was not one."""
+        if self._state != "after":
+            return None
+        return b"{" + b",".join(self._kept) + b"}"
+
+    def _take(self, part: bytes) -> None:
+        if self._overflow or not part:
+            return
+        buffer, limit = (self._value, self._value_limit) if self._in_value else (self._key, self.KEY_LIMIT)
+        if len(buffer) + len(part) > limit:
+            self._overflow = True
+            return
+        buffer += part
+
+    def _commit(self) -> None:
+        pair = bytes(self._key) + b":" + bytes(self._value)
+        if self._in_value and not self._overflow and self._kept_bytes + len(pair) <= self._total_limit:
+            self._kept.append(pair)
+            self._kept_bytes += len(pair) + 1
+        self._key.clear()
+        self._value.clear()
+        self._in_value = self._overflow = False

@@ -7,15 +7,19 @@ A file is known by its device and inode, not its name, and kept open while it is
 - truncation and copytruncate: a file shorter than the offset is read again from 0 (lines
   written between the copy and the truncation are lost, as with every shipper);
 - a partial last line waits for its newline and is counted once;
-- a line longer than ``max_line_bytes`` is skipped (and counted once) up to its newline, also
-  across a restart in its middle.
+- a line longer than ``max_line_bytes`` is not held whole: its small top-level fields are kept as
+  it streams past (:class:`~kvlens.sources.jsonscan.FieldExtractor`) and the line is counted from
+  them (a "shortened" line), so SGLang's lines, whose ``request_parameters`` carry the whole
+  prompt, are never lost to their size; a long line that is not a JSON object is skipped and
+  counted as ``too_long``. Either way it is counted once, also across a restart in its middle.
 
 The glob must not match rotated copies (``app.log.1``), or they would be read as new files.
 
 Lines are read in batches of at most :data:`BATCH_BYTES` (plus one partial line), so memory does
 not depend on how much is waiting. After a batch is counted, the offsets are checkpointed to a JSON
 file written atomically (temporary file, fsync, rename): the checkpoint is never ahead of what was
-counted, so a crash re-reads at most one batch and never loses one. A checkpoint that cannot be
+counted (inside a line, it points at the line's start), so a crash re-reads at most one batch and
+never loses one. A checkpoint that cannot be
 written loses nothing either: the lines are counted, the failure is reported (readiness, metrics)
 and the write is tried again after the next batch. A restart resumes a file whose inode and first
 bytes match the checkpoint.
@@ -37,6 +41,7 @@ from typing import IO, Any, Final
 
 from kvlens.records import Rejections, Validated
 from kvlens.sources.jsonlines import records_from_lines
+from kvlens.sources.jsonscan import FieldExtractor
 
 log = logging.getLogger(__name__)
 
@@ -53,20 +58,26 @@ class _Followed:
     fingerprint: str  # sha256 of the first fingerprint_bytes bytes
     fingerprint_bytes: int
     pending: bytearray = field(default_factory=bytearray)  # a partial last line
-    skipping: bool = False  # inside an over-long line, until its newline
+    long: FieldExtractor | None = None  # inside an over-long line, until its newline
+    long_start: int = 0  # where that line starts
     gone: bool = False  # no longer matched by the glob: read to its end, then closed
 
     @property
     def offset(self) -> int:
-        """Just after the last complete line handed on (what a restart resumes from); inside an
-        over-long line, where reading stopped (with ``skipping`` saved beside it)."""
-        return self.position - len(self.pending)
+        """The start of the first line not yet handed on (what a restart resumes from)."""
+        return self.long_start if self.long is not None else self.position - len(self.pending)
+
+    def start_over(self) -> None:
+        self.position = 0
+        self.pending.clear()
+        self.long = None
 
 
 @dataclass
 class Poll:
     lines: list[bytes]
-    too_long: int  # lines skipped for their length
+    too_long: int  # over-long lines that were not JSON objects: skipped
+    shortened: int  # over-long lines handed on as their small top-level fields
     more: bool  # the batch was full: more is waiting, poll again without sleeping
 
 
@@ -84,7 +95,7 @@ class Tailer:
         of them at most. Call :meth:`checkpoint` once they are counted."""
         lines: list[bytes] = []
         budget = [max_bytes]
-        too_long = 0
+        long_lines = [0, 0]  # too long, shortened
         seen: set[tuple[int, int]] = set()
         for path in sorted(glob.glob(self.pattern)):
             try:
@@ -101,29 +112,27 @@ class Tailer:
             if status.st_size < followed.position or not _starts_as_before(followed):
                 # truncated, or truncated and written again past where we were: start over
                 log.info("kvlens tail: %s was truncated; reading it from the start", path)
-                followed.position = 0
-                followed.pending.clear()
-                followed.skipping = False
+                followed.start_over()
                 followed.fingerprint_bytes = 0
                 self.dirty = True
             if followed.fingerprint_bytes < min(status.st_size, FINGERPRINT_BYTES):
                 followed.fingerprint_bytes = min(status.st_size, FINGERPRINT_BYTES)
                 followed.fingerprint = _fingerprint(followed.handle, followed.fingerprint_bytes)
             if budget[0] > 0:
-                too_long += self._read(followed, lines, budget)
+                self._read(followed, lines, budget, long_lines)
         for key, followed in list(self._files.items()):
             if key in seen:
                 continue
             followed.gone = True  # renamed away or deleted: read to its end through the handle
             if budget[0] > 0:
-                too_long += self._read(followed, lines, budget)
+                self._read(followed, lines, budget, long_lines)
                 if budget[0] > 0:  # it reached its end
                     del self._files[key]
                     followed.handle.close()
                     self.dirty = True
-        if lines or too_long:
+        if lines or long_lines[0]:
             self.dirty = True
-        return Poll(lines, too_long, more=budget[0] <= 0)
+        return Poll(lines, long_lines[0], long_lines[1], more=budget[0] <= 0)
 
     def close(self) -> None:
         try:
@@ -141,22 +150,21 @@ class Tailer:
             log.warning("kvlens tail: cannot open %s: %s", path, type(error).__name__)
             return None
         position = 0
-        skipping = False
         resumed = self._resume.pop(f"{key[0]}:{key[1]}", None)
         if resumed:
             length = int(resumed.get("fingerprint_bytes", 0))
             if _fingerprint(handle, length) == resumed.get("fingerprint"):
                 position = int(resumed.get("offset", 0))
-                skipping = bool(resumed.get("skipping", False))
         length = min(os.fstat(handle.fileno()).st_size, FINGERPRINT_BYTES)
-        followed = _Followed(path, handle, position, _fingerprint(handle, length), length, skipping=skipping)
+        followed = _Followed(path, handle, position, _fingerprint(handle, length), length)
         self._files[key] = followed
         return followed
 
-    def _read(self, followed: _Followed, lines: list[bytes], budget: list[int]) -> int:
-        """Read a file up to its end or the budget; complete lines go to ``lines``. Returns the
-        number of over-long lines skipped."""
-        too_long = 0
+    def _read(
+        self, followed: _Followed, lines: list[bytes], budget: list[int], long_lines: list[int]
+    ) -> None:
+        """Read a file up to its end or the budget; complete lines go to ``lines``, and over-long
+        ones are counted in ``long_lines`` (too long, shortened)."""
         limit = self.max_line_bytes
         followed.handle.seek(followed.position)
         while budget[0] > 0 and (chunk := followed.handle.read(min(READ_BYTES, budget[0]))):
@@ -166,22 +174,38 @@ class Tailer:
             while (newline := chunk.find(b"\n", start)) >= 0:
                 piece = chunk[start:newline]
                 start = newline + 1
-                if followed.skipping:  # the end of an over-long line
-                    followed.skipping = False
+                if followed.long is not None:  # the end of an over-long line
+                    followed.long.feed(piece)
+                    self._long_line_done(followed.long, lines, long_lines)
+                    followed.long = None
                     continue
                 line = bytes(followed.pending) + piece if followed.pending else piece
                 followed.pending.clear()
                 if len(line) > limit:
-                    too_long += 1
+                    extractor = FieldExtractor()
+                    extractor.feed(line)
+                    self._long_line_done(extractor, lines, long_lines)
                 elif line.strip():
                     lines.append(line)
-            if not followed.skipping:
-                followed.pending += chunk[start:]
-                if len(followed.pending) > limit:
+            rest = chunk[start:]
+            if followed.long is not None:
+                followed.long.feed(rest)
+            else:
+                followed.pending += rest
+                if len(followed.pending) > limit:  # stream the rest of this line past an extractor
+                    followed.long_start = followed.position - len(followed.pending)
+                    followed.long = FieldExtractor()
+                    followed.long.feed(bytes(followed.pending))
                     followed.pending.clear()
-                    followed.skipping = True
-                    too_long += 1
-        return too_long
+
+    @staticmethod
+    def _long_line_done(extractor: FieldExtractor, lines: list[bytes], long_lines: list[int]) -> None:
+        kept = extractor.finish()
+        if kept is None:
+            long_lines[0] += 1
+        else:
+            lines.append(kept)
+            long_lines[1] += 1
 
     def _load_checkpoint(self) -> dict[str, dict[str, Any]]:
         try:
@@ -201,7 +225,6 @@ class Tailer:
             f"{dev}:{ino}": {
                 "path": f.path,
                 "offset": f.offset,
-                "skipping": f.skipping,
                 "fingerprint": f.fingerprint,
                 "fingerprint_bytes": f.fingerprint_bytes,
             }
@@ -250,6 +273,7 @@ class TailStatus:
         self.pattern = pattern
         self.checkpoint_ok = True
         self.checkpoint_failures = 0
+        self.lines_shortened = 0  # over-long lines counted from their small top-level fields
         self.problem: str | None = None
         self._lock = threading.Lock()
 
@@ -294,6 +318,7 @@ def follow(
                 if polled.lines or polled.too_long:
                     skipped = Rejections.single([-1] * polled.too_long, "too_long")  # no line to point at
                     deliver(records_from_lines(polled.lines, convert).with_rejections(skipped))
+                status.lines_shortened += polled.shortened
                 try:
                     tailer.checkpoint()
                 except OSError as error:
