@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvlens.records import batch_from_objects
-from kvlens.sources.formats import FORMATS, converter
+from kvlens.sources.formats import FORMATS, NOT_A_REQUEST, converter
 
 # One line of SGLang's --export-metrics-to-file: meta_info flattened beside request_parameters.
 SGLANG_LINE = {
@@ -104,3 +104,36 @@ json_values = st.recursive(
 @given(st.sampled_from(FORMATS), json_values)
 def test_converters_never_raise(name: str, value: Any) -> None:
     batch_from_objects([converter(name, model="m")(value)])
+
+
+def test_sglang_prefill_is_the_difference_of_its_own_two_stamps() -> None:
+    line = {**SGLANG_LINE, "forward_entry_time": 1764400000.25, "prefill_finished_time": 1764400000.375}
+    assert converter("sglang")(line)["prefill_seconds"] == 0.125
+    backwards = {**line, "prefill_finished_time": 1764400000.0}
+    assert "prefill_seconds" not in converter("sglang")(backwards)
+
+
+def test_null_cached_tokens_is_missing_and_follows_the_switch() -> None:
+    line = {
+        "model": "llama",
+        "usage": {"prompt_tokens": 50, "prompt_tokens_details": {"cached_tokens": None}},
+    }
+    assert "cached_tokens" not in converter("openai-usage")(line)
+    assert converter("openai-usage", missing_cached_is_zero=True)(line)["cached_tokens"] == 0
+
+
+@pytest.mark.parametrize(
+    ("line", "is_request"),
+    [
+        ({"object": "chat.completion.chunk", "choices": [{"delta": {"content": "hi"}}]}, False),
+        ({"object": "chat.completion.chunk", "choices": [{"delta": {}}], "usage": CHAT["usage"]}, False),
+        ({"object": "chat.completion.chunk", "choices": [], "usage": CHAT["usage"]}, True),
+        ({"object": "text_completion", "choices": [{"text": "a", "finish_reason": None}]}, False),
+        ({"object": "text_completion", "choices": [{"finish_reason": "stop"}], "usage": CHAT["usage"]}, True),
+        ({"type": "response.output_text.delta", "delta": "hi"}, False),
+        ({"type": "response.completed", "response": RESPONSES}, True),
+        ({"object": "chat.completion", "choices": [{"finish_reason": "stop"}]}, True),  # no usage: rejected
+    ],
+)
+def test_streaming_lines_before_the_usage_are_not_requests(line: dict[str, Any], is_request: bool) -> None:
+    assert (converter("openai-usage")(line) is not NOT_A_REQUEST) is is_request

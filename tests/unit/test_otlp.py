@@ -7,6 +7,7 @@ import gzip
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import orjson
 import pytest
 from fastapi.testclient import TestClient
@@ -107,9 +108,10 @@ def any_value(value: Any) -> AnyValue:
     return AnyValue(string_value=value)
 
 
-def protobuf_export(*spans: dict[str, Any]) -> bytes:
+def protobuf_export(*spans: dict[str, Any], scope_name: str = "vllm.tracing.otel") -> bytes:
     request = ExportTraceServiceRequest()
     scope = request.resource_spans.add().scope_spans.add()
+    scope.scope.name = scope_name
     for attributes in spans:
         span = scope.spans.add(name="llm_request")
         span.attributes.extend(KeyValue(key=k, value=any_value(v)) for k, v in attributes.items())
@@ -234,3 +236,31 @@ def test_bad_exports_get_a_status_body(client: TestClient) -> None:
     assert answer.status_code == 400
     assert answer.content.startswith(b"\x08\x03\x12")
     assert client.post("/v1/traces", content=b"", headers={"content-type": "text/csv"}).status_code == 415
+
+
+@pytest.mark.parametrize(
+    ("encode", "content_type"),
+    [(json_export, "application/json"), (protobuf_export, "application/x-protobuf")],
+)
+def test_prefill_is_read_from_vllm_spans_only(encode: Any, content_type: str) -> None:
+    """SGLang's time_in_model_prefill runs from the dispatch to the first token: queueing included."""
+    sglang = read_traces(protobuf_export(SGLANG_SPAN, scope_name="sglang server"), "application/x-protobuf")
+    assert np.isnan(sglang.validated.batch.prefill_seconds).all()
+    vllm = read_traces(encode(PROPOSED_VLLM_SPAN), content_type)
+    assert vllm.validated.batch.prefill_seconds.tolist() == [0.071]
+
+
+def test_attributes_of_other_instrumentations_and_their_precedence() -> None:
+    openinference = {"llm.token_count.prompt": 800, "llm.token_count.prompt_details.cache_read": 512,
+                     "llm.model_name": "m-oi"}  # fmt: skip
+    openllmetry = {"gen_ai.usage.input_tokens": 900, "gen_ai.usage.cache_read_input_tokens": 256,
+                   "gen_ai.request.model": "asked", "gen_ai.response.model": "served",
+                   "gen_ai.response.time_to_first_chunk": 0.2}  # fmt: skip
+    sglang_reasons = {**SGLANG_SPAN, "gen_ai.response.finish_reasons": '["length"]'}
+    batch = read_traces(protobuf_export(openinference, openllmetry, sglang_reasons), "application/x-protobuf")
+    records = batch.validated.batch
+    assert records.prompt_tokens.tolist() == [800, 900, 2048]
+    assert records.cached_tokens.tolist() == [512, 256, 1024]
+    assert [records.model_names[c] for c in records.model_codes] == ["m-oi", "served", "qwen"]
+    assert records.ttft_seconds.tolist()[1] == 0.2
+    assert records.finish_reason == [None, None, "length"]

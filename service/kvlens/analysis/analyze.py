@@ -28,6 +28,7 @@ def analyze(
         "files": paths,
         "formats": read.formats,
         "lines": read.lines,
+        "ignored": read.ignored,
         "records": len(read.batch),
         "skipped_total": read.skipped_total,
         "skipped": dict(sorted(read.skipped.items())),

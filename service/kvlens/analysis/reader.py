@@ -44,6 +44,7 @@ def detect_format(value: Any) -> str | None:
 class ReadResult:
     batch: RecordBatch
     lines: int = 0
+    ignored: int = 0  # lines that describe no request (streaming chunks before the last)
     skipped: Counter[str] = field(default_factory=Counter)  # reason -> lines
     examples: list[dict[str, Any]] = field(default_factory=list)  # the first skipped lines, why
     formats: dict[str, str] = field(default_factory=dict)  # file -> format read
@@ -139,7 +140,11 @@ def _read_chunk(
                 result, path, number, None, "other_format", f"looks like {detected} in a {file_format} file"
             )
             continue
-        objects.append(convert(value))
+        record = convert(value)
+        if record is formats.NOT_A_REQUEST:
+            result.ignored += 1
+            continue
+        objects.append(record)
         positions.append(number)
     validated = batch_from_objects(objects, positions)
     _count_rejections(result, path, validated.rejections)

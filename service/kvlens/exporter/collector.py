@@ -235,12 +235,13 @@ def _gauge(spec: metrics.MetricSpec) -> GaugeMetricFamily:
 
 def _tail_families(tails: list[TailStatus]) -> list[Metric]:
     ok, failures = _gauge(metrics.TAIL_CHECKPOINT_OK), _counter(metrics.TAIL_CHECKPOINT_FAILURES)
-    shortened = _counter(metrics.TAIL_SHORTENED)
+    shortened, ignored = _counter(metrics.TAIL_SHORTENED), _counter(metrics.TAIL_IGNORED)
     for status in tails:
         ok.add_metric([status.pattern], 1 if status.checkpoint_ok else 0)
         failures.add_metric([status.pattern], status.checkpoint_failures)
         shortened.add_metric([status.pattern], status.lines_shortened)
-    return [ok, failures, shortened]
+        ignored.add_metric([status.pattern], status.lines_ignored)
+    return [ok, failures, shortened, ignored]
 
 
 def _service_families(health: ServiceHealth) -> list[Metric]:

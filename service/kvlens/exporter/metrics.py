@@ -171,7 +171,13 @@ TAIL_SHORTENED = MetricSpec(
     ("path",),
     "Lines over tail_max_line_bytes counted from their small top-level fields (the rest unread).",
 )
-TAIL: Final = (TAIL_CHECKPOINT_OK, TAIL_CHECKPOINT_FAILURES, TAIL_SHORTENED)  # with tails
+TAIL_IGNORED = MetricSpec(
+    "kvlens_tail_lines_ignored",
+    "counter",
+    ("path",),
+    "Lines that describe no finished request (streaming chunks before the one with the usage).",
+)
+TAIL: Final = (TAIL_CHECKPOINT_OK, TAIL_CHECKPOINT_FAILURES, TAIL_SHORTENED, TAIL_IGNORED)  # with tails
 INGEST_IN_FLIGHT = MetricSpec(
     "kvlens_ingest_in_flight", "gauge", (), "Ingest requests in progress (receiving, waiting or decoding)."
 )

@@ -3,14 +3,19 @@
 - ``kvlens``: records as they are.
 - ``sglang``: one line per request from SGLang's ``--export-metrics-to-file`` (its ``meta_info``
   flattened beside ``request_parameters``): ``prompt_tokens``, ``cached_tokens``,
-  ``completion_tokens``, ``e2e_latency``, and with ``--enable-metrics`` ``queue_time`` and
-  ``first_token_latency``; ``id``; ``finish_reason`` as ``{"type": ...}``. SGLang writes no model
-  name per request: give one with the tail's ``model``.
+  ``completion_tokens``, ``e2e_latency``, ``id``, ``finish_reason`` as ``{"type": ...}``, and with
+  ``--enable-metrics`` ``queue_time``, ``first_token_latency`` (TTFT, queueing included) and
+  ``forward_entry_time`` / ``prefill_finished_time`` (prefill is their difference, one clock).
+  SGLang writes no model name per request: give one with the tail's ``model``.
 - ``openai-usage``: gateway logs holding an OpenAI response or just its ``usage``:
   Chat/Completions ``usage.prompt_tokens`` and ``usage.prompt_tokens_details.cached_tokens``;
-  Responses ``usage.input_tokens`` and ``usage.input_tokens_details.cached_tokens``. vLLM before
-  0.24 omits ``prompt_tokens_details`` when nothing was cached: set ``missing_cached_is_zero``
-  for those (only when ``--enable-prompt-tokens-details`` is on, or every request reads as a miss).
+  Responses ``usage.input_tokens`` and ``usage.input_tokens_details.cached_tokens`` (also inside
+  a ``response.completed`` streaming event). A ``null`` or missing ``cached_tokens`` is missing:
+  vLLM before 0.24 omits ``prompt_tokens_details`` when nothing was cached, so set
+  ``missing_cached_is_zero`` for those (only when ``--enable-prompt-tokens-details`` is on, or every
+  request reads as a miss). Streaming chunks are not requests, except the one that carries the
+  whole request's usage (``choices`` empty, as ``stream_options.include_usage`` sends it):
+  :data:`NOT_A_REQUEST`.
 - a field mapping for any other JSON log: ``{"prompt_tokens": "usage.input", ...}`` (dotted paths).
 
 A converter never raises: what it cannot find it leaves out, and validation names the field.
@@ -18,13 +23,27 @@ A converter never raises: what it cannot find it leaves out, and validation name
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Final
 
 from kvlens.records import FIELD_NAMES
 
 Converter = Callable[[Any], Any]
 FORMATS = ("kvlens", "sglang", "openai-usage")
+
+
+class _NotARequest:
+    """What a converter returns for a line that describes no finished request (a streaming chunk
+    before the last, a progress event): left out, neither counted nor rejected."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "NOT_A_REQUEST"
+
+
+NOT_A_REQUEST: Final = _NotARequest()
 
 
 def converter(
@@ -55,7 +74,7 @@ def _with_model(convert: Converter, model: str | None) -> Converter:
 
     def with_model(line: Any) -> Any:
         record = convert(line)
-        if isinstance(record, dict) and record.get("model") is None:
+        if type(record) is dict and record.get("model") is None:
             record["model"] = model
         return record
 
@@ -84,23 +103,41 @@ def _sglang(line: Any) -> Any:
     reason = line.get("finish_reason")
     if isinstance(reason, dict) and isinstance(reason.get("type"), str):
         record["finish_reason"] = reason["type"]
+    entered, prefilled = line.get("forward_entry_time"), line.get("prefill_finished_time")
+    if _finite(entered) and _finite(prefilled) and prefilled >= entered:
+        record["prefill_seconds"] = prefilled - entered  # two stamps of SGLang's own clock
     return record
+
+
+def _finite(value: Any) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)
 
 
 _USAGE_NAMES = (("prompt_tokens", "prompt_tokens_details"), ("input_tokens", "input_tokens_details"))
 
 
+_FINAL_RESPONSE_EVENTS = ("response.completed", "response.incomplete", "response.failed")
+
+
 def _openai_usage(line: Any, missing_cached_is_zero: bool) -> Any:
     if not isinstance(line, dict):
         return line
+    event = line.get("type")
+    if isinstance(event, str) and event.startswith("response."):  # a Responses streaming event
+        if event not in _FINAL_RESPONSE_EVENTS or not isinstance(line.get("response"), dict):
+            return NOT_A_REQUEST
+        line = line["response"]
+    if _streaming_chunk_before_the_last(line):
+        return NOT_A_REQUEST
     usage: dict[str, Any] = line["usage"] if isinstance(line.get("usage"), dict) else line
     record: dict[str, Any] = {}
     for total, details in _USAGE_NAMES:
         if total in usage:
             record["prompt_tokens"] = usage[total]
             detail = usage.get(details)
-            if isinstance(detail, dict) and "cached_tokens" in detail:
-                record["cached_tokens"] = detail["cached_tokens"]
+            cached = detail.get("cached_tokens") if isinstance(detail, dict) else None
+            if cached is not None:
+                record["cached_tokens"] = cached
             elif missing_cached_is_zero:
                 record["cached_tokens"] = 0
             break
@@ -113,6 +150,20 @@ def _openai_usage(line: Any, missing_cached_is_zero: bool) -> Any:
         if isinstance(line.get("id"), str):
             record["request_id"] = line["id"]
     return record
+
+
+def _streaming_chunk_before_the_last(line: dict[str, Any]) -> bool:
+    """A streamed chunk that does not carry the whole request's usage: without usage, or with the
+    running usage of ``continuous_usage_stats`` beside content (the last chunk's choices are
+    empty); a streamed completion chunk whose choices have not finished."""
+    kind = line.get("object")
+    choices = line.get("choices")
+    if kind == "chat.completion.chunk":
+        return not isinstance(line.get("usage"), dict) or bool(choices)
+    if kind == "text_completion" and isinstance(choices, list) and choices:
+        unfinished = any(isinstance(c, dict) and c.get("finish_reason") is None for c in choices)
+        return unfinished or not isinstance(line.get("usage"), dict)
+    return False
 
 
 def _mapping(fields: Mapping[str, str], model: str | None) -> Converter:

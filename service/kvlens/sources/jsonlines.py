@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 
 from kvlens.records import Rejections, Validated, batch_from_objects
+from kvlens.sources.formats import NOT_A_REQUEST
 
 UNDECODABLE: Any = object()
 
@@ -35,18 +36,20 @@ def decode_lines(lines: Iterable[bytes]) -> tuple[list[Any], list[int], list[int
     return objects, positions, malformed
 
 
-def records_from_lines(lines: Iterable[bytes], convert: Callable[[Any], Any]) -> Validated:
-    """Decode, convert (a format of :mod:`kvlens.sources.formats`) and validate JSON lines."""
+def records_from_lines(lines: Iterable[bytes], convert: Callable[[Any], Any]) -> tuple[Validated, int]:
+    """Decode, convert (a format of :mod:`kvlens.sources.formats`) and validate JSON lines; also
+    the number of lines that describe no request (:data:`~kvlens.sources.formats.NOT_A_REQUEST`)."""
     objects, positions, malformed = decode_lines(lines)
-    validated = batch_from_objects([convert(value) for value in objects], positions)
-    return validated.with_rejections(Rejections.single(malformed, "malformed_json"))
-
-
-def orjson_or_none(data: bytes) -> Any:
-    try:
-        return orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return None
+    converted = [convert(value) for value in objects]
+    if any(value is NOT_A_REQUEST for value in converted):
+        kept = [(value, position) for value, position in zip(converted, positions, strict=True)]
+        kept = [(value, position) for value, position in kept if value is not NOT_A_REQUEST]
+        ignored = len(converted) - len(kept)
+        converted, positions = [value for value, _ in kept], [position for _, position in kept]
+    else:
+        ignored = 0
+    validated = batch_from_objects(converted, positions)
+    return validated.with_rejections(Rejections.single(malformed, "malformed_json")), ignored
 
 
 def loads(data: bytes) -> Any:

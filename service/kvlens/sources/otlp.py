@@ -1,17 +1,19 @@
 """OTLP/HTTP traces (``POST /v1/traces``): LLM request spans -> kvlens records.
 
-A span is an LLM request when it carries ``gen_ai.usage.prompt_tokens`` (or
-``gen_ai.usage.input_tokens``); other spans in the same export are ignored. Cached tokens come
-from ``gen_ai.usage.cached_tokens`` (SGLang) or ``gen_ai.usage.cache_read.input_tokens`` (the
-name proposed for vLLM, which sets none as of 0.33). A request span without either is rejected
-as ``missing_cached_tokens``, never counted as a miss. When a span carries several attributes for
-one field, the first in :data:`ATTRIBUTES` wins (so the model that served the request beats the
-model that was asked for), whatever their order in the span.
+A span is an LLM request when it carries a prompt token count; other spans in the same export
+are ignored. :data:`ATTRIBUTES` lists what is read, from the GenAI semantic conventions, vLLM's and
+SGLang's own tracing, OpenLLMetry and OpenInference; when a span carries several attributes for
+one field, the first listed wins (so the model that served the request beats the model that was
+asked for), whatever their order in the span. A request span without a cached-token attribute
+is rejected as ``missing_cached_tokens``, never counted as a miss (vLLM 0.33 sets none).
+``gen_ai.latency.time_in_model_prefill`` is prefill only in vLLM's spans (first token minus
+scheduled); SGLang's counts from the dispatch, scheduler queueing included, so it is not read
+from other instrumentation scopes.
 
 Both encodings are read by decoders of kvlens's own that look only at span attributes and never
 build what they skip, so a body's cost is bounded by its size and the limits, not by what it
-nests: protobuf by a wire-format reader (at most :data:`FIELDS_PER_RECORD` x max_records fields
-stepped over), JSON by msgspec, one span at a time, after a scan has counted the spans.
+nests: protobuf by a wire-format reader (at most one field stepped over per 8 body bytes), JSON
+by msgspec, one span at a time, after a scan has counted the spans.
 """
 
 from __future__ import annotations
@@ -34,28 +36,35 @@ SOURCE = "otlp"
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
 MEDIA_TYPES: Final = {PROTOBUF: PROTOBUF, "application/protobuf": PROTOBUF, JSON: JSON}
-FIELDS_PER_RECORD: Final = 40  # protobuf fields a request may have us step over, per record allowed
 MAX_ATTRIBUTES_PER_SPAN: Final = 1024  # past it a span's attributes are not read (OTel SDKs cap 128)
 MAX_ARRAY_VALUE_BYTES: Final = 64 * 1024
 
-# span attribute -> record field; for each field the first attribute present wins
+# span attribute -> record field, with who sets it; for each field the first attribute present wins
 ATTRIBUTES: Final = (
-    ("gen_ai.usage.prompt_tokens", "prompt_tokens"),
-    ("gen_ai.usage.input_tokens", "prompt_tokens"),
-    ("gen_ai.usage.cached_tokens", "cached_tokens"),
-    ("gen_ai.usage.cache_read.input_tokens", "cached_tokens"),
-    ("gen_ai.usage.completion_tokens", "output_tokens"),
-    ("gen_ai.usage.output_tokens", "output_tokens"),
-    ("gen_ai.latency.time_in_queue", "queue_seconds"),
-    ("gen_ai.latency.time_in_model_prefill", "prefill_seconds"),
-    ("gen_ai.latency.time_to_first_token", "ttft_seconds"),
-    ("gen_ai.latency.time_in_model_decode", "decode_seconds"),
-    ("gen_ai.latency.e2e", "e2e_seconds"),
-    ("gen_ai.request.id", "request_id"),
-    ("gen_ai.response.model", "model"),
-    ("gen_ai.request.model", "model"),
-    ("gen_ai.response.finish_reasons", "finish_reason"),
+    ("gen_ai.usage.input_tokens", "prompt_tokens"),  # GenAI semconv; OpenLLMetry
+    ("gen_ai.usage.prompt_tokens", "prompt_tokens"),  # vLLM, SGLang; semconv before 1.27
+    ("llm.token_count.prompt", "prompt_tokens"),  # OpenInference
+    ("gen_ai.usage.cache_read.input_tokens", "cached_tokens"),  # GenAI semconv; proposed for vLLM
+    ("gen_ai.usage.cache_read_input_tokens", "cached_tokens"),  # OpenLLMetry before the semconv name
+    ("gen_ai.usage.cached_tokens", "cached_tokens"),  # SGLang
+    ("llm.token_count.prompt_details.cache_read", "cached_tokens"),  # OpenInference
+    ("gen_ai.usage.output_tokens", "output_tokens"),  # GenAI semconv
+    ("gen_ai.usage.completion_tokens", "output_tokens"),  # vLLM, SGLang
+    ("llm.token_count.completion", "output_tokens"),  # OpenInference
+    ("gen_ai.latency.time_in_queue", "queue_seconds"),  # vLLM (SGLang defines it, never sets it)
+    ("gen_ai.latency.time_in_model_prefill", "prefill_seconds"),  # vLLM only: see above
+    ("gen_ai.latency.time_to_first_token", "ttft_seconds"),  # vLLM, SGLang
+    ("gen_ai.response.time_to_first_chunk", "ttft_seconds"),  # GenAI semconv (streaming)
+    ("gen_ai.latency.time_in_model_decode", "decode_seconds"),  # vLLM, SGLang
+    ("gen_ai.latency.e2e", "e2e_seconds"),  # vLLM, SGLang
+    ("gen_ai.request.id", "request_id"),  # vLLM, SGLang
+    ("gen_ai.response.id", "request_id"),  # GenAI semconv; OpenLLMetry
+    ("gen_ai.response.model", "model"),  # GenAI semconv; SGLang; OpenLLMetry
+    ("gen_ai.request.model", "model"),  # GenAI semconv; OpenLLMetry
+    ("llm.model_name", "model"),  # OpenInference
+    ("gen_ai.response.finish_reasons", "finish_reason"),  # an array; SGLang: its JSON text
 )
+PREFILL_SCOPES: Final = ("vllm",)  # instrumentation scopes whose time_in_model_prefill is prefill
 _RANK: Final = {key: rank for rank, (key, _) in enumerate(ATTRIBUTES)}
 _FIELD_OF: Final = dict(ATTRIBUTES)
 _WANTED: Final = {key.encode(): key for key, _ in ATTRIBUTES}
@@ -86,11 +95,13 @@ def read_traces(body: bytes, media: str, max_records: int) -> TracesResult:
     positions: list[int] = []
     missing: list[int] = []
     malformed: list[int] = []
-    for attributes in spans:
+    for scope, attributes in spans:
         index = len(positions) + len(missing) + len(malformed)
         if attributes is None:  # a span that does not decode: it may have been a request
             malformed.append(index)
             continue
+        if not scope.startswith(PREFILL_SCOPES):
+            attributes.pop("gen_ai.latency.time_in_model_prefill", None)
         record: dict[str, Any] = {}
         for key in sorted(attributes, key=_RANK.__getitem__):
             record.setdefault(_FIELD_OF[key], attributes[key])
@@ -99,15 +110,26 @@ def read_traces(body: bytes, media: str, max_records: int) -> TracesResult:
         if "cached_tokens" not in record:
             missing.append(index)
             continue
-        reasons = record.get("finish_reason")
-        if isinstance(reasons, list):
-            record["finish_reason"] = reasons[0] if reasons and isinstance(reasons[0], str) else None
+        if "finish_reason" in record:
+            record["finish_reason"] = _first_reason(record["finish_reason"])
         records.append(record)
         positions.append(index)
     validated = batch_from_objects(records, positions).with_rejections(
         Rejections.single(missing, "missing_cached_tokens") + Rejections.single(malformed, "malformed_json")
     )
     return TracesResult(validated, len(positions) + len(missing) + len(malformed))
+
+
+def _first_reason(reasons: Any) -> Any:
+    """The first finish reason of an array, or of the JSON text of one (as SGLang sets it)."""
+    if isinstance(reasons, str) and reasons.startswith("["):
+        try:
+            reasons = orjson.loads(reasons)
+        except orjson.JSONDecodeError:
+            return None
+    if isinstance(reasons, list):
+        return reasons[0] if reasons and isinstance(reasons[0], str) else None
+    return reasons
 
 
 def _too_many(max_records: int) -> TooManyRecords:
@@ -127,7 +149,12 @@ class _Span(msgspec.Struct):
     attributes: list[msgspec.Raw] = []
 
 
+class _Scope(msgspec.Struct, frozen=True):
+    name: str = ""
+
+
 class _ScopeSpans(msgspec.Struct):
+    scope: _Scope = _Scope()
     spans: list[msgspec.Raw] = []
 
 
@@ -158,7 +185,10 @@ _ANY_VALUE: Final = msgspec.json.Decoder(_AnyValue)
 _SPAN_DEPTH: Final = 7  # {resourceSpans: [{scopeSpans: [{spans: [{  <- here
 
 
-def _json_spans(body: bytes, max_records: int) -> Iterator[dict[str, Any] | None]:
+Span = tuple[str, dict[str, Any] | None]  # (instrumentation scope name, attributes or None: undecodable)
+
+
+def _json_spans(body: bytes, max_records: int) -> Iterator[Span]:
     if not body.strip():
         return
     structure = jsonscan.scan(body, object_depth=_SPAN_DEPTH, object_limit=max_records)
@@ -174,9 +204,9 @@ def _json_spans(body: bytes, max_records: int) -> Iterator[dict[str, Any] | None
         for scope_spans in resource_spans.scopeSpans:
             for span in scope_spans.spans:
                 try:
-                    yield _json_attributes(_SPAN.decode(span).attributes)
+                    yield scope_spans.scope.name, _json_attributes(_SPAN.decode(span).attributes)
                 except msgspec.DecodeError:
-                    yield None
+                    yield scope_spans.scope.name, None
 
 
 def _json_attributes(raw_attributes: list[msgspec.Raw]) -> dict[str, Any]:
@@ -215,24 +245,28 @@ def _json_value(value: _AnyValue) -> Any:
 
 
 class _Steps:
-    """Counts the fields a request has us step over; past the budget the export is refused."""
+    """Counts the fields a request has us step over (one per 8 body bytes, plus a little: real
+    exports average far more bytes a field); past the budget the export is refused."""
 
     def __init__(self, budget: int, max_records: int) -> None:
         self.left = budget
         self.max_records = max_records
 
 
-def _protobuf_spans(body: bytes, max_records: int) -> Iterator[dict[str, Any] | None]:
-    steps = _Steps(FIELDS_PER_RECORD * max_records, max_records)
+def _protobuf_spans(body: bytes, max_records: int) -> Iterator[Span]:
+    steps = _Steps(len(body) // 8 + 1024, max_records)
     spans = 0
     view = memoryview(body)
     for resource_spans in _messages(view, 1, steps):
         for scope_spans in _messages(resource_spans, 2, steps):
+            scope = next(
+                (_utf8(name) for s in _messages(scope_spans, 1, steps) for name in _messages(s, 1, steps)), ""
+            )
             for span in _messages(scope_spans, 2, steps):
                 spans += 1
                 if spans > max_records:
                     raise _too_many(max_records)
-                yield _protobuf_attributes(span, steps)
+                yield scope if isinstance(scope, str) else "", _protobuf_attributes(span, steps)
 
 
 def _protobuf_attributes(span: memoryview, steps: _Steps) -> dict[str, Any]:

@@ -274,6 +274,7 @@ class TailStatus:
         self.checkpoint_ok = True
         self.checkpoint_failures = 0
         self.lines_shortened = 0  # over-long lines counted from their small top-level fields
+        self.lines_ignored = 0  # lines that describe no request (streaming chunks before the last)
         self.problem: str | None = None
         self._lock = threading.Lock()
 
@@ -317,7 +318,9 @@ def follow(
                 more = polled.more
                 if polled.lines or polled.too_long:
                     skipped = Rejections.single([-1] * polled.too_long, "too_long")  # no line to point at
-                    deliver(records_from_lines(polled.lines, convert).with_rejections(skipped))
+                    validated, ignored = records_from_lines(polled.lines, convert)
+                    deliver(validated.with_rejections(skipped))
+                    status.lines_ignored += ignored
                 status.lines_shortened += polled.shortened
                 try:
                     tailer.checkpoint()
