@@ -98,6 +98,14 @@ def test_readme_settings_table_matches_the_settings() -> None:
     )
 
 
+def test_readme_otlp_attribute_table_matches_the_decoder() -> None:
+    from kvlens.sources.otlp import attributes_table
+
+    assert readme_section("otlp") == attributes_table(), (
+        "regenerate: .venv/bin/python scripts/readme_tables.py"
+    )
+
+
 def test_readme_example_settings_file_loads(tmp_path: Path) -> None:
     example = re.search(r"Example `kvlens.yaml`:\n\n```yaml\n(.*?)```", README.read_text(), re.S)
     assert example, "README lacks the example settings file"

@@ -39,35 +39,43 @@ MEDIA_TYPES: Final = {PROTOBUF: PROTOBUF, "application/protobuf": PROTOBUF, JSON
 MAX_ATTRIBUTES_PER_SPAN: Final = 1024  # past it a span's attributes are not read (OTel SDKs cap 128)
 MAX_ARRAY_VALUE_BYTES: Final = 64 * 1024
 
-# span attribute -> record field, with who sets it; for each field the first attribute present wins
+# (span attribute, record field, who sets it); for each field the first attribute present wins
 ATTRIBUTES: Final = (
-    ("gen_ai.usage.input_tokens", "prompt_tokens"),  # GenAI semconv; OpenLLMetry
-    ("gen_ai.usage.prompt_tokens", "prompt_tokens"),  # vLLM, SGLang; semconv before 1.27
-    ("llm.token_count.prompt", "prompt_tokens"),  # OpenInference
-    ("gen_ai.usage.cache_read.input_tokens", "cached_tokens"),  # GenAI semconv; proposed for vLLM
-    ("gen_ai.usage.cache_read_input_tokens", "cached_tokens"),  # OpenLLMetry before the semconv name
-    ("gen_ai.usage.cached_tokens", "cached_tokens"),  # SGLang
-    ("llm.token_count.prompt_details.cache_read", "cached_tokens"),  # OpenInference
-    ("gen_ai.usage.output_tokens", "output_tokens"),  # GenAI semconv
-    ("gen_ai.usage.completion_tokens", "output_tokens"),  # vLLM, SGLang
-    ("llm.token_count.completion", "output_tokens"),  # OpenInference
-    ("gen_ai.latency.time_in_queue", "queue_seconds"),  # vLLM (SGLang defines it, never sets it)
-    ("gen_ai.latency.time_in_model_prefill", "prefill_seconds"),  # vLLM only: see above
-    ("gen_ai.latency.time_to_first_token", "ttft_seconds"),  # vLLM, SGLang
-    ("gen_ai.response.time_to_first_chunk", "ttft_seconds"),  # GenAI semconv (streaming)
-    ("gen_ai.latency.time_in_model_decode", "decode_seconds"),  # vLLM, SGLang
-    ("gen_ai.latency.e2e", "e2e_seconds"),  # vLLM, SGLang
-    ("gen_ai.request.id", "request_id"),  # vLLM, SGLang
-    ("gen_ai.response.id", "request_id"),  # GenAI semconv; OpenLLMetry
-    ("gen_ai.response.model", "model"),  # GenAI semconv; SGLang; OpenLLMetry
-    ("gen_ai.request.model", "model"),  # GenAI semconv; OpenLLMetry
-    ("llm.model_name", "model"),  # OpenInference
-    ("gen_ai.response.finish_reasons", "finish_reason"),  # an array; SGLang: its JSON text
+    ("gen_ai.usage.input_tokens", "prompt_tokens", "GenAI semconv; OpenLLMetry"),
+    ("gen_ai.usage.prompt_tokens", "prompt_tokens", "vLLM, SGLang; older GenAI semconv"),
+    ("llm.token_count.prompt", "prompt_tokens", "OpenInference"),
+    (
+        "gen_ai.usage.cache_read.input_tokens",
+        "cached_tokens",
+        "GenAI semconv; vLLM PRs #40799, #44325, #54476 (open)",
+    ),
+    ("gen_ai.usage.cache_read_input_tokens", "cached_tokens", "OpenLLMetry before the semconv name"),
+    ("gen_ai.usage.cached_tokens", "cached_tokens", "SGLang"),
+    ("llm.token_count.prompt_details.cache_read", "cached_tokens", "OpenInference"),
+    ("gen_ai.usage.output_tokens", "output_tokens", "GenAI semconv"),
+    ("gen_ai.usage.completion_tokens", "output_tokens", "vLLM, SGLang"),
+    ("llm.token_count.completion", "output_tokens", "OpenInference"),
+    ("gen_ai.latency.time_in_queue", "queue_seconds", "vLLM (SGLang defines it, never sets it)"),
+    (
+        "gen_ai.latency.time_in_model_prefill",
+        "prefill_seconds",
+        "vLLM (scope vllm.*; SGLang's includes queueing: not read)",
+    ),
+    ("gen_ai.latency.time_to_first_token", "ttft_seconds", "vLLM, SGLang"),
+    ("gen_ai.response.time_to_first_chunk", "ttft_seconds", "GenAI semconv (streaming)"),
+    ("gen_ai.latency.time_in_model_decode", "decode_seconds", "vLLM, SGLang"),
+    ("gen_ai.latency.e2e", "e2e_seconds", "vLLM, SGLang"),
+    ("gen_ai.request.id", "request_id", "vLLM, SGLang"),
+    ("gen_ai.response.id", "request_id", "GenAI semconv; OpenLLMetry"),
+    ("gen_ai.response.model", "model", "GenAI semconv; SGLang; OpenLLMetry"),
+    ("gen_ai.request.model", "model", "GenAI semconv; OpenLLMetry"),
+    ("llm.model_name", "model", "OpenInference"),
+    ("gen_ai.response.finish_reasons", "finish_reason", "GenAI semconv (an array); SGLang (its JSON text)"),
 )
 PREFILL_SCOPES: Final = ("vllm",)  # instrumentation scopes whose time_in_model_prefill is prefill
-_RANK: Final = {key: rank for rank, (key, _) in enumerate(ATTRIBUTES)}
-_FIELD_OF: Final = dict(ATTRIBUTES)
-_WANTED: Final = {key.encode(): key for key, _ in ATTRIBUTES}
+_RANK: Final = {key: rank for rank, (key, _, _) in enumerate(ATTRIBUTES)}
+_FIELD_OF: Final = {key: field for key, field, _ in ATTRIBUTES}
+_WANTED: Final = {key.encode(): key for key, _, _ in ATTRIBUTES}
 _INT64: Final = re.compile(r"-?[0-9]{1,19}")
 
 
@@ -75,6 +83,17 @@ _INT64: Final = re.compile(r"-?[0-9]{1,19}")
 class TracesResult:
     validated: Validated
     spans: int  # LLM request spans seen (accepted + rejected)
+
+
+def attributes_table() -> str:
+    """The README's table of the span attributes read (a test fails when the README drifts)."""
+    rows = ["| record field | span attributes, first present wins | set by |", "|---|---|---|"]
+    for field in dict.fromkeys(field for _, field, _ in ATTRIBUTES):
+        read = [(key, who) for key, named, who in ATTRIBUTES if named == field]
+        keys = "<br>".join(f"`{key}`" for key, _ in read)
+        sources = "<br>".join(who for _, who in read)
+        rows.append(f"| `{field}` | {keys} | {sources} |")
+    return "\n".join(rows)
 
 
 def media_type(content_type: str | None) -> str:
