@@ -103,14 +103,14 @@ def _sglang(line: Any) -> Any:
     reason = line.get("finish_reason")
     if isinstance(reason, dict) and isinstance(reason.get("type"), str):
         record["finish_reason"] = reason["type"]
-    entered, prefilled = line.get("forward_entry_time"), line.get("prefill_finished_time")
-    if _finite(entered) and _finite(prefilled) and prefilled >= entered:
+    entered, prefilled = _finite(line.get("forward_entry_time")), _finite(line.get("prefill_finished_time"))
+    if entered is not None and prefilled is not None and prefilled >= entered:
         record["prefill_seconds"] = prefilled - entered  # two stamps of SGLang's own clock
     return record
 
 
-def _finite(value: Any) -> bool:
-    return type(value) in (int, float) and math.isfinite(value)
+def _finite(value: Any) -> float | None:
+    return float(value) if type(value) in (int, float) and math.isfinite(value) else None
 
 
 _USAGE_NAMES = (("prompt_tokens", "prompt_tokens_details"), ("input_tokens", "input_tokens_details"))
