@@ -102,6 +102,18 @@ class Sidecar:
             settings.max_body_bytes, settings.max_decompression_ratio, settings.max_gzip_members
         )
 
+    async def receive(self, request: Request) -> bytes:
+        """The request's body, under the size limit and the deadlines."""
+        settings = self.settings
+        return await read_body(
+            request, settings.max_body_bytes, settings.body_timeout_seconds, settings.header_timeout_seconds
+        )
+
+    def dedupe(self, request: Request) -> bool:
+        """Whether records already counted are dropped: by setting, or asked for per request."""
+        asked = request.headers.get(DEDUPE_HEADER, "").lower() == "request-id"
+        return self.settings.dedupe_request_ids or asked
+
     def count(self, validated: Validated, source: str, dedupe: bool) -> tuple[Validated, int]:
         """Add a batch to the sums (dropping duplicates first when asked); on the worker thread."""
         duplicates = 0
@@ -212,7 +224,7 @@ async def ingest_records(request: Request) -> Response:
     key = BatchLedger.key(batch_id) if batch_id else None
     source = request.headers.get(vllm_plugin.SOURCE_HEADER, push.SOURCE)
     source = source if source in (push.SOURCE, vllm_plugin.SOURCE) else push.SOURCE
-    dedupe = settings.dedupe_request_ids or request.headers.get(DEDUPE_HEADER, "").lower() == "request-id"
+    dedupe = sidecar.dedupe(request)
     # What the sender dropped since its last delivery: counted once the batch is taken (200, or 400
     # which the sender does not retry), never on 413, 408 or 503, which it retries.
     dropped = request.headers.get(vllm_plugin.DROPPED_HEADER, "")
@@ -238,16 +250,11 @@ async def ingest_records(request: Request) -> Response:
                     orjson.dumps(answer), media_type="application/json", headers={"kvlens-duplicate": "1"}
                 )
         try:
-            body = await read_body(
-                request,
-                settings.max_body_bytes,
-                settings.body_timeout_seconds,
-                settings.header_timeout_seconds,
-            )
+            body = await sidecar.receive(request)
             content_encoding = request.headers.get("content-encoding")
 
             def work() -> IngestResult:
-                text = encoding.decode(body, content_encoding, sidecar.decode_limits)
+                text = encoding.decode(body, content_encoding, sidecar.decode_limits)  # off the loop
                 validated = push.read_records(text, settings.max_records_per_request)
                 counted, duplicates = sidecar.count(validated, source, dedupe)
                 return IngestResult(
@@ -288,17 +295,12 @@ async def ingest_traces(request: Request) -> Response:
         media = otlp.media_type(request.headers.get("content-type"))
     except InputError as error:
         return _refused(sidecar, error)
-    dedupe = settings.dedupe_request_ids or request.headers.get(DEDUPE_HEADER, "").lower() == "request-id"
+    dedupe = sidecar.dedupe(request)
     async with sidecar.health.gate.slot() as admitted:
         if not admitted:
             return _busy(sidecar, "busy", "too many ingest requests in progress")
         try:
-            body = await read_body(
-                request,
-                settings.max_body_bytes,
-                settings.body_timeout_seconds,
-                settings.header_timeout_seconds,
-            )
+            body = await sidecar.receive(request)
             content_encoding = request.headers.get("content-encoding")
 
             def work() -> bytes:
