@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
 
 GIB = 1024**3
 
@@ -101,60 +100,7 @@ def compare_step(
     )
 
 
-# --- model shapes and units ----------------------------------------------------------------
-
-
-class UnsupportedModel(ValueError):
-    """The model's attention does not fit ``K = S * 2*L*Hkv*D*bytes``."""
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    layers: int
-    kv_heads: int
-    head_dim: int
-    dtype_bytes: float = 2
-
-    @property
-    def kv_bytes_per_token(self) -> float:
-        return kv_bytes_per_token(self.layers, self.kv_heads, self.head_dim, self.dtype_bytes)
-
-
-_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1}
-
-
-def shape_from_hf_config(config: dict[str, Any]) -> ModelShape:
-    """The KV shape from a Hugging Face ``config.json``; refuses attention the model does not fit."""
-    config = {**config.get("text_config", {}), **config}
-    model_type = str(config.get("model_type", ""))
-    if config.get("kv_lora_rank") or model_type.startswith("deepseek_v"):
-        raise UnsupportedModel(
-            f"{model_type or 'this model'} uses multi-head latent attention (MLA): its KV cache is a "
-            "compressed latent, not 2*L*Hkv*D values per token"
-        )
-    if config.get("use_sliding_window") or (
-        config.get("sliding_window") and config.get("use_sliding_window") is not False
-    ):
-        raise UnsupportedModel(
-            "the model uses sliding-window attention: the KV read per step stops growing past the window, "
-            "so K = S*c overstates it"
-        )
-    hybrid_keys = ("layer_types", "layers_block_type", "hybrid_override_pattern", "attn_layer_period")
-    if any(key in config for key in hybrid_keys) or any(
-        kind in model_type for kind in ("mamba", "jamba", "hybrid")
-    ):
-        raise UnsupportedModel(
-            "the model is hybrid (state-space or mixed attention layers): not every layer keeps a KV history"
-        )
-    try:
-        layers = int(config["num_hidden_layers"])
-        heads = int(config["num_attention_heads"])
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
-    except KeyError as missing:
-        raise UnsupportedModel(f"config.json lacks {missing.args[0]}") from None
-    dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
-    return ModelShape(layers, kv_heads, head_dim, _DTYPE_BYTES.get(dtype, 2))
+# --- units ------------------------------------------------------------------------------
 
 
 _SIZE_UNITS = {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -310,16 +311,17 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _bandwidth(args: argparse.Namespace) -> int:
     from kvlens import bandwidth as bw
+    from kvlens import shapes
 
     try:
         if args.config_json:
-            shape = bw.shape_from_hf_config(json.loads(args.config_json.read_text()))
+            shape = shapes.from_hf_config(json.loads(args.config_json.read_text()))
         elif args.layers and args.kv_heads and args.head_dim:
-            shape = bw.ModelShape(args.layers, args.kv_heads, args.head_dim)
+            shape = shapes.ModelShape(args.layers, args.kv_heads, args.head_dim)
         else:
             raise ValueError("give --config-json, or --layers, --kv-heads and --head-dim")
         if args.kv_dtype_bytes:
-            shape = bw.ModelShape(shape.layers, shape.kv_heads, shape.head_dim, args.kv_dtype_bytes)
+            shape = dataclasses.replace(shape, dtype_bytes=args.kv_dtype_bytes)
         weights_16 = (
             bw.parse_bytes(args.weight_bytes) if args.weight_bytes else 2 * bw.parse_count(args.params)
         )

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import ipaddress
 import itertools
+import json
 import math
 import urllib.parse
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     SecretStr,
     ValidationError,
     field_validator,
@@ -26,7 +28,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from kvlens import bandwidth
+from kvlens import bandwidth, shapes
 from kvlens.definitions import CostModel
 from kvlens.errors import SettingsError
 from kvlens.records import valid_label
@@ -42,15 +44,16 @@ DEFAULT_PROMPT_LENGTH_EDGES = (512, 2048, 8192, 32768)
 
 
 class CostModelSetting(BaseModel):
-    """``C(n) = a*n + b*n*(n+1)/2`` for one model (see DESIGN section 1)."""
+    """``C(n) = a*n + b*n*(n+1)/2`` for one model (see DESIGN section 1), in ``unit``."""
 
     model_config = ConfigDict(extra="forbid")
 
     a: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 1.0
     b: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 1.0 / 1024.0
+    unit: Literal["work_units", "flops", "seconds"] = "work_units"
 
     def to_cost_model(self) -> CostModel:
-        return CostModel(a=self.a, b=self.b)
+        return CostModel(a=self.a, b=self.b, unit=self.unit)
 
 
 class TailSetting(BaseModel):
@@ -81,22 +84,84 @@ class TailSetting(BaseModel):
 
 
 class ModelShapeSetting(BaseModel):
-    """A served model's decode traffic shape, for the live W4A16 estimate (``kvlens bandwidth``)."""
+    """A served model's shape: its prefill cost model in FLOPs, and its decode traffic for the
+    live W4A16 estimate. Give ``hf_config`` (a Hugging Face ``config.json``) or the fields;
+    fields given beside ``hf_config`` win."""
 
     model_config = ConfigDict(extra="forbid")
 
+    hf_config: Path | None = Field(None, description="a Hugging Face config.json to read the shape from")
     layers: int = Field(ge=1, description="num_hidden_layers")
     kv_heads: int = Field(ge=1, description="num_key_value_heads")
     head_dim: int = Field(ge=1, description="head_dim (or hidden_size / num_attention_heads)")
     kv_dtype_bytes: float = Field(2, gt=0, description="bytes per KV value")
-    weight_bytes: float = Field(gt=0, description="16-bit weight bytes; a number or a size like 14GiB")
+    hidden_size: int | None = Field(None, ge=1, description="hidden_size (FLOPs)")
+    heads: int | None = Field(None, ge=1, description="num_attention_heads (FLOPs)")
+    intermediate_size: int | None = Field(None, ge=1, description="MLP width, per expert (FLOPs)")
+    gated_mlp: bool = Field(True, description="gate, up and down projections (False: up and down)")
+    experts: int = Field(1, ge=1, description="experts per layer (1: dense)")
+    experts_per_token: int = Field(1, ge=1, description="experts a token is routed to")
+    shared_expert_intermediate_size: int = Field(0, ge=0, description="a shared expert's MLP width")
+    vocab_size: int | None = Field(None, ge=1, description="for the weights read by a decode step")
+    tied_embeddings: bool = False
+    weight_bytes: float | None = Field(
+        None, gt=0, description="16-bit weight bytes; a number or a size like 14GiB (default: from the shape)"
+    )
     quantized_fraction: float = Field(0.9, ge=0, le=1, description="share of weights W4A16 would quantize")
     group_size: int = Field(128, ge=1, description="weights per 16-bit scale")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_hf_config(cls, value: Any) -> Any:
+        if not isinstance(value, dict) or not value.get("hf_config"):
+            return value
+        try:
+            config = json.loads(Path(value["hf_config"]).read_text())
+            shape = shapes.from_hf_config(config)
+        except (OSError, ValueError) as error:  # UnsupportedModel is a ValueError: its reason
+            raise ValueError(f"hf_config: {error}") from None
+        found = {
+            "layers": shape.layers,
+            "kv_heads": shape.kv_heads,
+            "head_dim": shape.head_dim,
+            "kv_dtype_bytes": shape.dtype_bytes,
+            "hidden_size": shape.hidden,
+            "heads": shape.heads,
+            "intermediate_size": shape.intermediate,
+            "gated_mlp": shape.gated_mlp,
+            "experts": shape.experts,
+            "experts_per_token": shape.experts_per_token,
+            "shared_expert_intermediate_size": shape.shared_expert_intermediate,
+            "vocab_size": shape.vocab,
+            "tied_embeddings": shape.tied_embeddings,
+        }
+        return {**{k: v for k, v in found.items() if v is not None}, **value}
 
     @field_validator("weight_bytes", mode="before")
     @classmethod
     def _size(cls, value: Any) -> Any:
         return bandwidth.parse_bytes(value) if isinstance(value, str) else value
+
+    def shape(self) -> shapes.ModelShape:
+        return shapes.ModelShape(
+            layers=self.layers,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            dtype_bytes=self.kv_dtype_bytes,
+            hidden=self.hidden_size,
+            heads=self.heads,
+            intermediate=self.intermediate_size,
+            gated_mlp=self.gated_mlp,
+            experts=self.experts,
+            experts_per_token=self.experts_per_token,
+            shared_expert_intermediate=self.shared_expert_intermediate_size,
+            vocab=self.vocab_size,
+            tied_embeddings=self.tied_embeddings,
+        )
+
+    def decode_weight_bytes(self) -> float | None:
+        """The 16-bit weights a decode step reads: as given, or from the shape (None: unknown)."""
+        return self.weight_bytes if self.weight_bytes is not None else self.shape().weight_bytes()
 
 
 class Settings(BaseSettings):
@@ -105,6 +170,7 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", validate_default=True
     )
+    _cost_models: dict[str, CostModel] = PrivateAttr(default_factory=dict)  # chosen per model name
 
     host: str = Field("127.0.0.1", description="Listen address (loopback unless you open it).")
     port: int = Field(9433, ge=1, le=65535, description="Listen port for ingest and /metrics.")
@@ -297,7 +363,20 @@ class Settings(BaseSettings):
         return self.ingest_token is None and not _loopback(self.host)
 
     def cost_model_for(self, model: str) -> CostModel:
-        return self.cost_models.get(model, self.default_cost_model).to_cost_model()
+        """The model's cost model: its own from ``cost_models`` (e.g. calibrated in seconds), else
+        FLOPs from its ``model_shapes`` entry, else ``default_cost_model`` (the article's unit)."""
+        found = self._cost_models.get(model)
+        if found is None:
+            found = self._cost_models[model] = self._choose_cost_model(model)
+        return found
+
+    def _choose_cost_model(self, model: str) -> CostModel:
+        if model in self.cost_models:
+            return self.cost_models[model].to_cost_model()
+        shape = self.model_shapes.get(model)
+        if shape is not None and shape.shape().has_flops:
+            return shape.shape().prefill_cost_model()
+        return self.default_cost_model.to_cost_model()
 
     @classmethod
     def settings_customise_sources(

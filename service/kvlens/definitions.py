@@ -19,24 +19,36 @@ import numpy.typing as npt
 FloatArray = npt.NDArray[np.float64]
 ArrayLike = npt.ArrayLike
 
+# The units modelled work is counted in. Work of different units is never added: each has its
+# own exported counters, and a ratio is only ever taken within one unit.
+WORK_UNITS = "work_units"  # the article's illustrative unit (a = 1 a token, b = 1/1024 a pair)
+FLOPS = "flops"  # from the model's shape (flops_cost_model)
+SECONDS = "seconds"  # fitted to measured prefill times (kvlens analyze --calibrate)
+UNITS = (WORK_UNITS, FLOPS, SECONDS)
+
 
 @dataclass(frozen=True)
 class CostModel:
-    """Modelled prefill work ``C(n) = a*n + b*n*(n+1)/2``.
+    """Modelled prefill work ``C(n) = a*n + b*n*(n+1)/2``, in ``unit``.
 
     ``a`` is the per-token linear work (projections, MLP), ``b`` the work per causal
-    query-key pair (attention). Units are arbitrary "work units"; the default makes one
-    token of linear work one unit and a 1024-token causal attention row about one unit.
+    query-key pair (attention). The default is the article's illustrative unit: one token of
+    linear work is one unit, a 1024-token causal attention row about one unit; the article says
+    itself that it is "not microseconds or GPU FLOPs" (real 1.5B-8B models measure b/a 10-14x
+    smaller).
     """
 
     a: float = 1.0
     b: float = 1.0 / 1024.0
+    unit: str = WORK_UNITS
 
     def __post_init__(self) -> None:
         for name in ("a", "b"):
             value = getattr(self, name)
             if not (np.isfinite(value) and value >= 0):
                 raise ValueError(f"cost model {name} must be a finite number >= 0")
+        if self.unit not in UNITS:
+            raise ValueError(f"cost model unit must be one of {', '.join(UNITS)}")
 
     def work(self, tokens: ArrayLike) -> FloatArray:
         """``C(n)``: the work to prefill ``n`` tokens from scratch."""
@@ -58,18 +70,27 @@ class CostModel:
 DEFAULT_COST_MODEL = CostModel()
 
 
+def flops_cost_model(linear_weights_per_token: float, heads: int, head_dim: int, layers: int) -> CostModel:
+    """``C(n)`` in FLOPs: a token meets each linear weight once (a multiply and an add, 2 FLOPs),
+    and each causal query-key pair costs a dot product for the score and one for the value, over
+    every head's dimensions in every layer (4 FLOPs per head dimension). The Llama-3.1-8B shape
+    gives ``b/a = 1/26,624``."""
+    return CostModel(a=2.0 * linear_weights_per_token, b=4.0 * heads * head_dim * layers, unit=FLOPS)
+
+
 def modelled_work(
     prompt_tokens: npt.NDArray[np.int64],
     cached_tokens: npt.NDArray[np.int64],
     keys: npt.NDArray[Any],
     cost_for: Callable[[Any], CostModel],
     distinct: list[Any] | None = None,
-) -> tuple[FloatArray, FloatArray]:
-    """``C(n)`` and ``C(h)`` per request, each with its own model's cost (``keys`` name the model
-    of each request; ``cost_for`` maps a key to its cost model; ``distinct``, the keys present,
-    when the caller knows them already: np.unique is costly on the ingest path)."""
+) -> tuple[FloatArray, FloatArray, npt.NDArray[np.int8]]:
+    """``C(n)``, ``C(h)`` and the unit (an index into ``UNITS``) per request, each with its own
+    model's cost (``keys`` name the model of each request; ``cost_for`` maps a key to its cost
+    model; ``distinct``, the keys present, when the caller knows them already)."""
     prompt_work = np.empty(prompt_tokens.size, np.float64)
     reused_work = np.empty(prompt_tokens.size, np.float64)
+    unit = np.empty(prompt_tokens.size, np.int8)
     if distinct is None:
         distinct = np.unique(keys).tolist() if keys.size else []
     for key in distinct:
@@ -77,7 +98,8 @@ def modelled_work(
         cost = cost_for(key)
         prompt_work[rows] = cost.work(prompt_tokens[rows])
         reused_work[rows] = cost.work(cached_tokens[rows])
-    return prompt_work, reused_work
+        unit[rows] = UNITS.index(cost.unit)
+    return prompt_work, reused_work, unit
 
 
 def reusable_full_block_tokens(shared_prefix_tokens: ArrayLike, block_size: int) -> npt.NDArray[np.int64]:
@@ -95,20 +117,24 @@ def safe_ratio(numerator: float, denominator: float) -> float | None:
     return float(numerator) / float(denominator)
 
 
+NO_WORK = (0.0,) * len(UNITS)
+
+
 @dataclass(frozen=True)
 class Totals:
     """The sums over one window from which every ratio is taken.
 
     Totals add: the totals of two batches equal the totals of their union, which is what lets
-    the exporter keep running sums and Prometheus sum counters across replicas.
+    the exporter keep running sums and Prometheus sum counters across replicas. Modelled work is
+    kept per unit (``prompt_work[i]`` in ``UNITS[i]``), never added across units.
     """
 
     requests: int = 0
     hit_requests: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    prompt_work_units: float = 0.0
-    reused_work_units: float = 0.0
+    prompt_work: tuple[float, ...] = NO_WORK
+    reused_work: tuple[float, ...] = NO_WORK
 
     @classmethod
     def of(
@@ -119,17 +145,38 @@ class Totals:
     ) -> Totals:
         n = np.asarray(prompt_tokens, dtype=np.int64)
         h = np.asarray(cached_tokens, dtype=np.int64)
+        unit = UNITS.index(cost_model.unit)
         return cls(
             requests=int(n.size),
             hit_requests=int(np.count_nonzero(h > 0)),
             prompt_tokens=int(n.sum()),
             cached_tokens=int(h.sum()),
-            prompt_work_units=float(cost_model.work(n).sum()),
-            reused_work_units=float(cost_model.work(h).sum()),
+            prompt_work=_in_unit(unit, float(cost_model.work(n).sum())),
+            reused_work=_in_unit(unit, float(cost_model.work(h).sum())),
         )
 
     def __add__(self, other: Totals) -> Totals:
-        return Totals(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+        def add(left: Any, right: Any) -> Any:
+            if isinstance(left, tuple):
+                return tuple(a + b for a, b in zip(left, right, strict=True))
+            return left + right
+
+        return Totals(*(add(getattr(self, f.name), getattr(other, f.name)) for f in fields(self)))
+
+    @property
+    def units(self) -> list[str]:
+        """The units some modelled work was counted in."""
+        return [unit for unit, work in zip(UNITS, self.prompt_work, strict=True) if work > 0]
+
+    @property
+    def work_unit(self) -> str | None:
+        """The one unit of all the modelled work, or None (no work, or several units)."""
+        units = self.units
+        return units[0] if len(units) == 1 else None
+
+    def compute_saved_ratio_in(self, unit: str) -> float | None:
+        index = UNITS.index(unit)
+        return safe_ratio(self.reused_work[index], self.prompt_work[index])
 
     @property
     def request_hit_ratio(self) -> float | None:
@@ -143,8 +190,14 @@ class Totals:
 
     @property
     def compute_saved_ratio(self) -> float | None:
-        """``sum C(h) / sum C(n)``: share of modelled prefill work the cache saved."""
-        return safe_ratio(self.reused_work_units, self.prompt_work_units)
+        """``sum C(h) / sum C(n)``: share of modelled prefill work the cache saved; None when
+        the work is in several units (see :meth:`compute_saved_ratio_in`)."""
+        unit = self.work_unit
+        return None if unit is None else self.compute_saved_ratio_in(unit)
+
+
+def _in_unit(unit: int, value: float) -> tuple[float, ...]:
+    return tuple(value if index == unit else 0.0 for index in range(len(UNITS)))
 
 
 @dataclass(frozen=True)

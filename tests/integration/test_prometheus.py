@@ -23,6 +23,15 @@ from tests.integration.conftest import Running, free_port, start_kvlens
 from tests.integration.test_scrape import FIXTURE, FakeEngine
 
 pytestmark = pytest.mark.integration
+LLAMA_8B_SHAPE = {
+    "layers": 32,
+    "kv_heads": 8,
+    "head_dim": 128,
+    "hidden_size": 4096,
+    "heads": 32,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+}
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 
@@ -48,9 +57,16 @@ def prometheus(tmp_path: Path, engine: str) -> Iterator[tuple[Running, str]]:
         engine,
         env={
             "KVLENS_SCRAPE_INTERVAL_SECONDS": "0.5",
-            "KVLENS_MODELS": '["article-model", "Qwen/Qwen3-8B"]',
-            "KVLENS_MODEL_SHAPES": '{"article-model": {"layers": 32, "kv_heads": 8, "head_dim": 128, '
-            '"weight_bytes": "14GiB"}}',
+            "KVLENS_MODELS": '["article-model", "Qwen/Qwen3-8B", "flops-model", "seconds-model"]',
+            # article-model: a decode shape only, so its compute stays in the article's unit;
+            # flops-model: a full shape (FLOPs); seconds-model: calibrated in seconds.
+            "KVLENS_MODEL_SHAPES": orjson.dumps(
+                {
+                    "article-model": {"layers": 32, "kv_heads": 8, "head_dim": 128, "weight_bytes": "14GiB"},
+                    "flops-model": LLAMA_8B_SHAPE,
+                }
+            ).decode(),
+            "KVLENS_COST_MODELS": '{"seconds-model": {"a": 7.3e-5, "b": 5.3e-9, "unit": "seconds"}}',
         },
     )
     config = tmp_path / "prometheus.yml"
@@ -127,16 +143,20 @@ def test_rules_and_every_dashboard_query_on_a_real_prometheus(prometheus: tuple[
     # requests: a series' first sample is its baseline. Plenty of it, so that rate() never
     # clamps its extrapolation at zero (which it would do per series, skewing the ratios).
     short, long = article_records()[0], article_records()[-1]  # with timings: histograms exist too
-    post([short, long] * 1000)
-    wait(lambda: scalar(url, "sum(kvlens_requests_total)") == 2000)
-    post(article_records())
+    # The same requests, as two other models, give the FLOPs and seconds families data.
+    other_units = [
+        {**record, "model": model} for model in ("flops-model", "seconds-model") for record in (short, long)
+    ]
+    post([short, long] * 1000 + other_units * 100)
+    wait(lambda: scalar(url, "sum(kvlens_requests_total)") == 2400)
+    post(article_records() + other_units)
     FakeEngine.exposition = FIXTURE.replace("} 1008.0", "} 2016.0").replace("} 2048.0", "} 4096.0")
-    wait(lambda: scalar(url, "sum(kvlens_requests_total)") == 2100)
+    wait(lambda: scalar(url, "sum(kvlens_requests_total)") == 2504)
     # Until the rules have been evaluated on a scrape that saw those requests, the ratios are
     # NaN (0/0) or absent.
     headline = [
-        f":kvlens_{name}:ratio_rate5m"
-        for name in ("request_hit_ratio", "token_reuse_ratio", "compute_saved_ratio")
+        'model:kvlens_request_hit_ratio:ratio_rate5m{model="article-model"}',
+        'unit:kvlens_compute_saved_ratio:ratio_rate5m{unit="work_units"}',
     ]
     wait(
         lambda: all(
@@ -146,9 +166,24 @@ def test_rules_and_every_dashboard_query_on_a_real_prometheus(prometheus: tuple[
     )
 
     # The headline ratios, as the recording rules compute them, equal the records' own.
-    assert scalar(url, ":kvlens_request_hit_ratio:ratio_rate5m") == pytest.approx(0.9000, abs=0.001)
-    assert scalar(url, ":kvlens_token_reuse_ratio:ratio_rate5m") == pytest.approx(0.0154, abs=0.001)
-    assert scalar(url, ":kvlens_compute_saved_ratio:ratio_rate5m") == pytest.approx(0.00344, abs=0.001)
+    article = '{model="article-model"}'
+    assert scalar(url, f"model:kvlens_request_hit_ratio:ratio_rate5m{article}") == pytest.approx(
+        0.9000, abs=0.001
+    )
+    assert scalar(url, f"model:kvlens_token_reuse_ratio:ratio_rate5m{article}") == pytest.approx(
+        0.0154, abs=0.001
+    )
+    assert scalar(url, f"model:kvlens_compute_saved_ratio:ratio_rate5m{article}") == pytest.approx(
+        0.00344, abs=0.001
+    )
+    # Only article-model counts in work units, so the fleet's work-unit ratio is its ratio;
+    # FLOPs and seconds are never added to it.
+    assert scalar(url, 'unit:kvlens_compute_saved_ratio:ratio_rate5m{unit="work_units"}') == pytest.approx(
+        0.00344, abs=0.001
+    )
+    for unit in ("flops", "seconds"):
+        assert finite(scalar(url, f'unit:kvlens_compute_saved_ratio:ratio_rate5m{{unit="{unit}"}}'))
+    assert finite(scalar(url, 'model:kvlens_saved_prefill_seconds:rate5m{model="seconds-model"}'))
 
     rules = httpx.get(f"{url}/api/v1/rules").json()["data"]["groups"]
     assert {group["name"] for group in rules} == {"kvlens-ratios", "kvlens-latency", "kvlens-alerts"}

@@ -9,6 +9,7 @@ import pytest
 
 from kvlens import bandwidth as bw
 from kvlens.cli import main
+from tests.unit.test_shapes import LLAMA_31_8B
 
 GIB = 1024**3
 TIB_PER_S = 1024**4
@@ -60,35 +61,6 @@ def test_weight_share() -> None:
     assert bw.weight_share(14 * GIB, 32, GIB) == pytest.approx(14 / 46)
 
 
-LLAMA_8B = {
-    "model_type": "llama",
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "hidden_size": 4096,
-    "torch_dtype": "bfloat16",
-}
-
-
-def test_shape_from_hf_config() -> None:
-    shape = bw.shape_from_hf_config(LLAMA_8B)
-    assert (shape.layers, shape.kv_heads, shape.head_dim, shape.dtype_bytes) == (32, 8, 128, 2)
-    assert shape.kv_bytes_per_token == 128 * 1024
-
-
-@pytest.mark.parametrize(
-    ("extra", "why"),
-    [
-        ({"model_type": "deepseek_v3", "kv_lora_rank": 512}, "latent attention"),
-        ({"sliding_window": 4096, "use_sliding_window": True}, "sliding-window"),
-        ({"layers_block_type": ["mamba", "attention"]}, "hybrid"),
-    ],
-)
-def test_models_the_formula_does_not_fit_are_refused(extra: dict[str, object], why: str) -> None:
-    with pytest.raises(bw.UnsupportedModel, match=why):
-        bw.shape_from_hf_config({**LLAMA_8B, **extra})
-
-
 @pytest.mark.parametrize(
     ("text", "value"),
     [("4.8TB/s", 4.8e12), ("1TiB/s", 2.0**40), ("900 GB/s", 9e11)],
@@ -107,7 +79,7 @@ def test_bad_units_are_refused() -> None:
 
 def test_cli_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "config.json"
-    config.write_text(json.dumps(LLAMA_8B))
+    config.write_text(json.dumps(LLAMA_31_8B))
     args = ["bandwidth", "--config-json", str(config), "--weight-bytes", "14GiB", "--bandwidth", "1TiB/s",
             "--batch", "1,8,32", "--context", "8192", "--quantized-fraction", "0.9"]  # fmt: skip
     assert main([*args, "--json"]) == 0
@@ -118,6 +90,6 @@ def test_cli_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert f"{result['weight_ratio']:.3f}" == "0.332"
     assert main(args) == 0
     assert "speedup" in capsys.readouterr().out
-    config.write_text(json.dumps({**LLAMA_8B, "kv_lora_rank": 512}))
+    config.write_text(json.dumps({**LLAMA_31_8B, "kv_lora_rank": 512}))
     assert main(args) == 2
     assert "latent attention" in capsys.readouterr().err

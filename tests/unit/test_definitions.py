@@ -119,5 +119,5 @@ def test_totals_of_two_batches_equal_totals_of_their_union(
         union.prompt_tokens,
         union.cached_tokens,
     )
-    assert added.prompt_work_units == pytest.approx(union.prompt_work_units, rel=1e-12)
-    assert added.reused_work_units == pytest.approx(union.reused_work_units, rel=1e-12)
+    assert added.prompt_work == pytest.approx(union.prompt_work, rel=1e-12)
+    assert added.reused_work == pytest.approx(union.reused_work, rel=1e-12)

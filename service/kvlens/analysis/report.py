@@ -13,8 +13,9 @@ import numpy as np
 import numpy.typing as npt
 
 from kvlens import definitions
-from kvlens.definitions import CostModel, Totals, prompt_length_bucket, prompt_length_labels
+from kvlens.definitions import CostModel, Totals, prompt_length_labels
 from kvlens.records import RecordBatch
+from kvlens.reduce import Reduced, reduce
 
 SCHEMA = "kvlens.analyze/v1"
 QUANTILES = (50, 95, 99)
@@ -23,58 +24,53 @@ SLOWEST_SHARE = 0.05
 
 @dataclass(frozen=True)
 class Derived:
-    """Per-record columns every part of the analysis shares."""
+    """The batch beside its reduction (:func:`kvlens.reduce.reduce`, shared with the exporter)."""
 
     batch: RecordBatch
-    model: npt.NDArray[np.object_]
-    length_group: npt.NDArray[np.intp]
+    reduced: Reduced
     length_labels: list[str]
-    hit: npt.NDArray[np.bool_]
-    prompt_work: npt.NDArray[np.float64]
-    reused_work: npt.NDArray[np.float64]
 
     @classmethod
     def of(
         cls, batch: RecordBatch, edges: list[int], cost_for: Callable[[str], CostModel], default_model: str
     ) -> Derived:
-        names = np.array([*batch.model_names, default_model], dtype=object)
-        model = names[batch.model_codes]  # code -1 picks the default
-        prompt_work, reused_work = definitions.modelled_work(
-            batch.prompt_tokens, batch.cached_tokens, model, cost_for
-        )
-        return cls(
-            batch=batch,
-            model=model,
-            length_group=prompt_length_bucket(batch.prompt_tokens, edges),
-            length_labels=prompt_length_labels(edges),
-            hit=batch.cached_tokens > 0,
-            prompt_work=prompt_work,
-            reused_work=reused_work,
-        )
+        reduced = reduce(batch, edges=edges, cost_for=cost_for, default_model=default_model)
+        return cls(batch=batch, reduced=reduced, length_labels=prompt_length_labels(edges))
+
+    @property
+    def model(self) -> npt.NDArray[np.object_]:
+        return self.reduced.model
+
+    @property
+    def length_group(self) -> npt.NDArray[np.intp]:
+        return self.reduced.length_group
+
+    @property
+    def hit(self) -> npt.NDArray[np.bool_]:
+        return self.reduced.hit
 
     def totals(self, rows: npt.NDArray[np.bool_] | slice = slice(None)) -> Totals:
-        n, h = self.batch.prompt_tokens[rows], self.batch.cached_tokens[rows]
-        return Totals(
-            requests=int(n.size),
-            hit_requests=int(np.count_nonzero(h > 0)),
-            prompt_tokens=int(n.sum()),
-            cached_tokens=int(h.sum()),
-            prompt_work_units=float(self.prompt_work[rows].sum()),
-            reused_work_units=float(self.reused_work[rows].sum()),
-        )
+        return self.reduced.totals(rows)
 
 
 def ratios(totals: Totals) -> dict[str, Any]:
+    """The sums and ratios of a set of records. Modelled work is given in its one unit
+    (``work_unit``); records whose models count work in several units have no single work sum
+    and no single compute-saved ratio: ``compute_saved_by_unit`` has one per unit."""
+    unit = totals.work_unit
+    index = definitions.UNITS.index(unit) if unit is not None else None
     return {
         "requests": totals.requests,
         "hit_requests": totals.hit_requests,
         "prompt_tokens": totals.prompt_tokens,
         "cached_tokens": totals.cached_tokens,
-        "prompt_work_units": totals.prompt_work_units,
-        "reused_work_units": totals.reused_work_units,
+        "prompt_work_units": totals.prompt_work[index] if index is not None else None,
+        "reused_work_units": totals.reused_work[index] if index is not None else None,
+        "work_unit": unit,
         "request_hit_ratio": totals.request_hit_ratio,
         "token_reuse_ratio": totals.token_reuse_ratio,
         "compute_saved_ratio": totals.compute_saved_ratio,
+        "compute_saved_by_unit": {u: totals.compute_saved_ratio_in(u) for u in totals.units},
     }
 
 
@@ -88,7 +84,6 @@ def percentiles(values: npt.NDArray[np.float64]) -> dict[str, Any]:
 
 
 def build(derived: Derived) -> dict[str, Any]:
-    batch = derived.batch
     overall = derived.totals()
     return {
         "schema": SCHEMA,
@@ -97,7 +92,7 @@ def build(derived: Derived) -> dict[str, Any]:
             name: ratios(derived.totals(derived.model == name)) for name in sorted(set(derived.model))
         },
         "groups": _groups(derived, overall),
-        "ttft_decomposition": _decomposition(batch),
+        "ttft_decomposition": _decomposition(derived.reduced),
         "slowest": _slowest(derived),
     }
 
@@ -118,9 +113,7 @@ def _groups(derived: Derived, overall: Totals) -> list[dict[str, Any]]:
                     "requests": totals.requests,
                     "share_of_requests": definitions.safe_ratio(totals.requests, overall.requests),
                     "share_of_tokens": definitions.safe_ratio(totals.prompt_tokens, overall.prompt_tokens),
-                    "share_of_work": definitions.safe_ratio(
-                        totals.prompt_work_units, overall.prompt_work_units
-                    ),
+                    "share_of_work": _share_of_work(totals, overall),
                     "token_reuse_ratio": totals.token_reuse_ratio,
                     "ttft_seconds": percentiles(batch.ttft_seconds[rows]),
                     "queue_seconds": percentiles(batch.queue_seconds[rows]),
@@ -130,11 +123,17 @@ def _groups(derived: Derived, overall: Totals) -> list[dict[str, Any]]:
     return out
 
 
-def _decomposition(batch: RecordBatch) -> dict[str, Any]:
-    parts = definitions.ttft_components(batch.ttft_seconds, batch.queue_seconds, batch.prefill_seconds)
-    complete = ~(
-        np.isnan(batch.ttft_seconds) | np.isnan(batch.queue_seconds) | np.isnan(batch.prefill_seconds)
-    )
+def _share_of_work(part: Totals, whole: Totals) -> float | None:
+    """The part's share of the modelled work, when all of it is in one unit."""
+    unit = whole.work_unit
+    if unit is None:
+        return None
+    index = definitions.UNITS.index(unit)
+    return definitions.safe_ratio(part.prompt_work[index], whole.prompt_work[index])
+
+
+def _decomposition(reduced: Reduced) -> dict[str, Any]:
+    parts, complete = reduced.ttft, reduced.ttft_complete
     sums = {name: float(getattr(parts, name)[complete].sum()) for name in ("queue", "prefill", "other")}
     total = sum(sums.values())
     return {

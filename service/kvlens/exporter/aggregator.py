@@ -19,8 +19,9 @@ import numpy.typing as npt
 
 from kvlens import definitions
 from kvlens.config import Settings
-from kvlens.definitions import prompt_length_bucket, prompt_length_labels
+from kvlens.definitions import UNITS, prompt_length_labels
 from kvlens.records import REASONS, RecordBatch, Validated, valid_label
+from kvlens.reduce import Reduced, reduce
 
 Int64Array = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
@@ -88,8 +89,9 @@ class GroupState:
     requests: Int64Array
     prompt_tokens: Int64Array
     cached_tokens: Int64Array
-    prompt_work: FloatArray
-    reused_work: FloatArray
+    prompt_work: FloatArray  # per unit (definitions.UNITS) x group
+    reused_work: FloatArray  # per unit x group
+    work_requests: Int64Array  # per unit x group: requests whose work is in that unit
     latency: dict[str, Histograms]
     reuse: Histograms  # per model x prompt_len
     ttft_components: FloatArray  # per model x component
@@ -101,8 +103,9 @@ class GroupState:
             requests=np.zeros(groups, np.int64),
             prompt_tokens=np.zeros(groups, np.int64),
             cached_tokens=np.zeros(groups, np.int64),
-            prompt_work=np.zeros(groups, np.float64),
-            reused_work=np.zeros(groups, np.float64),
+            prompt_work=np.zeros((len(UNITS), groups), np.float64),
+            reused_work=np.zeros((len(UNITS), groups), np.float64),
+            work_requests=np.zeros((len(UNITS), groups), np.int64),
             latency={name: Histograms.zeros(groups, latency_buckets) for name in LATENCY_FIELDS},
             reuse=Histograms.zeros(groups // 2, reuse_buckets),
             ttft_components=np.zeros((model_slots, len(TTFT_COMPONENTS)), np.float64),
@@ -110,7 +113,14 @@ class GroupState:
         )
 
     def __iadd__(self, other: GroupState) -> GroupState:
-        for name in ("requests", "prompt_tokens", "cached_tokens", "prompt_work", "reused_work"):
+        for name in (
+            "requests",
+            "prompt_tokens",
+            "cached_tokens",
+            "prompt_work",
+            "reused_work",
+            "work_requests",
+        ):
             getattr(self, name).__iadd__(getattr(other, name))
         for name, hist in other.latency.items():
             self.latency[name] += hist
@@ -126,6 +136,7 @@ class GroupState:
             cached_tokens=self.cached_tokens.copy(),
             prompt_work=self.prompt_work.copy(),
             reused_work=self.reused_work.copy(),
+            work_requests=self.work_requests.copy(),
             latency={name: hist.copy() for name, hist in self.latency.items()},
             reuse=self.reuse.copy(),
             ttft_components=self.ttft_components.copy(),
@@ -149,6 +160,12 @@ class Snapshot:
     series_overflow: int
     context_tokens: dict[str, float]  # model -> recent mean of prompt + output tokens
     declared_models: int = 0  # allow-listed models: their groups are exported from the start
+    declared_units: list[str] = field(default_factory=list)  # the unit of each one's cost model
+
+    def declared_unit(self, group: int) -> str | None:
+        """The cost model unit of the allow-listed model of a flat group index, if it is one."""
+        slot = group // (len(self.prompt_len_labels) * 2)
+        return self.declared_units[slot] if slot < self.declared_models else None
 
     @functools.cached_property
     def active_groups(self) -> list[tuple[int, list[str]]]:
@@ -172,8 +189,8 @@ class Snapshot:
             hit_requests=int(state.requests[1::2].sum()),
             prompt_tokens=int(state.prompt_tokens.sum()),
             cached_tokens=int(state.cached_tokens.sum()),
-            prompt_work_units=float(state.prompt_work.sum()),
-            reused_work_units=float(state.reused_work.sum()),
+            prompt_work=tuple(state.prompt_work.sum(axis=1).tolist()),
+            reused_work=tuple(state.reused_work.sum(axis=1).tolist()),
         )
 
 
@@ -207,26 +224,34 @@ class Aggregator:
         # Context length (prompt + output) per model, an exponentially weighted mean over about
         # the last CONTEXT_WINDOW requests: the decode traffic estimate needs "now", not a lifetime.
         self._context = np.full(self._model_slots, np.nan)
-        self._cost_by_slot: dict[int, definitions.CostModel] = {}
 
     def add(self, validated: Validated, source: str) -> None:
         """Count one validated batch: its records, its rejections and its unknown fields."""
         batch = validated.batch
-        with self._lock:
-            model_slots, distinct_slots, overflow = self._model_slots_of(batch)
-        reduced = self._reduce(batch, model_slots, distinct_slots) if len(batch) else None
-        context = self._context_means(batch, model_slots) if len(batch) else None
+        reduced = None
+        if len(batch):
+            reduced = reduce(
+                batch,
+                edges=self._length_edges,
+                cost_for=self.settings.cost_model_for,
+                default_model=self.settings.default_model,
+            )
+            with self._lock:  # labels are admitted in arrival order
+                lookup = np.fromiter(map(self._models.index_of, reduced.model_names), np.intp)
+            slots = lookup[reduced.model_codes]
+            overflow = int(np.count_nonzero(slots == self._models.other))
+            sums = self._sum(batch, reduced, slots)
+            context = self._context_means(batch, slots)
         rejected = validated.rejections.counts_by_reason()
         with self._lock:
             health = self._health
             health.received[source] += len(batch) + len(validated.rejections)
             health.unknown_fields[source] += validated.unknown_fields
-            health.series_overflow += overflow
             for reason, count in rejected.items():
                 health.rejected[(source, reason)] += count
             if reduced is not None:
-                self._state += reduced
-            if context is not None:
+                health.series_overflow += overflow
+                self._state += sums
                 counts, means = context
                 seen = counts > 0
                 decay = (1.0 - 1.0 / CONTEXT_WINDOW) ** counts[seen]
@@ -246,41 +271,21 @@ class Aggregator:
         with self._lock:
             self._health.dropped[source] += count
 
-    def _model_slots_of(self, batch: RecordBatch) -> tuple[npt.NDArray[np.intp], list[int], int]:
-        """Label slot per record, the slots this batch may use, and records folded into other."""
-        names = list(batch.model_names)
-        if (batch.model_codes < 0).any():
-            names.append(self.settings.default_model)  # code -1 indexes the last entry
-        lookup = np.fromiter((self._models.index_of(name) for name in names), np.intp, len(names))
-        slots = lookup[batch.model_codes]
-        overflow = (
-            int(np.count_nonzero(slots == self._models.other)) if (lookup == self._models.other).any() else 0
-        )
-        return slots, sorted(set(lookup.tolist())), overflow
-
-    def _cost_model(self, slot: int) -> definitions.CostModel:
-        cost = self._cost_by_slot.get(slot)
-        if cost is None:
-            cost = self.settings.cost_model_for(self._models.label(slot))
-            self._cost_by_slot[slot] = cost
-        return cost
-
-    def _reduce(
-        self, batch: RecordBatch, model_slots: npt.NDArray[np.intp], distinct_slots: list[int]
-    ) -> GroupState:
-        n, h = batch.prompt_tokens, batch.cached_tokens
-        hit = h > 0
-        length = prompt_length_bucket(n, self._length_edges)
-        model_length = model_slots * len(self._length_labels) + length
-        group = model_length * 2 + hit
+    def _sum(self, batch: RecordBatch, reduced: Reduced, model_slots: npt.NDArray[np.intp]) -> GroupState:
+        """The batch's sums per group (label slot x prompt_len x cache)."""
+        model_length = model_slots * len(self._length_labels) + reduced.length_group
+        group = model_length * 2 + reduced.hit
         groups = self._groups
-
-        prompt_work, reused_work = definitions.modelled_work(
-            n, h, model_slots, self._cost_model, distinct_slots
-        )
 
         def by_group(weights: npt.NDArray[Any] | None = None) -> npt.NDArray[Any]:
             return np.bincount(group, weights=weights, minlength=groups)
+
+        # Work per unit in one pass: row = unit * groups + group.
+        unit_group = reduced.unit.astype(np.intp) * groups + group
+        units = len(UNITS)
+
+        def by_unit(weights: npt.NDArray[Any] | None = None) -> npt.NDArray[Any]:
+            return np.bincount(unit_group, weights=weights, minlength=units * groups).reshape(units, groups)
 
         # All latency fields in one pass: row = field * groups + group.
         fields = len(LATENCY_FIELDS)
@@ -291,14 +296,12 @@ class Aggregator:
         sums = stacked.sums.reshape(fields, groups)
         latency = {name: Histograms(counts[i], sums[i]) for i, name in enumerate(LATENCY_FIELDS)}
         reuse = _histogram(
-            model_length, definitions.request_reuse_fraction(n, h), self._reuse_edges, groups // 2
+            model_length,
+            definitions.request_reuse_fraction(reduced.prompt_tokens, reduced.cached_tokens),
+            self._reuse_edges,
+            groups // 2,
         )
-        components = definitions.ttft_components(
-            batch.ttft_seconds, batch.queue_seconds, batch.prefill_seconds
-        )
-        complete = (
-            np.isfinite(components.other) & np.isfinite(components.queue) & np.isfinite(components.prefill)
-        )
+        components, complete = reduced.ttft, reduced.ttft_complete
         slots_complete = model_slots[complete]
         ttft_components: FloatArray = np.stack(
             [
@@ -312,10 +315,11 @@ class Aggregator:
         )
         return GroupState(
             requests=by_group().astype(np.int64),
-            prompt_tokens=by_group(n).astype(np.int64),
-            cached_tokens=by_group(h).astype(np.int64),
-            prompt_work=by_group(prompt_work),
-            reused_work=by_group(reused_work),
+            prompt_tokens=by_group(reduced.prompt_tokens).astype(np.int64),
+            cached_tokens=by_group(reduced.cached_tokens).astype(np.int64),
+            prompt_work=by_unit(reduced.prompt_work),
+            reused_work=by_unit(reduced.reused_work),
+            work_requests=by_unit().astype(np.int64),
             latency=latency,
             reuse=reuse,
             ttft_components=ttft_components,
@@ -343,6 +347,9 @@ class Aggregator:
                 unknown_fields={source: health.unknown_fields[source] for source in sorted(sources)},
                 series_overflow=health.series_overflow,
                 declared_models=models.capacity if models.fixed else 0,
+                declared_units=[self.settings.cost_model_for(name).unit for name in models.names]
+                if models.fixed
+                else [],
                 context_tokens={
                     models.label(slot): float(self._context[slot])
                     for slot in np.flatnonzero(~np.isnan(self._context)).tolist()

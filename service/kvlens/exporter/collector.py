@@ -17,6 +17,7 @@ from prometheus_client.utils import floatToGoString
 
 from kvlens import __version__, bandwidth
 from kvlens.config import ModelShapeSetting
+from kvlens.definitions import UNITS
 from kvlens.exporter import metrics
 from kvlens.exporter.aggregator import TTFT_COMPONENTS, Aggregator, Histograms, Snapshot
 from kvlens.exporter.background import BackgroundSources
@@ -54,6 +55,11 @@ class KVLensCollector(Collector):
             return
         builders: list[Callable[[Snapshot], Metric]] = [
             *(_group_counter(spec, attribute) for spec, attribute in _GROUP_COUNTER_FIELDS),
+            *(
+                _work_counter(spec, attribute, unit)
+                for unit, (prompt, reused) in metrics.WORK.items()
+                for spec, attribute in ((prompt, "prompt_work"), (reused, "reused_work"))
+            ),
             *(_latency_histogram(spec, field) for spec, field in _LATENCY_FIELDS),
             _reuse_ratio,
             _ttft_components,
@@ -101,8 +107,6 @@ _GROUP_COUNTER_FIELDS = (
     (metrics.REQUESTS, "requests"),
     (metrics.PROMPT_TOKENS, "prompt_tokens"),
     (metrics.CACHED_TOKENS, "cached_tokens"),
-    (metrics.PROMPT_WORK, "prompt_work"),
-    (metrics.REUSED_WORK, "reused_work"),
 )
 _LATENCY_FIELDS = (
     (metrics.QUEUE, "queue_seconds"),
@@ -122,6 +126,23 @@ def _group_counter(spec: metrics.MetricSpec, attribute: str) -> Callable[[Snapsh
         values = getattr(snapshot.state, attribute).tolist()
         for group, labels in snapshot.active_groups:
             family.add_metric(labels, values[group])
+        return family
+
+    return build
+
+
+def _work_counter(spec: metrics.MetricSpec, attribute: str, unit: str) -> Callable[[Snapshot], Metric]:
+    """A modelled-work counter of one unit: the groups whose requests had work in it (and the
+    allow-listed models whose cost model counts in it, from the start)."""
+    index = UNITS.index(unit)
+
+    def build(snapshot: Snapshot) -> Metric:
+        family = _counter(spec)
+        values = getattr(snapshot.state, attribute)[index].tolist()
+        counted = snapshot.state.work_requests[index]
+        for group, labels in snapshot.active_groups:
+            if counted[group] or snapshot.declared_unit(group) == unit:
+                family.add_metric(labels, values[group])
         return family
 
     return build
@@ -295,24 +316,23 @@ def _decode_families(
         spec.name: GaugeMetricFamily(spec.name, spec.help, labels=spec.labels) for spec in metrics.DECODE
     }
     for model, shape in sorted(shapes.items()):
-        if model not in snapshot.context_tokens:
+        weight_bytes = shape.decode_weight_bytes()
+        if model not in snapshot.context_tokens or weight_bytes is None:
             continue
         context = snapshot.context_tokens[model]
         batch = max(running.get(model, 1.0), 1.0)
-        per_token = bandwidth.kv_bytes_per_token(
-            shape.layers, shape.kv_heads, shape.head_dim, shape.kv_dtype_bytes
-        )
+        per_token = shape.shape().kv_bytes_per_token
         ratio = bandwidth.quantized_weight_ratio(shape.quantized_fraction, 4, shape.group_size)
         step = bandwidth.compare_step(
-            weight_bytes_16=shape.weight_bytes,
-            weight_bytes_q=shape.weight_bytes * ratio,
+            weight_bytes_16=weight_bytes,
+            weight_bytes_q=weight_bytes * ratio,
             kv_bytes_per_token_=per_token,
             batch=batch,
             context_tokens=context,
             bandwidth=1.0,  # memory-bound: the speedup does not depend on it
         )
         share = bandwidth.weight_share(
-            shape.weight_bytes, batch, bandwidth.kv_bytes_per_sequence(context, per_token)
+            weight_bytes, batch, bandwidth.kv_bytes_per_sequence(context, per_token)
         )
         for spec, value in (
             (metrics.DECODE_CONTEXT, context),

@@ -30,11 +30,42 @@ PROMPT_WORK = MetricSpec(
     "kvlens_prompt_work_units",
     "counter",
     GROUP_LABELS,
-    "Modelled prefill work without cache, sum of C(n) = a*n + b*n*(n+1)/2.",
+    "Modelled prefill work without cache, sum of C(n) = a*n + b*n*(n+1)/2, in the article's "
+    "illustrative unit (models with neither a shape nor a calibration).",
 )
 REUSED_WORK = MetricSpec(
-    "kvlens_reused_work_units", "counter", GROUP_LABELS, "Modelled prefill work the cache saved, sum of C(h)."
+    "kvlens_reused_work_units",
+    "counter",
+    GROUP_LABELS,
+    "Modelled prefill work the cache saved, sum of C(h), in the article's illustrative unit.",
 )
+PROMPT_FLOPS = MetricSpec(
+    "kvlens_prompt_flops",
+    "counter",
+    GROUP_LABELS,
+    "Prefill FLOPs without cache, sum of C(n), for models with a shape (model_shapes).",
+)
+REUSED_FLOPS = MetricSpec(
+    "kvlens_reused_flops", "counter", GROUP_LABELS, "Prefill FLOPs the cache saved, sum of C(h)."
+)
+MODELLED_PREFILL = MetricSpec(
+    "kvlens_modelled_prefill_seconds",
+    "counter",
+    GROUP_LABELS,
+    "Modelled prefill GPU time without cache, sum of C(n), for models calibrated in seconds.",
+)
+SAVED_PREFILL = MetricSpec(
+    "kvlens_saved_prefill_seconds",
+    "counter",
+    GROUP_LABELS,
+    "Modelled prefill GPU time the cache saved, sum of C(h); its rate is GPUs of prefill freed.",
+)
+# unit (definitions.UNITS) -> (C(n) family, C(h) family): work of different units is never added
+WORK: Final = {
+    "work_units": (PROMPT_WORK, REUSED_WORK),
+    "flops": (PROMPT_FLOPS, REUSED_FLOPS),
+    "seconds": (MODELLED_PREFILL, SAVED_PREFILL),
+}
 QUEUE = MetricSpec(
     "kvlens_queue_seconds", "histogram", GROUP_LABELS, "Time a request waited before scheduling."
 )
@@ -222,7 +253,12 @@ SCRAPE_ERRORS = MetricSpec(
 )
 BUILD_INFO = MetricSpec("kvlens_build_info", "gauge", ("version",), "kvlens build; the value is 1.")
 
-GROUP_COUNTERS: Final = (REQUESTS, PROMPT_TOKENS, CACHED_TOKENS, PROMPT_WORK, REUSED_WORK)
+GROUP_COUNTERS: Final = (
+    REQUESTS,
+    PROMPT_TOKENS,
+    CACHED_TOKENS,
+    *(spec for pair in WORK.values() for spec in pair),
+)
 LATENCY_HISTOGRAMS: Final = (QUEUE, PREFILL, TTFT, E2E)
 ALL: Final = (
     *GROUP_COUNTERS,
