@@ -54,23 +54,31 @@ class Derived:
 
 
 def ratios(totals: Totals) -> dict[str, Any]:
-    """The sums and ratios of a set of records. Modelled work is given in its one unit
-    (``work_unit``); records whose models count work in several units have no single work sum
-    and no single compute-saved ratio: ``compute_saved_by_unit`` has one per unit."""
-    unit = totals.work_unit
-    index = definitions.UNITS.index(unit) if unit is not None else None
+    """The sums and ratios of a set of records. Modelled work is never added across units:
+    ``prompt_work_units`` / ``reused_work_units`` are the article-unit sums (their v1 meaning),
+    ``work`` holds the sums and the compute-saved ratio of each unit used, and
+    ``compute_saved_ratio`` is null when the records' models count work in several units."""
+    work_units = definitions.UNITS.index(definitions.WORK_UNITS)
     return {
         "requests": totals.requests,
         "hit_requests": totals.hit_requests,
         "prompt_tokens": totals.prompt_tokens,
         "cached_tokens": totals.cached_tokens,
-        "prompt_work_units": totals.prompt_work[index] if index is not None else None,
-        "reused_work_units": totals.reused_work[index] if index is not None else None,
-        "work_unit": unit,
+        "prompt_work_units": totals.prompt_work[work_units],
+        "reused_work_units": totals.reused_work[work_units],
+        "work_unit": totals.work_unit,
+        "work": {
+            unit: {
+                "prompt": totals.prompt_work[index],
+                "reused": totals.reused_work[index],
+                "compute_saved_ratio": totals.compute_saved_ratio_in(unit),
+            }
+            for index, unit in enumerate(definitions.UNITS)
+            if unit in totals.units
+        },
         "request_hit_ratio": totals.request_hit_ratio,
         "token_reuse_ratio": totals.token_reuse_ratio,
         "compute_saved_ratio": totals.compute_saved_ratio,
-        "compute_saved_by_unit": {u: totals.compute_saved_ratio_in(u) for u in totals.units},
     }
 
 
