@@ -136,25 +136,6 @@ class Totals:
     prompt_work: tuple[float, ...] = NO_WORK
     reused_work: tuple[float, ...] = NO_WORK
 
-    @classmethod
-    def of(
-        cls,
-        prompt_tokens: ArrayLike,
-        cached_tokens: ArrayLike,
-        cost_model: CostModel = DEFAULT_COST_MODEL,
-    ) -> Totals:
-        n = np.asarray(prompt_tokens, dtype=np.int64)
-        h = np.asarray(cached_tokens, dtype=np.int64)
-        unit = UNITS.index(cost_model.unit)
-        return cls(
-            requests=int(n.size),
-            hit_requests=int(np.count_nonzero(h > 0)),
-            prompt_tokens=int(n.sum()),
-            cached_tokens=int(h.sum()),
-            prompt_work=_in_unit(unit, float(cost_model.work(n).sum())),
-            reused_work=_in_unit(unit, float(cost_model.work(h).sum())),
-        )
-
     def __add__(self, other: Totals) -> Totals:
         def add(left: Any, right: Any) -> Any:
             if isinstance(left, tuple):
@@ -194,10 +175,6 @@ class Totals:
         the work is in several units (see :meth:`compute_saved_ratio_in`)."""
         unit = self.work_unit
         return None if unit is None else self.compute_saved_ratio_in(unit)
-
-
-def _in_unit(unit: int, value: float) -> tuple[float, ...]:
-    return tuple(value if index == unit else 0.0 for index in range(len(UNITS)))
 
 
 @dataclass(frozen=True)
