@@ -160,6 +160,8 @@ def _raw_value(name: str, raw: msgspec.Raw) -> Any:
     """A field's value, or an empty stand-in of its type when it is a container (validation needs
     only the type) or a number beyond float range (rejected as such)."""
     if name == "prefix_hashes":
+        if bytes(raw).strip() == b"null":  # absent, as on the small path
+            return None
         hashes = decode_prefix_hashes(raw)
         return 0 if hashes is None else hashes
     try:
