@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 
 from kvlens import __version__
 from kvlens.config import ENV_PREFIX, Settings, load_settings
-from kvlens.errors import SettingsError
+from kvlens.errors import InputError, SettingsError
 from kvlens.exporter import server
 from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.app import create_app
@@ -40,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command: Callable[[argparse.Namespace], int] = args.run
     try:
         return command(args)
-    except SettingsError as error:
+    except (SettingsError, InputError) as error:
         print(f"kvlens: {error}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as error:
@@ -110,12 +110,20 @@ def _parser() -> argparse.ArgumentParser:
 
     analyze = commands.add_parser("analyze", help="report, diagnose and calibrate recorded traffic")
     analyze.add_argument(
-        "files", nargs="+", metavar="FILE", help="JSON-lines files (.gz allowed; - for stdin)"
+        "files", nargs="*", metavar="FILE", help="JSON-lines files (.gz allowed; - for stdin)"
     )
     input_flags(analyze)
     analyze.add_argument("--html", type=Path, metavar="OUT", help="write a self-contained HTML report")
     analyze.add_argument(
-        "--calibrate", type=Path, metavar="OUT", help="write fitted cost models (YAML settings)"
+        "--calibrate", type=Path, metavar="OUT", help="write fitted cost models in seconds (YAML settings)"
+    )
+    analyze.add_argument(
+        "--prefill-points",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="CSV",
+        help="measured prefill points to calibrate from (columns of prefill_h200.csv; see README)",
     )
     analyze.set_defaults(run=_analyze)
 
@@ -263,10 +271,18 @@ def _analyze(args: argparse.Namespace) -> int:
     from kvlens.analysis import calibration, render
     from kvlens.analysis.analyze import analyze
 
+    if not args.files and not args.prefill_points:
+        print("kvlens analyze: give record files, --prefill-points CSV, or both", file=sys.stderr)
+        return 2
     settings = load_settings(args.config)
     with _progress(args.files) as progress:
         report, fits = analyze(
-            args.files, settings, format_name=args.input_format, model=args.model, progress=progress
+            args.files,
+            settings,
+            format_name=args.input_format,
+            model=args.model,
+            progress=progress,
+            prefill_points=args.prefill_points,
         )
     if args.calibrate:
         args.calibrate.write_text(yaml.safe_dump(calibration.cost_model_file(fits), sort_keys=False))

@@ -52,19 +52,29 @@ class CostModel:
 
     def work(self, tokens: ArrayLike) -> FloatArray:
         """``C(n)``: the work to prefill ``n`` tokens from scratch."""
-        n = np.asarray(tokens, dtype=np.float64)
-        return np.asarray(self.a * n + self.b * n * (n + 1.0) / 2.0, dtype=np.float64)
+        linear, pairs = work_terms(tokens)
+        return np.asarray(self.a * linear + self.b * pairs, dtype=np.float64)
 
     def remaining_work(self, prompt_tokens: ArrayLike, cached_tokens: ArrayLike) -> FloatArray:
-        """Work left when ``h`` tokens come from the cache: ``C(n) - C(h)``.
+        """Work left when ``h`` tokens come from the cache: ``C(n) - C(h)``."""
+        linear, pairs = remaining_work_terms(prompt_tokens, cached_tokens)
+        return np.asarray(self.a * linear + self.b * pairs, dtype=np.float64)
 
-        Written as ``a*m + b*(m*h + m*(m+1)/2)`` with ``m = n - h``: the ``m`` new tokens
-        still attend to the ``h`` cached ones, so this is never ``C(m)``.
-        """
-        n = np.asarray(prompt_tokens, dtype=np.float64)
-        h = np.asarray(cached_tokens, dtype=np.float64)
-        m = n - h
-        return np.asarray(self.a * m + self.b * (m * h + m * (m + 1.0) / 2.0), dtype=np.float64)
+
+def work_terms(tokens: ArrayLike) -> tuple[FloatArray, FloatArray]:
+    """What ``a`` and ``b`` multiply in ``C(n)``: ``n`` tokens and ``n*(n+1)/2`` causal pairs."""
+    n = np.asarray(tokens, dtype=np.float64)
+    return n, n * (n + 1.0) / 2.0
+
+
+def remaining_work_terms(prompt_tokens: ArrayLike, cached_tokens: ArrayLike) -> tuple[FloatArray, FloatArray]:
+    """What ``a`` and ``b`` multiply in ``C(n) - C(h)``: the ``m = n - h`` new tokens, and the
+    pairs ``m*h + m*(m+1)/2``, because the new tokens still attend to the ``h`` cached ones (so
+    the remaining work is never ``C(m)``)."""
+    n = np.asarray(prompt_tokens, dtype=np.float64)
+    h = np.asarray(cached_tokens, dtype=np.float64)
+    m = n - h
+    return m, m * h + m * (m + 1.0) / 2.0
 
 
 DEFAULT_COST_MODEL = CostModel()

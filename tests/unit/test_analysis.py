@@ -199,6 +199,7 @@ def test_calibrate_writes_a_file_the_sidecar_accepts(
     )
     capsys.readouterr()
     settings = load_settings(out)
+    assert settings.cost_model_for("llama").unit == "seconds"
     assert settings.cost_model_for("llama").b / settings.cost_model_for("llama").a == pytest.approx(
         3e-9 / 2e-5, rel=0.1
     )

@@ -58,6 +58,35 @@ GROUP_HEADER = [
 ]
 
 
+def _compute_saved(totals: dict[str, Any]) -> str:
+    """The compute-saved ratio with its unit; one per unit when models count work in several."""
+    work = totals.get("work") or {}
+    if len(work) <= 1:
+        return _ratio("compute_saved_ratio", totals["compute_saved_ratio"]) + (
+            f" ({next(iter(work))})" if work else ""
+        )
+    return ", ".join(
+        f"{_ratio('compute_saved_ratio', w['compute_saved_ratio'])} ({unit})" for unit, w in work.items()
+    )
+
+
+def _model_row(name: str, model: dict[str, Any]) -> list[str]:
+    return [
+        name,
+        f"{model['requests']:,}",
+        _ratio("request_hit_ratio", model["request_hit_ratio"]),
+        _ratio("token_reuse_ratio", model["token_reuse_ratio"]),
+        _compute_saved(model),
+    ]
+
+
+MODEL_HEADER = ["model", "requests", "request hit", "token reuse", "compute saved (unit)"]
+
+
+def _has_records(report: dict[str, Any]) -> bool:
+    return bool(report["input"]["files"])
+
+
 def _summary_lines(report: dict[str, Any]) -> list[str]:
     source = report["input"]
     overall = report["overall"]
@@ -65,7 +94,8 @@ def _summary_lines(report: dict[str, Any]) -> list[str]:
         f"{overall['requests']:,} requests from {source['lines']:,} lines "
         f"({source['skipped_total']:,} skipped) in {len(source['files'])} file(s)",
     ]
-    lines += [f"{title}: {_ratio(key, overall[key])}" for key, title in RATIO_NAMES]
+    lines += [f"{title}: {_ratio(key, overall[key])}" for key, title in RATIO_NAMES[:2]]
+    lines.append(f"Compute saved (modelled): {_compute_saved(overall)}")
     decomposition = report["ttft_decomposition"]
     if decomposition["requests"]:
         lines.append(
@@ -85,9 +115,18 @@ def _summary_lines(report: dict[str, Any]) -> list[str]:
 
 def terminal(report: dict[str, Any]) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     console = Console()
+    if _has_records(report):
+        _terminal_records(console, report)
+    for fit in report["calibration"]:
+        for line in _calibration_lines(fit):
+            console.print(line)
+
+
+def _terminal_records(console: Any, report: dict[str, Any]) -> None:
+    from rich.table import Table
+
     for line in _summary_lines(report):
         console.print(line)
     table = Table(title="By prompt length and hit status")
@@ -97,46 +136,68 @@ def terminal(report: dict[str, Any]) -> None:
         table.add_row(*row)
     console.print(table)
     models = Table(title="By model")
-    for column in ("model", "requests", "request hit", "token reuse", "compute saved"):
+    for column in MODEL_HEADER:
         models.add_column(column, justify="right")
     for name, model in report["models"].items():
-        models.add_row(name, f"{model['requests']:,}", *(_ratio(key, model[key]) for key, _ in RATIO_NAMES))
+        models.add_row(*_model_row(name, model))
     console.print(models)
     for item in report["diagnosis"]:
         console.print(f"[bold]{item['severity'].upper()}[/bold] {item['title']}\n  {item['detail']}")
-    for fit in report["calibration"]:
-        console.print(_calibration_line(fit))
     for example in report["input"]["skipped_examples"][:5]:
         console.print(
             f"skipped {example['file']}:{example['line']}: {example['field'] or 'line'} {example['message']}"
         )
 
 
-def _calibration_line(fit: dict[str, Any]) -> str:
-    r2 = "n/a" if fit["r2"] is None else f"{fit['r2']:.3f}"
-    return (
-        f"calibration {fit['model']}: a={fit['a_seconds_per_token']:.3g} s/token, "
-        f"b={fit['b_seconds_per_pair']:.3g} s/pair, c={fit['c_seconds']:.3g} s, R^2 {r2} ({fit['reason']})"
-    )
+def _calibration_lines(fit: dict[str, Any]) -> list[str]:
+    """The fit, how it compares with the alternatives, and (for measured points) the saved
+    fraction at half-cached prompts: measured, fitted, as exported, and in FLOPs."""
+
+    def quality(q: dict[str, Any]) -> str:
+        r2 = "n/a" if q["r2"] is None else f"{q['r2']:.3f}"
+        error = "n/a" if q["median_error"] is None else f"{100 * q['median_error']:.1f} %"
+        return f"R^2 {r2}, median error {error}"
+
+    per = " per layer" if fit["per_layer"] else ""
+    ratio = f", b/a = 1/{fit['pairs_per_token']:,.0f}" if fit["pairs_per_token"] else ""
+    lines = [
+        f"calibration {fit['model']} ({fit['requests']:,} {fit['source']}): "
+        f"a={fit['a_seconds_per_token']:.3g} s/token, b={fit['b_seconds_per_pair']:.3g} s/pair, "
+        f"c={fit['c_seconds']:.3g} s{per}{ratio}; "
+        f"{quality(fit)} ({fit['reason']})"
+    ]
+    lines += [f"  vs {name.replace('_', ' ')}: {quality(q)}" for name, q in fit["alternatives"].items()]
+    for saved in fit["saved_fraction"]:
+        if 2 * saved["h"] == saved["n"]:
+            flops = "" if saved["flops"] is None else f", FLOPs {saved['flops']:.3f}"
+            lines.append(
+                f"  saved at n={saved['n']:,}, h={saved['h']:,}: measured {saved['measured']:.3f}, "
+                f"fitted {saved['fitted']:.3f}, cost model {saved['cost_model']:.3f}{flops}"
+            )
+    return lines
 
 
 def markdown(report: dict[str, Any]) -> str:
     out = ["# kvlens analyze", ""]
-    out += [f"- {line}" for line in _summary_lines(report)]
+    if _has_records(report):
+        out += _markdown_records(report)
+    if report["calibration"]:
+        out += ["## Calibration", ""]
+        out += [f"- {line.strip()}" for fit in report["calibration"] for line in _calibration_lines(fit)]
+    return "\n".join(out) + "\n"
+
+
+def _markdown_records(report: dict[str, Any]) -> list[str]:
+    out = [f"- {line}" for line in _summary_lines(report)]
     out += ["", "## By prompt length and hit status", "", _md_table(GROUP_HEADER, _group_rows(report)), ""]
     out += ["## By model", ""]
-    model_rows = [
-        [name, f"{m['requests']:,}", *(_ratio(key, m[key]) for key, _ in RATIO_NAMES)]
-        for name, m in report["models"].items()
-    ]
-    out += [_md_table(["model", "requests", "request hit", "token reuse", "compute saved"], model_rows), ""]
+    model_rows = [_model_row(name, m) for name, m in report["models"].items()]
+    out += [_md_table(MODEL_HEADER, model_rows), ""]
     out += ["## Diagnosis", ""]
     out += [f"- **{d['severity']}** {d['title']}: {d['detail']}" for d in report["diagnosis"]] or [
         "- nothing found"
     ]
-    if report["calibration"]:
-        out += ["", "## Calibration", ""] + [f"- {_calibration_line(fit)}" for fit in report["calibration"]]
-    return "\n".join(out) + "\n"
+    return [*out, ""]
 
 
 def _md_table(header: list[str], rows: list[list[str]]) -> str:
@@ -225,15 +286,10 @@ def html_page(report: dict[str, Any]) -> str:
         for d in report["diagnosis"]
     )
     group_table = _html_table(GROUP_HEADER, _group_rows(report))
-    model_table = _html_table(
-        ["model", "requests", "request hit", "token reuse", "compute saved"],
-        [
-            [n, f"{m['requests']:,}", *(_ratio(k, m[k]) for k, _ in RATIO_NAMES)]
-            for n, m in report["models"].items()
-        ],
-    )
+    model_table = _html_table(MODEL_HEADER, [_model_row(n, m) for n, m in report["models"].items()])
     calibration = "".join(
-        f"<p>{html.escape(_calibration_line(fit))}</p>{_svg_scatter(fit)}" for fit in report["calibration"]
+        "".join(f"<p>{html.escape(line)}</p>" for line in _calibration_lines(fit)) + _svg_scatter(fit)
+        for fit in report["calibration"]
     )
     summary = "".join(f"<li>{html.escape(line)}</li>" for line in _summary_lines(report))
     data = html.escape(json.dumps({k: v for k, v in report.items() if k != "calibration"}))
