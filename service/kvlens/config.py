@@ -170,7 +170,9 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", validate_default=True
     )
-    _cost_models: dict[str, CostModel] = PrivateAttr(default_factory=dict)  # chosen per model name
+    _cost_models: dict[str, CostModel] = PrivateAttr(
+        default_factory=dict
+    )  # configured names; "": the default
 
     host: str = Field("127.0.0.1", description="Listen address (loopback unless you open it).")
     port: int = Field(9433, ge=1, le=65535, description="Listen port for ingest and /metrics.")
@@ -364,19 +366,38 @@ class Settings(BaseSettings):
 
     def cost_model_for(self, model: str) -> CostModel:
         """The model's cost model: its own from ``cost_models`` (e.g. calibrated in seconds), else
-        FLOPs from its ``model_shapes`` entry, else ``default_cost_model`` (the article's unit)."""
-        found = self._cost_models.get(model)
-        if found is None:
-            found = self._cost_models[model] = self._choose_cost_model(model)
-        return found
+        FLOPs from its ``model_shapes`` entry, else ``default_cost_model`` (the article's unit).
+        Only configured names are remembered, so record-supplied names never grow memory."""
+        if not self._cost_models:
+            chosen = {name: self._choose_cost_model(name) for name in {*self.cost_models, *self.model_shapes}}
+            self._cost_models = {**chosen, "": self.default_cost_model.to_cost_model()}
+        return self._cost_models.get(model) or self._cost_models[""]
 
     def _choose_cost_model(self, model: str) -> CostModel:
         if model in self.cost_models:
             return self.cost_models[model].to_cost_model()
-        shape = self.model_shapes.get(model)
-        if shape is not None and shape.shape().has_flops:
-            return shape.shape().prefill_cost_model()
-        return self.default_cost_model.to_cost_model()
+        shape = self.model_shapes[model].shape()
+        return shape.prefill_cost_model() if shape.has_flops else self.default_cost_model.to_cost_model()
+
+    def cost_model_notes(self) -> list[str]:
+        """What each configured model's compute saved is counted in, for the startup log."""
+        notes = []
+        for name in sorted({*self.cost_models, *self.model_shapes}):
+            cost = self.cost_model_for(name)
+            source = {"flops": "from its shape", "seconds": "calibrated"}.get(cost.unit, "as configured")
+            ratio = f"b/a = 1/{cost.a / cost.b:,.0f}" if cost.b > 0 else "b = 0"
+            notes.append(f"model {name}: compute saved in {cost.unit} ({source}, {ratio})")
+        default = self.default_cost_model
+        notes.append(
+            f"other models: compute saved in {default.unit} (a = {default.a:g}, b = {default.b:g}"
+            + (
+                "; the article's illustrative unit, not FLOPs or seconds: give model_shapes for FLOPs "
+                "or a calibration for seconds)"
+                if default.unit == "work_units"
+                else ")"
+            )
+        )
+        return notes
 
     @classmethod
     def settings_customise_sources(

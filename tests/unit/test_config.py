@@ -113,3 +113,28 @@ def test_readme_example_settings_file_loads(tmp_path: Path) -> None:
     path.write_text(example.group(1))
     settings = load_settings(path)
     assert settings.tails and settings.scrape_targets and settings.models
+
+
+def test_cost_models_by_priority_and_only_configured_names_remembered() -> None:
+    settings = load_settings(
+        None,
+        cost_models={"cal": {"a": 1e-5, "b": 1e-9, "unit": "seconds"}, "both": {"a": 3, "b": 1}},
+        model_shapes={
+            "both": {"layers": 32, "kv_heads": 8, "head_dim": 128},
+            "shaped": {"layers": 32, "kv_heads": 8, "head_dim": 128, "hidden_size": 4096, "heads": 32,
+                       "intermediate_size": 14336},
+            "decode-only": {"layers": 32, "kv_heads": 8, "head_dim": 128},
+        },
+    )  # fmt: skip
+    assert settings.cost_model_for("cal").unit == "seconds"
+    assert settings.cost_model_for("both").a == 3  # cost_models beat a shape
+    assert settings.cost_model_for("shaped").unit == "flops"
+    assert settings.cost_model_for("shaped").a / settings.cost_model_for("shaped").b == pytest.approx(26_624)
+    assert settings.cost_model_for("decode-only").unit == "work_units"  # too little shape for FLOPs
+    for i in range(10_000):  # names from records: never remembered
+        assert settings.cost_model_for(f"sent-{i}").unit == "work_units"
+    assert len(settings._cost_models) == 5
+    notes = settings.cost_model_notes()
+    assert "model shaped: compute saved in flops (from its shape, b/a = 1/26,624)" in notes
+    assert "model cal: compute saved in seconds (calibrated, b/a = 1/10,000)" in notes
+    assert "the article's illustrative unit, not FLOPs or seconds" in notes[-1]

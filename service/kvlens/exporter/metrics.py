@@ -175,7 +175,8 @@ W4A16_SPEEDUP = MetricSpec(
     "kvlens_w4a16_decode_speedup",
     "gauge",
     ("model",),
-    "Modelled decode speedup of W4A16 at the current batch and context, (W16 + B*K) / (W4 + B*K).",
+    "Upper bound of the W4A16 decode speedup at the current batch and context, (W16 + B*K) / (W4 + B*K): "
+    "the byte model; a real int4 kernel reaches less (kvlens bandwidth --measured).",
 )
 DECODE: Final = (DECODE_CONTEXT, DECODE_BATCH, DECODE_WEIGHT_SHARE, W4A16_SPEEDUP)  # with model_shapes
 UPSTREAM: Final = (
