@@ -93,18 +93,15 @@ def modelled_work(
     cached_tokens: npt.NDArray[np.int64],
     keys: npt.NDArray[Any],
     cost_for: Callable[[Any], CostModel],
-    distinct: list[Any] | None = None,
 ) -> tuple[FloatArray, FloatArray, npt.NDArray[np.int8]]:
     """``C(n)``, ``C(h)`` and the unit (an index into ``UNITS``) per request, each with its own
     model's cost (``keys`` name the model of each request; ``cost_for`` maps a key to its cost
-    model; ``distinct``, the keys present, when the caller knows them already)."""
-    prompt_work = np.empty(prompt_tokens.size, np.float64)
-    reused_work = np.empty(prompt_tokens.size, np.float64)
-    unit = np.empty(prompt_tokens.size, np.int8)
-    if distinct is None:
-        distinct = np.unique(keys).tolist() if keys.size else []
-    for key in distinct:
-        rows = slice(None) if len(distinct) == 1 else keys == key
+    model)."""
+    prompt_work = np.empty_like(prompt_tokens, dtype=np.float64)
+    reused_work = np.empty_like(prompt_tokens, dtype=np.float64)
+    unit = np.empty_like(prompt_tokens, dtype=np.int8)
+    for key in np.unique(keys).tolist():
+        rows = keys == key
         cost = cost_for(key)
         prompt_work[rows] = cost.work(prompt_tokens[rows])
         reused_work[rows] = cost.work(cached_tokens[rows])

@@ -73,9 +73,8 @@ def reduce(
     if (codes < 0).any():
         codes = np.where(codes < 0, len(names), codes).astype(np.int32)
         names.append(default_model)
-    distinct = np.unique(codes).tolist() if len(names) > 1 else ([0] if codes.size else [])
     prompt_work, reused_work, unit = definitions.modelled_work(
-        batch.prompt_tokens, batch.cached_tokens, codes, lambda code: cost_for(names[code]), distinct
+        batch.prompt_tokens, batch.cached_tokens, codes, lambda code: cost_for(names[code])
     )
     ttft = definitions.ttft_components(batch.ttft_seconds, batch.queue_seconds, batch.prefill_seconds)
     return Reduced(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -44,7 +45,8 @@ def test_remaining_work_is_not_work_of_the_suffix() -> None:
 
 def test_only_full_blocks_are_reusable() -> None:
     assert d.reusable_full_block_tokens(1000, 16) == 992
-    with pytest.raises(ValueError):
+    assert d.reusable_full_block_tokens([1000, 15], 1).tolist() == [1000, 15]  # block size 1: every token
+    with pytest.raises(ValueError, match=r"^block_size must be a positive integer$"):
         d.reusable_full_block_tokens(1000, 0)
 
 
@@ -54,6 +56,19 @@ def test_faster_prefill_under_queueing() -> None:
     assert before == pytest.approx(1.000)
     assert after == pytest.approx(0.820)
     assert f"{before / after:.2f}" == "1.22"
+
+
+def test_a_cache_route_pays_only_past_transfer_routing_and_queue() -> None:
+    pays = d.cache_route_pays
+    assert pays(
+        prefill_saved_seconds=0.3, extra_queue_seconds=0.1, transfer_seconds=0.1, routing_seconds=0.05
+    )
+    assert not pays(
+        prefill_saved_seconds=0.3, extra_queue_seconds=0.1, transfer_seconds=0.2, routing_seconds=0.05
+    )
+    assert not pays(prefill_saved_seconds=0.25, extra_queue_seconds=0.125, transfer_seconds=0.0625,
+                    routing_seconds=0.0625)  # fmt: skip  # exactly even: no gain, stay
+    assert not pays(prefill_saved_seconds=0.3, extra_queue_seconds=0.1, routing_seconds=0.25)
 
 
 def test_routing_prefers_the_idle_uncached_replica() -> None:
@@ -66,9 +81,35 @@ def test_routing_prefers_the_idle_uncached_replica() -> None:
 
 
 def test_ttft_components_clamp_and_flag_overlap() -> None:
-    parts = d.ttft_components([1.0, 0.5], [0.3, 0.4], [0.2, 0.3])
-    assert parts.other.tolist() == pytest.approx([0.5, 0.0])
-    assert parts.overlapped.tolist() == [False, True]
+    parts = d.ttft_components([1.0, 0.5, 0.5], [0.3, 0.4, 0.25], [0.2, 0.3, 0.25])
+    assert parts.other.tolist() == pytest.approx([0.5, 0.0, 0.0])
+    assert parts.overlapped.tolist() == [False, True, False]  # parts that add up exactly do not overlap
+
+
+def test_columns_are_float64_whatever_the_input() -> None:
+    """Consumers store NaN for absent values and add fractional work: integer input must not
+    turn a column into integers."""
+    ints = [3, 5]
+    cost = d.CostModel(a=1.0, b=0.5)
+    assert cost.work(ints).dtype == np.float64
+    assert cost.remaining_work(ints, [1, 2]).dtype == np.float64
+    assert all(column.dtype == np.float64 for column in d.work_terms(ints))
+    assert all(column.dtype == np.float64 for column in d.remaining_work_terms(ints, [1, 2]))
+    parts = d.ttft_components([1, 2], [0, 1], [1, 0])
+    assert {parts.queue.dtype, parts.prefill.dtype, parts.other.dtype} == {np.dtype(np.float64)}
+    assert np.asarray(d.ttft_seconds(1, 2, 3)).dtype == np.float64
+    assert d.request_reuse_fraction(ints, [1, 5]).dtype == np.float64
+    assert d.reusable_full_block_tokens([17.0], 16).dtype == np.int64
+
+
+def test_request_reuse_fraction_of_empty_and_one_token_prompts() -> None:
+    assert d.request_reuse_fraction([0, 1, 1, 4], [0, 1, 0, 1]).tolist() == [0.0, 1.0, 0.0, 0.25]
+
+
+def test_a_single_request_has_ratios_of_one() -> None:
+    totals = totals_of([1], [1])
+    assert (totals.request_hit_ratio, totals.token_reuse_ratio, totals.compute_saved_ratio) == (1.0, 1.0, 1.0)
+    assert d.safe_ratio(1, 1) == 1.0 and d.safe_ratio(0, 0) is None
 
 
 def test_empty_window_has_no_ratio() -> None:
@@ -79,10 +120,12 @@ def test_empty_window_has_no_ratio() -> None:
 
 
 def test_cost_model_refuses_negative_or_nan() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^cost model a must be a finite number >= 0$"):
         d.CostModel(a=-1.0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^cost model b must be a finite number >= 0$"):
         d.CostModel(b=float("nan"))
+    with pytest.raises(ValueError, match=r"^cost model unit must be one of work_units, flops, seconds$"):
+        d.CostModel(unit="joules")
 
 
 prompt_and_cached = st.integers(0, 10_000_000).flatmap(lambda n: st.tuples(st.just(n), st.integers(0, n)))
