@@ -7,7 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvlens.config import load_settings
 from kvlens.definitions import CostModel
+from kvlens.exporter.aggregator import Aggregator
 from kvlens.records import batch_from_objects
 from kvlens.reduce import Reduced, reduce
 
@@ -77,3 +79,12 @@ def test_totals_keep_each_unit_apart() -> None:
     assert only_a.compute_saved_ratio == pytest.approx(
         (512 + 512 * 513 / 2048) / (1025 + 1024 * 1025 / 2048 + 1 / 1024)
     )
+
+
+def test_the_default_model_takes_a_label_only_when_a_record_lacks_a_model() -> None:
+    """With room for two labels, batches of models a then b give a and b their labels; the
+    default name must not take a slot because it could have been needed."""
+    aggregator = Aggregator(load_settings(None, max_models=2))
+    for model in ("a", "b"):
+        aggregator.add(batch_from_objects([{"model": model, "prompt_tokens": 10, "cached_tokens": 0}]), "push")
+    assert {labels[0] for _, labels in aggregator.snapshot().active_groups} == {"a", "b"}
