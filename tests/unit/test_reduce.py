@@ -86,5 +86,6 @@ def test_the_default_model_takes_a_label_only_when_a_record_lacks_a_model() -> N
     default name must not take a slot because it could have been needed."""
     aggregator = Aggregator(load_settings(None, max_models=2))
     for model in ("a", "b"):
-        aggregator.add(batch_from_objects([{"model": model, "prompt_tokens": 10, "cached_tokens": 0}]), "push")
+        record = {"model": model, "prompt_tokens": 10, "cached_tokens": 0}
+        aggregator.add(batch_from_objects([record]), "push")
     assert {labels[0] for _, labels in aggregator.snapshot().active_groups} == {"a", "b"}
