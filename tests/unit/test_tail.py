@@ -109,6 +109,20 @@ def test_copytruncate_and_truncation(tmp_path: Path) -> None:
     assert numbers(tailer.poll().lines) == [3]
 
 
+def test_a_file_truncated_rewritten_and_deleted_between_polls_is_read_whole(tmp_path: Path) -> None:
+    """Found by the stateful test: the deleted file is drained through its handle, and its rewrite
+    (same length as before, so only its first bytes tell) must be noticed there too."""
+    log = setup(tmp_path)
+    tailer = new_tailer(tmp_path)
+    append(log, 0)
+    assert numbers(tailer.poll().lines) == [0]
+    with open(log, "r+b") as out:
+        out.truncate(0)
+    append(log, 1)
+    log.unlink()
+    assert numbers(tailer.poll().lines) == [1]
+
+
 def test_an_over_long_object_is_handed_on_as_its_small_fields(tmp_path: Path) -> None:
     log = setup(tmp_path)
     prompt = json.dumps({"text": "y" * 10_000})  # a field kvlens does not read, over the limit

@@ -109,21 +109,14 @@ class Tailer:
                 continue
             followed.path = path
             followed.gone = False
-            if status.st_size < followed.position or not _starts_as_before(followed):
-                # truncated, or truncated and written again past where we were: start over
-                log.info("kvlens tail: %s was truncated; reading it from the start", path)
-                followed.start_over()
-                followed.fingerprint_bytes = 0
-                self.dirty = True
-            if followed.fingerprint_bytes < min(status.st_size, FINGERPRINT_BYTES):
-                followed.fingerprint_bytes = min(status.st_size, FINGERPRINT_BYTES)
-                followed.fingerprint = _fingerprint(followed.handle, followed.fingerprint_bytes)
+            self._notice_rewrite(followed, status.st_size)
             if budget[0] > 0:
                 self._read(followed, lines, budget, long_lines)
         for key, followed in list(self._files.items()):
             if key in seen:
                 continue
             followed.gone = True  # renamed away or deleted: read to its end through the handle
+            self._notice_rewrite(followed, os.fstat(followed.handle.fileno()).st_size)
             if budget[0] > 0:
                 self._read(followed, lines, budget, long_lines)
                 if budget[0] > 0:  # it reached its end
@@ -133,6 +126,19 @@ class Tailer:
         if lines or long_lines[0]:
             self.dirty = True
         return Poll(lines, long_lines[0], long_lines[1], more=budget[0] <= 0)
+
+    def _notice_rewrite(self, followed: _Followed, size: int) -> None:
+        """Start a file over when it was truncated, or truncated and written again past where we
+        were (its first bytes changed), also after it was renamed away or deleted; then
+        fingerprint the bytes it starts with now."""
+        if size < followed.position or not _starts_as_before(followed):
+            log.info("kvlens tail: %s was truncated; reading it from the start", followed.path)
+            followed.start_over()
+            followed.fingerprint_bytes = 0
+            self.dirty = True
+        if followed.fingerprint_bytes < min(size, FINGERPRINT_BYTES):
+            followed.fingerprint_bytes = min(size, FINGERPRINT_BYTES)
+            followed.fingerprint = _fingerprint(followed.handle, followed.fingerprint_bytes)
 
     def close(self) -> None:
         try:
