@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+import numpy as np
 import uvicorn
 import yaml
 from prometheus_client import CollectorRegistry, ProcessCollector
@@ -89,10 +90,27 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.set_defaults(run=_serve)
 
-    run_demo = commands.add_parser("demo", help="run the sidecar fed by built-in article-shaped traffic")
+    run_demo = commands.add_parser(
+        "demo", help="run the sidecar fed live by the simulator replaying a real trace (bundled)"
+    )
     server_flags(run_demo)
-    run_demo.add_argument("--rate", type=float, default=20.0, help="requests per second (default 20)")
-    run_demo.add_argument("--seed", type=int, default=0, help="random seed of the traffic")
+    run_demo.add_argument(
+        "--traffic",
+        choices=("replay", "synthetic"),
+        default="replay",
+        help="replay: the bundled Mooncake trace on a simulated fleet (default); synthetic: article-shaped",
+    )
+    run_demo.add_argument(
+        "--speed", type=float, default=4.0, help="replay this many times faster (default 4)"
+    )
+    run_demo.add_argument(
+        "--policy",
+        default="prefix_affinity",
+        choices=("round_robin", "least_queue", "prefix_affinity", "cost_aware"),
+        help="the replay fleet's router (default prefix_affinity)",
+    )
+    run_demo.add_argument("--rate", type=float, default=20.0, help="synthetic: requests per second (20)")
+    run_demo.add_argument("--seed", type=int, default=0, help="synthetic: random seed")
     run_demo.add_argument("--every", type=float, default=5.0, help="seconds between summary lines")
     run_demo.add_argument("--duration", type=float, help="stop after this many seconds (default: run)")
     run_demo.set_defaults(run=_demo)
@@ -140,6 +158,51 @@ def _parser() -> argparse.ArgumentParser:
         "--warmup-until", type=float, metavar="T", help="requests arriving before T are warm-up"
     )
     compare.set_defaults(run=_compare)
+
+    sim = commands.add_parser(
+        "simulate", help="replay a trace on a fleet: reachable vs delivered reuse per policy and capacity"
+    )
+    sim.add_argument(
+        "trace",
+        nargs="?",
+        metavar="TRACE",
+        help="Mooncake, Bailian or kvlens-record JSONL (default: bundled Mooncake)",
+    )
+    sim.add_argument("--replicas", type=int, default=4, help="replicas in the fleet (default 4)")
+    sim.add_argument(
+        "--capacity-blocks",
+        default="1000",
+        metavar="C[,C...]",
+        help="KV cache blocks per replica; several for a sweep; 'unbounded' allowed (default 1000)",
+    )
+    sim.add_argument(
+        "--policy",
+        action="append",
+        choices=("round_robin", "least_queue", "prefix_affinity", "cost_aware"),
+        help="routing policy, repeatable (default: all four)",
+    )
+    sim.add_argument("--block-size", type=int, help="refuse a trace whose blocks are not this size")
+    sim.add_argument(
+        "--time-scale", type=float, default=1.0, help="multiply arrival times (0.5: twice the rate)"
+    )
+    sim.add_argument("--rate", type=float, help="requests per second on average (rescales arrival times)")
+    sim.add_argument("--max-running", type=int, default=256, help="requests holding KV per replica (256)")
+    sim.add_argument("--no-chunked-prefill", action="store_true", help="a prefill pauses the running decodes")
+    sim.add_argument("--no-guard", action="store_true", help="prefix_affinity without its load guard")
+    sim.add_argument("--balance-abs", type=int, default=64, help="load guard: outstanding gap (64)")
+    sim.add_argument("--balance-rel", type=float, default=1.5, help="load guard: busiest/idlest ratio (1.5)")
+    sim.add_argument("--config", type=Path, help="YAML settings: a cost model in seconds under cost_models")
+    sim.add_argument(
+        "--model", help="whose cost model in seconds (from --config) times prefill (default: an H200, 8B)"
+    )
+    sim.add_argument("--json", action="store_true", help="print the result as JSON")
+    sim.add_argument(
+        "--plot", type=Path, metavar="FILE", help="write the reuse-vs-capacity curve (.svg, .png)"
+    )
+    sim.add_argument(
+        "--emit-records", type=Path, metavar="FILE", help="write the simulated requests as kvlens records"
+    )
+    sim.set_defaults(run=_simulate)
 
     decode = commands.add_parser("bandwidth", help="decode traffic model: would W4A16 speed up decode?")
     shape = decode.add_argument_group("model shape: a config.json, the numbers, or the KV bytes directly")
@@ -229,7 +292,7 @@ def _server(settings: Settings, aggregator: Aggregator, log_level: str) -> uvico
             settings.host,
         )
     for note in settings.cost_model_notes():
-        log.info("kvlens: %s", note)
+        log.info("%s", note)
     guard = app.state.sidecar.health.connections
     assert guard is not None
     return server.build_server(settings, app, guard, log_level)
@@ -244,14 +307,29 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     settings = _settings(args, docs=True)
+    traffic: demo.TrafficSource
+    if args.traffic == "synthetic":
+        traffic = demo.DemoTraffic(rate_per_second=args.rate, seed=args.seed)
+        what = (
+            "built-in traffic shaped like the articles' fleet (many short requests that hit a small\n"
+            "shared prefix, a few long ones that miss)"
+        )
+    else:
+        if not settings.model_shapes:  # the replayed model's shape: compute saved in FLOPs
+            settings = _settings(args, docs=True, model_shapes={demo.REPLAY_MODEL: demo.REPLAY_SHAPE})
+        replay = demo.ReplayTraffic(speed=args.speed, policy=args.policy)
+        traffic = replay
+        what = (
+            f"the Mooncake trace (kvcache-ai/Mooncake, Apache-2.0) replayed {args.speed:g}x faster by the\n"
+            f"simulator on {replay.replicas} replicas of {replay.capacity_blocks:,} cache blocks, routed by "
+            f"{args.policy}"
+        )
     aggregator = Aggregator(settings, extra_sources=(demo.SOURCE,))
     server = _server(settings, aggregator, "warning")
-    traffic = demo.DemoTraffic(rate_per_second=args.rate, seed=args.seed)
     stop = threading.Event()
     base = f"http://{settings.host}:{settings.port}"
     print(
-        "kvlens demo: built-in traffic shaped like the articles' fleet (many short requests that\n"
-        "hit a small shared prefix, a few long ones that miss), fed through the live exporter.\n"
+        f"kvlens demo: {what}, fed through the live exporter.\n"
         f"  metrics   {base}/metrics\n"
         f"  API docs  {base}/docs\n"
         f"  push your own records: curl -X POST {base}/v1/records "
@@ -324,8 +402,14 @@ def _compare(args: argparse.Namespace) -> int:
             print(f"kvlens: --arm takes NAME=FILE, not {spec!r}", file=sys.stderr)
             return 2
         read = reader.read([path], format_name=args.input_format, model=args.model)
+        batch = read.batch
+        if any(arm is not None for arm in batch.arm):  # a file of several arms (kvlens simulate)
+            batch = batch.select(np.array([arm == name for arm in batch.arm], dtype=bool))
+            if not len(batch):
+                print(f"kvlens compare: {path} has no records of arm {name!r}", file=sys.stderr)
+                return 2
         derived = Derived.of(
-            read.batch, settings.prompt_length_edges, settings.cost_model_for, settings.default_model
+            batch, settings.prompt_length_edges, settings.cost_model_for, settings.default_model
         )
         arms.append(compare.Arm(name, derived))
     try:
@@ -338,6 +422,74 @@ def _compare(args: argparse.Namespace) -> int:
         end="" if not args.json else "\n",
     )
     return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from kvlens.simulate import render, sweep
+    from kvlens.simulate.policies import POLICIES, Guard
+    from kvlens.simulate.replica import DEFAULT_SERVICE, ServiceModel
+    from kvlens.simulate.run import write_records
+    from kvlens.simulate.trace import BUNDLED, open_trace
+
+    try:
+        capacities = [
+            None if c.strip() == "unbounded" else int(c) for c in args.capacity_blocks.split(",") if c.strip()
+        ]
+        if not capacities or any(c is not None and c < 0 for c in capacities):
+            raise ValueError("--capacity-blocks takes block counts >= 0 (or 'unbounded'), comma-separated")
+        if args.replicas < 1:
+            raise ValueError("--replicas must be >= 1")
+        prefill = DEFAULT_SERVICE.prefill
+        if args.model or args.config:
+            settings = load_settings(args.config)
+            prefill = settings.cost_model_for(args.model or settings.default_model)
+        service = ServiceModel(
+            prefill=prefill, max_running=args.max_running, chunked_prefill=not args.no_chunked_prefill
+        )
+        trace = open_trace(
+            args.trace or BUNDLED, block_size=args.block_size, time_scale=args.time_scale, rate=args.rate
+        )
+    except ValueError as error:  # TraceError is an InputError: main reports it
+        print(f"kvlens simulate: {error}", file=sys.stderr)
+        return 2
+    plan = sweep.Plan(
+        trace,
+        args.replicas,
+        capacities,
+        args.policy or list(POLICIES),
+        service,
+        None if args.no_guard else Guard(args.balance_abs, args.balance_rel),
+    )
+    with contextlib.ExitStack() as stack:
+        records = (
+            write_records(stack.enter_context(args.emit_records.open("wb"))) if args.emit_records else None
+        )
+        progress = stack.enter_context(_run_progress(plan.runs))
+        result = sweep.sweep(plan, records=records, progress=progress)
+    if args.plot:
+        try:
+            render.write_plot(result, args.plot)
+        except ValueError as error:
+            print(f"kvlens simulate: {error}", file=sys.stderr)
+            return 2
+    print(json.dumps(result, indent=2) if args.json else render.text(result), end="\n" if args.json else "")
+    return 0
+
+
+@contextlib.contextmanager
+def _run_progress(runs: int) -> Iterator[Callable[[int], None] | None]:
+    """A progress bar on stderr (requests replayed, all runs) when it is a terminal."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    try:
+        from rich.progress import Progress
+    except ModuleNotFoundError:
+        yield None
+        return
+    with Progress(transient=True) as bar:
+        task = bar.add_task(f"simulating {runs} runs", total=None)
+        yield lambda count: bar.advance(task, count)
 
 
 def _bandwidth(args: argparse.Namespace) -> int:

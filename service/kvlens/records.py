@@ -88,6 +88,10 @@ class Record(BaseModel):
     finish_reason: Annotated[str, Field(max_length=32)] | None = Field(
         None, description="stop, length, abort, error, ..."
     )
+    arm: Annotated[str, Field(max_length=64)] | None = Field(
+        None,
+        description="Experiment arm (a routing policy of `kvlens simulate`, a `compare` arm); never a label.",
+    )
     block_size: Annotated[int, Field(ge=1, le=MAX_TOKENS)] | None = Field(
         None, description="KV block size in tokens of the engine that served the request."
     )
@@ -300,6 +304,7 @@ class RecordBatch:
     replica: list[str | None]
     tenant: list[str | None]
     finish_reason: list[str | None]
+    arm: list[str | None]
     prefix_hashes: list[list[int | str] | None]
 
     def __len__(self) -> int:

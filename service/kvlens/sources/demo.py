@@ -1,23 +1,39 @@
-"""Built-in traffic for ``kvlens demo``: the shape of the articles' fleet.
+"""Built-in traffic for ``kvlens demo``, behind one seam (:class:`TrafficSource`):
 
-Many short chat requests share a small template prefix (one or two 16-token blocks) and hit;
-a few long prompts (documents, RAG) miss. The request hit ratio looks excellent while token
-reuse and modelled compute saved stay small. Prefill time follows the cost model's remaining
-work; queueing comes in bursts, so TTFT is sometimes queue-bound whatever the cache does.
-
-This is one :class:`TrafficSource`; the simulator supplies another through the same seam.
+- :class:`ReplayTraffic` (the default): the bundled Mooncake trace (a real public one) replayed
+  by the simulator on a fleet of replicas with prefix caches and a cache-aware router, sped up
+  and looping, so the sidecar shows a realistic fleet with no setup;
+- :class:`DemoTraffic` (``--traffic synthetic``, and the benchmarks' record generator): the shape
+  of the articles' fleet. Many short chat requests share a small template prefix (one or two
+  16-token blocks) and hit; a few long prompts (documents, RAG) miss. The request hit ratio looks
+  excellent while token reuse and modelled compute saved stay small.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 from kvlens.definitions import DEFAULT_COST_MODEL, CostModel, reusable_full_block_tokens
 
 SOURCE = "demo"
+REPLAY_MODEL: Final = "llama-3.1-8b"
+# The shape the replay's prefill times were measured for (the simulator's default service
+# model): the demo gives it to the sidecar, so compute saved reads in FLOPs and the decode
+# panel has a model.
+REPLAY_SHAPE: Final = {
+    "layers": 32,
+    "kv_heads": 8,
+    "head_dim": 128,
+    "hidden_size": 4096,
+    "heads": 32,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+}
 
 
 class TrafficSource(Protocol):
@@ -89,4 +105,51 @@ class DemoTraffic:
                     "finish_reason": "stop",
                 }
             )
+        return out
+
+
+@dataclass
+class ReplayTraffic:
+    """The bundled Mooncake trace (3,993 requests over 17 minutes) as the simulator plays it on
+    ``replicas`` replicas under ``policy``, replayed ``speed`` times faster than recorded and
+    looping. Arrivals are sped up; each request's latencies are the simulated ones."""
+
+    speed: float = 4.0
+    replicas: int = 4
+    capacity_blocks: int = 1800  # 512-token blocks: about the KV room of an H200 serving 8B
+    policy: str = "prefix_affinity"
+    model: str = REPLAY_MODEL
+    origin: float = field(default_factory=time.time)  # the wall clock of the trace's start
+    _records: list[dict[str, Any]] = field(init=False, repr=False)
+    _finish: npt.NDArray[np.float64] = field(init=False, repr=False)
+    _span: float = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        from kvlens.simulate import run
+        from kvlens.simulate.trace import BUNDLED, open_trace
+
+        if not self.speed > 0:
+            raise ValueError("speed must be > 0")
+        trace = open_trace(BUNDLED)
+        played: list[dict[str, Any]] = []
+        fleet = run.Fleet(self.replicas, self.capacity_blocks, trace.block_size)
+        run.simulate(trace.requests(), fleet, self.policy, records=played.extend)
+        finish = np.array([r["arrival_time"] + r["e2e_seconds"] for r in played])
+        order = np.argsort(finish, kind="stable")
+        self._records = [played[i] for i in order]
+        self._finish = finish[order]
+        self._span = float(finish.max()) + 1.0  # trace seconds before it starts again
+
+    def records(self, start: float, end: float) -> list[dict[str, Any]]:
+        low, high = ((t - self.origin) * self.speed for t in (start, end))
+        out = []
+        for loop in range(max(int(low // self._span), 0), int(high // self._span) + 1):
+            offset = loop * self._span
+            first, last = np.searchsorted(self._finish, [low - offset, high - offset], side="left")
+            for played in self._records[first:last]:
+                record = {k: v for k, v in played.items() if k not in ("prefix_hashes", "arm")}
+                record["model"] = self.model
+                record["request_id"] = f"mooncake-{loop}-{played['request_id']}"
+                record["arrival_time"] = self.origin + (played["arrival_time"] + offset) / self.speed
+                out.append(record)
         return out

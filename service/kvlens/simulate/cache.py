@@ -1,0 +1,102 @@
+"""One replica's block-level prefix cache, as vLLM's V1 block pool keeps it.
+
+A block is known by its key, which stands for the block and its whole prefix (chained hashes), so
+a request's cached prefix is the longest run of its keys, from the first, that the cache holds.
+Blocks a running request holds are never evicted; when it finishes they stay cached and become
+evictable, last block first (vLLM frees a request's blocks in reverse order, so a prefix outlives
+its tail), and the least recently freed block is evicted first when room is needed. A block for
+which there is no room (every cached block held by running requests) is not cached, and nor is
+anything after it in that request.
+
+So the cache is prefix-closed: a block is freed no earlier than the blocks after it (a request
+holding a block holds its prefix, and frees its tail first), hence evicted no earlier, and a
+cached block's whole prefix is cached. :meth:`PrefixCache.acquire` relies on it; the property
+tests check it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+class PrefixCache:
+    __slots__ = ("_free", "_held", "capacity", "evictions")
+
+    def __init__(self, capacity_blocks: int | None) -> None:
+        """``capacity_blocks``: blocks the replica's KV memory holds; None: unbounded."""
+        if capacity_blocks is not None and capacity_blocks < 0:
+            raise ValueError("capacity must be >= 0 blocks")
+        self.capacity = capacity_blocks
+        self._held: dict[object, int] = {}  # block -> running requests holding it
+        self._free: OrderedDict[object, None] = OrderedDict()  # cached, held by none; LRU first
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._held) + len(self._free)
+
+    def __contains__(self, block: object) -> bool:
+        return block in self._held or block in self._free
+
+    def held(self, block: object) -> int:
+        """Running requests holding ``block`` (0: free or not cached)."""
+        return self._held.get(block, 0)
+
+    def cached_prefix(self, blocks: Sequence[object], limit: int) -> int:
+        """Leading blocks of ``blocks`` that are cached, at most ``limit`` (what a request would
+        reuse here now; nothing changes)."""
+        held, free = self._held, self._free
+        count = 0
+        for block in blocks:
+            if count >= limit or (block not in held and block not in free):
+                break
+            count += 1
+        return count
+
+    def acquire(self, blocks: Sequence[object], limit: int) -> tuple[int, int]:
+        """A request starts: it reuses its cached leading blocks (at most ``limit``), and holds
+        every block it has until :meth:`release`, the new ones cached where there is room.
+        Returns (blocks reused, blocks held: a prefix of ``blocks``)."""
+        held, free = self._held, self._free
+        holders_of = held.get
+        count = 0
+        for block in blocks:  # the cached leading run
+            holders = holders_of(block)
+            if holders is not None:
+                held[block] = holders + 1
+            elif block in free:
+                del free[block]
+                held[block] = 1
+            else:
+                break
+            count += 1
+        reused = min(count, limit)
+        if count == len(blocks):
+            return reused, count
+        # The cache is prefix-closed (a block is freed no earlier than any block after it, so it
+        # is evicted no earlier), so past the first block it lacks it holds none of the rest.
+        room = None if self.capacity is None else self.capacity - len(held) - len(free)
+        for block in blocks[count:]:
+            if room is not None:
+                if room > 0:
+                    room -= 1
+                elif free:
+                    free.popitem(last=False)
+                    self.evictions += 1
+                else:
+                    break  # every cached block is in use: no room for this one
+            held[block] = 1
+            count += 1
+        return reused, count
+
+    def release(self, blocks: Sequence[object], count: int) -> None:
+        """The request that acquired ``blocks`` (holding the first ``count``) finished: they stay
+        cached, evictable once no running request holds them, its last block first."""
+        held, free = self._held, self._free
+        release = held.pop
+        for block in reversed(blocks if count == len(blocks) else blocks[:count]):
+            holders = release(block)
+            if holders == 1:
+                free[block] = None
+            else:
+                held[block] = holders - 1

@@ -1,0 +1,212 @@
+"""A replica that queues: its prefix cache, a waiting line, one prefill at a time, and the
+requests it decodes.
+
+The service model, documented in the README:
+
+- A request waits (FIFO) until the replica's prefill lane is free and fewer than
+  ``max_running`` requests hold KV there. It then takes its cached prefix from the cache (the
+  hit is fixed when prefill starts, as vLLM's scheduler fixes it) and holds its blocks until it
+  finishes.
+- Prefill takes the remaining work ``C(n) - C(h)`` of the cost model in seconds
+  (:meth:`kvlens.definitions.CostModel.remaining_work`); its end is the first token, so
+  TTFT = queue + prefill.
+- Each further output token takes one decode step at the batch the replica runs when the
+  request's decode begins: ``t0 + (W + B*K) / BW`` (:mod:`kvlens.bandwidth`, ``K`` the KV bytes
+  of the mean running context).
+- With chunked prefill (vLLM V1's default) decodes go on while a prefill runs; without it, a
+  prefill pauses every running decode for its duration.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from kvlens import bandwidth
+from kvlens.definitions import CostModel
+from kvlens.simulate.cache import PrefixCache
+from kvlens.simulate.trace import TraceRequest
+
+INF = math.inf
+
+# An H200 serving the Llama-3.1-8B shape (tests/fixtures/h200, scaled from the measured layers to
+# 32): prefill a = 2.32e-5 s per token, b = 1.70e-9 s per causal pair; decode t0 1.7 ms, 16.1 GB
+# of bf16 weights and 128 KiB of KV per token read at 3.27 TB/s.
+H200_LLAMA_8B_PREFILL = CostModel(a=2.32e-5, b=1.70e-9, unit="seconds")
+
+
+@dataclass(frozen=True)
+class DecodeModel:
+    step_overhead_seconds: float = 1.7e-3
+    weight_bytes: float = 16.06e9
+    kv_bytes_per_token: float = 131_072
+    bandwidth_bytes_per_second: float = 3.27e12
+
+    def step_seconds(self, batch: int, mean_context_tokens: float) -> float:
+        read = bandwidth.step_bytes(self.weight_bytes, batch, mean_context_tokens * self.kv_bytes_per_token)
+        return bandwidth.step_seconds(read, self.bandwidth_bytes_per_second, extra=self.step_overhead_seconds)
+
+
+@dataclass(frozen=True)
+class ServiceModel:
+    prefill: CostModel = H200_LLAMA_8B_PREFILL
+    decode: DecodeModel = DecodeModel()
+    max_running: int = 256
+    chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.prefill.unit != "seconds":
+            raise ValueError(
+                f"the simulator needs prefill times: a cost model in seconds, not {self.prefill.unit} "
+                "(calibrate one with kvlens analyze --calibrate)"
+            )
+        if self.max_running < 1:
+            raise ValueError("max_running must be >= 1")
+
+
+DEFAULT_SERVICE = ServiceModel()
+
+
+class Job:
+    """A request on its way through a replica."""
+
+    __slots__ = (
+        "arrival",
+        "blocks",
+        "cached_tokens",
+        "estimate",
+        "finish",
+        "first_token",
+        "held",
+        "index",
+        "limit",
+        "order",
+        "output_tokens",
+        "prompt_tokens",
+        "replica",
+        "start",
+    )
+
+    def __init__(self, request: TraceRequest, order: int, block_size: int) -> None:
+        self.index = request.index
+        self.order = order  # arrival order in this run: ties are broken by it
+        self.arrival = request.arrival
+        self.prompt_tokens = request.prompt_tokens
+        self.output_tokens = request.output_tokens
+        self.blocks = request.blocks
+        # vLLM recomputes a prompt's last token (to get its logits): at most (n-1)//B blocks hit.
+        self.limit = (request.prompt_tokens - 1) // block_size
+        self.estimate = 0.0  # the prefill seconds the router expected here
+        self.replica = -1
+        self.cached_tokens = 0
+        self.held = 0
+        self.start = self.first_token = self.finish = INF
+
+
+class Replica:
+    __slots__ = (
+        "_decoding",
+        "backlog",
+        "block_size",
+        "busy_seconds",
+        "cache",
+        "context_tokens",
+        "done",
+        "index",
+        "model",
+        "prefill_end",
+        "prefilling",
+        "served",
+        "waiting",
+    )
+
+    def __init__(
+        self, index: int, capacity_blocks: int | None, block_size: int, model: ServiceModel, done: list[Job]
+    ) -> None:
+        self.index = index
+        self.cache = PrefixCache(capacity_blocks)
+        self.block_size = block_size
+        self.model = model
+        self.done = done  # finished jobs go here
+        self.waiting: deque[Job] = deque()
+        self.prefilling: Job | None = None
+        self.prefill_end = INF
+        self._decoding: list[tuple[float, int, Job]] = []  # a heap by finish time
+        self.backlog = 0.0  # the prefill seconds the waiting jobs were expected to take
+        self.context_tokens = 0  # prompt + output tokens of the running jobs
+        self.served = 0
+        self.busy_seconds = 0.0  # prefill seconds
+
+    @property
+    def running(self) -> int:
+        return len(self._decoding) + (self.prefilling is not None)
+
+    @property
+    def outstanding(self) -> int:
+        """Requests routed here and not finished: waiting and running."""
+        return len(self.waiting) + self.running
+
+    def expected_wait(self, now: float) -> float:
+        """Seconds until a request routed here now would start its prefill, as a router can know
+        it: the rest of the current prefill and the expected prefills of those waiting."""
+        return (self.prefill_end - now if self.prefilling is not None else 0.0) + self.backlog
+
+    def prefill_seconds(self, job: Job, cached_blocks: int) -> float:
+        return float(self.model.prefill.remaining_work(job.prompt_tokens, cached_blocks * self.block_size))
+
+    def enqueue(self, job: Job, now: float) -> None:
+        job.replica = self.index
+        self.waiting.append(job)
+        self.backlog += job.estimate
+        self._start(now)
+
+    def advance(self, until: float) -> None:
+        """Play this replica's events up to ``until``: prefills ending, requests finishing, and
+        the waiting ones starting as room frees."""
+        decoding = self._decoding
+        while True:
+            finish = decoding[0][0] if decoding else INF
+            if finish <= self.prefill_end:
+                if finish > until or not decoding:
+                    return
+                _, _, job = heapq.heappop(decoding)
+                job.finish = finish  # later than planned when prefills paused its decode
+                self.cache.release(job.blocks, job.held)
+                self.context_tokens -= job.prompt_tokens + job.output_tokens
+                self.done.append(job)
+                self._start(finish)
+            else:
+                if self.prefill_end > until:
+                    return
+                self._first_token(self.prefill_end)
+
+    def _start(self, now: float) -> None:
+        if self.prefilling is not None or not self.waiting or self.running >= self.model.max_running:
+            return
+        job = self.waiting.popleft()
+        self.backlog = self.backlog - job.estimate if self.waiting else 0.0
+        reused, job.held = self.cache.acquire(job.blocks, job.limit)
+        job.cached_tokens = reused * self.block_size
+        job.start = now
+        duration = self.prefill_seconds(job, reused)
+        self.busy_seconds += duration
+        self.prefilling = job
+        self.prefill_end = now + duration
+        self.context_tokens += job.prompt_tokens + job.output_tokens
+        if not self.model.chunked_prefill and self._decoding:  # the prefill pauses every decode
+            self._decoding[:] = [(finish + duration, order, j) for finish, order, j in self._decoding]
+
+    def _first_token(self, now: float) -> None:
+        job = self.prefilling
+        assert job is not None
+        job.first_token = now
+        self.prefilling = None
+        self.prefill_end = INF
+        batch = len(self._decoding) + 1
+        step = self.model.decode.step_seconds(batch, self.context_tokens / batch)
+        job.finish = now + max(job.output_tokens - 1, 0) * step  # the first token came with prefill
+        heapq.heappush(self._decoding, (job.finish, job.order, job))
+        self.served += 1
+        self._start(now)

@@ -1,0 +1,284 @@
+"""Replay a trace on a fleet under a routing policy, and walk it through one cache to find the
+reuse the workload could reach.
+
+Finished requests become kvlens records (a :class:`~kvlens.records.RecordBatch` per chunk) and
+go through :func:`kvlens.reduce.reduce`, the step every consumer uses, so a simulated hit ratio,
+token reuse or compute saved is the same number the sidecar and ``analyze`` would give for those
+records. The trace is streamed: memory holds the caches, the requests in flight, one chunk of
+finished records and 8 bytes per request for exact latency percentiles.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import numpy as np
+import numpy.typing as npt
+import orjson
+
+from kvlens.analysis.report import percentiles
+from kvlens.definitions import Totals, safe_ratio
+from kvlens.records import RecordBatch
+from kvlens.reduce import reduce
+from kvlens.simulate.cache import PrefixCache
+from kvlens.simulate.policies import DEFAULT_GUARD, Guard, policy
+from kvlens.simulate.replica import DEFAULT_SERVICE, INF, Job, Replica, ServiceModel
+from kvlens.simulate.trace import TraceRequest
+
+CHUNK = 16_384  # finished requests reduced at a time
+MODEL = "simulated"
+
+
+@dataclass(frozen=True)
+class Fleet:
+    replicas: int
+    capacity_blocks: int | None  # per replica; None: unbounded
+    block_size: int
+    service: ServiceModel = DEFAULT_SERVICE
+    guard: Guard | None = DEFAULT_GUARD
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError("a fleet needs one replica or more")
+
+
+@dataclass
+class Outcome:
+    """What one policy (or one walk) delivered on the trace."""
+
+    name: str
+    capacity_blocks: int | None
+    totals: Totals = field(default_factory=Totals)
+    ttft: list[npt.NDArray[np.float32]] = field(default_factory=list)
+    queue: list[npt.NDArray[np.float32]] = field(default_factory=list)
+    requests_per_replica: list[int] = field(default_factory=list)
+    prefill_seconds_per_replica: list[float] = field(default_factory=list)
+    evictions: int = 0
+
+    def add(self, batch: RecordBatch, service: ServiceModel) -> None:
+        reduced = reduce(batch, edges=[], cost_for=lambda _: service.prefill, default_model=MODEL)
+        self.totals = self.totals + reduced.totals()
+        if not np.isnan(batch.ttft_seconds).all():
+            self.ttft.append(batch.ttft_seconds.astype(np.float32))
+            self.queue.append(batch.queue_seconds.astype(np.float32))
+
+    def summary(self) -> dict[str, Any]:
+        totals = self.totals
+        out: dict[str, Any] = {
+            "policy": self.name,
+            "capacity_blocks": self.capacity_blocks,
+            "requests": totals.requests,
+            "request_hit_ratio": totals.request_hit_ratio,
+            "token_reuse_ratio": totals.token_reuse_ratio,
+            "compute_saved_ratio": totals.compute_saved_ratio,
+            "evictions": self.evictions,
+        }
+        if self.ttft:
+            ttft = np.concatenate(self.ttft).astype(np.float64)
+            queue = np.concatenate(self.queue).astype(np.float64)
+            served = self.requests_per_replica
+            out |= {
+                "ttft_seconds": percentiles(ttft),
+                "queue_seconds": percentiles(queue),
+                "queue_share_of_ttft": safe_ratio(float(queue.sum()), float(ttft.sum())),
+                "requests_per_replica": served,
+                "prefill_seconds_per_replica": self.prefill_seconds_per_replica,
+                "load_imbalance": max(served) / (sum(served) / len(served)) if sum(served) else None,
+            }
+        return out
+
+
+def simulate(
+    requests: Iterable[TraceRequest],
+    fleet: Fleet,
+    policy_name: str,
+    *,
+    records: Callable[[list[dict[str, Any]]], None] | None = None,
+    arm: str | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> Outcome:
+    """Route each request at its arrival, play the replicas' queues, and reduce what finished.
+    ``records`` is handed the finished requests as kvlens records, in arrival order, their
+    ``arm`` the policy's name unless given (:func:`write_records` writes them as JSON lines);
+    ``progress`` is told how many more requests arrived."""
+    arm = arm or policy_name
+    writer = None if records is None else _InArrivalOrder(records, fleet.block_size, arm)
+    choose = policy(policy_name, fleet.guard)
+    done: list[Job] = []
+    replicas = [
+        Replica(i, fleet.capacity_blocks, fleet.block_size, fleet.service, done)
+        for i in range(fleet.replicas)
+    ]
+    outcome = Outcome(policy_name, fleet.capacity_blocks)
+    order = 0
+    for request in requests:
+        now = request.arrival
+        for replica in replicas:
+            replica.advance(now)
+        job = Job(request, order, fleet.block_size)
+        replicas[choose(job, replicas, now)].enqueue(job, now)
+        order += 1
+        if len(done) >= CHUNK:
+            _flush(done, outcome, fleet, arm, writer)
+        if progress is not None and order % 1024 == 0:
+            progress(1024)
+    for replica in replicas:
+        replica.advance(INF)
+    _flush(done, outcome, fleet, arm, writer)
+    if progress is not None:
+        progress(order % 1024)
+    outcome.requests_per_replica = [r.served for r in replicas]
+    outcome.prefill_seconds_per_replica = [r.busy_seconds for r in replicas]
+    outcome.evictions = sum(r.cache.evictions for r in replicas)
+    return outcome
+
+
+def walk(
+    requests: Iterable[TraceRequest],
+    capacity_blocks: int | None,
+    block_size: int,
+    name: str,
+    service: ServiceModel = DEFAULT_SERVICE,
+) -> Outcome:
+    """The reuse of one cache of ``capacity_blocks`` that sees every request in arrival order and
+    holds nothing beyond a request's own instant: unbounded, it is the reuse the workload could
+    reach at all; with a fleet's whole capacity, what a perfect router would get."""
+    cache = PrefixCache(capacity_blocks)
+    prompt: list[int] = []
+    cached: list[int] = []
+    outcome = Outcome(name, capacity_blocks)
+    for request in requests:
+        limit = (request.prompt_tokens - 1) // block_size
+        reused, held = cache.acquire(request.blocks, limit)
+        cache.release(request.blocks, held)
+        prompt.append(request.prompt_tokens)
+        cached.append(reused * block_size)
+        if len(prompt) >= CHUNK:
+            outcome.add(_token_batch(prompt, cached, block_size), service)
+            prompt, cached = [], []
+    outcome.add(_token_batch(prompt, cached, block_size), service)
+    outcome.evictions = cache.evictions
+    return outcome
+
+
+def _flush(done: list[Job], outcome: Outcome, fleet: Fleet, arm: str, writer: _InArrivalOrder | None) -> None:
+    if not done:
+        return
+    outcome.add(_job_batch(done, fleet.block_size, arm), fleet.service)
+    if writer is not None:
+        writer.finished(done)
+    done.clear()
+
+
+class _InArrivalOrder:
+    """Hands finished requests on as records in arrival order (as ``compare`` pairs arms position
+    by position), holding back only those that finished before an earlier arrival did."""
+
+    def __init__(self, sink: Callable[[list[dict[str, Any]]], None], block_size: int, arm: str) -> None:
+        self.sink, self.block_size, self.arm = sink, block_size, arm
+        self.waiting: list[tuple[int, Job]] = []
+        self.next = 0
+
+    def finished(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            heapq.heappush(self.waiting, (job.order, job))
+        ready = []
+        while self.waiting and self.waiting[0][0] == self.next:
+            ready.append(heapq.heappop(self.waiting)[1])
+            self.next += 1
+        if ready:
+            self.sink([record(job, self.block_size, self.arm) for job in ready])
+
+
+def _token_batch(prompt: list[int], cached: list[int], block_size: int) -> RecordBatch:
+    count = len(prompt)
+    absent = np.full(count, np.nan)
+    return _batch(
+        count,
+        block_size,
+        prompt_tokens=np.array(prompt, np.int64),
+        cached_tokens=np.array(cached, np.int64),
+        output_tokens=np.full(count, -1, np.int64),
+        queue_seconds=absent,
+        prefill_seconds=absent,
+        ttft_seconds=absent,
+        decode_seconds=absent,
+        e2e_seconds=absent,
+        arrival_time=absent,
+        replica=[None] * count,
+        arm=[None] * count,
+        request_id=[None] * count,
+    )
+
+
+def _job_batch(jobs: list[Job], block_size: int, arm: str) -> RecordBatch:
+    count = len(jobs)
+
+    def column(values: Iterator[float]) -> npt.NDArray[np.float64]:
+        return np.fromiter(values, np.float64, count)
+
+    arrival = column(j.arrival for j in jobs)
+    start = column(j.start for j in jobs)
+    first = column(j.first_token for j in jobs)
+    finish = column(j.finish for j in jobs)
+    return _batch(
+        count,
+        block_size,
+        prompt_tokens=np.fromiter((j.prompt_tokens for j in jobs), np.int64, count),
+        cached_tokens=np.fromiter((j.cached_tokens for j in jobs), np.int64, count),
+        output_tokens=np.fromiter((j.output_tokens for j in jobs), np.int64, count),
+        queue_seconds=start - arrival,
+        prefill_seconds=first - start,
+        ttft_seconds=first - arrival,
+        decode_seconds=finish - first,
+        e2e_seconds=finish - arrival,
+        arrival_time=arrival,
+        replica=[f"r{j.replica}" for j in jobs],
+        arm=[arm] * count,
+        request_id=[str(j.index) for j in jobs],
+    )
+
+
+def _batch(count: int, block_size: int, **columns: Any) -> RecordBatch:
+    return RecordBatch(
+        block_size=np.full(count, block_size, np.int64),
+        model_codes=np.zeros(count, np.int32),
+        model_names=[MODEL],
+        tenant=[None] * count,
+        finish_reason=[None] * count,
+        prefix_hashes=[None] * count,
+        **columns,
+    )
+
+
+def record(job: Job, block_size: int, arm: str) -> dict[str, Any]:
+    """A finished request as a kvlens record that ``analyze``, ``compare`` and the sidecar read."""
+    return {
+        "request_id": str(job.index),
+        "model": MODEL,
+        "arm": arm,
+        "replica": f"r{job.replica}",
+        "prompt_tokens": job.prompt_tokens,
+        "cached_tokens": job.cached_tokens,
+        "output_tokens": job.output_tokens,
+        "queue_seconds": job.start - job.arrival,
+        "prefill_seconds": job.first_token - job.start,
+        "ttft_seconds": job.first_token - job.arrival,
+        "decode_seconds": job.finish - job.first_token,
+        "e2e_seconds": job.finish - job.arrival,
+        "arrival_time": job.arrival,
+        "block_size": block_size,
+        "prefix_hashes": list(job.blocks),
+    }
+
+
+def write_records(out: IO[bytes]) -> Callable[[list[dict[str, Any]]], None]:
+    """A ``records`` sink that writes JSON lines to ``out``."""
+
+    def write(records: list[dict[str, Any]]) -> None:
+        out.writelines(orjson.dumps(r) + b"\n" for r in records)
+
+    return write
