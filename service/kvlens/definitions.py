@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -52,13 +52,22 @@ class CostModel:
 
     def work(self, tokens: ArrayLike) -> FloatArray:
         """``C(n)``: the work to prefill ``n`` tokens from scratch."""
-        linear, pairs = work_terms(tokens)
-        return np.asarray(self.a * linear + self.b * pairs, dtype=np.float64)
+        return self._of(*work_terms(tokens))
 
     def remaining_work(self, prompt_tokens: ArrayLike, cached_tokens: ArrayLike) -> FloatArray:
         """Work left when ``h`` tokens come from the cache: ``C(n) - C(h)``."""
-        linear, pairs = remaining_work_terms(prompt_tokens, cached_tokens)
-        return np.asarray(self.a * linear + self.b * pairs, dtype=np.float64)
+        return self._of(*remaining_work_terms(prompt_tokens, cached_tokens))
+
+    def remaining_work_of(self, prompt_tokens: int, cached_tokens: int) -> float:
+        """:meth:`remaining_work` of one request, in plain floats (the simulator's inner loop
+        costs requests one at a time, where numpy's per-call overhead would dominate)."""
+        return self._of(*_remaining(float(prompt_tokens), float(cached_tokens)))
+
+    def _of(self, linear: Amount, pairs: Amount) -> Amount:
+        return self.a * linear + self.b * pairs
+
+
+Amount = TypeVar("Amount", float, FloatArray)
 
 
 def work_terms(tokens: ArrayLike) -> tuple[FloatArray, FloatArray]:
@@ -71,8 +80,12 @@ def remaining_work_terms(prompt_tokens: ArrayLike, cached_tokens: ArrayLike) -> 
     """What ``a`` and ``b`` multiply in ``C(n) - C(h)``: the ``m = n - h`` new tokens, and the
     pairs ``m*h + m*(m+1)/2``, because the new tokens still attend to the ``h`` cached ones (so
     the remaining work is never ``C(m)``)."""
-    n = np.asarray(prompt_tokens, dtype=np.float64)
-    h = np.asarray(cached_tokens, dtype=np.float64)
+    return _remaining(
+        np.asarray(prompt_tokens, dtype=np.float64), np.asarray(cached_tokens, dtype=np.float64)
+    )
+
+
+def _remaining(n: Amount, h: Amount) -> tuple[Amount, Amount]:
     m = n - h
     return m, m * h + m * (m + 1.0) / 2.0
 

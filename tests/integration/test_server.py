@@ -138,8 +138,35 @@ def test_scrapes_during_ingestion_see_monotonic_counters(kvlens_server: Running)
     assert total(final, "kvlens_requests_total") == 30 * 1000
 
 
-def test_demo_serves_article_shaped_numbers() -> None:
-    running = start_kvlens("demo", "--duration", "30", "--every", "1", "--rate", "200")
+def test_demo_replays_the_bundled_trace_on_a_simulated_fleet() -> None:
+    running = start_kvlens("demo", "--duration", "30", "--every", "1", "--speed", "40")
+    try:
+        with httpx.Client() as client:
+            for _ in range(150):
+                values = scraped_sums(client.get(f"{running.url}/metrics").text)
+                if total(values, "kvlens_requests_total") >= 1000:
+                    break
+                threading.Event().wait(0.1)
+        requests = total(values, "kvlens_requests_total", model="llama-3.1-8b")
+        assert requests >= 1000
+        assert total(values, "kvlens_records_received_total", source="demo") == requests
+        # The model has a shape: compute saved in FLOPs, and the decode gauges are there.
+        assert (
+            total(values, "kvlens_prompt_flops_total") > 0
+            and total(values, "kvlens_prompt_work_units_total") == 0
+        )
+        assert total(values, "kvlens_decode_context_tokens") > 0
+        reuse = total(values, "kvlens_cached_tokens_total") / total(values, "kvlens_prompt_tokens_total")
+        assert 0.02 < reuse < 0.7  # the Mooncake trace reuses; no fleet reuses more than it can reach (0.65)
+    finally:
+        output = running.output()
+    assert "Mooncake trace" in output and "request hit" in output
+
+
+def test_synthetic_demo_serves_article_shaped_numbers() -> None:
+    running = start_kvlens(
+        "demo", "--traffic", "synthetic", "--duration", "30", "--every", "1", "--rate", "200"
+    )
     try:
         with httpx.Client() as client:
             for _ in range(100):

@@ -148,6 +148,14 @@ def test_remaining_work_equals_difference_and_exceeds_suffix_work(
     assert remaining >= float(cost.work(n - h)) - 1e-6 * max(1.0, remaining)
 
 
+@given(prompt_and_cached, cost_models)
+def test_one_requests_remaining_work_in_floats_is_the_columns(pair: tuple[int, int], cost: d.CostModel) -> None:
+    n, h = pair
+    one = cost.remaining_work_of(n, h)
+    assert isinstance(one, float)
+    assert one == pytest.approx(float(cost.remaining_work([n], [h])[0]), rel=1e-12, abs=1e-9)
+
+
 @given(requests, cost_models)
 def test_every_ratio_is_within_zero_and_one(pairs: list[tuple[int, int]], cost: d.CostModel) -> None:
     totals = totals_of([p[0] for p in pairs], [p[1] for p in pairs], cost)

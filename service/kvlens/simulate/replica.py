@@ -114,6 +114,7 @@ class Replica:
         "cache",
         "context_tokens",
         "done",
+        "due",
         "index",
         "model",
         "prefill_end",
@@ -133,6 +134,7 @@ class Replica:
         self.waiting: deque[Job] = deque()
         self.prefilling: Job | None = None
         self.prefill_end = INF
+        self.due = INF  # no event before this time: advance() has nothing to do until then
         self._decoding: list[tuple[float, int, Job]] = []  # a heap by finish time
         self.backlog = 0.0  # the prefill seconds the waiting jobs were expected to take
         self.context_tokens = 0  # prompt + output tokens of the running jobs
@@ -154,7 +156,7 @@ class Replica:
         return (self.prefill_end - now if self.prefilling is not None else 0.0) + self.backlog
 
     def prefill_seconds(self, job: Job, cached_blocks: int) -> float:
-        return float(self.model.prefill.remaining_work(job.prompt_tokens, cached_blocks * self.block_size))
+        return self.model.prefill.remaining_work_of(job.prompt_tokens, cached_blocks * self.block_size)
 
     def enqueue(self, job: Job, now: float) -> None:
         job.replica = self.index
@@ -170,6 +172,7 @@ class Replica:
             finish = decoding[0][0] if decoding else INF
             if finish <= self.prefill_end:
                 if finish > until or not decoding:
+                    self.due = finish
                     return
                 _, _, job = heapq.heappop(decoding)
                 job.finish = finish  # later than planned when prefills paused its decode
@@ -179,6 +182,7 @@ class Replica:
                 self._start(finish)
             else:
                 if self.prefill_end > until:
+                    self.due = self.prefill_end
                     return
                 self._first_token(self.prefill_end)
 
@@ -194,6 +198,7 @@ class Replica:
         self.busy_seconds += duration
         self.prefilling = job
         self.prefill_end = now + duration
+        self.due = min(self.due, self.prefill_end)
         self.context_tokens += job.prompt_tokens + job.output_tokens
         if not self.model.chunked_prefill and self._decoding:  # the prefill pauses every decode
             self._decoding[:] = [(finish + duration, order, j) for finish, order, j in self._decoding]

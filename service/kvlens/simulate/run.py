@@ -117,7 +117,8 @@ def simulate(
     for request in requests:
         now = request.arrival
         for replica in replicas:
-            replica.advance(now)
+            if replica.due <= now:
+                replica.advance(now)
         job = Job(request, order, fleet.block_size)
         replicas[choose(job, replicas, now)].enqueue(job, now)
         order += 1

@@ -111,7 +111,7 @@ def _advance(progress: Callable[[int], None] | None, outcome: Outcome) -> None:
 def _requests(trace: Trace) -> Callable[[], Iterable[TraceRequest]]:
     """Each run's requests: a small trace read once and kept, a large one streamed every time."""
     path = Path(trace.path)
-    if trace.path != "-" and path.is_file() and path.stat().st_size > IN_MEMORY_BYTES:
+    if path.stat().st_size > IN_MEMORY_BYTES:
         return trace.requests
     kept = list(trace.requests())
     return lambda: kept

@@ -166,17 +166,13 @@ def _records_block_size(first: bytes, block_size: int | None, path: str) -> int:
 
 
 def _open(path: str) -> IO[bytes]:
-    if path == "-":
-        import sys
-
-        return sys.stdin.buffer
+    """The file (gzip or not); a trace is read more than once, so never standard input."""
     try:
-        handle = open(path, "rb")  # noqa: SIM115 (returned open)
-        if handle.read(2) == b"\x1f\x8b":
-            handle.seek(0)
-            return gzip.open(handle, "rb")  # type: ignore[return-value]
-        handle.seek(0)
-        return handle
+        with open(path, "rb") as probe:
+            gzipped = probe.read(2) == b"\x1f\x8b"
+        if gzipped:
+            return gzip.GzipFile(path, "rb")  # type: ignore[return-value]  # a binary stream: the caller closes
+        return open(path, "rb")
     except OSError as error:
         raise TraceError(f"{path}: cannot read: {error}") from None
 

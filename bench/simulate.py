@@ -1,0 +1,136 @@
+"""``kvlens simulate`` on the whole Mooncake synthetic trace, beside a baseline in the same run.
+
+    .venv/bin/python bench/simulate.py [--scales 1,10,100]
+
+Figures (medians; these machines are noisy, so read the ratios):
+- the baseline: a naive ``OrderedDict`` LRU walking every block of the trace on one cache of the
+  fleet's capacity, no queues, no pinning, nothing else;
+- each policy on 4 replicas of 1,000 blocks, the whole replay (queues, prefill and decode,
+  reduction of the finished records), in blocks per second and as a multiple of the baseline's
+  time. Goals: round_robin within 2x of the walk; prefix-aware policies, which consult every
+  replica's cache, within 2N = 8x;
+- the trace repeated 1x, 10x, 100x (each copy later in time and with its own blocks, streamed,
+  never held in memory) in a fresh process each: seconds, blocks per second and peak RSS, so the
+  cost is seen to be linear in blocks and the memory bounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+
+from kvlens.simulate.policies import POLICIES
+from kvlens.simulate.run import Fleet, simulate
+from kvlens.simulate.trace import BUNDLED, TraceRequest, open_trace
+
+REPLICAS = 4
+CAPACITY = 1000
+
+
+def repeated(requests: list[TraceRequest], times: int) -> Iterator[TraceRequest]:
+    """The trace ``times`` times over: each copy after the previous one, with blocks of its own."""
+    span = requests[-1].arrival + 1.0
+    for copy in range(times):
+        for r in requests:
+            blocks = r.blocks if copy == 0 else tuple((copy, b) for b in r.blocks)
+            yield TraceRequest(r.index + copy * len(requests), r.arrival + copy * span, r.prompt_tokens,
+                               r.output_tokens, blocks)  # fmt: skip
+
+
+def naive_walk(requests: list[TraceRequest], capacity: int) -> Callable[[], None]:
+    ids = [block for r in requests for block in r.blocks]
+
+    def walk() -> None:
+        lru: OrderedDict[object, None] = OrderedDict()
+        for block in ids:
+            if block in lru:
+                lru.move_to_end(block)
+            else:
+                lru[block] = None
+                if len(lru) > capacity:
+                    lru.popitem(last=False)
+
+    return walk
+
+
+def median_seconds(run: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def scaled_run(times: int, policy: str) -> None:
+    """In a fresh process: replay the trace ``times`` times over; print seconds and peak RSS."""
+    trace = open_trace(BUNDLED)
+    requests = list(trace.requests())
+    blocks = sum(len(r.blocks) for r in requests) * times
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
+    simulate(repeated(requests, times), Fleet(REPLICAS, CAPACITY, trace.block_size), policy)
+    seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(
+        json.dumps(
+            {"seconds": seconds, "blocks": blocks, "rss_mib": peak / 1024, "grew_mib": (peak - before) / 1024}
+        )
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--scales", default="1,10,100")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--scaled-run", nargs=2, metavar=("TIMES", "POLICY"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.scaled_run:
+        scaled_run(int(args.scaled_run[0]), args.scaled_run[1])
+        return
+
+    trace = open_trace(BUNDLED)
+    requests = list(trace.requests())
+    full_blocks = sum(len(r.blocks) for r in requests)
+    print(f"trace: {len(requests):,} requests, {full_blocks:,} full blocks of {trace.block_size} tokens")
+    walk = naive_walk(requests, REPLICAS * CAPACITY)
+    baseline = median_seconds(walk, args.repeats)
+    print(f"baseline  naive OrderedDict LRU walk       {full_blocks / baseline:>12,.0f} blocks/s")
+    fleet = Fleet(REPLICAS, CAPACITY, trace.block_size)
+    for policy in POLICIES:
+        # Turns with the baseline, so both see the same machine state; the ratio is per turn.
+        ratios, seconds = [], []
+        for _ in range(args.repeats):
+            base = median_seconds(walk, 1)
+            took = median_seconds(lambda: simulate(requests, fleet, policy), 1)  # noqa: B023
+            ratios.append(took / base)
+            seconds.append(took)
+        goal = 2 if policy in ("round_robin", "least_queue") else 2 * REPLICAS
+        print(
+            f"{policy:<16} {REPLICAS} replicas x {CAPACITY:,}      {full_blocks / statistics.median(seconds):>12,.0f} "
+            f"blocks/s  = {statistics.median(ratios):.1f}x the walk's time (goal <= {goal}x)"
+        )
+
+    print("scaling (round_robin, streamed, a fresh process each):")
+    for times in (int(s) for s in args.scales.split(",")):
+        out = subprocess.run(
+            [sys.executable, __file__, "--scaled-run", str(times), "round_robin"], capture_output=True, text=True,
+            check=True,
+        )  # fmt: skip
+        figures = json.loads(out.stdout)
+        print(
+            f"  {times:>4}x  {figures['blocks']:>12,} blocks  {figures['seconds']:>7.2f} s  "
+            f"{figures['blocks'] / figures['seconds']:>12,.0f} blocks/s  peak RSS {figures['rss_mib']:.0f} MiB "
+            f"(+{figures['grew_mib']:.0f} MiB while simulating)"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""The replica's prefix cache, by hand and by property: LRU of free blocks, tail first, blocks in
+use never evicted, prefix-closed, never over capacity; and LRU's inclusion (more capacity never
+reuses less) on whole traces."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlens.simulate.cache import PrefixCache
+from kvlens.simulate.run import walk
+from kvlens.simulate.trace import TraceRequest, chain
+
+
+def test_free_blocks_are_evicted_least_recently_freed_first_tail_before_prefix() -> None:
+    cache = PrefixCache(3)
+    a = ("a1", "a2")
+    assert cache.acquire(a, limit=2) == (0, 2)
+    cache.release(a, 2)  # freed tail first: a2 is now the least recently freed
+    b = ("b1", "b2")
+    assert cache.acquire(b, limit=2) == (0, 2)  # b1 takes the free room, b2 evicts a2
+    assert "a2" not in cache and "a1" in cache and cache.evictions == 1
+    cache.release(b, 2)  # free, oldest first: a1, b2, b1
+    assert cache.acquire(a, limit=2) == (1, 2)  # a1 reused; a2 back, evicting b2 (a1 is held now)
+    assert "b2" not in cache and "b1" in cache and len(cache) == 3
+
+
+def test_blocks_in_use_are_never_evicted() -> None:
+    cache = PrefixCache(2)
+    running = ("x1", "x2")
+    cache.acquire(running, limit=2)
+    assert cache.acquire(("z1",), limit=1) == (0, 0)  # no room: every cached block is in use
+    assert "x1" in cache and "x2" in cache and "z1" not in cache
+    cache.release(running, 2)
+    assert cache.acquire(("z1",), limit=1) == (0, 1)
+    assert "x2" not in cache and "x1" in cache  # the tail went first
+
+
+def test_a_hit_stops_at_the_limit_but_every_cached_block_is_held() -> None:
+    cache = PrefixCache(None)
+    blocks = ("p1", "p2")
+    cache.release(blocks, cache.acquire(blocks, limit=1)[1])
+    assert cache.acquire(blocks, limit=1) == (1, 2)  # the last-token rule caps the reuse, not the hold
+    assert cache.held("p2") == 1
+
+
+def test_unbounded_and_zero_capacity() -> None:
+    unbounded, none = PrefixCache(None), PrefixCache(0)
+    many = tuple(range(10_000))
+    assert unbounded.acquire(many, limit=10_000) == (0, 10_000)
+    assert none.acquire(many, limit=10_000) == (0, 0)
+
+
+# --- properties -----------------------------------------------------------------------------
+
+# Prompts as paths in a small tree of blocks: chained keys (a key stands for its prefix), so
+# requests share prefixes as real traffic does.
+paths = st.lists(st.integers(0, 2), min_size=1, max_size=6).map(lambda ids: chain(tuple(ids)))
+operations = st.lists(st.tuples(st.booleans(), paths), min_size=1, max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 8), operations)
+def test_the_cache_keeps_its_invariants(capacity: int, steps: list[tuple[bool, tuple[int, ...]]]) -> None:
+    cache = PrefixCache(capacity)
+    parents = {}
+    running: list[tuple[tuple[int, ...], int]] = []
+    for start, blocks in steps:
+        parents |= {key: (blocks[i - 1] if i else None) for i, key in enumerate(blocks)}
+        if start or not running:
+            limit = len(blocks) - 1
+            reused, held = cache.acquire(blocks, limit)
+            assert 0 <= reused <= min(held, limit)
+            assert all(block in cache for block in blocks[:held])
+            running.append((blocks, held))
+        else:
+            blocks, held = running.pop(0)
+            cache.release(blocks, held)
+        assert len(cache) <= capacity
+        for blocks, held in running:  # a block in use is never evicted
+            assert all(block in cache for block in blocks[:held])
+        for key, parent in parents.items():  # prefix-closed
+            if key in cache and parent is not None:
+                assert parent in cache
+
+
+traces = st.lists(st.tuples(st.integers(1, 6 * 16), paths), min_size=1, max_size=40)
+
+
+def requests(trace: list[tuple[int, tuple[int, ...]]]) -> list[TraceRequest]:
+    made = []
+    for index, (tokens, blocks) in enumerate(trace):
+        full = min(tokens // 16, len(blocks))
+        made.append(TraceRequest(index, float(index), max(tokens, 16 * full), 1, blocks[:full]))
+    return made
+
+
+@settings(max_examples=200, deadline=None)
+@given(traces, st.integers(0, 12), st.integers(0, 12))
+def test_more_capacity_never_reuses_less(
+    trace: list[tuple[int, tuple[int, ...]]], small: int, more: int
+) -> None:
+    """LRU is a stack algorithm: one request at a time, each request reuses at least as much in
+    a larger cache."""
+    played = requests(trace)
+    low = walk(played, small, 16, "low").totals
+    high = walk(played, small + more, 16, "high").totals
+    unbounded = walk(played, None, 16, "reachable").totals
+    assert low.cached_tokens <= high.cached_tokens <= unbounded.cached_tokens
+    assert low.hit_requests <= high.hit_requests <= unbounded.hit_requests

@@ -1,0 +1,124 @@
+"""`kvlens simulate` on the bundled Mooncake trace: the report, the gap split, the curve, and
+records that `analyze` and `compare` read back to the same numbers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvlens.cli import main
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
+    assert main(["simulate", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)  # type: ignore[no-any-return]
+
+
+def test_reachable_pooled_and_delivered_reuse_split_the_gap(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plot = tmp_path / "curve.svg"
+    result = run_json(
+        capsys, "--capacity-blocks", "1000,10000", "--policy", "round_robin", "--policy", "prefix_affinity",
+        "--plot", str(plot),
+    )  # fmt: skip
+    assert result["schema"] == "kvlens.simulate/v1"
+    assert result["trace"]["requests"] == 3993 and result["trace"]["block_size"] == 512
+    reachable = result["reachable"]["token_reuse_ratio"]
+    assert reachable == pytest.approx(0.6504, abs=0.0001)
+    for block in result["capacities"]:
+        pooled = block["pooled"]["token_reuse_ratio"]
+        assert pooled <= reachable + 1e-12
+        for run in block["policies"]:
+            gap = run["token_reuse_gap"]
+            assert gap["workload"] + gap["capacity"] + gap["routing"] + run[
+                "token_reuse_ratio"
+            ] == pytest.approx(1)
+            assert set(run["ttft_seconds"]) == {"count", "p50", "p95", "p99"}
+            assert sum(run["requests_per_replica"]) == 3993
+    small, large = ({r["policy"]: r for r in block["policies"]} for block in result["capacities"])
+    # Routing matters once the cache is big enough to hold what affinity keeps together.
+    assert large["prefix_affinity"]["token_reuse_ratio"] > 1.5 * large["round_robin"]["token_reuse_ratio"]
+    assert small["round_robin"]["token_reuse_ratio"] < large["round_robin"]["token_reuse_ratio"]
+    assert plot.read_text().startswith("<svg") and "prefix_affinity" in plot.read_text()
+
+
+def test_the_text_report_and_the_curve(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--capacity-blocks", "100,unbounded", "--policy", "cost_aware"]) == 0
+    printed = capsys.readouterr().out
+    assert "reachable (one unbounded cache): token reuse 65.0 %" in printed
+    assert "capacity unbounded blocks per replica" in printed
+    assert "token reuse vs capacity" in printed and "lost: capacity/routing" in printed
+
+
+def test_emitted_records_read_back_to_the_same_numbers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No second formula: the records `simulate` writes give `analyze` the simulator's ratios."""
+    records = tmp_path / "sim.jsonl"
+    result = run_json(capsys, "--policy", "cost_aware", "--emit-records", str(records))
+    (run,) = result["capacities"][0]["policies"]
+    config = tmp_path / "cost.yaml"
+    cost = result["fleet"]["prefill_cost_model"]
+    config.write_text(yaml.safe_dump({"cost_models": {"simulated": cost}}))
+    assert main(["analyze", str(records), "--config", str(config), "--json"]) == 0
+    overall = json.loads(capsys.readouterr().out)["overall"]
+    assert overall["requests"] == run["requests"] == 3993
+    for ratio in ("request_hit_ratio", "token_reuse_ratio", "compute_saved_ratio"):
+        assert overall[ratio] == pytest.approx(run[ratio], rel=1e-12), ratio
+
+
+def test_compare_reads_the_arms_of_one_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    records = tmp_path / "sim.jsonl"
+    run_json(capsys, "--policy", "round_robin", "--policy", "cost_aware", "--emit-records", str(records))
+    assert (
+        main(["compare", "--arm", f"round_robin={records}", "--arm", f"cost_aware={records}", "--json"]) == 0
+    )
+    compared = json.loads(capsys.readouterr().out)
+    assert compared["requests"] == 3993 and compared["arms"] == ["round_robin", "cost_aware"]
+    assert main(["compare", "--arm", f"round_robin={records}", "--arm", f"nope={records}"]) == 2
+    assert "no records of arm 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--capacity-blocks", "lots"], "invalid literal"),
+        (["--block-size", "16"], "the trace's blocks are 512 tokens, not --block-size 16"),
+        (["--plot", "curve.txt"], "--plot writes .svg or .png"),
+        (["--replicas", "0"], "--replicas must be >= 1"),
+    ],
+)
+def test_bad_arguments_exit_2(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    args: list[str],
+    message: str,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["simulate", "--policy", "round_robin", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_bad_trace_line_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        '{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 2]}\n'
+        '{"timestamp": 1, "input_length": 600, "output_length": 1, "hash_ids": [1, 2, 3, 4]}\n'
+    )
+    assert main(["simulate", str(trace)]) == 2
+    assert "line 2: hash_ids has 4 blocks" in capsys.readouterr().err
+
+
+def test_a_cost_model_that_is_not_in_seconds_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"cost_models": {"m": {"a": 1, "b": 0.001}}}))
+    assert main(["simulate", "--config", str(config), "--model", "m"]) == 2
+    assert "a cost model in seconds, not work_units" in capsys.readouterr().err

@@ -1,0 +1,123 @@
+"""Trace readers: Mooncake, Bailian and kvlens records, their block sizes, chaining, time and rate
+scaling, and errors that name the line."""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from kvlens.simulate.trace import BUNDLED, TraceError, chain, open_trace
+
+
+def write(path: Path, lines: list[Any]) -> Path:
+    path.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines))
+    return path
+
+
+def test_the_bundled_mooncake_trace() -> None:
+    trace = open_trace(BUNDLED)
+    assert (trace.format, trace.block_size) == ("mooncake", 512)
+    requests = list(trace.requests())
+    assert len(requests) == 3993
+    first = requests[0]
+    assert (first.arrival, first.prompt_tokens, first.output_tokens) == (0.0, 40160, 6)
+    assert len(first.blocks) == 40160 // 512  # the partial 79th block is never cached
+    assert requests[-1].arrival == pytest.approx(1022.025)
+
+
+def test_mooncake_lines(tmp_path: Path) -> None:
+    path = write(tmp_path / "t.jsonl", [
+        {"timestamp": 0, "input_length": 1024, "output_length": 5, "hash_ids": [1, 2]},
+        {"timestamp": 1500, "input_length": 1100, "output_length": 0, "hash_ids": [1, 2, 3]},
+    ])  # fmt: skip
+    first, second = open_trace(path).requests()
+    assert first.blocks == (1, 2) and second.blocks == (1, 2)  # 1100 tokens: 2 full blocks
+    assert second.arrival == 1.5
+
+
+def test_bailian_blocks_are_chained(tmp_path: Path) -> None:
+    """Bailian hashes each 16-token block alone: the same block after different prefixes must
+    not be the same cache entry."""
+    common = {"type": "text", "turn": 1, "parent_chat_id": -1, "output_length": 3}
+    path = write(tmp_path / "b.jsonl", [
+        {**common, "chat_id": 1, "timestamp": 0.5, "input_length": 32, "hash_ids": [7, 9]},
+        {**common, "chat_id": 2, "timestamp": 1.0, "input_length": 32, "hash_ids": [8, 9]},
+        {**common, "chat_id": 3, "parent_chat_id": 1, "turn": 2, "timestamp": 2.0, "input_length": 40,
+         "hash_ids": [7, 9, 4]},
+    ])  # fmt: skip
+    trace = open_trace(path)
+    assert (trace.format, trace.block_size) == ("bailian", 16)
+    one, two, three = trace.requests()
+    assert one.blocks[1] != two.blocks[1]  # block 9 after 7 is not block 9 after 8
+    assert three.blocks == one.blocks  # the next turn shares its chat's prefix (40 tokens: 2 full blocks)
+    assert one.blocks == chain((7, 9))
+
+
+def test_kvlens_records_are_sorted_by_arrival(tmp_path: Path) -> None:
+    base = {"cached_tokens": 0, "block_size": 16}
+    path = write(tmp_path / "r.jsonl", [
+        {**base, "prompt_tokens": 40, "prefix_hashes": ["a", "b"], "arrival_time": 5.0},
+        {**base, "prompt_tokens": 20, "prefix_hashes": ["a"], "arrival_time": 1.0},
+    ])  # fmt: skip
+    trace = open_trace(path)
+    assert trace.format == "kvlens"
+    assert [r.arrival for r in trace.requests()] == [1.0, 5.0]
+
+
+def test_time_and_rate_scaling(tmp_path: Path) -> None:
+    lines = [
+        {"timestamp": 1000 * i, "input_length": 512, "output_length": 1, "hash_ids": [i]} for i in range(11)
+    ]
+    path = write(tmp_path / "t.jsonl", lines)
+    assert [r.arrival for r in open_trace(path, time_scale=0.5).requests()][-1] == 5.0
+    assert [r.arrival for r in open_trace(path, rate=2.0).requests()][-1] == pytest.approx(
+        5.0
+    )  # 10 gaps at 2/s
+
+
+def test_a_gzipped_trace(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl.gz"
+    path.write_bytes(gzip.compress(orjson.dumps({"timestamp": 0, "input_length": 512, "output_length": 1,
+                                                 "hash_ids": [1]}) + b"\n"))  # fmt: skip
+    assert len(list(open_trace(path).requests())) == 1
+
+
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        ([{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1]}],
+         "line 1: hash_ids has 1 blocks; 1024 tokens make 2 full blocks"),
+        ([{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [1]},
+          {"timestamp": 0, "input_length": "512", "output_length": 1, "hash_ids": [1]}],
+         "line 2: input_length must be an integer"),
+        ([{"timestamp": 5, "input_length": 512, "output_length": 1, "hash_ids": [1]},
+          {"timestamp": 4, "input_length": 512, "output_length": 1, "hash_ids": [1]}],
+         "line 2: timestamp goes back in time"),
+        ([{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [1]}, "oops"],
+         "line 2: not a JSON object"),
+        ([{"timestamp": -1, "input_length": 512, "output_length": 1, "hash_ids": [1]}],
+         "line 1: timestamp must be a number >= 0"),
+        ([{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": ["x"]}],
+         "line 1: hash_ids must hold integers"),
+        ([{"prompt": "hello"}], "line 1: not a trace kvlens reads"),
+    ],
+)  # fmt: skip
+def test_bad_lines_are_named(tmp_path: Path, lines: list[Any], message: str) -> None:
+    path = write(tmp_path / "bad.jsonl", lines)
+    with pytest.raises(TraceError, match=message):
+        list(open_trace(path).requests())
+
+
+def test_block_size_must_be_the_traces(tmp_path: Path) -> None:
+    with pytest.raises(TraceError, match="the trace's blocks are 512 tokens, not --block-size 16"):
+        open_trace(BUNDLED, block_size=16)
+    path = write(
+        tmp_path / "r.jsonl", [{"prompt_tokens": 40, "cached_tokens": 0, "prefix_hashes": ["a", "b"]}]
+    )
+    with pytest.raises(TraceError, match="records without block_size need --block-size"):
+        open_trace(path)
+    assert open_trace(path, block_size=16).block_size == 16
