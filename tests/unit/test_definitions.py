@@ -149,7 +149,9 @@ def test_remaining_work_equals_difference_and_exceeds_suffix_work(
 
 
 @given(prompt_and_cached, cost_models)
-def test_one_requests_remaining_work_in_floats_is_the_columns(pair: tuple[int, int], cost: d.CostModel) -> None:
+def test_one_requests_remaining_work_in_floats_is_the_columns(
+    pair: tuple[int, int], cost: d.CostModel
+) -> None:
     n, h = pair
     one = cost.remaining_work_of(n, h)
     assert isinstance(one, float)
