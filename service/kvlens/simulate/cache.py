@@ -74,20 +74,20 @@ class PrefixCache:
         if count == len(blocks):
             return reused, count
         # The cache is prefix-closed (a block is freed no earlier than any block after it, so it
-        # is evicted no earlier), so past the first block it lacks it holds none of the rest.
-        room = None if self.capacity is None else self.capacity - len(held) - len(free)
-        for block in blocks[count:]:
-            if room is not None:
-                if room > 0:
-                    room -= 1
-                elif free:
-                    free.popitem(last=False)
-                    self.evictions += 1
-                else:
-                    break  # every cached block is in use: no room for this one
-            held[block] = 1
-            count += 1
-        return reused, count
+        # is evicted no earlier), so past the first block it lacks it holds none of the rest:
+        # they are cached at once, as many as there is room for once free blocks are evicted.
+        rest = len(blocks) - count
+        if self.capacity is not None:
+            room = self.capacity - len(held) - len(free)
+            if room < rest:
+                evict = min(rest - room, len(free))
+                evict_oldest = free.popitem
+                for _ in range(evict):
+                    evict_oldest(False)
+                self.evictions += evict
+                rest = room + evict
+        held.update(dict.fromkeys(blocks[count : count + rest], 1))
+        return reused, count + rest
 
     def release(self, blocks: Sequence[object], count: int) -> None:
         """The request that acquired ``blocks`` (holding the first ``count``) finished: they stay
