@@ -14,26 +14,18 @@ import orjson
 import pytest
 import yaml
 
+from kvlens.sources.demo import REPLAY_SHAPE
 from tests.live import start_kvlens, total
 
 pytestmark = pytest.mark.integration
 
-LLAMA_8B = {
-    "layers": 32,
-    "kv_heads": 8,
-    "head_dim": 128,
-    "hidden_size": 4096,
-    "heads": 32,
-    "intermediate_size": 14336,
-    "vocab_size": 128256,
-}
 CONFIG = {
     "max_models": 1,  # the first model seen keeps its label; the others become "other"
     "cost_models": {
         "own-model": {"a": 1.0, "b": 0.01},  # work units, but not the default's b
         "seconds-model": {"a": 7.3e-5, "b": 5.3e-9, "unit": "seconds"},
     },
-    "model_shapes": {"flops-model": LLAMA_8B},
+    "model_shapes": {"flops-model": REPLAY_SHAPE},  # the Llama-3.1-8B shape
 }
 FAMILIES = {  # unit -> (prompt work family, reused work family)
     "work_units": ("kvlens_prompt_work_units_total", "kvlens_reused_work_units_total"),

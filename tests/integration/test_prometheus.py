@@ -17,21 +17,13 @@ import httpx
 import orjson
 import pytest
 
+from kvlens.sources.demo import REPLAY_SHAPE
 from tests.article import article_records
 from tests.dashboards import DASHBOARDS, load, queries
 from tests.integration.conftest import Running, free_port, start_kvlens
 from tests.integration.test_scrape import FIXTURE, FakeEngine
 
 pytestmark = pytest.mark.integration
-LLAMA_8B_SHAPE = {
-    "layers": 32,
-    "kv_heads": 8,
-    "head_dim": 128,
-    "hidden_size": 4096,
-    "heads": 32,
-    "intermediate_size": 14336,
-    "vocab_size": 128256,
-}
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 
@@ -63,7 +55,7 @@ def prometheus(tmp_path: Path, engine: str) -> Iterator[tuple[Running, str]]:
             "KVLENS_MODEL_SHAPES": orjson.dumps(
                 {
                     "article-model": {"layers": 32, "kv_heads": 8, "head_dim": 128, "weight_bytes": "14GiB"},
-                    "flops-model": LLAMA_8B_SHAPE,
+                    "flops-model": REPLAY_SHAPE,
                 }
             ).decode(),
             "KVLENS_COST_MODELS": '{"seconds-model": {"a": 7.3e-5, "b": 5.3e-9, "unit": "seconds"}}',

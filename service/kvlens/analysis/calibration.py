@@ -293,10 +293,8 @@ def _saved_fractions(points: Points, result: Fit) -> Iterable[SavedFraction]:
     for n, h, t in zip(points.n, points.h, points.seconds, strict=True):
         if h == 0 or n not in without_cache:
             continue
-        full, remaining = (
-            result.a * m + result.b * pairs + result.c
-            for m, pairs in (work_terms(n), remaining_work_terms(n, h))
-        )
+        full = float(cost.work(n)) + result.c
+        remaining = cost.remaining_work_of(n, h) + result.c
         yield SavedFraction(
             n=n,
             h=h,

@@ -63,7 +63,7 @@ def sweep(
             outcome = simulate(requests(), fleet, name, records=records, arm=arm, progress=progress)
             delivered.append(_with_gaps(outcome, reachable, pooled))
         capacities.append({"capacity_blocks": capacity, "pooled": pooled.summary(), "policies": delivered})
-    first = plan.service
+    service = plan.service
     return {
         "schema": "kvlens.simulate/v1",
         "trace": {
@@ -76,9 +76,9 @@ def sweep(
         },
         "fleet": {
             "replicas": plan.replicas,
-            "max_running": first.max_running,
-            "chunked_prefill": first.chunked_prefill,
-            "prefill_cost_model": {"a": first.prefill.a, "b": first.prefill.b, "unit": first.prefill.unit},
+            "max_running": service.max_running,
+            "chunked_prefill": service.chunked_prefill,
+            "prefill_cost_model": vars(service.prefill),
             "guard": None if plan.guard is None else vars(plan.guard),
         },
         "reachable": reachable.summary(),
