@@ -221,8 +221,8 @@ class Settings(BaseSettings):
         10.0,
         gt=0,
         le=300,
-        description="A connection must send a whole request head within this long (and never pause "
-        "longer inside a body); else it is closed.",
+        description="A connection must finish its TLS handshake and send a whole request head within "
+        "this long (and never pause longer inside a body); else it is closed.",
     )
     body_timeout_seconds: float = Field(
         30.0, gt=0, le=600, description="Deadline for receiving a whole request body (408 after)."

@@ -29,7 +29,7 @@ from pydantic import BaseModel, Field
 
 from kvlens import __version__
 from kvlens.config import Settings
-from kvlens.errors import ClientDisconnected, InputError
+from kvlens.errors import BodyTooSlow, ClientDisconnected, InputError
 from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.background import BackgroundSources
 from kvlens.exporter.collector import KVLensCollector
@@ -420,7 +420,9 @@ def _refused(sidecar: Sidecar, error: InputError) -> JSONResponse:
     sidecar.health.refuse(error.reason)
     if isinstance(error, ClientDisconnected):  # routine on a flaky network: counted, one line
         log.info("kvlens: %s (%s)", error, error.reason)
-    return _error(error.status, str(error))
+    # A slow body's sender is still sending: close rather than wait for the rest of it.
+    headers = {"Connection": "close"} if isinstance(error, BodyTooSlow) else None
+    return _error(error.status, str(error), headers)
 
 
 def _unauthorized(sidecar: Sidecar) -> JSONResponse:
