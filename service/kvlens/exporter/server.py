@@ -48,6 +48,7 @@ class GuardedH11Protocol(H11Protocol):
     tls: ClassVar[ssl.SSLContext | None] = None
     _head_timer: asyncio.TimerHandle | None = None
     _handshaking: asyncio.Transport | None = None  # the TCP transport while its TLS handshake runs
+    _handshake: asyncio.Task[None] | None = None  # held: the loop keeps only a weak reference
     _serving = False  # uvicorn's side of the protocol was started
     _early = b""
 
@@ -63,7 +64,7 @@ class GuardedH11Protocol(H11Protocol):
         if self.tls is not None:
             self._handshaking = transport
             transport.pause_reading()  # the bytes are the handshake's until start_tls takes them
-            self.loop.create_task(self._start_tls(transport, self.tls))
+            self._handshake = self.loop.create_task(self._start_tls(transport, self.tls))
 
     async def _start_tls(self, transport: asyncio.Transport, context: ssl.SSLContext) -> None:
         try:
