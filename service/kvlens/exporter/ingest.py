@@ -80,15 +80,18 @@ class BodyReader:
     The pending read is a task awaited with a timeout, not cancelled, so a window boundary that
     passes between two pieces checks the pace without losing the piece on its way."""
 
-    def __init__(self, request: Request, limits: BodyLimits) -> None:
+    def __init__(
+        self, request: Request, limits: BodyLimits, clock: Callable[[], float] | None = None
+    ) -> None:
         self._request = request
         self._limits = limits
+        self._clock = clock or asyncio.get_running_loop().time
         self._stream = request.stream().__aiter__()
         self._pending: asyncio.Task[bytes] | None = None
         self._chunks: list[bytes] = []
         self._size = 0
         self._complete = False
-        now = asyncio.get_running_loop().time()
+        now = self._clock()
         self._deadline = now + limits.deadline_seconds
         self._last_piece = now
         self._window_end = now + limits.window_seconds
@@ -117,14 +120,13 @@ class BodyReader:
 
     async def _next(self) -> None:
         limits = self._limits
-        loop = asyncio.get_running_loop()
-        self._close_windows(loop.time())
+        self._close_windows(self._clock())
         if self._pending is None:
             self._pending = asyncio.ensure_future(self._stream.__anext__())
-        now = loop.time()
+        now = self._clock()
         wait = min(self._deadline, self._last_piece + limits.stall_seconds, self._window_end) - now
         done, _ = await asyncio.wait([self._pending], timeout=max(0.0, wait))
-        now = loop.time()
+        now = self._clock()
         if not done:
             if now >= self._deadline:
                 raise BodyTooSlow(f"the body did not arrive within {limits.deadline_seconds:g} s")
