@@ -61,8 +61,14 @@ class Running:
 
 
 def start_kvlens(
-    *args: str, env: dict[str, str] | None = None, port: int | None = None, scheme: str = "http"
+    *args: str,
+    env: dict[str, str] | None = None,
+    port: int | None = None,
+    scheme: str = "http",
+    wait: bool = True,
 ) -> Running:
+    """Start ``kvlens`` and, unless ``wait`` is False, wait until it answers (a test that counts
+    connections may want no probe of its own to have been one)."""
     port = port or free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "kvlens.cli", *args, "--port", str(port)],
@@ -72,6 +78,8 @@ def start_kvlens(
         env={**os.environ, "KVLENS_LOG_LEVEL": "WARNING", **(env or {})},
     )
     url = f"{scheme}://127.0.0.1:{port}"
+    if not wait:
+        return Running(process, url)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         if process.poll() is not None:

@@ -221,11 +221,25 @@ class Settings(BaseSettings):
         10.0,
         gt=0,
         le=300,
-        description="A connection must send a whole request head within this long (and never pause "
-        "longer inside a body); else it is closed.",
+        description="A connection must finish its TLS handshake and send a whole request head within "
+        "this long (and never pause longer inside a body); else it is closed.",
     )
     body_timeout_seconds: float = Field(
         30.0, gt=0, le=600, description="Deadline for receiving a whole request body (408 after)."
+    )
+    body_min_bytes_per_second: int = Field(
+        1024,
+        ge=0,
+        le=1 << 30,
+        description="Slowest body accepted: every body_rate_window_seconds must bring this many bytes "
+        "per second (or the end of the body), else 408 and the connection closes; 0 turns it off.",
+    )
+    body_rate_window_seconds: float = Field(
+        5.0,
+        gt=0,
+        le=300,
+        description="The window body_min_bytes_per_second is measured over; the first is the grace "
+        "period. A body takes an ingest slot once it ended or 16 KiB of it arrived.",
     )
     batch_id_window: int = Field(
         10_000,

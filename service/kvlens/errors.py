@@ -11,7 +11,8 @@
     │   ├── UnsupportedEncoding   415: a Content-Encoding other than gzip, deflate or identity
     │   ├── UnsupportedMediaType  415: a Content-Type the endpoint cannot read
     │   ├── PayloadUndecodable    400: nothing in the body decodes
-    │   └── BodyTooSlow           408: the body did not arrive within its deadline
+    │   ├── BodyTooSlow           408: the body did not arrive within its deadlines or at its pace
+    │   └── ClientDisconnected    499 (never sent): the client went away before its body arrived
     ├── ScrapeError               a scrape of an engine's /metrics failed; ``reason`` is a closed set
     └── ArmsDiffer                ``kvlens compare``: the arms are not replays of one sequence
 
@@ -71,6 +72,14 @@ class PayloadUndecodable(InputError):
 class BodyTooSlow(InputError):
     status = 408
     reason = "too_slow"
+
+
+class ClientDisconnected(InputError):
+    """Nobody is left to answer; 499 (nginx's "client closed request") keeps it apart from a 400,
+    which would mean the sender's batch was taken."""
+
+    status = 499
+    reason = "client_disconnected"
 
 
 class ScrapeError(KVLensError):

@@ -92,9 +92,9 @@ def test_a_thousand_idle_sockets_leave_ingest_and_scrapes_served(serve: Serve) -
 def test_over_the_ingest_cap_the_answer_is_503_with_retry_after(serve: Serve) -> None:
     sidecar = serve(KVLENS_MAX_CONCURRENT_INGEST="2")
     slow = []
-    for _ in range(2):  # two bodies that are still arriving
+    for _ in range(2):  # two bodies still arriving, far enough along (16 KiB) to hold a slot
         sock = socket.create_connection(("127.0.0.1", sidecar.port))
-        sock.sendall(PARTIAL_HEAD + b"Content-Length: 1000\r\n\r\n[")
+        sock.sendall(PARTIAL_HEAD + b"Content-Length: 100000\r\n\r\n[" + b" " * 20_000)
         slow.append(sock)
     try:
         assert sidecar.wait_for("kvlens_ingest_in_flight", 2) == 2

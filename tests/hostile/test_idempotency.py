@@ -34,10 +34,11 @@ def test_batch_ids_sharing_a_long_prefix_are_different_batches(serve: Serve) -> 
 def test_a_retry_while_the_first_attempt_is_in_flight_is_not_lost(serve: Serve) -> None:
     sidecar = serve(KVLENS_BODY_TIMEOUT_SECONDS="1")
     first = socket.create_connection(("127.0.0.1", sidecar.port), timeout=10)
+    padded = ARTICLE + b" " * 20_000  # past 16 KiB: a body this far along holds an ingest slot
     first.sendall(
         b"POST /v1/records HTTP/1.1\r\nHost: kvlens\r\nkvlens-batch-id: b-1\r\n"
-        + f"Content-Length: {len(ARTICLE)}\r\n\r\n".encode()
-        + ARTICLE[:100]
+        + f"Content-Length: {len(padded)}\r\n\r\n".encode()
+        + padded[:17_000]
     )
     try:
         assert sidecar.wait_for("kvlens_ingest_in_flight", 1) == 1

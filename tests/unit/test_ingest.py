@@ -7,9 +7,20 @@ import threading
 import tracemalloc
 from dataclasses import dataclass
 
+import pytest
 from prometheus_client import CollectorRegistry
+from starlette.requests import Request
+from starlette.types import Message
 
-from kvlens.exporter.ingest import BatchLedger, IngestGate, RecentRecords
+from kvlens.errors import BodyTooSlow, ClientDisconnected
+from kvlens.exporter.ingest import (
+    ADMISSION_BYTES,
+    BatchLedger,
+    BodyLimits,
+    BodyReader,
+    IngestGate,
+    RecentRecords,
+)
 from kvlens.exporter.runtime import ConnectionGuard, LoopLag, ScrapeRenderer
 from kvlens.records import batch_from_objects
 
@@ -140,3 +151,76 @@ def test_loop_lag_buckets_are_cumulative() -> None:
     counts, total = lag.snapshot()
     assert counts[0] == 1 and counts[-1] == 4 and counts == sorted(counts)
     assert total == 0.0005 + 0.02 + 0.02 + 7.0
+
+
+PACE = BodyLimits(
+    max_bytes=1 << 20, deadline_seconds=30, stall_seconds=10, min_bytes_per_second=1000, window_seconds=1
+)
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def arriving(pieces: list[tuple[float, bytes | None]], clock: Clock) -> Request:
+    """A request whose body pieces arrive at the given times of ``clock`` (None: the client
+    leaves); the last piece ends the body."""
+    queue = iter(enumerate(pieces))
+
+    async def receive() -> Message:
+        index, (at, body) = next(queue)
+        clock.now = at
+        if body is None:
+            return {"type": "http.disconnect"}
+        return {"type": "http.request", "body": body, "more_body": index < len(pieces) - 1}
+
+    return Request({"type": "http", "method": "POST", "path": "/", "headers": []}, receive)
+
+
+def read_all(pieces: list[tuple[float, bytes | None]], limits: BodyLimits = PACE) -> bytes:
+    async def run() -> bytes:
+        clock = Clock()
+        reader = BodyReader(arriving(pieces, clock), limits, clock)
+        await reader.read(ADMISSION_BYTES)
+        return await reader.body()
+
+    return asyncio.run(run())
+
+
+def test_a_body_above_the_pace_in_every_window_is_read_whole() -> None:
+    pieces: list[tuple[float, bytes | None]] = [(0.4, b"a" * 600), (0.8, b"b" * 600), (1.6, b"c" * 1200)]
+    assert read_all([*pieces, (2.2, b"d" * 600)]) == b"a" * 600 + b"b" * 600 + b"c" * 1200 + b"d" * 600
+
+
+def test_a_window_under_the_pace_ends_the_body_at_its_end() -> None:
+    with pytest.raises(BodyTooSlow, match="slower than 1000 bytes/s over 1 s"):
+        read_all([(0.5, b"a" * 500), (1.5, b"b" * 500), (1.6, b"")])
+
+
+def test_a_sender_that_bursts_then_trickles_is_closed_at_the_end_of_the_window_it_slowed_in() -> None:
+    async def run() -> float:
+        clock = Clock()
+        pieces: list[tuple[float, bytes | None]] = [(0.1, b" " * 20_000), (1.5, b" " * 10), (2.5, b" " * 10)]
+        reader = BodyReader(arriving([*pieces, (2.6, b"")], clock), PACE, clock)
+        await reader.read(ADMISSION_BYTES)  # 16 KiB arrived: the request would now take a slot
+        assert clock.now == 0.1
+        with pytest.raises(BodyTooSlow):
+            await reader.body()
+        return clock.now
+
+    assert asyncio.run(run()) == 2.5  # window [1, 2) brought 10 bytes
+
+
+def test_a_short_body_arrives_whole_before_admission_and_the_pace_can_be_turned_off() -> None:
+    off = BodyLimits(1 << 20, 30, 10, 0, 1)
+    assert read_all([(0.5, b"x"), (3.5, b"y")], off) == b"xy"
+    with pytest.raises(BodyTooSlow):
+        read_all([(0.5, b"x"), (3.5, b"y")])
+
+
+def test_a_client_gone_mid_body_is_its_own_error() -> None:
+    with pytest.raises(ClientDisconnected):
+        read_all([(0.1, b"[{"), (0.2, None)])

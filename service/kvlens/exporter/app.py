@@ -29,17 +29,19 @@ from pydantic import BaseModel, Field
 
 from kvlens import __version__
 from kvlens.config import Settings
-from kvlens.errors import InputError
+from kvlens.errors import BodyTooSlow, ClientDisconnected, InputError
 from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.background import BackgroundSources
 from kvlens.exporter.collector import KVLensCollector
 from kvlens.exporter.ingest import (
+    ADMISSION_BYTES,
     RETRY_AFTER_SECONDS,
     BatchLedger,
+    BodyLimits,
+    BodyReader,
     IngestGate,
     IngestWorker,
     RecentRecords,
-    read_body,
 )
 from kvlens.exporter.runtime import ConnectionGuard, ScrapeRenderer, ServiceHealth
 from kvlens.records import Record, Rejections, Validated
@@ -102,12 +104,20 @@ class Sidecar:
             settings.max_body_bytes, settings.max_decompression_ratio, settings.max_gzip_members
         )
 
-    async def receive(self, request: Request) -> bytes:
-        """The request's body, under the size limit and the deadlines."""
+    async def arriving(self, request: Request) -> BodyReader:
+        """The request's body reader once the body ended or :data:`ADMISSION_BYTES` of it arrived,
+        at the pace the settings ask; before that the request holds no ingest slot."""
         settings = self.settings
-        return await read_body(
-            request, settings.max_body_bytes, settings.body_timeout_seconds, settings.header_timeout_seconds
+        limits = BodyLimits(
+            settings.max_body_bytes,
+            settings.body_timeout_seconds,
+            settings.header_timeout_seconds,
+            settings.body_min_bytes_per_second,
+            settings.body_rate_window_seconds,
         )
+        reader = BodyReader(request, limits)
+        await reader.read(ADMISSION_BYTES)
+        return reader
 
     def dedupe(self, request: Request) -> bool:
         """Whether records already counted are dropped: by setting, or asked for per request."""
@@ -229,6 +239,10 @@ async def ingest_records(request: Request) -> Response:
     # which the sender does not retry), never on 413, 408 or 503, which it retries.
     dropped = request.headers.get(vllm_plugin.DROPPED_HEADER, "")
     dropped_count = int(dropped) if dropped.isascii() and dropped.isdigit() and len(dropped) <= 12 else 0
+    try:
+        reader = await sidecar.arriving(request)
+    except InputError as error:
+        return _refused(sidecar, error)
     async with sidecar.health.gate.slot() as admitted:
         if not admitted:
             return _busy(sidecar, "busy", "too many ingest requests in progress")
@@ -250,7 +264,7 @@ async def ingest_records(request: Request) -> Response:
                     orjson.dumps(answer), media_type="application/json", headers={"kvlens-duplicate": "1"}
                 )
         try:
-            body = await sidecar.receive(request)
+            body = await reader.body()
             content_encoding = request.headers.get("content-encoding")
 
             def work() -> IngestResult:
@@ -296,11 +310,15 @@ async def ingest_traces(request: Request) -> Response:
     except InputError as error:
         return _refused(sidecar, error)
     dedupe = sidecar.dedupe(request)
+    try:
+        reader = await sidecar.arriving(request)
+    except InputError as error:
+        return _refused(sidecar, error)
     async with sidecar.health.gate.slot() as admitted:
         if not admitted:
             return _busy(sidecar, "busy", "too many ingest requests in progress")
         try:
-            body = await sidecar.receive(request)
+            body = await reader.body()
             content_encoding = request.headers.get("content-encoding")
 
             def work() -> bytes:
@@ -400,7 +418,11 @@ def _busy(sidecar: Sidecar, reason: str, message: str) -> JSONResponse:
 
 def _refused(sidecar: Sidecar, error: InputError) -> JSONResponse:
     sidecar.health.refuse(error.reason)
-    return _error(error.status, str(error))
+    if isinstance(error, ClientDisconnected):  # routine on a flaky network: counted, one line
+        log.info("kvlens: %s (%s)", error, error.reason)
+    # A slow body's sender is still sending: close rather than wait for the rest of it.
+    headers = {"Connection": "close"} if isinstance(error, BodyTooSlow) else None
+    return _error(error.status, str(error), headers)
 
 
 def _unauthorized(sidecar: Sidecar) -> JSONResponse:

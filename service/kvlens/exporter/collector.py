@@ -300,6 +300,7 @@ INGEST_REFUSALS = (
     "unsupported_media_type",
     "undecodable",
     "too_slow",
+    "client_disconnected",
 )
 
 

@@ -1,8 +1,10 @@
 """What an ingest request goes through before its records are counted, each step bounded.
 
-- :class:`IngestGate`: at most ``max_concurrent_ingest`` requests in progress (reading, waiting,
-  decoding); one more is answered 503 with ``Retry-After`` before its body is read.
-- :func:`read_body`: the body, under ``max_body_bytes``, a total deadline and a stall deadline.
+- :class:`IngestGate`: at most ``max_concurrent_ingest`` requests in progress (reading the rest of
+  their body, waiting, decoding); one more is answered 503 with ``Retry-After``.
+- :class:`BodyReader`: the body, under ``max_body_bytes``, a total deadline, a stall deadline and a
+  minimum pace; its first :data:`ADMISSION_BYTES` (or all of a shorter body) arrive before the
+  request asks the gate for a slot, so slow senders never hold one.
 - :class:`IngestWorker`: one thread decodes and counts, one request at a time, off the event loop,
   so memory is one request's working set however many arrive.
 - :class:`BatchLedger`: ``kvlens-batch-id``s of committed batches, so a batch retried after a lost
@@ -19,12 +21,13 @@ import threading
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Final, TypeVar
 
 import numpy as np
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
-from kvlens.errors import BodyTooSlow, PayloadTooLarge
+from kvlens.errors import BodyTooSlow, ClientDisconnected, PayloadTooLarge
 from kvlens.records import RecordBatch
 
 T = TypeVar("T")
@@ -53,31 +56,109 @@ class IngestGate:
             self.in_flight -= 1
 
 
-async def read_body(request: Request, limit: int, deadline_seconds: float, stall_seconds: float) -> bytes:
-    """The whole body, under a size limit, a total deadline, and a deadline for each piece (a
-    client that stalls mid-body would otherwise hold its slot until the total deadline)."""
-    declared = request.headers.get("content-length", "")
-    if declared.isascii() and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"the body exceeds {limit} bytes")
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + deadline_seconds
-    chunks: list[bytes] = []
-    size = 0
-    stream = request.stream().__aiter__()
-    while True:
-        left = deadline - loop.time()
+ADMISSION_BYTES: Final = 16 * 1024
+
+
+@dataclass(frozen=True)
+class BodyLimits:
+    """What a request body may cost: its size, its total time, its longest pause, and its pace
+    (every ``window_seconds`` must bring ``min_bytes_per_second * window_seconds`` bytes, or the end
+    of the body; the first window is the grace period)."""
+
+    max_bytes: int
+    deadline_seconds: float
+    stall_seconds: float
+    min_bytes_per_second: int
+    window_seconds: float
+
+
+class BodyReader:
+    """A request body received under :class:`BodyLimits`, in two steps: :meth:`read` up to
+    :data:`ADMISSION_BYTES` before the request takes an ingest slot (a body that trickles in holds
+    a connection and at most that much memory, never a slot), then :meth:`body` for the rest.
+
+    The pending read is a task awaited with a timeout, not cancelled, so a window boundary that
+    passes between two pieces checks the pace without losing the piece on its way."""
+
+    def __init__(
+        self, request: Request, limits: BodyLimits, clock: Callable[[], float] | None = None
+    ) -> None:
+        self._request = request
+        self._limits = limits
+        self._clock = clock or asyncio.get_running_loop().time
+        self._stream = request.stream().__aiter__()
+        self._pending: asyncio.Task[bytes] | None = None
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self._complete = False
+        now = self._clock()
+        self._deadline = now + limits.deadline_seconds
+        self._last_piece = now
+        self._window_end = now + limits.window_seconds
+        self._window_bytes = 0
+
+    async def read(self, until: int) -> None:
+        """Receive until the body ended or at least ``until`` bytes of it arrived."""
+        declared = self._request.headers.get("content-length", "")
+        if declared.isascii() and declared.isdigit() and int(declared) > self._limits.max_bytes:
+            raise PayloadTooLarge(f"the body exceeds {self._limits.max_bytes} bytes")
         try:
-            chunk = await asyncio.wait_for(stream.__anext__(), min(left, stall_seconds))
+            while not self._complete and self._size < until:
+                await self._next()
+        except BaseException:
+            self.close()
+            raise
+
+    async def body(self) -> bytes:
+        await self.read(self._limits.max_bytes + 1)
+        return b"".join(self._chunks)
+
+    def close(self) -> None:
+        if self._pending is not None:
+            self._pending.cancel()
+            self._pending = None
+
+    async def _next(self) -> None:
+        limits = self._limits
+        self._close_windows(self._clock())
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(self._stream.__anext__())
+        now = self._clock()
+        wait = min(self._deadline, self._last_piece + limits.stall_seconds, self._window_end) - now
+        done, _ = await asyncio.wait([self._pending], timeout=max(0.0, wait))
+        now = self._clock()
+        if not done:
+            if now >= self._deadline:
+                raise BodyTooSlow(f"the body did not arrive within {limits.deadline_seconds:g} s")
+            if now >= self._last_piece + limits.stall_seconds:
+                raise BodyTooSlow(f"the body paused over {limits.stall_seconds:g} s")
+            return  # a window ended: checked on the next call
+        pending, self._pending = self._pending, None
+        try:
+            chunk = pending.result()
         except StopAsyncIteration:
-            return b"".join(chunks)
-        except asyncio.TimeoutError:
-            raise BodyTooSlow(
-                f"the body did not arrive within {deadline_seconds:g} s, or paused over {stall_seconds:g} s"
-            ) from None
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"the body exceeds {limit} bytes")
-        chunks.append(chunk)
+            self._complete = True
+            return
+        except ClientDisconnect:
+            raise ClientDisconnected("the client went away before its body arrived") from None
+        self._close_windows(now)
+        self._last_piece = now
+        self._size += len(chunk)
+        self._window_bytes += len(chunk)
+        if self._size > limits.max_bytes:
+            raise PayloadTooLarge(f"the body exceeds {limits.max_bytes} bytes")
+        self._chunks.append(chunk)
+
+    def _close_windows(self, now: float) -> None:
+        limits = self._limits
+        while now >= self._window_end:
+            if self._window_bytes < limits.min_bytes_per_second * limits.window_seconds:
+                raise BodyTooSlow(
+                    f"the body arrived slower than {limits.min_bytes_per_second} bytes/s "
+                    f"over {limits.window_seconds:g} s"
+                )
+            self._window_bytes = 0
+            self._window_end += limits.window_seconds
 
 
 class IngestWorker:

@@ -219,7 +219,8 @@ INGEST_REFUSED = MetricSpec(
     ("reason",),
     "Ingest requests refused whole: busy, batch_in_progress, unauthorized, too_large, "
     "too_many_records, compression_bomb, unsupported_encoding, unsupported_media_type, "
-    "undecodable, too_slow.",
+    "undecodable, too_slow (past a deadline or under the minimum pace), client_disconnected (gone "
+    "mid-body).",
 )
 INGEST_OPEN = MetricSpec(
     "kvlens_ingest_open",
@@ -232,8 +233,8 @@ CONNECTIONS_CLOSED = MetricSpec(
     "kvlens_connections_closed",
     "counter",
     ("reason",),
-    "Connections the sidecar closed: header_timeout (no whole request head in time), "
-    "over_capacity (past max_connections).",
+    "Connections the sidecar closed: header_timeout (no TLS handshake and whole request head in "
+    "time), over_capacity (past max_connections).",
 )
 LOOP_LAG = MetricSpec(
     "kvlens_event_loop_lag_seconds",

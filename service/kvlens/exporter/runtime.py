@@ -109,8 +109,9 @@ class ScrapeRenderer:
 
 class ConnectionGuard:
     """The open connections and what a connection may cost: at most ``max_connections`` at once
-    (past it the oldest one still waiting for a request head is closed to make room) and
-    ``header_timeout`` seconds to send a whole request head. Used from the event loop only."""
+    (past it the oldest one still in its TLS handshake or waiting for a request head is closed to
+    make room) and ``header_timeout`` seconds to finish the handshake and send a whole request
+    head. Used from the event loop only."""
 
     def __init__(self, max_connections: int, header_timeout: float) -> None:
         self.max_connections = max_connections

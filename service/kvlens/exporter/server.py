@@ -8,6 +8,12 @@ deadline: :class:`GuardedH11Protocol`, uvicorn's h11 protocol with a head deadli
 cap that evicts idle connections instead of refusing busy ones (``uvicorn.Config(http=...)``
 takes a protocol class). Admission of work is the app's job (:class:`~kvlens.exporter.ingest.
 IngestGate`), so idle sockets never count against requests.
+
+TLS is terminated by that protocol too (``loop.start_tls`` on the accepted socket), not by
+``create_server(ssl=...)``: asyncio would hold a handshake up to 60 s and hand the protocol a
+connection only once it completed, so stalled handshakes escaped both the head deadline and the
+cap. Here a connection counts from its TCP accept, and its handshake and request head share the
+one ``header_timeout``.
 """
 
 from __future__ import annotations
@@ -33,26 +39,68 @@ _REFUSED = (
 
 
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol, under a :class:`ConnectionGuard`: a request head must arrive within
-    ``header_timeout`` of the connection opening (or of the first byte of the next request on a
-    kept-alive connection); past ``max_connections`` the oldest idle connection is closed."""
+    """uvicorn's h11 protocol, under a :class:`ConnectionGuard`: a request head (after the TLS
+    handshake, when ``tls`` is set) must arrive within ``header_timeout`` of the connection opening
+    (or of the first byte of the next request on a kept-alive connection); past
+    ``max_connections`` the oldest idle connection is closed, a handshake in progress included."""
 
     guard: ClassVar[ConnectionGuard]
+    tls: ClassVar[ssl.SSLContext | None] = None
     _head_timer: asyncio.TimerHandle | None = None
+    _handshaking: asyncio.Transport | None = None  # the TCP transport while its TLS handshake runs
+    _handshake: asyncio.Task[None] | None = None  # held: the loop keeps only a weak reference
+    _serving = False  # uvicorn's side of the protocol was started
+    _early = b""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        if self.tls is None:
+            self._serve(transport)
         if not self.guard.admit(self):
-            transport.write(_REFUSED)
+            if self.tls is None:
+                transport.write(_REFUSED)
             transport.close()
             return
         self._arm_head_timer()
+        if self.tls is not None:
+            self._handshaking = transport
+            transport.pause_reading()  # the bytes are the handshake's until start_tls takes them
+            self._handshake = self.loop.create_task(self._start_tls(transport, self.tls))
+
+    async def _start_tls(self, transport: asyncio.Transport, context: ssl.SSLContext) -> None:
+        try:
+            secured = await self.loop.start_tls(
+                transport,
+                self,
+                context,
+                server_side=True,
+                ssl_handshake_timeout=2 * self.guard.header_timeout,  # the head timer closes first
+            )
+        except (OSError, asyncio.TimeoutError) as error:  # ssl.SSLError is an OSError
+            log.debug("kvlens: TLS handshake failed (%s)", type(error).__name__)
+            secured = None
+        self._handshaking = None
+        if secured is None or transport.is_closing():
+            self._cancel_head_timer()
+            self.guard.release(self)
+            transport.close()
+            return
+        self._serve(secured)
+
+    def _serve(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)
+        self._serving = True
+        early, self._early = self._early, b""
+        if early:
+            self.data_received(early)
 
     @property
     def waiting_for_head(self) -> bool:
         return self.cycle is None or self.cycle.response_complete
 
     def data_received(self, data: bytes) -> None:
+        if not self._serving:  # decrypted with the handshake's last flight, before start_tls returns
+            self._early += data
+            return
         super().data_received(data)
         if self.transport.is_closing():
             return
@@ -64,11 +112,15 @@ class GuardedH11Protocol(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
         self.guard.release(self)
-        super().connection_lost(exc)
+        if self._serving:
+            super().connection_lost(exc)
 
     def close_idle(self) -> None:
         self._cancel_head_timer()
-        self.transport.close()
+        self._open_transport().close()
+
+    def _open_transport(self) -> asyncio.Transport:
+        return self._handshaking if self._handshaking is not None else self.transport
 
     def _arm_head_timer(self) -> None:
         self._head_timer = self.loop.call_later(self.guard.header_timeout, self._head_timeout)
@@ -80,34 +132,33 @@ class GuardedH11Protocol(H11Protocol):
 
     def _head_timeout(self) -> None:
         self._head_timer = None
-        if self.waiting_for_head and not self.transport.is_closing():
+        transport = self._open_transport()
+        if self.waiting_for_head and not transport.is_closing():
             self.guard.closed["header_timeout"] += 1
-            self.transport.close()
+            transport.close()
 
 
 class KVLensServer(uvicorn.Server):
     """uvicorn's server, reloading the TLS certificate when its files change (for new handshakes;
     connections already open keep the certificate they started with)."""
 
-    def __init__(self, config: uvicorn.Config, settings: Settings) -> None:
+    def __init__(self, config: uvicorn.Config, settings: Settings, tls: ssl.SSLContext | None) -> None:
         super().__init__(config)
         self.settings = settings
+        self.tls = tls
         self._tls_files = _stamp(settings)
         self._next_tls_check = 0.0
 
     async def on_tick(self, counter: int) -> bool:
         now = asyncio.get_running_loop().time()
-        if self.config.ssl is not None and now >= self._next_tls_check:
+        if self.tls is not None and now >= self._next_tls_check:
             self._next_tls_check = now + self.settings.tls_reload_seconds
-            self._reload_tls()
+            self._reload_tls(self.tls)
         return await super().on_tick(counter)
 
-    def _reload_tls(self) -> None:
+    def _reload_tls(self, context: ssl.SSLContext) -> None:
         stamp = _stamp(self.settings)
         if stamp == self._tls_files:
-            return
-        context = self.config.ssl
-        if context is None:
             return
         try:
             context.load_cert_chain(str(self.settings.tls_cert_file), str(self.settings.tls_key_file))
@@ -130,7 +181,8 @@ def _stamp(settings: Settings) -> tuple[Any, ...]:
 
 
 def build_server(settings: Settings, app: Any, guard: ConnectionGuard, log_level: str) -> KVLensServer:
-    protocol = type("GuardedH11Protocol", (GuardedH11Protocol,), {"guard": guard})
+    tls = tls_context(settings)
+    protocol = type("GuardedH11Protocol", (GuardedH11Protocol,), {"guard": guard, "tls": tls})
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -141,10 +193,20 @@ def build_server(settings: Settings, app: Any, guard: ConnectionGuard, log_level
         http=protocol,
         timeout_keep_alive=KEEP_ALIVE_SECONDS,
         limit_concurrency=None,  # idle sockets must not count: the app admits work itself
-        ssl_certfile=str(settings.tls_cert_file) if settings.tls_cert_file else None,
-        ssl_keyfile=str(settings.tls_key_file) if settings.tls_key_file else None,
     )
-    return KVLensServer(config, settings)
+    if tls is not None:
+        log.info("kvlens: serving HTTPS on port %d", settings.port)
+    return KVLensServer(config, settings, tls)
+
+
+def tls_context(settings: Settings) -> ssl.SSLContext | None:
+    """The server's TLS context (Python's defaults for servers: TLS 1.2 or later), or None."""
+    if settings.tls_cert_file is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    key = settings.tls_key_file
+    context.load_cert_chain(str(settings.tls_cert_file), str(key) if key is not None else None)
+    return context
 
 
 def raise_open_files_limit() -> int:
