@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +15,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvlens.sources.tail import Tailer
+from kvlens.records import Validated
+from kvlens.sources.formats import converter
+from kvlens.sources.tail import STUCK_SECONDS, Tailer, TailStatus, follow
 
 
 def line(i: int) -> bytes:
@@ -206,6 +210,78 @@ def test_unreadable_checkpoint_starts_over(tmp_path: Path) -> None:
     (tmp_path / "state").mkdir()
     (tmp_path / "state" / "tail.json").write_text("{not json")
     assert numbers(new_tailer(tmp_path).poll().lines) == [0]
+
+
+def test_a_path_that_turned_into_a_fifo_after_its_stat_is_opened_without_blocking(tmp_path: Path) -> None:
+    # what poll() does after os.stat said "regular file": a FIFO put there since must not block
+    log = setup(tmp_path)
+    os.mkfifo(log)
+    skip = new_tailer(tmp_path)._open(str(log))
+    assert not isinstance(skip, tuple) and skip.reason == "fifo"
+
+
+def test_skipped_paths_are_counted_once_until_they_change(tmp_path: Path) -> None:
+    log = setup(tmp_path)
+    append(log, 0)
+    other = tmp_path / "logs" / "other.log"
+    other.mkdir()
+    tailer = new_tailer(tmp_path)
+    first = tailer.poll()
+    assert numbers(first.lines) == [0] and first.skipped == {"directory": 1} and first.unreadable == {}
+    assert tailer.poll().skipped == {}  # the same directory: neither counted nor said again
+    other.rmdir()
+    other.symlink_to(other)
+    assert tailer.poll().skipped == {"unreadable": 1}
+    assert tailer.poll().unreadable == {str(other): "OSError"}  # still unreadable: still reported
+    other.unlink()
+    assert tailer.poll().unreadable == {}
+
+
+def test_a_round_that_does_not_come_back_fails_readiness(tmp_path: Path) -> None:
+    log = setup(tmp_path)
+    append(log, 0)
+    now = [0.0]
+    status = TailStatus("logs", clock=lambda: now[0])
+    delivering, release = threading.Event(), threading.Event()
+
+    def deliver(validated: Validated) -> None:  # a round that hangs, as on a mount that stopped answering
+        delivering.set()
+        release.wait(10)
+
+    stop = threading.Event()
+    thread = threading.Thread(
+        target=follow, args=(new_tailer(tmp_path), converter("kvlens"), deliver, stop, 0.01, status)
+    )
+    thread.start()
+    try:
+        assert delivering.wait(10)
+        now[0] = STUCK_SECONDS
+        assert status.problems() == []  # not past the deadline yet
+        now[0] = STUCK_SECONDS + 1
+        assert status.problems() == [
+            f"tail logs: a poll has not come back for {STUCK_SECONDS + 1:.0f} s "
+            "(a file system that does not answer?)"
+        ]
+    finally:
+        stop.set()
+        release.set()
+        thread.join(10)
+    assert not thread.is_alive()
+    assert status.problems() == []
+
+
+def test_a_fifo_in_place_of_the_checkpoint_fails_the_write_without_blocking(tmp_path: Path) -> None:
+    log = setup(tmp_path)
+    append(log, 0)
+    (tmp_path / "state").mkdir()
+    os.mkfifo(tmp_path / "state" / "tail.json.tmp")  # an open for writing would wait for a reader
+    tailer = new_tailer(tmp_path)
+    tailer.poll()
+    with pytest.raises(OSError):
+        tailer.checkpoint()
+    (tmp_path / "state" / "tail.json.tmp").unlink()
+    tailer.checkpoint()
+    assert json.loads((tmp_path / "state" / "tail.json").read_text())["files"]
 
 
 class RotatingLog(RuleBasedStateMachine):

@@ -53,7 +53,7 @@ class BackgroundSources:
 
     def problems(self) -> list[str]:
         """Why the sidecar cannot keep its promises now (readiness fails while there are any)."""
-        return [status.problem for status in self.tails if status.problem]
+        return [problem for status in self.tails for problem in status.problems()]
 
     async def _scrape_forever(self, target: str, url: str) -> None:
         settings, upstream = self.settings, self.upstream

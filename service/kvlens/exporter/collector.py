@@ -23,7 +23,7 @@ from kvlens.exporter.aggregator import TTFT_COMPONENTS, Aggregator, Histograms, 
 from kvlens.exporter.background import BackgroundSources
 from kvlens.exporter.runtime import LAG_BUCKETS, ServiceHealth
 from kvlens.exporter.upstream import UpstreamState
-from kvlens.sources.tail import TailStatus
+from kvlens.sources.tail import SKIP_REASONS, TailStatus
 
 log = logging.getLogger(__name__)
 _go_float = cast(Callable[[float], str], floatToGoString)  # how prometheus_client writes `le`
@@ -257,12 +257,15 @@ def _gauge(spec: metrics.MetricSpec) -> GaugeMetricFamily:
 def _tail_families(tails: list[TailStatus]) -> list[Metric]:
     ok, failures = _gauge(metrics.TAIL_CHECKPOINT_OK), _counter(metrics.TAIL_CHECKPOINT_FAILURES)
     shortened, ignored = _counter(metrics.TAIL_SHORTENED), _counter(metrics.TAIL_IGNORED)
+    skipped = _counter(metrics.TAIL_SKIPPED)
     for status in tails:
         ok.add_metric([status.pattern], 1 if status.checkpoint_ok else 0)
         failures.add_metric([status.pattern], status.checkpoint_failures)
         shortened.add_metric([status.pattern], status.lines_shortened)
         ignored.add_metric([status.pattern], status.lines_ignored)
-    return [ok, failures, shortened, ignored]
+        for reason in SKIP_REASONS:
+            skipped.add_metric([status.pattern, reason], status.files_skipped[reason])
+    return [ok, failures, shortened, ignored, skipped]
 
 
 def _service_families(health: ServiceHealth) -> list[Metric]:

@@ -209,7 +209,21 @@ TAIL_IGNORED = MetricSpec(
     ("path",),
     "Lines that describe no finished request (streaming chunks before the one with the usage).",
 )
-TAIL: Final = (TAIL_CHECKPOINT_OK, TAIL_CHECKPOINT_FAILURES, TAIL_SHORTENED, TAIL_IGNORED)  # with tails
+TAIL_SKIPPED = MetricSpec(
+    "kvlens_tail_files_skipped",
+    "counter",
+    ("path", "reason"),
+    "Paths the glob matched that are not followed: directory, fifo, socket, device, other (not a "
+    "regular file), unreadable (cannot be opened or read: readiness fails while it lasts); counted "
+    "once each time a path starts being skipped.",
+)
+TAIL: Final = (
+    TAIL_CHECKPOINT_OK,
+    TAIL_CHECKPOINT_FAILURES,
+    TAIL_SHORTENED,
+    TAIL_IGNORED,
+    TAIL_SKIPPED,
+)  # with tails
 INGEST_IN_FLIGHT = MetricSpec(
     "kvlens_ingest_in_flight", "gauge", (), "Ingest requests in progress (receiving, waiting or decoding)."
 )
