@@ -1,6 +1,6 @@
 """Soak: a real ``kvlens serve`` under mixed traffic and a trickle of abuse, for minutes.
 
-    .venv/bin/python bench/soak.py [--minutes 10]
+    .venv/bin/python bench/soak.py [--minutes 10] [--attacks slow-body,fifo,gzip-upstream,deep-nesting]
 
 What runs at once, all against one sidecar on loopback:
 - push: NDJSON batches of 100 records every 50 ms (some gzip, all with a ``kvlens-batch-id``,
@@ -11,7 +11,15 @@ What runs at once, all against one sidecar on loopback:
 - an engine ``/metrics`` that kvlens scrapes every second and that restarts every 20 s (its
   counters fall to 0, and it is down for 2 s);
 - abuse at a low rate: gzip bombs, bodies of empty objects, protobuf span bombs, unknown
-  encodings, non-ASCII headers, a stalled body, idle sockets that send nothing.
+  encodings, non-ASCII headers, a stalled body, idle sockets that send nothing;
+- the attacks of the second hostile review, each switched on by ``--attacks`` (default all):
+  ``slow-body``: every 30 s, as many bodies as ingest has slots (4), each its headers then one
+  byte every 2 s; ``fifo``: a second tailed glob whose regular file gets 10 lines every 0.5 s
+  (counted like the others) and in which a FIFO appears every 30 s; ``gzip-upstream``: a second
+  scrape target that answers gzip, one answer in 30 a bomb (1 MiB inflating to 1 GiB);
+  ``deep-nesting``: a pushed record whose unknown field nests 100,000 levels and an OTLP JSON
+  export nested as deep, in the abuse cycle. All are refused or ignored traffic: none counts as
+  sent, and an answer 5xx fails the soak as any other.
 
 It prints records sent vs counted, RSS at start (after warm-up), end and peak, the event loop's
 lag p99 (kvlens_event_loop_lag_seconds), 5xx answers, scrape p99 and /healthz p99; and exits 1
@@ -21,8 +29,11 @@ when a record is lost or counted twice, a 5xx was answered, or a counter went ba
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import itertools
+import os
+import select
 import socket
 import statistics
 import sys
@@ -30,7 +41,10 @@ import tempfile
 import threading
 import time
 import uuid
+import zlib
+from collections import Counter
 from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -48,6 +62,14 @@ from tests.live import EngineServer, Running, raise_open_files_limit, start_kvle
 from kvlens.sources.otlp import length_delimited  # noqa: E402
 
 WARM_UP_SECONDS = 20
+NEW_ATTACKS = ("slow-body", "fifo", "gzip-upstream", "deep-nesting")
+INGEST_SLOTS = 4  # the default max_concurrent_ingest
+SLOW_BODY_EVERY_SECONDS = 30.0
+SLOW_BODY_BYTE_SECONDS = 2.0
+FIFO_EVERY_SECONDS = 30.0
+BOMB_EVERY_SCRAPES = 30  # one bomb every 30 s at the soak's 1 s scrape interval
+BOMB_INFLATED_BYTES = 2**30
+NESTING_DEPTH = 100_000
 
 
 class Tally:
@@ -55,16 +77,21 @@ class Tally:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.sent = {"push": 0, "otlp": 0, "tail": 0}
+        self.sent = {"push": 0, "otlp": 0, "tail": 0}  # and "fifo-glob" with the fifo attack
         self.server_errors: list[str] = []
         self.scrape_seconds: list[float] = []
         self.health_seconds: list[float] = []
         self.resets = 0
         self.abuse = 0
+        self.attacks: Counter[str] = Counter()  # the new attacks, by name
 
     def add(self, source: str, count: int) -> None:
         with self.lock:
-            self.sent[source] += count
+            self.sent[source] = self.sent.get(source, 0) + count
+
+    def attacked(self, name: str) -> None:
+        with self.lock:
+            self.attacks[name] += 1
 
     def answered(self, what: str, status: int) -> None:
         if status >= 500:
@@ -174,7 +201,7 @@ def prober(url: str, tally: Tally, stop: threading.Event) -> None:
             tally.health_seconds.append(time.monotonic() - started)
 
 
-def abuser(url: str, port: int, tally: Tally, stop: threading.Event) -> None:
+def abuser(url: str, port: int, tally: Tally, stop: threading.Event, deep_nesting: bool) -> None:
     """One attack every two seconds, in turn; each must be answered 4xx (or the socket closed)."""
     zeros = gzip.compress(b"[" + b"0," * 4_000_000 + b"0]", 9)
     members = gzip.compress(b"") * 100_000
@@ -200,6 +227,8 @@ def abuser(url: str, port: int, tally: Tally, stop: threading.Event) -> None:
         lambda c: _raw(port, b"POST /v1/records HTTP/1.1\r\nHost: k\r\nkvlens-dropped: \xc2\xb2\r\n"),
         lambda c: _raw(port, b"POST /v1/records HTTP/1.1\r\nHost: k\r\nContent-Length: 100\r\n", body=b"[{"),
     ]
+    if deep_nesting:
+        attacks.extend(deep_nesting_attacks(url, tally))
     idle: list[socket.socket] = []
     with httpx.Client(timeout=60) as client:
         for attack in itertools.cycle(attacks):
@@ -211,6 +240,139 @@ def abuser(url: str, port: int, tally: Tally, stop: threading.Event) -> None:
             idle.extend(socket.create_connection(("127.0.0.1", port)) for _ in range(20))
     for sock in idle:
         sock.close()
+
+
+def deep_nesting_attacks(url: str, tally: Tally) -> list[Callable[[httpx.Client], int]]:
+    """A pushed record whose unknown field nests NESTING_DEPTH levels (200 KB), and an OTLP JSON
+    export with a span nested as deep. The record is otherwise valid, for a model the soak does
+    not count, so that it changes no total even if a decoder were to ignore the field."""
+    nested = b"[" * NESTING_DEPTH + b"]" * NESTING_DEPTH
+    pushed = orjson.dumps({**record(0), "request_id": "soak-deep", "model": "soak-abuse"})
+    pushed = pushed[:-1] + b',"soak_nested":' + nested + b"}"
+    spans = b'{"resourceSpans":[{"scopeSpans":[{"spans":[{"name":"llm_request","nested":'
+    otlp = spans + nested + b"}]}]}]}"
+
+    # A connection of their own: a server that fails them may close it under the next attack.
+    def push(_: httpx.Client) -> int:
+        tally.attacked("deep-nesting")
+        return httpx.post(f"{url}/v1/records", content=pushed, timeout=60).status_code
+
+    def export(_: httpx.Client) -> int:
+        tally.attacked("deep-nesting")
+        headers = {"content-type": "application/json"}
+        return httpx.post(f"{url}/v1/traces", content=otlp, headers=headers, timeout=60).status_code
+
+    return [push, export]
+
+
+def slow_bodies(port: int, tally: Tally, stop: threading.Event) -> None:
+    """Every SLOW_BODY_EVERY_SECONDS, INGEST_SLOTS bodies at once that arrive one byte at a time:
+    enough to hold every ingest slot if a slot is taken before the body arrives."""
+    while not stop.wait(SLOW_BODY_EVERY_SECONDS):
+        senders = [
+            threading.Thread(target=slow_body, args=(port, tally, stop), daemon=True)
+            for _ in range(INGEST_SLOTS)
+        ]
+        for sender in senders:
+            sender.start()
+        for sender in senders:
+            sender.join()
+
+
+def slow_body(port: int, tally: Tally, stop: threading.Event) -> None:
+    """Headers for a 10,000-byte body, then one byte every SLOW_BODY_BYTE_SECONDS until kvlens
+    answers or hangs up (the body would take hours to finish, so it never counts)."""
+    tally.attacked("slow-body")
+    head = b"POST /v1/records HTTP/1.1\r\nHost: k\r\nContent-Length: 10000\r\n\r\n"
+    answer = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(head)
+        for _ in range(60):  # gives up after 120 s, far past any deadline of the soak's sidecar
+            if select.select([sock], [], [], 0)[0]:
+                answer = sock.recv(4096)
+                break
+            if stop.wait(SLOW_BODY_BYTE_SECONDS):
+                return
+            try:
+                sock.sendall(b" ")
+            except OSError:  # hung up without an answer
+                return
+    if answer:
+        tally.answered("slow-body", int(answer.split(b" ", 2)[1]))
+
+
+def fifo_glob_writer(directory: Path, tally: Tally, stop: threading.Event) -> None:
+    """The second tailed glob: 10 lines every 0.5 s to a regular file (counted as sent), and a
+    FIFO matching the glob every FIFO_EVERY_SECONDS (the last three are kept)."""
+    numbers = itertools.count(2 * 10**9)
+    log = directory / "app.log"
+    fifos: list[Path] = []
+    made = time.monotonic()
+    while not stop.wait(0.5):
+        lines = b"".join(orjson.dumps(record(next(numbers))) + b"\n" for _ in range(10))
+        with log.open("ab") as out:
+            out.write(lines)
+        tally.add("fifo-glob", 10)
+        if time.monotonic() - made > FIFO_EVERY_SECONDS:
+            fifos.append(directory / f"pipe-{len(fifos)}-{int(time.time())}.log")
+            os.mkfifo(fifos[-1])
+            tally.attacked("fifo")
+            made = time.monotonic()
+            if len(fifos) > 3:
+                fifos[-4].unlink()
+
+
+def gzip_bomb(inflated: int) -> bytes:
+    """A gzip member of about inflated/1000 bytes that inflates to ``inflated`` zero bytes: one
+    compressed MiB repeated (each ends in a full flush, so none refers back to another)."""
+    chunk = bytes(2**20)
+    compressor = zlib.compressobj(9, zlib.DEFLATED, -zlib.MAX_WBITS)
+    block = compressor.compress(chunk) + compressor.flush(zlib.Z_FULL_FLUSH)
+    crc = 0
+    for _ in range(inflated // len(chunk)):
+        crc = zlib.crc32(chunk, crc)
+    end = zlib.compressobj(9, zlib.DEFLATED, -zlib.MAX_WBITS).flush()
+    header = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff"  # gzip, deflate, no name, no time
+    trailer = crc.to_bytes(4, "little") + (inflated % 2**32).to_bytes(4, "little")
+    return header + block * (inflated // len(chunk)) + end + trailer
+
+
+class GzipUpstream:
+    """A scrape target that answers gzip (as vLLM does when asked, and httpx always asks); one
+    answer in BOMB_EVERY_SCRAPES is a bomb of BOMB_INFLATED_BYTES."""
+
+    def __init__(self, tally: Tally) -> None:
+        bomb = gzip_bomb(BOMB_INFLATED_BYTES)
+        small = gzip.compress(
+            b"# TYPE vllm:prompt_tokens_total counter\n"
+            b'vllm:prompt_tokens_total{model_name="soak-upstream"} 1\n'
+        )
+        scrapes = itertools.count(1)
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = bomb if next(scrapes) % BOMB_EVERY_SCRAPES == 0 else small
+                if body is bomb:
+                    tally.attacked("gzip-upstream")
+                self.send_response(200)
+                self.send_header("content-type", "text/plain; version=0.0.4")
+                self.send_header("content-encoding", "gzip")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                with contextlib.suppress(OSError):  # kvlens hung up once it had read enough
+                    self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/metrics"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
 def _raw(port: int, head: bytes, body: bytes = b"[]") -> int:
@@ -259,20 +421,42 @@ def counted(running: Running) -> tuple[float, dict[str, float]]:
     return requests, lag
 
 
+def attack_names(text: str) -> frozenset[str]:
+    """``--attacks``: a comma-separated list of NEW_ATTACKS, or "none"."""
+    names = frozenset(name.strip() for name in text.split(",")) - {"", "none"}
+    if unknown := names - set(NEW_ATTACKS):
+        known = ", ".join(NEW_ATTACKS)
+        raise argparse.ArgumentTypeError(f"unknown attack {', '.join(sorted(unknown))} (known: {known})")
+    return names
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument(
+        "--attacks",
+        type=attack_names,
+        default=frozenset(NEW_ATTACKS),
+        help=f"the new attacks to run, comma-separated, or none (default: {','.join(NEW_ATTACKS)})",
+    )
     args = parser.parse_args()
+    attacks: frozenset[str] = args.attacks
     raise_open_files_limit()
     workdir = Path(tempfile.mkdtemp(prefix="kvlens-soak-"))
     log = workdir / "app.log"
     engine = EngineServer(engine_exposition(time.monotonic()))
+    tally = Tally()
+    sources = ["--tail", str(log), "--scrape", engine.url]
+    fifo_dir = workdir / "fifo-glob"
+    if "fifo" in attacks:
+        fifo_dir.mkdir()
+        sources += ["--tail", str(fifo_dir / "*.log")]
+    upstream = GzipUpstream(tally) if "gzip-upstream" in attacks else None
+    if upstream:
+        sources += ["--scrape", upstream.url]
     sidecar = start_kvlens(
         "serve",
-        "--tail",
-        str(log),
-        "--scrape",
-        engine.url,
+        *sources,
         env={
             "KVLENS_STATE_DIR": str(workdir / "state"),
             "KVLENS_TAIL_POLL_SECONDS": "0.2",
@@ -281,27 +465,33 @@ def main() -> int:
         },
     )
     process = psutil.Process(sidecar.process.pid)
-    tally = Tally()
     stop = threading.Event()
-    workers = [
-        threading.Thread(target=target, args=arguments, daemon=True)
-        for target, arguments in (
-            (pusher, (sidecar.url, tally, stop)),
-            (otlp_sender, (sidecar.url, tally, stop)),
-            (tail_writer, (log, tally, stop)),
-            (scraper, (sidecar.url, tally, stop)),
-            (prober, (sidecar.url, tally, stop)),
-            (abuser, (sidecar.url, sidecar.port, tally, stop)),
-        )
+    jobs: list[tuple[Callable[..., None], tuple[object, ...]]] = [
+        (pusher, (sidecar.url, tally, stop)),
+        (otlp_sender, (sidecar.url, tally, stop)),
+        (tail_writer, (log, tally, stop)),
+        (scraper, (sidecar.url, tally, stop)),
+        (prober, (sidecar.url, tally, stop)),
+        (abuser, (sidecar.url, sidecar.port, tally, stop, "deep-nesting" in attacks)),
     ]
+    if "slow-body" in attacks:
+        jobs.append((slow_bodies, (sidecar.port, tally, stop)))
+    if "fifo" in attacks:
+        jobs.append((fifo_glob_writer, (fifo_dir, tally, stop)))
+    workers = [threading.Thread(target=target, args=arguments, daemon=True) for target, arguments in jobs]
     for worker in workers:
         worker.start()
     started = time.monotonic()
     rss: list[tuple[float, float]] = []
     deadline = started + args.minutes * 60
+    warm_up = min(WARM_UP_SECONDS, args.minutes * 30)
+    memory = sidecar.memory()  # the kernel's high-water mark: a bomb's spike between two samples
     while time.monotonic() < deadline:
         rss.append((time.monotonic() - started, process.memory_info().rss / 2**20))
+        if rss[-1][0] >= warm_up and not memory.baseline:
+            memory.reset()
         time.sleep(1.0)  # a sampling interval, not a wait for an event
+    spike_mib = memory.peak_growth_mib()
     stop.set()
     for worker in workers:
         worker.join(60)
@@ -312,19 +502,24 @@ def main() -> int:
     requests, lag = seen
     output = sidecar.output()
     engine.close()
+    if upstream:
+        upstream.close()
 
-    after_warm_up = [mib for at, mib in rss if at >= min(WARM_UP_SECONDS, args.minutes * 30)]
+    after_warm_up = [mib for at, mib in rss if at >= warm_up]
     start_mib, end_mib, peak_mib = after_warm_up[0], after_warm_up[-1], max(mib for _, mib in rss)
     lag_p99 = histogram_p99(lag)
     scrape = sorted(tally.scrape_seconds)
     health = sorted(tally.health_seconds)
     print(f"soak: {args.minutes:g} min, {len(scrape)} scrapes, {tally.abuse} attacks")
+    new = ", ".join(f"{name} {tally.attacks[name]}" for name in NEW_ATTACKS if name in attacks)
+    print(f"  new attacks       {new or 'none'}")
     print(f"  records sent      {sent:>10,}  ({', '.join(f'{k} {v:,}' for k, v in tally.sent.items())})")
     print(f"  records counted   {int(requests):>10,}")
     print(
         f"  RSS MiB           start {start_mib:.1f} (after warm-up)  end {end_mib:.1f}  peak {peak_mib:.1f}"
     )
     print(f"  RSS growth        {end_mib - start_mib:+.1f} MiB after warm-up (target within 10)")
+    print(f"  RSS high-water    {spike_mib:+.1f} MiB above the start (VmHWM, spikes between samples too)")
     minutes = [f"{mib:.0f}" for at, mib in rss if int(at) % 60 == 0]
     print(f"  RSS each minute   {' '.join(minutes)} MiB (the batch-id window fills in ~8 min)")
     print(f"  event-loop lag    p99 <= {lag_p99 * 1000:.0f} ms (bucket bound)")
