@@ -95,9 +95,7 @@ class Sidecar:
         self.ledger = BatchLedger(settings.batch_id_window)
         self.recent = RecentRecords(settings.request_id_window)
         self.renderer = ScrapeRenderer(self.registry)
-        self.ingest_token = (
-            settings.ingest_token.get_secret_value().encode() if settings.ingest_token else None
-        )
+        self.ingest_token = settings.ingest_secret
         self.decode_limits = encoding.DecodeLimits(
             settings.max_body_bytes, settings.max_decompression_ratio, settings.max_gzip_members
         )
