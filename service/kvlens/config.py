@@ -18,6 +18,7 @@ from pydantic import (
     PrivateAttr,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -299,7 +300,7 @@ class Settings(BaseSettings):
 
     @field_validator("ingest_token", "metrics_token", "metrics_password")
     @classmethod
-    def _not_blank(cls, secret: SecretStr | None) -> SecretStr | None:
+    def _not_blank(cls, secret: SecretStr | None, info: ValidationInfo) -> SecretStr | None:
         # An empty value (a typo, an unset shell variable in compose) must not turn the check
         # off, nor accept a header with nothing after "Bearer".
         if secret is None:
@@ -307,7 +308,7 @@ class Settings(BaseSettings):
         value = secret.get_secret_value()
         if not value.strip():
             raise ValueError("is blank: unset it to turn this check off, or give a value")
-        if value != value.strip():
+        if value != value.strip() and info.field_name != "metrics_password":  # basic auth carries it
             raise ValueError(
                 "must not start or end with whitespace (a newline from a file?): a bearer header "
                 "can never carry it"
