@@ -458,7 +458,7 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
         return settings_cls(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as error:
         lines = [
-            f"{'.'.join(str(part) for part in e['loc']) or '(file)'}: {e['msg'].removeprefix('Value error, ')}"
+            f"{'.'.join(str(p) for p in e['loc']) or '(file)'}: {e['msg'].removeprefix('Value error, ')}"
             for e in error.errors()
         ]
         if len(lines) == 1:

@@ -63,7 +63,9 @@ def test_an_empty_bearer_header_never_scrapes_or_pushes(serve: Serve) -> None:
     sidecar = serve("--host", "0.0.0.0", KVLENS_INGEST_TOKEN="s3cret", KVLENS_METRICS_TOKEN="scrape")
     empty = {"authorization": "Bearer"}  # what "Bearer " arrives as: h11 strips the space
     assert httpx.get(f"{sidecar.url}/metrics", headers=empty).status_code == 401
-    pushed = httpx.post(f"{sidecar.url}/v1/records", headers=empty, json={"prompt_tokens": 1, "cached_tokens": 0})
+    pushed = httpx.post(
+        f"{sidecar.url}/v1/records", headers=empty, json={"prompt_tokens": 1, "cached_tokens": 0}
+    )
     assert pushed.status_code == 401
     scraped = httpx.get(f"{sidecar.url}/metrics", headers={"authorization": "Bearer scrape"})
     assert "kvlens_ingest_open 0.0" in scraped.text

@@ -25,7 +25,9 @@ RECORD = {"prompt_tokens": 8, "cached_tokens": 4}
 
 def deep_record() -> bytes:
     """A valid record whose unknown field nests DEEP arrays (200 KB)."""
-    return b'{"prompt_tokens":8,"cached_tokens":4,"' + CANARY.encode() + b'":' + b"[" * DEEP + b"]" * DEEP + b"}"
+    return (
+        b'{"prompt_tokens":8,"cached_tokens":4,"' + CANARY.encode() + b'":' + b"[" * DEEP + b"]" * DEEP + b"}"
+    )
 
 
 def otlp_json(value: bytes) -> bytes:
@@ -34,7 +36,9 @@ def otlp_json(value: bytes) -> bytes:
 
 
 def protobuf_export(*spans: bytes) -> bytes:
-    scope_spans = length_delimited(1, length_delimited(1, b"vllm")) + b"".join(length_delimited(2, s) for s in spans)
+    scope_spans = length_delimited(1, length_delimited(1, b"vllm")) + b"".join(
+        length_delimited(2, s) for s in spans
+    )
     return length_delimited(1, length_delimited(2, scope_spans))
 
 
@@ -59,7 +63,10 @@ def test_deep_json_is_a_400_not_a_500(serve: Serve) -> None:
     # beside good records (or as an array element, as any element that does not decode), a deep
     # one is one malformed record; the others count
     good = orjson.dumps(RECORD)
-    for body in (good + b"\n" + deep_record() + b"\n" + good, b"[" + good + b"," + deep_record() + b"," + good + b"]"):
+    for body in (
+        good + b"\n" + deep_record() + b"\n" + good,
+        b"[" + good + b"," + deep_record() + b"," + good + b"]",
+    ):
         answer = httpx.post(f"{url}/v1/records", content=body, timeout=30)
         assert answer.status_code == 200, answer.text[:300]
         assert answer.json()["accepted"] == 2

@@ -48,7 +48,10 @@ from kvlens.sources import encoding, otlp, push, vllm_plugin
 log = logging.getLogger(__name__)
 DEDUPE_HEADER = "kvlens-dedupe"
 # The exposition versions prometheus_client writes, by media type (an Accept's `version=`).
-EXPOSITION_VERSIONS: Final = {"application/openmetrics-text": ("1.0.0", "2.0.0"), "text/plain": ("0.0.4", "1.0.0")}
+EXPOSITION_VERSIONS: Final = {
+    "application/openmetrics-text": ("1.0.0", "2.0.0"),
+    "text/plain": ("0.0.4", "1.0.0"),
+}
 
 
 class Rejection(BaseModel):

@@ -9,10 +9,11 @@ and the records beside it still count.
 What a body may cost is bounded before anything is decoded: at most ``max_records`` records (array
 elements, or NDJSON lines, blank ones included: each newline ends a line, and text after the last
 newline is one more unless it is blank, so a body of only newlines is refused past the limit as
-any other, and N records each ending in a newline are N lines); the fast path runs only when the body cannot hold
-more objects than that; a record of up to :data:`SMALL_RECORD_BYTES` is decoded whole (orjson, then
-the standard library, which also reads NaN, Infinity and 1e400 so that they are rejected by field
-with a clear reason), a larger one field by field, skipping what kvlens does not read.
+any other, and N records each ending in a newline are N lines); the fast path runs only when the
+body cannot hold more objects than that; a record of up to :data:`SMALL_RECORD_BYTES` is decoded
+whole (orjson, then the standard library, which also reads NaN, Infinity and 1e400 so that they
+are rejected by field with a clear reason), a larger one field by field, skipping what kvlens does
+not read.
 """
 
 from __future__ import annotations
