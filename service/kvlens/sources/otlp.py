@@ -41,8 +41,9 @@ MEDIA_TYPES: Final = {PROTOBUF: PROTOBUF, "application/protobuf": PROTOBUF, JSON
 MAX_ATTRIBUTES_PER_SPAN: Final = 1024  # past it a span's attributes are not read (OTel SDKs cap 128)
 MAX_ARRAY_VALUE_BYTES: Final = 64 * 1024
 # Protobuf fields stepped over outside the span count, per body byte: a real span averages one per
-# 7 bytes or more, a span holding only its name one per 6; the densest valid encoding, one per 2,
-# would cost 4 s of a CPU per 8 MiB, one per 4 costs 2 s (measured), as a real 50,000-span export.
+# 7 bytes or more, a span holding only its name one per 6. The densest valid encoding holds one per
+# 2; stepping over one per 4 costs at most 1.5 to 2.1 s of a CPU for an 8 MiB body (measured), less
+# than a real 50,000-span export of 6 MiB takes (3.4 s).
 FIELD_BYTES: Final = 4
 FIELD_ALLOWANCE: Final = 1024
 
