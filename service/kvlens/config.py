@@ -18,6 +18,7 @@ from pydantic import (
     PrivateAttr,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -311,6 +312,23 @@ class Settings(BaseSettings):
         100, ge=0, le=100_000, description="Rejections listed per ingest answer (the count is exact)."
     )
 
+    @field_validator("ingest_token", "metrics_token", "metrics_password")
+    @classmethod
+    def _not_blank(cls, secret: SecretStr | None, info: ValidationInfo) -> SecretStr | None:
+        # An empty value (a typo, an unset shell variable in compose) must not turn the check
+        # off, nor accept a header with nothing after "Bearer".
+        if secret is None:
+            return None
+        value = secret.get_secret_value()
+        if not value.strip():
+            raise ValueError("is blank: unset it to turn this check off, or give a value")
+        if value != value.strip() and info.field_name != "metrics_password":  # basic auth carries it
+            raise ValueError(
+                "must not start or end with whitespace (a newline from a file?): a bearer header "
+                "can never carry it"
+            )
+        return secret
+
     @field_validator("prompt_length_edges")
     @classmethod
     def _edges_increase(cls, edges: list[int]) -> list[int]:
@@ -374,9 +392,15 @@ class Settings(BaseSettings):
         return value
 
     @property
+    def ingest_secret(self) -> bytes | None:
+        """The bearer token ingest requires, or None: ingest takes any request. The one rule the
+        app, the ``kvlens_ingest_open`` gauge and the start-up warning follow."""
+        return None if self.ingest_token is None else self.ingest_token.get_secret_value().encode()
+
+    @property
     def ingest_open(self) -> bool:
         """Whether ingest is reachable beyond loopback without a token."""
-        return self.ingest_token is None and not _loopback(self.host)
+        return self.ingest_secret is None and not _loopback(self.host)
 
     def cost_model_for(self, model: str) -> CostModel:
         """The model's cost model: its own from ``cost_models`` (e.g. calibrated in seconds), else
@@ -448,9 +472,12 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
         return settings_cls(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as error:
         lines = [
-            f"  {'.'.join(str(part) for part in e['loc']) or '(file)'}: {e['msg']}" for e in error.errors()
+            f"{'.'.join(str(p) for p in e['loc']) or '(file)'}: {e['msg'].removeprefix('Value error, ')}"
+            for e in error.errors()
         ]
-        raise SettingsError(f"{len(lines)} invalid setting(s):\n" + "\n".join(lines)) from None
+        if len(lines) == 1:
+            raise SettingsError(f"invalid setting {lines[0]}") from None
+        raise SettingsError(f"{len(lines)} invalid setting(s):\n  " + "\n  ".join(lines)) from None
     except Exception as error:  # a YAML syntax error, an unreadable file
         raise SettingsError(f"config file {config_file}: {error}") from None
 

@@ -30,6 +30,8 @@ MAX_SECONDS: Final = 86_400.0
 MAX_UNIX_TIME: Final = 4_102_444_800.0  # 2100-01-01
 MAX_LABEL_BYTES: Final = 128
 MAX_PREFIX_BLOCKS: Final = 100_000  # 1.6M tokens at 16 a block; bounds what one record may hold
+# Stands in for a prefix_hashes list past MAX_PREFIX_BLOCKS, which is never built: too_long.
+TOO_MANY_HASHES: Final[Any] = object()
 
 Tokens = Annotated[int, Field(ge=0, le=MAX_TOKENS)]
 Seconds = Annotated[float, Field(ge=0, le=MAX_SECONDS)]
@@ -203,7 +205,7 @@ def reason_message(field_name: str | None, reason: str) -> str:
     if reason == "out_of_range" and spec is not None:
         return f"must be between {_number(spec.low)} and {_number(spec.high)}"
     if reason == "too_long" and spec is not None:
-        return f"must be at most {spec.max_length} characters"
+        return f"must be at most {spec.max_length} {'items' if spec.kind is list else 'characters'}"
     return {
         "missing": "is required and was missing or null",
         "not_an_integer": "must be a JSON integer (not a float, string or boolean)",
@@ -478,7 +480,7 @@ def batch_from_json_array(data: bytes, *, keep_prefix_hashes: bool = True) -> Re
     fields; otherwise None (the caller then validates record by record). Without
     ``keep_prefix_hashes`` they are checked, and left out of the batch."""
     try:
-        records = (_WIRE_DECODER if keep_prefix_hashes else _LIVE_WIRE_DECODER).decode(data)
+        records = jsonscan.decode((_WIRE_DECODER if keep_prefix_hashes else _LIVE_WIRE_DECODER).decode, data)
     except msgspec.DecodeError:
         return None
     return _wire_batch(records, keep_prefix_hashes)
@@ -488,7 +490,7 @@ def batch_from_json_lines(data: bytes) -> RecordBatch | None:
     """Like :func:`batch_from_json_array` (live: prefix_hashes checked, not kept) for JSON values
     separated by whitespace: NDJSON, or one pretty-printed record."""
     try:
-        records = _LIVE_LINE_DECODER.decode_lines(data)
+        records = jsonscan.decode(_LIVE_LINE_DECODER.decode_lines, data)
     except msgspec.DecodeError:
         return None
     return _wire_batch(records, keep_prefix_hashes=False)
@@ -511,7 +513,8 @@ def _wire_batch(records: list[Any], keep_prefix_hashes: bool) -> RecordBatch | N
             columns[spec.name] = raw
         else:
             if raw.count(_ABSENT_RAW) != count and any(
-                r is not _ABSENT_RAW and bytes(r) != b"null" and decode_prefix_hashes(r) is None for r in raw
+                r is not _ABSENT_RAW and bytes(r) != b"null" and type(decode_prefix_hashes(r)) is not list
+                for r in raw
             ):
                 return None
             columns[spec.name] = [None] * count
@@ -521,14 +524,14 @@ def _wire_batch(records: list[Any], keep_prefix_hashes: bool) -> RecordBatch | N
 
 
 def decode_prefix_hashes(raw: bytes | msgspec.Raw) -> list[int | str] | None:
-    """The hashes in the JSON text ``raw``, or None when it is not a list of at most
-    MAX_PREFIX_BLOCKS integers and strings. Never builds more than that many items."""
+    """The hashes in the JSON text ``raw``; :data:`TOO_MANY_HASHES` past MAX_PREFIX_BLOCKS; None
+    when it is not a list of integers and strings. Never builds more than that many items."""
     data = bytes(raw)
     too_many = data.count(b",") >= MAX_PREFIX_BLOCKS  # a bound: commas inside strings raise it
     if too_many and jsonscan.scan(data).separator_count >= MAX_PREFIX_BLOCKS:
-        return None
+        return TOO_MANY_HASHES  # type: ignore[no-any-return]
     try:
-        hashes: list[int | str] = _HASHES_DECODER.decode(data)
+        hashes: list[int | str] = jsonscan.decode(_HASHES_DECODER.decode, data)
     except msgspec.DecodeError:
         return None
     return hashes
@@ -559,13 +562,21 @@ def reduce_to_known(value: Any) -> tuple[Any, int]:
             continue
         kind = type(item)
         if key == "prefix_hashes":
-            item = None if item is None or valid_prefix_hashes(item) else 0
+            item = _hashes_stand_in(item)
         elif kind is list:
             item = []
         elif kind is dict:
             item = {}
         reduced[key] = item
     return reduced, unknown
+
+
+def _hashes_stand_in(value: Any) -> Any:
+    """What validation reads for a decoded prefix_hashes: itself when valid (or absent), else a
+    stand-in of its fault (0 is not a list)."""
+    if value is None or value is TOO_MANY_HASHES or valid_prefix_hashes(value):
+        return value
+    return TOO_MANY_HASHES if type(value) is list and len(value) > MAX_PREFIX_BLOCKS else 0
 
 
 def _numbers_with_absent(raw: list[Any], kind: type, count: int) -> npt.NDArray[Any]:
@@ -705,7 +716,9 @@ def _list_column(spec: FieldSpec, raw: list[Any]) -> tuple[list[Any], npt.NDArra
     for i, value in enumerate(raw):
         if value is MISSING or value is None:
             continue
-        if valid_prefix_hashes(value) and len(value) <= max_length:
+        if value is TOO_MANY_HASHES or (type(value) is list and len(value) > max_length):
+            reasons[i] = _REASON_CODE["too_long"]
+        elif valid_prefix_hashes(value):
             values[i] = value
         else:
             reasons[i] = _REASON_CODE["not_a_list"]

@@ -138,3 +138,23 @@ def test_cost_models_by_priority_and_only_configured_names_remembered() -> None:
     assert "model shaped: compute saved in flops (from its shape, b/a = 1/26,624)" in notes
     assert "model cal: compute saved in seconds (calibrated, b/a = 1/10,000)" in notes
     assert "the article's illustrative unit, not FLOPs or seconds" in notes[-1]
+
+
+@pytest.mark.parametrize("name", ["ingest_token", "metrics_token", "metrics_password"])
+@pytest.mark.parametrize("value", ["", " ", "\n"])
+def test_a_blank_secret_is_an_error(name: str, value: str) -> None:
+    extra = {"metrics_username": "prom"} if name == "metrics_password" else {}
+    with pytest.raises(SettingsError) as caught:
+        load_settings(**{name: value}, **extra)
+    assert str(caught.value) == (
+        f"invalid setting {name}: is blank: unset it to turn this check off, or give a value"
+    )
+
+
+def test_one_rule_decides_whether_ingest_is_open() -> None:
+    assert load_settings(host="0.0.0.0").ingest_secret is None
+    assert load_settings(host="0.0.0.0").ingest_open
+    closed = load_settings(host="0.0.0.0", ingest_token="s3cret")
+    assert closed.ingest_secret == b"s3cret"
+    assert not closed.ingest_open
+    assert not load_settings(host="127.0.0.1").ingest_open

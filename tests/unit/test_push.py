@@ -75,7 +75,14 @@ def test_the_live_path_checks_prefix_hashes_and_keeps_none() -> None:
     bad = {**good, "prefix_hashes": [[1]]}
     validated = push.read_records(orjson.dumps([good, too_many, bad]), 10)
     assert len(validated.batch) == 1
-    assert validated.rejections.counts_by_reason() == {"not_a_list": 2}
+    assert validated.rejections.counts_by_reason() == {"too_long": 1, "not_a_list": 1}
+    [too_long] = push.read_records(orjson.dumps(too_many), 10).rejections.details(1)
+    assert too_long == {
+        "index": 0,
+        "field": "prefix_hashes",
+        "reason": "too_long",
+        "message": f"must be at most {MAX_PREFIX_BLOCKS} items",
+    }
 
 
 @pytest.mark.parametrize(
@@ -85,6 +92,8 @@ def test_the_live_path_checks_prefix_hashes_and_keeps_none() -> None:
         b"[" + b"{}," * 10 + b"{}]",
         b"\n".join([b'{"prompt_tokens": 1, "cached_tokens": 0}'] * 11),
         b"{}" + b"\n" * 11 + b"{}",  # blank lines count: a line is what the limit bounds
+        b"\n" * 11,  # also when there is nothing else (issue 15, 8e: this was taken)
+        b" \r\n" * 11,
     ],
 )
 def test_more_records_than_allowed_are_refused_before_decoding(body: bytes) -> None:
@@ -95,6 +104,10 @@ def test_more_records_than_allowed_are_refused_before_decoding(body: bytes) -> N
 def test_exactly_the_limit_is_taken() -> None:
     body = orjson.dumps([{"prompt_tokens": 1, "cached_tokens": 0}] * 10)
     assert len(push.read_records(body, 10).batch) == 10
+    line = orjson.dumps({"prompt_tokens": 1, "cached_tokens": 0})
+    # each line ending in a newline, as the plugin writes them: the last newline opens no line
+    for lines in (b"\n".join([line] * 10), (line + b"\n") * 10, (line + b"\n") * 10 + b" "):
+        assert len(push.read_records(lines, 10).batch) == 10
 
 
 def test_an_array_that_does_not_close_is_undecodable() -> None:

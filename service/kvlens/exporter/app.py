@@ -15,9 +15,9 @@ import contextlib
 import hmac
 import logging
 import traceback
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import orjson
 from fastapi import FastAPI, Request
@@ -49,6 +49,11 @@ from kvlens.sources import encoding, otlp, push, vllm_plugin
 
 log = logging.getLogger(__name__)
 DEDUPE_HEADER = "kvlens-dedupe"
+# The exposition versions prometheus_client writes, by media type (an Accept's `version=`).
+EXPOSITION_VERSIONS: Final = {
+    "application/openmetrics-text": ("1.0.0", "2.0.0"),
+    "text/plain": ("0.0.4", "1.0.0"),
+}
 
 
 class Rejection(BaseModel):
@@ -97,9 +102,7 @@ class Sidecar:
         self.ledger = BatchLedger(settings.batch_id_window)
         self.recent = RecentRecords(settings.request_id_window)
         self.renderer = ScrapeRenderer(self.registry)
-        self.ingest_token = (
-            settings.ingest_token.get_secret_value().encode() if settings.ingest_token else None
-        )
+        self.ingest_token = settings.ingest_secret
         self.decode_limits = encoding.DecodeLimits(
             settings.max_body_bytes, settings.max_decompression_ratio, settings.max_gzip_members
         )
@@ -344,9 +347,23 @@ async def metrics(request: Request) -> Response:
     challenge = _metrics_challenge(request, sidecar.settings)
     if challenge is not None:
         return _error(401, "authentication required", {"WWW-Authenticate": challenge})
-    encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+    encoder, content_type = exposition_format(request.headers.get("accept", ""))
     data = await sidecar.renderer.render(encoder, content_type)
     return Response(data, media_type=content_type)
+
+
+def exposition_format(accept: str) -> tuple[Callable[[CollectorRegistry], bytes], str]:
+    """prometheus_client's choice of format for an ``Accept`` header, shown only the media ranges
+    whose version it writes: it raised on ``version=abc`` or ``1.x`` (a 500), and named any other
+    version, ``9.CANARY`` included, in the Content-Type it answered. Without a range it knows,
+    the answer is text 0.0.4, as for a scraper that asks for nothing."""
+    known = []
+    for media_range in accept.split(","):
+        media, *parameters = (part.strip() for part in media_range.split(";"))
+        versions = [value for key, _, value in (p.partition("=") for p in parameters) if key == "version"]
+        if all(version in EXPOSITION_VERSIONS.get(media, ()) for version in versions):
+            known.append(media_range)
+    return choose_encoder(",".join(known))
 
 
 async def healthz() -> dict[str, str]:

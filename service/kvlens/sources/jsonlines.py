@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 
 from kvlens.records import Rejections, Validated, batch_from_objects
+from kvlens.sources import jsonscan
 from kvlens.sources.formats import NOT_A_REQUEST
 
 UNDECODABLE: Any = object()
@@ -59,6 +60,6 @@ def loads(data: bytes) -> Any:
     except orjson.JSONDecodeError:
         pass
     try:
-        return json.loads(data)
-    except (ValueError, RecursionError):
+        return jsonscan.decode(json.loads, data)
+    except ValueError:
         return UNDECODABLE

@@ -10,18 +10,22 @@ element at a time.
 
 Strings are tracked like a JSON tokenizer does: a quote preceded by an odd run of backslashes is
 escaped; structural characters inside strings are ignored. The scan does not validate JSON; a
-decoder does that on each element.
+decoder does that on each element, through :func:`decode`, so that depth is never an error of its
+own.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, TypeVar
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
 SLICE_BYTES: Final = 256 * 1024
+T = TypeVar("T")
 _OBJECT, _ARRAY, _CLOSE, _COMMA, _COLON = 1, 2, 3, 4, 5
 _KIND: Final = np.zeros(256, np.int8)
 for _char, _kind in (
@@ -152,6 +156,18 @@ def scan(
         balanced=balanced,
         complete=complete,
     )
+
+
+def decode(decoder: Callable[[bytes], T], text: bytes) -> T:
+    """``decoder(text)`` for any JSON decoder of outside text (msgspec's, the standard library's),
+    where text nested deeper than the decoder recurses (about 1,000 levels; records nest 2) is
+    malformed like any other: :class:`msgspec.DecodeError`, a ValueError, never the RecursionError
+    that would reach the client as a 500. The interpreter's recursion check raised it before any
+    stack ran out, so it is safe to catch."""
+    try:
+        return decoder(text)
+    except RecursionError:
+        raise msgspec.DecodeError("JSON nested too deep") from None
 
 
 def _escaped(

@@ -7,15 +7,19 @@ and each is decoded and reduced on its own: a record that does not decode is rep
 and the records beside it still count.
 
 What a body may cost is bounded before anything is decoded: at most ``max_records`` records (array
-elements, or NDJSON lines, blank ones included); the fast path runs only when the body cannot hold
-more objects than that; a record of up to :data:`SMALL_RECORD_BYTES` is decoded whole (orjson, then
-the standard library, which also reads NaN, Infinity and 1e400 so that they are rejected by field
-with a clear reason), a larger one field by field, skipping what kvlens does not read.
+elements, or NDJSON lines, blank ones included: each newline ends a line, and text after the last
+newline is one more unless it is blank, so a body of only newlines is refused past the limit as
+any other, and N records each ending in a newline are N lines); the fast path runs only when the
+body cannot hold more objects than that; a record of up to :data:`SMALL_RECORD_BYTES` is decoded
+whole (orjson, then the standard library, which also reads NaN, Infinity and 1e400 so that they
+are rejected by field with a clear reason), a larger one field by field, skipping what kvlens does
+not read.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Final
 
 import msgspec
@@ -39,6 +43,7 @@ SMALL_RECORD_BYTES: Final = 64 * 1024
 MIN_RECORD_BYTES: Final = len(b'{"prompt_tokens":0,"cached_tokens":0}')  # the shortest valid record
 VALIDATE_CHUNK: Final = 8192  # records reduced and validated at a time
 _WHITESPACE: Final = b" \t\r\n"
+_NOT_WHITESPACE: Final = re.compile(rb"[^ \t\r\n]")
 
 # A record's known fields as undecoded JSON; unknown fields are skipped by the decoder unbuilt.
 _RawRecord = msgspec.defstruct(
@@ -52,19 +57,20 @@ def read_records(body: bytes, max_records: int) -> Validated:
     """Every record of a payload, validated; rejections point at array indices or NDJSON lines
     (blank lines not counted). Raises :class:`~kvlens.errors.TooManyRecords` past
     ``max_records`` and :class:`~kvlens.errors.PayloadUndecodable` when nothing decodes."""
-    first = _first_byte(body)
-    if first is None:
-        return batch_from_objects([])
-    if first == b"[":
+    found = _NOT_WHITESPACE.search(body)
+    if found is not None and found.group() == b"[":
         return _read_array(body, max_records)
+    if len(body) > max_records and _line_count(body) > max_records:
+        raise _too_many(max_records)
+    if found is None:
+        return batch_from_objects([])
     return _read_lines(body, max_records)
 
 
-def _first_byte(body: bytes) -> bytes | None:
-    for index, byte in enumerate(body):
-        if byte not in _WHITESPACE:
-            return body[index : index + 1]
-    return None
+def _line_count(text: bytes) -> int:
+    """NDJSON lines, blank ones included (see the module's docstring)."""
+    last = _NOT_WHITESPACE.search(text, text.rfind(b"\n") + 1)
+    return text.count(b"\n") + (last is not None)
 
 
 def _may_hold_more(body: bytes, max_records: int) -> bool:
@@ -91,8 +97,6 @@ def _read_array(text: bytes, max_records: int) -> Validated:
 
 
 def _read_lines(text: bytes, max_records: int) -> Validated:
-    if len(text) > max_records and text.count(b"\n") >= max_records:
-        raise _too_many(max_records)
     if not _may_hold_more(text, max_records):
         batch = batch_from_json_lines(text)
         if batch is not None:
@@ -142,7 +146,7 @@ def decode_record(element: bytes) -> tuple[Any, int]:
         value = loads(element)
         return (UNDECODABLE, 0) if value is UNDECODABLE else reduce_to_known(value)
     try:
-        raw = _RAW_RECORD.decode(element)
+        raw = jsonscan.decode(_RAW_RECORD.decode, element)
     except msgspec.ValidationError:  # valid JSON, not an object
         return 0, 0
     except msgspec.DecodeError:
