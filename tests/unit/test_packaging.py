@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -54,6 +55,11 @@ def test_the_image_runs_the_python_ci_tests_on_and_checks_health_on_its_port_and
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
     out = tmp_path_factory.mktemp("wheel")
+    source = tmp_path_factory.mktemp("source")  # a copy: setuptools builds inside the tree it is given
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, source / name)
+    skip = shutil.ignore_patterns("*.egg-info", "__pycache__")
+    shutil.copytree(ROOT / "service", source / "service", ignore=skip)
     subprocess.run(
         [
             sys.executable,
@@ -65,7 +71,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
             "--no-build-isolation",
             "-w",
             str(out),
-            str(ROOT),
+            str(source),
         ],
         check=True,
         capture_output=True,
