@@ -29,7 +29,7 @@ def start_and_exit(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
         env={**os.environ, "KVLENS_LOG_LEVEL": "WARNING", **env},
         capture_output=True,
         text=True,
-        timeout=15,
+        timeout=60,  # a hang check: a sidecar that accepted the settings serves until killed
     )
 
 

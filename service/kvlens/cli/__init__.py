@@ -1,0 +1,47 @@
+"""The ``kvlens`` command line: one module per command (each its ``add_parser`` and its ``run``),
+as vLLM's ``entrypoints/cli/`` does. A command parses, calls its room and prints; the work lives
+in the room."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from kvlens import __version__
+from kvlens.cli import analyze, bandwidth, compare, demo, serve, simulate
+from kvlens.config import ENV_PREFIX
+from kvlens.console import install_hint
+from kvlens.errors import InputError, SettingsError
+
+COMMANDS = (serve, demo, analyze, compare, simulate, bandwidth)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=os.environ.get(f"{ENV_PREFIX}LOG_LEVEL", "INFO"), format="%(levelname)s %(name)s: %(message)s"
+    )
+    command: Callable[[argparse.Namespace], int] = args.run
+    try:
+        return command(args)
+    except (SettingsError, InputError) as error:
+        print(f"kvlens: {error}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as error:
+        if (error.name or "").split(".")[0] not in ("rich", "scipy"):
+            raise
+        print(f"kvlens: this command needs the analyze extra: {install_hint('analyze')}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvlens", description="Is your prefix cache actually paying off?")
+    parser.add_argument("--version", action="version", version=f"kvlens {__version__}")
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+    for command in COMMANDS:
+        command.add_parser(commands)
+    return parser

@@ -1,0 +1,7 @@
+"""``python -m kvlens.cli``."""
+
+import sys
+
+from kvlens.cli import main
+
+sys.exit(main())

@@ -1,0 +1,63 @@
+"""``kvlens compare``: cache-off / cold / warm replays of one request sequence."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import numpy as np
+
+from kvlens.cli.common import input_flags
+from kvlens.config import load_settings
+
+
+def add_parser(commands: Any) -> None:
+    compare = commands.add_parser(
+        "compare", help="compare cache-off / cold / warm replays of one request sequence"
+    )
+    compare.add_argument(
+        "--arm", action="append", required=True, metavar="NAME=FILE", help="an arm; the first is the baseline"
+    )
+    input_flags(compare)
+    warm = compare.add_mutually_exclusive_group()
+    warm.add_argument("--warmup", type=int, default=0, metavar="N", help="the first N requests are warm-up")
+    warm.add_argument(
+        "--warmup-until", type=float, metavar="T", help="requests arriving before T are warm-up"
+    )
+    compare.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvlens.analysis import compare, reader
+    from kvlens.analysis.report import Derived
+
+    settings = load_settings(args.config)
+    arms = []
+    for spec in args.arm:
+        name, separator, path = spec.partition("=")
+        if not separator or not name or not path:
+            print(f"kvlens: --arm takes NAME=FILE, not {spec!r}", file=sys.stderr)
+            return 2
+        read = reader.read([path], format_name=args.input_format, model=args.model)
+        batch = read.batch
+        if any(arm is not None for arm in batch.arm):  # a file of several arms (kvlens simulate)
+            batch = batch.select(np.array([arm == name for arm in batch.arm], dtype=bool))
+            if not len(batch):
+                print(f"kvlens compare: {path} has no records of arm {name!r}", file=sys.stderr)
+                return 2
+        derived = Derived.of(
+            batch, settings.prompt_length_edges, settings.cost_model_for, settings.default_model
+        )
+        arms.append(compare.Arm(name, derived))
+    try:
+        result = compare.compare(arms, warmup=args.warmup, warmup_until=args.warmup_until)
+    except compare.ArmsDiffer as error:
+        print(f"kvlens compare: {error}", file=sys.stderr)
+        return 2
+    print(
+        json.dumps(result, indent=2) if args.json else compare.markdown(result),
+        end="" if not args.json else "\n",
+    )
+    return 0

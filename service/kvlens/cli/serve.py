@@ -1,0 +1,43 @@
+"""``kvlens serve``: the sidecar."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from kvlens.cli.common import build_server, server_flags, settings_from
+from kvlens.config import ENV_PREFIX
+from kvlens.exporter.aggregator import Aggregator
+
+
+def add_parser(commands: Any) -> None:
+    serve = commands.add_parser("serve", help="run the sidecar: POST /v1/records, GET /metrics")
+    server_flags(serve)
+    serve.add_argument(
+        "--tail",
+        action="append",
+        metavar="GLOB",
+        help="follow JSON-lines files (repeatable; each takes the --format given after it)",
+    )
+    serve.add_argument(
+        "--format",
+        action="append",
+        dest="formats",
+        metavar="F",
+        help="format of the --tail before it: kvlens (default), sglang, openai-usage",
+    )
+    serve.add_argument("--model", help="model label for tailed lines that carry none (SGLang)")
+    serve.add_argument(
+        "--scrape",
+        action="append",
+        metavar="URL",
+        help=f"a vLLM /metrics URL to reconcile with (repeatable; env {ENV_PREFIX}SCRAPE_TARGETS as JSON)",
+    )
+    serve.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_from(args)
+    server = build_server(settings, Aggregator(settings), "info")
+    server.run()
+    return 0

@@ -1,0 +1,112 @@
+"""``kvlens simulate``: a trace on a fleet, reachable vs delivered reuse per policy and capacity."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvlens.cli.common import run_progress
+from kvlens.config import load_settings
+
+
+def add_parser(commands: Any) -> None:
+    sim = commands.add_parser(
+        "simulate", help="replay a trace on a fleet: reachable vs delivered reuse per policy and capacity"
+    )
+    sim.add_argument(
+        "trace",
+        nargs="?",
+        metavar="TRACE",
+        help="Mooncake, Bailian or kvlens-record JSONL (default: bundled Mooncake)",
+    )
+    sim.add_argument("--replicas", type=int, default=4, help="replicas in the fleet (default 4)")
+    sim.add_argument(
+        "--capacity-blocks",
+        default="1000",
+        metavar="C[,C...]",
+        help="KV cache blocks per replica; several for a sweep; 'unbounded' allowed (default 1000)",
+    )
+    sim.add_argument(
+        "--policy",
+        action="append",
+        choices=("round_robin", "least_queue", "prefix_affinity", "cost_aware"),
+        help="routing policy, repeatable (default: all four)",
+    )
+    sim.add_argument("--block-size", type=int, help="refuse a trace whose blocks are not this size")
+    sim.add_argument(
+        "--time-scale", type=float, default=1.0, help="multiply arrival times (0.5: twice the rate)"
+    )
+    sim.add_argument("--rate", type=float, help="requests per second on average (rescales arrival times)")
+    sim.add_argument("--max-running", type=int, default=256, help="requests holding KV per replica (256)")
+    sim.add_argument("--no-chunked-prefill", action="store_true", help="a prefill pauses the running decodes")
+    sim.add_argument("--no-guard", action="store_true", help="prefix_affinity without its load guard")
+    sim.add_argument("--balance-abs", type=int, default=64, help="load guard: outstanding gap (64)")
+    sim.add_argument("--balance-rel", type=float, default=1.5, help="load guard: busiest/idlest ratio (1.5)")
+    sim.add_argument("--config", type=Path, help="YAML settings: a cost model in seconds under cost_models")
+    sim.add_argument(
+        "--model", help="whose cost model in seconds (from --config) times prefill (default: an H200, 8B)"
+    )
+    sim.add_argument("--json", action="store_true", help="print the result as JSON")
+    sim.add_argument(
+        "--plot", type=Path, metavar="FILE", help="write the reuse-vs-capacity curve (.svg, .png)"
+    )
+    sim.add_argument(
+        "--emit-records", type=Path, metavar="FILE", help="write the simulated requests as kvlens records"
+    )
+    sim.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvlens.simulate import render, sweep
+    from kvlens.simulate.policies import POLICIES, Guard
+    from kvlens.simulate.replica import DEFAULT_SERVICE, ServiceModel
+    from kvlens.simulate.run import write_records
+    from kvlens.simulate.trace import BUNDLED, open_trace
+
+    try:
+        capacities = [
+            None if c.strip() == "unbounded" else int(c) for c in args.capacity_blocks.split(",") if c.strip()
+        ]
+        if not capacities or any(c is not None and c < 0 for c in capacities):
+            raise ValueError("--capacity-blocks takes block counts >= 0 (or 'unbounded'), comma-separated")
+        if args.replicas < 1:
+            raise ValueError("--replicas must be >= 1")
+        prefill = DEFAULT_SERVICE.prefill
+        if args.model or args.config:
+            settings = load_settings(args.config)
+            prefill = settings.cost_model_for(args.model or settings.default_model)
+        service = ServiceModel(
+            prefill=prefill, max_running=args.max_running, chunked_prefill=not args.no_chunked_prefill
+        )
+        trace = open_trace(
+            args.trace or BUNDLED, block_size=args.block_size, time_scale=args.time_scale, rate=args.rate
+        )
+    except ValueError as error:  # TraceError is an InputError: main reports it
+        print(f"kvlens simulate: {error}", file=sys.stderr)
+        return 2
+    plan = sweep.Plan(
+        trace,
+        args.replicas,
+        capacities,
+        args.policy or list(POLICIES),
+        service,
+        None if args.no_guard else Guard(args.balance_abs, args.balance_rel),
+    )
+    with contextlib.ExitStack() as stack:
+        records = (
+            write_records(stack.enter_context(args.emit_records.open("wb"))) if args.emit_records else None
+        )
+        progress = stack.enter_context(run_progress(plan.runs))
+        result = sweep.sweep(plan, records=records, progress=progress)
+    if args.plot:
+        try:
+            render.write_plot(result, args.plot)
+        except ValueError as error:
+            print(f"kvlens simulate: {error}", file=sys.stderr)
+            return 2
+    print(json.dumps(result, indent=2) if args.json else render.text(result), end="\n" if args.json else "")
+    return 0
