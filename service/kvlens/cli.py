@@ -38,6 +38,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=os.environ.get(f"{ENV_PREFIX}LOG_LEVEL", "INFO"), format="%(levelname)s %(name)s: %(message)s"
     )
+    # httpx logs every request's URL at INFO, and a scrape URL's query may hold a secret.
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     command: Callable[[argparse.Namespace], int] = args.run
     try:
         return command(args)
@@ -87,6 +90,16 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         metavar="URL",
         help=f"a vLLM /metrics URL to reconcile with (repeatable; env {ENV_PREFIX}SCRAPE_TARGETS as JSON)",
+    )
+    serve.add_argument(
+        "--scrape-username",
+        help=f"basic-auth user for the --scrape targets (env {ENV_PREFIX}SCRAPE_USERNAME)",
+    )
+    serve.add_argument(
+        "--scrape-password-file",
+        type=Path,
+        metavar="FILE",
+        help=f"file holding their password, re-read at each scrape (env {ENV_PREFIX}SCRAPE_PASSWORD_FILE)",
     )
     serve.set_defaults(run=_serve)
 
@@ -249,6 +262,8 @@ def _settings(args: argparse.Namespace, **overrides: Any) -> Settings:
         host=args.host,
         port=args.port,
         scrape_targets=getattr(args, "scrape", None),
+        scrape_username=getattr(args, "scrape_username", None),
+        scrape_password_file=getattr(args, "scrape_password_file", None),
         tails=_tails(
             getattr(args, "tail", None), getattr(args, "formats", None), getattr(args, "model", None)
         ),
