@@ -207,3 +207,33 @@ def test_the_password_can_come_from_a_file(
     assert sidecar.wait_for("kvlens_upstream_scrapes_total", 1) == 1
     expected = "Basic " + base64.b64encode(b"scraper:from-a-file").decode()
     assert engine.requests[0]["authorization"] == expected
+
+
+def test_a_rotated_or_removed_password_file_is_followed(
+    serve: Serve, upstream: Callable[..., Upstream], tmp_path: Path
+) -> None:
+    engine = upstream(lambda: (HELP + 'vllm:prompt_tokens_total{model_name="m"} 7\n').encode())
+    engine.gate.set()
+    password = tmp_path / "password"
+    password.write_text("first")
+    sidecar = serve(
+        "--scrape",
+        engine.url,
+        "--scrape-username",
+        "scraper",
+        "--scrape-password-file",
+        str(password),
+        KVLENS_SCRAPE_INTERVAL_SECONDS="0.05",
+    )
+    assert sidecar.wait_for("kvlens_upstream_scrapes_total", 1) >= 1
+    password.write_text("s3cond-secret\n")
+    scraped = sidecar.value("kvlens_upstream_scrapes_total")
+    assert sidecar.wait_for("kvlens_upstream_scrapes_total", scraped + 2) >= scraped + 2
+    rotated = "Basic " + base64.b64encode(b"scraper:s3cond-secret").decode()
+    assert engine.requests[-1]["authorization"] == rotated  # re-read, no restart
+    password.unlink()
+    assert sidecar.wait_for("kvlens_upstream_scrape_errors_total", 2, reason="connect") >= 2
+    assert sidecar.value("kvlens_upstream_up") == 0
+    log = sidecar.output()
+    assert "scrape of 127.0.0.1" in log and "password file: No such file" in log
+    assert "s3cond-secret" not in log

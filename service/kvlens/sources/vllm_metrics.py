@@ -105,7 +105,10 @@ class ScrapeTarget:
         if self.password_file is not None:
             try:
                 password = read_password(self.password_file)
-            except (OSError, ValueError) as error:
+            except OSError as error:
+                reason = error.strerror or type(error).__name__
+                raise ScrapeError("connect", f"{self.name}: scrape password file: {reason}") from None
+            except ValueError as error:
                 raise ScrapeError("connect", f"{self.name}: scrape password file: {error}") from None
         return httpx.BasicAuth(self.username, password)
 
