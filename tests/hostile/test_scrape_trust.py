@@ -113,6 +113,8 @@ BOMBS = {  # the answer, its headers, and the reason its scrape fails for
     "1 GiB gzip bomb, gzipped twice": (gzip_bomb_twice, {"content-encoding": "gzip, gzip"}, "parse"),
     "100 MB label line, gzip": (gzip_label_line, {"content-encoding": "gzip"}, "too_large"),
     "100 MB label line": (lambda: HELP.encode() + LABEL_LINE, {}, "too_large"),
+    # under scrape_max_bytes, but the parser would hold about 8 times it (and take 16 s)
+    "15 MiB label line": (lambda: HELP.encode() + LABEL_LINE[: 15 * MIB] + b'"} 1\n', {}, "too_large"),
 }
 
 

@@ -13,7 +13,14 @@ from hypothesis import strategies as st
 from kvlens.config import load_settings
 from kvlens.exporter.aggregator import ModelLabels
 from kvlens.exporter.upstream import UpstreamState
-from kvlens.sources.vllm_metrics import ScrapeError, ScrapeTarget, parse, target_name
+from kvlens.sources.vllm_metrics import (
+    MAX_LINE_CHARS,
+    ScrapeError,
+    ScrapeTarget,
+    longest_line,
+    parse,
+    target_name,
+)
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 
@@ -164,3 +171,14 @@ def test_engine_model_names_are_labels_under_their_own_budget() -> None:
     upstream.record_scrape("e:1", parse("# TYPE vllm:prompt_tokens_total counter\n" + text))
     models = {model for (_, _, model) in upstream.snapshot().counters}
     assert models == {"first", "other"}
+
+
+def test_a_line_past_the_limit_is_refused_before_it_is_parsed() -> None:
+    head = '# TYPE vllm:prompt_tokens_total counter\nvllm:prompt_tokens_total{model_name="'
+    fits = head + "x" * (MAX_LINE_CHARS - len(head.splitlines()[1]) - 4) + '"} 1\n'
+    assert longest_line(fits) == MAX_LINE_CHARS
+    assert len(parse(fits).counters) == 1
+    with pytest.raises(ScrapeError, match="longer than") as refused:
+        parse(fits.replace('"} 1', 'x"} 1'))
+    assert refused.value.reason == "too_large"
+    assert longest_line("") == 0 and longest_line("ab\nc") == 2 and longest_line("a\n\nabc\n") == 3
