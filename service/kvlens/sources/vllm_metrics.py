@@ -135,7 +135,7 @@ async def fetch(
     ``limits`` (gzip is asked for, as vLLM honours it: 10-20 times fewer bytes on the wire)."""
     name = target.name
 
-    async def read() -> bytes:
+    async def read() -> bytearray:
         headers = {"accept": "text/plain", "accept-encoding": "gzip"}
         async with client.stream("GET", target.url, headers=headers, auth=target.auth()) as response:
             if response.status_code != 200:
@@ -151,7 +151,7 @@ async def fetch(
                 raise ScrapeError("too_large", f"{name} sent more than {limits.max_bytes} bytes") from None
             except InputError as error:
                 raise ScrapeError("parse", f"{name}: {error}") from None
-            return bytes(body)
+            return body  # decoded as it is: a copy would cost up to scrape_max_bytes more
 
     try:
         body = await asyncio.wait_for(read(), deadline_seconds)
