@@ -132,7 +132,7 @@ async def fetch(
     client: httpx.AsyncClient, target: ScrapeTarget, *, deadline_seconds: float, limits: DecodeLimits
 ) -> str:
     """The target's exposition, inflated as it arrives and refused as soon as it crosses
-    ``limits`` (gzip is asked for, as vLLM honours it: 10-20 times fewer bytes on the wire)."""
+    ``limits`` (gzip is asked for, as vLLM honours it: about 10 times fewer bytes on the wire)."""
     name = target.name
 
     async def read() -> bytearray:
