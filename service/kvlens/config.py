@@ -33,7 +33,7 @@ from kvlens import bandwidth, shapes
 from kvlens.definitions import CostModel
 from kvlens.errors import SettingsError
 from kvlens.records import valid_label
-from kvlens.sources import formats
+from kvlens.sources import formats, vllm_metrics
 
 ENV_PREFIX = "KVLENS_"
 
@@ -281,6 +281,14 @@ class Settings(BaseSettings):
     scrape_targets: list[str] = Field(
         [], description="vLLM `/metrics` URLs to scrape for the engine's own counters (`--scrape`)."
     )
+    scrape_username: str | None = Field(
+        None, description="Basic-auth user for the scrape targets (with `scrape_password_file`)."
+    )
+    scrape_password_file: Path | None = Field(
+        None,
+        description="File holding the scrape targets' basic-auth password, re-read at each scrape "
+        "(instead of a password in the URL).",
+    )
     scrape_interval_seconds: float = Field(15.0, gt=0, le=3600, description="Seconds between scrapes.")
     scrape_timeout_seconds: float = Field(
         5.0, gt=0, le=300, description="Hard deadline for a whole scrape (connect to last byte)."
@@ -361,11 +369,29 @@ class Settings(BaseSettings):
     @field_validator("scrape_targets")
     @classmethod
     def _http_urls(cls, urls: list[str]) -> list[str]:
-        if any(urllib.parse.urlsplit(url).scheme not in ("http", "https") for url in urls):
+        # the messages never quote a URL: it may hold a password
+        try:
+            parts = [urllib.parse.urlsplit(url) for url in urls]
+            names = [vllm_metrics.target_name(url) for url in urls]
+            for part in parts:
+                _ = part.port  # an invalid port raises here rather than at the first scrape
+        except ValueError:
+            raise ValueError("scrape targets must be valid URLs") from None
+        if any(part.scheme not in ("http", "https") or not part.hostname for part in parts):
             raise ValueError("scrape targets must be http(s) URLs")
-        if len(set(urls)) != len(urls):
-            raise ValueError("scrape targets must be distinct")
+        if len(set(names)) != len(names):
+            raise ValueError("scrape targets must be distinct by host, port and path")
         return urls
+
+    @field_validator("scrape_password_file")
+    @classmethod
+    def _readable_password(cls, path: Path | None) -> Path | None:
+        if path is not None:
+            try:
+                vllm_metrics.read_password(path)
+            except OSError as error:
+                raise ValueError(f"cannot read it: {error.strerror or type(error).__name__}") from None
+        return path
 
     @field_validator("state_dir")
     @classmethod
@@ -378,7 +404,20 @@ class Settings(BaseSettings):
             raise ValueError("tls_cert_file and tls_key_file go together")
         if (self.metrics_username is None) != (self.metrics_password is None):
             raise ValueError("metrics_username and metrics_password go together")
+        if (self.scrape_username is None) != (self.scrape_password_file is None):
+            raise ValueError("scrape_username and scrape_password_file go together")
+        if self.scrape_username is not None and any(
+            urllib.parse.urlsplit(url).username is not None for url in self.scrape_targets
+        ):
+            raise ValueError("give scrape credentials in the URL or in scrape_username, not both")
         return self
+
+    def scrape_targets_parsed(self) -> list[vllm_metrics.ScrapeTarget]:
+        """Each scrape URL taken apart: its name, the URL to fetch, its credentials."""
+        return [
+            vllm_metrics.ScrapeTarget.from_url(url, self.scrape_username, self.scrape_password_file)
+            for url in self.scrape_targets
+        ]
 
     @field_validator("models", "cost_models", "default_model", "model_shapes")
     @classmethod

@@ -71,6 +71,44 @@ def test_secret_token_is_not_shown() -> None:
     assert "hunter2" not in repr(settings)
 
 
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"scrape_targets": ["http://u:s3cret@a:1/metrics", "http://a:1/metrics"]}, "distinct"),
+        ({"scrape_targets": ["http://a:99999/metrics?s3cret"]}, "valid URLs"),
+        ({"scrape_password_file": "FILE"}, "go together"),
+        (
+            {
+                "scrape_targets": ["http://u:s3cret@a:1/metrics"],
+                "scrape_username": "u",
+                "scrape_password_file": "FILE",
+            },
+            "not both",
+        ),
+    ],
+)
+def test_scrape_credentials_are_checked_without_echoing_them(
+    tmp_path: Path, settings: dict[str, object], message: str
+) -> None:
+    password = tmp_path / "password"
+    password.write_text("s3cret")
+    settings = {key: password if value == "FILE" else value for key, value in settings.items()}
+    with pytest.raises(SettingsError, match=message) as refused:
+        load_settings(**settings)
+    assert "s3cret" not in str(refused.value)
+
+
+@pytest.mark.parametrize(("content", "message"), [(None, "cannot read it"), ("  \n", "blank")])
+def test_an_unusable_scrape_password_file_is_refused_at_start(
+    tmp_path: Path, content: str | None, message: str
+) -> None:
+    password = tmp_path / "password"
+    if content is not None:
+        password.write_text(content)
+    with pytest.raises(SettingsError, match=message):
+        load_settings(scrape_username="u", scrape_password_file=password)
+
+
 def test_cli_exits_2_with_the_errors(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -9,7 +9,7 @@ import zlib
 import pytest
 
 from kvlens.errors import CompressionBomb, PayloadTooLarge, PayloadUndecodable, UnsupportedEncoding
-from kvlens.sources.encoding import DecodeLimits, decode
+from kvlens.sources.encoding import DecodeLimits, Inflater, decode
 
 LIMITS = DecodeLimits(max_bytes=8 * 1024 * 1024, max_ratio=100, max_members=16)
 
@@ -61,3 +61,49 @@ def test_unknown_encodings_are_refused_without_echoing_them() -> None:
         decode(b"{}", "br-CANARY", LIMITS)
     assert "CANARY" not in str(refused.value)
     assert refused.value.status == 415
+
+
+@pytest.mark.parametrize(
+    ("body", "encoding"),
+    [
+        (gzip.compress(b"[1,") + gzip.compress(b"2]"), "gzip"),
+        (zlib.compress(b"[1,2]"), "deflate"),
+        (zlib.compress(b"[1,2]")[2:-4], "deflate"),
+        (b"[1,2]", None),
+    ],
+)
+@pytest.mark.parametrize("piece", [1, 3, 64 * 1024])
+def test_a_body_fed_in_pieces_inflates_as_decode_does(body: bytes, encoding: str | None, piece: int) -> None:
+    inflater = Inflater(encoding, LIMITS)
+    out = b"".join(inflater.feed(body[i : i + piece]) for i in range(0, len(body), piece))
+    assert out + inflater.finish() == decode(body, encoding, LIMITS) == b"[1,2]"
+
+
+def test_a_bomb_fed_in_pieces_is_refused_once_its_output_crosses_the_cap() -> None:
+    bomb = gzip.compress(b"\n" * (256 * 1024 * 1024), 9)  # 256 MiB in about 250 KiB
+    limits = DecodeLimits(max_bytes=16 * 1024 * 1024, max_ratio=float("inf"), max_members=16)
+    inflater = Inflater("gzip", limits)
+    produced = 0
+    with pytest.raises(PayloadTooLarge):
+        for i in range(0, len(bomb), 64 * 1024):  # as a socket hands it over
+            produced += len(inflater.feed(bomb[i : i + 64 * 1024]))
+    assert produced <= 16 * 1024 * 1024  # the slice that crossed the cap is never handed out
+
+
+def test_a_body_cut_short_is_found_at_its_end() -> None:
+    inflater = Inflater("gzip", LIMITS)
+    assert inflater.feed(gzip.compress(b"[1,2]")[:-6]) == b"[1,2]"
+    with pytest.raises(PayloadUndecodable, match="truncated"):
+        inflater.finish()
+
+
+def test_stacked_encodings_are_refused() -> None:
+    with pytest.raises(UnsupportedEncoding):
+        Inflater("gzip, gzip", LIMITS)
+
+
+def test_identity_is_held_to_the_size_cap() -> None:
+    inflater = Inflater("identity", DecodeLimits(max_bytes=10, max_ratio=100, max_members=16))
+    assert inflater.feed(b"x" * 10) == b"x" * 10
+    with pytest.raises(PayloadTooLarge):
+        inflater.feed(b"x")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 from pathlib import Path
 
@@ -12,7 +13,14 @@ from hypothesis import strategies as st
 from kvlens.config import load_settings
 from kvlens.exporter.aggregator import ModelLabels
 from kvlens.exporter.upstream import UpstreamState
-from kvlens.sources.vllm_metrics import ScrapeError, parse, target_name
+from kvlens.sources.vllm_metrics import (
+    MAX_LINE_CHARS,
+    ScrapeError,
+    ScrapeTarget,
+    longest_line,
+    parse,
+    target_name,
+)
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 
@@ -76,6 +84,29 @@ def test_parse_never_raises_anything_but_scrape_error(text: str) -> None:
 def test_target_names() -> None:
     assert target_name("http://10.0.0.5:8000/metrics") == "10.0.0.5:8000"
     assert target_name("http://vllm:8000/engine/metrics") == "vllm:8000/engine/metrics"
+    assert target_name("http://u:p%40ss@[::1]:8000/metrics?token=t") == "[::1]:8000"  # no secrets
+
+
+def test_a_target_keeps_its_credentials_apart_from_its_url(tmp_path: Path) -> None:
+    target = ScrapeTarget.from_url("http://scraper:p%40ss@vllm:8000/metrics?token=t")
+    assert (target.name, target.url) == ("vllm:8000", "http://vllm:8000/metrics?token=t")
+    auth = target.auth()
+    assert auth is not None and auth._auth_header == "Basic " + base64.b64encode(b"scraper:p@ss").decode()
+    assert "p@ss" not in repr(target) and "token" not in repr(target)
+    password = tmp_path / "password"
+    password.write_text("first\n")
+    from_file = ScrapeTarget.from_url("http://vllm:8000/metrics", "scraper", password)
+    first = from_file.auth()
+    password.write_text("rotated")
+    rotated = from_file.auth()  # read at each scrape, as Prometheus' password_file
+    assert first is not None and rotated is not None
+    assert first._auth_header == "Basic " + base64.b64encode(b"scraper:first").decode()
+    assert rotated._auth_header == "Basic " + base64.b64encode(b"scraper:rotated").decode()
+    password.unlink()
+    with pytest.raises(ScrapeError, match="password file") as failed:
+        from_file.auth()
+    assert failed.value.reason == "connect"
+    assert ScrapeTarget.from_url("http://vllm:8000/metrics").auth() is None
 
 
 def exposition(hits: float, engine: str = "0") -> str:
@@ -140,3 +171,14 @@ def test_engine_model_names_are_labels_under_their_own_budget() -> None:
     upstream.record_scrape("e:1", parse("# TYPE vllm:prompt_tokens_total counter\n" + text))
     models = {model for (_, _, model) in upstream.snapshot().counters}
     assert models == {"first", "other"}
+
+
+def test_a_line_past_the_limit_is_refused_before_it_is_parsed() -> None:
+    head = '# TYPE vllm:prompt_tokens_total counter\nvllm:prompt_tokens_total{model_name="'
+    fits = head + "x" * (MAX_LINE_CHARS - len(head.splitlines()[1]) - 4) + '"} 1\n'
+    assert longest_line(fits) == MAX_LINE_CHARS
+    assert len(parse(fits).counters) == 1
+    with pytest.raises(ScrapeError, match="longer than") as refused:
+        parse(fits.replace('"} 1', 'x"} 1'))
+    assert refused.value.reason == "too_large"
+    assert longest_line("") == 0 and longest_line("ab\nc") == 2 and longest_line("a\n\nabc\n") == 3

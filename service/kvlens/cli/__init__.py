@@ -25,6 +25,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=os.environ.get(f"{ENV_PREFIX}LOG_LEVEL", "INFO"), format="%(levelname)s %(name)s: %(message)s"
     )
+    # httpx logs every request's URL at INFO, and a scrape URL's query may hold a secret.
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     command: Callable[[argparse.Namespace], int] = args.run
     try:
         return command(args)

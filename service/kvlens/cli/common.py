@@ -50,6 +50,8 @@ def settings_from(args: argparse.Namespace, **overrides: Any) -> Settings:
         host=args.host,
         port=args.port,
         scrape_targets=getattr(args, "scrape", None),
+        scrape_username=getattr(args, "scrape_username", None),
+        scrape_password_file=getattr(args, "scrape_password_file", None),
         tails=tails_from(
             getattr(args, "tail", None), getattr(args, "formats", None), getattr(args, "model", None)
         ),

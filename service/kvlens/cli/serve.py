@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from kvlens.cli.common import build_server, server_flags, settings_from
@@ -32,6 +33,16 @@ def add_parser(commands: Any) -> None:
         action="append",
         metavar="URL",
         help=f"a vLLM /metrics URL to reconcile with (repeatable; env {ENV_PREFIX}SCRAPE_TARGETS as JSON)",
+    )
+    serve.add_argument(
+        "--scrape-username",
+        help=f"basic-auth user for the --scrape targets (env {ENV_PREFIX}SCRAPE_USERNAME)",
+    )
+    serve.add_argument(
+        "--scrape-password-file",
+        type=Path,
+        metavar="FILE",
+        help=f"file holding their password, re-read at each scrape (env {ENV_PREFIX}SCRAPE_PASSWORD_FILE)",
     )
     serve.set_defaults(run=run)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 
 import httpx
@@ -14,6 +15,7 @@ from kvlens.errors import ScrapeError
 from kvlens.exporter.aggregator import Aggregator, ModelLabels
 from kvlens.exporter.upstream import UpstreamState
 from kvlens.sources import tail, vllm_metrics
+from kvlens.sources.encoding import DecodeLimits
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +24,7 @@ class BackgroundSources:
     def __init__(self, settings: Settings, aggregator: Aggregator) -> None:
         self.settings = settings
         self.aggregator = aggregator
-        self.targets = {vllm_metrics.target_name(url): url for url in settings.scrape_targets}
+        self.targets = {target.name: target for target in settings.scrape_targets_parsed()}
         self.upstream = (
             UpstreamState(
                 tuple(self.targets),
@@ -38,7 +40,7 @@ class BackgroundSources:
         self._stop_tails = threading.Event()
 
     async def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._scrape_forever(t, url)) for t, url in self.targets.items()]
+        self._tasks = [asyncio.create_task(self._scrape_forever(target)) for target in self.targets.values()]
         self._threads = [
             self._follow(spec, status) for spec, status in zip(self.settings.tails, self.tails, strict=True)
         ]
@@ -55,17 +57,16 @@ class BackgroundSources:
         """Why the sidecar cannot keep its promises now (readiness fails while there are any)."""
         return [problem for status in self.tails for problem in status.problems()]
 
-    async def _scrape_forever(self, target: str, url: str) -> None:
-        settings, upstream = self.settings, self.upstream
+    async def _scrape_forever(self, scraped: vllm_metrics.ScrapeTarget) -> None:
+        settings, upstream, target = self.settings, self.upstream, scraped.name
         assert upstream is not None
+        # No ratio limit: the byte cap bounds memory, and a verbose engine may compress very well.
+        limits = DecodeLimits(settings.scrape_max_bytes, math.inf, settings.max_gzip_members)
         async with httpx.AsyncClient(timeout=settings.scrape_timeout_seconds) as client:
             while True:
                 try:
                     text = await vllm_metrics.fetch(
-                        client,
-                        url,
-                        deadline_seconds=settings.scrape_timeout_seconds,
-                        max_bytes=settings.scrape_max_bytes,
+                        client, scraped, deadline_seconds=settings.scrape_timeout_seconds, limits=limits
                     )
                     scrape = await asyncio.to_thread(vllm_metrics.parse, text)
                     upstream.record_scrape(target, scrape)

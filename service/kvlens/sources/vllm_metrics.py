@@ -11,8 +11,9 @@ versions (``reference/engines.md`` section 1.2):
 - ``vllm:prompt_tokens``, ``vllm:prompt_tokens_cached`` (0.16+), ``vllm:request_success``;
 - ``vllm:num_requests_running`` (a gauge: the running batch).
 
-:func:`fetch` enforces a hard total deadline and a size cap (httpx's timeouts are per phase, so a
-server dripping one byte a second would otherwise hold a scrape for minutes).
+:func:`fetch` enforces a hard total deadline (httpx's timeouts are per phase, so a server dripping
+one byte a second would otherwise hold a scrape for minutes) and a size cap on the inflated bytes,
+checked as they are produced (a few KiB of gzip can inflate to GiBs).
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ from __future__ import annotations
 import asyncio
 import math
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Final
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvlens.errors import ScrapeError
+from kvlens.errors import CompressionBomb, InputError, PayloadTooLarge, ScrapeError
+from kvlens.sources.encoding import DecodeLimits, Inflater
 
 # engine family (name without _total) -> (kvlens counter when counting tokens, when counting blocks)
 COUNTERS: Final = {
@@ -39,6 +42,9 @@ COUNTERS: Final = {
     "vllm:request_success": ("requests", None),
 }
 RUNNING: Final = "vllm:num_requests_running"
+# prometheus_client's parser holds about 8 times a line while it reads its labels (a 15 MiB label
+# line under scrape_max_bytes cost 136 MiB and 16 s); a real engine's lines are under 1 KiB.
+MAX_LINE_CHARS: Final = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -56,38 +62,122 @@ class EngineScrape:
 
 
 def target_name(url: str) -> str:
-    """The ``target`` label of a scrape URL: host:port, plus the path when it is not /metrics."""
+    """The ``target`` label of a scrape URL: host:port, plus the path when it is not /metrics.
+
+    Never the userinfo or the query: either may hold a secret, and the label is in every series
+    and every log line about the target."""
     parts = urllib.parse.urlsplit(url)
     path = "" if parts.path in ("", "/metrics") else parts.path
-    return f"{parts.netloc}{path}"
+    return f"{parts.netloc.rpartition('@')[2]}{path}"
 
 
-async def fetch(client: httpx.AsyncClient, url: str, *, deadline_seconds: float, max_bytes: int) -> str:
-    async def read() -> bytes:
-        async with client.stream("GET", url, headers={"accept": "text/plain"}) as response:
+@dataclass(frozen=True)
+class ScrapeTarget:
+    """A scrape URL taken apart: its name, the URL fetched (without userinfo) and its credentials
+    (from the URL, or a username and a password file re-read at each scrape, as Prometheus'
+    ``basic_auth.password_file`` is, so a rotated secret is picked up)."""
+
+    name: str
+    url: str = field(repr=False)  # its query may hold a secret
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    password_file: Path | None = None
+
+    @classmethod
+    def from_url(
+        cls, url: str, username: str | None = None, password_file: Path | None = None
+    ) -> ScrapeTarget:
+        parts = urllib.parse.urlsplit(url)
+        netloc = parts.netloc.rpartition("@")[2]
+        if parts.username is not None:
+            username = urllib.parse.unquote(parts.username)
+        password = urllib.parse.unquote(parts.password) if parts.password is not None else None
+        return cls(
+            name=target_name(url),
+            url=urllib.parse.urlunsplit(parts._replace(netloc=netloc)),
+            username=username,
+            password=password,
+            password_file=password_file if parts.username is None else None,
+        )
+
+    def auth(self) -> httpx.BasicAuth | None:
+        """The credentials to send; raises ScrapeError when the password file cannot be read."""
+        if self.username is None:
+            return None
+        password = self.password or ""
+        if self.password_file is not None:
+            try:
+                password = read_password(self.password_file)
+            except OSError as error:
+                reason = error.strerror or type(error).__name__
+                raise ScrapeError("connect", f"{self.name}: scrape password file: {reason}") from None
+            except ValueError as error:
+                raise ScrapeError("connect", f"{self.name}: scrape password file: {error}") from None
+        return httpx.BasicAuth(self.username, password)
+
+
+def read_password(path: Path) -> str:
+    """A password file's secret: its text without surrounding white space (a trailing newline
+    is what ``echo`` and most secret stores leave); raises OSError or ValueError (blank)."""
+    try:
+        password = path.read_text(encoding="utf-8").strip()
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8 text") from None
+    if not password:
+        raise ValueError("it is blank")
+    return password
+
+
+async def fetch(
+    client: httpx.AsyncClient, target: ScrapeTarget, *, deadline_seconds: float, limits: DecodeLimits
+) -> str:
+    """The target's exposition, inflated as it arrives and refused as soon as it crosses
+    ``limits`` (gzip is asked for, as vLLM honours it: about 10 times fewer bytes on the wire)."""
+    name = target.name
+
+    async def read() -> bytearray:
+        headers = {"accept": "text/plain", "accept-encoding": "gzip"}
+        async with client.stream("GET", target.url, headers=headers, auth=target.auth()) as response:
             if response.status_code != 200:
-                raise ScrapeError("http_status", f"{url} answered {response.status_code}")
-            body = bytearray()
-            async for chunk in response.aiter_bytes():
-                body += chunk
-                if len(body) > max_bytes:
-                    raise ScrapeError("too_large", f"{url} sent more than {max_bytes} bytes")
-            return bytes(body)
+                raise ScrapeError("http_status", f"{name} answered {response.status_code}")
+            try:
+                inflater = Inflater(response.headers.get("content-encoding"), limits)
+                body = bytearray()
+                # raw bytes: httpx would inflate each piece whole, with no bound
+                async for chunk in response.aiter_raw():
+                    body += await asyncio.to_thread(inflater.feed, chunk)
+                body += inflater.finish()
+            except (PayloadTooLarge, CompressionBomb):
+                raise ScrapeError("too_large", f"{name} sent more than {limits.max_bytes} bytes") from None
+            except InputError as error:
+                raise ScrapeError("parse", f"{name}: {error}") from None
+            return body  # decoded as it is: a copy would cost up to scrape_max_bytes more
 
     try:
         body = await asyncio.wait_for(read(), deadline_seconds)
     except asyncio.TimeoutError:
-        raise ScrapeError("timeout", f"{url} did not finish within {deadline_seconds} s") from None
+        raise ScrapeError("timeout", f"{name} did not finish within {deadline_seconds} s") from None
     except httpx.HTTPError as error:
-        raise ScrapeError("connect", f"{url}: {type(error).__name__}") from None
+        raise ScrapeError("connect", f"{name}: {type(error).__name__}") from None
     try:
         return body.decode("utf-8")
     except UnicodeDecodeError:
-        raise ScrapeError("parse", f"{url} sent invalid UTF-8") from None
+        raise ScrapeError("parse", f"{name} sent invalid UTF-8") from None
+
+
+def longest_line(text: str) -> int:
+    """The length of the longest line, found without splitting (no copy of the text)."""
+    longest = start = 0
+    while (end := text.find("\n", start)) >= 0:
+        longest = max(longest, end - start)
+        start = end + 1
+    return max(longest, len(text) - start)
 
 
 def parse(text: str) -> EngineScrape:
     """The engine counters and the running batch in a vLLM exposition; raises ScrapeError."""
+    if longest_line(text) > MAX_LINE_CHARS:
+        raise ScrapeError("too_large", f"a line of the exposition is longer than {MAX_LINE_CHARS} characters")
     counters: list[EngineSample] = []
     running: dict[str, float] = {}
     try:
