@@ -18,6 +18,7 @@ from kvlens.sources.encoding import DecodeLimits, decode
 from kvlens.sources.formats import FORMATS, converter
 from kvlens.sources.jsonlines import records_from_lines
 from kvlens.sources.otlp import JSON, PROTOBUF, length_delimited, read_traces
+from kvlens.sources.otlp import encode_varint as varint
 from kvlens.sources.push import read_records
 
 LIMITS = DecodeLimits(1 << 20, 100, 16)
@@ -182,15 +183,6 @@ def test_otlp_json_arbitrary_bytes(body: bytes) -> None:
 
 # Protobuf: wire-format trees shaped like an export (the field numbers kvlens follows, and
 # others), every wire type, then cut short or with a byte changed.
-
-
-def varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
 
 
 field_number = st.sampled_from([1, 2, 3, 4, 5, 9, 11, 536870911])

@@ -410,7 +410,7 @@ def _varint(buffer: memoryview, position: int) -> tuple[int, int]:
     raise PayloadUndecodable("the body is not a valid OTLP protobuf export")
 
 
-def _encode_varint(value: int) -> bytes:
+def encode_varint(value: int) -> bytes:
     out = bytearray()
     while True:
         byte, value = value & 0x7F, value >> 7
@@ -420,7 +420,7 @@ def _encode_varint(value: int) -> bytes:
 
 
 def length_delimited(number: int, payload: bytes) -> bytes:
-    return _encode_varint(number << 3 | 2) + _encode_varint(len(payload)) + payload
+    return encode_varint(number << 3 | 2) + encode_varint(len(payload)) + payload
 
 
 # ---------------------------------------------------------------------------------------------
@@ -443,5 +443,5 @@ def response(rejected: int, message: str, media: str) -> bytes:
         return orjson.dumps(body)
     if not rejected:
         return b""
-    partial = b"\x08" + _encode_varint(rejected) + length_delimited(2, message.encode())
+    partial = b"\x08" + encode_varint(rejected) + length_delimited(2, message.encode())
     return length_delimited(1, partial)
