@@ -34,6 +34,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (SettingsError, InputError) as error:
         print(f"kvlens: {error}", file=sys.stderr)
         return 2
+    except OSError as error:
+        if error.filename is None:
+            raise
+        # A path the user named: missing, a directory, unreadable or unwritable. One line, no
+        # traceback: this is an ordinary mistake, not a defect.
+        print(f"kvlens: {error.filename}: {error.strerror or error}", file=sys.stderr)
+        return 2
     except ModuleNotFoundError as error:
         if (error.name or "").split(".")[0] not in ("rich", "scipy"):
             raise

@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from kvlens.cli.common import input_flags, read_progress
+from kvlens.cli.common import check_writable, input_flags, read_progress
 from kvlens.config import load_settings
 
 
@@ -43,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
         print("kvlens analyze: give record files, --prefill-points CSV, or both", file=sys.stderr)
         return 2
     settings = load_settings(args.config)
+    check_writable(args.html, args.calibrate)
     with read_progress(args.files) as progress:
         report, fits = analyze(
             args.files,
@@ -52,6 +53,12 @@ def run(args: argparse.Namespace) -> int:
             progress=progress,
             prefill_points=args.prefill_points,
         )
+    accepted = report["input"]["records"]
+    if not accepted and not args.prefill_points:
+        skipped = report["input"]["skipped"]
+        why = ", ".join(f"{reason}: {count}" for reason, count in skipped.items()) or "no line in the input"
+        print(f"kvlens analyze: no record accepted (skipped, by reason: {why})", file=sys.stderr)
+        return 1
     if args.calibrate:
         args.calibrate.write_text(yaml.safe_dump(calibration.cost_model_file(fits), sort_keys=False))
     if args.html:

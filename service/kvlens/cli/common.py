@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import logging
 import os
+import socket
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -77,6 +79,7 @@ def tails_from(
 
 
 def build_server(settings: Settings, aggregator: Aggregator, log_level: str) -> uvicorn.Server:
+    check_port_free(settings)
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)  # process_start_time_seconds shows restarts
     app = create_app(settings, registry, aggregator)
@@ -129,3 +132,33 @@ def run_progress(runs: int) -> Iterator[Callable[[int], None] | None]:
     with Progress(transient=True) as bar:
         task = bar.add_task(f"simulating {runs} runs", total=None)
         yield lambda count: bar.advance(task, count)
+
+
+def check_writable(*paths: Path | None) -> None:
+    """Refuse, before any work, an output path that cannot be written (a missing folder, a
+    directory, a read-only place), so a long analysis is not lost at its end."""
+    for path in paths:
+        if path is None:
+            continue
+        if path.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "is a directory, not a file to write", str(path))
+        folder = path.parent if str(path.parent) else Path(".")
+        if not folder.is_dir():
+            raise FileNotFoundError(errno.ENOENT, "its folder does not exist", str(path))
+        if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise PermissionError(errno.EACCES, "cannot be written here", str(path))
+
+
+def check_port_free(settings: Settings) -> None:
+    """Say which address is taken, and how to pick another, before the server starts (uvicorn
+    would log a bind error and exit 3)."""
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((settings.host, settings.port))
+        except OSError as error:
+            raise SettingsError(
+                f"cannot listen on {settings.host}:{settings.port} ({error.strerror or error}): "
+                f"pick another port with --port (or {ENV_PREFIX}PORT)"
+            ) from None

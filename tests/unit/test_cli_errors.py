@@ -1,0 +1,88 @@
+"""An ordinary mistake on the command line gets one line naming the path or port and the reason,
+and exit 2; never a traceback."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from kvlens.cli import main
+
+
+def one_line(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.fixture
+def records(tmp_path: Path) -> Path:
+    path = tmp_path / "records.jsonl"
+    path.write_text('{"prompt_tokens": 128, "cached_tokens": 16}\n')
+    return path
+
+
+def test_a_missing_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "nope.jsonl"
+    assert main(["analyze", str(missing)]) == 2
+    assert one_line(capsys) == f"kvlens: {missing}: No such file or directory"
+
+
+def test_a_directory_as_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["analyze", str(tmp_path)]) == 2
+    assert one_line(capsys) == f"kvlens: {tmp_path}: Is a directory"
+
+
+@pytest.mark.parametrize("flag", ["--html", "--calibrate"])
+def test_an_output_whose_folder_is_missing_is_refused_before_the_work(
+    flag: str, records: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "no-such-folder" / "out"
+    assert main(["analyze", str(records), flag, str(out)]) == 2
+    assert one_line(capsys) == f"kvlens: {out}: its folder does not exist"
+
+
+def test_an_output_that_is_a_directory(
+    records: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["analyze", str(records), "--html", str(tmp_path)]) == 2
+    assert one_line(capsys) == f"kvlens: {tmp_path}: is a directory, not a file to write"
+
+
+def test_simulate_emit_records_into_a_missing_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "missing" / "records.jsonl"
+    assert main(["simulate", "--emit-records", str(out), "--policy", "round_robin"]) == 2
+    assert one_line(capsys) == f"kvlens: {out}: No such file or directory"
+
+
+def test_compare_with_a_missing_arm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "warm.jsonl"
+    assert main(["compare", "--arm", f"warm={missing}"]) == 2
+    assert one_line(capsys) == f"kvlens: {missing}: No such file or directory"
+
+
+def test_analyze_that_accepts_no_record_says_why_and_fails(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "junk.jsonl"
+    path.write_text('{"x": 1}\nnot json\n')
+    assert main(["analyze", str(path)]) == 1
+    assert one_line(capsys).startswith("kvlens analyze: no record accepted (skipped, by reason: ")
+
+
+def test_a_port_in_use_names_it_and_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+    assert one_line(capsys) == (
+        f"kvlens: cannot listen on 127.0.0.1:{port} (Address already in use): "
+        "pick another port with --port (or KVLENS_PORT)"
+    )
