@@ -86,3 +86,36 @@ def test_a_port_in_use_names_it_and_the_flag(capsys: pytest.CaptureFixture[str])
         f"kvlens: cannot listen on 127.0.0.1:{port} (Address already in use): "
         "pick another port with --port (or KVLENS_PORT)"
     )
+
+
+def test_progress_goes_to_stderr_and_json_stays_clean(tmp_path: Path) -> None:
+    """A terminal on stderr shows the bar; stdout, piped, holds only the JSON (a bar on stdout put
+    a stray newline before it)."""
+    import gzip
+    import itertools
+    import json
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    from kvlens.simulate.trace import BUNDLED
+
+    trace = tmp_path / "trace.jsonl"
+    with gzip.open(BUNDLED, "rb") as lines:
+        trace.write_bytes(b"".join(itertools.islice(lines, 200)))
+    terminal, attached = pty.openpty()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "kvlens.cli", "simulate", str(trace), "--policy", "round_robin", "--json"],
+            stdout=subprocess.PIPE,
+            stderr=attached,
+            timeout=120,
+            env={**os.environ, "TERM": "xterm", "COLUMNS": "80"},
+        )
+    finally:
+        os.close(attached)
+        os.close(terminal)
+    assert done.returncode == 0
+    assert done.stdout.startswith(b"{")
+    assert json.loads(done.stdout)["schema"] == "kvlens.simulate/v1"

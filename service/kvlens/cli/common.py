@@ -111,9 +111,10 @@ def read_progress(files: list[str]) -> Iterator[Callable[[int], None] | None]:
     if not sys.stderr.isatty() or sum(sizes) < 64 * 1024 * 1024:
         yield None
         return
+    from rich.console import Console
     from rich.progress import Progress
 
-    with Progress(transient=True) as bar:
+    with Progress(console=Console(stderr=True), transient=True) as bar:  # stdout is the report
         task = bar.add_task("reading", total=sum(sizes))
         yield lambda count: bar.advance(task, count)
 
@@ -129,7 +130,9 @@ def run_progress(runs: int) -> Iterator[Callable[[int], None] | None]:
     except ModuleNotFoundError:
         yield None
         return
-    with Progress(transient=True) as bar:
+    from rich.console import Console
+
+    with Progress(console=Console(stderr=True), transient=True) as bar:  # stdout is the report
         task = bar.add_task(f"simulating {runs} runs", total=None)
         yield lambda count: bar.advance(task, count)
 
