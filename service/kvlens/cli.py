@@ -33,8 +33,9 @@ log = logging.getLogger("kvlens")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = _simulate_serve_parser() if argv[:2] == ["simulate", "serve"] else _parser()
+    args = parser.parse_args(argv[2:] if argv[:2] == ["simulate", "serve"] else argv)
     logging.basicConfig(
         level=os.environ.get(f"{ENV_PREFIX}LOG_LEVEL", "INFO"), format="%(levelname)s %(name)s: %(message)s"
     )
@@ -166,7 +167,8 @@ def _parser() -> argparse.ArgumentParser:
         "trace",
         nargs="?",
         metavar="TRACE",
-        help="Mooncake, Bailian or kvlens-record JSONL (default: bundled Mooncake)",
+        help="Mooncake, Bailian or kvlens-record JSONL (default: bundled Mooncake); "
+        "'kvlens simulate serve --help': the fleet behind the OpenAI API",
     )
     sim.add_argument("--replicas", type=int, default=4, help="replicas in the fleet (default 4)")
     sim.add_argument(
@@ -422,6 +424,17 @@ def _compare(args: argparse.Namespace) -> int:
         end="" if not args.json else "\n",
     )
     return 0
+
+
+def _simulate_serve_parser() -> argparse.ArgumentParser:
+    from kvlens.simulate.serve import main as serve
+
+    parser = argparse.ArgumentParser(
+        prog="kvlens simulate serve", description="a simulated vLLM fleet behind the OpenAI API, in real time"
+    )
+    serve.add_arguments(parser)
+    parser.set_defaults(run=serve.run)
+    return parser
 
 
 def _simulate(args: argparse.Namespace) -> int:

@@ -1,0 +1,537 @@
+"""The OpenAI API as vLLM 0.33 serves it, in front of :class:`RealTimeFleet`.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /health``, ``POST /tokenize``, ``POST /detokenize``, ``POST /reset_prefix_cache`` (vLLM
+mounts it only with ``VLLM_SERVER_DEV_MODE=1``; here it is always there), ``GET /metrics``.
+
+Shapes follow vLLM's protocol classes: usage carries ``prompt_tokens_details.cached_tokens`` (as
+vLLM with ``--enable-prompt-tokens-details``; several prompts: the last one's, streaming: the
+first to answer); a streamed answer is one ``data:`` event per token (a completion chunk
+``{"choices": [{"index", "text", "logprobs", "finish_reason", "stop_reason"}]}``, chat: a first
+``delta: {"role": "assistant", "content": ""}``), the usage chunk (empty ``choices``) last when
+``stream_options.include_usage`` asks, then ``data: [DONE]``. Errors are ``{"error": {"message",
+"type", "param", "code"}}``: 400 for a bad request (with the field), 404 for an unknown model.
+
+What is modelled and what is not: every answer is exactly ``max_tokens`` long (the simulated
+model never emits EOS, so ``finish_reason`` is ``length``; ``min_tokens`` and ``ignore_eos`` are
+checked and change nothing); ``max_tokens`` defaults to 16 for completions and to what the
+context leaves for chat, and is cut to what the context leaves (as vLLM does); a prompt of
+``max_model_len`` tokens or more is refused; ``n > 1``, ``echo``, ``logprobs`` and beam search
+are refused with 400 (``logprobs``) or ignored (sampling parameters: the text is fixed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import orjson
+from prometheus_client import generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from kvlens.simulate.replica import INF
+from kvlens.simulate.serve import tokenizer
+from kvlens.simulate.serve.engine import RealTimeFleet, Ticket
+from kvlens.simulate.serve.metrics import FleetMetrics
+
+JSON: Final = "application/json"
+MAX_BODY_BYTES: Final = 16 * 1024 * 1024
+MAX_PROMPTS: Final = 1024  # prompts in one completions batch
+
+
+@dataclass(frozen=True)
+class Served:
+    model: str = "simulated"
+    max_model_len: int = 32_768
+    vocab_size: int = tokenizer.DEFAULT_VOCAB_SIZE
+
+
+class ApiError(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status = message, param, status
+
+
+def error_response(error: ApiError) -> Response:
+    kind = {400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestError"}.get(error.status, "Error")
+    body = {"error": {"message": error.message, "type": kind, "param": error.param, "code": error.status}}
+    return Response(orjson.dumps(body), error.status, media_type=JSON)
+
+
+@dataclass
+class _Answer:
+    """What one request asked for, once checked."""
+
+    prompts: list[list[int]]
+    outputs: list[int]
+    stream: bool
+    include_usage: bool
+    request_id: str
+
+
+class Api:
+    def __init__(
+        self,
+        served: Served,
+        make_engine: Callable[[Callable[[Ticket], None]], RealTimeFleet],
+        *,
+        prefix_caching: bool,
+        on_record: Callable[[Ticket, RealTimeFleet], None] | None = None,
+    ) -> None:
+        self.served = served
+        self._make_engine = make_engine
+        self._prefix_caching = prefix_caching
+        self._on_record = on_record
+        self.engine: RealTimeFleet | None = None
+        self.metrics: FleetMetrics | None = None
+        self.created = int(time.time())
+
+    def app(self) -> Starlette:
+        routes = [
+            Route("/v1/completions", self._guard(self.completions), methods=["POST"]),
+            Route("/v1/chat/completions", self._guard(self.chat), methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/tokenize", self._guard(self.tokenize), methods=["POST"]),
+            Route("/detokenize", self._guard(self.detokenize), methods=["POST"]),
+            Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"]),
+            Route("/metrics", self.scrape, methods=["GET"]),
+        ]
+        return Starlette(routes=routes, lifespan=self._lifespan)
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        self.engine = self._make_engine(self._finished)
+        self.metrics = FleetMetrics(
+            self.served.model,
+            self.engine.replicas,
+            self.served.max_model_len,
+            self.engine.fleet.block_size,
+            self._prefix_caching,
+        )
+        yield
+
+    def _guard(self, handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
+        async def guarded(request: Request) -> Response:
+            try:
+                response: Response = await handler(request)
+            except ApiError as error:
+                return error_response(error)
+            return response
+
+        return guarded
+
+    # --- the fleet's hook -------------------------------------------------------------------
+
+    def _finished(self, ticket: Ticket) -> None:
+        engine, metrics, job = self.engine, self.metrics, ticket.job
+        assert engine is not None and metrics is not None
+        started = not ticket.left_waiting
+        metrics.finished(
+            job.replica,
+            prompt_tokens=job.prompt_tokens,
+            cached_tokens=job.cached_tokens,
+            output_tokens=job.output_tokens,
+            started=started,
+            aborted=ticket.aborted,
+            queue=engine.wall_seconds(job.start - job.arrival),
+            prefill=engine.wall_seconds(job.first_token - job.start),
+            decode=engine.wall_seconds(job.finish - job.first_token),
+        )
+        if started and self._on_record is not None:
+            self._on_record(ticket, engine)
+
+    # --- routes -----------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def models(self, request: Request) -> Response:
+        served = self.served
+        card = {
+            "id": served.model,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "vllm",
+            "root": served.model,
+            "parent": None,
+            "max_model_len": served.max_model_len,
+            "permission": [],
+        }
+        return Response(orjson.dumps({"object": "list", "data": [card]}), media_type=JSON)
+
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        assert self.engine is not None
+        self.engine.reset_prefix_cache()
+        return Response(status_code=200)
+
+    async def scrape(self, request: Request) -> Response:
+        assert self.metrics is not None
+        return Response(generate_latest(self.metrics.registry), media_type="text/plain; version=0.0.4")
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await self._body(request)
+        if "messages" in body:
+            ids = tokenizer.encode(self._chat_text(body))
+        else:
+            prompt = body.get("prompt")
+            if type(prompt) is not str:
+                raise ApiError("prompt must be a string", "prompt")
+            ids = tokenizer.encode(prompt)
+        answer = {
+            "count": len(ids),
+            "max_model_len": self.served.max_model_len,
+            "tokens": ids,
+            "token_strs": None,
+        }
+        return Response(orjson.dumps(answer), media_type=JSON)
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await self._body(request)
+        ids = self._token_ids(body.get("tokens"), "tokens")
+        return Response(orjson.dumps({"prompt": tokenizer.decode(ids)}), media_type=JSON)
+
+    async def completions(self, request: Request) -> Response:
+        body = await self._body(request)
+        prompts = self._prompts(body.get("prompt"))
+        for name in ("echo", "suffix"):
+            if body.get(name):
+                raise ApiError(f"{name} is not modelled by kvlens simulate serve", name)
+        asked = _integer(body, "max_tokens", 16, low=1)
+        answer = self._answer(request, body, prompts, asked, "cmpl")
+        tickets = self._submit(answer)
+        if answer.stream:
+            return _sse(self._completion_stream(answer, tickets))
+        await _all_finished(tickets)
+        choices = [
+            {
+                "index": i,
+                "text": tokenizer.generated_text(t.job.output_tokens),
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+                "prompt_logprobs": None,
+            }
+            for i, t in enumerate(tickets)
+        ]
+        response = {
+            "id": answer.request_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.served.model,
+            "choices": choices,
+            "usage": _usage(tickets, tickets[-1]),
+        }
+        return Response(orjson.dumps(response), media_type=JSON)
+
+    async def chat(self, request: Request) -> Response:
+        body = await self._body(request)
+        ids = tokenizer.encode(self._chat_text(body))
+        asked_name = (
+            "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        )
+        asked = _integer(body, asked_name, None, low=1)
+        answer = self._answer(request, body, [ids], asked, "chatcmpl")
+        tickets = self._submit(answer)
+        if answer.stream:
+            return _sse(self._chat_stream(answer, tickets))
+        await _all_finished(tickets)
+        ticket = tickets[0]
+        response = {
+            "id": answer.request_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.served.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {
+                        "role": "assistant",
+                        "content": tokenizer.generated_text(ticket.job.output_tokens),
+                        "tool_calls": [],
+                    },
+                    "logprobs": None,
+                    "finish_reason": "length",
+                    "stop_reason": None,
+                }
+            ],
+            "usage": _usage(tickets, ticket),
+            "prompt_logprobs": None,
+        }
+        return Response(orjson.dumps(response), media_type=JSON)
+
+    # --- checking requests ------------------------------------------------------------------
+
+    async def _body(self, request: Request) -> dict[str, Any]:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+            raise ApiError(f"the request body is larger than {MAX_BODY_BYTES} bytes", status=413)
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise ApiError(f"the request body is larger than {MAX_BODY_BYTES} bytes", status=413)
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as error:
+            raise ApiError(f"the request body is not JSON: {error}") from None
+        if not isinstance(body, dict):
+            raise ApiError("the request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.served.model:
+            raise ApiError(f"The model `{model}` does not exist.", "model", status=404)
+        return body
+
+    def _answer(
+        self, request: Request, body: dict[str, Any], prompts: list[list[int]], asked: int | None, prefix: str
+    ) -> _Answer:
+        if _integer(body, "n", 1, low=1) > 1:
+            raise ApiError("n > 1 is not modelled by kvlens simulate serve (send n requests)", "n")
+        if body.get("logprobs") not in (None, False) or body.get("use_beam_search"):
+            raise ApiError("logprobs and beam search are not modelled by kvlens simulate serve", "logprobs")
+        stream = _boolean(body, "stream", False)
+        options = body.get("stream_options")
+        if options is not None:
+            if not stream:
+                raise ApiError("Stream options can only be defined when `stream=True`.", "stream_options")
+            if not isinstance(options, dict):
+                raise ApiError("stream_options must be an object", "stream_options")
+        include_usage = _boolean(options or {}, "include_usage", False)
+        _boolean(body, "ignore_eos", False)
+        user = body.get("user")
+        if user is not None and type(user) is not str:
+            raise ApiError("user must be a string", "user")
+        limit = self.served.max_model_len
+        outputs = []
+        for ids in prompts:
+            if len(ids) >= limit:
+                raise ApiError(
+                    f"This model's maximum context length is {limit} tokens. However, your request has "
+                    f"{len(ids)} input tokens. Please reduce the length of the input messages.",
+                    "prompt" if prefix == "cmpl" else "messages",
+                )
+            outputs.append(min(asked, limit - len(ids)) if asked is not None else limit - len(ids))
+        minimum = _integer(body, "min_tokens", 0, low=0)
+        if asked is not None and minimum > asked:
+            raise ApiError(
+                f"min_tokens ({minimum}) must be less than or equal to max_tokens ({asked})", "min_tokens"
+            )
+        header = request.headers.get("x-request-id")
+        return _Answer(prompts, outputs, stream, include_usage, f"{prefix}-{header or uuid.uuid4().hex}")
+
+    def _prompts(self, prompt: Any) -> list[list[int]]:
+        if type(prompt) is str:
+            prompts = [tokenizer.encode(prompt)]
+        elif type(prompt) is list and prompt and all(type(p) is int for p in prompt):
+            prompts = [self._token_ids(prompt, "prompt")]
+        elif type(prompt) is list and prompt:
+            if len(prompt) > MAX_PROMPTS:
+                raise ApiError(f"at most {MAX_PROMPTS} prompts in one request", "prompt")
+            prompts = []
+            for index, item in enumerate(prompt):
+                if type(item) is str:
+                    prompts.append(tokenizer.encode(item))
+                elif type(item) is list:
+                    prompts.append(self._token_ids(item, f"prompt[{index}]"))
+                else:
+                    raise ApiError(f"prompt[{index}] must be a string or a list of token ids", "prompt")
+        else:
+            raise ApiError("prompt must be a string, a list of token ids, or a list of either", "prompt")
+        if any(not ids for ids in prompts):
+            raise ApiError("The decoder prompt cannot be empty", "prompt")
+        return prompts
+
+    def _token_ids(self, value: Any, name: str) -> list[int]:
+        vocab = self.served.vocab_size
+        if type(value) is not list or not all(type(i) is int for i in value):
+            raise ApiError(f"{name} must be a list of token ids", name)
+        for token in value:
+            if not 0 <= token < vocab:
+                raise ApiError(f"Token id {token} in {name} is out of vocabulary (0 to {vocab - 1})", name)
+        return value
+
+    def _chat_text(self, body: dict[str, Any]) -> str:
+        messages = body.get("messages")
+        if type(messages) is not list or not messages:
+            raise ApiError("messages must be a non-empty list", "messages")
+        rendered = []
+        for index, message in enumerate(messages):
+            if not isinstance(message, dict) or type(message.get("role")) is not str:
+                raise ApiError(f"messages[{index}] must be an object with a role", "messages")
+            rendered.append((message["role"], _content(message.get("content"), index)))
+        add = _boolean(body, "add_generation_prompt", True)
+        return tokenizer.chat_prompt(rendered, add_generation_prompt=add)
+
+    def _submit(self, answer: _Answer) -> list[Ticket]:
+        engine = self.engine
+        assert engine is not None
+        wake = asyncio.Event()
+        many = len(answer.prompts) > 1
+        return [
+            engine.submit(ids, out, wake, f"{answer.request_id}-{i}" if many else answer.request_id)
+            for i, (ids, out) in enumerate(zip(answer.prompts, answer.outputs, strict=True))
+        ]
+
+    # --- streaming --------------------------------------------------------------------------
+
+    async def _paced(self, tickets: list[Ticket]) -> AsyncIterator[list[tuple[int, int, int]]]:
+        """Batches of (prompt, first token, end token) as they come due; a client that goes away
+        takes its unfinished prompts out of the fleet."""
+        engine = self.engine
+        assert engine is not None
+        loop = asyncio.get_running_loop()
+        wake = tickets[0].wake
+        emitted = [0] * len(tickets)
+        try:
+            while True:
+                wake.clear()  # before reading the state: an event set after this is not lost
+                now = engine.now()
+                due = []
+                for index, ticket in enumerate(tickets):
+                    count = ticket.tokens_due(now)
+                    if count > emitted[index]:
+                        due.append((index, emitted[index], count))
+                        emitted[index] = count
+                if due:
+                    yield due
+                if all(t.finished and emitted[i] == t.job.output_tokens for i, t in enumerate(tickets)):
+                    return
+                next_at = min(t.next_token_at(emitted[i]) for i, t in enumerate(tickets))
+                timer = loop.call_at(engine.wall_at(next_at), wake.set) if next_at < INF else None
+                await wake.wait()
+                if timer is not None:
+                    timer.cancel()
+        finally:
+            for ticket in tickets:
+                if not ticket.finished:
+                    engine.abort(ticket)
+
+    async def _completion_stream(self, answer: _Answer, tickets: list[Ticket]) -> AsyncIterator[bytes]:
+        head = {
+            "id": answer.request_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.served.model,
+        }
+        first: Ticket | None = None
+        async for due in self._paced(tickets):
+            out = []
+            for index, start, end in due:
+                ticket = tickets[index]
+                first = first or ticket
+                last = ticket.job.output_tokens
+                for position in range(start, end):
+                    done = position == last - 1
+                    choice = {
+                        "index": index,
+                        "text": tokenizer.generated_text(1, position),
+                        "logprobs": None,
+                        "finish_reason": "length" if done else None,
+                        "stop_reason": None,
+                    }
+                    out.append(b"data: " + orjson.dumps({**head, "choices": [choice]}) + b"\n\n")
+            yield b"".join(out)
+        if answer.include_usage:
+            yield b"data: " + orjson.dumps({**head, "choices": [], "usage": _usage(tickets, first)}) + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    async def _chat_stream(self, answer: _Answer, tickets: list[Ticket]) -> AsyncIterator[bytes]:
+        head = {
+            "id": answer.request_id,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": self.served.model,
+        }
+        ticket = tickets[0]
+        async for due in self._paced(tickets):
+            out = []
+            for _, start, end in due:
+                if start == 0:
+                    role = {
+                        "index": 0,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    out.append(b"data: " + orjson.dumps({**head, "choices": [role]}) + b"\n\n")
+                last = ticket.job.output_tokens
+                for position in range(start, end):
+                    choice: dict[str, Any] = {
+                        "index": 0,
+                        "delta": {"content": tokenizer.generated_text(1, position)},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    if position == last - 1:
+                        choice["finish_reason"] = "length"
+                        choice["stop_reason"] = None
+                    out.append(b"data: " + orjson.dumps({**head, "choices": [choice]}) + b"\n\n")
+            yield b"".join(out)
+        if answer.include_usage:
+            yield (
+                b"data: " + orjson.dumps({**head, "choices": [], "usage": _usage(tickets, ticket)}) + b"\n\n"
+            )
+        yield b"data: [DONE]\n\n"
+
+
+def _sse(chunks: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(chunks, media_type="text/event-stream")
+
+
+async def _all_finished(tickets: list[Ticket]) -> None:
+    wake = tickets[0].wake
+    while not all(t.finished for t in tickets):
+        wake.clear()
+        if all(t.finished for t in tickets):
+            return
+        await wake.wait()
+
+
+def _usage(tickets: Sequence[Ticket], cached_from: Ticket | None) -> dict[str, Any]:
+    prompt = sum(len(t.prompt_ids) for t in tickets)
+    completion = sum(t.job.output_tokens for t in tickets)
+    return {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+        "prompt_tokens_details": {"cached_tokens": cached_from.job.cached_tokens if cached_from else 0},
+    }
+
+
+def _integer(body: dict[str, Any], name: str, default: int | None, *, low: int) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if type(value) is not int or value < low:
+        raise ApiError(f"{name} must be an integer >= {low}", name)
+    return value
+
+
+def _boolean(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if type(value) is not bool:
+        raise ApiError(f"{name} must be true or false", name)
+    return value
+
+
+def _content(content: Any, index: int) -> str:
+    if type(content) is str:
+        return content
+    if content is None:
+        return ""
+    if type(content) is list:
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or type(part.get("text")) is not str:
+                raise ApiError(f"messages[{index}].content: only text parts are modelled", "messages")
+            parts.append(part["text"])
+        return "\n".join(parts)
+    raise ApiError(f"messages[{index}].content must be a string or a list of text parts", "messages")
