@@ -61,8 +61,14 @@ class Running:
 
 
 def start_kvlens(
-    *args: str, env: dict[str, str] | None = None, port: int | None = None, scheme: str = "http"
+    *args: str,
+    env: dict[str, str] | None = None,
+    port: int | None = None,
+    scheme: str = "http",
+    ready: str = "/healthz",
 ) -> Running:
+    """Start ``kvlens ARGS --port P`` and wait until ``ready`` answers 200 (``kvlens simulate
+    serve`` answers on vLLM's ``/health``)."""
     port = port or free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "kvlens.cli", *args, "--port", str(port)],
@@ -79,7 +85,7 @@ def start_kvlens(
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=1):
                 pass
-            if scheme != "http" or httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+            if scheme != "http" or httpx.get(f"{url}{ready}", timeout=2).status_code == 200:
                 return Running(process, url)
         except (OSError, httpx.TransportError):
             time.sleep(0.05)  # waiting for a process to bind, not for time to pass

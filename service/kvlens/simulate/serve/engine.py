@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import math
-from typing import cast
 from collections.abc import Callable
+from typing import cast
 
 from kvlens.simulate.policies import policy
 from kvlens.simulate.replica import INF, Job, Replica

@@ -1,0 +1,308 @@
+"""`kvlens simulate serve` as a real process, driven by the official `openai` client and raw HTTP:
+completions and chat (streaming and not), cached tokens by prompt content under the simulator's
+block rules, vLLM-shaped errors, a client that leaves mid-stream, and the same cached tokens as
+an offline `kvlens simulate` of the same prompts."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from kvlens.cli import main
+from kvlens.simulate.serve import tokenizer
+from tests.live import Running, free_port, start_kvlens, total
+
+pytestmark = pytest.mark.integration
+B = 16  # block size
+
+
+def serve(*flags: str, port: int | None = None) -> Running:
+    return start_kvlens("simulate", "serve", "--block-size", str(B), *flags, ready="/health", port=port)
+
+
+@pytest.fixture
+def server() -> Iterator[Running]:
+    running = serve("--speed", "1000")
+    yield running
+    running.output()
+
+
+def client(running: Running) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0)
+
+
+def cached(usage: object) -> int:
+    details = getattr(usage, "prompt_tokens_details", None)
+    assert details is not None
+    return int(details.cached_tokens)
+
+
+def ids(count: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(tokenizer.FIRST_PLAIN_ID, 30_000) for _ in range(count)]
+
+
+def complete(api: openai.OpenAI, prompt: list[int] | str, max_tokens: int = 4) -> int:
+    answer = api.completions.create(model="simulated", prompt=prompt, max_tokens=max_tokens)
+    assert answer.usage is not None
+    return cached(answer.usage)
+
+
+def test_completions_stream_and_not_cache_by_content(server: Running) -> None:
+    api = client(server)
+    first = ids(40, 1)
+    answer = api.completions.create(model="simulated", prompt=first, max_tokens=5, user="u1")
+    assert answer.choices[0].text == "The q" and answer.choices[0].finish_reason == "length"
+    assert answer.usage is not None
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens, cached(answer.usage)) == (40, 5, 0)
+    # The same prompt again: its 2 full blocks of 16 (the last token is never served from cache).
+    assert complete(api, first) == 32
+    # Sharing the first block only (the second differs at its last token): 1 block.
+    other = [*first[:31], first[31] + 1, *first[32:]]
+    assert complete(api, other) == 16
+    # 48 tokens = 3 full blocks, all cached by an earlier 64-token prompt, but the last token is
+    # recomputed: 2 blocks; one token more and the third block counts.
+    long = ids(64, 2)
+    assert complete(api, long) == 0
+    assert complete(api, long[:48]) == 32
+    assert complete(api, long[:49]) == 48
+    # Text goes through the byte tokenizer: 40 ASCII characters are 40 tokens.
+    text = "abcdefghij" * 4
+    assert complete(api, text) == 0
+    assert complete(api, text + "!") == 32
+
+    stream = api.completions.create(
+        model="simulated", prompt=long, max_tokens=7, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert [c.choices[0].text for c in chunks[:-1]] == list("The qui")
+    assert [c.choices[0].finish_reason for c in chunks[:-1]] == [None] * 6 + ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (64, 7)
+    assert cached(chunks[-1].usage) == 48
+    assert len({c.id for c in chunks}) == 1
+
+    # Without include_usage no usage chunk: one chunk per token, then [DONE].
+    raw = httpx.post(
+        f"{server.url}/v1/completions", json={"prompt": long, "max_tokens": 3, "stream": True}, timeout=10
+    )
+    events = [line for line in raw.text.split("\n\n") if line]
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    assert len(events) == 4 and events[-1] == "data: [DONE]"
+    assert all("usage" not in json.loads(e.removeprefix("data: ")) for e in events[:-1])
+
+    # A batch of prompts: a choice each, usage summed, cached tokens the last prompt's.
+    batch = api.completions.create(model="simulated", prompt=[first, ids(20, 3)], max_tokens=2)
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert batch.usage is not None and (batch.usage.prompt_tokens, batch.usage.completion_tokens) == (60, 4)
+    assert cached(batch.usage) == 0
+
+
+def test_chat_template_tokens_are_prompt_tokens_and_are_cached(server: Running) -> None:
+    api = client(server)
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name three prime numbers, please."},
+    ]
+    rendered = tokenizer.chat_prompt([(m["role"], m["content"]) for m in messages])
+    count = len(tokenizer.encode(rendered))
+    # Two special tokens per message and one to open the answer; the rest is one token per byte.
+    texts = (b"system\nYou are terse.\n", b"user\nName three prime numbers, please.\n", b"assistant\n")
+    assert count == 5 + sum(len(t) for t in texts)
+    tokenized = httpx.post(f"{server.url}/tokenize", json={"messages": messages}).json()
+    assert tokenized["count"] == count and tokenized["max_model_len"] == 32_768
+
+    answer = api.chat.completions.create(model="simulated", messages=messages, max_tokens=4)  # type: ignore[arg-type]
+    assert answer.choices[0].message.content == "The " and answer.choices[0].message.role == "assistant"
+    assert answer.usage is not None and answer.usage.prompt_tokens == count and cached(answer.usage) == 0
+
+    stream = api.chat.completions.create(
+        model="simulated",
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=3,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
+    assert "".join(c.choices[0].delta.content or "" for c in chunks[1:-1]) == "The"
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].usage is not None and cached(chunks[-1].usage) == (count - 1) // B * B
+
+
+def test_errors_are_shaped_as_vllm_shapes_them(server: Running) -> None:
+    api = client(server)
+    with pytest.raises(openai.NotFoundError) as missing:
+        api.completions.create(model="other", prompt="hi", max_tokens=1)
+    assert missing.value.status_code == 404
+    assert missing.value.body == {
+        "message": "The model `other` does not exist.",
+        "type": "NotFoundError",
+        "param": "model",
+        "code": 404,
+    }
+    with pytest.raises(openai.BadRequestError) as too_long:
+        api.completions.create(model="simulated", prompt=[300] * 32_768, max_tokens=1)
+    assert "maximum context length is 32768 tokens" in str(too_long.value.body)
+    for bad in (
+        {"prompt": "hi", "n": 2},
+        {"prompt": [40_000]},
+        {"prompt": []},
+        {"prompt": "hi", "max_tokens": 0},
+        {"prompt": "hi", "max_tokens": 2, "min_tokens": 3},
+        {"prompt": "hi", "stream_options": {"include_usage": True}},
+        {"prompt": 7},
+    ):
+        answer = httpx.post(f"{server.url}/v1/completions", json={"model": "simulated", **bad})
+        assert answer.status_code == 400, bad
+        assert answer.json()["error"]["code"] == 400 and answer.json()["error"]["type"] == "BadRequestError"
+    garbage = httpx.post(f"{server.url}/v1/chat/completions", content=b"{not json")
+    assert garbage.status_code == 400 and "not JSON" in garbage.json()["error"]["message"]
+    no_messages = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": []})
+    assert no_messages.status_code == 400 and no_messages.json()["error"]["param"] == "messages"
+
+    models = api.models.list()
+    assert [m.id for m in models.data] == ["simulated"]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": "héllo<|im_end|>"}).json()["tokens"]
+    assert tokens == [104, 195, 169, 108, 108, 111, tokenizer.IM_END]
+    back = httpx.post(f"{server.url}/detokenize", json={"tokens": tokens}).json()
+    assert back == {"prompt": "héllo<|im_end|>"}
+
+
+def test_no_prefix_caching_never_serves_from_cache() -> None:
+    running = serve("--speed", "1000", "--no-prefix-caching")
+    try:
+        api = client(running)
+        prompt = ids(100, 4)
+        assert [complete(api, prompt) for _ in range(3)] == [0, 0, 0]
+        samples = running.samples()
+        assert total(samples, "vllm:prefix_cache_queries_total") == 300
+        assert total(samples, "vllm:prefix_cache_hits_total") == 0
+    finally:
+        running.output()
+
+
+def test_reset_prefix_cache_empties_every_replica() -> None:
+    running = serve("--speed", "1000", "--replicas", "2", "--policy", "round_robin")
+    try:
+        api = client(running)
+        prompt = ids(50, 5)
+        assert [complete(api, prompt) for _ in range(4)] == [0, 0, 48, 48]  # r0, r1, r0, r1
+        assert httpx.post(f"{running.url}/reset_prefix_cache").status_code == 200
+        assert [complete(api, prompt) for _ in range(4)] == [0, 0, 48, 48]
+    finally:
+        running.output()
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_blocks_and_is_counted() -> None:
+    running = serve("--speed", "1")  # 2,000 tokens take ~13 s: the client leaves long before
+    try:
+        prompt = ids(80, 6)
+        with httpx.stream(
+            "POST",
+            f"{running.url}/v1/completions",
+            json={"prompt": prompt, "max_tokens": 2000, "stream": True},
+        ) as answer:
+            first = next(answer.iter_lines())
+            assert first.startswith("data: ")
+        assert running.wait_for("vllm:request_success_total", 1, finished_reason="abort") == 1
+        samples = running.samples()
+        assert total(samples, "vllm:kv_cache_usage_perc") == 0  # nothing held
+        assert total(samples, "vllm:num_requests_running") == 0
+        assert complete(client(running), prompt, max_tokens=1) == 64  # its blocks stayed cached
+    finally:
+        running.output()
+
+
+@pytest.mark.parametrize("policy", ["prefix_affinity", "cost_aware", "least_queue"])
+def test_one_at_a_time_cached_tokens_equal_the_offline_simulation(tmp_path: Path, policy: str) -> None:
+    rng = random.Random(7)
+    stems = [ids(rng.randrange(16, 200), seed) for seed in range(6)]  # shared system prompts
+    prompts = []
+    for _ in range(60):
+        stem = rng.choice(stems)
+        prompts.append(
+            stem[: rng.randrange(1, len(stem) + 1)] + ids(rng.randrange(0, 40), rng.randrange(10**6))
+        )
+    outputs = [rng.randrange(1, 20) for _ in prompts]
+    flags = ("--replicas", "3", "--capacity-blocks", "24", "--policy", policy)
+    running = serve("--speed", "1000", *flags)
+    try:
+        api = client(running)
+        online = [complete(api, p, max_tokens=o) for p, o in zip(prompts, outputs, strict=True)]
+    finally:
+        running.output()
+
+    trace = tmp_path / "prompts.jsonl"
+    with trace.open("w") as out:
+        for index, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+            line = {
+                "request_id": str(index),
+                "arrival_time": index * 1000.0,  # each one finished long before the next
+                "prompt_tokens": len(prompt),
+                "output_tokens": output,
+                "block_size": B,
+                "prefix_hashes": list(tokenizer.block_keys(prompt, B)),
+            }
+            out.write(json.dumps(line) + "\n")
+    records = tmp_path / "records.jsonl"
+    assert main(["simulate", str(trace), *flags, "--emit-records", str(records), "--json"]) == 0
+    offline = [json.loads(line)["cached_tokens"] for line in records.read_text().splitlines()]
+    assert online == offline
+    assert sum(online) > 20 * B  # the workload shares prefixes: the comparison is not of zeros
+
+
+def test_kvlens_scrape_reconciles_with_the_pushed_records() -> None:
+    sidecar_port, engine_port = free_port(), free_port()
+    engine = serve(
+        "--speed", "1000", "--replicas", "2", "--push", f"http://127.0.0.1:{sidecar_port}/v1/records",
+        port=engine_port,
+    )  # fmt: skip
+    host = f"127.0.0.1:{engine_port}"
+    env = {"KVLENS_SCRAPE_TARGETS": f'["{engine.url}/metrics"]', "KVLENS_SCRAPE_INTERVAL_SECONDS": "0.2"}
+    sidecar = start_kvlens("serve", env=env, port=sidecar_port)
+    try:
+        api = client(engine)
+        rng = random.Random(3)
+        stem = ids(120, 9)
+        for _ in range(40):
+            complete(api, stem[: rng.randrange(20, 121)] + ids(rng.randrange(1, 30), rng.randrange(10**6)))
+        prompt_total = total(engine.samples(), "vllm:prompt_tokens_total")
+        hits_total = total(engine.samples(), "vllm:prefix_cache_hits_total")
+        assert hits_total > 0
+        assert sidecar.wait_for("kvlens_requests_total", 40) == 40
+        assert (
+            sidecar.wait_for("kvlens_engine_prefix_cache_hit_tokens_total", hits_total, target=host)
+            == hits_total
+        )
+        samples = sidecar.samples()
+        engine_queried = total(samples, "kvlens_engine_prefix_cache_queried_tokens_total", target=host)
+        assert engine_queried == prompt_total
+        kvlens_prompt = total(samples, "kvlens_prompt_tokens_total")
+        kvlens_cached = total(samples, "kvlens_cached_tokens_total")
+        assert (kvlens_prompt, kvlens_cached) == (prompt_total, hits_total)
+        assert kvlens_cached / kvlens_prompt == hits_total / engine_queried
+    finally:
+        engine.output()
+        sidecar.output()
+
+
+def test_speed_paces_the_stream() -> None:
+    """At --speed 1 a 200-token answer takes the modelled decode time, not less."""
+    running = serve("--speed", "1")
+    try:
+        started = time.monotonic()
+        complete(client(running), ids(20, 8), max_tokens=200)
+        elapsed = time.monotonic() - started
+        step = 1.7e-3 + (16.06e9 + 220 * 131_072) / 3.27e12  # t0 + (W + K) / BW at batch 1
+        assert elapsed >= 199 * step
+    finally:
+        running.output()
