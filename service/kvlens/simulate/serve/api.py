@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -34,8 +34,9 @@ import orjson
 from prometheus_client import generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from kvlens.simulate.replica import INF
 from kvlens.simulate.serve import tokenizer
@@ -45,6 +46,10 @@ from kvlens.simulate.serve.metrics import FleetMetrics
 JSON: Final = "application/json"
 MAX_BODY_BYTES: Final = 16 * 1024 * 1024
 MAX_PROMPTS: Final = 1024  # prompts in one completions batch
+TOO_LARGE: Final = f"the request body is larger than {MAX_BODY_BYTES} bytes"
+Generated = bytes | AsyncGenerator[bytes, None]  # a JSON answer, or the events of a stream
+_JSON_HEADERS: Final = [(b"content-type", b"application/json")]
+_SSE_HEADERS: Final = [(b"content-type", b"text/event-stream; charset=utf-8")]
 
 
 @dataclass(frozen=True)
@@ -60,10 +65,35 @@ class ApiError(Exception):
         self.message, self.param, self.status = message, param, status
 
 
-def error_response(error: ApiError) -> Response:
+def _error_body(error: ApiError) -> bytes:
     kind = {400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestError"}.get(error.status, "Error")
-    body = {"error": {"message": error.message, "type": kind, "param": error.param, "code": error.status}}
-    return Response(orjson.dumps(body), error.status, media_type=JSON)
+    return orjson.dumps(
+        {"error": {"message": error.message, "type": kind, "param": error.param, "code": error.status}}
+    )
+
+
+def error_response(error: ApiError) -> Response:
+    return Response(_error_body(error), error.status, media_type=JSON)
+
+
+async def _send(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class Client:
+    """The other end of one request: whether it went away, and the event that wakes its stream."""
+
+    __slots__ = ("left", "wake")
+
+    def __init__(self) -> None:
+        self.left = False
+        self.wake: asyncio.Event | None = None
+
+    def leave(self, _: object = None) -> None:
+        self.left = True
+        if self.wake is not None:
+            self.wake.set()
 
 
 @dataclass
@@ -94,10 +124,10 @@ class Api:
         self.metrics: FleetMetrics | None = None
         self.created = int(time.time())
 
-    def app(self) -> Starlette:
+    def app(self) -> Callable[[Scope, Receive, Send], Any]:
+        """The generation routes as plain ASGI (the hot path: no router, request object or task
+        group per request), everything else through Starlette."""
         routes = [
-            Route("/v1/completions", self._guard(self.completions), methods=["POST"]),
-            Route("/v1/chat/completions", self._guard(self.chat), methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/tokenize", self._guard(self.tokenize), methods=["POST"]),
@@ -105,7 +135,63 @@ class Api:
             Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"]),
             Route("/metrics", self.scrape, methods=["GET"]),
         ]
-        return Starlette(routes=routes, lifespan=self._lifespan)
+        rest = Starlette(routes=routes, lifespan=self._lifespan)
+        generation = {"/v1/completions": self.completions, "/v1/chat/completions": self.chat}
+
+        async def app(scope: Scope, receive: Receive, send: Send) -> None:
+            handler = generation.get(scope["path"]) if scope["type"] == "http" else None
+            if handler is None:
+                await rest(scope, receive, send)
+            elif scope["method"] != "POST":
+                await _send(send, 405, b'{"detail":"Method Not Allowed"}', _JSON_HEADERS)
+            else:
+                await self._generate(handler, scope, receive, send)
+
+        return app
+
+    async def _generate(
+        self,
+        handler: Callable[[dict[str, Any], str | None, Client], Any],
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        request_id = None
+        for name, value in scope["headers"]:
+            if name == b"x-request-id":
+                request_id = value.decode("latin-1")
+        client = Client()
+        try:
+            raw = bytearray()
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                raw += message.get("body", b"")
+                if len(raw) > MAX_BODY_BYTES:
+                    raise ApiError(TOO_LARGE, status=413)
+                if not message.get("more_body"):
+                    break
+            answer: Generated = await handler(self._parse(bytes(raw)), request_id, client)
+        except ApiError as error:
+            await _send(send, error.status, _error_body(error), _JSON_HEADERS)
+            return
+        if isinstance(answer, bytes):
+            await _send(send, 200, answer, _JSON_HEADERS)
+            return
+        # The client's going away is heard through receive() (uvicorn answers http.disconnect
+        # when the connection is lost): the stream wakes and stops, its prompts leave the fleet.
+        watcher = asyncio.ensure_future(receive())
+        watcher.add_done_callback(client.leave)
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+            async for chunk in answer:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            watcher.remove_done_callback(client.leave)
+            watcher.cancel()
+            await answer.aclose()
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -199,17 +285,16 @@ class Api:
         ids = self._token_ids(body.get("tokens"), "tokens")
         return Response(orjson.dumps({"prompt": tokenizer.decode(ids)}), media_type=JSON)
 
-    async def completions(self, request: Request) -> Response:
-        body = await self._body(request)
+    async def completions(self, body: dict[str, Any], request_id: str | None, client: Client) -> Generated:
         prompts = self._prompts(body.get("prompt"))
         for name in ("echo", "suffix"):
             if body.get(name):
                 raise ApiError(f"{name} is not modelled by kvlens simulate serve", name)
         asked = _integer(body, "max_tokens", 16, low=1)
-        answer = self._answer(request, body, prompts, asked, "cmpl")
+        answer = self._answer(request_id, body, prompts, asked, "cmpl")
         tickets = self._submit(answer)
         if answer.stream:
-            return _sse(self._completion_stream(answer, tickets))
+            return self._completion_stream(answer, tickets, client)
         await _all_finished(tickets)
         choices = [
             {
@@ -230,19 +315,18 @@ class Api:
             "choices": choices,
             "usage": _usage(tickets, tickets[-1]),
         }
-        return Response(orjson.dumps(response), media_type=JSON)
+        return orjson.dumps(response)
 
-    async def chat(self, request: Request) -> Response:
-        body = await self._body(request)
+    async def chat(self, body: dict[str, Any], request_id: str | None, client: Client) -> Generated:
         ids = tokenizer.encode(self._chat_text(body))
         asked_name = (
             "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         )
         asked = _integer(body, asked_name, None, low=1)
-        answer = self._answer(request, body, [ids], asked, "chatcmpl")
+        answer = self._answer(request_id, body, [ids], asked, "chatcmpl")
         tickets = self._submit(answer)
         if answer.stream:
-            return _sse(self._chat_stream(answer, tickets))
+            return self._chat_stream(answer, tickets, client)
         await _all_finished(tickets)
         ticket = tickets[0]
         response = {
@@ -266,17 +350,20 @@ class Api:
             "usage": _usage(tickets, ticket),
             "prompt_logprobs": None,
         }
-        return Response(orjson.dumps(response), media_type=JSON)
+        return orjson.dumps(response)
 
     # --- checking requests ------------------------------------------------------------------
 
     async def _body(self, request: Request) -> dict[str, Any]:
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            raise ApiError(f"the request body is larger than {MAX_BODY_BYTES} bytes", status=413)
+            raise ApiError(TOO_LARGE, status=413)
         raw = await request.body()
         if len(raw) > MAX_BODY_BYTES:
-            raise ApiError(f"the request body is larger than {MAX_BODY_BYTES} bytes", status=413)
+            raise ApiError(TOO_LARGE, status=413)
+        return self._parse(raw)
+
+    def _parse(self, raw: bytes) -> dict[str, Any]:
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as error:
@@ -289,7 +376,12 @@ class Api:
         return body
 
     def _answer(
-        self, request: Request, body: dict[str, Any], prompts: list[list[int]], asked: int | None, prefix: str
+        self,
+        header: str | None,
+        body: dict[str, Any],
+        prompts: list[list[int]],
+        asked: int | None,
+        prefix: str,
     ) -> _Answer:
         if _integer(body, "n", 1, low=1) > 1:
             raise ApiError("n > 1 is not modelled by kvlens simulate serve (send n requests)", "n")
@@ -322,7 +414,6 @@ class Api:
             raise ApiError(
                 f"min_tokens ({minimum}) must be less than or equal to max_tokens ({asked})", "min_tokens"
             )
-        header = request.headers.get("x-request-id")
         return _Answer(prompts, outputs, stream, include_usage, f"{prefix}-{header or uuid.uuid4().hex}")
 
     def _prompts(self, prompt: Any) -> list[list[int]]:
@@ -380,13 +471,15 @@ class Api:
 
     # --- streaming --------------------------------------------------------------------------
 
-    async def _paced(self, tickets: list[Ticket]) -> AsyncIterator[list[tuple[int, int, int]]]:
+    async def _paced(
+        self, tickets: list[Ticket], client: Client
+    ) -> AsyncIterator[list[tuple[int, int, int]]]:
         """Batches of (prompt, first token, end token) as they come due; a client that goes away
         takes its unfinished prompts out of the fleet."""
         engine = self.engine
         assert engine is not None
         loop = asyncio.get_running_loop()
-        wake = tickets[0].wake
+        wake = client.wake = tickets[0].wake
         emitted = [0] * len(tickets)
         try:
             while True:
@@ -407,12 +500,16 @@ class Api:
                 await wake.wait()
                 if timer is not None:
                     timer.cancel()
+                if client.left:
+                    return
         finally:
             for ticket in tickets:
                 if not ticket.finished:
                     engine.abort(ticket)
 
-    async def _completion_stream(self, answer: _Answer, tickets: list[Ticket]) -> AsyncIterator[bytes]:
+    async def _completion_stream(
+        self, answer: _Answer, tickets: list[Ticket], client: Client
+    ) -> AsyncGenerator[bytes, None]:
         head = {
             "id": answer.request_id,
             "object": "text_completion",
@@ -420,7 +517,7 @@ class Api:
             "model": self.served.model,
         }
         first: Ticket | None = None
-        async for due in self._paced(tickets):
+        async for due in self._paced(tickets, client):
             out = []
             for index, start, end in due:
                 ticket = tickets[index]
@@ -441,7 +538,9 @@ class Api:
             yield b"data: " + orjson.dumps({**head, "choices": [], "usage": _usage(tickets, first)}) + b"\n\n"
         yield b"data: [DONE]\n\n"
 
-    async def _chat_stream(self, answer: _Answer, tickets: list[Ticket]) -> AsyncIterator[bytes]:
+    async def _chat_stream(
+        self, answer: _Answer, tickets: list[Ticket], client: Client
+    ) -> AsyncGenerator[bytes, None]:
         head = {
             "id": answer.request_id,
             "object": "chat.completion.chunk",
@@ -449,7 +548,7 @@ class Api:
             "model": self.served.model,
         }
         ticket = tickets[0]
-        async for due in self._paced(tickets):
+        async for due in self._paced(tickets, client):
             out = []
             for _, start, end in due:
                 if start == 0:
@@ -478,10 +577,6 @@ class Api:
                 b"data: " + orjson.dumps({**head, "choices": [], "usage": _usage(tickets, ticket)}) + b"\n\n"
             )
         yield b"data: [DONE]\n\n"
-
-
-def _sse(chunks: AsyncIterator[bytes]) -> StreamingResponse:
-    return StreamingResponse(chunks, media_type="text/event-stream")
 
 
 async def _all_finished(tickets: list[Ticket]) -> None:
