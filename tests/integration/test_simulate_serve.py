@@ -5,10 +5,12 @@ an offline `kvlens simulate` of the same prompts."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import time
 from collections.abc import Iterator
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -17,7 +19,7 @@ import pytest
 
 from kvlens.cli import main
 from kvlens.simulate.serve import tokenizer
-from tests.live import Running, free_port, start_kvlens, total
+from tests.live import Running, TextHandler, free_port, in_thread, start_kvlens, total
 
 pytestmark = pytest.mark.integration
 B = 16  # block size
@@ -242,22 +244,117 @@ def test_one_at_a_time_cached_tokens_equal_the_offline_simulation(tmp_path: Path
         running.output()
 
     trace = tmp_path / "prompts.jsonl"
-    with trace.open("w") as out:
-        for index, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+    write_trace(trace, prompts, outputs, [i * 1000.0 for i in range(len(prompts))])  # no overlap
+    records = tmp_path / "records.jsonl"
+    assert main(["simulate", str(trace), *flags, "--emit-records", str(records), "--json"]) == 0
+    offline = [json.loads(line)["cached_tokens"] for line in records.read_text().splitlines()]
+    assert online == offline
+    assert sum(online) > 20 * B  # the workload shares prefixes: the comparison is not of zeros
+
+
+def write_trace(path: Path, prompts: list[list[int]], outputs: list[int], arrivals: list[float]) -> None:
+    """The prompts as a kvlens-record trace: what `kvlens simulate` replays offline."""
+    with path.open("w") as out:
+        for index, (prompt, output, arrival) in enumerate(zip(prompts, outputs, arrivals, strict=True)):
             line = {
                 "request_id": str(index),
-                "arrival_time": index * 1000.0,  # each one finished long before the next
+                "arrival_time": arrival,
                 "prompt_tokens": len(prompt),
                 "output_tokens": output,
                 "block_size": B,
                 "prefix_hashes": list(tokenizer.block_keys(prompt, B)),
             }
             out.write(json.dumps(line) + "\n")
-    records = tmp_path / "records.jsonl"
+
+
+class Collector:
+    """A records endpoint on loopback that keeps what ``--push`` sends."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, object]] = []
+        collector = self
+
+        class Handler(TextHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["content-length"]))
+                collector.records.extend(json.loads(body))
+                self.answer(b"{}")
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        in_thread(self.server.serve_forever)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/records"
+
+    def wait_for(self, count: int, timeout: float = 20) -> int:
+        deadline = time.monotonic() + timeout
+        while len(self.records) < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return len(self.records)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_overlapping_requests_get_what_offline_gives_them_at_the_same_arrivals(tmp_path: Path) -> None:
+    """Requests sent on a schedule that overlaps them (queues, running batches and evictions on
+    every replica): replayed offline at the arrival times the server gave them (the records it
+    pushed), every request gets the same cached tokens and the same replica."""
+    rng = random.Random(11)
+    stems = [ids(rng.randrange(32, 300), seed) for seed in range(8)]
+    prompts = [rng.choice(stems)[: rng.randrange(16, 300)] + ids(rng.randrange(1, 60), i) for i in range(120)]
+    outputs = [rng.randrange(5, 40) for _ in prompts]
+    gap = 0.02  # 20 ms between arrivals; answers take 50-300 ms
+    flags = ("--replicas", "3", "--capacity-blocks", "40", "--policy", "prefix_affinity")
+    collector = Collector()
+    running = serve("--speed", "1", *flags, "--push", collector.url)
+    try:
+
+        async def send_all() -> list[int]:
+            api = openai.AsyncOpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0)
+            start = time.perf_counter()
+
+            async def one(index: int) -> int:
+                await asyncio.sleep(max(0.0, start + index * gap - time.perf_counter()))
+                answer = await api.completions.create(
+                    model="simulated",
+                    prompt=prompts[index],
+                    max_tokens=outputs[index],
+                    extra_headers={"x-request-id": str(index)},
+                )
+                assert answer.usage is not None
+                return cached(answer.usage)
+
+            found = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+            await api.close()
+            return list(found)
+
+        online = asyncio.run(send_all())
+        assert collector.wait_for(len(prompts)) == len(prompts)
+    finally:
+        running.output()
+        collector.close()
+    pushed = sorted(collector.records, key=lambda r: float(r["arrival_time"]))  # type: ignore[arg-type]
+    order = [int(str(r["request_id"]).removeprefix("cmpl-")) for r in pushed]
+    assert [r["cached_tokens"] for r in pushed] == [online[i] for i in order]
+    first = float(pushed[0]["arrival_time"])  # type: ignore[arg-type]
+    trace, records = tmp_path / "prompts.jsonl", tmp_path / "records.jsonl"
+    write_trace(
+        trace,
+        [prompts[i] for i in order],
+        [outputs[i] for i in order],
+        [float(r["arrival_time"]) - first for r in pushed],  # type: ignore[arg-type]
+    )
     assert main(["simulate", str(trace), *flags, "--emit-records", str(records), "--json"]) == 0
-    offline = [json.loads(line)["cached_tokens"] for line in records.read_text().splitlines()]
-    assert online == offline
-    assert sum(online) > 20 * B  # the workload shares prefixes: the comparison is not of zeros
+    replayed = [json.loads(line) for line in records.read_text().splitlines()]
+    assert [r["cached_tokens"] for r in replayed] == [r["cached_tokens"] for r in pushed]
+    assert [r["replica"] for r in replayed] == [r["replica"] for r in pushed]
+    prompt_tokens = sum(len(p) for p in prompts)
+    assert sum(online) / prompt_tokens > 0.3
+    # They did overlap: most requests arrived while an earlier one was still running.
+    finishes = [r["arrival_time"] + r["e2e_seconds"] for r in replayed]
+    overlapped = sum(r["arrival_time"] < max(finishes[:i]) for i, r in enumerate(replayed) if i)
+    assert overlapped > len(replayed) // 2
 
 
 def test_kvlens_scrape_reconciles_with_the_pushed_records() -> None:
