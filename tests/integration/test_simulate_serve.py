@@ -179,6 +179,57 @@ def test_errors_are_shaped_as_vllm_shapes_them(server: Running) -> None:
     assert back == {"prompt": "héllo<|im_end|>"}
 
 
+HOSTILE = [
+    b"",
+    b"[]",
+    b"null",
+    b'"prompt"',
+    b'{"prompt": null}',
+    b'{"prompt": [[1, 2], "x", 3]}',
+    b'{"prompt": [true, false]}',
+    b'{"prompt": [1.5]}',
+    b'{"prompt": [-1]}',
+    b'{"prompt": [[]]}',
+    b'{"prompt": "x", "max_tokens": 1e3}',
+    b'{"prompt": "x", "max_tokens": "7"}',
+    b'{"prompt": "x", "max_tokens": -1}',
+    b'{"prompt": "x", "n": 0}',
+    b'{"prompt": "x", "stream": "yes"}',
+    b'{"prompt": "x", "stream": true, "stream_options": []}',
+    b'{"prompt": "x", "stream": true, "stream_options": {"include_usage": 1}}',
+    b'{"prompt": "x", "ignore_eos": "no"}',
+    b'{"prompt": "x", "user": 5}',
+    b'{"prompt": "x", "logprobs": 2}',
+    b'{"prompt": "x", "echo": true}',
+    b'{"prompt": "x", "model": 7}',
+    b'{"messages": "hi"}',
+    b'{"messages": [1]}',
+    b'{"messages": [{"content": "no role"}]}',
+    b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
+    b'{"messages": [{"role": "user", "content": 5}]}',
+    b'{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}',
+    b'{"prompt": "' + b"x" * 40_000 + b'"}',
+    b"\xff\xfe not utf-8",
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+def test_bad_input_gets_a_vllm_shaped_4xx_never_a_5xx(server: Running, path: str) -> None:
+    for body in HOSTILE:
+        answer = httpx.post(f"{server.url}{path}", content=body, timeout=10)
+        if answer.status_code == 200:  # tokenizing reads only the text: these prompts are fine
+            valid_text = body.startswith(
+                (b'{"prompt": "x', b'{"messages": [{"role": "user", "content": "x"}]')
+            )
+            assert path == "/tokenize" and valid_text, (path, body[:80])
+            continue
+        assert 400 <= answer.status_code < 500, (path, body[:80], answer.text[:200])
+        error = answer.json()["error"]
+        assert error["code"] == answer.status_code and error["message"], (path, body[:80])
+    assert httpx.get(f"{server.url}/v1/completions").status_code == 405
+    assert total(server.samples(), "vllm:num_requests_running") == 0
+
+
 def test_no_prefix_caching_never_serves_from_cache() -> None:
     running = serve("--speed", "1000", "--no-prefix-caching")
     try:
