@@ -23,6 +23,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Callable, Coroutine
@@ -43,6 +44,7 @@ from tests.live import free_port  # noqa: E402
 OUTPUT_TOKENS = 64
 PROMPT_TOKENS = 64
 SPEED = 1000.0
+MAX_CONNECTIONS = 256
 
 BASELINE = textwrap.dedent(
     """
@@ -148,15 +150,22 @@ async def open_loop(port: int, rate: float, seconds: float) -> Result:
     result = Result()
     idle: list[Connection] = []
 
+    # At most MAX_CONNECTIONS requests in flight: past what a server serves, the rest wait here
+    # (their TTFT counts the wait) instead of opening thousands of sockets.
+    room = asyncio.Semaphore(MAX_CONNECTIONS)
+
     async def one(index: int) -> None:
-        connection = idle.pop() if idle else Connection(*await asyncio.open_connection("127.0.0.1", port))
-        try:
-            result.ttft.append(await request(connection, port, body(index)))
-            result.done += 1
-            idle.append(connection)
-        except (OSError, RuntimeError, asyncio.IncompleteReadError, ValueError):
-            result.errors += 1
-            connection.writer.close()
+        sent = time.perf_counter()
+        async with room:
+            connection = idle.pop() if idle else Connection(*await asyncio.open_connection("127.0.0.1", port))
+            try:
+                waited = time.perf_counter() - sent
+                result.ttft.append(waited + await request(connection, port, body(index)))
+                result.done += 1
+                idle.append(connection)
+            except (OSError, RuntimeError, asyncio.IncompleteReadError, ValueError):
+                result.errors += 1
+                connection.writer.close()
 
     tasks = []
     count = int(rate * seconds)
@@ -241,7 +250,8 @@ def main() -> int:
     modelled = DEFAULT_SERVICE.prefill.remaining_work_of(PROMPT_TOKENS, 0) / SPEED
 
     sim_port, base_port = free_port(), free_port()
-    baseline_file = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sse_baseline.py")
+    scratch = tempfile.mkdtemp(prefix="kvlens-bench-")
+    baseline_file = os.path.join(scratch, "_sse_baseline.py")
     with open(baseline_file, "w") as out:
         out.write(BASELINE)
     simulated = [sys.executable, "-m", "kvlens.cli", "simulate", "serve", "--speed", str(SPEED)]
@@ -281,7 +291,7 @@ def main() -> int:
                 process.terminate()
                 process.wait(10)
     finally:
-        os.remove(baseline_file)
+        shutil.rmtree(scratch)
     return 0
 
 

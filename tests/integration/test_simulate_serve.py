@@ -99,6 +99,19 @@ def test_completions_stream_and_not_cache_by_content(server: Running) -> None:
     assert raw.headers["content-type"].startswith("text/event-stream")
     assert len(events) == 4 and events[-1] == "data: [DONE]"
     assert all("usage" not in json.loads(e.removeprefix("data: ")) for e in events[:-1])
+    # Byte for byte what serializing vLLM's chunk gives (the server pre-renders the JSON around the text).
+    for event, text, reason in zip(events[:-1], "The", [None, None, "length"], strict=True):
+        parsed = json.loads(event.removeprefix("data: "))
+        chunk = {
+            "id": parsed["id"],
+            "object": "text_completion",
+            "created": parsed["created"],
+            "model": "simulated",
+            "choices": [
+                {"index": 0, "text": text, "logprobs": None, "finish_reason": reason, "stop_reason": None}
+            ],
+        }
+        assert event == "data: " + json.dumps(chunk, separators=(",", ":"))
 
     # A batch of prompts: a choice each, usage summed, cached tokens the last prompt's.
     batch = api.completions.create(model="simulated", prompt=[first, ids(20, 3)], max_tokens=2)
