@@ -178,6 +178,19 @@ def test_errors_are_shaped_as_vllm_shapes_them(server: Running) -> None:
         answer = httpx.post(f"{server.url}/v1/completions", json={"model": "simulated", **bad})
         assert answer.status_code == 400, bad
         assert answer.json()["error"]["code"] == 400 and answer.json()["error"]["type"] == "BadRequestError"
+    # The documented limits: 1,024 prompts in a batch, 16 MiB of body.
+    many = httpx.post(f"{server.url}/v1/completions", json={"prompt": [[300]] * 1025, "max_tokens": 1})
+    assert many.status_code == 400 and "at most 1024 prompts" in many.json()["error"]["message"]
+    assert (
+        httpx.post(
+            f"{server.url}/v1/completions", json={"prompt": [[300]] * 1024, "max_tokens": 1}
+        ).status_code
+        == 200
+    )
+    huge = b'{"prompt": "x"' + b" " * (16 * 1024 * 1024) + b"}"
+    for path in ("/v1/completions", "/tokenize"):
+        too_large = httpx.post(f"{server.url}{path}", content=huge, timeout=30)
+        assert too_large.status_code == 413 and too_large.json()["error"]["code"] == 413
     garbage = httpx.post(f"{server.url}/v1/chat/completions", content=b"{not json")
     assert garbage.status_code == 400 and "not JSON" in garbage.json()["error"]["message"]
     no_messages = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": []})
