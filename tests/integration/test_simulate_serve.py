@@ -297,6 +297,13 @@ def test_a_client_that_leaves_mid_stream_frees_its_blocks_and_is_counted() -> No
         assert total(samples, "vllm:kv_cache_usage_perc") == 0  # nothing held
         assert total(samples, "vllm:num_requests_running") == 0
         assert complete(client(running), prompt, max_tokens=1) == 64  # its blocks stayed cached
+        # Not streaming: a client that gives up waiting is heard too.
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                f"{running.url}/v1/completions", json={"prompt": prompt, "max_tokens": 2000}, timeout=0.5
+            )
+        assert running.wait_for("vllm:request_success_total", 2, finished_reason="abort") == 2
+        assert total(running.samples(), "vllm:num_requests_running") == 0
     finally:
         running.output()
 

@@ -172,26 +172,32 @@ class Api:
                     raise ApiError(TOO_LARGE, status=413)
                 if not message.get("more_body"):
                     break
-            answer: Generated = await handler(self._parse(bytes(raw)), request_id, client)
         except ApiError as error:
             await _send(send, error.status, _error_body(error), _JSON_HEADERS)
             return
-        if isinstance(answer, bytes):
-            await _send(send, 200, answer, _JSON_HEADERS)
-            return
         # The client's going away is heard through receive() (uvicorn answers http.disconnect
-        # when the connection is lost): the stream wakes and stops, its prompts leave the fleet.
+        # when the connection is lost): the answer wakes and stops, its prompts leave the fleet.
         watcher = asyncio.ensure_future(receive())
         watcher.add_done_callback(client.leave)
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
-            async for chunk in answer:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            try:
+                answer: Generated = await handler(self._parse(bytes(raw)), request_id, client)
+            except ApiError as error:
+                await _send(send, error.status, _error_body(error), _JSON_HEADERS)
+                return
+            if isinstance(answer, bytes):
+                await _send(send, 200, answer, _JSON_HEADERS)
+                return
+            try:
+                await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+                async for chunk in answer:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            finally:
+                await answer.aclose()
         finally:
             watcher.remove_done_callback(client.leave)
             watcher.cancel()
-            await answer.aclose()
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -292,10 +298,10 @@ class Api:
                 raise ApiError(f"{name} is not modelled by kvlens simulate serve", name)
         asked = _integer(body, "max_tokens", 16, low=1)
         answer = self._answer(request_id, body, prompts, asked, "cmpl")
-        tickets = self._submit(answer)
+        tickets = self._submit(answer, client)
         if answer.stream:
             return self._completion_stream(answer, tickets, client)
-        await _all_finished(tickets)
+        await self._all_finished(tickets, client)
         choices = [
             {
                 "index": i,
@@ -324,10 +330,10 @@ class Api:
         )
         asked = _integer(body, asked_name, None, low=1)
         answer = self._answer(request_id, body, [ids], asked, "chatcmpl")
-        tickets = self._submit(answer)
+        tickets = self._submit(answer, client)
         if answer.stream:
             return self._chat_stream(answer, tickets, client)
-        await _all_finished(tickets)
+        await self._all_finished(tickets, client)
         ticket = tickets[0]
         response = {
             "id": answer.request_id,
@@ -459,15 +465,28 @@ class Api:
         add = _boolean(body, "add_generation_prompt", True)
         return tokenizer.chat_prompt(rendered, add_generation_prompt=add)
 
-    def _submit(self, answer: _Answer) -> list[Ticket]:
+    def _submit(self, answer: _Answer, client: Client) -> list[Ticket]:
         engine = self.engine
         assert engine is not None
-        wake = asyncio.Event()
+        wake = client.wake = asyncio.Event()
         many = len(answer.prompts) > 1
         return [
             engine.submit(ids, out, wake, f"{answer.request_id}-{i}" if many else answer.request_id)
             for i, (ids, out) in enumerate(zip(answer.prompts, answer.outputs, strict=True))
         ]
+
+    async def _all_finished(self, tickets: list[Ticket], client: Client) -> None:
+        """Until every prompt finished; a client that leaves takes them out of the fleet."""
+        engine = self.engine
+        assert engine is not None
+        wake = tickets[0].wake
+        while not all(t.finished for t in tickets):
+            wake.clear()
+            if client.left:
+                for ticket in tickets:
+                    engine.abort(ticket)
+                return
+            await wake.wait()
 
     # --- streaming --------------------------------------------------------------------------
 
@@ -479,7 +498,7 @@ class Api:
         engine = self.engine
         assert engine is not None
         loop = asyncio.get_running_loop()
-        wake = client.wake = tickets[0].wake
+        wake = tickets[0].wake
         emitted = [0] * len(tickets)
         try:
             while True:
@@ -576,15 +595,6 @@ class Api:
                 b"data: " + orjson.dumps({**head, "choices": [], "usage": _usage(tickets, ticket)}) + b"\n\n"
             )
         yield b"data: [DONE]\n\n"
-
-
-async def _all_finished(tickets: list[Ticket]) -> None:
-    wake = tickets[0].wake
-    while not all(t.finished for t in tickets):
-        wake.clear()
-        if all(t.finished for t in tickets):
-            return
-        await wake.wait()
 
 
 def _usage(tickets: Sequence[Ticket], cached_from: Ticket | None) -> dict[str, Any]:
