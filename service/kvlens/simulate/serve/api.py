@@ -16,8 +16,10 @@ What is modelled and what is not: every answer is exactly ``max_tokens`` long (t
 model never emits EOS, so ``finish_reason`` is ``length``; ``min_tokens`` and ``ignore_eos`` are
 checked and change nothing); ``max_tokens`` defaults to 16 for completions and to what the
 context leaves for chat, and is cut to what the context leaves (as vLLM does); a prompt of
-``max_model_len`` tokens or more is refused; ``n > 1``, ``echo``, ``logprobs`` and beam search
-are refused with 400 (``logprobs``) or ignored (sampling parameters: the text is fixed).
+``max_model_len`` tokens or more is refused; ``n > 1``, ``echo``, ``suffix``, ``logprobs`` and
+beam search are refused with 400; sampling parameters (temperature, ...) are ignored (the text
+is fixed). A client that goes away (streaming or not) takes its prompts out of the fleet: they
+finish as ``abort``, their blocks freed and still cached.
 """
 
 from __future__ import annotations
