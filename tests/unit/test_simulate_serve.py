@@ -11,9 +11,10 @@ import pytest
 import yaml
 
 from kvlens.simulate.replica import DEFAULT_SERVICE, Job
+from kvlens.simulate.run import Fleet
 from kvlens.simulate.serve import main as serve
 from kvlens.simulate.serve import tokenizer
-from kvlens.simulate.serve.engine import Ticket
+from kvlens.simulate.serve.engine import RealTimeFleet, Ticket
 from kvlens.simulate.trace import TraceRequest
 
 
@@ -80,3 +81,32 @@ def test_streamed_tokens_follow_the_modelled_decode_steps() -> None:
     assert ticket.next_token_at(4) == float("inf")  # the last one comes when the job finishes
     ticket.finished = True
     assert ticket.tokens_due(1.4) == 5
+
+
+def test_pushed_records_carry_the_durations_the_client_lived() -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        fleet = RealTimeFleet(Fleet(2, 100, 16), "round_robin", speed=2.0, loop=loop)
+        job = Job(TraceRequest(0, 1.0, 40, 5, (11, 12)), 0, 16)
+        job.replica, job.cached_tokens = 1, 16
+        job.start, job.first_token, job.finish = 1.5, 2.0, 3.0
+        ticket = Ticket(job, [1] * 40, asyncio.Event(), "cmpl-7")
+        record = serve.record(ticket, fleet, "m", started_epoch=1000.0)
+    finally:
+        loop.close()
+    assert record == {
+        "request_id": "cmpl-7",
+        "model": "m",
+        "replica": "r1",
+        "prompt_tokens": 40,
+        "cached_tokens": 16,
+        "output_tokens": 5,
+        "queue_seconds": 0.25,
+        "prefill_seconds": 0.25,
+        "ttft_seconds": 0.5,
+        "decode_seconds": 0.5,
+        "e2e_seconds": 1.0,
+        "arrival_time": 1000.5,
+        "block_size": 16,
+        "finish_reason": "length",
+    }

@@ -21,6 +21,7 @@ from kvlens.config import load_settings
 from kvlens.simulate.policies import POLICIES, Guard
 from kvlens.simulate.replica import DEFAULT_SERVICE, ServiceModel
 from kvlens.simulate.run import Fleet
+from kvlens.simulate.run import record as simulated_record
 from kvlens.simulate.serve import tokenizer
 from kvlens.simulate.serve.api import Api, Served
 from kvlens.simulate.serve.engine import RealTimeFleet, Ticket
@@ -111,24 +112,19 @@ def _checked(args: argparse.Namespace) -> tuple[Fleet, Served]:
 
 
 def record(ticket: Ticket, engine: RealTimeFleet, model: str, started_epoch: float) -> dict[str, Any]:
-    """A finished request as the kvlens record a vLLM replica's plugin would send: durations as
-    the client lived them, ``replica`` the engine's index."""
-    job, wall = ticket.job, engine.wall_seconds
-    return {
+    """A finished request as the kvlens record a vLLM replica's plugin would send: ``kvlens
+    simulate``'s record of the job, its durations as the client lived them (modelled / speed),
+    its arrival in epoch seconds, without the block keys (the plugin sends none)."""
+    job = ticket.job
+    out = simulated_record(job, engine.fleet.block_size, arm="")
+    for name in ("queue_seconds", "prefill_seconds", "ttft_seconds", "decode_seconds", "e2e_seconds"):
+        out[name] = engine.wall_seconds(out[name])
+    del out["arm"], out["prefix_hashes"]
+    return out | {
         "request_id": ticket.request_id,
         "model": model,
-        "replica": f"r{job.replica}",  # as kvlens simulate's records name them
-        "prompt_tokens": job.prompt_tokens,
-        "cached_tokens": job.cached_tokens,
-        "output_tokens": job.output_tokens,
-        "queue_seconds": wall(job.start - job.arrival),
-        "prefill_seconds": wall(job.first_token - job.start),
-        "ttft_seconds": wall(job.first_token - job.arrival),
-        "decode_seconds": wall(job.finish - job.first_token),
-        "e2e_seconds": wall(job.finish - job.arrival),
-        "arrival_time": started_epoch + wall(job.arrival),
+        "arrival_time": started_epoch + engine.wall_seconds(job.arrival),
         "finish_reason": "abort" if ticket.aborted else "length",
-        "block_size": engine.fleet.block_size,
     }
 
 
