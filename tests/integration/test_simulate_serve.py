@@ -380,7 +380,12 @@ class Collector:
         self.server.server_close()
 
 
-def test_overlapping_requests_get_what_offline_gives_them_at_the_same_arrivals(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "prefill", [(), ("--no-chunked-prefill",)], ids=["chunked", "prefill_pauses_decodes"]
+)
+def test_overlapping_requests_get_what_offline_gives_them_at_the_same_arrivals(
+    tmp_path: Path, prefill: tuple[str, ...]
+) -> None:
     """Requests sent on a schedule that overlaps them (queues, running batches and evictions on
     every replica): replayed offline at the arrival times the server gave them (the records it
     pushed), every request gets the same cached tokens and the same replica."""
@@ -389,7 +394,7 @@ def test_overlapping_requests_get_what_offline_gives_them_at_the_same_arrivals(t
     prompts = [rng.choice(stems)[: rng.randrange(16, 300)] + ids(rng.randrange(1, 60), i) for i in range(120)]
     outputs = [rng.randrange(5, 40) for _ in prompts]
     gap = 0.02  # 20 ms between arrivals; answers take 50-300 ms
-    flags = ("--replicas", "3", "--capacity-blocks", "40", "--policy", "prefix_affinity")
+    flags = ("--replicas", "3", "--capacity-blocks", "40", "--policy", "prefix_affinity", *prefill)
     collector = Collector()
     running = serve("--speed", "1", *flags, "--push", collector.url)
     try:
@@ -433,6 +438,9 @@ def test_overlapping_requests_get_what_offline_gives_them_at_the_same_arrivals(t
     replayed = [json.loads(line) for line in records.read_text().splitlines()]
     assert [r["cached_tokens"] for r in replayed] == [r["cached_tokens"] for r in pushed]
     assert [r["replica"] for r in replayed] == [r["replica"] for r in pushed]
+    # And the same modelled times (--speed 1: the client's seconds are the model's).
+    for name in ("queue_seconds", "ttft_seconds", "e2e_seconds"):
+        assert [r[name] for r in pushed] == pytest.approx([r[name] for r in replayed], abs=1e-6), name
     prompt_tokens = sum(len(p) for p in prompts)
     assert sum(online) / prompt_tokens > 0.3
     # They did overlap: most requests arrived while an earlier one was still running.
