@@ -150,6 +150,30 @@ def test_chat_template_tokens_are_prompt_tokens_and_are_cached(server: Running) 
     assert "".join(c.choices[0].delta.content or "" for c in chunks[1:-1]) == "The"
     assert chunks[-2].choices[0].finish_reason == "length"
     assert chunks[-1].usage is not None and cached(chunks[-1].usage) == (count - 1) // B * B
+    raw = httpx.post(
+        f"{server.url}/v1/chat/completions", json={"messages": messages, "max_tokens": 2, "stream": True}
+    )
+    events = [e.removeprefix("data: ") for e in raw.text.split("\n\n") if e]
+    parsed = json.loads(events[0])
+    head = {
+        "id": parsed["id"],
+        "object": "chat.completion.chunk",
+        "created": parsed["created"],
+        "model": "simulated",
+    }
+    expected = [
+        {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None},
+        {"index": 0, "delta": {"content": "T"}, "logprobs": None, "finish_reason": None},
+        {
+            "index": 0,
+            "delta": {"content": "h"},
+            "logprobs": None,
+            "finish_reason": "length",
+            "stop_reason": None,
+        },
+    ]
+    compact = [json.dumps({**head, "choices": [choice]}, separators=(",", ":")) for choice in expected]
+    assert events == [*compact, "[DONE]"]  # byte for byte what serializing vLLM's chunks gives
 
 
 def test_errors_are_shaped_as_vllm_shapes_them(server: Running) -> None:

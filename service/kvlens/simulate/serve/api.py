@@ -568,29 +568,21 @@ class Api:
             "model": self.served.model,
         }
         ticket = tickets[0]
+        # As for completions: the JSON around each token's text is made once.
+        opening = b"data: " + orjson.dumps(head)[:-1] + b',"choices":[{"index":0,"delta":'
+        role = opening + b'{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
+        content = opening + b'{"content":'
+        texts = [orjson.dumps(character) for character in tokenizer.GENERATED]
+        going = b'},"logprobs":null,"finish_reason":null}]}\n\n'
+        ending = b'},"logprobs":null,"finish_reason":"length","stop_reason":null}]}\n\n'
         async for due in self._paced(tickets, client):
-            out = []
+            out: list[bytes] = []
             for _, start, end in due:
                 if start == 0:
-                    role = {
-                        "index": 0,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                    out.append(b"data: " + orjson.dumps({**head, "choices": [role]}) + b"\n\n")
+                    out.append(role)
                 last = ticket.job.output_tokens
                 for position in range(start, end):
-                    choice: dict[str, Any] = {
-                        "index": 0,
-                        "delta": {"content": tokenizer.generated_text(1, position)},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                    if position == last - 1:
-                        choice["finish_reason"] = "length"
-                        choice["stop_reason"] = None
-                    out.append(b"data: " + orjson.dumps({**head, "choices": [choice]}) + b"\n\n")
+                    out += (content, texts[position % len(texts)], ending if position == last - 1 else going)
             yield b"".join(out)
         if answer.include_usage:
             yield (
