@@ -66,9 +66,11 @@ def start_kvlens(
     port: int | None = None,
     scheme: str = "http",
     wait: bool = True,
+    ready: str = "/healthz",
 ) -> Running:
-    """Start ``kvlens`` and, unless ``wait`` is False, wait until it answers (a test that counts
-    connections may want no probe of its own to have been one)."""
+    """Start ``kvlens ARGS --port P`` and, unless ``wait`` is False, wait until ``ready`` answers
+    200 (``kvlens simulate serve`` answers on vLLM's ``/health``; a test that counts connections
+    may want no probe of its own to have been one)."""
     port = port or free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "kvlens.cli", *args, "--port", str(port)],
@@ -87,7 +89,7 @@ def start_kvlens(
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=1):
                 pass
-            if scheme != "http" or httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+            if scheme != "http" or httpx.get(f"{url}{ready}", timeout=2).status_code == 200:
                 return Running(process, url)
         except (OSError, httpx.TransportError):
             time.sleep(0.05)  # waiting for a process to bind, not for time to pass

@@ -20,8 +20,11 @@ COMMANDS = (serve, demo, analyze, compare, simulate, bandwidth)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # `simulate`'s optional TRACE would take `serve` for a trace: the server has its own parser.
+    serving = argv[:2] == ["simulate", "serve"]
+    parser = simulate.serve_parser() if serving else _parser()
+    args = parser.parse_args(argv[2:] if serving else argv)
     logging.basicConfig(
         level=os.environ.get(f"{ENV_PREFIX}LOG_LEVEL", "INFO"), format="%(levelname)s %(name)s: %(message)s"
     )

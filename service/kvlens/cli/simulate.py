@@ -21,7 +21,8 @@ def add_parser(commands: Any) -> None:
         "trace",
         nargs="?",
         metavar="TRACE",
-        help="Mooncake, Bailian or kvlens-record JSONL (default: bundled Mooncake)",
+        help="Mooncake, Bailian or kvlens-record JSONL (default: bundled Mooncake); "
+        "'kvlens simulate serve --help': the fleet behind the OpenAI API",
     )
     sim.add_argument("--replicas", type=int, default=4, help="replicas in the fleet (default 4)")
     sim.add_argument(
@@ -58,6 +59,18 @@ def add_parser(commands: Any) -> None:
         "--emit-records", type=Path, metavar="FILE", help="write the simulated requests as kvlens records"
     )
     sim.set_defaults(run=run)
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """``kvlens simulate serve``: the simulated fleet behind vLLM's OpenAI API, in real time."""
+    from kvlens.simulate.serve import main as serve
+
+    parser = argparse.ArgumentParser(
+        prog="kvlens simulate serve", description="a simulated vLLM fleet behind the OpenAI API, in real time"
+    )
+    serve.add_arguments(parser)
+    parser.set_defaults(run=serve.run)
+    return parser
 
 
 def run(args: argparse.Namespace) -> int:

@@ -38,6 +38,11 @@ class PrefixCache:
     def __contains__(self, block: object) -> bool:
         return block in self._held or block in self._free
 
+    @property
+    def held_blocks(self) -> int:
+        """Blocks running requests hold (the rest of the cache could be evicted)."""
+        return len(self._held)
+
     def held(self, block: object) -> int:
         """Running requests holding ``block`` (0: free or not cached)."""
         return self._held.get(block, 0)
@@ -100,3 +105,10 @@ class PrefixCache:
                 free[block] = None
             else:
                 held[block] = holders - 1
+
+    def drop_free(self) -> int:
+        """Forget every cached block no running request holds (vLLM's reset of the prefix cache;
+        held blocks stay, as a running request still needs them). Returns how many went."""
+        count = len(self._free)
+        self._free.clear()
+        return count

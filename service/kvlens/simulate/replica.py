@@ -118,6 +118,7 @@ class Replica:
         "index",
         "model",
         "prefill_end",
+        "prefilled",
         "prefilling",
         "served",
         "waiting",
@@ -140,6 +141,9 @@ class Replica:
         self.context_tokens = 0  # prompt + output tokens of the running jobs
         self.served = 0
         self.busy_seconds = 0.0  # prefill seconds
+        # Jobs whose first token came, for a caller that must act on it (the real-time server
+        # streams from then on); offline nothing needs it, so None.
+        self.prefilled: list[Job] | None = None
 
     @property
     def running(self) -> int:
@@ -186,6 +190,35 @@ class Replica:
                     return
                 self._first_token(self.prefill_end)
 
+    def abort(self, job: Job, now: float) -> None:
+        """A request leaves before it finished (its client went away), at ``now`` (the caller
+        has played events up to it): waiting, it just leaves the line; decoding, it frees its
+        blocks (they stay cached, evictable) and finishes now. A prefill is not cut short (its
+        blocks would be cached half computed): the job finishes with its first token instead."""
+        if job.finish <= now or job.replica != self.index:
+            return
+        if job.start == INF:
+            self.waiting.remove(job)
+            self.backlog = max(self.backlog - job.estimate, 0.0) if self.waiting else 0.0
+            job.start = job.first_token = job.finish = now
+            self.done.append(job)
+            return
+        if job is self.prefilling:
+            self.context_tokens -= job.output_tokens - 1
+            job.output_tokens = 1  # _first_token then schedules its end with its first token
+            return
+        entry = next((e for e in self._decoding if e[2] is job), None)
+        if entry is None:
+            return
+        self._decoding.remove(entry)
+        heapq.heapify(self._decoding)
+        job.finish = now
+        self.cache.release(job.blocks, job.held)
+        self.context_tokens -= job.prompt_tokens + job.output_tokens
+        self.done.append(job)
+        self._start(now)
+        self.due = min(self.due, self._decoding[0][0] if self._decoding else INF, self.prefill_end)
+
     def _start(self, now: float) -> None:
         if self.prefilling is not None or not self.waiting or self.running >= self.model.max_running:
             return
@@ -207,6 +240,8 @@ class Replica:
         job = self.prefilling
         assert job is not None
         job.first_token = now
+        if self.prefilled is not None:
+            self.prefilled.append(job)
         self.prefilling = None
         self.prefill_end = INF
         batch = len(self._decoding) + 1

@@ -1,0 +1,635 @@
+"""The OpenAI API as vLLM 0.33 serves it, in front of :class:`RealTimeFleet`.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /health``, ``POST /tokenize``, ``POST /detokenize``, ``POST /reset_prefix_cache`` (vLLM
+mounts it only with ``VLLM_SERVER_DEV_MODE=1``; here it is always there), ``GET /metrics``.
+
+Shapes follow vLLM's protocol classes: usage carries ``prompt_tokens_details.cached_tokens`` (as
+vLLM with ``--enable-prompt-tokens-details``; several prompts: the last one's, streaming: the
+first to answer); a streamed answer is one ``data:`` event per token (a completion chunk
+``{"choices": [{"index", "text", "logprobs", "finish_reason", "stop_reason"}]}``, chat: a first
+``delta: {"role": "assistant", "content": ""}``), the usage chunk (empty ``choices``) last when
+``stream_options.include_usage`` asks, then ``data: [DONE]``. Errors are ``{"error": {"message",
+"type", "param", "code"}}``: 400 for a bad request (with the field), 404 for an unknown model.
+
+What is modelled and what is not: every answer is exactly ``max_tokens`` long (the simulated
+model never emits EOS, so ``finish_reason`` is ``length``; ``min_tokens`` and ``ignore_eos`` are
+checked and change nothing); ``max_tokens`` defaults to 16 for completions and to what the
+context leaves for chat, and is cut to what the context leaves (as vLLM does); a prompt of
+``max_model_len`` tokens or more is refused; ``n > 1``, ``echo``, ``suffix``, ``logprobs`` and
+beam search are refused with 400; sampling parameters (temperature, ...) are ignored (the text
+is fixed). A client that goes away (streaming or not) takes its prompts out of the fleet: they
+finish as ``abort``, their blocks freed and still cached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import orjson
+from prometheus_client import generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from kvlens.simulate.replica import INF
+from kvlens.simulate.serve import tokenizer
+from kvlens.simulate.serve.engine import RealTimeFleet, Ticket
+from kvlens.simulate.serve.metrics import FleetMetrics
+
+JSON: Final = "application/json"
+MAX_BODY_BYTES: Final = 16 * 1024 * 1024
+MAX_PROMPTS: Final = 1024  # prompts in one completions batch
+TOO_LARGE: Final = f"the request body is larger than {MAX_BODY_BYTES} bytes"
+Generated = bytes | AsyncGenerator[bytes, None]  # a JSON answer, or the events of a stream
+_JSON_HEADERS: Final = [(b"content-type", b"application/json")]
+_SSE_HEADERS: Final = [(b"content-type", b"text/event-stream; charset=utf-8")]
+
+
+@dataclass(frozen=True)
+class Served:
+    model: str = "simulated"
+    max_model_len: int = 32_768
+    vocab_size: int = tokenizer.DEFAULT_VOCAB_SIZE
+
+
+class ApiError(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status = message, param, status
+
+
+def _error_body(error: ApiError) -> bytes:
+    kind = {400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestError"}.get(error.status, "Error")
+    return orjson.dumps(
+        {"error": {"message": error.message, "type": kind, "param": error.param, "code": error.status}}
+    )
+
+
+def error_response(error: ApiError) -> Response:
+    return Response(_error_body(error), error.status, media_type=JSON)
+
+
+async def _send(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class Client:
+    """The other end of one request: whether it went away, and the event that wakes its stream."""
+
+    __slots__ = ("left", "wake")
+
+    def __init__(self) -> None:
+        self.left = False
+        self.wake: asyncio.Event | None = None
+
+    def leave(self, _: object = None) -> None:
+        self.left = True
+        if self.wake is not None:
+            self.wake.set()
+
+
+@dataclass
+class _Answer:
+    """What one request asked for, once checked."""
+
+    prompts: list[list[int]]
+    outputs: list[int]
+    stream: bool
+    include_usage: bool
+    request_id: str
+
+
+class Api:
+    def __init__(
+        self,
+        served: Served,
+        make_engine: Callable[[Callable[[Ticket], None]], RealTimeFleet],
+        *,
+        prefix_caching: bool,
+        on_record: Callable[[Ticket, RealTimeFleet], None] | None = None,
+    ) -> None:
+        self.served = served
+        self._make_engine = make_engine
+        self._prefix_caching = prefix_caching
+        self._on_record = on_record
+        self.engine: RealTimeFleet | None = None
+        self.metrics: FleetMetrics | None = None
+        self.created = int(time.time())
+
+    def app(self) -> Callable[[Scope, Receive, Send], Any]:
+        """The generation routes as plain ASGI (the hot path: no router, request object or task
+        group per request), everything else through Starlette."""
+        routes = [
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/tokenize", self._guard(self.tokenize), methods=["POST"]),
+            Route("/detokenize", self._guard(self.detokenize), methods=["POST"]),
+            Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"]),
+            Route("/metrics", self.scrape, methods=["GET"]),
+        ]
+        rest = Starlette(routes=routes, lifespan=self._lifespan)
+        generation = {"/v1/completions": self.completions, "/v1/chat/completions": self.chat}
+
+        async def app(scope: Scope, receive: Receive, send: Send) -> None:
+            handler = generation.get(scope["path"]) if scope["type"] == "http" else None
+            if handler is None:
+                await rest(scope, receive, send)
+            elif scope["method"] != "POST":
+                await _send(send, 405, b'{"detail":"Method Not Allowed"}', _JSON_HEADERS)
+            else:
+                await self._generate(handler, scope, receive, send)
+
+        return app
+
+    async def _generate(
+        self,
+        handler: Callable[[dict[str, Any], str | None, Client], Any],
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        request_id = None
+        for name, value in scope["headers"]:
+            if name == b"x-request-id":
+                request_id = value.decode("latin-1")
+        client = Client()
+        try:
+            raw = bytearray()
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                raw += message.get("body", b"")
+                if len(raw) > MAX_BODY_BYTES:
+                    raise ApiError(TOO_LARGE, status=413)
+                if not message.get("more_body"):
+                    break
+        except ApiError as error:
+            await _send(send, error.status, _error_body(error), _JSON_HEADERS)
+            return
+        # The client's going away is heard through receive() (uvicorn answers http.disconnect
+        # when the connection is lost): the answer wakes and stops, its prompts leave the fleet.
+        watcher = asyncio.ensure_future(receive())
+        watcher.add_done_callback(client.leave)
+        try:
+            try:
+                answer: Generated = await handler(self._parse(bytes(raw)), request_id, client)
+            except ApiError as error:
+                await _send(send, error.status, _error_body(error), _JSON_HEADERS)
+                return
+            if isinstance(answer, bytes):
+                await _send(send, 200, answer, _JSON_HEADERS)
+                return
+            try:
+                await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+                async for chunk in answer:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            finally:
+                await answer.aclose()
+        finally:
+            watcher.remove_done_callback(client.leave)
+            watcher.cancel()
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        self.engine = self._make_engine(self._finished)
+        self.metrics = FleetMetrics(
+            self.served.model,
+            self.engine.replicas,
+            self.served.max_model_len,
+            self.engine.fleet.block_size,
+            self._prefix_caching,
+        )
+        yield
+
+    def _guard(self, handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
+        async def guarded(request: Request) -> Response:
+            try:
+                response: Response = await handler(request)
+            except ApiError as error:
+                return error_response(error)
+            return response
+
+        return guarded
+
+    # --- the fleet's hook -------------------------------------------------------------------
+
+    def _finished(self, ticket: Ticket) -> None:
+        engine, metrics, job = self.engine, self.metrics, ticket.job
+        assert engine is not None and metrics is not None
+        started = not ticket.left_waiting
+        metrics.finished(
+            job.replica,
+            prompt_tokens=job.prompt_tokens,
+            cached_tokens=job.cached_tokens,
+            output_tokens=job.output_tokens,
+            started=started,
+            aborted=ticket.aborted,
+            queue=engine.wall_seconds(job.start - job.arrival),
+            prefill=engine.wall_seconds(job.first_token - job.start),
+            decode=engine.wall_seconds(job.finish - job.first_token),
+        )
+        if started and self._on_record is not None:
+            self._on_record(ticket, engine)
+
+    # --- routes -----------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def models(self, request: Request) -> Response:
+        served = self.served
+        card = {
+            "id": served.model,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "vllm",
+            "root": served.model,
+            "parent": None,
+            "max_model_len": served.max_model_len,
+            "permission": [],
+        }
+        return Response(orjson.dumps({"object": "list", "data": [card]}), media_type=JSON)
+
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        assert self.engine is not None
+        self.engine.reset_prefix_cache()
+        return Response(status_code=200)
+
+    async def scrape(self, request: Request) -> Response:
+        assert self.metrics is not None
+        return Response(generate_latest(self.metrics.registry), media_type="text/plain; version=0.0.4")
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await self._body(request)
+        if "messages" in body:
+            ids = tokenizer.encode(self._chat_text(body))
+        else:
+            prompt = body.get("prompt")
+            if type(prompt) is not str:
+                raise ApiError("prompt must be a string", "prompt")
+            ids = tokenizer.encode(prompt)
+        answer = {
+            "count": len(ids),
+            "max_model_len": self.served.max_model_len,
+            "tokens": ids,
+            "token_strs": None,
+        }
+        return Response(orjson.dumps(answer), media_type=JSON)
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await self._body(request)
+        ids = self._token_ids(body.get("tokens"), "tokens")
+        return Response(orjson.dumps({"prompt": tokenizer.decode(ids)}), media_type=JSON)
+
+    async def completions(self, body: dict[str, Any], request_id: str | None, client: Client) -> Generated:
+        prompts = self._prompts(body.get("prompt"))
+        for name in ("echo", "suffix"):
+            if body.get(name):
+                raise ApiError(f"{name} is not modelled by kvlens simulate serve", name)
+        asked = _integer(body, "max_tokens", 16, low=1)
+        answer = self._answer(request_id, body, prompts, asked, "cmpl")
+        tickets = self._submit(answer, client)
+        if answer.stream:
+            return self._completion_stream(answer, tickets, client)
+        await self._all_finished(tickets, client)
+        choices = [
+            {
+                "index": i,
+                "text": tokenizer.generated_text(t.job.output_tokens),
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+                "prompt_logprobs": None,
+            }
+            for i, t in enumerate(tickets)
+        ]
+        response = {
+            "id": answer.request_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.served.model,
+            "choices": choices,
+            "usage": _usage(tickets, tickets[-1]),
+        }
+        return orjson.dumps(response)
+
+    async def chat(self, body: dict[str, Any], request_id: str | None, client: Client) -> Generated:
+        ids = tokenizer.encode(self._chat_text(body))
+        asked_name = (
+            "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        )
+        asked = _integer(body, asked_name, None, low=1)
+        answer = self._answer(request_id, body, [ids], asked, "chatcmpl")
+        tickets = self._submit(answer, client)
+        if answer.stream:
+            return self._chat_stream(answer, tickets, client)
+        await self._all_finished(tickets, client)
+        ticket = tickets[0]
+        response = {
+            "id": answer.request_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.served.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {
+                        "role": "assistant",
+                        "content": tokenizer.generated_text(ticket.job.output_tokens),
+                        "tool_calls": [],
+                    },
+                    "logprobs": None,
+                    "finish_reason": "length",
+                    "stop_reason": None,
+                }
+            ],
+            "usage": _usage(tickets, ticket),
+            "prompt_logprobs": None,
+        }
+        return orjson.dumps(response)
+
+    # --- checking requests ------------------------------------------------------------------
+
+    async def _body(self, request: Request) -> dict[str, Any]:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+            raise ApiError(TOO_LARGE, status=413)
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise ApiError(TOO_LARGE, status=413)
+        return self._parse(raw)
+
+    def _parse(self, raw: bytes) -> dict[str, Any]:
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as error:
+            raise ApiError(f"the request body is not JSON: {error}") from None
+        if not isinstance(body, dict):
+            raise ApiError("the request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.served.model:
+            raise ApiError(f"The model `{model}` does not exist.", "model", status=404)
+        return body
+
+    def _answer(
+        self,
+        header: str | None,
+        body: dict[str, Any],
+        prompts: list[list[int]],
+        asked: int | None,
+        prefix: str,
+    ) -> _Answer:
+        if _integer(body, "n", 1, low=1) > 1:
+            raise ApiError("n > 1 is not modelled by kvlens simulate serve (send n requests)", "n")
+        if body.get("logprobs") not in (None, False) or body.get("use_beam_search"):
+            raise ApiError("logprobs and beam search are not modelled by kvlens simulate serve", "logprobs")
+        stream = _boolean(body, "stream", False)
+        options = body.get("stream_options")
+        if options is not None:
+            if not stream:
+                raise ApiError("Stream options can only be defined when `stream=True`.", "stream_options")
+            if not isinstance(options, dict):
+                raise ApiError("stream_options must be an object", "stream_options")
+        include_usage = _boolean(options or {}, "include_usage", False)
+        _boolean(body, "ignore_eos", False)
+        user = body.get("user")
+        if user is not None and type(user) is not str:
+            raise ApiError("user must be a string", "user")
+        limit = self.served.max_model_len
+        outputs = []
+        for ids in prompts:
+            if len(ids) >= limit:
+                raise ApiError(
+                    f"This model's maximum context length is {limit} tokens. However, your request has "
+                    f"{len(ids)} input tokens. Please reduce the length of the input messages.",
+                    "prompt" if prefix == "cmpl" else "messages",
+                )
+            outputs.append(min(asked, limit - len(ids)) if asked is not None else limit - len(ids))
+        minimum = _integer(body, "min_tokens", 0, low=0)
+        if asked is not None and minimum > asked:
+            raise ApiError(
+                f"min_tokens ({minimum}) must be less than or equal to max_tokens ({asked})", "min_tokens"
+            )
+        return _Answer(prompts, outputs, stream, include_usage, f"{prefix}-{header or uuid.uuid4().hex}")
+
+    def _prompts(self, prompt: Any) -> list[list[int]]:
+        if type(prompt) is str:
+            prompts = [tokenizer.encode(prompt)]
+        elif type(prompt) is list and prompt and all(type(p) is int for p in prompt):
+            prompts = [self._token_ids(prompt, "prompt")]
+        elif type(prompt) is list and prompt:
+            if len(prompt) > MAX_PROMPTS:
+                raise ApiError(f"at most {MAX_PROMPTS} prompts in one request", "prompt")
+            prompts = []
+            for index, item in enumerate(prompt):
+                if type(item) is str:
+                    prompts.append(tokenizer.encode(item))
+                elif type(item) is list:
+                    prompts.append(self._token_ids(item, f"prompt[{index}]"))
+                else:
+                    raise ApiError(f"prompt[{index}] must be a string or a list of token ids", "prompt")
+        else:
+            raise ApiError("prompt must be a string, a list of token ids, or a list of either", "prompt")
+        if any(not ids for ids in prompts):
+            raise ApiError("The decoder prompt cannot be empty", "prompt")
+        return prompts
+
+    def _token_ids(self, value: Any, name: str) -> list[int]:
+        vocab = self.served.vocab_size
+        if type(value) is not list or not all(type(i) is int for i in value):
+            raise ApiError(f"{name} must be a list of token ids", name)
+        for token in value:
+            if not 0 <= token < vocab:
+                raise ApiError(f"Token id {token} in {name} is out of vocabulary (0 to {vocab - 1})", name)
+        return value
+
+    def _chat_text(self, body: dict[str, Any]) -> str:
+        messages = body.get("messages")
+        if type(messages) is not list or not messages:
+            raise ApiError("messages must be a non-empty list", "messages")
+        rendered = []
+        for index, message in enumerate(messages):
+            if not isinstance(message, dict) or type(message.get("role")) is not str:
+                raise ApiError(f"messages[{index}] must be an object with a role", "messages")
+            rendered.append((message["role"], _content(message.get("content"), index)))
+        add = _boolean(body, "add_generation_prompt", True)
+        return tokenizer.chat_prompt(rendered, add_generation_prompt=add)
+
+    def _submit(self, answer: _Answer, client: Client) -> list[Ticket]:
+        engine = self.engine
+        assert engine is not None
+        wake = client.wake = asyncio.Event()
+        many = len(answer.prompts) > 1
+        return [
+            engine.submit(ids, out, wake, f"{answer.request_id}-{i}" if many else answer.request_id)
+            for i, (ids, out) in enumerate(zip(answer.prompts, answer.outputs, strict=True))
+        ]
+
+    async def _all_finished(self, tickets: list[Ticket], client: Client) -> None:
+        """Until every prompt finished; a client that leaves takes them out of the fleet."""
+        engine = self.engine
+        assert engine is not None
+        wake = tickets[0].wake
+        while not all(t.finished for t in tickets):
+            wake.clear()
+            if client.left:
+                for ticket in tickets:
+                    engine.abort(ticket)
+                return
+            await wake.wait()
+
+    # --- streaming --------------------------------------------------------------------------
+
+    async def _paced(
+        self, tickets: list[Ticket], client: Client
+    ) -> AsyncIterator[list[tuple[int, int, int]]]:
+        """Batches of (prompt, first token, end token) as they come due; a client that goes away
+        takes its unfinished prompts out of the fleet."""
+        engine = self.engine
+        assert engine is not None
+        loop = asyncio.get_running_loop()
+        wake = tickets[0].wake
+        emitted = [0] * len(tickets)
+        try:
+            while True:
+                wake.clear()  # before reading the state: an event set after this is not lost
+                now = engine.now()
+                due = []
+                for index, ticket in enumerate(tickets):
+                    count = ticket.tokens_due(now)
+                    if count > emitted[index]:
+                        due.append((index, emitted[index], count))
+                        emitted[index] = count
+                if due:
+                    yield due
+                if all(t.finished and emitted[i] == t.job.output_tokens for i, t in enumerate(tickets)):
+                    return
+                next_at = min(t.next_token_at(emitted[i]) for i, t in enumerate(tickets))
+                timer = loop.call_at(engine.wall_at(next_at), wake.set) if next_at < INF else None
+                await wake.wait()
+                if timer is not None:
+                    timer.cancel()
+                if client.left:
+                    return
+        finally:
+            for ticket in tickets:
+                if not ticket.finished:
+                    engine.abort(ticket)
+
+    async def _completion_stream(
+        self, answer: _Answer, tickets: list[Ticket], client: Client
+    ) -> AsyncGenerator[bytes, None]:
+        head = {
+            "id": answer.request_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.served.model,
+        }
+        first: Ticket | None = None
+        # A chunk per token differs from the next only in its text: the JSON around it is made
+        # once (the bytes are what orjson.dumps gives the whole chunk; a test compares them).
+        opening = b"data: " + orjson.dumps(head)[:-1] + b',"choices":[{"index":'
+        texts = [orjson.dumps(character) for character in tokenizer.GENERATED]
+        going = b',"logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
+        ending = b',"logprobs":null,"finish_reason":"length","stop_reason":null}]}\n\n'
+        async for due in self._paced(tickets, client):
+            out: list[bytes] = []
+            for index, start, end in due:
+                ticket = tickets[index]
+                first = first or ticket
+                last = ticket.job.output_tokens
+                prefix = opening + str(index).encode() + b',"text":'
+                for position in range(start, end):
+                    out += (prefix, texts[position % len(texts)], ending if position == last - 1 else going)
+            yield b"".join(out)
+        if answer.include_usage:
+            yield b"data: " + orjson.dumps({**head, "choices": [], "usage": _usage(tickets, first)}) + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    async def _chat_stream(
+        self, answer: _Answer, tickets: list[Ticket], client: Client
+    ) -> AsyncGenerator[bytes, None]:
+        head = {
+            "id": answer.request_id,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": self.served.model,
+        }
+        ticket = tickets[0]
+        # As for completions: the JSON around each token's text is made once.
+        opening = b"data: " + orjson.dumps(head)[:-1] + b',"choices":[{"index":0,"delta":'
+        role = opening + b'{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
+        content = opening + b'{"content":'
+        texts = [orjson.dumps(character) for character in tokenizer.GENERATED]
+        going = b'},"logprobs":null,"finish_reason":null}]}\n\n'
+        ending = b'},"logprobs":null,"finish_reason":"length","stop_reason":null}]}\n\n'
+        async for due in self._paced(tickets, client):
+            out: list[bytes] = []
+            for _, start, end in due:
+                if start == 0:
+                    out.append(role)
+                last = ticket.job.output_tokens
+                for position in range(start, end):
+                    out += (content, texts[position % len(texts)], ending if position == last - 1 else going)
+            yield b"".join(out)
+        if answer.include_usage:
+            yield (
+                b"data: " + orjson.dumps({**head, "choices": [], "usage": _usage(tickets, ticket)}) + b"\n\n"
+            )
+        yield b"data: [DONE]\n\n"
+
+
+def _usage(tickets: Sequence[Ticket], cached_from: Ticket | None) -> dict[str, Any]:
+    prompt = sum(len(t.prompt_ids) for t in tickets)
+    completion = sum(t.job.output_tokens for t in tickets)
+    return {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+        "prompt_tokens_details": {"cached_tokens": cached_from.job.cached_tokens if cached_from else 0},
+    }
+
+
+def _integer(body: dict[str, Any], name: str, default: int | None, *, low: int) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if type(value) is not int or value < low:
+        raise ApiError(f"{name} must be an integer >= {low}", name)
+    return value
+
+
+def _boolean(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if type(value) is not bool:
+        raise ApiError(f"{name} must be true or false", name)
+    return value
+
+
+def _content(content: Any, index: int) -> str:
+    if type(content) is str:
+        return content
+    if content is None:
+        return ""
+    if type(content) is list:
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or type(part.get("text")) is not str:
+                raise ApiError(f"messages[{index}].content: only text parts are modelled", "messages")
+            parts.append(part["text"])
+        return "\n".join(parts)
+    raise ApiError(f"messages[{index}].content must be a string or a list of text parts", "messages")

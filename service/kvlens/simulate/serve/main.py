@@ -1,0 +1,178 @@
+"""``kvlens simulate serve``: flags, the service model they make, records to a ``kvlens serve``,
+and uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from kvlens import bandwidth
+from kvlens.config import load_settings
+from kvlens.simulate.policies import POLICIES, Guard
+from kvlens.simulate.replica import DEFAULT_SERVICE, ServiceModel
+from kvlens.simulate.run import Fleet
+from kvlens.simulate.run import record as simulated_record
+from kvlens.simulate.serve import tokenizer
+from kvlens.simulate.serve.api import Api, Served
+from kvlens.simulate.serve.engine import RealTimeFleet, Ticket
+
+log = logging.getLogger("kvlens.simulate.serve")
+PUSH_QUEUE = 100_000  # records held while the kvlens serve is away; the oldest go first
+PUSH_BATCH = 1000
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--replicas", type=int, default=1, help="replicas behind the endpoint (default 1)")
+    parser.add_argument(
+        "--capacity-blocks",
+        default="1000",
+        metavar="C",
+        help="KV cache blocks per replica, or 'unbounded' (default 1000)",
+    )
+    parser.add_argument("--policy", choices=POLICIES, default="round_robin", help="routing (round_robin)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    parser.add_argument("--model", default="simulated", help="served model name (default 'simulated')")
+    parser.add_argument("--max-model-len", type=int, default=32_768, help="context length (default 32768)")
+    parser.add_argument(
+        "--vocab-size", type=int, default=tokenizer.DEFAULT_VOCAB_SIZE, help="token ids allowed in prompts"
+    )
+    parser.add_argument("--speed", type=float, default=1.0, help="2: twice as fast as the modelled GPU")
+    parser.add_argument("--no-prefix-caching", action="store_true", help="nothing is ever served from cache")
+    parser.add_argument("--max-running", type=int, default=256, help="requests holding KV per replica (256)")
+    parser.add_argument(
+        "--no-chunked-prefill", action="store_true", help="a prefill pauses the running decodes"
+    )
+    parser.add_argument(
+        "--push",
+        metavar="URL",
+        help="send a kvlens record per finished request to a kvlens serve's /v1/records",
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        help="YAML settings: the model's cost model in seconds (cost_models), its shape (model_shapes)",
+    )
+    parser.add_argument(
+        "--weight-bytes", help="bytes of weights a decode step reads, e.g. 4.5GiB for a W4A16 checkpoint"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="listen port (default 8000, as vLLM)")
+
+
+def service_model(args: argparse.Namespace) -> ServiceModel:
+    """The service model of the flags: ``kvlens simulate``'s, with the served model's cost model
+    in seconds and decode shape from ``--config`` when it has them, and ``--weight-bytes``."""
+    prefill, decode = DEFAULT_SERVICE.prefill, DEFAULT_SERVICE.decode
+    if args.config is not None:
+        settings = load_settings(args.config)
+        if args.model in settings.cost_models:
+            prefill = settings.cost_model_for(args.model)
+        shape = settings.model_shapes.get(args.model)
+        if shape is not None:
+            weights = shape.decode_weight_bytes()
+            decode = dataclasses.replace(
+                decode,
+                kv_bytes_per_token=shape.shape().kv_bytes_per_token,
+                weight_bytes=weights if weights is not None else decode.weight_bytes,
+            )
+    if args.weight_bytes is not None:
+        decode = dataclasses.replace(decode, weight_bytes=bandwidth.parse_bytes(args.weight_bytes))
+    return ServiceModel(
+        prefill=prefill,
+        decode=decode,
+        max_running=args.max_running,
+        chunked_prefill=not args.no_chunked_prefill,
+    )
+
+
+def _checked(args: argparse.Namespace) -> tuple[Fleet, Served]:
+    capacity = None if args.capacity_blocks.strip() == "unbounded" else int(args.capacity_blocks)
+    if capacity is not None and capacity < 0:
+        raise ValueError("--capacity-blocks takes a block count >= 0 or 'unbounded'")
+    if args.block_size < 1:
+        raise ValueError("--block-size must be >= 1")
+    if args.max_model_len < 2:
+        raise ValueError("--max-model-len must be >= 2")
+    if args.vocab_size < tokenizer.FIRST_PLAIN_ID:
+        raise ValueError(f"--vocab-size must be >= {tokenizer.FIRST_PLAIN_ID} (bytes and special tokens)")
+    if not (math.isfinite(args.speed) and args.speed > 0):
+        raise ValueError("--speed must be a positive number")
+    fleet = Fleet(args.replicas, capacity, args.block_size, service_model(args), Guard())
+    return fleet, Served(args.model, args.max_model_len, args.vocab_size)
+
+
+def record(ticket: Ticket, engine: RealTimeFleet, model: str, started_epoch: float) -> dict[str, Any]:
+    """A finished request as the kvlens record a vLLM replica's plugin would send: ``kvlens
+    simulate``'s record of the job, its durations as the client lived them (modelled / speed),
+    its arrival in epoch seconds, without the block keys (the plugin sends none)."""
+    job = ticket.job
+    out = simulated_record(job, engine.fleet.block_size, arm="")
+    for name in ("queue_seconds", "prefill_seconds", "ttft_seconds", "decode_seconds", "e2e_seconds"):
+        out[name] = engine.wall_seconds(out[name])
+    del out["arm"], out["prefix_hashes"]
+    return out | {
+        "request_id": ticket.request_id,
+        "model": model,
+        "arrival_time": started_epoch + engine.wall_seconds(job.arrival),
+        "finish_reason": "abort" if ticket.aborted else "length",
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        fleet, served = _checked(args)
+    except ValueError as error:
+        print(f"kvlens simulate serve: {error}", file=sys.stderr)
+        return 2
+    shipper = None
+    if args.push:
+        from kvlens.sources.vllm_plugin import HttpSink, Shipper
+
+        try:
+            sink = HttpSink(args.push, os.environ.get("KVLENS_PLUGIN_TOKEN"))
+        except ValueError:
+            print("kvlens simulate serve: --push takes an http(s) URL", file=sys.stderr)
+            return 2
+        shipper = Shipper(sink, capacity=PUSH_QUEUE, batch_size=PUSH_BATCH, flush_seconds=0.5)
+    started_epoch = time.time()
+
+    def make_engine(on_finish: Any) -> RealTimeFleet:
+        engine = RealTimeFleet(
+            fleet,
+            args.policy,
+            speed=args.speed,
+            prefix_caching=not args.no_prefix_caching,
+            loop=asyncio.get_running_loop(),
+            on_finish=on_finish,
+        )
+        nonlocal started_epoch
+        started_epoch = time.time()
+        return engine
+
+    def push(ticket: Ticket, engine: RealTimeFleet) -> None:
+        assert shipper is not None
+        shipper.offer(record(ticket, engine, served.model, started_epoch))  # never blocks
+
+    api = Api(
+        served, make_engine, prefix_caching=not args.no_prefix_caching, on_record=push if shipper else None
+    )
+    level = os.environ.get("KVLENS_LOG_LEVEL", "INFO").lower()
+    config = uvicorn.Config(
+        api.app(), host=args.host, port=args.port, log_level=level, access_log=False, lifespan="on"
+    )
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        if shipper is not None:
+            shipper.close()
+    return 0

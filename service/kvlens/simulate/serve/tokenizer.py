@@ -1,0 +1,97 @@
+"""The simulated server's toy tokenizer, its chat template, its generated text, and the chained
+block keys its prefix cache is keyed on.
+
+Tokens (documented in the README, stable across versions and processes):
+
+- text is its UTF-8 bytes, one token per byte, id = the byte's value (0-255); the three special
+  tokens ``<|endoftext|>`` (256), ``<|im_start|>`` (257) and ``<|im_end|>`` (258) are one token
+  each where they appear in text, as a real tokenizer parses its special tokens;
+- ids from 259 to ``vocab_size - 1`` are valid in token-id prompts and detokenize as ``<|id|>``;
+- generated tokens spell :data:`GENERATED` over and over (the simulated model never stops early:
+  every answer is ``max_tokens`` long, ``finish_reason`` ``length``).
+
+The chat template is ChatML, as Qwen's models use it: each message is
+``<|im_start|>{role}\\n{content}<|im_end|>\\n`` and the prompt ends with
+``<|im_start|>assistant\\n``; every one of those tokens is a prompt token and is cached like any
+other.
+
+Block keys: the prompt's full blocks of ``block_size`` tokens, key ``i`` = hash of (key ``i-1``,
+the block's token ids): two prompts share key ``i`` exactly when their first ``(i+1) * B`` tokens
+are equal (Python hashes tuples of ints the same way in every process, unlike strings).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Final
+
+ENDOFTEXT: Final = 256
+IM_START: Final = 257
+IM_END: Final = 258
+SPECIAL: Final = {"<|endoftext|>": ENDOFTEXT, "<|im_start|>": IM_START, "<|im_end|>": IM_END}
+_SPECIAL_TEXT: Final = {token: text for text, token in SPECIAL.items()}
+_SPECIAL_PATTERN: Final = re.compile("|".join(re.escape(text) for text in SPECIAL))
+FIRST_PLAIN_ID: Final = 259
+DEFAULT_VOCAB_SIZE: Final = 32_000
+GENERATED: Final = "The quick brown fox jumps over the lazy dog. "
+_GENERATED_IDS: Final = tuple(GENERATED.encode())
+
+
+def encode(text: str) -> list[int]:
+    ids: list[int] = []
+    position = 0
+    for special in _SPECIAL_PATTERN.finditer(text):
+        ids.extend(text[position : special.start()].encode())
+        ids.append(SPECIAL[special.group()])
+        position = special.end()
+    ids.extend(text[position:].encode())
+    return ids
+
+
+def decode(ids: Sequence[int]) -> str:
+    """Text of ``ids``; bytes that do not make whole UTF-8 characters become U+FFFD."""
+    out: list[str] = []
+    run = bytearray()
+    for token in ids:
+        if token < 256:
+            run.append(token)
+            continue
+        if run:
+            out.append(run.decode("utf-8", "replace"))
+            run.clear()
+        out.append(_SPECIAL_TEXT.get(token) or f"<|{token}|>")
+    if run:
+        out.append(run.decode("utf-8", "replace"))
+    return "".join(out)
+
+
+def generated(count: int, start: int = 0) -> list[int]:
+    """Output tokens ``start`` to ``start + count - 1`` of every answer."""
+    size = len(_GENERATED_IDS)
+    return [_GENERATED_IDS[i % size] for i in range(start, start + count)]
+
+
+def generated_text(count: int, start: int = 0) -> str:
+    size = len(GENERATED)
+    if count <= 0:
+        return ""
+    first = start % size
+    whole = GENERATED[first:] + GENERATED * ((first + count) // size + 1)
+    return whole[:count]
+
+
+def chat_prompt(messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True) -> str:
+    """The ChatML rendering of (role, content) messages."""
+    rendered = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in messages)
+    return rendered + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+def block_keys(ids: Sequence[int], block_size: int) -> tuple[int, ...]:
+    """Chained keys of the full blocks of ``ids`` (a partial last block has none)."""
+    keys = []
+    key = 0
+    for start in range(0, len(ids) - block_size + 1, block_size):
+        key = hash((key, tuple(ids[start : start + block_size])))
+        keys.append(key)
+    return tuple(keys)
