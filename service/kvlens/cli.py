@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 
 from kvlens import __version__
 from kvlens.config import ENV_PREFIX, Settings, load_settings
+from kvlens.console import install_hint
 from kvlens.errors import InputError, SettingsError
 from kvlens.exporter import server
 from kvlens.exporter.aggregator import Aggregator
@@ -48,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ModuleNotFoundError as error:
         if (error.name or "").split(".")[0] not in ("rich", "scipy"):
             raise
-        print("kvlens: this command needs the analyze extra: pip install 'kvlens[analyze]'", file=sys.stderr)
+        print(f"kvlens: this command needs the analyze extra: {install_hint('analyze')}", file=sys.stderr)
         return 2
 
 

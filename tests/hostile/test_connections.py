@@ -81,7 +81,8 @@ def test_a_thousand_idle_sockets_leave_ingest_and_scrapes_served(serve: Serve) -
                     )
                     latencies.append(time.monotonic() - started)
                     assert answer.status_code == 200, (path, answer.status_code)
-        assert sorted(latencies)[int(0.99 * len(latencies))] < 1.0
+        # A hang check (a starved server answers after the 10 s timeout); bench/ measures p99.
+        assert sorted(latencies)[int(0.99 * len(latencies))] < 5.0
         assert sidecar.value("kvlens_requests_total") == 30 * 100
     finally:
         for sock in idle:

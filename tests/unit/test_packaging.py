@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import zipfile
+from email.parser import Parser
 from importlib.metadata import entry_points
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).parent.parent.parent
 
@@ -27,4 +33,69 @@ def test_image_runs_as_65532_with_serve_as_entrypoint() -> None:
 
 def test_console_script_is_registered() -> None:
     scripts = entry_points(group="console_scripts")
-    assert any(script.name == "kvlens" and script.value == "kvlens.cli:main" for script in scripts)
+    assert any(script.name == "kvlens" and script.value == "kvlens.console:main" for script in scripts)
+
+
+def test_the_image_runs_the_python_ci_tests_on_and_checks_health_on_its_port_and_tls() -> None:
+    instructions = dockerfile_instructions()
+    (default,) = [line for op, line in instructions if op == "ARG" and "PYTHON_IMAGE=" in line]
+    release = ".".join(map(str, sys.version_info[:3]))
+    assert default == f"ARG PYTHON_IMAGE=python:{release}-slim-bookworm"
+    (healthcheck,) = [line for op, line in instructions if op == "HEALTHCHECK"]
+    assert healthcheck.endswith('CMD ["python", "-m", "kvlens.healthcheck"]')
+    labels = " ".join(line for op, line in instructions if op == "LABEL")
+    text = (ROOT / "Dockerfile").read_text()
+    for key in ("title", "version", "licenses", "source", "base.name"):
+        assert f"org.opencontainers.image.{key}=" in text, key
+    assert labels.startswith("LABEL org.opencontainers.image.title")
+    assert "'kvlens[serve]'" in text  # the bare wheel would be the plugin alone
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(out),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    (built,) = out.glob("kvlens-*.whl")
+    return zipfile.ZipFile(built)
+
+
+def test_the_wheel_carries_the_license_and_project_urls(wheel: zipfile.ZipFile) -> None:
+    names = wheel.namelist()
+    (metadata_name,) = [name for name in names if name.endswith(".dist-info/METADATA")]
+    metadata = Parser().parsestr(wheel.read(metadata_name).decode())
+    assert metadata["License-Expression"] == "Apache-2.0"
+    license_name = metadata_name.replace("METADATA", "licenses/LICENSE")
+    assert wheel.read(license_name) == (ROOT / "LICENSE").read_bytes()
+    urls = dict(value.split(", ", 1) for value in metadata.get_all("Project-URL") or [])
+    assert set(urls) >= {"Homepage", "Documentation", "Changelog", "Issues"}
+    assert all(url.startswith("https://") for url in urls.values())
+
+
+def test_the_wheel_requires_nothing_without_an_extra(wheel: zipfile.ZipFile) -> None:
+    (metadata_name,) = [name for name in wheel.namelist() if name.endswith(".dist-info/METADATA")]
+    metadata = Parser().parsestr(wheel.read(metadata_name).decode())
+    requirements = metadata.get_all("Requires-Dist") or []
+    assert requirements, "the extras' requirements are listed"
+    assert [r for r in requirements if "extra ==" not in r] == []
+    assert set(metadata.get_all("Provides-Extra") or []) >= {"serve", "analyze", "plot", "test"}
+    (entry_points_name,) = [name for name in wheel.namelist() if name.endswith(".dist-info/entry_points.txt")]
+    entry_points_text = wheel.read(entry_points_name).decode()
+    assert (
+        "[vllm.stat_logger_plugins]\nkvlens = kvlens.sources.vllm_plugin:KVLensStatLogger"
+        in entry_points_text
+    )

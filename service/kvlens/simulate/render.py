@@ -8,6 +8,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from kvlens.console import install_hint
+
 BAR_WIDTH = 40
 COLORS = ("#3b7dd8", "#d8683b", "#3bb273", "#9b59b6", "#7f8c8d", "#c0392b")
 
@@ -163,7 +165,7 @@ def _png(result: dict[str, Any], path: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ModuleNotFoundError:
-        raise ValueError("a PNG needs matplotlib: pip install 'kvlens[plot]' (or write .svg)") from None
+        raise ValueError(f"a PNG needs matplotlib: {install_hint('plot')} (or write .svg)") from None
     series = _series(result)
     finite = [c for c, _ in series["pooled"] if c is not None]
     figure, axes = plt.subplots(figsize=(7, 4))

@@ -21,11 +21,25 @@ prefill_time``: it leaves out the frontend (tokenization, IPC, detokenization).
 Importing this module imports neither vLLM nor anything heavy; the logger class is built on
 first access (vLLM's entry-point loader does that), subclassing vLLM's ``StatLoggerBase``.
 
-Environment: ``KVLENS_PLUGIN_URL`` (default ``http://127.0.0.1:9433/v1/records``),
-``KVLENS_PLUGIN_TOKEN`` (bearer token), ``KVLENS_PLUGIN_FILE`` (append JSONL there instead of
-POSTing), ``KVLENS_PLUGIN_QUEUE`` (records held while the sidecar is away, default 100000),
-``KVLENS_PLUGIN_BATCH`` (records per POST, default 1000), ``KVLENS_PLUGIN_FLUSH_SECONDS``
-(default 1), ``KVLENS_PLUGIN_TIMEOUT_SECONDS`` (deadline of one whole POST, default 10).
+It needs only the standard library: installing kvlens into vLLM's image adds no other package
+(the sidecar's packages are the ``serve`` extra).
+
+Environment (read once, by :func:`plugin_settings`; a value that does not parse is logged, in one
+line naming the variable, and replaced by its default: a typo never stops vLLM):
+
+==================================  ==========================================  =========
+``KVLENS_PLUGIN_ENABLED``           ``0``/``false``/``no``/``off`` turns the     ``1``
+                                    plugin off (vLLM's ``VLLM_PLUGINS`` also
+                                    filters plugins by name)
+``KVLENS_PLUGIN_URL``               where to POST (an http(s) URL; otherwise     local
+                                    the plugin turns itself off, logged)         sidecar
+``KVLENS_PLUGIN_TOKEN``             bearer token for the sidecar's ingest        none
+``KVLENS_PLUGIN_FILE``              append JSONL there instead of POSTing        none
+``KVLENS_PLUGIN_QUEUE``             records held while the sidecar is away       100000
+``KVLENS_PLUGIN_BATCH``             records per POST                             1000
+``KVLENS_PLUGIN_FLUSH_SECONDS``     longest wait before a partial batch goes     1
+``KVLENS_PLUGIN_TIMEOUT_SECONDS``   deadline of one whole POST                   10
+==================================  ==========================================  =========
 """
 
 from __future__ import annotations
@@ -33,18 +47,19 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import dataclasses
 import http.client
+import json
 import logging
+import math
 import operator
 import os
 import socket
 import threading
 import urllib.parse
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
-
-import orjson
 
 log = logging.getLogger("kvlens.vllm_plugin")
 
@@ -138,14 +153,28 @@ class FileSink:
             out.write(b"".join(record + b"\n" for record in records))
 
 
+def _json_value(value: Any) -> Any:
+    """A field as JSON can hold it: a numpy scalar as its Python number, NaN or infinity as None
+    (JSON has no word for them; the field is left out, as if the engine had not reported it)."""
+    item = getattr(value, "item", None)
+    if callable(item):
+        value = item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
 def encode_records(records: list[dict[str, Any]]) -> tuple[list[bytes], int]:
     """Each record as JSON; one that cannot be encoded is left out, and counted (the second
     value), so that it never holds back the records beside it."""
     encoded = []
     for record in records:
         try:
-            encoded.append(orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY))
-        except TypeError as error:
+            fields = {
+                key: plain for key, value in record.items() if (plain := _json_value(value)) is not None
+            }
+            encoded.append(json.dumps(fields, separators=(",", ":"), allow_nan=False).encode())
+        except (TypeError, ValueError) as error:
             log.warning("kvlens: a finished request could not be encoded (%s); dropped and counted", error)
     return encoded, len(records) - len(encoded)
 
@@ -239,31 +268,94 @@ class Shipper:
             backoff = 0.0
 
 
+@dataclasses.dataclass(frozen=True)
+class PluginSettings:
+    """What the environment asks of the plugin (see the module docstring)."""
+
+    enabled: bool = True
+    url: str = DEFAULT_URL
+    token: str | None = None
+    file: str | None = None
+    queue: int = 100_000
+    batch: int = 1000
+    flush_seconds: float = 1.0
+    timeout_seconds: float = 10.0
+
+
+_OFF = ("0", "false", "no", "off")
+_ON = ("1", "true", "yes", "on", "")
+
+
+def plugin_settings(environ: Mapping[str, str]) -> PluginSettings:
+    """The plugin's settings from ``environ``. Never raises: it runs inside vLLM's start-up, so a
+    value that does not parse is logged once, naming the variable, and its default is used."""
+    defaults = PluginSettings()
+    numbers: dict[str, Any] = {}
+    for field, kind in (("queue", int), ("batch", int), ("flush_seconds", float), ("timeout_seconds", float)):
+        name = f"KVLENS_PLUGIN_{field.upper()}"
+        raw = environ.get(name)
+        if raw is None:
+            continue
+        try:
+            value = kind(raw)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or value <= 0:
+            log.error(
+                "kvlens: %s=%r is not a positive %s; using %s",
+                name,
+                raw[:64],
+                "integer" if kind is int else "number",
+                getattr(defaults, field),
+            )
+            continue
+        numbers[field] = value
+    switch = environ.get("KVLENS_PLUGIN_ENABLED", "1").strip().lower()
+    if switch not in _OFF + _ON:
+        log.error(
+            "kvlens: KVLENS_PLUGIN_ENABLED=%r is not one of 1/0, true/false, yes/no, on/off; on", switch[:64]
+        )
+    enabled = switch not in _OFF
+    url = environ.get("KVLENS_PLUGIN_URL") or DEFAULT_URL
+    file = environ.get("KVLENS_PLUGIN_FILE") or None
+    if enabled and file is None and not _is_http_url(url):
+        log.error("kvlens: KVLENS_PLUGIN_URL=%r is not an http(s) URL; the plugin sends nothing", url[:200])
+        enabled = False
+    if not enabled:
+        log.info("kvlens: the plugin is off (KVLENS_PLUGIN_ENABLED or KVLENS_PLUGIN_URL); vLLM runs as usual")
+    token = environ.get("KVLENS_PLUGIN_TOKEN") or None
+    return PluginSettings(enabled=enabled, url=url, token=token, file=file, **numbers)
+
+
+def _is_http_url(url: str) -> bool:
+    try:
+        parsed = urllib.parse.urlsplit(url)
+        return parsed.scheme in ("http", "https") and bool(parsed.hostname) and (parsed.port or 1) > 0
+    except ValueError:  # a port that is not a number
+        return False
+
+
 _shipper: Shipper | None = None
 _shipper_lock = threading.Lock()
 
 
-def shared_shipper() -> Shipper:
+def shared_shipper(settings: PluginSettings | None = None) -> Shipper:
     """One shipper per process (vLLM builds one logger per data-parallel engine)."""
     global _shipper
     with _shipper_lock:
         if _shipper is None:
-            path = os.environ.get("KVLENS_PLUGIN_FILE")
+            settings = settings or plugin_settings(os.environ)
             sink: Sink = (
-                FileSink(path)
-                if path
-                else HttpSink(
-                    os.environ.get("KVLENS_PLUGIN_URL", DEFAULT_URL),
-                    os.environ.get("KVLENS_PLUGIN_TOKEN"),
-                    deadline=float(os.environ.get("KVLENS_PLUGIN_TIMEOUT_SECONDS", "10")),
-                )
+                FileSink(settings.file)
+                if settings.file
+                else HttpSink(settings.url, settings.token, deadline=settings.timeout_seconds)
             )
             _shipper = Shipper(
                 sink,
                 build=records_from_rows,
-                capacity=int(os.environ.get("KVLENS_PLUGIN_QUEUE", "100000")),
-                batch_size=int(os.environ.get("KVLENS_PLUGIN_BATCH", "1000")),
-                flush_seconds=float(os.environ.get("KVLENS_PLUGIN_FLUSH_SECONDS", "1")),
+                capacity=settings.queue,
+                batch_size=settings.batch,
+                flush_seconds=settings.flush_seconds,
             )
             atexit.register(_shipper.close)
         return _shipper
@@ -339,8 +431,11 @@ def _build_logger_class() -> type:
         """Sends every finished request's record to the kvlens sidecar."""
 
         def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-            self._recorder = RequestRecorder(
-                shared_shipper(), served_model_name(vllm_config), str(engine_index)
+            settings = plugin_settings(os.environ)
+            self._recorder = (
+                RequestRecorder(shared_shipper(settings), served_model_name(vllm_config), str(engine_index))
+                if settings.enabled
+                else None
             )
 
         def record(
@@ -350,11 +445,14 @@ def _build_logger_class() -> type:
             mm_cache_stats: Any = None,
             engine_idx: int = 0,
         ) -> None:
-            if iteration_stats is not None:
+            if iteration_stats is not None and self._recorder is not None:
                 self._recorder.record_finished(iteration_stats)
 
         def log_engine_initialized(self) -> None:
-            log.info("kvlens: sending finished-request records (%s)", type(shared_shipper()._sink).__name__)
+            if self._recorder is not None:
+                log.info(
+                    "kvlens: sending finished-request records (%s)", type(shared_shipper()._sink).__name__
+                )
 
         def log(self) -> None:
             pass
