@@ -15,12 +15,11 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-import numpy as np
 import uvicorn
 import yaml
 from prometheus_client import CollectorRegistry, ProcessCollector
 
-from kvlens import __version__
+from kvlens import __version__, cli_replay
 from kvlens.config import ENV_PREFIX, Settings, load_settings
 from kvlens.console import install_hint
 from kvlens.errors import InputError, SettingsError
@@ -206,6 +205,8 @@ def _parser() -> argparse.ArgumentParser:
         "--emit-records", type=Path, metavar="FILE", help="write the simulated requests as kvlens records"
     )
     sim.set_defaults(run=_simulate)
+
+    cli_replay.add_commands(commands)
 
     decode = commands.add_parser("bandwidth", help="decode traffic model: would W4A16 speed up decode?")
     shape = decode.add_argument_group("model shape: a config.json, the numbers, or the KV bytes directly")
@@ -394,8 +395,7 @@ def _analyze(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from kvlens.analysis import compare, reader
-    from kvlens.analysis.report import Derived
+    from kvlens.analysis import compare
 
     settings = load_settings(args.config)
     arms = []
@@ -404,17 +404,13 @@ def _compare(args: argparse.Namespace) -> int:
         if not separator or not name or not path:
             print(f"kvlens: --arm takes NAME=FILE, not {spec!r}", file=sys.stderr)
             return 2
-        read = reader.read([path], format_name=args.input_format, model=args.model)
-        batch = read.batch
-        if any(arm is not None for arm in batch.arm):  # a file of several arms (kvlens simulate)
-            batch = batch.select(np.array([arm == name for arm in batch.arm], dtype=bool))
-            if not len(batch):
-                print(f"kvlens compare: {path} has no records of arm {name!r}", file=sys.stderr)
-                return 2
-        derived = Derived.of(
-            batch, settings.prompt_length_edges, settings.cost_model_for, settings.default_model
-        )
-        arms.append(compare.Arm(name, derived))
+        try:
+            arms.append(
+                compare.load_arm(name, path, settings, format_name=args.input_format, model=args.model)
+            )
+        except compare.NoRecordsOfArm as error:
+            print(f"kvlens compare: {error}", file=sys.stderr)
+            return 2
     try:
         result = compare.compare(arms, warmup=args.warmup, warmup_until=args.warmup_until)
     except compare.ArmsDiffer as error:
