@@ -58,6 +58,41 @@ def add_commands(commands: Any) -> None:
     prefix.add_argument("--json", action="store_true", help="print the compare result as JSON")
     prefix.set_defaults(run=_prefix_cache)
 
+    quant = kinds.add_parser(
+        "quantization",
+        help="BF16 vs W4A16: fixed work at a fixed concurrency, then rising load against targets",
+        description="Experiment 1 sends every request at --concurrency to each endpoint (short and "
+        "long contexts apart; TTFT, inter-token latency and e2e apart). Experiment 2 (--rates) replays "
+        "the trace at each rate and reports attainment of --slo-ttft and --slo-itl, goodput, the "
+        "highest rate each endpoint holds, and whether a gain came from faster steps or more KV.",
+        epilog="example: kvlens experiment quantization shared-prefix --endpoint bf16=http://127.0.0.1:8000 "
+        "--endpoint w4a16=http://127.0.0.1:8001 --model simulated --out-dir quant/ --rates 2,4,8",
+    )
+    quant.add_argument("trace", metavar="TRACE", help=f"a trace file, or '{run.SHARED_PREFIX}'")
+    quant.add_argument(
+        "--endpoint",
+        action="append",
+        required=True,
+        metavar="NAME=URL",
+        help="an endpoint to compare, twice or more; the first is the baseline",
+    )
+    quant.add_argument("--model", required=True, help="the served model name (the same on every endpoint)")
+    quant.add_argument("--api-key", help="bearer token for the endpoints")
+    quant.add_argument("--timeout", type=float, default=600, help="seconds one request may take (600)")
+    quant.add_argument("--out-dir", type=Path, required=True, help="where each run's records go")
+    quant.add_argument("--concurrency", type=int, default=8, help="experiment 1: requests in flight (8)")
+    quant.add_argument("--rates", help="experiment 2: requests per second, comma-separated (none: skip)")
+    quant.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT target, seconds (2)")
+    quant.add_argument(
+        "--slo-itl", type=float, default=0.05, help="mean inter-token latency target, s (0.05)"
+    )
+    quant.add_argument("--slo-attainment", type=float, default=0.9, help="share that must meet both (0.9)")
+    quant.add_argument("--long-context", type=int, default=4096, help="prompts this long are long (4096)")
+    quant.add_argument("--max-output-tokens", type=int, help="cap the trace's output lengths")
+    quant.add_argument("--json", action="store_true", help="print the report as JSON")
+    _traffic_flags(quant)
+    quant.set_defaults(run=_quantization, warmup_trace=None)
+
 
 def _trace_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -73,6 +108,10 @@ def _trace_flags(parser: argparse.ArgumentParser) -> None:
         "--measure-from", type=float, metavar="T", help="trace seconds where measuring begins"
     )
     parser.add_argument("--warmup-trace", metavar="FILE", help="warm up with this trace instead")
+    _traffic_flags(parser)
+
+
+def _traffic_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="token ids below it (32000)"
     )
@@ -240,4 +279,49 @@ def _prefix_cache(args: argparse.Namespace) -> int:
             "\nReuse is not speedup: a warm arm's cached tokens save prefill work, and TTFT falls only "
             "where prefill, not queueing, was the wait."
         )
+    return 0
+
+
+def _quantization(args: argparse.Namespace) -> int:
+    from kvlens.experiment import quantization
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    requests, _, block_size = _requests(args)
+    prompts = PromptSynthesizer(block_size, args.vocab_size, args.seed)
+    endpoints = quantization.endpoints_from(
+        args.endpoint, lambda url: Endpoint(url.rstrip("/"), args.model, args.api_key, args.timeout)
+    )
+    targets = quantization.Targets(args.slo_ttft, args.slo_itl, args.slo_attainment, args.long_context)
+    if args.concurrency < 1:
+        raise ExperimentError("--concurrency must be at least 1")
+    rates = quantization.parse_rates(args.rates) if args.rates else None
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    fixed = quantization.fixed_work(
+        endpoints,
+        requests,
+        prompts,
+        args.out_dir,
+        concurrency=args.concurrency,
+        targets=targets,
+        max_output_tokens=args.max_output_tokens,
+    )
+    load = (
+        quantization.rising_load(
+            endpoints,
+            requests,
+            prompts,
+            args.out_dir,
+            rates=rates,
+            targets=targets,
+            max_output_tokens=args.max_output_tokens,
+            seed=args.seed,
+        )
+        if rates
+        else None
+    )
+    result = quantization.report(fixed, load, targets, next(iter(endpoints)))
+    print(
+        json.dumps(result, indent=2) if args.json else quantization.text(result),
+        end="\n" if args.json else "",
+    )
     return 0

@@ -383,3 +383,67 @@ def test_ctrl_c_leaves_a_complete_valid_file(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in text.splitlines()]
     assert len(rows) >= 3
     assert all("cached_tokens" in r for r in rows)
+
+
+def test_quantization_w4a16_holds_a_higher_rate_for_the_reason_the_model_gives(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two simulated servers that differ only in the bytes a decode step reads (a 70B model: BF16
+    140 GB, W4A16 40 GB; at 4.8 TB/s, steps of about 29 ms and 8 ms): with a 20 ms inter-token
+    target the W4A16 one meets it and the BF16 one cannot, at the same KV capacity (measured
+    here: mean gaps of about 14 ms and 43 ms with the KV reads and batching; target 25 ms)."""
+    shape = ("--block-size", "16", "--capacity-blocks", "4000")
+    bf16 = simulated("--weight-bytes", "140GB", *shape)
+    w4a16 = simulated("--weight-bytes", "40GB", *shape)
+    try:
+        code = main(
+            [
+                "experiment",
+                "quantization",
+                "shared-prefix",
+                "--model",
+                "simulated",
+                "--endpoint",
+                f"bf16={bf16.url}",
+                "--endpoint",
+                f"w4a16={w4a16.url}",
+                "--out-dir",
+                str(tmp_path),
+                "--requests",
+                "24",
+                "--output-tokens",
+                "16",
+                "--concurrency",
+                "4",
+                "--prefix-tokens",
+                "256",
+                "--suffix-tokens",
+                "64",
+                "--rates",
+                "2,4",
+                "--slo-itl",
+                "0.025",
+                "--slo-ttft",
+                "2",
+                "--slo-attainment",
+                "0.8",
+                "--json",
+            ]
+        )
+    finally:
+        bf16.output()
+        w4a16.output()
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["schema"] == "kvlens.quantization/v1"
+    fixed = result["fixed_work"]
+    assert set(fixed) == {"bf16", "w4a16"} and set(fixed["bf16"]) == {"short"}
+    assert (
+        fixed["w4a16"]["short"]["itl_p99_seconds_median"] < fixed["bf16"]["short"]["itl_p99_seconds_median"]
+    )
+    load = result["rising_load"]
+    assert [step["rate"] for step in load["steps"]["w4a16"]] == [2.0, 4.0]
+    assert load["highest_rate"] == {"bf16": None, "w4a16": 4.0}
+    (why,) = load["attribution"]
+    assert why.startswith("w4a16 holds 4 req/s, bf16 0: faster steps")
+    assert len(list(tmp_path.glob("rate-*.jsonl"))) == 4

@@ -8,9 +8,9 @@ the client itself behind) starts as soon as it can and is recorded as **late** w
 silently shifted.
 
 Measured per request, on the client's monotonic clock: the send time and its lag behind schedule,
-TTFT (the first chunk carrying text), the gaps between later chunks (inter-token latency, p50 and
-p99 per request), end to end, and from the answer's ``usage``: prompt tokens and
-``prompt_tokens_details.cached_tokens``. A server that leaves ``cached_tokens`` out (vLLM without
+TTFT (the first chunk carrying text), the gaps between later chunks (inter-token latency: p50,
+p99 and their mean, vLLM's time per output token), end to end, and from the answer's ``usage``:
+prompt tokens and ``prompt_tokens_details.cached_tokens``. A server that leaves ``cached_tokens`` out (vLLM without
 ``--enable-prompt-tokens-details``) is said once; the record then has no ``cached_tokens`` unless
 ``missing_cached_is_zero``. A request that fails (an HTTP status, a timeout, a reset, a malformed
 stream) is recorded with ``error`` and no timings, so it never enters a latency figure.
@@ -267,6 +267,7 @@ def _fill(record: dict[str, Any], stream: _Stream, endpoint: Endpoint, progress:
     if gaps.size:
         record["client_itl_p50_seconds"] = float(np.percentile(gaps, 50))
         record["client_itl_p99_seconds"] = float(np.percentile(gaps, 99))
+        record["client_tpot_seconds"] = float(gaps.mean())  # vLLM's time per output token
     usage = stream.usage or {}
     if isinstance(usage.get("prompt_tokens"), int):
         record["prompt_tokens"] = usage["prompt_tokens"]
