@@ -7,13 +7,14 @@ server builds a queue (as production traffic would) instead of slowing the arriv
 the client itself behind) starts as soon as it can and is recorded as **late** with its lag, never
 silently shifted.
 
-Measured per request, on the client's monotonic clock: the send time and its lag behind schedule,
-TTFT (the first chunk carrying text), the gaps between later chunks (inter-token latency: p50,
-p99 and their mean, vLLM's time per output token), end to end, and from the answer's ``usage``:
-prompt tokens and ``prompt_tokens_details.cached_tokens``. A server that leaves ``cached_tokens``
-out (vLLM without ``--enable-prompt-tokens-details``) is said once; the record then has no
-``cached_tokens`` unless ``missing_cached_is_zero``. A request that fails (an HTTP status, a timeout, a reset, a malformed
-stream) is recorded with ``error`` and no timings, so it never enters a latency figure.
+Measured per request, on the client's monotonic clock: the send time and its lag behind
+schedule, TTFT (the first chunk carrying text), the gaps between later chunks (inter-token
+latency: p50, p99 and their mean, vLLM's time per output token), end to end, and from the
+answer's ``usage``: prompt tokens and ``prompt_tokens_details.cached_tokens``. A server that
+leaves ``cached_tokens`` out (vLLM without ``--enable-prompt-tokens-details``) is said once; the
+record then has no ``cached_tokens`` unless ``missing_cached_is_zero``. A request that fails (an
+HTTP status, a timeout, a reset, a malformed stream) is recorded with ``error`` and no timings,
+so it never enters a latency figure.
 """
 
 from __future__ import annotations
