@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvlens.cli import main
+from kvlens.experiment import protocol
 from kvlens.simulate.trace import BUNDLED
 from tests.live import Running, free_port, start_kvlens
 
@@ -447,3 +448,13 @@ def test_quantization_w4a16_holds_a_higher_rate_for_the_reason_the_model_gives(
     (why,) = load["attribution"]
     assert why.startswith("w4a16 holds 4 req/s, bf16 0: faster steps")
     assert len(list(tmp_path.glob("rate-*.jsonl"))) == 4
+
+
+def test_the_engines_block_size_is_read_and_a_trace_that_does_not_fit_it_is_said(server: Running) -> None:
+    engine = protocol.engine_block_size(server.url)
+    assert engine == 16
+    assert protocol.block_size_warning(512, engine) is None
+    assert protocol.block_size_warning(100, engine) == (
+        "the trace's blocks are 100 tokens, not a multiple of the engine's 16: the engine reuses "
+        "only the whole blocks of each shared prefix"
+    )

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvlens.errors import InputError
 from kvlens.experiment.client import MEASURE, Planned
@@ -121,3 +122,32 @@ def measured_window(
     if not measure:
         raise ExperimentError("the trace holds no request")
     return Window(warmup, measure, measure[0].arrival)
+
+
+def engine_block_size(url: str, api_key: str | None = None) -> int | None:
+    """The engine's KV block size from its ``/metrics`` (vLLM's ``vllm:cache_config_info``), or
+    None when it does not say."""
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        answer = httpx.get(f"{url}/metrics", headers=headers, timeout=10)
+        families = list(text_string_to_metric_families(answer.text)) if answer.status_code == 200 else []
+    except (httpx.HTTPError, ValueError):
+        return None
+    for family in families:
+        for sample in family.samples:
+            if sample.name == "vllm:cache_config_info" and sample.labels.get("block_size", "").isdigit():
+                return int(sample.labels["block_size"])
+    return None
+
+
+def block_size_warning(trace_block_size: int, engine: int | None) -> str | None:
+    """A trace's blocks must be whole engine blocks, or shared prefixes end mid-block and the
+    engine reuses less than the trace shares."""
+    if engine is None:
+        return None
+    if trace_block_size % engine:
+        return (
+            f"the trace's blocks are {trace_block_size} tokens, not a multiple of the engine's "
+            f"{engine}: the engine reuses only the whole blocks of each shared prefix"
+        )
+    return None

@@ -21,7 +21,9 @@ from kvlens.experiment.prompts import PromptSynthesizer
 from kvlens.experiment.protocol import (
     ExperimentError,
     Window,
+    block_size_warning,
     check_reachable,
+    engine_block_size,
     plan,
     reset_cache,
 )
@@ -134,6 +136,9 @@ def run_arm(
     """Replay the window against ``endpoint`` as arm ``name``, its records into ``out`` (and the
     warm-up's, when ``warm``, into ``out`` with ``.warmup`` before its suffix)."""
     check_reachable(endpoint.url, endpoint.api_key)
+    warning = block_size_warning(prompts.block_size, engine_block_size(endpoint.url, endpoint.api_key))
+    if warning:
+        log.warning("%s", warning)
     reset_by = None
     if reset:
         reset_by = reset_cache(endpoint.url, endpoint.api_key)
