@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvlens.analysis.report import Derived
+from kvlens.config import Settings
 from kvlens.records import RecordBatch
 
 SCHEMA = "kvlens.compare/v1"
@@ -27,6 +28,26 @@ METRICS = ("ttft_seconds", "prefill_seconds")
 
 class ArmsDiffer(ValueError):
     """The arms do not replay the same request sequence."""
+
+
+class NoRecordsOfArm(ValueError):
+    """A file of several arms holds none of the arm asked for."""
+
+
+def load_arm(
+    name: str, path: str, settings: Settings, *, format_name: str | None = None, model: str | None = None
+) -> Arm:
+    """Arm ``name`` from a records file: all of it, or its records of that arm when the file holds
+    several (``kvlens simulate --emit-records``)."""
+    from kvlens.analysis import reader
+
+    batch = reader.read([path], format_name=format_name, model=model).batch
+    if any(arm is not None for arm in batch.arm):
+        batch = batch.select(np.array([arm == name for arm in batch.arm], dtype=bool))
+        if not len(batch):
+            raise NoRecordsOfArm(f"{path} has no records of arm {name!r}")
+    derived = Derived.of(batch, settings.prompt_length_edges, settings.cost_model_for, settings.default_model)
+    return Arm(name, derived)
 
 
 @dataclass(frozen=True)

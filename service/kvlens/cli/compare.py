@@ -7,8 +7,6 @@ import json
 import sys
 from typing import Any
 
-import numpy as np
-
 from kvlens.cli.common import input_flags
 from kvlens.config import load_settings
 
@@ -30,8 +28,7 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvlens.analysis import compare, reader
-    from kvlens.analysis.report import Derived
+    from kvlens.analysis import compare
 
     settings = load_settings(args.config)
     arms = []
@@ -40,17 +37,13 @@ def run(args: argparse.Namespace) -> int:
         if not separator or not name or not path:
             print(f"kvlens: --arm takes NAME=FILE, not {spec!r}", file=sys.stderr)
             return 2
-        read = reader.read([path], format_name=args.input_format, model=args.model)
-        batch = read.batch
-        if any(arm is not None for arm in batch.arm):  # a file of several arms (kvlens simulate)
-            batch = batch.select(np.array([arm == name for arm in batch.arm], dtype=bool))
-            if not len(batch):
-                print(f"kvlens compare: {path} has no records of arm {name!r}", file=sys.stderr)
-                return 2
-        derived = Derived.of(
-            batch, settings.prompt_length_edges, settings.cost_model_for, settings.default_model
-        )
-        arms.append(compare.Arm(name, derived))
+        try:
+            arms.append(
+                compare.load_arm(name, path, settings, format_name=args.input_format, model=args.model)
+            )
+        except compare.NoRecordsOfArm as error:
+            print(f"kvlens compare: {error}", file=sys.stderr)
+            return 2
     try:
         result = compare.compare(arms, warmup=args.warmup, warmup_until=args.warmup_until)
     except compare.ArmsDiffer as error:

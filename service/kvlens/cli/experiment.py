@@ -1,0 +1,163 @@
+"""``kvlens experiment``: the articles' experiments (prefix-cache arms; BF16 vs W4A16) against
+endpoints."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvlens.cli.replay import (
+    endpoint,
+    endpoint_flags,
+    progress_line,
+    pusher,
+    read_requests,
+    setup,
+    summary,
+    trace_flags,
+    traffic_flags,
+)
+from kvlens.config import load_settings
+from kvlens.experiment import run as arms
+from kvlens.experiment.client import Endpoint
+from kvlens.experiment.prompts import PromptSynthesizer
+from kvlens.experiment.protocol import ExperimentError
+
+
+def add_parser(commands: Any) -> None:
+    experiment = commands.add_parser("experiment", help="the articles' experiments against endpoints")
+    kinds = experiment.add_subparsers(required=True, metavar="EXPERIMENT")
+    prefix = kinds.add_parser(
+        "prefix-cache",
+        help="cache off / cold / warm under the same arrivals, then a compare report",
+        description="Runs the off arm (when --off-endpoint is given), then cold (cache emptied) and "
+        "warm (emptied, warmed by the traffic before --measure-from, timed apart) on --endpoint, "
+        "one records file per arm in --out-dir, and prints the compare report.",
+        epilog="example: kvlens experiment prefix-cache shared-prefix --endpoint http://127.0.0.1:8000 "
+        "--off-endpoint http://127.0.0.1:8001 --model simulated --out-dir runs/",
+    )
+    trace_flags(prefix)
+    endpoint_flags(prefix)
+    prefix.add_argument("--off-endpoint", metavar="URL", help="the same model served without prefix caching")
+    prefix.add_argument("--out-dir", type=Path, required=True, help="where the arms' records go")
+    prefix.add_argument("--config", type=Path, help="YAML settings (prompt-length groups, cost models)")
+    prefix.add_argument("--json", action="store_true", help="print the compare result as JSON")
+    prefix.set_defaults(run=_prefix_cache)
+
+    quant = kinds.add_parser(
+        "quantization",
+        help="BF16 vs W4A16: fixed work at a fixed concurrency, then rising load against targets",
+        description="Experiment 1 sends every request at --concurrency to each endpoint (short and "
+        "long contexts apart; TTFT, inter-token latency and e2e apart). Experiment 2 (--rates) replays "
+        "the trace at each rate and reports attainment of --slo-ttft and --slo-itl, goodput, the "
+        "highest rate each endpoint holds, and whether a gain came from faster steps or more KV.",
+        epilog="example: kvlens experiment quantization shared-prefix --endpoint bf16=http://127.0.0.1:8000 "
+        "--endpoint w4a16=http://127.0.0.1:8001 --model simulated --out-dir quant/ --rates 2,4,8",
+    )
+    quant.add_argument("trace", metavar="TRACE", help=f"a trace file, or '{arms.SHARED_PREFIX}'")
+    quant.add_argument(
+        "--endpoint",
+        action="append",
+        required=True,
+        metavar="NAME=URL",
+        help="an endpoint to compare, twice or more; the first is the baseline",
+    )
+    quant.add_argument("--model", required=True, help="the served model name (the same on every endpoint)")
+    quant.add_argument("--api-key", help="bearer token for the endpoints")
+    quant.add_argument("--timeout", type=float, default=600, help="seconds one request may take (600)")
+    quant.add_argument("--out-dir", type=Path, required=True, help="where each run's records go")
+    quant.add_argument("--concurrency", type=int, default=8, help="experiment 1: requests in flight (8)")
+    quant.add_argument("--rates", help="experiment 2: requests per second, comma-separated (none: skip)")
+    quant.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT target, seconds (2)")
+    quant.add_argument(
+        "--slo-itl", type=float, default=0.05, help="mean inter-token latency target, s (0.05)"
+    )
+    quant.add_argument("--slo-attainment", type=float, default=0.9, help="share that must meet both (0.9)")
+    quant.add_argument("--long-context", type=int, default=4096, help="prompts this long are long (4096)")
+    quant.add_argument("--max-output-tokens", type=int, help="cap the trace's output lengths")
+    quant.add_argument("--json", action="store_true", help="print the report as JSON")
+    traffic_flags(quant)
+    quant.set_defaults(run=_quantization, warmup_trace=None)
+
+
+def _prefix_cache(args: argparse.Namespace) -> int:
+    from kvlens.analysis import compare
+
+    window, prompts, schedule = setup(args, warms=True)
+    settings = load_settings(args.config)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    with pusher(args.push) as push:
+        results, warnings = arms.prefix_cache_experiment(
+            endpoint(args, args.endpoint),
+            endpoint(args, args.off_endpoint) if args.off_endpoint else None,
+            window,
+            args.out_dir,
+            prompts,
+            schedule,
+            assume_empty=args.assume_empty,
+            push=push,
+            progress=progress_line,
+        )
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
+    for result in results:
+        print(summary(result), file=sys.stderr)
+    for warning in warnings:
+        print(f"kvlens experiment: {warning}", file=sys.stderr)
+    report = arms.compare_arms(results, settings)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(compare.markdown(report), end="")
+        print(
+            "\nReuse is not speedup: a warm arm's cached tokens save prefill work, and TTFT falls only "
+            "where prefill, not queueing, was the wait."
+        )
+    return 0
+
+
+def _quantization(args: argparse.Namespace) -> int:
+    from kvlens.experiment import quantization
+
+    requests, _, block_size = read_requests(args)
+    prompts = PromptSynthesizer(block_size, args.vocab_size, args.seed)
+    endpoints = quantization.endpoints_from(
+        args.endpoint, lambda url: Endpoint(url.rstrip("/"), args.model, args.api_key, args.timeout)
+    )
+    targets = quantization.Targets(args.slo_ttft, args.slo_itl, args.slo_attainment, args.long_context)
+    if args.concurrency < 1:
+        raise ExperimentError("--concurrency must be at least 1")
+    rates = quantization.parse_rates(args.rates) if args.rates else None
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    fixed = quantization.fixed_work(
+        endpoints,
+        requests,
+        prompts,
+        args.out_dir,
+        concurrency=args.concurrency,
+        targets=targets,
+        max_output_tokens=args.max_output_tokens,
+    )
+    load = (
+        quantization.rising_load(
+            endpoints,
+            requests,
+            prompts,
+            args.out_dir,
+            rates=rates,
+            targets=targets,
+            max_output_tokens=args.max_output_tokens,
+            seed=args.seed,
+        )
+        if rates
+        else None
+    )
+    result = quantization.report(fixed, load, targets, next(iter(endpoints)))
+    print(
+        json.dumps(result, indent=2) if args.json else quantization.text(result),
+        end="\n" if args.json else "",
+    )
+    return 0

@@ -1,0 +1,191 @@
+"""``kvlens replay``: one arm of a trace against an OpenAI-compatible endpoint; the flags and steps
+``kvlens experiment`` shares."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from kvlens.experiment import run as arms
+from kvlens.experiment.client import Endpoint, Progress
+from kvlens.experiment.prompts import DEFAULT_VOCAB_SIZE, PromptSynthesizer
+from kvlens.experiment.protocol import ExperimentError, Window, measured_window
+from kvlens.simulate.trace import TraceRequest, open_trace
+
+
+def add_parser(commands: Any) -> None:
+    replay = commands.add_parser(
+        "replay",
+        help="replay a trace against an OpenAI-compatible endpoint as one arm; kvlens records out",
+        description="Send a trace's requests (token-id prompts that keep its shared prefixes, its "
+        "lengths and arrivals) to an endpoint, open loop, and write one kvlens record per request.",
+        epilog="example: kvlens replay shared-prefix --endpoint http://127.0.0.1:8000 "
+        "--model simulated --arm cold --reset --out cold.jsonl",
+    )
+    trace_flags(replay)
+    endpoint_flags(replay)
+    replay.add_argument("--arm", required=True, help="the arm's name, written into each record")
+    replay.add_argument("--out", type=Path, required=True, metavar="RECORDS.jsonl", help="records file")
+    replay.add_argument("--reset", action="store_true", help="empty the endpoint's prefix cache first")
+    replay.add_argument(
+        "--warm", action="store_true", help="replay the warm-up (before --measure-from) first, apart"
+    )
+    replay.set_defaults(run=run)
+
+
+def trace_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "trace",
+        metavar="TRACE",
+        help=f"Mooncake, Bailian or kvlens-record JSONL, or '{arms.SHARED_PREFIX}' (built-in traffic)",
+    )
+    parser.add_argument("--speed", type=float, default=1.0, help="play the trace this much faster (1)")
+    parser.add_argument("--rate", type=float, help="requests per second instead of the trace's times")
+    parser.add_argument("--burstiness", type=float, default=1.0, help="with --rate: 1 Poisson, <1 burstier")
+    parser.add_argument("--max-output-tokens", type=int, help="cap the trace's output lengths")
+    parser.add_argument(
+        "--measure-from", type=float, metavar="T", help="trace seconds where measuring begins"
+    )
+    parser.add_argument("--warmup-trace", metavar="FILE", help="warm up with this trace instead")
+    traffic_flags(parser)
+
+
+def traffic_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="token ids below it (32000)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of prompts and --rate arrivals (0)")
+    parser.add_argument("--requests", type=int, default=200, help=f"{arms.SHARED_PREFIX}: how many (200)")
+    parser.add_argument("--groups", type=int, default=4, help=f"{arms.SHARED_PREFIX}: system prompts (4)")
+    parser.add_argument(
+        "--prefix-tokens", type=int, default=1024, help=f"{arms.SHARED_PREFIX}: shared (1024)"
+    )
+    parser.add_argument("--suffix-tokens", type=int, default=128, help=f"{arms.SHARED_PREFIX}: own (128)")
+    parser.add_argument("--output-tokens", type=int, default=32, help=f"{arms.SHARED_PREFIX}: output (32)")
+    parser.add_argument("--traffic-rate", type=float, default=4.0, help=f"{arms.SHARED_PREFIX}: per s (4)")
+
+
+def endpoint_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--endpoint", required=True, metavar="URL", help="the server's base URL (no /v1)")
+    parser.add_argument("--model", required=True, help="the served model name")
+    parser.add_argument("--api-key", help="bearer token for the endpoint")
+    parser.add_argument("--max-concurrency", type=int, default=256, help="requests in flight at most (256)")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds one request may take (600)")
+    parser.add_argument("--assume-empty", action="store_true", help="call an arm cold without a reset")
+    parser.add_argument(
+        "--missing-cached-is-zero", action="store_true", help="a usage without cached_tokens means 0"
+    )
+    parser.add_argument("--push", metavar="URL", help="also send the records to a kvlens serve")
+
+
+def read_requests(args: argparse.Namespace) -> tuple[list[TraceRequest], list[TraceRequest] | None, int]:
+    if args.trace == arms.SHARED_PREFIX:
+        traffic = arms.SharedPrefixTraffic(
+            args.requests,
+            args.groups,
+            args.prefix_tokens,
+            args.suffix_tokens,
+            args.output_tokens,
+            args.traffic_rate,
+            args.seed,
+        )
+        requests, block_size = traffic.trace(), arms.SHARED_PREFIX_BLOCK
+    else:
+        trace = open_trace(args.trace)
+        requests, block_size = list(trace.requests()), trace.block_size
+    warmup = None
+    if args.warmup_trace:
+        extra = open_trace(args.warmup_trace, block_size=block_size)
+        warmup = list(extra.requests())
+    return requests, warmup, block_size
+
+
+def setup(args: argparse.Namespace, *, warms: bool) -> tuple[Window, PromptSynthesizer, arms.Schedule]:
+    """``warms``: the run has a warm-up, so the trace is split (see ``protocol.split``); a single
+    arm that does not warm up measures the whole trace."""
+    requests, warmup, block_size = read_requests(args)
+    if warms or args.measure_from is not None or warmup is not None:
+        window = measured_window(requests, args.measure_from, warmup)
+    else:
+        window = measured_window(requests, -math.inf, None)
+    prompts = PromptSynthesizer(block_size, args.vocab_size, args.seed)
+    schedule = arms.Schedule(args.speed, args.rate, args.burstiness, args.max_output_tokens, args.seed)
+    return window, prompts, schedule
+
+
+def endpoint(args: argparse.Namespace, url: str) -> Endpoint:
+    if args.max_concurrency < 1:
+        raise ExperimentError("--max-concurrency must be at least 1")
+    return Endpoint(
+        url.rstrip("/"),
+        args.model,
+        args.api_key,
+        args.timeout,
+        args.max_concurrency,
+        args.missing_cached_is_zero,
+    )
+
+
+@contextlib.contextmanager
+def pusher(url: str | None) -> Iterator[Callable[[dict[str, Any]], None] | None]:
+    if not url:
+        yield None
+        return
+    from kvlens.sources.vllm_plugin import HttpSink, Shipper, plugin_settings
+
+    shipper = Shipper(HttpSink(url, plugin_settings({}).token), flush_seconds=0.5)
+    try:
+        yield shipper.offer
+    finally:
+        shipper.close(timeout=10)
+
+
+def progress_line(label: str, progress: Progress, total: int) -> None:
+    if sys.stderr.isatty():
+        print(
+            f"\r{label}: {progress.done}/{total} done, {progress.in_flight} in flight, "
+            f"{progress.late} late, {progress.errors} errors ",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def summary(result: arms.ArmResult) -> str:
+    progress = result.progress
+    lags = sorted(progress.lags)
+    p99 = lags[int(0.99 * (len(lags) - 1))] if lags else 0.0
+    text = (
+        f"arm {result.name}: {progress.done} requests -> {result.records} "
+        f"({progress.errors} errors, {progress.late} late, send lag p99 {p99 * 1000:.1f} ms)"
+    )
+    if result.warmup is not None:
+        text += f"; warm-up {result.warmup.done} requests -> {result.warmup_records}"
+    return text
+
+
+def run(args: argparse.Namespace) -> int:
+    window, prompts, schedule = setup(args, warms=args.warm)
+    with pusher(args.push) as push:
+        result = arms.run_arm(
+            args.arm,
+            endpoint(args, args.endpoint),
+            window,
+            args.out,
+            prompts,
+            schedule,
+            reset=args.reset,
+            assume_empty=args.assume_empty,
+            warm=args.warm,
+            push=push,
+            progress=progress_line,
+        )
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
+    print(summary(result))
+    return 0

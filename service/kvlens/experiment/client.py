@@ -1,0 +1,290 @@
+"""An open-loop client that replays planned requests against an OpenAI-compatible endpoint and
+writes one kvlens record per request as it ends.
+
+Open loop: each request is sent at its planned time whatever the endpoint is doing, so a slow
+server builds a queue (as production traffic would) instead of slowing the arrivals. At most
+``max_concurrency`` requests are in flight; a request that cannot start on time (no free slot, or
+the client itself behind) starts as soon as it can and is recorded as **late** with its lag, never
+silently shifted.
+
+Measured per request, on the client's monotonic clock: the send time and its lag behind
+schedule, TTFT (the first chunk carrying text), the gaps between later chunks (inter-token
+latency: p50, p99 and their mean, vLLM's time per output token), end to end, and from the
+answer's ``usage``: prompt tokens and ``prompt_tokens_details.cached_tokens``. A server that
+leaves ``cached_tokens`` out (vLLM without ``--enable-prompt-tokens-details``) is said once; the
+record then has no ``cached_tokens`` unless ``missing_cached_is_zero``. A request that fails (an
+HTTP status, a timeout, a reset, a malformed stream) is recorded with ``error`` and no timings,
+so it never enters a latency figure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import httpx
+import numpy as np
+import numpy.typing as npt
+import orjson
+
+from kvlens.experiment.prompts import PromptSynthesizer
+from kvlens.simulate.trace import TraceRequest
+
+log = logging.getLogger("kvlens.experiment")
+
+WARMUP = "warmup"
+MEASURE = "measure"
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One request of the replay: the trace's request, when to send it (seconds from the start of
+    the replay), how many tokens to generate, and its phase. Its token ids are drawn just before it
+    is sent (a trace's prompts held at once would not fit in memory)."""
+
+    request: TraceRequest
+    due: float
+    output_tokens: int
+    phase: str = MEASURE
+
+    @property
+    def index(self) -> int:
+        return self.request.index
+
+
+@dataclass
+class Progress:
+    """What the replay has done so far (read by a progress bar; written by one event loop)."""
+
+    sent: int = 0
+    done: int = 0
+    in_flight: int = 0
+    late: int = 0
+    errors: int = 0
+    missing_cached: int = 0
+    lags: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    url: str  # the server's base URL, without /v1
+    model: str
+    api_key: str | None = None
+    timeout_seconds: float = 600.0
+    max_concurrency: int = 256
+    missing_cached_is_zero: bool = False
+    late_after_seconds: float = 0.005  # a request sent this much after its time is counted late
+
+
+class RecordWriter:
+    """Appends each record as one JSON line and flushes it, so that an interrupted run keeps every
+    finished request, each line whole."""
+
+    def __init__(self, out: IO[bytes], push: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self._out = out
+        self._push = push
+        self.written = 0
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._out.write(orjson.dumps(record) + b"\n")
+        self._out.flush()
+        self.written += 1
+        if self._push is not None:
+            self._push(record)
+
+
+async def replay(
+    planned: Iterable[Planned],
+    prompts: PromptSynthesizer,
+    endpoint: Endpoint,
+    arm: str,
+    writer: RecordWriter,
+    progress: Progress | None = None,
+    *,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> Progress:
+    """Send every planned request at its time (open loop) and write its record as it ends."""
+    progress = progress or Progress()
+    slots = asyncio.Semaphore(endpoint.max_concurrency)
+    limits = httpx.Limits(
+        max_connections=endpoint.max_concurrency, max_keepalive_connections=endpoint.max_concurrency
+    )
+    headers = {"authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
+    timeout = httpx.Timeout(endpoint.timeout_seconds, connect=min(10.0, endpoint.timeout_seconds))
+    tasks: set[asyncio.Task[None]] = set()
+    async with httpx.AsyncClient(
+        base_url=endpoint.url, limits=limits, headers=headers, timeout=timeout, transport=transport
+    ) as client:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        wall_start = time.time()
+        for request in planned:
+            body = _body(endpoint.model, prompts.tokens(request.request), request.output_tokens)
+            delay = start + request.due - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            await slots.acquire()
+            sent = loop.time()
+            lag = max(0.0, sent - start - request.due)
+            progress.sent += 1
+            progress.in_flight += 1
+            progress.lags.append(lag)
+            if lag > endpoint.late_after_seconds:
+                progress.late += 1
+            timing = _Timing(sent, lag, wall_start + (sent - start))
+            task = asyncio.create_task(_one(client, endpoint, arm, request, body, timing, writer, progress))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            task.add_done_callback(lambda _: slots.release())
+        if tasks:
+            await asyncio.gather(*tasks)
+    return progress
+
+
+@dataclass(frozen=True)
+class _Timing:
+    sent: float  # the loop's clock
+    lag: float
+    wall: float  # unix seconds, for the record's arrival_time
+
+
+def _body(model: str, prompt: npt.NDArray[np.uint64], output_tokens: int) -> bytes:
+    """The request as vLLM's ``/v1/completions`` takes it; built before waiting for its time."""
+    return orjson.dumps(
+        {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": output_tokens,
+            "min_tokens": output_tokens,  # the trace's length, whatever the model would say
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+        option=orjson.OPT_SERIALIZE_NUMPY,
+    )
+
+
+async def _one(
+    client: httpx.AsyncClient,
+    endpoint: Endpoint,
+    arm: str,
+    request: Planned,
+    body: bytes,
+    timing: _Timing,
+    writer: RecordWriter,
+    progress: Progress,
+) -> None:
+    record: dict[str, Any] = {
+        "request_id": f"trace-{request.index}",  # the same in every arm: compare pairs them
+        "model": endpoint.model,
+        "prompt_tokens": request.request.prompt_tokens,
+        "arrival_time": round(timing.wall, 6),
+        "arm": arm,
+        "phase": request.phase,
+        "trace_index": request.index,
+        "client_scheduled_seconds": request.due,
+        "client_send_lag_seconds": timing.lag,
+    }
+    try:
+        stream = await _stream(client, body, timing.sent)
+    except _Failed as failure:
+        record["error"] = failure.reason
+        progress.errors += 1
+    else:
+        _fill(record, stream, endpoint, progress)
+    finally:
+        progress.in_flight -= 1
+    progress.done += 1
+    writer.write(record)
+
+
+class _Failed(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class _Stream:
+    token_times: list[float] = field(default_factory=list)  # loop-clock seconds after the send
+    usage: dict[str, Any] | None = None
+    end: float = math.nan
+
+
+async def _stream(client: httpx.AsyncClient, body: bytes, sent: float) -> _Stream:
+    loop = asyncio.get_running_loop()
+    result = _Stream()
+    try:
+        async with client.stream(
+            "POST", "/v1/completions", content=body, headers={"content-type": "application/json"}
+        ) as response:
+            if response.status_code != 200:
+                await response.aread()
+                raise _Failed(f"http_{response.status_code}")
+            done = False
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # blank separators, comments, event: lines
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                try:
+                    chunk = orjson.loads(data)
+                except orjson.JSONDecodeError:
+                    raise _Failed("malformed_stream") from None
+                if not isinstance(chunk, dict):
+                    raise _Failed("malformed_stream")
+                if "error" in chunk:
+                    raise _Failed("stream_error")
+                if any(isinstance(c, dict) and c.get("text") for c in chunk.get("choices") or ()):
+                    result.token_times.append(loop.time() - sent)
+                if isinstance(chunk.get("usage"), dict):
+                    result.usage = chunk["usage"]
+            if not done:
+                raise _Failed("stream_ended_early")
+    except httpx.TimeoutException:
+        raise _Failed("timeout") from None
+    except httpx.TransportError as error:
+        raise _Failed(f"transport_{type(error).__name__}") from None
+    result.end = loop.time() - sent
+    if not result.token_times:
+        raise _Failed("no_tokens")
+    return result
+
+
+def _fill(record: dict[str, Any], stream: _Stream, endpoint: Endpoint, progress: Progress) -> None:
+    ttft = stream.token_times[0]
+    record["ttft_seconds"] = ttft
+    record["e2e_seconds"] = stream.end
+    record["decode_seconds"] = stream.end - ttft
+    gaps = np.diff(np.asarray(stream.token_times))
+    record["output_tokens"] = len(stream.token_times)
+    if gaps.size:
+        record["client_itl_p50_seconds"] = float(np.percentile(gaps, 50))
+        record["client_itl_p99_seconds"] = float(np.percentile(gaps, 99))
+        record["client_tpot_seconds"] = float(gaps.mean())  # vLLM's time per output token
+    usage = stream.usage or {}
+    if isinstance(usage.get("prompt_tokens"), int):
+        record["prompt_tokens"] = usage["prompt_tokens"]
+    if isinstance(usage.get("completion_tokens"), int):
+        record["output_tokens"] = usage["completion_tokens"]
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if isinstance(cached, int):
+        record["cached_tokens"] = cached
+        return
+    if progress.missing_cached == 0:
+        log.warning(
+            "the endpoint reports no usage.prompt_tokens_details.cached_tokens (vLLM: start it with "
+            "--enable-prompt-tokens-details); records carry %s",
+            "cached_tokens 0" if endpoint.missing_cached_is_zero else "no cached_tokens",
+        )
+    progress.missing_cached += 1
+    if endpoint.missing_cached_is_zero:
+        record["cached_tokens"] = 0

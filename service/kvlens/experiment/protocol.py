@@ -1,0 +1,153 @@
+"""The articles' prefix-cache protocol: one fixed request sequence, three arms.
+
+- **off**: an endpoint started without prefix caching (``vllm serve --no-enable-prefix-caching``,
+  ``kvlens simulate serve --no-prefix-caching``); the runner checks that every cached count is 0;
+- **cold**: prefix caching on, the cache emptied first (``POST /reset_prefix_cache`` on vLLM in dev
+  mode, ``POST /flush_cache`` on SGLang); an endpoint that cannot be emptied is not called cold
+  unless the user says it is empty (``assume_empty``);
+- **warm**: emptied, then a warm-up that looks like real traffic (a separate warm-up trace, or the
+  part of the trace before ``measure_from``), recorded apart and timed apart (the measured window
+  starts when the warm-up has finished), then the measured window.
+
+Every arm sends the measured window with the same arrivals (seconds after the window's start).
+No arm is ever warmed with the requests it is about to measure: that would be a perfect cache
+built from knowledge of the future, which production never has.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvlens.errors import InputError
+from kvlens.experiment.client import MEASURE, Planned
+from kvlens.simulate.trace import TraceRequest
+
+log = logging.getLogger("kvlens.experiment")
+
+RESET_PATHS = ("/reset_prefix_cache", "/flush_cache")  # vLLM (dev mode), SGLang
+
+
+class ExperimentError(InputError):
+    """The experiment cannot run as asked (an endpoint down, an arm that cannot be what it says)."""
+
+
+@dataclass(frozen=True)
+class Window:
+    """The trace cut into the warm-up and the measured window."""
+
+    warmup: list[TraceRequest]
+    measure: list[TraceRequest]
+    measure_from: float  # trace seconds where the measured window starts
+
+
+def split(requests: Iterable[TraceRequest], measure_from: float | None) -> Window:
+    """Requests arriving before ``measure_from`` warm up, the rest are measured. Without it, the
+    first half of the requests (by arrival) warm up: the warm state then comes from earlier
+    traffic of the same workload, never from the requests about to be measured."""
+    ordered = list(requests)
+    if not ordered:
+        raise ExperimentError("the trace holds no request")
+    if measure_from is None:
+        measure_from = ordered[len(ordered) // 2].arrival
+    if math.isnan(measure_from):
+        raise ExperimentError("--measure-from must be a number of seconds")
+    warmup = [r for r in ordered if r.arrival < measure_from]
+    measure = [r for r in ordered if r.arrival >= measure_from]
+    if not measure:
+        raise ExperimentError(f"no request arrives at or after --measure-from {measure_from:g} s")
+    return Window(warmup, measure, measure_from)
+
+
+def plan(
+    requests: Iterable[TraceRequest],
+    *,
+    start: float,
+    speed: float = 1.0,
+    max_output_tokens: int | None = None,
+    phase: str = MEASURE,
+) -> Iterator[Planned]:
+    """Each request sent ``(arrival - start) / speed`` seconds after the replay starts, asking for
+    the trace's output length (capped at ``max_output_tokens``)."""
+    if not (math.isfinite(speed) and speed > 0):
+        raise ExperimentError("--speed must be a positive number")
+    for request in requests:
+        output = max(1, request.output_tokens)
+        if max_output_tokens is not None:
+            output = min(output, max_output_tokens)
+        yield Planned(request, max(0.0, (request.arrival - start) / speed), output, phase)
+
+
+def check_reachable(url: str, api_key: str | None = None) -> list[str]:
+    """The endpoint's served model names; a clear error when it is down, before any arm runs."""
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        answer = httpx.get(f"{url}/v1/models", headers=headers, timeout=10)
+    except httpx.HTTPError as error:
+        raise ExperimentError(f"{url} does not answer ({type(error).__name__}: {error})") from None
+    if answer.status_code != 200:
+        raise ExperimentError(f"{url}/v1/models answered {answer.status_code}")
+    try:
+        return [str(model["id"]) for model in answer.json()["data"]]
+    except (ValueError, KeyError, TypeError):
+        raise ExperimentError(f"{url}/v1/models is not an OpenAI model list") from None
+
+
+def reset_cache(url: str, api_key: str | None = None) -> str | None:
+    """Empty the endpoint's prefix cache; the path that did it, or None when none could."""
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    for path in RESET_PATHS:
+        try:
+            answer = httpx.post(f"{url}{path}", headers=headers, timeout=30)
+        except httpx.HTTPError:
+            continue
+        if answer.status_code == 200:
+            return path
+    return None
+
+
+def measured_window(
+    requests: Iterable[TraceRequest], measure_from: float | None, warmup: list[TraceRequest] | None
+) -> Window:
+    """The window of ``--warmup-trace`` (that file warms up; the whole trace is measured), or of
+    ``--measure-from`` (and its default, see :func:`split`)."""
+    if warmup is None:
+        return split(requests, measure_from)
+    measure = list(requests)
+    if not measure:
+        raise ExperimentError("the trace holds no request")
+    return Window(warmup, measure, measure[0].arrival)
+
+
+def engine_block_size(url: str, api_key: str | None = None) -> int | None:
+    """The engine's KV block size from its ``/metrics`` (vLLM's ``vllm:cache_config_info``), or
+    None when it does not say."""
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        answer = httpx.get(f"{url}/metrics", headers=headers, timeout=10)
+        families = list(text_string_to_metric_families(answer.text)) if answer.status_code == 200 else []
+    except (httpx.HTTPError, ValueError):
+        return None
+    for family in families:
+        for sample in family.samples:
+            if sample.name == "vllm:cache_config_info" and sample.labels.get("block_size", "").isdigit():
+                return int(sample.labels["block_size"])
+    return None
+
+
+def block_size_warning(trace_block_size: int, engine: int | None) -> str | None:
+    """A trace's blocks must be whole engine blocks, or shared prefixes end mid-block and the
+    engine reuses less than the trace shares."""
+    if engine is None:
+        return None
+    if trace_block_size % engine:
+        return (
+            f"the trace's blocks are {trace_block_size} tokens, not a multiple of the engine's "
+            f"{engine}: the engine reuses only the whole blocks of each shared prefix"
+        )
+    return None

@@ -1,0 +1,269 @@
+"""Running arms: a replay per arm into a records file, resets and checks around it, and the
+prefix-cache experiment's three arms handed to ``analysis/compare``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+from kvlens.analysis import compare
+from kvlens.config import Settings
+from kvlens.experiment.client import MEASURE, WARMUP, Endpoint, Planned, Progress, RecordWriter, replay
+from kvlens.experiment.prompts import PromptSynthesizer
+from kvlens.experiment.protocol import (
+    ExperimentError,
+    Window,
+    block_size_warning,
+    check_reachable,
+    engine_block_size,
+    plan,
+    reset_cache,
+)
+from kvlens.simulate.trace import TraceRequest
+
+log = logging.getLogger("kvlens.experiment")
+
+SHARED_PREFIX = "shared-prefix"  # the built-in trace's name on the command line
+SHARED_PREFIX_BLOCK = 16  # vLLM's block size
+
+
+@dataclass(frozen=True)
+class SharedPrefixTraffic:
+    """Groups of requests sharing a system prompt (``prefix_tokens``) and each adding its own
+    ``suffix_tokens``, arriving as a Poisson process at ``rate`` per second, a group drawn
+    uniformly for each: the article's workload in miniature."""
+
+    requests: int = 200
+    groups: int = 4
+    prefix_tokens: int = 1024
+    suffix_tokens: int = 128
+    output_tokens: int = 32
+    rate: float = 4.0
+    seed: int = 0
+
+    def trace(self) -> list[TraceRequest]:
+        if min(self.requests, self.groups, self.output_tokens) < 1 or self.prefix_tokens < 0:
+            raise ExperimentError("shared-prefix traffic needs requests, groups and output tokens >= 1")
+        if self.suffix_tokens < 1:
+            raise ExperimentError("shared-prefix traffic needs suffix tokens >= 1 (each prompt its own end)")
+        if not (math.isfinite(self.rate) and self.rate > 0):
+            raise ExperimentError("shared-prefix traffic needs a positive rate")
+        rng = np.random.default_rng(self.seed)
+        arrivals = np.cumsum(rng.exponential(1 / self.rate, self.requests)) - 1 / self.rate
+        groups = rng.integers(0, self.groups, self.requests)
+        length = self.prefix_tokens + self.suffix_tokens
+        shared = self.prefix_tokens // SHARED_PREFIX_BLOCK
+        requests = []
+        for index in range(self.requests):
+            # Keys stand for a block and its prefix: the group's blocks, then the request's own.
+            own = length // SHARED_PREFIX_BLOCK - shared
+            keys = [(1 << 62) | (int(groups[index]) << 32) | i for i in range(shared)]
+            keys += [(2 << 60) | (index << 24) | j for j in range(own)]
+            requests.append(
+                TraceRequest(index, float(max(0.0, arrivals[index])), length, self.output_tokens, tuple(keys))
+            )
+        return requests
+
+
+@dataclass(frozen=True)
+class ArmResult:
+    name: str
+    records: Path
+    progress: Progress
+    warmup_records: Path | None = None
+    warmup: Progress | None = None
+    reset: str | None = None  # the path that emptied the cache
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How the measured window is sent: the trace's times scaled by ``speed``, or ``rate`` requests
+    per second (gamma inter-arrivals of shape ``burstiness``: 1 is Poisson, below 1 burstier)."""
+
+    speed: float = 1.0
+    rate: float | None = None
+    burstiness: float = 1.0
+    max_output_tokens: int | None = None
+    seed: int = 0
+
+    def planned(self, requests: list[TraceRequest], phase: str) -> list[Planned]:
+        start = requests[0].arrival if requests else 0.0
+        planned = list(
+            plan(
+                requests, start=start, speed=self.speed, max_output_tokens=self.max_output_tokens, phase=phase
+            )
+        )
+        if self.rate is None:
+            return planned
+        if not (
+            math.isfinite(self.rate)
+            and self.rate > 0
+            and math.isfinite(self.burstiness)
+            and self.burstiness > 0
+        ):
+            raise ExperimentError("--rate and --burstiness must be positive numbers")
+        rng = np.random.default_rng(self.seed)
+        gaps = rng.gamma(self.burstiness, 1 / (self.rate * self.burstiness), len(planned))
+        dues = np.concatenate([[0.0], np.cumsum(gaps[1:])]) if planned else gaps
+        return [
+            Planned(p.request, float(due), p.output_tokens, p.phase)
+            for p, due in zip(planned, dues, strict=True)
+        ]
+
+
+def run_arm(
+    name: str,
+    endpoint: Endpoint,
+    window: Window,
+    out: Path,
+    prompts: PromptSynthesizer,
+    schedule: Schedule,
+    *,
+    reset: bool = False,
+    assume_empty: bool = False,
+    warm: bool = False,
+    push: Callable[[dict[str, Any]], None] | None = None,
+    progress: Callable[[str, Progress, int], None] | None = None,
+) -> ArmResult:
+    """Replay the window against ``endpoint`` as arm ``name``, its records into ``out`` (and the
+    warm-up's, when ``warm``, into ``out`` with ``.warmup`` before its suffix)."""
+    check_reachable(endpoint.url, endpoint.api_key)
+    warning = block_size_warning(prompts.block_size, engine_block_size(endpoint.url, endpoint.api_key))
+    if warning:
+        log.warning("%s", warning)
+    reset_by = None
+    if reset:
+        reset_by = reset_cache(endpoint.url, endpoint.api_key)
+        if reset_by is None and not assume_empty:
+            raise ExperimentError(
+                f"{endpoint.url} cannot empty its prefix cache (POST /reset_prefix_cache needs vLLM's "
+                "VLLM_SERVER_DEV_MODE=1; SGLang has /flush_cache): arm "
+                f"{name!r} would not start cold. Restart the server, then pass --assume-empty"
+            )
+    warmup_path = warmup_progress = None
+    if warm:
+        if not window.warmup:
+            raise ExperimentError(f"arm {name!r} warms up, but no request arrives before --measure-from")
+        warmup_path = out.with_suffix(".warmup" + (out.suffix or ".jsonl"))
+        warmup_progress = _replay_into(
+            warmup_path, f"{name}", schedule.planned(window.warmup, WARMUP), endpoint, prompts, push, progress
+        )
+    measured = _replay_into(
+        out, name, schedule.planned(window.measure, MEASURE), endpoint, prompts, push, progress
+    )
+    return ArmResult(name, out, measured, warmup_path, warmup_progress, reset_by)
+
+
+def _replay_into(
+    path: Path,
+    arm: str,
+    planned: list[Planned],
+    endpoint: Endpoint,
+    prompts: PromptSynthesizer,
+    push: Callable[[dict[str, Any]], None] | None,
+    progress: Callable[[str, Progress, int], None] | None,
+) -> Progress:
+    state = Progress()
+    try:
+        out = path.open("wb")
+    except OSError as error:
+        raise ExperimentError(f"cannot write {path}: {error.strerror or error}") from None
+    with out:
+        writer = RecordWriter(out, push)
+        phase = planned[0].phase if planned else MEASURE
+        task = replay(planned, prompts, endpoint, arm, writer, state)
+        if progress is None:
+            asyncio.run(task)
+        else:
+            asyncio.run(_with_progress(task, lambda: progress(f"{arm} {phase}", state, len(planned))))
+    _in_trace_order(path)
+    return state
+
+
+def _in_trace_order(path: Path) -> None:
+    """Records are written as requests end (an interrupted run keeps them); a finished arm is
+    rewritten in the trace's order, which ``compare`` pairs position by position."""
+    lines = [line for line in path.read_bytes().splitlines() if line.strip()]
+    lines.sort(key=lambda line: int(orjson.loads(line)["trace_index"]))
+    staged = path.with_name(path.name + ".sorting")
+    staged.write_bytes(b"".join(line + b"\n" for line in lines))
+    staged.replace(path)
+
+
+async def _with_progress(task: Any, show: Callable[[], None]) -> None:
+    running = asyncio.ensure_future(task)
+    while not running.done():
+        show()
+        await asyncio.wait({running}, timeout=0.5)
+    show()
+    running.result()
+
+
+def prefix_cache_experiment(
+    endpoint: Endpoint,
+    off_endpoint: Endpoint | None,
+    window: Window,
+    out_dir: Path,
+    prompts: PromptSynthesizer,
+    schedule: Schedule,
+    *,
+    assume_empty: bool = False,
+    push: Callable[[dict[str, Any]], None] | None = None,
+    progress: Callable[[str, Progress, int], None] | None = None,
+) -> tuple[list[ArmResult], list[str]]:
+    """Off (when an endpoint without prefix caching is given), cold, then warm, in that order,
+    each into ``out_dir/ARM.jsonl``; the warnings to show (an off arm that hit the cache)."""
+    for each in (endpoint, off_endpoint):
+        if each is not None:
+            check_reachable(each.url, each.api_key)  # both, before any arm runs
+    results, warnings = [], []
+    arms: list[tuple[str, Endpoint, bool]] = [("cold", endpoint, False), ("warm", endpoint, True)]
+    if off_endpoint is not None:
+        arms.insert(0, ("off", off_endpoint, False))
+    for name, target, warm in arms:
+        result = run_arm(
+            name,
+            target,
+            window,
+            out_dir / f"{name}.jsonl",
+            prompts,
+            schedule,
+            reset=name != "off",
+            assume_empty=assume_empty,
+            warm=warm,
+            push=push,
+            progress=progress,
+        )
+        if name == "off" and (warning := off_check(result)):
+            warnings.append(warning)
+        results.append(result)
+    return results, warnings
+
+
+def compare_arms(results: list[ArmResult], settings: Settings) -> dict[str, Any]:
+    """``kvlens compare`` of the arms' measured windows, the first arm the baseline."""
+    arms = [compare.load_arm(result.name, str(result.records), settings) for result in results]
+    return compare.compare(arms)
+
+
+def off_check(result: ArmResult) -> str | None:
+    """A warning when an arm meant to run without prefix caching was served from cache."""
+    cached = 0
+    with result.records.open("rb") as lines:
+        for line in lines:
+            value = orjson.loads(line).get("cached_tokens") if line.strip() else None
+            cached += value if isinstance(value, int) else 0
+    if cached:
+        return (
+            f"arm {result.name!r}: the endpoint served {cached} prompt tokens from cache; it does not "
+            "run without prefix caching (vLLM: --no-enable-prefix-caching)"
+        )
+    return None
