@@ -88,6 +88,15 @@ def _parser() -> argparse.ArgumentParser:
         metavar="URL",
         help=f"a vLLM /metrics URL to reconcile with (repeatable; env {ENV_PREFIX}SCRAPE_TARGETS as JSON)",
     )
+    serve.add_argument(
+        "--kv-events",
+        action="append",
+        metavar="NAME=URL",
+        help="a replica's KV event publisher, e.g. r0=tcp://10.0.0.5:5557 (repeatable; kvlens[kv-events])",
+    )
+    serve.add_argument(
+        "--kv-events-shard", metavar="i/N", help="keep only shard i of N of the fleet's blocks"
+    )
     serve.set_defaults(run=_serve)
 
     run_demo = commands.add_parser(
@@ -249,10 +258,24 @@ def _settings(args: argparse.Namespace, **overrides: Any) -> Settings:
         host=args.host,
         port=args.port,
         scrape_targets=getattr(args, "scrape", None),
+        kv_events=_kv_events(getattr(args, "kv_events", None)),
+        kv_events_shard=getattr(args, "kv_events_shard", None),
         tails=_tails(
             getattr(args, "tail", None), getattr(args, "formats", None), getattr(args, "model", None)
         ),
     )
+
+
+def _kv_events(pairs: list[str] | None) -> list[dict[str, str]] | None:
+    if not pairs:
+        return None
+    publishers = []
+    for pair in pairs:
+        name, _, endpoint = pair.partition("=")
+        if not endpoint:
+            raise SettingsError("--kv-events takes NAME=URL, e.g. r0=tcp://10.0.0.5:5557")
+        publishers.append({"name": name, "endpoint": endpoint})
+    return publishers
 
 
 def _tails(

@@ -1,0 +1,274 @@
+"""Subscribe to the fleet's KV event publishers and feed the index (needs the ``kv-events`` extra).
+
+One thread runs every subscription: a ZeroMQ ``SUB`` socket per publisher (vLLM's default
+``tcp://*:5557`` binds, so kvlens connects to each replica), polled together. Each message is
+``[topic, sequence, payload]``:
+
+- the sequence (8 bytes, big-endian) starts at 0 per publisher and goes up by one. A jump forward
+  is a **gap** (the publisher's high-water mark dropped messages, or kvlens was slow): counted, and
+  repaired from the publisher's replay endpoint when one is configured (a ``DEALER`` sends the
+  first missing sequence to its ``ROUTER``, which answers the buffered ``[sequence, payload]``
+  frames and ends with sequence -1). A sequence that goes back (0, or lower than seen) is a
+  **restart**: the replica's blocks are all gone (as after ``AllBlocksCleared``);
+- a payload that is no ``EventBatch`` is counted and dropped; unknown events and fields are
+  counted and skipped (:func:`kvlens.fleet.wire.decode_batch`).
+
+A replay that does not answer within ``replay_timeout_seconds`` leaves the gap unrepaired (counted
+as such). Nothing here raises out of the thread: an unexpected error is logged and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Final
+
+from kvlens.fleet.index import FleetIndex, IndexSnapshot
+from kvlens.fleet.wire import MalformedPayload, apply, decode_batch
+
+log = logging.getLogger(__name__)
+END_SEQ: Final = -1
+MAX_REPLAY_FRAMES: Final = 100_000  # one replay answer at most (vLLM's buffer_steps is 10,000)
+
+
+@dataclass(frozen=True)
+class Publisher:
+    name: str  # the replica label
+    endpoint: str  # tcp://host:port of its PUB socket
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+
+@dataclass
+class PublisherStatus:
+    up: int = 0  # 1 while the SUB socket is connected to the publisher
+    next_seq: int | None = None
+    events: Counter[str] = field(default_factory=Counter)  # event type -> received
+    batches: int = 0
+    gaps: int = 0  # gaps seen
+    missed: int = 0  # batches lost in gaps not repaired
+    replays: int = 0  # replays asked
+    replayed: int = 0  # batches a replay brought back
+    restarts: int = 0
+    malformed_payloads: int = 0
+    malformed_events: int = 0
+    unknown_events: int = 0
+    unknown_fields: int = 0
+    last_message: float = 0.0
+
+
+class Consumer:
+    """The sequence-checking, decoding and applying half, without sockets (tested alone)."""
+
+    def __init__(self, index: FleetIndex, publishers: list[Publisher]) -> None:
+        self.index = index
+        self.status = {p.name: PublisherStatus() for p in publishers}
+
+    def message(
+        self, replica: str, seq: int, payload: bytes, replay: Callable[[int], list[tuple[int, bytes]]] | None
+    ) -> None:
+        """One message from ``replica``'s publisher; ``replay(first)`` fetches what a gap lost."""
+        status = self.status[replica]
+        expected = status.next_seq
+        if expected is not None and seq < expected:
+            status.restarts += 1
+            with self.index.lock:
+                self.index.cleared(replica)
+        elif expected is not None and seq > expected:
+            status.gaps += 1
+            repaired = False
+            if replay is not None:
+                status.replays += 1
+                frames = [(s, p) for s, p in replay(expected) if expected <= s < seq]
+                if [number for number, _ in frames] == list(range(expected, seq)):
+                    for _, replayed in frames:
+                        self._apply(replica, status, replayed)
+                    status.replayed += len(frames)
+                    repaired = True
+            if not repaired:
+                status.missed += seq - expected
+        self._apply(replica, status, payload)
+        status.next_seq = seq + 1
+
+    def _apply(self, replica: str, status: PublisherStatus, payload: bytes) -> None:
+        status.batches += 1
+        try:
+            decoded = decode_batch(payload)
+        except MalformedPayload:
+            status.malformed_payloads += 1
+            return
+        status.unknown_events += decoded.unknown_events
+        status.unknown_fields += decoded.unknown_fields
+        status.malformed_events += decoded.malformed_events
+        with self.index.lock:
+            for event in decoded.events:
+                status.events[str(event.__struct_config__.tag)] += 1
+                if not apply(self.index, replica, event):
+                    status.malformed_events += 1
+
+
+class KVEventsSource:
+    """The subscriptions' thread. ``start`` / ``stop`` from the app's lifespan."""
+
+    def __init__(
+        self,
+        consumer: Consumer,
+        publishers: list[Publisher],
+        *,
+        replay_timeout_seconds: float = 2.0,
+        poll_milliseconds: int = 100,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        import zmq  # the kv-events extra: imported only when a publisher is configured
+
+        self._zmq = zmq
+        self.consumer = consumer
+        self.publishers = publishers
+        self.replay_timeout_seconds = replay_timeout_seconds
+        self.poll_milliseconds = poll_milliseconds
+        self.clock = clock
+        self.errors = 0
+        self._context = zmq.Context()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.ready = threading.Event()  # set once every SUB socket is connected
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kvlens-kv-events", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._context.term()
+
+    def _run(self) -> None:
+        zmq = self._zmq
+        poller = zmq.Poller()
+        sockets: dict[Any, Publisher] = {}
+        monitors: dict[Any, Publisher] = {}
+        for publisher in self.publishers:
+            sub = self._context.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, publisher.topic.encode())
+            # PUB sends nothing while the engine is idle: the connection, not the traffic, says up
+            monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            sub.connect(publisher.endpoint)
+            sockets[sub] = publisher
+            monitors[monitor] = publisher
+            poller.register(sub, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
+        self.ready.set()
+        try:
+            while not self._stop.is_set():
+                for socket, _ in poller.poll(self.poll_milliseconds):
+                    publisher = sockets.get(socket) or monitors[socket]
+                    try:
+                        if socket in sockets:
+                            self._receive(socket, publisher)
+                        else:
+                            self._connection(socket, publisher)
+                    except Exception:  # a bug must not end the subscriptions
+                        log.exception("kvlens: KV events from %s failed", publisher.name)
+                        self.errors += 1
+        finally:
+            for sub in sockets:
+                sub.disable_monitor()
+                sub.close(0)
+            for monitor in monitors:
+                monitor.close(0)
+
+    def _connection(self, monitor: Any, publisher: Publisher) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        event = recv_monitor_message(monitor)["event"]
+        status = self.consumer.status[publisher.name]
+        status.up = 1 if event == self._zmq.EVENT_CONNECTED else 0
+
+    def _receive(self, sub: Any, publisher: Publisher) -> None:
+        zmq = self._zmq
+        for _ in range(1000):  # drain what is there, then let the other publishers have a turn
+            try:
+                frames = sub.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            status = self.consumer.status[publisher.name]
+            status.last_message = self.clock()
+            if len(frames) != 3 or len(frames[1]) != 8:
+                status.malformed_payloads += 1
+                continue
+            seq = int.from_bytes(frames[1], "big", signed=True)
+            replay = None if publisher.replay_endpoint is None else self._replayer(publisher)
+            self.consumer.message(publisher.name, seq, frames[2], replay)
+
+    def _replayer(self, publisher: Publisher) -> Callable[[int], list[tuple[int, bytes]]]:
+        zmq = self._zmq
+
+        endpoint = publisher.replay_endpoint
+        assert endpoint is not None
+
+        def replay(first: int) -> list[tuple[int, bytes]]:
+            socket = self._context.socket(zmq.DEALER)
+            socket.setsockopt(zmq.LINGER, 0)
+            try:
+                socket.connect(endpoint)
+                # A ROUTER sees [identity, empty, start] from a REQ; a DEALER adds the empty frame.
+                socket.send_multipart([b"", first.to_bytes(8, "big")])
+                frames: list[tuple[int, bytes]] = []
+                deadline = self.clock() + self.replay_timeout_seconds
+                while len(frames) < MAX_REPLAY_FRAMES:
+                    left = deadline - self.clock()
+                    if left <= 0 or not socket.poll(max(1, int(left * 1000))):
+                        return []  # no full answer: the gap stays unrepaired
+                    parts = socket.recv_multipart()
+                    if len(parts) != 3 or len(parts[1]) != 8:
+                        return []
+                    seq = int.from_bytes(parts[1], "big", signed=True)
+                    if seq == END_SEQ:
+                        return frames
+                    frames.append((seq, parts[2]))
+                return []
+            finally:
+                socket.close(0)
+
+        return replay
+
+
+@dataclass
+class KVEventsSnapshot:
+    index: IndexSnapshot
+    publishers: dict[str, PublisherStatus]
+    errors: int
+
+
+class KVEvents:
+    """The index, the consumer and (once started) the subscriptions: what ``serve`` runs and what
+    the collector reads."""
+
+    def __init__(self, publishers: list[Publisher], index: FleetIndex) -> None:
+        self.publishers = publishers
+        self.index = index
+        self.consumer = Consumer(index, publishers)
+        self.source: KVEventsSource | None = None
+
+    def start(self) -> None:
+        self.source = KVEventsSource(self.consumer, self.publishers)
+        self.source.start()
+
+    def stop(self) -> None:
+        if self.source is not None:
+            self.source.stop()
+
+    def snapshot(self) -> KVEventsSnapshot:
+        index = self.index.snapshot()
+        with self.index.lock:  # the consumer counts events under it
+            publishers = {
+                name: replace(status, events=Counter(status.events))
+                for name, status in self.consumer.status.items()
+            }
+        return KVEventsSnapshot(index, publishers, 0 if self.source is None else self.source.errors)

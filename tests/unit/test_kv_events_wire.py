@@ -1,0 +1,191 @@
+"""KV events as the engines encode them (their own struct definitions, tests/vllm_kv_events.py),
+decoded by kvlens; unknown and broken parts counted, never fatal; sequences, gaps, replays and
+restarts (the consumer half, without sockets)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+
+from kvlens.fleet.index import EVICTED_HERE, HELD_ELSEWHERE, NEW, FleetIndex
+from kvlens.fleet.source import Consumer, Publisher
+from kvlens.fleet.wire import MalformedPayload, apply, decode_batch
+from tests import vllm_kv_events as vllm
+
+TS = 1764600000.25
+FIRST = [128000, 128006, 9125, 128007]
+SECOND = [65535, 65536, 0, 127]
+
+
+def stored(hashes: list[Any], parent: Any, tokens: list[int], **extra: Any) -> vllm.BlockStored:
+    return vllm.BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=tokens,
+        block_size=4,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        **extra,
+    )
+
+
+def batch(*events: Any, rank: int | None = 0) -> bytes:
+    return vllm.encode(vllm.KVEventBatch(ts=TS, events=list(events), data_parallel_rank=rank))
+
+
+def test_vllm_events_round_trip() -> None:
+    payload = batch(
+        stored([11, 12], None, FIRST + SECOND, extra_keys=[("cache_salt", "s"), None], group_idx=0),
+        vllm.BlockRemoved(block_hashes=[12], medium="GPU"),
+        vllm.AllBlocksCleared(),
+    )
+    assert payload[0] == 0x93  # [ts, events, rank]: the array envelope
+    decoded = decode_batch(payload)
+    assert (decoded.ts, decoded.data_parallel_rank) == (TS, 0)
+    first, second, third = decoded.events
+    assert (first.block_hashes, first.parent_block_hash, first.token_ids) == ([11, 12], None, FIRST + SECOND)
+    assert (first.medium, first.extra_keys, first.group_idx) == ("GPU", [["cache_salt", "s"], None], 0)
+    assert (second.block_hashes, second.medium) == ([12], "GPU")
+    assert type(third).__name__ == "_Cleared"
+    assert (decoded.unknown_events, decoded.unknown_fields, decoded.malformed_events) == (0, 0, 0)
+
+
+def test_bytes_hashes_are_read_as_their_low_64_bits() -> None:
+    digest = bytes(range(32))
+    index = FleetIndex(hashes_alike=True)
+    for event in decode_batch(batch(stored([digest], None, FIRST))).events:
+        apply(index, "a", event)
+    assert index.holders(int.from_bytes(digest[-8:], "big")) == ["a"]
+
+
+def test_the_map_envelope_and_sglangs_array_events_decode_alike() -> None:
+    sglang = vllm.encode(
+        vllm.SGLangEventBatch(
+            ts=TS,
+            events=[
+                vllm.SGLangBlockStored(
+                    block_hashes=[1], parent_block_hash=None, token_ids=FIRST, block_size=4, lora_id=None
+                ),
+                vllm.SGLangBlockRemoved(block_hashes=[1]),
+                vllm.SGLangAllBlocksCleared(),
+            ],
+        )
+    )
+    as_map = vllm.encode(vllm.MapEventBatch(ts=TS, events=[stored([1], None, FIRST)]))
+    assert as_map[0] & 0xF0 == 0x80
+    index = FleetIndex()
+    events = decode_batch(sglang).events
+    assert [type(e).__name__ for e in events] == ["_StoredArray", "_RemovedArray", "_ClearedArray"]
+    assert (events[0].block_hashes, events[0].token_ids, events[0].medium) == ([1], FIRST, None)
+    for event in [*events, *decode_batch(as_map).events]:
+        assert apply(index, "a", event)
+    assert index.recomputed["a", NEW] == 1 and index.recomputed["a", EVICTED_HERE] == 1
+
+
+class FutureStored(vllm.KVCacheEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    priority: int = 0  # a field a later vLLM might add
+
+
+class BlockPinned(vllm.KVCacheEvent):
+    block_hashes: list[int]
+
+
+def test_unknown_fields_and_event_types_are_counted_and_skipped() -> None:
+    future = FutureStored([5], None, FIRST, 4, None, "GPU", None, priority=3)
+    payload = vllm.encode(
+        vllm.EventBatch(
+            ts=TS, events=[BlockPinned([5]), future, stored([6], 5, SECOND)], data_parallel_rank=0
+        )
+    )
+    decoded = decode_batch(payload)
+    assert (decoded.unknown_events, decoded.unknown_fields, decoded.malformed_events) == (1, 1, 0)
+    assert [e.block_hashes for e in decoded.events] == [[5], [6]]  # the future one's known fields
+
+
+def test_a_malformed_event_is_dropped_and_a_malformed_payload_raises() -> None:
+    bad = vllm.encode({"type": "BlockStored", "block_hashes": "not a list", "parent_block_hash": None})
+    payload = vllm.encode([TS, [msgspec.Raw(bad), msgspec.Raw(vllm.encode(stored([1], None, FIRST)))], 0])
+    decoded = decode_batch(payload)
+    assert (decoded.malformed_events, len(decoded.events)) == (1, 1)
+    for garbage in (b"", b"\xc1", b"\x93\x01", vllm.encode({"events": 3}), b"\xff" * 64):
+        with pytest.raises(MalformedPayload):
+            decode_batch(garbage)
+
+
+def test_a_block_whose_tokens_do_not_fill_it_is_refused() -> None:
+    index = FleetIndex()
+    (event,) = decode_batch(batch(stored([1, 2], None, FIRST))).events  # 4 tokens for 2 blocks
+    assert not apply(index, "a", event)
+    assert index.recomputed == {}
+
+
+# --- the consumer: sequences ------------------------------------------------------------------
+
+
+def consumer() -> Consumer:
+    return Consumer(FleetIndex(), [Publisher("a", "tcp://a:5557"), Publisher("b", "tcp://b:5557")])
+
+
+def test_a_gap_without_replay_is_counted_as_missed_batches() -> None:
+    c = consumer()
+    c.message("a", 0, batch(stored([1], None, FIRST)), None)
+    c.message("a", 3, batch(stored([2], 1, SECOND)), None)
+    status = c.status["a"]
+    assert (status.gaps, status.missed, status.replays, status.batches) == (1, 2, 0, 2)
+
+
+def test_a_gap_is_repaired_from_the_replay_endpoint() -> None:
+    c = consumer()
+    buffered = {1: batch(stored([1], None, FIRST)), 2: batch(vllm.BlockRemoved([1], "GPU"))}
+    asked: list[int] = []
+
+    def replay(first: int) -> list[tuple[int, bytes]]:
+        asked.append(first)
+        return [(seq, payload) for seq, payload in sorted(buffered.items()) if seq >= first]
+
+    c.message("a", 0, batch(), replay)
+    c.message("a", 3, batch(stored([1], None, FIRST)), replay)
+    status = c.status["a"]
+    assert asked == [1]
+    assert (status.gaps, status.missed, status.replays, status.replayed) == (1, 0, 1, 2)
+    assert c.index.recomputed["a", EVICTED_HERE] == 1  # stored, removed (replayed), stored again
+
+
+def test_a_replay_that_misses_part_of_the_gap_leaves_it_unrepaired() -> None:
+    c = consumer()
+    c.message("a", 0, batch(), None)
+    c.message("a", 4, batch(), lambda first: [(2, batch()), (3, batch())])  # 1 is gone
+    status = c.status["a"]
+    assert (status.gaps, status.missed, status.replayed) == (1, 3, 0)
+
+
+def test_a_publisher_restart_empties_that_replica_only() -> None:
+    c = consumer()
+    c.message("a", 0, batch(stored([1], None, FIRST)), None)
+    c.message("b", 0, batch(stored([9], None, FIRST)), None)
+    c.message("a", 1, batch(), None)
+    c.message("a", 0, batch(), None)  # the engine restarted: sequences begin again
+    assert c.status["a"].restarts == 1
+    assert c.index.snapshot().held == {("a", "GPU"): 0, ("b", "GPU"): 1}
+    c.message("a", 1, batch(stored([1], None, FIRST)), None)
+    assert c.index.recomputed["a", HELD_ELSEWHERE] == 1
+
+
+def test_malformed_payloads_and_events_are_counted_per_publisher() -> None:
+    c = consumer()
+    c.message("a", 0, b"\xc1\xc1", None)
+    c.message("a", 1, batch(stored([1, 2], None, FIRST)), None)  # tokens do not fill two blocks
+    c.message("a", 2, batch(BlockPinned([1])), None)
+    status = c.status["a"]
+    assert (status.malformed_payloads, status.malformed_events, status.unknown_events) == (1, 1, 1)
+    assert status.events == {"BlockStored": 1}
