@@ -116,8 +116,14 @@ def test_unbounded_replicas_recompute_what_another_one_held(
     assert causes[NEW] == len({key for r in requests for key in r.blocks}) * BLOCK
 
 
-def test_with_capacity_and_replicas_the_causes_cover_every_stored_block(requests: list[TraceRequest]) -> None:
+def test_with_capacity_and_replicas_the_causes_cover_every_stored_block(
+    requests: list[TraceRequest], reachable_tokens: int
+) -> None:
     outcome, index = run(requests, 4, 2000, "round_robin")
+    assert outcome.refused == 0
+    causes = by_cause(index)
+    lost = causes[HELD_ELSEWHERE] + causes[EVICTED_HERE] + causes[EVICTED_ELSEWHERE]
+    assert lost == reachable_tokens - outcome.totals.cached_tokens  # the whole gap, split by cause
     snapshot = index.snapshot()
     stored = sum(snapshot.stored.values())
     assert sum(by_cause(index, tokens=False).values()) == stored
