@@ -95,22 +95,28 @@ def kvlens(payloads: list[Message], replicas: int, alike: bool) -> Callable[[], 
 
 
 def memory(held: int, block_tokens: int, alike: bool) -> tuple[float, float, FleetIndex]:
-    """Bytes per held (block, replica) entry and per remembered block (tracemalloc)."""
+    """Bytes per held (block, replica) entry, everything the index keeps for it (tracemalloc),
+    and per remembered block (the remembered table and its age queue alone)."""
     tokens = list(range(block_tokens * 64))
+    chains = [list(range(first, first + 64)) for first in range(0, held - held % 64, 64)]
     gc.collect()
     tracemalloc.start()
     index = FleetIndex(hashes_alike=alike, remember_blocks=held, max_held_blocks=held)
     base = tracemalloc.get_traced_memory()[0]
-    for chain in range(held // 64):
-        first = chain * 64
-        index.stored("r0", list(range(first, first + 64)), None, tokens, block_tokens)
+    for chain in chains:
+        index.stored("r0", chain, None, tokens, block_tokens)
     holding = tracemalloc.get_traced_memory()[0] - base
-    for chain in range(held // 64):
-        first = chain * 64
-        index.removed("r0", list(range(first, first + 64)))
-    remembering = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
-    return holding / held, remembering / held, index
+    del chains
+    gc.collect()
+    tracemalloc.start()
+    remembering = FleetIndex(remember_blocks=held)
+    base = tracemalloc.get_traced_memory()[0]
+    for key in range(1 << 40, (1 << 40) + held):  # 64-bit-sized keys, as content keys are
+        remembering._remember(key, 1)
+    remembered = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    return holding / held, remembered / held, index
 
 
 def render_seconds(index: FleetIndex, replicas: int) -> float:
@@ -126,7 +132,9 @@ def render_seconds(index: FleetIndex, replicas: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--capacity", type=int, default=5000, help="trace blocks per replica")
     parser.add_argument("--block-tokens", type=int, default=16)

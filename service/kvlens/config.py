@@ -321,10 +321,14 @@ class Settings(BaseSettings):
         False, description="Every replica hashes blocks alike (same algorithm and seed): key by engine hash."
     )
     kv_events_remember_blocks: int = Field(
-        10_000_000, ge=0, description="Blocks remembered to have been held; the oldest are forgotten past it."
+        5_000_000,
+        ge=0,
+        description="Blocks remembered to have been held (about 93 bytes each); oldest forgotten past it.",
     )
     kv_events_max_held_blocks: int = Field(
-        10_000_000, ge=0, description="(block, replica, tier) holdings kept; past it, stores are not kept."
+        5_000_000,
+        ge=0,
+        description="(block, replica, tier) holdings kept (about 105 bytes each); stores past it not kept.",
     )
     kv_events_shard: str = Field(
         "0/1", description="i/N: keep only the blocks of shard i of N (N kvlens on the same publishers)."
