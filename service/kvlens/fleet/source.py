@@ -45,7 +45,7 @@ class Publisher:
 
 @dataclass
 class PublisherStatus:
-    up: int = 0  # 1 while the SUB socket is connected to the publisher
+    up: int = 0  # 1 while the SUB socket is connected to the publisher (handshake done)
     next_seq: int | None = None
     events: Counter[str] = field(default_factory=Counter)  # event type -> received
     batches: int = 0
@@ -156,8 +156,9 @@ class KVEventsSource:
             sub = self._context.socket(zmq.SUB)
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.SUBSCRIBE, publisher.topic.encode())
-            # PUB sends nothing while the engine is idle: the connection, not the traffic, says up
-            monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            # PUB sends nothing while the engine is idle: the connection, not the traffic, says up;
+            # a finished ZMTP handshake, not the TCP connect (anything that accepts TCP does that)
+            monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
             sub.connect(publisher.endpoint)
             sockets[sub] = publisher
             monitors[monitor] = publisher
@@ -188,7 +189,7 @@ class KVEventsSource:
 
         event = recv_monitor_message(monitor)["event"]
         status = self.consumer.status[publisher.name]
-        status.up = 1 if event == self._zmq.EVENT_CONNECTED else 0
+        status.up = 1 if event == self._zmq.EVENT_HANDSHAKE_SUCCEEDED else 0
 
     def _receive(self, sub: Any, publisher: Publisher) -> None:
         zmq = self._zmq
