@@ -22,6 +22,7 @@ class TestPublisher:
         self.context = zmq.Context()
         self.pub = self.context.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscriber's subscription, not the first only
         self.pub.bind(f"tcp://127.0.0.1:{port}")
         self.endpoint = f"tcp://127.0.0.1:{port}"
         self.topic = topic.encode()

@@ -9,13 +9,18 @@ import json
 import time
 from collections.abc import Callable, Iterator
 
+import msgspec
 import pytest
 
 from kvlens.fleet.index import EVICTED_HERE, HELD_ELSEWHERE, NEW, FleetIndex
+from kvlens.fleet.simulated import SimulatedEngine
 from kvlens.fleet.source import KVEvents, Publisher
+from kvlens.fleet.wire import KVEventBatch
+from kvlens.simulate.run import Fleet, simulate
+from kvlens.simulate.trace import BUNDLED, MOONCAKE, Trace
 from tests import vllm_kv_events as vllm
 from tests.kv_publisher import TestPublisher
-from tests.live import free_port, start_kvlens
+from tests.live import free_port, start_kvlens, total
 
 pytestmark = pytest.mark.integration
 FIRST, SECOND = [1, 2, 3, 4], [5, 6, 7, 8]
@@ -127,3 +132,51 @@ def test_serve_exports_the_causes_and_the_publishers_health(
     finally:
         out = kvlens.output()
     assert "Traceback" not in out
+
+
+def test_shards_sum_to_the_whole_over_real_processes() -> None:
+    """One simulated replica's events (capacity 1500 blocks, the first 800 requests of the bundled
+    trace) published to three ``kvlens serve``: one whole, and ``--kv-events-shard 0/2`` and
+    ``1/2``. Each cause sums exactly. One replica, because the causes depend on the order in
+    which a process sees different publishers' events, and separate processes may interleave
+    them differently (the index-level test checks several replicas in one order)."""
+    requests = list(Trace(str(BUNDLED), MOONCAKE, 512).requests())[:800]
+    encode = msgspec.msgpack.Encoder().encode
+    batches: list[bytes] = []
+    engine = SimulatedEngine(
+        "r0",
+        16,
+        lambda _, event: batches.append(encode(KVEventBatch(ts=1.0, events=[event], data_parallel_rank=0))),
+    )
+    simulate(requests, Fleet(1, 1500, 512), "round_robin", events=lambda i: engine)
+    publisher = TestPublisher(free_port())
+    flags = ("--kv-events", f"r0={publisher.endpoint}")
+    processes = [
+        start_kvlens("serve", *flags),
+        start_kvlens("serve", *flags, "--kv-events-shard", "0/2"),
+        start_kvlens("serve", *flags, "--kv-events-shard", "1/2"),
+    ]
+    try:
+        for _ in processes:
+            publisher.wait_subscribed()
+        for payload in batches:
+            publisher.publish(payload)
+        for process in processes:
+            assert process.wait_for("kvlens_kv_event_batches_total", len(batches), timeout=60) == len(batches)
+        whole, *shards = (process.samples() for process in processes)
+        name = "kvlens_kv_recomputed_tokens_total"
+        for cause in ("new", "evicted_here"):
+            assert sum(total(shard, name, cause=cause) for shard in shards) == total(whole, name, cause=cause)
+            assert all(
+                0 < total(shard, name, cause=cause) < total(whole, name, cause=cause) for shard in shards
+            )
+        for family in (
+            "kvlens_kv_blocks_stored_total",
+            "kvlens_kv_blocks_removed_total",
+            "kvlens_kv_blocks_held",
+        ):
+            assert sum(total(shard, family) for shard in shards) == total(whole, family), family
+    finally:
+        for process in processes:
+            process.output()
+        publisher.close()
