@@ -330,6 +330,12 @@ class Settings(BaseSettings):
         ge=0,
         description="(block, replica, tier) holdings kept (about 105 bytes each); stores past it not kept.",
     )
+    kv_events_reorder_seconds: float = Field(
+        0.25,
+        ge=0,
+        le=60,
+        description="Batches from different replicas are applied in timestamp order after this wait.",
+    )
     kv_events_shard: str = Field(
         "0/1", description="i/N: keep only the blocks of shard i of N (N kvlens on the same publishers)."
     )

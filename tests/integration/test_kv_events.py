@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import msgspec
 import pytest
@@ -135,41 +136,46 @@ def test_serve_exports_the_causes_and_the_publishers_health(
 
 
 def test_shards_sum_to_the_whole_over_real_processes() -> None:
-    """One simulated replica's events (capacity 1500 blocks, the first 800 requests of the bundled
-    trace) published to three ``kvlens serve``: one whole, and ``--kv-events-shard 0/2`` and
-    ``1/2``. Each cause sums exactly. One replica, because the causes depend on the order in
-    which a process sees different publishers' events, and separate processes may interleave
-    them differently (the index-level test checks several replicas in one order)."""
+    """The simulated fleet's events (4 replicas of 1500 blocks, round robin, the first 800
+    requests of the bundled trace; batches 100 us apart by their ``ts``) from 4 publishers to
+    three ``kvlens serve``: one whole, and ``--kv-events-shard 0/2`` and ``1/2``. Each process
+    applies the publishers' batches in ``ts`` order (the reorder window), so every cause of
+    every replica sums exactly."""
     requests = list(Trace(str(BUNDLED), MOONCAKE, 512).requests())[:800]
     encode = msgspec.msgpack.Encoder().encode
-    batches: list[bytes] = []
-    engine = SimulatedEngine(
-        "r0",
-        16,
-        lambda _, event: batches.append(encode(KVEventBatch(ts=1.0, events=[event], data_parallel_rank=0))),
-    )
-    simulate(requests, Fleet(1, 1500, 512), "round_robin", events=lambda i: engine)
-    publisher = TestPublisher(free_port())
-    flags = ("--kv-events", f"r0={publisher.endpoint}")
+    batches: list[tuple[int, bytes]] = []
+
+    def emit(replica: str, event: Any) -> None:
+        batch = KVEventBatch(ts=1e9 + len(batches) * 1e-4, events=[event], data_parallel_rank=0)
+        batches.append((int(replica[1:]), encode(batch)))
+
+    engines = [SimulatedEngine(f"r{i}", 16, emit) for i in range(4)]
+    simulate(requests, Fleet(4, 1500, 512), "round_robin", events=lambda i: engines[i])
+    publishers = [TestPublisher(free_port()) for _ in range(4)]
+    flags = [arg for i, p in enumerate(publishers) for arg in ("--kv-events", f"r{i}={p.endpoint}")]
     processes = [
         start_kvlens("serve", *flags),
         start_kvlens("serve", *flags, "--kv-events-shard", "0/2"),
         start_kvlens("serve", *flags, "--kv-events-shard", "1/2"),
     ]
     try:
-        for _ in processes:
-            publisher.wait_subscribed()
-        for payload in batches:
-            publisher.publish(payload)
+        for publisher in publishers:
+            for _ in processes:
+                publisher.wait_subscribed()
+        for replica, payload in batches:
+            publishers[replica].publish(payload)
         for process in processes:
             assert process.wait_for("kvlens_kv_event_batches_total", len(batches), timeout=60) == len(batches)
         whole, *shards = (process.samples() for process in processes)
         name = "kvlens_kv_recomputed_tokens_total"
-        for cause in ("new", "evicted_here"):
-            assert sum(total(shard, name, cause=cause) for shard in shards) == total(whole, name, cause=cause)
-            assert all(
-                0 < total(shard, name, cause=cause) < total(whole, name, cause=cause) for shard in shards
-            )
+        for replica in ("r0", "r1", "r2", "r3"):
+            for cause in ("new", "evicted_here", "held_elsewhere", "evicted_elsewhere"):
+                labels = {"replica": replica, "cause": cause}
+                assert sum(total(shard, name, **labels) for shard in shards) == total(
+                    whole, name, **labels
+                ), labels
+        assert total(whole, name, cause="held_elsewhere") > 0
+        assert all(0 < total(shard, name) < total(whole, name) for shard in shards)
         for family in (
             "kvlens_kv_blocks_stored_total",
             "kvlens_kv_blocks_removed_total",
@@ -179,4 +185,5 @@ def test_shards_sum_to_the_whole_over_real_processes() -> None:
     finally:
         for process in processes:
             process.output()
-        publisher.close()
+        for publisher in publishers:
+            publisher.close()

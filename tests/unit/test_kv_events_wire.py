@@ -189,3 +189,51 @@ def test_malformed_payloads_and_events_are_counted_per_publisher() -> None:
     status = c.status["a"]
     assert (status.malformed_payloads, status.malformed_events, status.unknown_events) == (1, 1, 1)
     assert status.events == {"BlockStored": 1}
+
+
+# --- ordering across publishers -----------------------------------------------------------------
+
+
+def at(ts: float, *events: Any) -> bytes:
+    return vllm.encode(vllm.KVEventBatch(ts=ts, events=list(events), data_parallel_rank=0))
+
+
+def test_without_a_window_batches_apply_in_arrival_order() -> None:
+    c = consumer()
+    c.message("a", 0, at(10.2, stored([1], None, FIRST)), None)
+    c.message("b", 0, at(10.1, stored([2], None, FIRST)), None)  # older, arrived later
+    assert c.index.recomputed == {("a", NEW): 1, ("b", HELD_ELSEWHERE): 1}
+
+
+def test_with_a_window_batches_of_replicas_apply_in_timestamp_order() -> None:
+    now = [0.0]
+    c = Consumer(
+        FleetIndex(),
+        [Publisher("a", "tcp://a:5557"), Publisher("b", "tcp://b:5557")],
+        reorder_seconds=0.5,
+        clock=lambda: now[0],
+    )
+    c.message("a", 0, at(10.2, stored([1], None, FIRST)), None)
+    c.message("b", 0, at(10.1, stored([2], None, FIRST)), None)
+    assert c.index.recomputed == {}  # both wait
+    c.message("a", 1, at(10.65, stored([3], None, SECOND)), None)  # 0.5 s newer than 10.1 only
+    assert c.index.recomputed == {("b", NEW): 1}
+    c.message("b", 1, at(10.71, stored([4], None, [7] * 4)), None)  # and than 10.2
+    assert c.index.recomputed == {("b", NEW): 1, ("a", HELD_ELSEWHERE): 1}
+    now[0] = 0.49
+    c.release(idle=True)
+    assert c.status["a"].batches == 1
+    now[0] = 0.5
+    c.release(idle=False)  # something may still be on its way: only a newer batch releases
+    assert c.status["a"].batches == 1
+    c.release(idle=True)
+    assert c.index.recomputed == {("b", NEW): 2, ("a", HELD_ELSEWHERE): 1, ("a", NEW): 1}
+
+
+def test_a_replica_whose_clock_steps_back_keeps_its_order() -> None:
+    c = Consumer(FleetIndex(), [Publisher("a", "tcp://a:5557")], reorder_seconds=1.0, clock=lambda: 0.0)
+    c.message("a", 0, at(5.0, stored([1], None, FIRST)), None)
+    c.message("a", 1, at(4.0, vllm.BlockRemoved([1], "GPU")), None)  # its clock went back
+    c.release(everything=True)
+    assert c.index.snapshot().held == {("a", "GPU"): 0}
+    assert c.index.unknown_removed == 0

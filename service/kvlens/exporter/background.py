@@ -44,6 +44,7 @@ class BackgroundSources:
                     max_held_blocks=settings.kv_events_max_held_blocks,
                     shard=parse_shard(settings.kv_events_shard),
                 ),
+                settings.kv_events_reorder_seconds,
             )
             if settings.kv_events
             else None

@@ -19,7 +19,9 @@ as such). Nothing here raises out of the thread: an unexpected error is logged a
 
 from __future__ import annotations
 
+import heapq
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 from kvlens.fleet.index import FleetIndex, IndexSnapshot
-from kvlens.fleet.wire import MalformedPayload, apply, decode_batch
+from kvlens.fleet.wire import Decoded, MalformedPayload, apply, decode_batch
 
 log = logging.getLogger(__name__)
 END_SEQ: Final = -1
@@ -62,11 +64,34 @@ class PublisherStatus:
 
 
 class Consumer:
-    """The sequence-checking, decoding and applying half, without sockets (tested alone)."""
+    """The sequence-checking, decoding, ordering and applying half, without sockets (tested alone).
 
-    def __init__(self, index: FleetIndex, publishers: list[Publisher]) -> None:
+    Publishers are independent: a process sees their batches interleaved as the network delivers
+    them, and two processes (shards) may see another interleaving, which changes causes
+    (which replica stored a block first). With ``reorder_seconds`` > 0 batches wait that long
+    and are applied in the order of their ``ts`` (the publisher's clock; ties by replica, then
+    arrival), a replica's own batches never reordered; a batch is released once a batch
+    ``reorder_seconds`` newer has arrived, or, when no publisher has anything more to read, once
+    it has waited that long by ``clock``. Processes that receive every batch within the window
+    then apply them in the same order."""
+
+    def __init__(
+        self,
+        index: FleetIndex,
+        publishers: list[Publisher],
+        *,
+        reorder_seconds: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.index = index
         self.status = {p.name: PublisherStatus() for p in publishers}
+        self.reorder_seconds = reorder_seconds
+        self.clock = clock
+        # (ts, replica, arrival, received at, decoded batch or None: the replica restarted)
+        self._waiting: list[tuple[float, str, int, float, Decoded | None]] = []
+        self._arrival = 0
+        self._newest = -math.inf
+        self._last_ts: dict[str, float] = {}
 
     def message(
         self, replica: str, seq: int, payload: bytes, replay: Callable[[int], list[tuple[int, bytes]]] | None
@@ -74,10 +99,11 @@ class Consumer:
         """One message from ``replica``'s publisher; ``replay(first)`` fetches what a gap lost."""
         status = self.status[replica]
         expected = status.next_seq
-        if expected is not None and seq < expected:
+        payloads = [payload]
+        restarted = expected is not None and seq < expected
+        if restarted:
             status.restarts += 1
-            with self.index.lock:
-                self.index.cleared(replica)
+            self._last_ts.pop(replica, None)
         elif expected is not None and seq > expected:
             status.gaps += 1
             repaired = False
@@ -85,22 +111,56 @@ class Consumer:
                 status.replays += 1
                 frames = [(s, p) for s, p in replay(expected) if expected <= s < seq]
                 if [number for number, _ in frames] == list(range(expected, seq)):
-                    for _, replayed in frames:
-                        self._apply(replica, status, replayed)
+                    payloads = [replayed for _, replayed in frames] + payloads
                     status.replayed += len(frames)
                     repaired = True
             if not repaired:
                 status.missed += seq - expected
-        self._apply(replica, status, payload)
         status.next_seq = seq + 1
+        now = self.clock()
+        clear_queued = False
+        for position, data in enumerate(payloads):
+            try:
+                decoded = decode_batch(data)
+            except MalformedPayload:
+                status.batches += 1
+                status.malformed_payloads += 1
+                continue
+            # a replica's batches keep their order even if its clock steps back
+            ts = max(decoded.ts, self._last_ts.get(replica, -math.inf))
+            self._last_ts[replica] = ts
+            if restarted and position == len(payloads) - 1:
+                self._wait(ts, replica, now, None)
+                clear_queued = True
+            self._wait(ts, replica, now, decoded)
+        if restarted and not clear_queued:  # the restarting batch was malformed
+            self._wait(self._newest, replica, now, None)
+        self.release(now, idle=False)
 
-    def _apply(self, replica: str, status: PublisherStatus, payload: bytes) -> None:
+    def _wait(self, ts: float, replica: str, now: float, decoded: Decoded | None) -> None:
+        heapq.heappush(self._waiting, (ts, replica, self._arrival, now, decoded))
+        self._arrival += 1
+        if ts > self._newest:
+            self._newest = ts
+
+    def release(self, now: float | None = None, *, idle: bool = True, everything: bool = False) -> None:
+        """Apply the batches whose wait is over: a newer batch came, or (``idle``: nothing left to
+        read, so nothing older is on its way) they waited long enough; all with ``everything``."""
+        now = self.clock() if now is None else now
+        waiting, window = self._waiting, self.reorder_seconds
+        while waiting:
+            ts, replica, _, received, decoded = waiting[0]
+            if not (everything or ts <= self._newest - window or (idle and received <= now - window)):
+                return
+            heapq.heappop(waiting)
+            if decoded is None:
+                with self.index.lock:
+                    self.index.cleared(replica)
+            else:
+                self._apply(replica, self.status[replica], decoded)
+
+    def _apply(self, replica: str, status: PublisherStatus, decoded: Decoded) -> None:
         status.batches += 1
-        try:
-            decoded = decode_batch(payload)
-        except MalformedPayload:
-            status.malformed_payloads += 1
-            return
         status.unknown_events += decoded.unknown_events
         status.unknown_fields += decoded.unknown_fields
         status.malformed_events += decoded.malformed_events
@@ -167,7 +227,10 @@ class KVEventsSource:
         self.ready.set()
         try:
             while not self._stop.is_set():
-                for socket, _ in poller.poll(self.poll_milliseconds):
+                ready = poller.poll(self.poll_milliseconds)
+                if not ready:
+                    self.consumer.release(idle=True)  # nothing older is on its way
+                for socket, _ in ready:
                     publisher = sockets.get(socket) or monitors[socket]
                     try:
                         if socket in sockets:
@@ -178,6 +241,7 @@ class KVEventsSource:
                         log.exception("kvlens: KV events from %s failed", publisher.name)
                         self.errors += 1
         finally:
+            self.consumer.release(everything=True)
             for sub in sockets:
                 sub.disable_monitor()
                 sub.close(0)
@@ -193,7 +257,7 @@ class KVEventsSource:
 
     def _receive(self, sub: Any, publisher: Publisher) -> None:
         zmq = self._zmq
-        for _ in range(1000):  # drain what is there, then let the other publishers have a turn
+        for _ in range(100):  # a few, then the other publishers' turn (their batches may be older)
             try:
                 frames = sub.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
@@ -251,10 +315,10 @@ class KVEvents:
     """The index, the consumer and (once started) the subscriptions: what ``serve`` runs and what
     the collector reads."""
 
-    def __init__(self, publishers: list[Publisher], index: FleetIndex) -> None:
+    def __init__(self, publishers: list[Publisher], index: FleetIndex, reorder_seconds: float = 0.0) -> None:
         self.publishers = publishers
         self.index = index
-        self.consumer = Consumer(index, publishers)
+        self.consumer = Consumer(index, publishers, reorder_seconds=reorder_seconds)
         self.source: KVEventsSource | None = None
 
     def start(self) -> None:
