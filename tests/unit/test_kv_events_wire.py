@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from kvlens.fleet.index import EVICTED_HERE, HELD_ELSEWHERE, NEW, FleetIndex
-from kvlens.fleet.source import Consumer, Publisher
+from kvlens.fleet.source import MAX_WAITING_BYTES, Consumer, Publisher
 from kvlens.fleet.wire import MalformedPayload, apply, decode_batch
 from tests import vllm_kv_events as vllm
 
@@ -237,3 +237,21 @@ def test_a_replica_whose_clock_steps_back_keeps_its_order() -> None:
     c.release(everything=True)
     assert c.index.snapshot().held == {("a", "GPU"): 0}
     assert c.index.unknown_removed == 0
+
+
+def test_the_reorder_window_holds_a_bounded_number_of_bytes() -> None:
+    c = Consumer(FleetIndex(), [Publisher("a", "tcp://a:5557")], reorder_seconds=60.0, clock=lambda: 0.0)
+    big = at(1.0, stored(list(range(1, 100_001)), None, [70_000] * 400_000))  # ts never moves
+    assert 1 << 20 < len(big) < MAX_WAITING_BYTES
+    held_back = MAX_WAITING_BYTES // len(big)
+    for seq in range(held_back + 3):
+        c.message("a", seq, big, None)
+    assert c.status["a"].batches == 3  # the oldest applied to stay within the bound
+    c.release(everything=True)
+    assert c.status["a"].batches == held_back + 3
+
+
+def test_a_payload_whose_stamp_reads_but_events_do_not_is_counted_when_applied() -> None:
+    c = consumer()
+    c.message("a", 0, vllm.encode([1.0, "not a list of events", 0]), None)
+    assert (c.status["a"].batches, c.status["a"].malformed_payloads) == (1, 1)

@@ -30,11 +30,18 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 from kvlens.fleet.index import FleetIndex, IndexSnapshot
-from kvlens.fleet.wire import Decoded, MalformedPayload, apply, decode_batch
+from kvlens.fleet.wire import MalformedPayload, apply, batch_ts, decode_batch
 
 log = logging.getLogger(__name__)
 END_SEQ: Final = -1
 MAX_REPLAY_FRAMES: Final = 100_000  # one replay answer at most (vLLM's buffer_steps is 10,000)
+# A message past this closes the connection (ZMQ_MAXMSGSIZE; ZeroMQ reconnects): a vLLM batch
+# is one engine step's events, well under a MiB.
+MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
+# Batches waiting for the reorder window (kept as received, read when applied) hold at most this
+# many bytes; past it the oldest are applied at once (a publisher whose timestamps do not move,
+# or a burst, cannot make kvlens hold more).
+MAX_WAITING_BYTES: Final = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -87,8 +94,9 @@ class Consumer:
         self.status = {p.name: PublisherStatus() for p in publishers}
         self.reorder_seconds = reorder_seconds
         self.clock = clock
-        # (ts, replica, arrival, received at, decoded batch or None: the replica restarted)
-        self._waiting: list[tuple[float, str, int, float, Decoded | None]] = []
+        # (ts, replica, arrival, received at, payload or None: the replica restarted, bytes)
+        self._waiting: list[tuple[float, str, int, float, bytes | None, int]] = []
+        self._waiting_bytes = 0
         self._arrival = 0
         self._newest = -math.inf
         self._last_ts: dict[str, float] = {}
@@ -121,25 +129,26 @@ class Consumer:
         clear_queued = False
         for position, data in enumerate(payloads):
             try:
-                decoded = decode_batch(data)
+                stamp = batch_ts(data)
             except MalformedPayload:
                 status.batches += 1
                 status.malformed_payloads += 1
                 continue
             # a replica's batches keep their order even if its clock steps back
-            ts = max(decoded.ts, self._last_ts.get(replica, -math.inf))
+            ts = max(stamp, self._last_ts.get(replica, -math.inf))
             self._last_ts[replica] = ts
             if restarted and position == len(payloads) - 1:
-                self._wait(ts, replica, now, None)
+                self._wait(ts, replica, now, None, 0)
                 clear_queued = True
-            self._wait(ts, replica, now, decoded)
+            self._wait(ts, replica, now, data, len(data))
         if restarted and not clear_queued:  # the restarting batch was malformed
-            self._wait(self._newest, replica, now, None)
+            self._wait(self._newest, replica, now, None, 0)
         self.release(now, idle=False)
 
-    def _wait(self, ts: float, replica: str, now: float, decoded: Decoded | None) -> None:
-        heapq.heappush(self._waiting, (ts, replica, self._arrival, now, decoded))
+    def _wait(self, ts: float, replica: str, now: float, payload: bytes | None, size: int) -> None:
+        heapq.heappush(self._waiting, (ts, replica, self._arrival, now, payload, size))
         self._arrival += 1
+        self._waiting_bytes += size
         if ts > self._newest:
             self._newest = ts
 
@@ -149,18 +158,29 @@ class Consumer:
         now = self.clock() if now is None else now
         waiting, window = self._waiting, self.reorder_seconds
         while waiting:
-            ts, replica, _, received, decoded = waiting[0]
-            if not (everything or ts <= self._newest - window or (idle and received <= now - window)):
+            ts, replica, _, received, payload, size = waiting[0]
+            if not (
+                everything
+                or ts <= self._newest - window
+                or (idle and received <= now - window)
+                or self._waiting_bytes > MAX_WAITING_BYTES
+            ):
                 return
             heapq.heappop(waiting)
-            if decoded is None:
+            self._waiting_bytes -= size
+            if payload is None:
                 with self.index.lock:
                     self.index.cleared(replica)
             else:
-                self._apply(replica, self.status[replica], decoded)
+                self._apply(replica, self.status[replica], payload)
 
-    def _apply(self, replica: str, status: PublisherStatus, decoded: Decoded) -> None:
+    def _apply(self, replica: str, status: PublisherStatus, payload: bytes) -> None:
         status.batches += 1
+        try:
+            decoded = decode_batch(payload)
+        except MalformedPayload:  # its ts was readable, its events are not
+            status.malformed_payloads += 1
+            return
         status.unknown_events += decoded.unknown_events
         status.unknown_fields += decoded.unknown_fields
         status.malformed_events += decoded.malformed_events
@@ -215,6 +235,7 @@ class KVEventsSource:
         for publisher in self.publishers:
             sub = self._context.socket(zmq.SUB)
             sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             sub.setsockopt(zmq.SUBSCRIBE, publisher.topic.encode())
             # PUB sends nothing while the engine is idle: the connection, not the traffic, says up;
             # a finished ZMTP handshake, not the TCP connect (anything that accepts TCP does that)

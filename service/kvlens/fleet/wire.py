@@ -193,6 +193,26 @@ class Decoded:
     malformed_events: int = 0  # events whose known fields are wrong, dropped
 
 
+class _Stamp(msgspec.Struct, array_like=True):
+    ts: float  # the rest of the array is left unread
+
+
+class _MapStamp(msgspec.Struct):
+    ts: float
+
+
+_stamp = msgspec.msgpack.Decoder(_Stamp)
+_map_stamp = msgspec.msgpack.Decoder(_MapStamp)
+
+
+def batch_ts(payload: bytes) -> float:
+    """A payload's ``ts`` alone (its events are read later); raises :class:`MalformedPayload`."""
+    try:
+        return (_stamp.decode(payload) if _is_array(payload) else _map_stamp.decode(payload)).ts
+    except (msgspec.DecodeError, msgspec.ValidationError) as error:
+        raise MalformedPayload(str(error)) from None
+
+
 def _is_array(raw: bytes | memoryview) -> bool:
     first = raw[0] if len(raw) else 0
     return 0x90 <= first <= 0x9F or first in (0xDC, 0xDD)
