@@ -4,5 +4,6 @@
   evicted_elsewhere; held_here, unknown);
 - :mod:`.wire`: vLLM's and SGLang's event format, decoded (and vLLM's structs, for publishing);
 - :mod:`.source`: ZeroMQ subscriptions, sequence gaps, replays and restarts (``kv-events`` extra);
-- :mod:`.simulated`: the simulator's caches as engines that publish KV events.
+- :mod:`.simulated`: the simulator's caches as engines that publish KV events;
+- :mod:`.modelled`: the causes without KV events, from records' prefix ids through modelled caches.
 """
