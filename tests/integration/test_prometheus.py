@@ -17,8 +17,8 @@ import httpx
 import orjson
 import pytest
 
+from kvlens.fleet.wire import BlockRemoved, BlockStored
 from kvlens.sources.demo import REPLAY_SHAPE
-from tests import vllm_kv_events as vllm
 from tests.article import article_records
 from tests.dashboards import DASHBOARDS, load, queries
 from tests.integration.conftest import Running, free_port, start_kvlens
@@ -74,11 +74,11 @@ def prometheus(tmp_path: Path, engine: str, kv_publisher: TestPublisher) -> Iter
     # One replica's KV events: a block stored, evicted and stored again (the fleet row has data).
     kv_publisher.wait_subscribed()
     for event in (
-        vllm.BlockStored([1], None, [1, 2, 3, 4], 4, None, "GPU", None),
-        vllm.BlockRemoved([1], "GPU"),
-        vllm.BlockStored([1], None, [1, 2, 3, 4], 4, None, "GPU", None),
+        BlockStored([1], None, [1, 2, 3, 4], 4, None, "GPU", None),
+        BlockRemoved([1], "GPU"),
+        BlockStored([1], None, [1, 2, 3, 4], 4, None, "GPU", None),
     ):
-        kv_publisher.publish(vllm.encode(vllm.KVEventBatch(ts=1.0, events=[event], data_parallel_rank=0)))
+        kv_publisher.publish_events([event])
     config = tmp_path / "prometheus.yml"
     config.write_text(
         orjson.dumps(

@@ -255,3 +255,34 @@ def test_a_payload_whose_stamp_reads_but_events_do_not_is_counted_when_applied()
     c = consumer()
     c.message("a", 0, vllm.encode([1.0, "not a list of events", 0]), None)
     assert (c.status["a"].batches, c.status["a"].malformed_payloads) == (1, 1)
+
+
+def test_kvlens_publishes_the_bytes_vllm_does() -> None:
+    """kvlens's copy of vLLM's structs (what ``simulate serve`` publishes with) encodes exactly as
+    the engine's own definitions do, defaults left out alike."""
+    from kvlens.fleet import wire
+
+    def both(cls: str, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        return getattr(wire, cls)(*args, **kwargs), getattr(vllm, cls)(*args, **kwargs)
+
+    cases = [
+        both("BlockStored", [1, 2], None, FIRST + SECOND, 4, None, "GPU", None),
+        both(
+            "BlockStored",
+            [b"\x01" * 32],
+            7,
+            FIRST,
+            4,
+            3,
+            "CPU",
+            "sql",
+            extra_keys=[("cache_salt", "s")],
+            group_idx=1,
+        ),
+        both("BlockRemoved", [1, 2], "GPU"),
+        both("BlockRemoved", [1], None, group_idx=2, locality="LOCAL"),
+        both("AllBlocksCleared"),
+    ]
+    ours = wire.KVEventBatch(ts=TS, events=[c[0] for c in cases], data_parallel_rank=3)
+    theirs = vllm.KVEventBatch(ts=TS, events=[c[1] for c in cases], data_parallel_rank=3)
+    assert msgspec.msgpack.Encoder().encode(ours) == vllm.encode(theirs)

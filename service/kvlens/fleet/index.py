@@ -95,6 +95,11 @@ def content_keys(
     salted), and 64 bits keep collisions unlikely (about 3e-6 for 10M blocks)."""
     keys = []
     key = 0 if parent is None else parent
+    if extra_keys is None and lora_name is None:  # the usual case: no digest to make per block
+        for start in range(0, count * block_size, block_size):
+            key = hash((key, tuple(token_ids[start : start + block_size]), 0)) & MASK64
+            keys.append(key)
+        return keys
     for i in range(count):
         extra = None if extra_keys is None else extra_keys[i]
         digest = _extra_digest(lora_name, extra)
