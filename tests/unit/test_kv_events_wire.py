@@ -8,6 +8,8 @@ from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvlens.fleet.index import EVICTED_HERE, HELD_ELSEWHERE, NEW, FleetIndex
 from kvlens.fleet.source import MAX_WAITING_BYTES, Consumer, Publisher
@@ -286,3 +288,52 @@ def test_kvlens_publishes_the_bytes_vllm_does() -> None:
     ours = wire.KVEventBatch(ts=TS, events=[c[0] for c in cases], data_parallel_rank=3)
     theirs = vllm.KVEventBatch(ts=TS, events=[c[1] for c in cases], data_parallel_rank=3)
     assert msgspec.msgpack.Encoder().encode(ours) == vllm.encode(theirs)
+
+
+# --- fuzz: outside bytes never crash the consumer ---------------------------------------------
+
+msgpack_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8)
+    | st.binary(max_size=16),
+    lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=12), inner, max_size=6),
+    max_leaves=30,
+)
+event_like = st.fixed_dictionaries(
+    {"type": st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "Other"])},
+    optional={
+        "block_hashes": st.lists(st.integers(0, 2**64 - 1) | st.binary(max_size=32), max_size=4),
+        "parent_block_hash": st.none() | st.integers(0, 2**64 - 1),
+        "token_ids": st.lists(st.integers(-1, 2**40), max_size=16),
+        "block_size": st.integers(-2, 8),
+        "medium": st.none() | st.sampled_from(["GPU", "CPU", ""]),
+        "extra_keys": st.none() | st.lists(msgpack_values, max_size=4),
+        "lora_name": st.none() | st.text(max_size=4),
+        "surprise": msgpack_values,
+    },
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.one_of(
+        st.binary(max_size=200),
+        msgpack_values.map(vllm.encode),
+        st.lists(event_like, max_size=5).map(lambda events: vllm.encode([TS, events, 0])),
+        st.lists(msgpack_values, max_size=5).map(lambda events: vllm.encode([TS, events])),
+    )
+)
+def test_any_payload_is_read_or_counted_never_raised(payload: bytes) -> None:
+    c = consumer()
+    c.message("a", 0, payload, None)
+    c.release(everything=True)
+    status = c.status["a"]
+    assert status.batches == 1
+    if status.malformed_payloads == 0:  # an EventBatch: each event read, skipped or dropped
+        events = msgspec.msgpack.decode(payload)
+        events = events[1] if isinstance(events, list) else events["events"]
+        read = sum(status.events.values())
+        assert read + status.unknown_events + status.malformed_events >= len(events)

@@ -254,7 +254,10 @@ def _decode_event(raw: bytes, out: Decoded) -> None:
     except msgspec.DecodeError:
         out.malformed_events += 1
         return
-    tag = generic.get("type") if isinstance(generic, dict) else (generic[0] if generic else None)
+    if isinstance(generic, dict):
+        tag = generic.get("type")
+    else:  # an array-like event starts with its tag; anything else is no event
+        tag = generic[0] if isinstance(generic, list) and generic else None
     if isinstance(tag, str) and tag not in KNOWN_TYPES:
         out.unknown_events += 1
     else:
