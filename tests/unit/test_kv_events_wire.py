@@ -337,3 +337,12 @@ def test_any_payload_is_read_or_counted_never_raised(payload: bytes) -> None:
         events = events[1] if isinstance(events, list) else events["events"]
         read = sum(status.events.values())
         assert read + status.unknown_events + status.malformed_events >= len(events)
+
+
+def test_a_medium_outside_vllms_tiers_is_labelled_other() -> None:
+    c = consumer()
+    for seq, medium in enumerate(["GPU", "CPU", "STORAGE", "x" * 100, "NVME", None]):
+        event = vllm.BlockStored([seq + 1], None, FIRST, 4, None, medium, None)
+        c.message("a", seq, batch(event), None)
+    stored = c.index.snapshot().stored
+    assert stored == {("a", "GPU"): 2, ("a", "CPU"): 1, ("a", "STORAGE"): 1, ("a", "other"): 2}

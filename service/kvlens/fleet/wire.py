@@ -264,6 +264,16 @@ def _decode_event(raw: bytes, out: Decoded) -> None:
         out.malformed_events += 1
 
 
+# `medium` becomes a label: a closed set (vLLM's tiers), anything else is "other".
+MEDIA: Final = frozenset({"GPU", "CPU", "STORAGE"})
+
+
+def medium_label(medium: str | None) -> str:
+    if medium is None:
+        return "GPU"  # vLLM before 0.10 sends none: its cache is the GPU's
+    return medium if medium in MEDIA else "other"
+
+
 def apply(index: FleetIndex, replica: str, event: Event) -> bool:
     """Feed one decoded event to ``index``; False when its shape is wrong (token ids that do not
     fill its blocks): the event is then dropped."""
@@ -281,12 +291,12 @@ def apply(index: FleetIndex, replica: str, event: Event) -> bool:
             event.parent_block_hash,
             event.token_ids,
             size,
-            medium=event.medium,
+            medium=medium_label(event.medium),
             extra_keys=extra,
             lora_name=event.lora_name,
         )
     elif isinstance(event, (_Removed, _RemovedArray, BlockRemoved)):
-        index.removed(replica, event.block_hashes, medium=event.medium)
+        index.removed(replica, event.block_hashes, medium=medium_label(event.medium))
     else:
         index.cleared(replica)
     return True
