@@ -37,3 +37,17 @@ def test_flags_become_publishers() -> None:
 def test_bad_values_are_named(pairs: list[str], shard: str | None, message: str) -> None:
     with pytest.raises(SettingsError, match=message):
         load_settings(None, kv_events=_kv_events(pairs), kv_events_shard=shard)
+
+
+def test_without_pyzmq_serving_kv_events_is_a_clear_settings_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from kvlens.fleet.index import FleetIndex
+    from kvlens.fleet.source import KVEvents, Publisher
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "zmq" else real(name, *a)
+    )
+    with pytest.raises(SettingsError, match=r"pip install 'kvlens\[kv-events\]'"):
+        KVEvents([Publisher("r0", "tcp://a:1")], FleetIndex())

@@ -20,6 +20,7 @@ as such). Nothing here raises out of the thread: an unexpected error is logged a
 from __future__ import annotations
 
 import heapq
+import importlib.util
 import logging
 import math
 import threading
@@ -29,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
+from kvlens.errors import SettingsError
 from kvlens.fleet.index import FleetIndex, IndexSnapshot
 from kvlens.fleet.wire import MalformedPayload, apply, batch_ts, decode_batch
 
@@ -337,6 +339,8 @@ class KVEvents:
     the collector reads."""
 
     def __init__(self, publishers: list[Publisher], index: FleetIndex, reorder_seconds: float = 0.0) -> None:
+        if importlib.util.find_spec("zmq") is None:  # before serving, not when the lifespan starts
+            raise SettingsError("kv_events needs the kv-events extra: pip install 'kvlens[kv-events]'")
         self.publishers = publishers
         self.index = index
         self.consumer = Consumer(index, publishers, reorder_seconds=reorder_seconds)
