@@ -346,3 +346,14 @@ def test_a_medium_outside_vllms_tiers_is_labelled_other() -> None:
         c.message("a", seq, batch(event), None)
     stored = c.index.snapshot().stored
     assert stored == {("a", "GPU"): 2, ("a", "CPU"): 1, ("a", "STORAGE"): 1, ("a", "other"): 2}
+
+
+def test_only_the_first_kv_cache_group_is_followed() -> None:
+    c = consumer()
+    c.message(
+        "a", 0, batch(stored([1], None, FIRST, group_idx=0), stored([1], None, FIRST, group_idx=1)), None
+    )
+    c.message("a", 1, batch(vllm.BlockRemoved([1], "GPU", group_idx=1)), None)
+    assert c.index.recomputed == {("a", NEW): 1}
+    assert c.index.snapshot().held == {("a", "GPU"): 1}
+    assert c.index.other_group_events == 2

@@ -276,7 +276,15 @@ def medium_label(medium: str | None) -> str:
 
 def apply(index: FleetIndex, replica: str, event: Event) -> bool:
     """Feed one decoded event to ``index``; False when its shape is wrong (token ids that do not
-    fill its blocks): the event is then dropped."""
+    fill its blocks): the event is then dropped.
+
+    Only the first KV cache group is followed (``group_idx`` 0 or absent): a hybrid model (full
+    and sliding-window attention) announces a block once per group, and the groups evict
+    differently; counting every group would count each block several times. Events of other
+    groups are read and left out (``FleetIndex.other_group_events``)."""
+    if getattr(event, "group_idx", None) not in (None, 0):
+        index.other_group_events += 1
+        return True
     if isinstance(event, (_Stored, _StoredArray, BlockStored)):
         count = len(event.block_hashes)
         size = event.block_size
