@@ -130,6 +130,15 @@ def test_serve_exports_the_causes_and_the_publishers_health(
         assert kvlens.value("kvlens_kv_fleet_blocks", kind="distinct") == 2
         assert kvlens.value("kvlens_kv_fleet_blocks", kind="duplicated") == 1
         assert kvlens.value("kvlens_collector_errors_total") == 0
+        rejected = {
+            labels: value
+            for (name, labels), value in kvlens.samples().items()
+            if name == "kvlens_kv_events_rejected_total" and ("replica", "a") in labels
+        }
+        assert sorted(dict(labels)["reason"] for labels in rejected) == sorted(
+            ["malformed_payload", "malformed_event", "unknown_event", "unknown_field", "error"]
+        )
+        assert sum(rejected.values()) == 0
     finally:
         out = kvlens.output()
     assert "Traceback" not in out

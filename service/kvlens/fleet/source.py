@@ -69,6 +69,7 @@ class PublisherStatus:
     malformed_events: int = 0
     unknown_events: int = 0
     unknown_fields: int = 0
+    errors: int = 0  # messages whose handling failed unexpectedly (a kvlens bug; logged)
     last_message: float = 0.0
 
 
@@ -263,6 +264,7 @@ class KVEventsSource:
                     except Exception:  # a bug must not end the subscriptions
                         log.exception("kvlens: KV events from %s failed", publisher.name)
                         self.errors += 1
+                        self.consumer.status[publisher.name].errors += 1
         finally:
             self.consumer.release(everything=True)
             for sub in sockets:
