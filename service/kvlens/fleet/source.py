@@ -11,7 +11,13 @@ One thread runs every subscription: a ZeroMQ ``SUB`` socket per publisher (vLLM'
   frames and ends with sequence -1). A sequence that goes back (0, or lower than seen) is a
   **restart**: the replica's blocks are all gone (as after ``AllBlocksCleared``);
 - a payload that is no ``EventBatch`` is counted and dropped; unknown events and fields are
-  counted and skipped (:func:`kvlens.fleet.wire.decode_batch`).
+  counted and skipped (:func:`kvlens.fleet.wire.decode_batch`);
+- batches of different publishers are applied in timestamp order after a reorder window
+  (:class:`Consumer`), so that every process (shard) sees one order.
+
+A restart is seen only when the sequence goes back: a publisher that restarted while kvlens was
+away and is already past the old sequence looks like a gap (its old blocks stay held until their
+removals, which never come; ``AllBlocksCleared`` or kvlens's own restart clears them).
 
 A replay that does not answer within ``replay_timeout_seconds`` leaves the gap unrepaired (counted
 as such). Nothing here raises out of the thread: an unexpected error is logged and counted.
