@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kvlens.fleet.index import EVICTED_HERE, HELD_ELSEWHERE, NEW, FleetIndex
 from kvlens.fleet.source import MAX_WAITING_BYTES, Consumer, Publisher
-from kvlens.fleet.wire import MalformedPayload, apply, decode_batch
+from kvlens.fleet.wire import APPLIED, MALFORMED, MalformedPayload, apply, decode_batch
 from tests import vllm_kv_events as vllm
 
 TS = 1764600000.25
@@ -83,7 +83,7 @@ def test_the_map_envelope_and_sglangs_array_events_decode_alike() -> None:
     assert [type(e).__name__ for e in events] == ["_StoredArray", "_RemovedArray", "_ClearedArray"]
     assert (events[0].block_hashes, events[0].token_ids, events[0].medium) == ([1], FIRST, None)
     for event in [*events, *decode_batch(as_map).events]:
-        assert apply(index, "a", event)
+        assert apply(index, "a", event) == APPLIED
     assert index.recomputed["a", NEW] == 1 and index.recomputed["a", EVICTED_HERE] == 1
 
 
@@ -127,7 +127,7 @@ def test_a_malformed_event_is_dropped_and_a_malformed_payload_raises() -> None:
 def test_a_block_whose_tokens_do_not_fill_it_is_refused() -> None:
     index = FleetIndex()
     (event,) = decode_batch(batch(stored([1, 2], None, FIRST))).events  # 4 tokens for 2 blocks
-    assert not apply(index, "a", event)
+    assert apply(index, "a", event) == MALFORMED
     assert index.recomputed == {}
 
 
@@ -356,4 +356,4 @@ def test_only_the_first_kv_cache_group_is_followed() -> None:
     c.message("a", 1, batch(vllm.BlockRemoved([1], "GPU", group_idx=1)), None)
     assert c.index.recomputed == {("a", NEW): 1}
     assert c.index.snapshot().held == {("a", "GPU"): 1}
-    assert c.index.other_group_events == 2
+    assert c.status["a"].other_group_events == 2

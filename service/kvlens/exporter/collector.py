@@ -291,6 +291,7 @@ def _kv_families(kv_events: KVEvents) -> list[Metric]:
             ("malformed_event", status.malformed_events),
             ("unknown_event", status.unknown_events),
             ("unknown_field", status.unknown_fields),
+            ("other_group", status.other_group_events),
             ("error", status.errors),
         ):
             rejected.add_metric([replica, reason], count)

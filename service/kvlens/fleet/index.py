@@ -164,7 +164,6 @@ class FleetIndex:
         self.forgotten = 0
         self.untracked = 0
         self.unknown_removed = 0
-        self.other_group_events = 0  # events of KV cache groups past the first (wire.apply)
         self.recomputed: Counter[tuple[str, str]] = Counter()  # (replica, cause) -> blocks
         self.recomputed_tokens: Counter[tuple[str, str]] = Counter()
         self.stored_blocks: Counter[tuple[str, str]] = Counter()  # (replica, medium)

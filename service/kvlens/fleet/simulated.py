@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from kvlens.fleet.index import MASK64, FleetIndex
-from kvlens.fleet.wire import BlockRemoved, BlockStored, Event, apply
+from kvlens.fleet.wire import APPLIED, BlockRemoved, BlockStored, Event, apply
 
 Emit = Callable[[str, Event], None]
 
@@ -65,7 +65,7 @@ def into_index(index: FleetIndex) -> Emit:
     the KV events source calls."""
 
     def emit(replica: str, event: Event) -> None:
-        if not apply(index, replica, event):
+        if apply(index, replica, event) != APPLIED:
             raise ValueError(f"the simulated engine made a malformed event: {event!r}")
 
     return emit

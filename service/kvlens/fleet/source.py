@@ -38,7 +38,7 @@ from typing import Any, Final
 
 from kvlens.errors import SettingsError
 from kvlens.fleet.index import FleetIndex, IndexSnapshot
-from kvlens.fleet.wire import MalformedPayload, apply, batch_ts, decode_batch
+from kvlens.fleet.wire import MALFORMED, OTHER_GROUP, MalformedPayload, apply, batch_ts, decode_batch
 
 log = logging.getLogger(__name__)
 END_SEQ: Final = -1
@@ -75,6 +75,7 @@ class PublisherStatus:
     malformed_events: int = 0
     unknown_events: int = 0
     unknown_fields: int = 0
+    other_group_events: int = 0  # events of KV cache groups past the first, left out
     errors: int = 0  # messages whose handling failed unexpectedly (a kvlens bug; logged)
     last_message: float = 0.0
 
@@ -196,8 +197,11 @@ class Consumer:
         with self.index.lock:
             for event in decoded.events:
                 status.events[str(event.__struct_config__.tag)] += 1
-                if not apply(self.index, replica, event):
+                outcome = apply(self.index, replica, event)
+                if outcome == MALFORMED:
                     status.malformed_events += 1
+                elif outcome == OTHER_GROUP:
+                    status.other_group_events += 1
 
 
 class KVEventsSource:

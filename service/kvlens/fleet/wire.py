@@ -274,25 +274,27 @@ def medium_label(medium: str | None) -> str:
     return medium if medium in MEDIA else "other"
 
 
-def apply(index: FleetIndex, replica: str, event: Event) -> bool:
-    """Feed one decoded event to ``index``; False when its shape is wrong (token ids that do not
-    fill its blocks): the event is then dropped.
+APPLIED: Final = "applied"
+MALFORMED: Final = "malformed"  # token ids that do not fill its blocks: dropped
+OTHER_GROUP: Final = "other_group"  # a KV cache group past the first: left out
+
+
+def apply(index: FleetIndex, replica: str, event: Event) -> str:
+    """Feed one decoded event to ``index``: :data:`APPLIED`, or why not.
 
     Only the first KV cache group is followed (``group_idx`` 0 or absent): a hybrid model (full
     and sliding-window attention) announces a block once per group, and the groups evict
-    differently; counting every group would count each block several times. Events of other
-    groups are read and left out (``FleetIndex.other_group_events``)."""
+    differently; counting every group would count each block several times."""
     if getattr(event, "group_idx", None) not in (None, 0):
-        index.other_group_events += 1
-        return True
+        return OTHER_GROUP
     if isinstance(event, (_Stored, _StoredArray, BlockStored)):
         count = len(event.block_hashes)
         size = event.block_size
         if size < 1 or len(event.token_ids) != count * size:
-            return False
+            return MALFORMED
         extra = event.extra_keys
         if extra is not None and len(extra) != count:
-            return False
+            return MALFORMED
         index.stored(
             replica,
             event.block_hashes,
@@ -307,4 +309,4 @@ def apply(index: FleetIndex, replica: str, event: Event) -> bool:
         index.removed(replica, event.block_hashes, medium=medium_label(event.medium))
     else:
         index.cleared(replica)
-    return True
+    return APPLIED
