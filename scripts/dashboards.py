@@ -16,6 +16,9 @@ OUT = Path(__file__).resolve().parent.parent / "dashboards" / "kvlens-overview.j
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 SEL = 'job=~"$job", model=~"$model"'
 RATE = "$__rate_interval"
+LOST = 'cause=~"held_elsewhere|evicted_here|evicted_elsewhere"'  # reuse lost to routing or capacity
+LOST_OR_NEW = 'cause=~"new|held_elsewhere|evicted_here|evicted_elsewhere"'
+JOB = 'job=~"$job"'  # KV events carry no model: the fleet row is per job
 
 
 def ratio(numerator: str, denominator: str, window: str = RATE, by: str = "") -> str:
@@ -421,6 +424,114 @@ def panels() -> list[dict[str, Any]]:
                 ),
             ],
             (16, 67, 8, 8),
+        ),
+        row("Why reuse is lost (KV events)", 75),
+        panel(
+            "timeseries",
+            "Recomputed prefill by cause",
+            "Tokens of the blocks the replicas stored in GPU memory (work they did), stacked by why "
+            "they were not reused: new (the workload), evicted_here and evicted_elsewhere "
+            "(capacity), held_elsewhere (routing: another replica held them). From the engines' KV "
+            "events (kvlens serve --kv-events). Per second.",
+            "short",
+            [
+                target(
+                    "sum by (cause) "
+                    f"(rate(kvlens_kv_recomputed_tokens_total{{{JOB},{LOST_OR_NEW}}}[{RATE}]))",
+                    "{{cause}}",
+                )
+            ],
+            (0, 76, 8, 8),
+            defaults={"custom": {"stacking": {"mode": "normal"}, "fillOpacity": 40}},
+        ),
+        panel(
+            "timeseries",
+            "Reuse lost to routing and capacity, per replica",
+            "Tokens each replica recomputed although another replica held them (held_elsewhere: "
+            "routing), or it or another had held them (evicted_here, evicted_elsewhere: capacity). "
+            "Per second.",
+            "short",
+            [
+                target(
+                    "sum by (replica, cause) "
+                    f"(rate(kvlens_kv_recomputed_tokens_total{{{JOB},{LOST}}}[{RATE}]))",
+                    "{{replica}} {{cause}}",
+                )
+            ],
+            (8, 76, 8, 8),
+        ),
+        panel(
+            "timeseries",
+            "Reachable vs delivered token reuse",
+            "Delivered token reuse (records) beside the reachable one: the reused tokens plus those "
+            "recomputed although the fleet had cached them. The gap is what routing and capacity lose.",
+            "percentunit",
+            [
+                target(
+                    f"(sum(rate(kvlens_cached_tokens_total{{{JOB}}}[{RATE}])) + "
+                    f"sum(rate(kvlens_kv_recomputed_tokens_total{{{JOB},{LOST}}}[{RATE}]))) "
+                    f"/ sum(rate(kvlens_prompt_tokens_total{{{JOB}}}[{RATE}]))",
+                    "reachable",
+                ),
+                target(
+                    ratio(f"kvlens_cached_tokens_total{{{JOB}}}", f"kvlens_prompt_tokens_total{{{JOB}}}"),
+                    "delivered",
+                    "B",
+                ),
+            ],
+            (16, 76, 8, 8),
+        ),
+        panel(
+            "timeseries",
+            "Blocks held and duplicated",
+            "Blocks each replica holds now (GPU and offload tiers), and the fleet's duplicated "
+            "blocks: holdings beyond the first of each block, KV memory spent holding the same "
+            "prefix on several replicas.",
+            "short",
+            [
+                target(
+                    'sum by (replica, medium) (kvlens_kv_blocks_held{job=~"$job"})', "{{replica}} {{medium}}"
+                ),
+                target(
+                    'sum(kvlens_kv_fleet_blocks{job=~"$job",kind="duplicated"})', "duplicated (fleet)", "B"
+                ),
+            ],
+            (0, 84, 8, 8),
+        ),
+        panel(
+            "timeseries",
+            "KV event publishers",
+            "Publishers connected, and the trouble on the way (per second): batches lost in gaps no "
+            "replay repaired, publisher restarts, events rejected by reason.",
+            "short",
+            [
+                target('sum(kvlens_kv_publisher_up{job=~"$job"})', "publishers up"),
+                target(
+                    f'sum by (replica) (rate(kvlens_kv_missed_batches_total{{job=~"$job"}}[{RATE}]))',
+                    "missed {{replica}}",
+                    "B",
+                ),
+                target(
+                    f'sum by (replica) (rate(kvlens_kv_publisher_restarts_total{{job=~"$job"}}[{RATE}]))',
+                    "restarts {{replica}}",
+                    "C",
+                ),
+                target(
+                    f'sum by (reason) (rate(kvlens_kv_events_rejected_total{{job=~"$job"}}[{RATE}]))',
+                    "rejected: {{reason}}",
+                    "D",
+                ),
+            ],
+            (8, 84, 8, 8),
+        ),
+        panel(
+            "timeseries",
+            "Block index memory",
+            "Estimated memory of kvlens's fleet block index (entries times measured bytes per "
+            "entry), per kvlens process (shards add up).",
+            "bytes",
+            [target('sum by (instance) (kvlens_kv_index_memory_bytes{job=~"$job"})', "{{instance}}")],
+            (16, 84, 8, 8),
         ),
     ]
     for number, item in enumerate(out, start=1):

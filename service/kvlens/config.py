@@ -84,6 +84,31 @@ class TailSetting(BaseModel):
         )
 
 
+class KVEventsPublisherSetting(BaseModel):
+    """One replica's KV event publisher (vLLM ``--kv-events-config``; ``--kv-events NAME=URL``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="The replica's `replica` label.")
+    endpoint: str = Field(description="Its ZMQ PUB address, tcp://HOST:PORT (vLLM's default port is 5557).")
+    replay_endpoint: str | None = Field(None, description="Its ZMQ ROUTER replay address, to repair gaps.")
+    topic: str = Field("", description="The topic it publishes on (vLLM's default is empty).")
+
+    @field_validator("name")
+    @classmethod
+    def _label(cls, name: str) -> str:
+        if not name or not valid_label(name):
+            raise ValueError("a replica name must be non-empty printable UTF-8 of at most 128 bytes")
+        return name
+
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _zmq_address(cls, endpoint: str | None) -> str | None:
+        if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://")):
+            raise ValueError("a KV events endpoint is tcp://HOST:PORT or ipc://PATH")
+        return endpoint
+
+
 class ModelShapeSetting(BaseModel):
     """A served model's shape: its prefill cost model in FLOPs, and its decode traffic for the
     live W4A16 estimate. Give ``hf_config`` (a Hugging Face ``config.json``) or the fields;
@@ -312,6 +337,31 @@ class Settings(BaseSettings):
         ge=1024,
         description="Longer lines are counted from their small top-level fields, or skipped (too_long).",
     )
+    kv_events: list[KVEventsPublisherSetting] = Field(
+        [], description="Replicas' KV event publishers to subscribe to (`--kv-events NAME=URL`)."
+    )
+    kv_events_hashes_alike: bool = Field(
+        False, description="Every replica hashes blocks alike (same algorithm and seed): key by engine hash."
+    )
+    kv_events_remember_blocks: int = Field(
+        5_000_000,
+        ge=0,
+        description="Blocks remembered to have been held (about 93 bytes each); oldest forgotten past it.",
+    )
+    kv_events_max_held_blocks: int = Field(
+        5_000_000,
+        ge=0,
+        description="(block, replica, tier) holdings kept (about 105 bytes each); stores past it not kept.",
+    )
+    kv_events_reorder_seconds: float = Field(
+        0.25,
+        ge=0,
+        le=60,
+        description="Batches from different replicas are applied in timestamp order after this wait.",
+    )
+    kv_events_shard: str = Field(
+        "0/1", description="i/N: keep only the blocks of shard i of N (N kvlens on the same publishers)."
+    )
     state_dir: Path = Field(
         Path("~/.local/state/kvlens"),
         description="Where tail checkpoints are kept: a writable volume (the image uses /var/lib/kvlens).",
@@ -392,6 +442,19 @@ class Settings(BaseSettings):
             except OSError as error:
                 raise ValueError(f"cannot read it: {error.strerror or type(error).__name__}") from None
         return path
+
+    @field_validator("kv_events")
+    @classmethod
+    def _distinct_replicas(cls, publishers: list[KVEventsPublisherSetting]) -> list[KVEventsPublisherSetting]:
+        if len({p.name for p in publishers}) != len(publishers):
+            raise ValueError("KV events replica names must be distinct")
+        return publishers
+
+    @field_validator("kv_events_shard")
+    @classmethod
+    def _shard(cls, shard: str) -> str:
+        parse_shard(shard)
+        return shard
 
     @field_validator("state_dir")
     @classmethod
@@ -541,3 +604,11 @@ def _compact(value: Any) -> str:
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k}: {_compact(v)}" for k, v in value.items()) + "}"
     return str(value)
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``i/N`` -> (i, N), 0 <= i < N."""
+    index, _, count = text.partition("/")
+    if not (index.isdigit() and count.isdigit()) or not 0 <= int(index) < int(count):
+        raise ValueError("a shard is i/N with 0 <= i < N, e.g. 0/4")
+    return int(index), int(count)

@@ -17,11 +17,13 @@ import httpx
 import orjson
 import pytest
 
+from kvlens.fleet.wire import BlockRemoved, BlockStored
 from kvlens.sources.demo import REPLAY_SHAPE
 from tests.article import article_records
 from tests.dashboards import DASHBOARDS, load, queries
 from tests.integration.conftest import Running, free_port, start_kvlens
 from tests.integration.test_scrape import FIXTURE, FakeEngine
+from tests.kv_publisher import TestPublisher
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -39,7 +41,14 @@ def engine() -> Iterator[str]:
 
 
 @pytest.fixture
-def prometheus(tmp_path: Path, engine: str) -> Iterator[tuple[Running, str]]:
+def kv_publisher() -> Iterator[TestPublisher]:
+    publisher = TestPublisher(free_port())
+    yield publisher
+    publisher.close()
+
+
+@pytest.fixture
+def prometheus(tmp_path: Path, engine: str, kv_publisher: TestPublisher) -> Iterator[tuple[Running, str]]:
     binary = shutil.which("prometheus")
     if binary is None:
         pytest.fail("prometheus is missing: scripts/test installs Debian's prometheus package")
@@ -59,8 +68,17 @@ def prometheus(tmp_path: Path, engine: str) -> Iterator[tuple[Running, str]]:
                 }
             ).decode(),
             "KVLENS_COST_MODELS": '{"seconds-model": {"a": 7.3e-5, "b": 5.3e-9, "unit": "seconds"}}',
+            "KVLENS_KV_EVENTS": orjson.dumps([{"name": "r0", "endpoint": kv_publisher.endpoint}]).decode(),
         },
     )
+    # One replica's KV events: a block stored, evicted and stored again (the fleet row has data).
+    kv_publisher.wait_subscribed()
+    for event in (
+        BlockStored([1], None, [1, 2, 3, 4], 4, None, "GPU", None),
+        BlockRemoved([1], "GPU"),
+        BlockStored([1], None, [1, 2, 3, 4], 4, None, "GPU", None),
+    ):
+        kv_publisher.publish_events([event])
     config = tmp_path / "prometheus.yml"
     config.write_text(
         orjson.dumps(
@@ -178,7 +196,12 @@ def test_rules_and_every_dashboard_query_on_a_real_prometheus(prometheus: tuple[
     assert finite(scalar(url, 'model:kvlens_saved_prefill_seconds:rate5m{model="seconds-model"}'))
 
     rules = httpx.get(f"{url}/api/v1/rules").json()["data"]["groups"]
-    assert {group["name"] for group in rules} == {"kvlens-ratios", "kvlens-latency", "kvlens-alerts"}
+    assert {group["name"] for group in rules} == {
+        "kvlens-ratios",
+        "kvlens-latency",
+        "kvlens-kv-events",
+        "kvlens-alerts",
+    }
     assert all(rule["health"] == "ok" for group in rules for rule in group["rules"]), rules
 
     for path in DASHBOARDS:

@@ -82,8 +82,11 @@ def test_golden_exposition_values() -> None:
 def test_every_exported_family_is_in_the_metric_table() -> None:
     registry, _ = article_registry()
     names = {family.name for family in text_string_to_metric_families(generate_latest(registry).decode())}
-    # with --scrape, model_shapes, tails, and the app (ServiceHealth)
-    optional = {spec.name for spec in (*metrics.UPSTREAM, *metrics.DECODE, *metrics.TAIL, *metrics.SERVICE)}
+    # with --scrape, model_shapes, tails, --kv-events, and the app (ServiceHealth)
+    optional = {
+        spec.name
+        for spec in (*metrics.UPSTREAM, *metrics.DECODE, *metrics.TAIL, *metrics.KV, *metrics.SERVICE)
+    }
     assert names == {spec.name for spec in metrics.ALL} - optional
 
 

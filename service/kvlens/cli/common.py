@@ -54,10 +54,24 @@ def settings_from(args: argparse.Namespace, **overrides: Any) -> Settings:
         scrape_targets=getattr(args, "scrape", None),
         scrape_username=getattr(args, "scrape_username", None),
         scrape_password_file=getattr(args, "scrape_password_file", None),
+        kv_events=kv_events_from(getattr(args, "kv_events", None)),
+        kv_events_shard=getattr(args, "kv_events_shard", None),
         tails=tails_from(
             getattr(args, "tail", None), getattr(args, "formats", None), getattr(args, "model", None)
         ),
     )
+
+
+def kv_events_from(pairs: list[str] | None) -> list[dict[str, str]] | None:
+    if not pairs:
+        return None
+    publishers = []
+    for pair in pairs:
+        name, _, endpoint = pair.partition("=")
+        if not endpoint:
+            raise SettingsError("--kv-events takes NAME=URL, e.g. r0=tcp://10.0.0.5:5557")
+        publishers.append({"name": name, "endpoint": endpoint})
+    return publishers
 
 
 def tails_from(

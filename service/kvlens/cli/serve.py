@@ -44,6 +44,15 @@ def add_parser(commands: Any) -> None:
         metavar="FILE",
         help=f"file holding their password, re-read at each scrape (env {ENV_PREFIX}SCRAPE_PASSWORD_FILE)",
     )
+    serve.add_argument(
+        "--kv-events",
+        action="append",
+        metavar="NAME=URL",
+        help="a replica's KV event publisher, e.g. r0=tcp://10.0.0.5:5557 (repeatable; kvlens[kv-events])",
+    )
+    serve.add_argument(
+        "--kv-events-shard", metavar="i/N", help="keep only shard i of N of the fleet's blocks"
+    )
     serve.set_defaults(run=run)
 
 

@@ -10,10 +10,12 @@ import threading
 
 import httpx
 
-from kvlens.config import Settings, TailSetting
+from kvlens.config import Settings, TailSetting, parse_shard
 from kvlens.errors import ScrapeError
 from kvlens.exporter.aggregator import Aggregator, ModelLabels
 from kvlens.exporter.upstream import UpstreamState
+from kvlens.fleet.index import FleetIndex
+from kvlens.fleet.source import KVEvents, Publisher
 from kvlens.sources import tail, vllm_metrics
 from kvlens.sources.encoding import DecodeLimits
 
@@ -35,11 +37,27 @@ class BackgroundSources:
             else None
         )
         self.tails = [tail.TailStatus(spec.path) for spec in settings.tails]
+        self.kv_events = (
+            KVEvents(
+                [Publisher(p.name, p.endpoint, p.replay_endpoint, p.topic) for p in settings.kv_events],
+                FleetIndex(
+                    hashes_alike=settings.kv_events_hashes_alike,
+                    remember_blocks=settings.kv_events_remember_blocks,
+                    max_held_blocks=settings.kv_events_max_held_blocks,
+                    shard=parse_shard(settings.kv_events_shard),
+                ),
+                settings.kv_events_reorder_seconds,
+            )
+            if settings.kv_events
+            else None
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self._threads: list[threading.Thread] = []
         self._stop_tails = threading.Event()
 
     async def start(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.start()
         self._tasks = [asyncio.create_task(self._scrape_forever(target)) for target in self.targets.values()]
         self._threads = [
             self._follow(spec, status) for spec, status in zip(self.settings.tails, self.tails, strict=True)
@@ -50,6 +68,8 @@ class BackgroundSources:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._stop_tails.set()
+        if self.kv_events is not None:
+            await asyncio.to_thread(self.kv_events.stop)
         for thread in self._threads:  # each writes its last checkpoint as it ends
             await asyncio.to_thread(thread.join, 10)
 

@@ -23,6 +23,8 @@ from kvlens.exporter.aggregator import TTFT_COMPONENTS, Aggregator, Histograms, 
 from kvlens.exporter.background import BackgroundSources
 from kvlens.exporter.runtime import LAG_BUCKETS, ServiceHealth
 from kvlens.exporter.upstream import UpstreamState
+from kvlens.fleet.index import CAUSES
+from kvlens.fleet.source import KVEvents
 from kvlens.sources.tail import SKIP_REASONS, TailStatus
 
 log = logging.getLogger(__name__)
@@ -39,6 +41,7 @@ class KVLensCollector(Collector):
         self.aggregator = aggregator
         self.upstream = background.upstream if background is not None else None
         self.tails = background.tails if background is not None else []
+        self.kv_events = background.kv_events if background is not None else None
         self.health = health
         self.errors = 0
 
@@ -79,6 +82,8 @@ class KVLensCollector(Collector):
             yield from self._safely(_upstream_families, self.upstream)
         if self.tails:
             yield from self._safely(_tail_families, self.tails)
+        if self.kv_events is not None:
+            yield from self._safely(_kv_families, self.kv_events)
         if self.aggregator.settings.model_shapes:
             shapes = self.aggregator.settings.model_shapes
             yield from self._safely(lambda snap: _decode_families(snap, self.upstream, shapes), snapshot)
@@ -248,6 +253,70 @@ def _upstream_families(upstream: UpstreamState) -> list[Metric]:
     for (target, reason), count in sorted(snapshot.rejected.items()):
         rejected.add_metric([target, reason], count)
     return [*families, up, running, errors, scrapes, rejected]
+
+
+def _kv_families(kv_events: KVEvents) -> list[Metric]:
+    snapshot = kv_events.snapshot()
+    index, publishers = snapshot.index, snapshot.publishers
+    recomputed = _counter(metrics.KV_RECOMPUTED_TOKENS)
+    for replica in sorted(publishers):  # every cause of every replica, 0 until it happens
+        for cause in CAUSES:
+            recomputed.add_metric([replica, cause], index.recomputed_tokens.get((replica, cause), 0))
+    stored, removed = _counter(metrics.KV_BLOCKS_STORED), _counter(metrics.KV_BLOCKS_REMOVED)
+    held = _gauge(metrics.KV_BLOCKS_HELD)
+    for family, table in ((stored, index.stored), (removed, index.removed), (held, index.held)):
+        for (replica, medium), value in sorted(table.items()):
+            family.add_metric([replica, medium], value)
+    fleet = _gauge(metrics.KV_FLEET_BLOCKS)
+    fleet.add_metric(["distinct"], index.distinct_blocks)
+    fleet.add_metric(["duplicated"], index.duplicated_blocks)
+    events, rejected = _counter(metrics.KV_EVENTS), _counter(metrics.KV_REJECTED)
+    per_publisher = {
+        spec.name: _gauge(spec) if spec.kind == "gauge" else _counter(spec)
+        for spec in (
+            metrics.KV_BATCHES,
+            metrics.KV_GAPS,
+            metrics.KV_MISSED,
+            metrics.KV_REPLAYS,
+            metrics.KV_REPLAYED,
+            metrics.KV_RESTARTS,
+            metrics.KV_PUBLISHER_UP,
+        )
+    }
+    for replica, status in sorted(publishers.items()):
+        for kind, count in sorted(status.events.items()):
+            events.add_metric([replica, kind], count)
+        for reason, count in (
+            ("malformed_payload", status.malformed_payloads),
+            ("malformed_event", status.malformed_events),
+            ("unknown_event", status.unknown_events),
+            ("unknown_field", status.unknown_fields),
+            ("other_group", status.other_group_events),
+            ("error", status.errors),
+        ):
+            rejected.add_metric([replica, reason], count)
+        for spec, value in (
+            (metrics.KV_BATCHES, status.batches),
+            (metrics.KV_GAPS, status.gaps),
+            (metrics.KV_MISSED, status.missed),
+            (metrics.KV_REPLAYS, status.replays),
+            (metrics.KV_REPLAYED, status.replayed),
+            (metrics.KV_RESTARTS, status.restarts),
+            (metrics.KV_PUBLISHER_UP, status.up),
+        ):
+            per_publisher[spec.name].add_metric([replica], value)
+    singles: list[Metric] = []
+    for spec, value in (
+        (metrics.KV_INDEX_MEMORY, index.memory_bytes),
+        (metrics.KV_REMEMBERED, index.remembered_blocks),
+        (metrics.KV_FORGOTTEN, index.forgotten_blocks),
+        (metrics.KV_UNTRACKED, index.untracked_blocks),
+        (metrics.KV_UNKNOWN_REMOVED, index.unknown_removed),
+    ):
+        family = _gauge(spec) if spec.kind == "gauge" else _counter(spec)
+        family.add_metric([], value)
+        singles.append(family)
+    return [recomputed, stored, removed, held, fleet, events, rejected, *per_publisher.values(), *singles]
 
 
 def _gauge(spec: metrics.MetricSpec) -> GaugeMetricFamily:

@@ -264,6 +264,120 @@ SERVICE: Final = (
     CONNECTIONS_CLOSED,
     LOOP_LAG,
 )
+KV_RECOMPUTED_TOKENS = MetricSpec(
+    "kvlens_kv_recomputed_tokens",
+    "counter",
+    ("replica", "cause"),
+    "Tokens of the blocks a replica stored in GPU memory (work it did), by why they were not reused: "
+    "new, evicted_here, held_elsewhere, evicted_elsewhere; held_here (not lost: a recomputed last "
+    "block, or loaded from its own offload tier); unknown (parent not known). From KV events.",
+)
+KV_BLOCKS_STORED = MetricSpec(
+    "kvlens_kv_blocks_stored",
+    "counter",
+    ("replica", "medium"),
+    "Blocks the replica announced stored (KV events).",
+)
+KV_BLOCKS_REMOVED = MetricSpec(
+    "kvlens_kv_blocks_removed",
+    "counter",
+    ("replica", "medium"),
+    "Blocks the replica announced removed, AllBlocksCleared and publisher restarts included.",
+)
+KV_BLOCKS_HELD = MetricSpec(
+    "kvlens_kv_blocks_held",
+    "gauge",
+    ("replica", "medium"),
+    "Blocks the replica holds now (stored - removed).",
+)
+KV_FLEET_BLOCKS = MetricSpec(
+    "kvlens_kv_fleet_blocks",
+    "gauge",
+    ("kind",),
+    "Blocks held in the fleet: distinct (held by some replica), duplicated (holdings beyond the first "
+    "of each block: memory spent holding a block twice).",
+)
+KV_EVENTS = MetricSpec(
+    "kvlens_kv_events", "counter", ("replica", "type"), "KV events received and read, by event type."
+)
+KV_BATCHES = MetricSpec("kvlens_kv_event_batches", "counter", ("replica",), "KV event batches received.")
+KV_REJECTED = MetricSpec(
+    "kvlens_kv_events_rejected",
+    "counter",
+    ("replica", "reason"),
+    "KV event input not used whole: malformed_payload (batch dropped), malformed_event (event "
+    "dropped), unknown_event (type skipped), unknown_field (field skipped, event used), "
+    "other_group (a KV cache group past the first: left out), error (a kvlens bug, logged).",
+)
+KV_GAPS = MetricSpec(
+    "kvlens_kv_sequence_gaps", "counter", ("replica",), "Jumps in a publisher's sequence numbers."
+)
+KV_MISSED = MetricSpec(
+    "kvlens_kv_missed_batches", "counter", ("replica",), "Batches lost in gaps no replay repaired."
+)
+KV_REPLAYS = MetricSpec(
+    "kvlens_kv_replays", "counter", ("replica",), "Replays asked of a publisher's replay endpoint."
+)
+KV_REPLAYED = MetricSpec(
+    "kvlens_kv_replayed_batches", "counter", ("replica",), "Batches a replay brought back (a gap repaired)."
+)
+KV_RESTARTS = MetricSpec(
+    "kvlens_kv_publisher_restarts",
+    "counter",
+    ("replica",),
+    "Sequences that went back (the engine restarted): the replica's blocks counted removed.",
+)
+KV_PUBLISHER_UP = MetricSpec(
+    "kvlens_kv_publisher_up", "gauge", ("replica",), "1 while kvlens is connected to the replica's publisher."
+)
+KV_INDEX_MEMORY = MetricSpec(
+    "kvlens_kv_index_memory_bytes",
+    "gauge",
+    (),
+    "Estimated memory of the fleet block index (entries times measured bytes per entry).",
+)
+KV_REMEMBERED = MetricSpec(
+    "kvlens_kv_remembered_blocks", "gauge", (), "Blocks remembered to have been held (the bounded memory)."
+)
+KV_FORGOTTEN = MetricSpec(
+    "kvlens_kv_forgotten_blocks",
+    "counter",
+    (),
+    "Remembered blocks forgotten past kv_events_remember_blocks (a later store of one counts as new).",
+)
+KV_UNTRACKED = MetricSpec(
+    "kvlens_kv_untracked_blocks",
+    "counter",
+    (),
+    "Stored blocks classified but not kept past kv_events_max_held_blocks.",
+)
+KV_UNKNOWN_REMOVED = MetricSpec(
+    "kvlens_kv_unknown_removed_blocks",
+    "counter",
+    (),
+    "Removed blocks whose store kvlens never saw (it started later, or a gap lost it).",
+)
+KV: Final = (
+    KV_RECOMPUTED_TOKENS,
+    KV_BLOCKS_STORED,
+    KV_BLOCKS_REMOVED,
+    KV_BLOCKS_HELD,
+    KV_FLEET_BLOCKS,
+    KV_EVENTS,
+    KV_BATCHES,
+    KV_REJECTED,
+    KV_GAPS,
+    KV_MISSED,
+    KV_REPLAYS,
+    KV_REPLAYED,
+    KV_RESTARTS,
+    KV_PUBLISHER_UP,
+    KV_INDEX_MEMORY,
+    KV_REMEMBERED,
+    KV_FORGOTTEN,
+    KV_UNTRACKED,
+    KV_UNKNOWN_REMOVED,
+)  # with --kv-events
 SCRAPE_ERRORS = MetricSpec(
     "kvlens_collector_errors", "counter", (), "Metric families that failed to render and were left out."
 )
@@ -291,6 +405,7 @@ ALL: Final = (
     *UPSTREAM,
     *TAIL,
     *DECODE,
+    *KV,
     SCRAPE_ERRORS,
     BUILD_INFO,
 )

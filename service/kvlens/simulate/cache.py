@@ -18,19 +18,34 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Protocol
+
+
+class CacheEvents(Protocol):
+    """What a cache tells of its contents, as an engine's KV events do (vLLM's ``BlockStored`` and
+    ``BlockRemoved``): blocks newly cached, each run after ``parent`` (None: from the first
+    block), and blocks evicted. Lookups and hits are not events."""
+
+    def stored(self, blocks: Sequence[object], parent: object | None) -> None: ...
+
+    def removed(self, blocks: Sequence[object]) -> None: ...
 
 
 class PrefixCache:
-    __slots__ = ("_free", "_held", "capacity", "evictions")
+    __slots__ = ("_free", "_held", "capacity", "events", "evictions", "refused")
 
-    def __init__(self, capacity_blocks: int | None) -> None:
-        """``capacity_blocks``: blocks the replica's KV memory holds; None: unbounded."""
+    def __init__(self, capacity_blocks: int | None, events: CacheEvents | None = None) -> None:
+        """``capacity_blocks``: blocks the replica's KV memory holds; None: unbounded. ``events``
+        is told every block cached and evicted (the simulated fleet's KV events); it changes
+        nothing the cache does."""
         if capacity_blocks is not None and capacity_blocks < 0:
             raise ValueError("capacity must be >= 0 blocks")
         self.capacity = capacity_blocks
         self._held: dict[object, int] = {}  # block -> running requests holding it
         self._free: OrderedDict[object, None] = OrderedDict()  # cached, held by none; LRU first
         self.evictions = 0
+        self.refused = 0  # blocks left uncached: no room (every cached block held by a request)
+        self.events = events
 
     def __len__(self) -> int:
         return len(self._held) + len(self._free)
@@ -87,11 +102,18 @@ class PrefixCache:
             if room < rest:
                 evict = min(rest - room, len(free))
                 evict_oldest = free.popitem
-                for _ in range(evict):
-                    evict_oldest(False)
+                if self.events is None:
+                    for _ in range(evict):
+                        evict_oldest(False)
+                else:
+                    self.events.removed([evict_oldest(False)[0] for _ in range(evict)])
                 self.evictions += evict
+                self.refused += rest - room - evict
                 rest = room + evict
-        held.update(dict.fromkeys(blocks[count : count + rest], 1))
+        stored = blocks[count : count + rest]
+        held.update(dict.fromkeys(stored, 1))
+        if self.events is not None and stored:
+            self.events.stored(stored, blocks[count - 1] if count else None)
         return reused, count + rest
 
     def release(self, blocks: Sequence[object], count: int) -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from kvlens import bandwidth
 from kvlens.definitions import CostModel
-from kvlens.simulate.cache import PrefixCache
+from kvlens.simulate.cache import CacheEvents, PrefixCache
 from kvlens.simulate.trace import TraceRequest
 
 INF = math.inf
@@ -125,10 +125,16 @@ class Replica:
     )
 
     def __init__(
-        self, index: int, capacity_blocks: int | None, block_size: int, model: ServiceModel, done: list[Job]
+        self,
+        index: int,
+        capacity_blocks: int | None,
+        block_size: int,
+        model: ServiceModel,
+        done: list[Job],
+        events: CacheEvents | None = None,
     ) -> None:
         self.index = index
-        self.cache = PrefixCache(capacity_blocks)
+        self.cache = PrefixCache(capacity_blocks, events)
         self.block_size = block_size
         self.model = model
         self.done = done  # finished jobs go here

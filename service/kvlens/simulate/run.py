@@ -23,7 +23,7 @@ from kvlens.analysis.report import percentiles
 from kvlens.definitions import Totals, safe_ratio
 from kvlens.records import RecordBatch
 from kvlens.reduce import reduce
-from kvlens.simulate.cache import PrefixCache
+from kvlens.simulate.cache import CacheEvents, PrefixCache
 from kvlens.simulate.policies import DEFAULT_GUARD, Guard, policy
 from kvlens.simulate.replica import DEFAULT_SERVICE, INF, Job, Replica, ServiceModel
 from kvlens.simulate.trace import TraceRequest
@@ -57,6 +57,7 @@ class Outcome:
     requests_per_replica: list[int] = field(default_factory=list)
     prefill_seconds_per_replica: list[float] = field(default_factory=list)
     evictions: int = 0
+    refused: int = 0  # blocks left uncached for lack of room (not in the summary)
 
     def add(self, batch: RecordBatch, service: ServiceModel) -> None:
         reduced = reduce(batch, edges=[], cost_for=lambda _: service.prefill, default_model=MODEL)
@@ -99,17 +100,26 @@ def simulate(
     records: Callable[[list[dict[str, Any]]], None] | None = None,
     arm: str | None = None,
     progress: Callable[[int], None] | None = None,
+    events: Callable[[int], CacheEvents] | None = None,
 ) -> Outcome:
     """Route each request at its arrival, play the replicas' queues, and reduce what finished.
     ``records`` is handed the finished requests as kvlens records, in arrival order, their
     ``arm`` the policy's name unless given (:func:`write_records` writes them as JSON lines);
-    ``progress`` is told how many more requests arrived."""
+    ``progress`` is told how many more requests arrived; ``events(i)``, when given, is the sink
+    of replica i's KV events (:class:`~kvlens.simulate.cache.CacheEvents`)."""
     arm = arm or policy_name
     writer = None if records is None else _InArrivalOrder(records, fleet.block_size, arm)
     choose = policy(policy_name, fleet.guard)
     done: list[Job] = []
     replicas = [
-        Replica(i, fleet.capacity_blocks, fleet.block_size, fleet.service, done)
+        Replica(
+            i,
+            fleet.capacity_blocks,
+            fleet.block_size,
+            fleet.service,
+            done,
+            None if events is None else events(i),
+        )
         for i in range(fleet.replicas)
     ]
     outcome = Outcome(policy_name, fleet.capacity_blocks)
@@ -134,6 +144,7 @@ def simulate(
     outcome.requests_per_replica = [r.served for r in replicas]
     outcome.prefill_seconds_per_replica = [r.busy_seconds for r in replicas]
     outcome.evictions = sum(r.cache.evictions for r in replicas)
+    outcome.refused = sum(r.cache.refused for r in replicas)
     return outcome
 
 

@@ -1,0 +1,165 @@
+"""KV events into the fleet index at full speed, beside a bare msgspec decode of the same messages.
+
+    .venv/bin/python bench/kv_events.py [--replicas 4] [--capacity 20000] [--block-tokens 16]
+
+The messages: the bundled Mooncake trace replayed by the simulator on a fleet under round robin,
+its caches publishing vLLM-format events (one ``EventBatch`` per store or eviction, each trace
+block announced as a block of ``--block-tokens`` tokens: vLLM's default is 16).
+
+Figures (medians of ``--repeat`` runs; these machines are noisy, so read the ratios):
+- the baseline: ``msgspec.msgpack.Decoder(KVEventBatch)`` over every payload, the vLLM structs
+  typed (what any consumer must at least do): blocks per second;
+- kvlens: the consumer (sequence check, tolerant decode, classification, holding) over the same
+  payloads, by content key and with ``hashes_alike``: blocks per second, and as a share of the
+  baseline's rate. Goals: >= 200k blocks/s on one core, >= a third of the bare decode;
+- memory: bytes per held (block, replica) and per remembered block, measured with tracemalloc
+  on an index of ``--held`` blocks (goal: <= 48 bytes each);
+- ``/metrics``: rendering the KV families of that index (goal: < 50 ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+import tracemalloc
+from collections.abc import Callable
+
+import msgspec
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+
+from kvlens.exporter.collector import _kv_families
+from kvlens.fleet.index import FleetIndex
+from kvlens.fleet.simulated import SimulatedEngine
+from kvlens.fleet.source import Consumer, KVEvents, Publisher
+from kvlens.fleet.wire import BlockRemoved, BlockStored, Event, KVEventBatch
+from kvlens.simulate.run import Fleet, simulate
+from kvlens.simulate.trace import BUNDLED, MOONCAKE, Trace
+
+Message = tuple[str, int, bytes]
+
+
+def messages(replicas: int, capacity: int, block_tokens: int) -> tuple[list[Message], int]:
+    encode = msgspec.msgpack.Encoder().encode
+    out: list[Message] = []
+    seqs = dict.fromkeys((f"r{i}" for i in range(replicas)), 0)
+    blocks = 0
+
+    def emit(replica: str, event: Event) -> None:
+        nonlocal blocks
+        assert isinstance(event, (BlockStored, BlockRemoved))
+        blocks += len(event.block_hashes)
+        payload = encode(KVEventBatch(ts=time.time(), events=[event], data_parallel_rank=0))
+        out.append((replica, seqs[replica], payload))
+        seqs[replica] += 1
+
+    engines = [SimulatedEngine(f"r{i}", block_tokens, emit) for i in range(replicas)]
+    requests = list(Trace(str(BUNDLED), MOONCAKE, 512).requests())
+    simulate(requests, Fleet(replicas, capacity, 512), "round_robin", events=lambda i: engines[i])
+    return out, blocks
+
+
+def timed(run: Callable[[], None], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        gc.collect()
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bare_decode(payloads: list[Message]) -> Callable[[], None]:
+    decode = msgspec.msgpack.Decoder(KVEventBatch).decode
+
+    def run() -> None:
+        for _, _, payload in payloads:
+            decode(payload)
+
+    return run
+
+
+def kvlens(payloads: list[Message], replicas: int, alike: bool) -> Callable[[], None]:
+    def run() -> None:
+        consumer = Consumer(
+            FleetIndex(hashes_alike=alike), [Publisher(f"r{i}", "tcp://x:1") for i in range(replicas)]
+        )
+        message = consumer.message
+        for replica, seq, payload in payloads:
+            message(replica, seq, payload, None)
+
+    return run
+
+
+def memory(held: int, block_tokens: int, alike: bool) -> tuple[float, float, FleetIndex]:
+    """Bytes per held (block, replica) entry, everything the index keeps for it (tracemalloc),
+    and per remembered block (the remembered table and its age queue alone)."""
+    tokens = list(range(block_tokens * 64))
+    chains = [list(range(first, first + 64)) for first in range(0, held - held % 64, 64)]
+    gc.collect()
+    tracemalloc.start()
+    index = FleetIndex(hashes_alike=alike, remember_blocks=held, max_held_blocks=held)
+    base = tracemalloc.get_traced_memory()[0]
+    for chain in chains:
+        index.stored("r0", chain, None, tokens, block_tokens)
+    holding = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    del chains
+    gc.collect()
+    tracemalloc.start()
+    remembering = FleetIndex(remember_blocks=held)
+    base = tracemalloc.get_traced_memory()[0]
+    for key in range(1 << 40, (1 << 40) + held):  # 64-bit-sized keys, as content keys are
+        remembering._remember(key, 1)
+    remembered = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    return holding / held, remembered / held, index
+
+
+def render_seconds(index: FleetIndex, replicas: int) -> float:
+    kv = KVEvents([Publisher(f"r{i}", "tcp://x:1") for i in range(replicas)], index)
+
+    class Families(Collector):
+        def collect(self) -> list[Metric]:
+            return _kv_families(kv)
+
+    registry = CollectorRegistry()
+    registry.register(Families())
+    return timed(lambda: generate_latest(registry), 5)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--capacity", type=int, default=5000, help="trace blocks per replica")
+    parser.add_argument("--block-tokens", type=int, default=16)
+    parser.add_argument("--held", type=int, default=1_000_000, help="blocks held for the memory figure")
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+
+    payloads, blocks = messages(args.replicas, args.capacity, args.block_tokens)
+    size = sum(len(p) for _, _, p in payloads)
+    print(f"{len(payloads):,} messages, {blocks:,} blocks, {size / 1e6:.1f} MB of payload")
+    baseline = timed(bare_decode(payloads), args.repeat)
+    print(f"bare msgspec decode (typed KVEventBatch): {blocks / baseline:,.0f} blocks/s")
+    for alike in (False, True):
+        seconds = timed(kvlens(payloads, args.replicas, alike), args.repeat)
+        label = "engine hash as key (hashes_alike)" if alike else "content keys"
+        print(
+            f"kvlens consumer, {label}: {blocks / seconds:,.0f} blocks/s, "
+            f"{baseline / seconds:.2f} of the bare decode's rate"
+        )
+    for alike in (False, True):
+        held, remembered, index = memory(args.held, args.block_tokens, alike)
+        label = "hashes_alike" if alike else "content keys"
+        print(f"memory ({label}): {held:.1f} bytes per held block, {remembered:.1f} per remembered block")
+    print(f"/metrics render of the KV families: {render_seconds(index, args.replicas) * 1e3:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""The causes without KV events: records that carry ``prefix_hashes`` and ``replica`` (a gateway's
+log, LiteLLM's ``prefix_block_hashes``, kvlens records) replayed through one modelled cache per
+replica, the simulator's :class:`~kvlens.simulate.cache.PrefixCache` of a configured capacity,
+whose events feed a :class:`~kvlens.fleet.index.FleetIndex` (give it ``hashes_alike=True``: the
+ids are chained already, so they are the keys).
+
+The causes are **modelled**: each request takes and releases its blocks at once (the simulator's
+one-cache walk, :func:`kvlens.simulate.run.walk`), in the order the records are given (sort them
+by arrival), and a replica's real cache size, pinning and eviction order are approximated by the
+capacity. Keep their counters apart from the ones KV events give.
+
+Prefix ids: ints are keys as they are; 16-hex-digit strings (LiteLLM's HMAC-SHA256 ids) are read
+as 64-bit ints; other strings are hashed (blake2b, 64 bits). LiteLLM also ids the prompt's final
+partial block, which an engine never caches: with ``partial_last_block=True`` the last id is
+dropped when the prompt is not a whole number of blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import string
+from collections.abc import Sequence
+
+from kvlens.fleet.index import FleetIndex
+from kvlens.fleet.simulated import SimulatedEngine, into_index
+from kvlens.simulate.cache import PrefixCache
+
+_HEX = frozenset(string.hexdigits)
+
+
+def prefix_key(prefix_id: int | str) -> int:
+    if isinstance(prefix_id, int):
+        return prefix_id & ((1 << 64) - 1)
+    if len(prefix_id) == 16 and _HEX.issuperset(prefix_id):
+        return int(prefix_id, 16)
+    return int.from_bytes(hashlib.blake2b(prefix_id.encode(), digest_size=8).digest(), "big")
+
+
+class ModelledFleet:
+    def __init__(
+        self,
+        index: FleetIndex,
+        capacity_blocks: int | None,
+        block_size: int,
+        *,
+        partial_last_block: bool = False,
+    ) -> None:
+        self.index = index
+        self.capacity_blocks = capacity_blocks
+        self.block_size = block_size
+        self.partial_last_block = partial_last_block
+        self._emit = into_index(index)
+        self._caches: dict[str, PrefixCache] = {}
+
+    def record(self, replica: str, prefix_ids: Sequence[int | str], prompt_tokens: int) -> int:
+        """One finished request: its blocks through ``replica``'s modelled cache. Returns the
+        tokens the modelled cache would have reused."""
+        keys = tuple(prefix_key(i) for i in prefix_ids)
+        if self.partial_last_block and prompt_tokens % self.block_size and keys:
+            keys = keys[:-1]
+        cache = self._caches.get(replica)
+        if cache is None:
+            engine = SimulatedEngine(replica, self.block_size, self._emit)
+            cache = self._caches[replica] = PrefixCache(self.capacity_blocks, engine)
+        limit = (prompt_tokens - 1) // self.block_size  # the last token is always recomputed
+        with self.index.lock:
+            reused, held = cache.acquire(keys, limit)
+            cache.release(keys, held)
+        return reused * self.block_size

@@ -1,0 +1,312 @@
+"""The KV events wire format of vLLM (0.33) and SGLang, decoded in one place.
+
+A publisher (vLLM's ``ZmqEventPublisher``, SGLang's copy of it) sends ZeroMQ multipart messages
+``[topic, sequence (8 bytes, big-endian), payload]``; the payload is msgpack of an ``EventBatch``
+``[ts, events, data_parallel_rank]`` (an array: ``array_like=True``). Each event is a tagged
+struct, told apart by its type name:
+
+- vLLM (0.11 and later, checked in 0.33): events are maps with ``"type"``; fields beyond the
+  first few have defaults and are left out when they hold them (``omit_defaults=True``);
+- SGLang (``sglang/srt/disaggregation/kv_events.py``) and vLLM up to 0.10: events are arrays
+  ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, ...]``
+  (``array_like=True``), without ``medium`` in SGLang's.
+
+The envelope is also read as a map (``{"ts": ..., "events": [...]}``), as some vLLM builds send it.
+:func:`decode_batch` takes a payload apart event by event so that one event it cannot read costs
+that event only: an unknown event type or an unknown field is counted and skipped (the known
+fields of the event still count), an event whose known fields are wrong is counted as malformed
+and dropped, and a payload that is not an ``EventBatch`` at all is dropped whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import msgspec
+
+from kvlens.fleet.index import FleetIndex
+
+# --- vLLM 0.33's definitions (vllm/distributed/kv_events.py), for publishing ------------------
+# Field names, order, defaults and struct options as the engine declares them, so that encoding
+# these gives the engine's bytes. The fields after ``kv_cache_spec_sliding_window`` are those
+# 0.33 adds (``reference/engines.md`` section 5); their types are read as optional.
+
+BlockHash = int | bytes
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base of the events; the tag (``type``) is the class name."""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[int] | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[BlockHash]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+# --- what kvlens reads: the fields it uses, every other one optional ----------------------------
+
+
+class _Stored(msgspec.Struct, tag="BlockStored", forbid_unknown_fields=True):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[int] | None = None
+
+
+class _Removed(msgspec.Struct, tag="BlockRemoved", forbid_unknown_fields=True):
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class _Cleared(msgspec.Struct, tag="AllBlocksCleared", forbid_unknown_fields=True):
+    pass
+
+
+class _StoredLoose(_Stored, tag="BlockStored", forbid_unknown_fields=False):
+    pass
+
+
+class _RemovedLoose(_Removed, tag="BlockRemoved", forbid_unknown_fields=False):
+    pass
+
+
+class _ClearedLoose(_Cleared, tag="AllBlocksCleared", forbid_unknown_fields=False):
+    pass
+
+
+# SGLang's and old vLLM's array form: the tag first, then the fields in order (trailing ones
+# this kvlens does not know are ignored by msgspec for array-like structs).
+class _StoredArray(msgspec.Struct, tag="BlockStored", array_like=True):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+
+
+class _RemovedArray(msgspec.Struct, tag="BlockRemoved", array_like=True):
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+
+
+class _ClearedArray(msgspec.Struct, tag="AllBlocksCleared", array_like=True):
+    pass
+
+
+class _Envelope(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+class _MapEnvelope(msgspec.Struct):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+# What apply() takes: the decoded forms, and vLLM's own (the simulated engines make those).
+Event = (
+    _Stored
+    | _Removed
+    | _Cleared
+    | _StoredArray
+    | _RemovedArray
+    | _ClearedArray
+    | BlockStored
+    | BlockRemoved
+    | AllBlocksCleared
+)
+KNOWN_TYPES: Final = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
+_strict = msgspec.msgpack.Decoder(_Stored | _Removed | _Cleared)
+_loose = msgspec.msgpack.Decoder(_StoredLoose | _RemovedLoose | _ClearedLoose)
+_array = msgspec.msgpack.Decoder(_StoredArray | _RemovedArray | _ClearedArray)
+_envelope = msgspec.msgpack.Decoder(_Envelope)
+_map_envelope = msgspec.msgpack.Decoder(_MapEnvelope)
+_any = msgspec.msgpack.Decoder()
+
+
+class MalformedPayload(ValueError):
+    """A payload that is not an ``EventBatch``."""
+
+
+@dataclass
+class Decoded:
+    ts: float
+    data_parallel_rank: int | None
+    events: list[Event] = field(default_factory=list)
+    unknown_events: int = 0  # events of a type kvlens does not know, skipped
+    unknown_fields: int = 0  # events with fields kvlens does not know (their known ones used)
+    malformed_events: int = 0  # events whose known fields are wrong, dropped
+
+
+class _Stamp(msgspec.Struct, array_like=True):
+    ts: float  # the rest of the array is left unread
+
+
+class _MapStamp(msgspec.Struct):
+    ts: float
+
+
+_stamp = msgspec.msgpack.Decoder(_Stamp)
+_map_stamp = msgspec.msgpack.Decoder(_MapStamp)
+
+
+def batch_ts(payload: bytes) -> float:
+    """A payload's ``ts`` alone (its events are read later); raises :class:`MalformedPayload`."""
+    try:
+        return (_stamp.decode(payload) if _is_array(payload) else _map_stamp.decode(payload)).ts
+    except (msgspec.DecodeError, msgspec.ValidationError) as error:
+        raise MalformedPayload(str(error)) from None
+
+
+def _is_array(raw: bytes | memoryview) -> bool:
+    first = raw[0] if len(raw) else 0
+    return 0x90 <= first <= 0x9F or first in (0xDC, 0xDD)
+
+
+def decode_batch(payload: bytes) -> Decoded:
+    """The events of one payload; raises :class:`MalformedPayload` when it is no ``EventBatch``."""
+    try:
+        envelope: _Envelope | _MapEnvelope = (
+            _envelope.decode(payload) if _is_array(payload) else _map_envelope.decode(payload)
+        )
+    except (msgspec.DecodeError, msgspec.ValidationError) as error:
+        raise MalformedPayload(str(error)) from None
+    out = Decoded(envelope.ts, envelope.data_parallel_rank)
+    for raw in envelope.events:
+        _decode_event(bytes(raw), out)
+    return out
+
+
+def _decode_event(raw: bytes, out: Decoded) -> None:
+    try:
+        out.events.append(_array.decode(raw) if _is_array(raw) else _strict.decode(raw))
+        return
+    except msgspec.ValidationError as error:
+        if "unknown field" in str(error):
+            try:
+                loose = _loose.decode(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                out.malformed_events += 1
+                return
+            out.unknown_fields += 1
+            out.events.append(loose)  # a subclass of the strict one: apply() takes it alike
+            return
+    except msgspec.DecodeError:
+        out.malformed_events += 1
+        return
+    try:
+        generic = _any.decode(raw)
+    except msgspec.DecodeError:
+        out.malformed_events += 1
+        return
+    if isinstance(generic, dict):
+        tag = generic.get("type")
+    else:  # an array-like event starts with its tag; anything else is no event
+        tag = generic[0] if isinstance(generic, list) and generic else None
+    if isinstance(tag, str) and tag not in KNOWN_TYPES:
+        out.unknown_events += 1
+    else:
+        out.malformed_events += 1
+
+
+# `medium` becomes a label: a closed set (vLLM's tiers), anything else is "other".
+MEDIA: Final = frozenset({"GPU", "CPU", "STORAGE"})
+
+
+def medium_label(medium: str | None) -> str:
+    if medium is None:
+        return "GPU"  # vLLM before 0.10 sends none: its cache is the GPU's
+    return medium if medium in MEDIA else "other"
+
+
+APPLIED: Final = "applied"
+MALFORMED: Final = "malformed"  # token ids that do not fill its blocks: dropped
+OTHER_GROUP: Final = "other_group"  # a KV cache group past the first: left out
+
+
+def apply(index: FleetIndex, replica: str, event: Event) -> str:
+    """Feed one decoded event to ``index``: :data:`APPLIED`, or why not.
+
+    Only the first KV cache group is followed (``group_idx`` 0 or absent): a hybrid model (full
+    and sliding-window attention) announces a block once per group, and the groups evict
+    differently; counting every group would count each block several times."""
+    if getattr(event, "group_idx", None) not in (None, 0):
+        return OTHER_GROUP
+    if isinstance(event, (_Stored, _StoredArray, BlockStored)):
+        count = len(event.block_hashes)
+        size = event.block_size
+        if size < 1 or len(event.token_ids) != count * size:
+            return MALFORMED
+        extra = event.extra_keys
+        if extra is not None and len(extra) != count:
+            return MALFORMED
+        index.stored(
+            replica,
+            event.block_hashes,
+            event.parent_block_hash,
+            event.token_ids,
+            size,
+            medium=medium_label(event.medium),
+            extra_keys=extra,
+            lora_name=event.lora_name,
+        )
+    elif isinstance(event, (_Removed, _RemovedArray, BlockRemoved)):
+        index.removed(replica, event.block_hashes, medium=medium_label(event.medium))
+    else:
+        index.cleared(replica)
+    return APPLIED

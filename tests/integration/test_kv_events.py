@@ -1,0 +1,198 @@
+"""KV events over real ZeroMQ sockets: a publisher that speaks vLLM's wire protocol (PUB + ROUTER
+replay, tests/kv_publisher.py) and events encoded with vLLM's own struct definitions; first into
+the subscriptions' thread in process, then into a real ``kvlens serve --kv-events`` read back
+from its /metrics."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgspec
+import pytest
+
+from kvlens.fleet.index import EVICTED_HERE, HELD_ELSEWHERE, NEW, FleetIndex
+from kvlens.fleet.simulated import SimulatedEngine
+from kvlens.fleet.source import KVEvents, Publisher
+from kvlens.fleet.wire import KVEventBatch
+from kvlens.simulate.run import Fleet, simulate
+from kvlens.simulate.trace import BUNDLED, MOONCAKE, Trace
+from tests import vllm_kv_events as vllm
+from tests.kv_publisher import TestPublisher
+from tests.live import free_port, start_kvlens, total
+
+pytestmark = pytest.mark.integration
+FIRST, SECOND = [1, 2, 3, 4], [5, 6, 7, 8]
+
+
+def stored(hashes: list[int], parent: int | None, tokens: list[int]) -> bytes:
+    event = vllm.BlockStored(hashes, parent, tokens, 4, None, "GPU", None)
+    return vllm.encode(vllm.KVEventBatch(ts=1.0, events=[event], data_parallel_rank=0))
+
+
+def removed(hashes: list[int]) -> bytes:
+    return vllm.encode(
+        vllm.KVEventBatch(ts=1.0, events=[vllm.BlockRemoved(hashes, "GPU")], data_parallel_rank=0)
+    )
+
+
+def until(condition: Callable[[], bool], timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the condition did not come true")
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def publishers() -> Iterator[tuple[TestPublisher, TestPublisher]]:
+    a = TestPublisher(free_port(), replay_port=free_port())
+    b = TestPublisher(free_port())
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_two_replicas_gaps_replays_and_a_restart_in_process(
+    publishers: tuple[TestPublisher, TestPublisher],
+) -> None:
+    a, b = publishers
+    kv = KVEvents(
+        [Publisher("a", a.endpoint, a.replay_endpoint), Publisher("b", b.endpoint)],
+        FleetIndex(),
+    )
+    kv.start()
+    try:
+        a.wait_subscribed()
+        b.wait_subscribed()
+        until(lambda: all(s.up for s in kv.consumer.status.values()))
+        a.publish(stored([101, 102], None, FIRST + SECOND))  # seq 0
+        until(lambda: kv.consumer.status["a"].batches == 1)  # publishers are not ordered among them
+        b.publish(stored([201], None, FIRST))  # held by a: held_elsewhere
+        a.drop(removed([102]))  # seq 1, lost on the way
+        a.publish(stored([102], 101, SECOND))  # seq 2: the gap is repaired first
+        b.publish(b"\xc1 not msgpack")
+        b.drop(stored([202], 201, SECOND))  # no replay endpoint on b: missed
+        b.publish(stored([203], 202, [9, 9, 9, 9]))
+        until(lambda: kv.consumer.status["b"].batches == 3 and kv.consumer.status["a"].batches == 3)
+        snapshot = kv.snapshot()
+        sa, sb = snapshot.publishers["a"], snapshot.publishers["b"]
+        assert (sa.gaps, sa.replays, sa.replayed, sa.missed) == (1, 1, 1, 0)
+        assert (sb.gaps, sb.replays, sb.missed, sb.malformed_payloads) == (1, 0, 1, 1)
+        index = snapshot.index
+        assert index.recomputed_blocks == {
+            ("a", NEW): 2,
+            ("b", HELD_ELSEWHERE): 1,
+            ("a", EVICTED_HERE): 1,
+            ("b", "unknown"): 1,  # 203's parent 202 was lost with b's gap
+        }
+        a.restart()
+        a.publish(stored([102], None, SECOND))  # seq 0 again: a's blocks (101, 102) are gone
+        until(lambda: kv.consumer.status["a"].restarts == 1)
+        after = kv.snapshot().index
+        assert (after.held[("a", "GPU")], after.removed[("a", "GPU")]) == (1, 3)
+        # SECOND as a first block is content a held before the restart (its 102 was 101's child)
+        assert kv.index.recomputed["a", NEW] == 3
+    finally:
+        kv.stop()
+    assert kv.source is not None and kv.source.errors == 0
+
+
+def test_serve_exports_the_causes_and_the_publishers_health(
+    publishers: tuple[TestPublisher, TestPublisher],
+) -> None:
+    a, b = publishers
+    config = [
+        {"name": "a", "endpoint": a.endpoint, "replay_endpoint": a.replay_endpoint},
+        {"name": "b", "endpoint": b.endpoint},
+    ]
+    kvlens = start_kvlens("serve", env={"KVLENS_KV_EVENTS": json.dumps(config)})
+    try:
+        a.wait_subscribed()
+        b.wait_subscribed()
+        assert kvlens.wait_for("kvlens_kv_publisher_up", 2) == 2
+        batches = "kvlens_kv_event_batches_total"
+        a.publish(stored([101, 102], None, FIRST + SECOND))
+        assert kvlens.wait_for(batches, 1, replica="a") == 1  # publishers are not ordered among them
+        b.publish(stored([201, 202], None, FIRST + SECOND))
+        assert kvlens.wait_for(batches, 1, replica="b") == 1
+        a.drop(removed([101, 102]))
+        a.publish(stored([103], None, FIRST))
+        name = "kvlens_kv_recomputed_tokens_total"
+        assert kvlens.wait_for(batches, 4) == 4
+        assert kvlens.value(name, replica="a", cause=NEW) == 8
+        assert kvlens.value(name, replica="b", cause=HELD_ELSEWHERE) == 8
+        assert kvlens.value(name, replica="a", cause=HELD_ELSEWHERE) == 4  # b holds it, a evicted it
+        assert kvlens.value("kvlens_kv_replayed_batches_total", replica="a") == 1
+        assert kvlens.value("kvlens_kv_blocks_held", replica="a") == 1
+        assert kvlens.value("kvlens_kv_fleet_blocks", kind="distinct") == 2
+        assert kvlens.value("kvlens_kv_fleet_blocks", kind="duplicated") == 1
+        assert kvlens.value("kvlens_collector_errors_total") == 0
+        rejected = {
+            labels: value
+            for (name, labels), value in kvlens.samples().items()
+            if name == "kvlens_kv_events_rejected_total" and ("replica", "a") in labels
+        }
+        assert sorted(dict(labels)["reason"] for labels in rejected) == sorted(
+            ["malformed_payload", "malformed_event", "unknown_event", "unknown_field", "other_group", "error"]
+        )
+        assert sum(rejected.values()) == 0
+    finally:
+        out = kvlens.output()
+    assert "Traceback" not in out
+
+
+def test_shards_sum_to_the_whole_over_real_processes() -> None:
+    """The simulated fleet's events (4 replicas of 1500 blocks, round robin, the first 800
+    requests of the bundled trace; batches 100 us apart by their ``ts``) from 4 publishers to
+    three ``kvlens serve``: one whole, and ``--kv-events-shard 0/2`` and ``1/2``. Each process
+    applies the publishers' batches in ``ts`` order (the reorder window), so every cause of
+    every replica sums exactly."""
+    requests = list(Trace(str(BUNDLED), MOONCAKE, 512).requests())[:800]
+    encode = msgspec.msgpack.Encoder().encode
+    batches: list[tuple[int, bytes]] = []
+
+    def emit(replica: str, event: Any) -> None:
+        batch = KVEventBatch(ts=1e9 + len(batches) * 1e-4, events=[event], data_parallel_rank=0)
+        batches.append((int(replica[1:]), encode(batch)))
+
+    engines = [SimulatedEngine(f"r{i}", 16, emit) for i in range(4)]
+    simulate(requests, Fleet(4, 1500, 512), "round_robin", events=lambda i: engines[i])
+    publishers = [TestPublisher(free_port()) for _ in range(4)]
+    flags = [arg for i, p in enumerate(publishers) for arg in ("--kv-events", f"r{i}={p.endpoint}")]
+    processes = [
+        start_kvlens("serve", *flags),
+        start_kvlens("serve", *flags, "--kv-events-shard", "0/2"),
+        start_kvlens("serve", *flags, "--kv-events-shard", "1/2"),
+    ]
+    try:
+        for publisher in publishers:
+            for _ in processes:
+                publisher.wait_subscribed()
+        for replica, payload in batches:
+            publishers[replica].publish(payload)
+        for process in processes:
+            assert process.wait_for("kvlens_kv_event_batches_total", len(batches), timeout=60) == len(batches)
+        whole, *shards = (process.samples() for process in processes)
+        name = "kvlens_kv_recomputed_tokens_total"
+        for replica in ("r0", "r1", "r2", "r3"):
+            for cause in ("new", "evicted_here", "held_elsewhere", "evicted_elsewhere"):
+                labels = {"replica": replica, "cause": cause}
+                assert sum(total(shard, name, **labels) for shard in shards) == total(
+                    whole, name, **labels
+                ), labels
+        assert total(whole, name, cause="held_elsewhere") > 0
+        assert all(0 < total(shard, name) < total(whole, name) for shard in shards)
+        for family in (
+            "kvlens_kv_blocks_stored_total",
+            "kvlens_kv_blocks_removed_total",
+            "kvlens_kv_blocks_held",
+        ):
+            assert sum(total(shard, family) for shard in shards) == total(whole, family), family
+    finally:
+        for process in processes:
+            process.output()
+        for publisher in publishers:
+            publisher.close()

@@ -1,0 +1,276 @@
+"""The fleet block index against the simulator, which knows the truth: the simulated caches publish
+their KV events (BlockStored / BlockRemoved), the index classifies every stored block, and the
+causes are checked against ``kvlens simulate``'s reachable and delivered reuse on the bundled
+trace, exactly.
+
+Why the identities hold (and when): the reachable walk reuses, per request, the leading blocks
+seen before; a replica recomputes and stores the rest. A stored block seen before was held
+somewhere and is no more (one replica: ``evicted_here``) or is held by another replica (unbounded
+caches: ``held_elsewhere``). So the cause's blocks are the reuse the replica missed, provided
+(a) the cache never refused a block for lack of room (checked: ``refused == 0``) and (b) no
+prompt that is a whole number of blocks, every block seen before, finds its last block evicted:
+the engine recomputes that block even when it is cached, so the walk does not count it as reuse,
+while its eviction makes a store (:func:`test_a_whole_block_prompt_whose_last_block_was_evicted`
+shows the one block of difference). The bundled trace has 4 prompts of whole blocks, none of
+them in that case.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from kvlens.fleet.index import (
+    CAUSES,
+    EVICTED_ELSEWHERE,
+    EVICTED_HERE,
+    HELD_ELSEWHERE,
+    HELD_HERE,
+    NEW,
+    UNKNOWN,
+    FleetIndex,
+)
+from kvlens.fleet.simulated import SimulatedEngine, into_index
+from kvlens.simulate.run import Fleet, Outcome, simulate, walk
+from kvlens.simulate.trace import BUNDLED, MOONCAKE, Trace, TraceRequest
+
+BLOCK = 512
+
+
+def trace() -> list[TraceRequest]:
+    return list(Trace(str(BUNDLED), MOONCAKE, BLOCK).requests())
+
+
+@pytest.fixture(scope="module")
+def requests() -> list[TraceRequest]:
+    return trace()
+
+
+@pytest.fixture(scope="module")
+def reachable_tokens(requests: list[TraceRequest]) -> int:
+    return walk(requests, None, BLOCK, "reachable").totals.cached_tokens
+
+
+def run(
+    requests: list[TraceRequest],
+    replicas: int,
+    capacity: int | None,
+    policy: str,
+    seeds: list[int | None] | None = None,
+    index: FleetIndex | None = None,
+    block: int = BLOCK,
+) -> tuple[Outcome, FleetIndex]:
+    index = index or FleetIndex()
+    emit = into_index(index)
+    engines = [
+        SimulatedEngine(f"r{i}", block, emit, None if seeds is None else seeds[i]) for i in range(replicas)
+    ]
+    outcome = simulate(requests, Fleet(replicas, capacity, block), policy, events=lambda i: engines[i])
+    return outcome, index
+
+
+def by_cause(index: FleetIndex, tokens: bool = True) -> Counter[str]:
+    table = index.recomputed_tokens if tokens else index.recomputed
+    totals: Counter[str] = Counter()
+    for (_, cause), value in table.items():
+        totals[cause] += value
+    return totals
+
+
+def stored_blocks(requests: list[TraceRequest]) -> int:
+    return sum(len(r.blocks) for r in requests)
+
+
+def test_one_unbounded_replica_recomputes_only_new_blocks(requests: list[TraceRequest]) -> None:
+    outcome, index = run(requests, 1, None, "round_robin")
+    distinct = len({key for r in requests for key in r.blocks})
+    assert by_cause(index, tokens=False) == Counter({NEW: distinct})
+    assert index.snapshot().held == {("r0", "GPU"): distinct}
+    assert outcome.evictions == 0
+
+
+@pytest.mark.parametrize("capacity", [3000, 8000])
+def test_one_replica_with_a_capacity_recomputes_the_reuse_it_evicted(
+    requests: list[TraceRequest], reachable_tokens: int, capacity: int
+) -> None:
+    outcome, index = run(requests, 1, capacity, "round_robin")
+    assert outcome.refused == 0  # the identity's condition (a)
+    causes = by_cause(index)
+    assert set(causes) == {NEW, EVICTED_HERE}
+    assert causes[EVICTED_HERE] == reachable_tokens - outcome.totals.cached_tokens
+    assert causes[EVICTED_HERE] > 0
+    distinct = len({key for r in requests for key in r.blocks})
+    assert causes[NEW] == distinct * BLOCK
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "prefix_affinity"])
+def test_unbounded_replicas_recompute_what_another_one_held(
+    requests: list[TraceRequest], reachable_tokens: int, policy: str
+) -> None:
+    outcome, index = run(requests, 4, None, policy)
+    assert outcome.refused == 0
+    causes = by_cause(index)
+    assert set(causes) <= {NEW, HELD_ELSEWHERE}
+    assert causes[HELD_ELSEWHERE] == reachable_tokens - outcome.totals.cached_tokens
+    assert causes[NEW] == len({key for r in requests for key in r.blocks}) * BLOCK
+
+
+def test_with_capacity_and_replicas_the_causes_cover_every_stored_block(
+    requests: list[TraceRequest], reachable_tokens: int
+) -> None:
+    outcome, index = run(requests, 4, 2000, "round_robin")
+    assert outcome.refused == 0
+    causes = by_cause(index)
+    lost = causes[HELD_ELSEWHERE] + causes[EVICTED_HERE] + causes[EVICTED_ELSEWHERE]
+    assert lost == reachable_tokens - outcome.totals.cached_tokens  # the whole gap, split by cause
+    snapshot = index.snapshot()
+    stored = sum(snapshot.stored.values())
+    assert sum(by_cause(index, tokens=False).values()) == stored
+    removed = sum(snapshot.removed.values())
+    assert removed == outcome.evictions
+    assert sum(snapshot.held.values()) == stored - removed
+    assert {c for c, n in by_cause(index).items() if n} == {
+        NEW,
+        EVICTED_HERE,
+        HELD_ELSEWHERE,
+        EVICTED_ELSEWHERE,
+    }
+
+
+def test_replicas_that_hash_differently_are_classified_alike(requests: list[TraceRequest]) -> None:
+    part = requests[:1500]
+    _, same = run(part, 3, 1500, "round_robin")
+    _, seeded = run(part, 3, 1500, "round_robin", seeds=[11, 22, 33])
+    assert seeded.recomputed == same.recomputed
+    assert seeded.snapshot().held == same.snapshot().held
+
+
+# --- by hand ----------------------------------------------------------------------------------
+
+
+def test_a_whole_block_prompt_whose_last_block_was_evicted() -> None:
+    """The identity's limit (b): a prompt of exactly 2 blocks comes back after its second block
+    was evicted. Both the walk and the replica reuse 1 block (the last token is recomputed, so
+    the last block is never a hit), yet the replica stores the evicted block: 1 block of
+    evicted_here beyond the reuse gap."""
+    requests = [
+        TraceRequest(0, 0.0, 8, 1, ("a1", "a2")),
+        TraceRequest(1, 100.0, 5, 1, ("b1",)),  # evicts a2 (freed before a1: last block first)
+        TraceRequest(2, 200.0, 8, 1, ("a1", "a2")),
+    ]
+    keys = {"a1": 1, "a2": 2, "b1": 3}
+    numbered = [
+        TraceRequest(r.index, r.arrival, r.prompt_tokens, 1, tuple(keys[b] for b in r.blocks))
+        for r in requests
+    ]
+    outcome, index = run(numbered, 1, 2, "round_robin", block=4)
+    gap = walk(numbered, None, 4, "reachable").totals.cached_tokens - outcome.totals.cached_tokens
+    assert (gap, index.recomputed_tokens["r0", EVICTED_HERE]) == (0, 4)
+
+
+def tokens(*values: int) -> list[int]:
+    return [v for value in values for v in [value] * 4]
+
+
+def test_precedence_held_elsewhere_then_evicted_here_then_evicted_elsewhere() -> None:
+    index = FleetIndex()
+    index.stored("a", [1], None, tokens(7), 4)  # new
+    index.removed("a", [1])
+    index.stored("b", [2], None, tokens(7), 4)  # a evicted it, none holds it: evicted_elsewhere
+    index.stored("a", [3], None, tokens(7), 4)  # a evicted it, b holds it: held_elsewhere wins
+    index.removed("b", [2])
+    index.removed("a", [3])
+    index.stored("a", [4], None, tokens(7), 4)  # both evicted it: evicted_here wins
+    index.stored("a", [4], None, tokens(7), 4)  # again: a holds it (duplicate announcement)
+    assert [index.recomputed["a", c] for c in CAUSES] == [1, 1, 1, 0, 1, 0]
+    assert index.recomputed["b", EVICTED_ELSEWHERE] == 1
+    assert index.recomputed_tokens["a", EVICTED_HERE] == 4
+
+
+def test_a_child_is_keyed_by_its_parents_content_and_an_unknown_parent_is_unknown() -> None:
+    index = FleetIndex()
+    index.stored("a", [10, 11], None, tokens(1, 2), 4)
+    index.stored("b", [20], None, tokens(1), 4)  # same content as a's 10: held elsewhere
+    index.stored("b", [21], 20, tokens(2), 4)  # chained after it: a's 11
+    index.stored("b", [22], 99, tokens(3), 4)  # parent never seen
+    assert index.recomputed["b", HELD_ELSEWHERE] == 2
+    assert index.recomputed["b", UNKNOWN] == 1
+    index.stored("c", [30], None, tokens(2), 4)  # tokens of 11 but as a first block: another block
+    assert index.recomputed["c", NEW] == 1
+
+
+def test_extra_keys_and_lora_tell_blocks_apart() -> None:
+    index = FleetIndex()
+    index.stored("a", [1], None, tokens(5), 4, extra_keys=[("cache_salt", "x")])
+    index.stored("b", [2], None, tokens(5), 4, extra_keys=[("cache_salt", "y")])
+    index.stored("c", [3], None, tokens(5), 4, lora_name="sql")
+    index.stored("d", [4], None, tokens(5), 4, extra_keys=[("cache_salt", "x")])
+    assert [index.recomputed[r, NEW] for r in "abc"] == [1, 1, 1]
+    assert index.recomputed["d", HELD_ELSEWHERE] == 1
+
+
+def test_cpu_tier_copies_hold_but_are_not_work() -> None:
+    index = FleetIndex()
+    index.stored("a", [1], None, tokens(5), 4)
+    index.stored("a", [1], None, tokens(5), 4, medium="CPU")  # offloaded
+    index.removed("a", [1])  # gone from the GPU, still in CPU
+    index.stored("b", [2], None, tokens(5), 4)
+    index.stored("a", [1], None, tokens(5), 4)  # loaded back from its own CPU tier
+    assert index.recomputed["b", HELD_ELSEWHERE] == 1
+    assert index.recomputed["a", HELD_HERE] == 1
+    assert sum(n for (r, _), n in index.recomputed.items() if r == "a") == 2
+    assert index.snapshot().held == {("a", "GPU"): 1, ("a", "CPU"): 1, ("b", "GPU"): 1}
+
+
+def test_all_blocks_cleared_counts_as_removed_by_the_replica() -> None:
+    index = FleetIndex()
+    index.stored("a", [1, 2], None, tokens(5, 6), 4)
+    index.stored("a", [2], 1, tokens(6), 4)  # a second copy of 2
+    index.cleared("a")
+    snapshot = index.snapshot()
+    assert snapshot.removed == {("a", "GPU"): 3}
+    assert snapshot.held == {("a", "GPU"): 0}
+    assert snapshot.distinct_blocks == 0
+    index.stored("a", [1], None, tokens(5), 4)
+    assert index.recomputed["a", EVICTED_HERE] == 1
+
+
+def test_the_oldest_remembered_blocks_are_forgotten_past_the_cap() -> None:
+    index = FleetIndex(remember_blocks=2)
+    for engine_hash in (1, 2, 3):
+        index.stored("a", [engine_hash], None, tokens(engine_hash), 4)
+        index.removed("a", [engine_hash])
+    snapshot = index.snapshot()
+    assert (snapshot.remembered_blocks, snapshot.forgotten_blocks) == (2, 1)
+    for engine_hash in (1, 2, 3):
+        index.stored("a", [engine_hash], None, tokens(engine_hash), 4)
+    assert index.recomputed["a", NEW] == 3 + 1  # 1 was forgotten: new again
+    assert index.recomputed["a", EVICTED_HERE] == 2
+
+
+def test_held_blocks_past_the_cap_are_classified_but_not_kept() -> None:
+    index = FleetIndex(max_held_blocks=2)
+    index.stored("a", [1, 2, 3], None, tokens(1, 2, 3), 4)
+    assert index.recomputed["a", NEW] == 3
+    assert (index.snapshot().untracked_blocks, sum(index.snapshot().held.values())) == (1, 2)
+
+
+def test_duplicated_blocks_count_holdings_beyond_the_first() -> None:
+    index = FleetIndex()
+    for replica in "abc":
+        index.stored(replica, [1], None, tokens(1), 4)
+    assert (index.snapshot().distinct_blocks, index.snapshot().duplicated_blocks) == (1, 2)
+    index.removed("b", [1])
+    assert (index.snapshot().distinct_blocks, index.snapshot().duplicated_blocks) == (1, 1)
+
+
+def test_shards_split_the_counts_exactly(requests: list[TraceRequest]) -> None:
+    part = requests[:1200]
+    _, whole = run(part, 3, 1500, "round_robin")
+    shards = [run(part, 3, 1500, "round_robin", index=FleetIndex(shard=(i, 3)))[1] for i in range(3)]
+    summed: Counter[tuple[str, str]] = Counter()
+    for shard in shards:
+        summed.update(shard.recomputed)
+    assert summed == whole.recomputed
+    assert all(shard.recomputed != whole.recomputed for shard in shards)

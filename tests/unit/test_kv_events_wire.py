@@ -1,0 +1,359 @@
+"""KV events as the engines encode them (their own struct definitions, tests/vllm_kv_events.py),
+decoded by kvlens; unknown and broken parts counted, never fatal; sequences, gaps, replays and
+restarts (the consumer half, without sockets)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlens.fleet.index import EVICTED_HERE, HELD_ELSEWHERE, NEW, FleetIndex
+from kvlens.fleet.source import MAX_WAITING_BYTES, Consumer, Publisher
+from kvlens.fleet.wire import APPLIED, MALFORMED, MalformedPayload, apply, decode_batch
+from tests import vllm_kv_events as vllm
+
+TS = 1764600000.25
+FIRST = [128000, 128006, 9125, 128007]
+SECOND = [65535, 65536, 0, 127]
+
+
+def stored(hashes: list[Any], parent: Any, tokens: list[int], **extra: Any) -> vllm.BlockStored:
+    return vllm.BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=tokens,
+        block_size=4,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        **extra,
+    )
+
+
+def batch(*events: Any, rank: int | None = 0) -> bytes:
+    return vllm.encode(vllm.KVEventBatch(ts=TS, events=list(events), data_parallel_rank=rank))
+
+
+def test_vllm_events_round_trip() -> None:
+    payload = batch(
+        stored([11, 12], None, FIRST + SECOND, extra_keys=[("cache_salt", "s"), None], group_idx=0),
+        vllm.BlockRemoved(block_hashes=[12], medium="GPU"),
+        vllm.AllBlocksCleared(),
+    )
+    assert payload[0] == 0x93  # [ts, events, rank]: the array envelope
+    decoded = decode_batch(payload)
+    assert (decoded.ts, decoded.data_parallel_rank) == (TS, 0)
+    first, second, third = decoded.events
+    assert (first.block_hashes, first.parent_block_hash, first.token_ids) == ([11, 12], None, FIRST + SECOND)
+    assert (first.medium, first.extra_keys, first.group_idx) == ("GPU", [["cache_salt", "s"], None], 0)
+    assert (second.block_hashes, second.medium) == ([12], "GPU")
+    assert type(third).__name__ == "_Cleared"
+    assert (decoded.unknown_events, decoded.unknown_fields, decoded.malformed_events) == (0, 0, 0)
+
+
+def test_bytes_hashes_are_read_as_their_low_64_bits() -> None:
+    digest = bytes(range(32))
+    index = FleetIndex(hashes_alike=True)
+    for event in decode_batch(batch(stored([digest], None, FIRST))).events:
+        apply(index, "a", event)
+    assert index.holders(int.from_bytes(digest[-8:], "big")) == ["a"]
+
+
+def test_the_map_envelope_and_sglangs_array_events_decode_alike() -> None:
+    sglang = vllm.encode(
+        vllm.SGLangEventBatch(
+            ts=TS,
+            events=[
+                vllm.SGLangBlockStored(
+                    block_hashes=[1], parent_block_hash=None, token_ids=FIRST, block_size=4, lora_id=None
+                ),
+                vllm.SGLangBlockRemoved(block_hashes=[1]),
+                vllm.SGLangAllBlocksCleared(),
+            ],
+        )
+    )
+    as_map = vllm.encode(vllm.MapEventBatch(ts=TS, events=[stored([1], None, FIRST)]))
+    assert as_map[0] & 0xF0 == 0x80
+    index = FleetIndex()
+    events = decode_batch(sglang).events
+    assert [type(e).__name__ for e in events] == ["_StoredArray", "_RemovedArray", "_ClearedArray"]
+    assert (events[0].block_hashes, events[0].token_ids, events[0].medium) == ([1], FIRST, None)
+    for event in [*events, *decode_batch(as_map).events]:
+        assert apply(index, "a", event) == APPLIED
+    assert index.recomputed["a", NEW] == 1 and index.recomputed["a", EVICTED_HERE] == 1
+
+
+class FutureStored(vllm.KVCacheEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    priority: int = 0  # a field a later vLLM might add
+
+
+class BlockPinned(vllm.KVCacheEvent):
+    block_hashes: list[int]
+
+
+def test_unknown_fields_and_event_types_are_counted_and_skipped() -> None:
+    future = FutureStored([5], None, FIRST, 4, None, "GPU", None, priority=3)
+    payload = vllm.encode(
+        vllm.EventBatch(
+            ts=TS, events=[BlockPinned([5]), future, stored([6], 5, SECOND)], data_parallel_rank=0
+        )
+    )
+    decoded = decode_batch(payload)
+    assert (decoded.unknown_events, decoded.unknown_fields, decoded.malformed_events) == (1, 1, 0)
+    assert [e.block_hashes for e in decoded.events] == [[5], [6]]  # the future one's known fields
+
+
+def test_a_malformed_event_is_dropped_and_a_malformed_payload_raises() -> None:
+    bad = vllm.encode({"type": "BlockStored", "block_hashes": "not a list", "parent_block_hash": None})
+    payload = vllm.encode([TS, [msgspec.Raw(bad), msgspec.Raw(vllm.encode(stored([1], None, FIRST)))], 0])
+    decoded = decode_batch(payload)
+    assert (decoded.malformed_events, len(decoded.events)) == (1, 1)
+    for garbage in (b"", b"\xc1", b"\x93\x01", vllm.encode({"events": 3}), b"\xff" * 64):
+        with pytest.raises(MalformedPayload):
+            decode_batch(garbage)
+
+
+def test_a_block_whose_tokens_do_not_fill_it_is_refused() -> None:
+    index = FleetIndex()
+    (event,) = decode_batch(batch(stored([1, 2], None, FIRST))).events  # 4 tokens for 2 blocks
+    assert apply(index, "a", event) == MALFORMED
+    assert index.recomputed == {}
+
+
+# --- the consumer: sequences ------------------------------------------------------------------
+
+
+def consumer() -> Consumer:
+    return Consumer(FleetIndex(), [Publisher("a", "tcp://a:5557"), Publisher("b", "tcp://b:5557")])
+
+
+def test_a_gap_without_replay_is_counted_as_missed_batches() -> None:
+    c = consumer()
+    c.message("a", 0, batch(stored([1], None, FIRST)), None)
+    c.message("a", 3, batch(stored([2], 1, SECOND)), None)
+    status = c.status["a"]
+    assert (status.gaps, status.missed, status.replays, status.batches) == (1, 2, 0, 2)
+
+
+def test_a_gap_is_repaired_from_the_replay_endpoint() -> None:
+    c = consumer()
+    buffered = {1: batch(stored([1], None, FIRST)), 2: batch(vllm.BlockRemoved([1], "GPU"))}
+    asked: list[int] = []
+
+    def replay(first: int) -> list[tuple[int, bytes]]:
+        asked.append(first)
+        return [(seq, payload) for seq, payload in sorted(buffered.items()) if seq >= first]
+
+    c.message("a", 0, batch(), replay)
+    c.message("a", 3, batch(stored([1], None, FIRST)), replay)
+    status = c.status["a"]
+    assert asked == [1]
+    assert (status.gaps, status.missed, status.replays, status.replayed) == (1, 0, 1, 2)
+    assert c.index.recomputed["a", EVICTED_HERE] == 1  # stored, removed (replayed), stored again
+
+
+def test_a_replay_that_misses_part_of_the_gap_leaves_it_unrepaired() -> None:
+    c = consumer()
+    c.message("a", 0, batch(), None)
+    c.message("a", 4, batch(), lambda first: [(2, batch()), (3, batch())])  # 1 is gone
+    status = c.status["a"]
+    assert (status.gaps, status.missed, status.replayed) == (1, 3, 0)
+
+
+def test_a_publisher_restart_empties_that_replica_only() -> None:
+    c = consumer()
+    c.message("a", 0, batch(stored([1], None, FIRST)), None)
+    c.message("b", 0, batch(stored([9], None, FIRST)), None)
+    c.message("a", 1, batch(), None)
+    c.message("a", 0, batch(), None)  # the engine restarted: sequences begin again
+    assert c.status["a"].restarts == 1
+    assert c.index.snapshot().held == {("a", "GPU"): 0, ("b", "GPU"): 1}
+    c.message("a", 1, batch(stored([1], None, FIRST)), None)
+    assert c.index.recomputed["a", HELD_ELSEWHERE] == 1
+
+
+def test_malformed_payloads_and_events_are_counted_per_publisher() -> None:
+    c = consumer()
+    c.message("a", 0, b"\xc1\xc1", None)
+    c.message("a", 1, batch(stored([1, 2], None, FIRST)), None)  # tokens do not fill two blocks
+    c.message("a", 2, batch(BlockPinned([1])), None)
+    status = c.status["a"]
+    assert (status.malformed_payloads, status.malformed_events, status.unknown_events) == (1, 1, 1)
+    assert status.events == {"BlockStored": 1}
+
+
+# --- ordering across publishers -----------------------------------------------------------------
+
+
+def at(ts: float, *events: Any) -> bytes:
+    return vllm.encode(vllm.KVEventBatch(ts=ts, events=list(events), data_parallel_rank=0))
+
+
+def test_without_a_window_batches_apply_in_arrival_order() -> None:
+    c = consumer()
+    c.message("a", 0, at(10.2, stored([1], None, FIRST)), None)
+    c.message("b", 0, at(10.1, stored([2], None, FIRST)), None)  # older, arrived later
+    assert c.index.recomputed == {("a", NEW): 1, ("b", HELD_ELSEWHERE): 1}
+
+
+def test_with_a_window_batches_of_replicas_apply_in_timestamp_order() -> None:
+    now = [0.0]
+    c = Consumer(
+        FleetIndex(),
+        [Publisher("a", "tcp://a:5557"), Publisher("b", "tcp://b:5557")],
+        reorder_seconds=0.5,
+        clock=lambda: now[0],
+    )
+    c.message("a", 0, at(10.2, stored([1], None, FIRST)), None)
+    c.message("b", 0, at(10.1, stored([2], None, FIRST)), None)
+    assert c.index.recomputed == {}  # both wait
+    c.message("a", 1, at(10.65, stored([3], None, SECOND)), None)  # 0.5 s newer than 10.1 only
+    assert c.index.recomputed == {("b", NEW): 1}
+    c.message("b", 1, at(10.71, stored([4], None, [7] * 4)), None)  # and than 10.2
+    assert c.index.recomputed == {("b", NEW): 1, ("a", HELD_ELSEWHERE): 1}
+    now[0] = 0.49
+    c.release(idle=True)
+    assert c.status["a"].batches == 1
+    now[0] = 0.5
+    c.release(idle=False)  # something may still be on its way: only a newer batch releases
+    assert c.status["a"].batches == 1
+    c.release(idle=True)
+    assert c.index.recomputed == {("b", NEW): 2, ("a", HELD_ELSEWHERE): 1, ("a", NEW): 1}
+
+
+def test_a_replica_whose_clock_steps_back_keeps_its_order() -> None:
+    c = Consumer(FleetIndex(), [Publisher("a", "tcp://a:5557")], reorder_seconds=1.0, clock=lambda: 0.0)
+    c.message("a", 0, at(5.0, stored([1], None, FIRST)), None)
+    c.message("a", 1, at(4.0, vllm.BlockRemoved([1], "GPU")), None)  # its clock went back
+    c.release(everything=True)
+    assert c.index.snapshot().held == {("a", "GPU"): 0}
+    assert c.index.unknown_removed == 0
+
+
+def test_the_reorder_window_holds_a_bounded_number_of_bytes() -> None:
+    c = Consumer(FleetIndex(), [Publisher("a", "tcp://a:5557")], reorder_seconds=60.0, clock=lambda: 0.0)
+    big = at(1.0, stored(list(range(1, 100_001)), None, [70_000] * 400_000))  # ts never moves
+    assert 1 << 20 < len(big) < MAX_WAITING_BYTES
+    held_back = MAX_WAITING_BYTES // len(big)
+    for seq in range(held_back + 3):
+        c.message("a", seq, big, None)
+    assert c.status["a"].batches == 3  # the oldest applied to stay within the bound
+    c.release(everything=True)
+    assert c.status["a"].batches == held_back + 3
+
+
+def test_a_payload_whose_stamp_reads_but_events_do_not_is_counted_when_applied() -> None:
+    c = consumer()
+    c.message("a", 0, vllm.encode([1.0, "not a list of events", 0]), None)
+    assert (c.status["a"].batches, c.status["a"].malformed_payloads) == (1, 1)
+
+
+def test_kvlens_publishes_the_bytes_vllm_does() -> None:
+    """kvlens's copy of vLLM's structs (what ``simulate serve`` publishes with) encodes exactly as
+    the engine's own definitions do, defaults left out alike."""
+    from kvlens.fleet import wire
+
+    def both(cls: str, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        return getattr(wire, cls)(*args, **kwargs), getattr(vllm, cls)(*args, **kwargs)
+
+    cases = [
+        both("BlockStored", [1, 2], None, FIRST + SECOND, 4, None, "GPU", None),
+        both(
+            "BlockStored",
+            [b"\x01" * 32],
+            7,
+            FIRST,
+            4,
+            3,
+            "CPU",
+            "sql",
+            extra_keys=[("cache_salt", "s")],
+            group_idx=1,
+        ),
+        both("BlockRemoved", [1, 2], "GPU"),
+        both("BlockRemoved", [1], None, group_idx=2, locality="LOCAL"),
+        both("AllBlocksCleared"),
+    ]
+    ours = wire.KVEventBatch(ts=TS, events=[c[0] for c in cases], data_parallel_rank=3)
+    theirs = vllm.KVEventBatch(ts=TS, events=[c[1] for c in cases], data_parallel_rank=3)
+    assert msgspec.msgpack.Encoder().encode(ours) == vllm.encode(theirs)
+
+
+# --- fuzz: outside bytes never crash the consumer ---------------------------------------------
+
+msgpack_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8)
+    | st.binary(max_size=16),
+    lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=12), inner, max_size=6),
+    max_leaves=30,
+)
+event_like = st.fixed_dictionaries(
+    {"type": st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "Other"])},
+    optional={
+        "block_hashes": st.lists(st.integers(0, 2**64 - 1) | st.binary(max_size=32), max_size=4),
+        "parent_block_hash": st.none() | st.integers(0, 2**64 - 1),
+        "token_ids": st.lists(st.integers(-1, 2**40), max_size=16),
+        "block_size": st.integers(-2, 8),
+        "medium": st.none() | st.sampled_from(["GPU", "CPU", ""]),
+        "extra_keys": st.none() | st.lists(msgpack_values, max_size=4),
+        "lora_name": st.none() | st.text(max_size=4),
+        "surprise": msgpack_values,
+    },
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.one_of(
+        st.binary(max_size=200),
+        msgpack_values.map(vllm.encode),
+        st.lists(event_like, max_size=5).map(lambda events: vllm.encode([TS, events, 0])),
+        st.lists(msgpack_values, max_size=5).map(lambda events: vllm.encode([TS, events])),
+    )
+)
+def test_any_payload_is_read_or_counted_never_raised(payload: bytes) -> None:
+    c = consumer()
+    c.message("a", 0, payload, None)
+    c.release(everything=True)
+    status = c.status["a"]
+    assert status.batches == 1
+    if status.malformed_payloads == 0:  # an EventBatch: each event read, skipped or dropped
+        events = msgspec.msgpack.decode(payload)
+        events = events[1] if isinstance(events, list) else events["events"]
+        read = sum(status.events.values())
+        assert read + status.unknown_events + status.malformed_events >= len(events)
+
+
+def test_a_medium_outside_vllms_tiers_is_labelled_other() -> None:
+    c = consumer()
+    for seq, medium in enumerate(["GPU", "CPU", "STORAGE", "x" * 100, "NVME", None]):
+        event = vllm.BlockStored([seq + 1], None, FIRST, 4, None, medium, None)
+        c.message("a", seq, batch(event), None)
+    stored = c.index.snapshot().stored
+    assert stored == {("a", "GPU"): 2, ("a", "CPU"): 1, ("a", "STORAGE"): 1, ("a", "other"): 2}
+
+
+def test_only_the_first_kv_cache_group_is_followed() -> None:
+    c = consumer()
+    c.message(
+        "a", 0, batch(stored([1], None, FIRST, group_idx=0), stored([1], None, FIRST, group_idx=1)), None
+    )
+    c.message("a", 1, batch(vllm.BlockRemoved([1], "GPU", group_idx=1)), None)
+    assert c.index.recomputed == {("a", NEW): 1}
+    assert c.index.snapshot().held == {("a", "GPU"): 1}
+    assert c.status["a"].other_group_events == 2

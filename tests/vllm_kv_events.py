@@ -1,0 +1,96 @@
+"""The engines' own KV event definitions, copied for the tests (encoding with them gives what the
+engines send; kvlens's decoder must read it).
+
+- vLLM 0.33 (``vllm/distributed/kv_events.py``): ``EventBatch`` array-like, events tagged maps
+  with ``omit_defaults``; the fields after ``kv_cache_spec_sliding_window`` as
+  ``reference/engines.md`` section 5 lists them for 0.33. The ``__hash__`` methods the engine adds
+  for its multi-worker aggregator play no part in encoding and are left out.
+- vLLM main at commit 0181ea3173e5 declares ``EventBatch`` without ``array_like`` (a map):
+  :class:`MapEventBatch`.
+- SGLang (``python/sglang/srt/disaggregation/kv_events.py``, sgl-project/sglang at 006d053f18):
+  every struct array-like, ``BlockStored`` without ``medium``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg]
+    """Base class for all KV cache-related events"""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[int] | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[int | bytes]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+class MapEventBatch(msgspec.Struct, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class SGLangEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+    ts: float
+    events: list[Any]
+
+
+class SGLangKVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg]
+    pass
+
+
+class SGLangBlockStored(SGLangKVCacheEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+
+
+class SGLangBlockRemoved(SGLangKVCacheEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+
+
+class SGLangAllBlocksCleared(SGLangKVCacheEvent, tag="AllBlocksCleared"):
+    pass
+
+
+encode = msgspec.msgpack.Encoder().encode
