@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvlens.cli import _kv_events
+from kvlens.cli.common import kv_events_from
 from kvlens.config import load_settings, parse_shard
 from kvlens.errors import SettingsError
 
@@ -13,7 +13,7 @@ from kvlens.errors import SettingsError
 def test_flags_become_publishers() -> None:
     settings = load_settings(
         None,
-        kv_events=_kv_events(["r0=tcp://10.0.0.5:5557", "r1=tcp://10.0.0.6:5557"]),
+        kv_events=kv_events_from(["r0=tcp://10.0.0.5:5557", "r1=tcp://10.0.0.6:5557"]),
         kv_events_shard="1/4",
     )
     assert [(p.name, p.endpoint, p.replay_endpoint) for p in settings.kv_events] == [
@@ -36,7 +36,7 @@ def test_flags_become_publishers() -> None:
 )
 def test_bad_values_are_named(pairs: list[str], shard: str | None, message: str) -> None:
     with pytest.raises(SettingsError, match=message):
-        load_settings(None, kv_events=_kv_events(pairs), kv_events_shard=shard)
+        load_settings(None, kv_events=kv_events_from(pairs), kv_events_shard=shard)
 
 
 def test_without_pyzmq_serving_kv_events_is_a_clear_settings_error(monkeypatch: pytest.MonkeyPatch) -> None:
