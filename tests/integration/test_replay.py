@@ -298,37 +298,31 @@ def test_failures_are_recorded_per_request_and_kept_out_of_latency(tmp_path: Pat
     assert [r["cached_tokens"] for r in rows if "error" not in r] == [16, 16]
 
 
-def test_an_endpoint_dying_mid_run_keeps_finished_records(tmp_path: Path) -> None:
-    running = simulated("--speed", "1", "--block-size", "16")
-    out = tmp_path / "arm.jsonl"
-    replay = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvlens.cli",
-            "replay",
-            "shared-prefix",
-            "--endpoint",
-            running.url,
-            "--model",
-            "simulated",
-            "--arm",
-            "a",
-            "--out",
-            str(out),
-            "--requests",
-            "100",
-            "--traffic-rate",
-            "50",
-        ],
+REPLAY = ("--model", "simulated", "--requests", "100", "--traffic-rate", "50", "--arm", "a", "--out")
+
+
+def start_replay(url: str, out: Path) -> subprocess.Popen[str]:
+    """A replay of 100 shared-prefix requests at 50/s as its own process (to kill or interrupt)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvlens.cli", "replay", "shared-prefix", "--endpoint", url, *REPLAY, str(out)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
+
+
+def wait_for_records(out: Path, count: int) -> None:
+    deadline = time.monotonic() + 60
+    while (not out.exists() or len(out.read_bytes().splitlines()) < count) and time.monotonic() < deadline:
+        time.sleep(0.05)  # waiting for records to arrive, not for time to pass
+
+
+def test_an_endpoint_dying_mid_run_keeps_finished_records(tmp_path: Path) -> None:
+    running = simulated("--speed", "1", "--block-size", "16")
+    out = tmp_path / "arm.jsonl"
+    replay = start_replay(running.url, out)
     try:
-        deadline = time.monotonic() + 60
-        while (not out.exists() or len(out.read_bytes().splitlines()) < 5) and time.monotonic() < deadline:
-            time.sleep(0.05)  # waiting for records to arrive, not for time to pass
+        wait_for_records(out, 5)
         running.process.kill()  # the endpoint dies with requests in flight
         output, _ = replay.communicate(timeout=120)
     finally:
@@ -348,33 +342,8 @@ def test_ctrl_c_leaves_a_complete_valid_file(tmp_path: Path) -> None:
     running = simulated("--speed", "1", "--block-size", "16")
     out = tmp_path / "arm.jsonl"
     try:
-        replay = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvlens.cli",
-                "replay",
-                "shared-prefix",
-                "--endpoint",
-                running.url,
-                "--model",
-                "simulated",
-                "--arm",
-                "a",
-                "--out",
-                str(out),
-                "--requests",
-                "100",
-                "--traffic-rate",
-                "50",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        deadline = time.monotonic() + 60
-        while (not out.exists() or len(out.read_bytes().splitlines()) < 3) and time.monotonic() < deadline:
-            time.sleep(0.05)  # waiting for records to arrive, not for time to pass
+        replay = start_replay(running.url, out)
+        wait_for_records(out, 3)
         replay.send_signal(signal.SIGINT)
         replay.communicate(timeout=30)
     finally:
