@@ -427,3 +427,47 @@ def test_the_engines_block_size_is_read_and_a_trace_that_does_not_fit_it_is_said
         "the trace's blocks are 100 tokens, not a multiple of the engine's 16: the engine reuses "
         "only the whole blocks of each shared prefix"
     )
+
+
+def test_chat_api_sends_text_through_detokenize_and_records_the_servers_counts(
+    server: Running, tmp_path: Path
+) -> None:
+    out = tmp_path / "chat.jsonl"
+    common = ["replay", "shared-prefix", "--endpoint", server.url, "--model", "simulated", "--arm", "a"]
+    flags = ["--api", "chat", "--requests", "6", "--groups", "1", "--prefix-tokens", "32"]
+    flags += ["--suffix-tokens", "16", "--max-concurrency", "1", "--out", str(out)]
+    assert main([*common, *flags]) == 0
+    rows = records(out)
+    assert [r.get("error") for r in rows] == [None] * 6
+    # The simulated server detokenizes ids as "<|id|>" text and tokenizes bytes again, adding
+    # ChatML: the server's counts, not the trace's 48 tokens.
+    assert all(int(r["prompt_tokens"]) > 48 for r in rows)
+    assert all(r["output_tokens"] == 32 for r in rows)
+    assert sum(int(r["cached_tokens"]) for r in rows[1:]) > 0  # the shared prefix is text, still shared
+
+
+def test_requests_takes_the_first_of_a_trace_file(server: Running, tmp_path: Path) -> None:
+    trace = mooncake_slice(tmp_path, 0, 30)
+    out = tmp_path / "first.jsonl"
+    running = simulated("--speed", "1000", "--block-size", "512", "--max-model-len", "200000")
+    try:
+        flags = ["--requests", "3", "--rate", "100", "--out", str(out)]
+        assert (
+            main(
+                [
+                    "replay",
+                    str(trace),
+                    "--endpoint",
+                    running.url,
+                    "--model",
+                    "simulated",
+                    "--arm",
+                    "a",
+                    *flags,
+                ]
+            )
+            == 0
+        )
+    finally:
+        running.output()
+    assert [r["trace_index"] for r in records(out)] == [0, 1, 2]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
+import logging
 import math
 import sys
 from collections.abc import Callable, Iterator
@@ -12,10 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from kvlens.experiment import run as arms
-from kvlens.experiment.client import Endpoint, Progress
+from kvlens.experiment.client import CHAT, COMPLETIONS, Endpoint, Progress
 from kvlens.experiment.prompts import DEFAULT_VOCAB_SIZE, PromptSynthesizer
 from kvlens.experiment.protocol import ExperimentError, Window, measured_window
 from kvlens.simulate.trace import TraceRequest, open_trace
+
+log = logging.getLogger("kvlens.experiment")
 
 
 def add_parser(commands: Any) -> None:
@@ -60,7 +64,11 @@ def traffic_flags(parser: argparse.ArgumentParser) -> None:
         "--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="token ids below it (32000)"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of prompts and --rate arrivals (0)")
-    parser.add_argument("--requests", type=int, default=200, help=f"{arms.SHARED_PREFIX}: how many (200)")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        help=f"the first N requests of the trace (default: all; {arms.SHARED_PREFIX}: 200)",
+    )
     parser.add_argument("--groups", type=int, default=4, help=f"{arms.SHARED_PREFIX}: system prompts (4)")
     parser.add_argument(
         "--prefix-tokens", type=int, default=1024, help=f"{arms.SHARED_PREFIX}: shared (1024)"
@@ -81,12 +89,20 @@ def endpoint_flags(parser: argparse.ArgumentParser) -> None:
         "--missing-cached-is-zero", action="store_true", help="a usage without cached_tokens means 0"
     )
     parser.add_argument("--push", metavar="URL", help="also send the records to a kvlens serve")
+    parser.add_argument(
+        "--api",
+        choices=(COMPLETIONS, CHAT),
+        default=COMPLETIONS,
+        help="completions: token ids, exact lengths (default); chat: text from /detokenize, approximate",
+    )
 
 
 def read_requests(args: argparse.Namespace) -> tuple[list[TraceRequest], list[TraceRequest] | None, int]:
+    if args.requests is not None and args.requests < 1:
+        raise ExperimentError("--requests must be at least 1")
     if args.trace == arms.SHARED_PREFIX:
         traffic = arms.SharedPrefixTraffic(
-            args.requests,
+            args.requests or arms.SharedPrefixTraffic.requests,
             args.groups,
             args.prefix_tokens,
             args.suffix_tokens,
@@ -97,7 +113,7 @@ def read_requests(args: argparse.Namespace) -> tuple[list[TraceRequest], list[Tr
         requests, block_size = traffic.trace(), arms.SHARED_PREFIX_BLOCK
     else:
         trace = open_trace(args.trace)
-        requests, block_size = list(trace.requests()), trace.block_size
+        requests, block_size = list(itertools.islice(trace.requests(), args.requests)), trace.block_size
     warmup = None
     if args.warmup_trace:
         extra = open_trace(args.warmup_trace, block_size=block_size)
@@ -121,6 +137,11 @@ def setup(args: argparse.Namespace, *, warms: bool) -> tuple[Window, PromptSynth
 def endpoint(args: argparse.Namespace, url: str) -> Endpoint:
     if args.max_concurrency < 1:
         raise ExperimentError("--max-concurrency must be at least 1")
+    if args.api == CHAT:
+        log.warning(
+            "--api chat: prompts go through the server's /detokenize and its chat template, so their "
+            "lengths (and shared prefixes) are approximate; records carry the server's token counts"
+        )
     return Endpoint(
         url.rstrip("/"),
         args.model,
@@ -128,6 +149,7 @@ def endpoint(args: argparse.Namespace, url: str) -> Endpoint:
         args.timeout,
         args.max_concurrency,
         args.missing_cached_is_zero,
+        api=args.api,
     )
 
 
@@ -148,8 +170,8 @@ def pusher(url: str | None) -> Iterator[Callable[[dict[str, Any]], None] | None]
 def progress_line(label: str, progress: Progress, total: int) -> None:
     if sys.stderr.isatty():
         print(
-            f"\r{label}: {progress.done}/{total} done, {progress.in_flight} in flight, "
-            f"{progress.late} late, {progress.errors} errors ",
+            f"\r{label}: {progress.done}/{total} done ({progress.rate():.1f}/s), "
+            f"{progress.in_flight} in flight, {progress.late} late, {progress.errors} errors ",
             end="",
             file=sys.stderr,
             flush=True,

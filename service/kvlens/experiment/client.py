@@ -39,6 +39,7 @@ log = logging.getLogger("kvlens.experiment")
 
 WARMUP = "warmup"
 MEASURE = "measure"
+COMPLETIONS, CHAT = "completions", "chat"
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,12 @@ class Progress:
     errors: int = 0
     missing_cached: int = 0
     lags: list[float] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+
+    def rate(self, now: float | None = None) -> float:
+        """Requests finished per second since the replay began."""
+        elapsed = (time.monotonic() if now is None else now) - self.started
+        return self.done / elapsed if elapsed > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,11 @@ class Endpoint:
     max_concurrency: int = 256
     missing_cached_is_zero: bool = False
     late_after_seconds: float = 0.005  # a request sent this much after its time is counted late
+    api: str = COMPLETIONS  # or CHAT: the prompt as text (from /detokenize) in one user message
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.api == CHAT else "/v1/completions"
 
 
 class RecordWriter:
@@ -124,7 +136,12 @@ async def replay(
         start = loop.time()
         wall_start = time.time()
         for request in planned:
-            body = _body(endpoint.model, prompts.tokens(request.request), request.output_tokens)
+            tokens = prompts.tokens(request.request)  # built while waiting for the request's time
+            body = (
+                await _chat_body(client, endpoint.model, tokens, request.output_tokens)
+                if endpoint.api == CHAT
+                else _body(endpoint.model, tokens, request.output_tokens)
+            )
             delay = start + request.due - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -153,20 +170,40 @@ class _Timing:
     wall: float  # unix seconds, for the record's arrival_time
 
 
+def _generation(output_tokens: int) -> dict[str, Any]:
+    return {
+        "max_tokens": output_tokens,
+        "min_tokens": output_tokens,  # the trace's length, whatever the model would say
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
 def _body(model: str, prompt: npt.NDArray[np.uint64], output_tokens: int) -> bytes:
-    """The request as vLLM's ``/v1/completions`` takes it; built before waiting for its time."""
+    """The request as vLLM's ``/v1/completions`` takes it: token ids, exact lengths."""
     return orjson.dumps(
-        {
-            "model": model,
-            "prompt": prompt,
-            "max_tokens": output_tokens,
-            "min_tokens": output_tokens,  # the trace's length, whatever the model would say
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        },
-        option=orjson.OPT_SERIALIZE_NUMPY,
+        {"model": model, "prompt": prompt, **_generation(output_tokens)}, option=orjson.OPT_SERIALIZE_NUMPY
     )
+
+
+async def _chat_body(
+    client: httpx.AsyncClient, model: str, prompt: npt.NDArray[np.uint64], output_tokens: int
+) -> bytes:
+    """The request for ``/v1/chat/completions``: the ids turned into text by the server's own
+    ``/detokenize``, in one user message. The server tokenizes that text again and adds its chat
+    template, so prompt lengths are approximate (the records carry the server's count); a
+    detokenize that fails leaves the request to fail as a request."""
+    try:
+        answer = await client.post(
+            "/detokenize",
+            content=orjson.dumps({"model": model, "tokens": prompt}, option=orjson.OPT_SERIALIZE_NUMPY),
+        )
+        text = answer.json()["prompt"] if answer.status_code == 200 else ""
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        text = ""
+    messages = [{"role": "user", "content": text if isinstance(text, str) else ""}]
+    return orjson.dumps({"model": model, "messages": messages, **_generation(output_tokens)})
 
 
 async def _one(
@@ -191,7 +228,7 @@ async def _one(
         "client_send_lag_seconds": timing.lag,
     }
     try:
-        stream = await _stream(client, body, timing.sent)
+        stream = await _stream(client, endpoint.path, body, timing.sent)
     except _Failed as failure:
         record["error"] = failure.reason
         progress.errors += 1
@@ -216,12 +253,12 @@ class _Stream:
     end: float = math.nan
 
 
-async def _stream(client: httpx.AsyncClient, body: bytes, sent: float) -> _Stream:
+async def _stream(client: httpx.AsyncClient, path: str, body: bytes, sent: float) -> _Stream:
     loop = asyncio.get_running_loop()
     result = _Stream()
     try:
         async with client.stream(
-            "POST", "/v1/completions", content=body, headers={"content-type": "application/json"}
+            "POST", path, content=body, headers={"content-type": "application/json"}
         ) as response:
             if response.status_code != 200:
                 await response.aread()
@@ -242,7 +279,7 @@ async def _stream(client: httpx.AsyncClient, body: bytes, sent: float) -> _Strea
                     raise _Failed("malformed_stream")
                 if "error" in chunk:
                     raise _Failed("stream_error")
-                if any(isinstance(c, dict) and c.get("text") for c in chunk.get("choices") or ()):
+                if any(_carries_text(choice) for choice in chunk.get("choices") or ()):
                     result.token_times.append(loop.time() - sent)
                 if isinstance(chunk.get("usage"), dict):
                     result.usage = chunk["usage"]
@@ -256,6 +293,14 @@ async def _stream(client: httpx.AsyncClient, body: bytes, sent: float) -> _Strea
     if not result.token_times:
         raise _Failed("no_tokens")
     return result
+
+
+def _carries_text(choice: Any) -> bool:
+    """A completion chunk's ``text``, or a chat chunk's ``delta.content``, is not empty."""
+    if not isinstance(choice, dict):
+        return False
+    delta = choice.get("delta")
+    return bool(choice.get("text") or (isinstance(delta, dict) and delta.get("content")))
 
 
 def _fill(record: dict[str, Any], stream: _Stream, endpoint: Endpoint, progress: Progress) -> None:
