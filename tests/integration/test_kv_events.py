@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import httpx
 import msgspec
 import pytest
 
@@ -196,3 +197,55 @@ def test_shards_sum_to_the_whole_over_real_processes() -> None:
             process.output()
         for publisher in publishers:
             publisher.close()
+
+
+def test_a_simulated_fleet_publishes_its_kv_events_to_kvlens_serve() -> None:
+    """The whole chain on a laptop: `kvlens simulate serve --kv-events` (two replicas, round robin)
+    publishes in vLLM's wire format; `kvlens serve --kv-events` follows both and says why blocks
+    were computed. The same 64-token prompt twice: replica 0 computes 4 new blocks, then replica 1
+    computes the 4 blocks replica 0 holds (routing)."""
+    first = free_port()
+    while any(_taken(first + i) for i in range(2)):
+        first = free_port()
+    fleet = start_kvlens(
+        "simulate",
+        "serve",
+        "--replicas",
+        "2",
+        "--capacity-blocks",
+        "unbounded",
+        "--speed",
+        "1000",
+        "--kv-events",
+        f"tcp://127.0.0.1:{first}",
+        ready="/health",
+    )
+    flags = ["--kv-events", f"r0=tcp://127.0.0.1:{first}", "--kv-events", f"r1=tcp://127.0.0.1:{first + 1}"]
+    kvlens = start_kvlens("serve", *flags)
+    try:
+        assert kvlens.wait_for("kvlens_kv_publisher_up", 2) == 2
+        prompt = list(range(1000, 1064))
+        for _ in range(2):
+            answer = httpx.post(
+                f"{fleet.url}/v1/completions", json={"model": "simulated", "prompt": prompt, "max_tokens": 1}
+            )
+            assert answer.status_code == 200
+        name = "kvlens_kv_recomputed_tokens_total"
+        assert kvlens.wait_for("kvlens_kv_blocks_stored_total", 8) == 8
+        assert kvlens.value(name, replica="r0", cause=NEW) == 64
+        assert kvlens.value(name, replica="r1", cause=HELD_ELSEWHERE) == 64
+        assert kvlens.value(name) == 128
+    finally:
+        kvlens.output()
+        fleet.output()
+
+
+def _taken(port: int) -> bool:
+    import socket
+
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False

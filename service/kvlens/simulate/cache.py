@@ -132,5 +132,7 @@ class PrefixCache:
         """Forget every cached block no running request holds (vLLM's reset of the prefix cache;
         held blocks stay, as a running request still needs them). Returns how many went."""
         count = len(self._free)
+        if self.events is not None and count:
+            self.events.removed(list(self._free))
         self._free.clear()
         return count

@@ -20,6 +20,7 @@ import math
 from collections.abc import Callable
 from typing import cast
 
+from kvlens.simulate.cache import CacheEvents
 from kvlens.simulate.policies import policy
 from kvlens.simulate.replica import INF, Job, Replica
 from kvlens.simulate.run import Fleet
@@ -76,7 +77,10 @@ class RealTimeFleet:
         prefix_caching: bool = True,
         loop: asyncio.AbstractEventLoop | None = None,
         on_finish: Callable[[Ticket], None] | None = None,
+        events: Callable[[int], CacheEvents] | None = None,
     ) -> None:
+        """``events(i)``, when given, is told what replica i's cache stores and evicts (its KV
+        events, published by ``--kv-events``)."""
         if not (math.isfinite(speed) and speed > 0):
             raise ValueError("--speed must be a positive number")
         self.fleet = fleet
@@ -88,7 +92,14 @@ class RealTimeFleet:
         self._done: list[Job] = []
         self._prefilled: list[Job] = []
         self.replicas = [
-            Replica(i, fleet.capacity_blocks, fleet.block_size, fleet.service, self._done)
+            Replica(
+                i,
+                fleet.capacity_blocks,
+                fleet.block_size,
+                fleet.service,
+                self._done,
+                None if events is None else events(i),
+            )
             for i in range(fleet.replicas)
         ]
         for replica in self.replicas:

@@ -11,6 +11,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import uvicorn
 
 from kvlens import bandwidth
 from kvlens.config import load_settings
+from kvlens.simulate.cache import CacheEvents
 from kvlens.simulate.policies import POLICIES, Guard
 from kvlens.simulate.replica import DEFAULT_SERVICE, ServiceModel
 from kvlens.simulate.run import Fleet
@@ -64,6 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--weight-bytes", help="bytes of weights a decode step reads, e.g. 4.5GiB for a W4A16 checkpoint"
+    )
+    parser.add_argument(
+        "--kv-events",
+        metavar="tcp://HOST:PORT",
+        help="publish each replica's KV events as vLLM does, replica i on PORT+i (kvlens[kv-events])",
     )
     parser.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="listen port (default 8000, as vLLM)")
@@ -145,6 +152,12 @@ def run(args: argparse.Namespace) -> int:
             return 2
         shipper = Shipper(sink, capacity=PUSH_QUEUE, batch_size=PUSH_BATCH, flush_seconds=0.5)
     started_epoch = time.time()
+    try:
+        publishers = kv_event_publishers(args.kv_events, fleet.replicas)
+    except ValueError as error:
+        print(f"kvlens simulate serve: {error}", file=sys.stderr)
+        return 2
+    events = None if not publishers else kv_event_sinks(publishers, fleet.block_size)
 
     def make_engine(on_finish: Any) -> RealTimeFleet:
         engine = RealTimeFleet(
@@ -154,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
             prefix_caching=not args.no_prefix_caching,
             loop=asyncio.get_running_loop(),
             on_finish=on_finish,
+            events=events,
         )
         nonlocal started_epoch
         started_epoch = time.time()
@@ -175,4 +189,36 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if shipper is not None:
             shipper.close()
+        for publisher in publishers:
+            publisher.close()
     return 0
+
+
+def kv_event_publishers(endpoint: str | None, replicas: int) -> list[Any]:
+    """One vLLM-format KV event publisher per replica, replica i bound at ``PORT + i`` (as
+    vLLM's data-parallel ranks offset theirs), so a ``kvlens serve --kv-events r0=...`` follows
+    each."""
+    if not endpoint:
+        return []
+    scheme, _, address = endpoint.partition("://")
+    host, _, port = address.rpartition(":")
+    if scheme != "tcp" or not host or not port.isdigit() or int(port) + replicas > 65536:
+        raise ValueError(
+            f"--kv-events takes tcp://HOST:PORT with room for {replicas} ports, not {endpoint!r}"
+        )
+    try:
+        from kvlens.fleet.publisher import EventPublisher
+    except ModuleNotFoundError:  # pyzmq
+        raise ValueError("--kv-events needs the kv-events extra: pip install 'kvlens[kv-events]'") from None
+    return [EventPublisher(f"tcp://{host}:{int(port) + i}", data_parallel_rank=i) for i in range(replicas)]
+
+
+def kv_event_sinks(publishers: list[Any], block_size: int) -> Callable[[int], CacheEvents]:
+    """Replica i's cache events, each published as one vLLM ``EventBatch`` by publisher i."""
+    from kvlens.fleet.simulated import SimulatedEngine
+
+    def sink(index: int) -> CacheEvents:
+        publisher = publishers[index]
+        return SimulatedEngine(str(index), block_size, lambda _name, event: publisher.publish_events([event]))
+
+    return sink
