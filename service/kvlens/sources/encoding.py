@@ -95,7 +95,7 @@ class Inflater:
     def _inflate(self, data: bytes) -> bytes:
         if not data and self._inflater is None:
             return b""
-        out = bytearray()
+        out, inflated = bytearray(), b""  # both dropped if a limit is crossed
         try:
             while True:
                 inflater = self._inflater or self._next_member()
