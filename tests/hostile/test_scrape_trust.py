@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import functools
+import itertools
 import threading
 import zlib
 from collections.abc import Callable, Iterator
@@ -135,6 +136,47 @@ def test_an_oversized_answer_is_refused_with_flat_memory(
     assert sidecar.value("kvlens_upstream_up") == 0
     assert growth < 50, f"peak RSS grew {growth:.0f} MiB"
     assert engine.requests[0].get("accept-encoding") == "gzip"  # compression stays on the wire
+
+
+REPEATED_BOMBS = 6
+
+
+def test_repeated_bombs_leave_resident_memory_flat(serve: Serve, upstream: Callable[..., Upstream]) -> None:
+    """Each refused bomb frees its 16 MiB, and the process must give it back: glibc otherwise keeps
+    it in the inflating thread's arena (after the first, its mmap threshold rises past 16 MiB), and
+    a soak with one bomb every 30 s grew 58 MiB in 10 minutes."""
+    small = (HELP + 'vllm:prompt_tokens_total{model_name="m"} 7\n').encode()
+    bombs_may_start, measured = threading.Event(), threading.Event()
+    answered = itertools.count()
+
+    def answer() -> bytes:  # one exposition; the bombs once the baseline is taken; one more; hold
+        number = next(answered)
+        if number == 1:
+            bombs_may_start.wait(30)
+        elif number == REPEATED_BOMBS + 2:
+            measured.wait(30)  # no scrape runs while the memory is read
+        return gzip_bomb() if 1 <= number <= REPEATED_BOMBS else gzipped(iter([small]))
+
+    gzip_bomb()  # built before the baseline
+    engine = upstream(answer, **{"content-encoding": "gzip"})
+    engine.gate.set()
+    sidecar = serve(
+        "--scrape",
+        engine.url,
+        KVLENS_SCRAPE_INTERVAL_SECONDS="0.05",
+        KVLENS_SCRAPE_TIMEOUT_SECONDS="60",
+    )
+    try:
+        assert sidecar.wait_for("kvlens_upstream_scrapes_total", 1) == 1
+        before = sidecar.memory().rss_mib()
+        bombs_may_start.set()
+        assert sidecar.wait_for("kvlens_upstream_scrapes_total", 2, timeout=120) == 2  # bombs over
+        growth = sidecar.memory().rss_mib() - before
+    finally:
+        bombs_may_start.set()
+        measured.set()
+    assert sidecar.value("kvlens_upstream_scrape_errors_total", reason="too_large") == REPEATED_BOMBS
+    assert growth < 8, f"RSS grew {growth:.1f} MiB over {REPEATED_BOMBS} refused bombs"
 
 
 def test_a_gzip_exposition_within_the_cap_is_read(serve: Serve, upstream: Callable[..., Upstream]) -> None:

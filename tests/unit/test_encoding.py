@@ -97,6 +97,15 @@ def test_a_body_cut_short_is_found_at_its_end() -> None:
         inflater.finish()
 
 
+@pytest.mark.parametrize("wbits", [15, -15])  # zlib-wrapped and raw deflate
+def test_data_after_a_deflate_stream_in_a_later_piece_is_refused(wbits: int) -> None:
+    packer = zlib.compressobj(wbits=wbits)
+    inflater = Inflater("deflate", LIMITS)
+    assert inflater.feed(packer.compress(b"[1,2]") + packer.flush()) == b"[1,2]"
+    with pytest.raises(PayloadUndecodable, match="after the end"):
+        inflater.feed(b"[3]")  # refused before anything of this piece is inflated
+
+
 def test_stacked_encodings_are_refused() -> None:
     with pytest.raises(UnsupportedEncoding):
         Inflater("gzip, gzip", LIMITS)

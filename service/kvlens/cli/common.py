@@ -98,6 +98,7 @@ def build_server(settings: Settings, aggregator: Aggregator, log_level: str) -> 
     ProcessCollector(registry=registry)  # process_start_time_seconds shows restarts
     app = create_app(settings, registry, aggregator)
     sockets = server.raise_open_files_limit()
+    server.return_large_buffers()  # a refused bomb's 16 MiB goes back to the kernel
     if sockets < settings.max_connections + 64:
         log.warning(
             "kvlens: the open-files limit (%d) is under max_connections (%d): raise it or lower the cap",

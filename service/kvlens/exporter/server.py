@@ -19,11 +19,12 @@ one ``header_timeout``.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import os
 import resource
 import ssl
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -33,6 +34,8 @@ from kvlens.exporter.runtime import ConnectionGuard
 
 log = logging.getLogger(__name__)
 KEEP_ALIVE_SECONDS = 5
+M_MMAP_THRESHOLD: Final = -3  # mallopt's parameter number in glibc's malloc.h
+LARGE_BUFFER_BYTES: Final = 1024 * 1024
 _REFUSED = (
     b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 )
@@ -222,3 +225,25 @@ def raise_open_files_limit() -> int:
         except (ValueError, OSError):
             pass
     return soft
+
+
+def return_large_buffers() -> bool:
+    """Have glibc give every buffer of LARGE_BUFFER_BYTES or more its own mapping, returned to the
+    kernel when it is freed. Returns False where it cannot (another C library: nothing to do).
+
+    glibc's default is a threshold that rises to the size of the largest such buffer freed (up to
+    32 MiB), and the trim threshold with it: after one 16 MiB scrape was refused, the next ones
+    were carved out of the heap of the thread that inflated them and stayed there, up to 17 MiB
+    per executor thread (a soak with a gzip bomb every 30 s grew 58 MiB in 10 minutes, and
+    ``malloc_trim`` gives back no arena's top but the main one). A fixed threshold ends the rise;
+    the cost is a fresh mapping per large body, which is rare and small beside inflating it.
+    """
+    try:
+        if not os.confstr("CS_GNU_LIBC_VERSION"):
+            return False
+        mallopt = ctypes.CDLL(None).mallopt
+    except (ValueError, OSError, AttributeError):
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt.restype = ctypes.c_int
+    return bool(mallopt(M_MMAP_THRESHOLD, LARGE_BUFFER_BYTES))

@@ -14,7 +14,13 @@ import zlib
 from dataclasses import dataclass
 from typing import Final
 
-from kvlens.errors import CompressionBomb, PayloadTooLarge, PayloadUndecodable, UnsupportedEncoding
+from kvlens.errors import (
+    CompressionBomb,
+    InputError,
+    PayloadTooLarge,
+    PayloadUndecodable,
+    UnsupportedEncoding,
+)
 
 GZIP_MAGIC: Final = b"\x1f\x8b"
 RATIO_FREE_BYTES: Final = 1024 * 1024  # small bodies may compress as well as they like
@@ -89,7 +95,7 @@ class Inflater:
     def _inflate(self, data: bytes) -> bytes:
         if not data and self._inflater is None:
             return b""
-        out = bytearray()
+        out, inflated = bytearray(), b""  # both dropped if a limit is crossed
         try:
             while True:
                 inflater = self._inflater or self._next_member()
@@ -107,6 +113,12 @@ class Inflater:
                         break
         except zlib.error:
             raise PayloadUndecodable("the body is not valid gzip or deflate") from None
+        except InputError:
+            # The error's traceback holds this frame, and asyncio's futures put the error in a
+            # reference cycle that only the cyclic GC breaks (minutes, in a busy process): a
+            # refused bomb must not keep its 16 MiB alive until then.
+            del out, inflated
+            raise
         return bytes(out)
 
     def _next_member(self) -> zlib._Decompress:

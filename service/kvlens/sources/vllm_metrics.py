@@ -140,16 +140,18 @@ async def fetch(
         async with client.stream("GET", target.url, headers=headers, auth=target.auth()) as response:
             if response.status_code != 200:
                 raise ScrapeError("http_status", f"{name} answered {response.status_code}")
+            body = bytearray()
             try:
                 inflater = Inflater(response.headers.get("content-encoding"), limits)
-                body = bytearray()
                 # raw bytes: httpx would inflate each piece whole, with no bound
                 async for chunk in response.aiter_raw():
                     body += await asyncio.to_thread(inflater.feed, chunk)
                 body += inflater.finish()
             except (PayloadTooLarge, CompressionBomb):
+                body.clear()  # this frame outlives the error in a reference cycle (Inflater._inflate)
                 raise ScrapeError("too_large", f"{name} sent more than {limits.max_bytes} bytes") from None
             except InputError as error:
+                body.clear()
                 raise ScrapeError("parse", f"{name}: {error}") from None
             return body  # decoded as it is: a copy would cost up to scrape_max_bytes more
 
