@@ -1,15 +1,28 @@
-"""``kvlens analyze``: read files, build the report, diagnose, calibrate."""
+"""``kvlens analyze``: read files, build the report, diagnose, calibrate.
+
+Two engines compute the report's :class:`~kvlens.analysis.report.Summary`: ``numpy`` holds the
+records in memory (the live exporter's reducer, called); ``duckdb`` (the ``scale`` extra) runs
+the reducer as SQL out of core (:mod:`kvlens.analysis.columnar`). Everything after the summary
+is one code path.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from kvlens.analysis import calibration, diagnosis, reader, report
 from kvlens.config import Settings
+from kvlens.definitions import prompt_length_labels
+
+ENGINES = ("numpy", "duckdb")
+CALIBRATION_MAX_POINTS = 2_000_000  # per model, duckdb engine: past it an even sample is fitted
+
+Points = tuple[str, npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.float64]]
 
 
 def analyze(
@@ -20,35 +33,91 @@ def analyze(
     model: str | None = None,
     progress: Callable[[int], None] | None = None,
     prefill_points: Sequence[Path] = (),
+    engine: str = "numpy",
+    memory_limit: str | None = None,
 ) -> tuple[dict[str, Any], list[calibration.Fit]]:
     """The report of the records in ``paths`` (none: an empty report), with the calibration of
     each model that has prefill times and of each model in the ``prefill_points`` tables."""
-    read = reader.read(paths, format_name=format_name, model=model, progress=progress)
-    derived = report.Derived.of(
-        read.batch, settings.prompt_length_edges, settings.cost_model_for, settings.default_model
-    )
-    result = report.build(derived)
+    labels = prompt_length_labels(settings.prompt_length_edges)
+    if engine == "duckdb":
+        from kvlens.analysis import columnar
+
+        store = columnar.Engine(memory_limit=memory_limit or columnar.DEFAULT_MEMORY_LIMIT)
+        try:
+            loaded = columnar.load(store, paths, format_name=format_name, model=model, progress=progress)
+            summary = columnar.summarize(
+                store, "records", settings.prompt_length_edges, settings.default_model
+            )
+            read, records = loaded.read, loaded.records
+            names = sorted({key[0] for key in summary.cells})
+            points: list[Points] = []
+            for name in names:
+                n, h, y, count = columnar.calibration_inputs(
+                    store, name, settings.default_model, CALIBRATION_MAX_POINTS
+                )
+                if count:
+                    points.append((name, n, h, y))
+            result = _report(summary, settings, labels, read, records, paths, lambda: None)
+        finally:
+            store.close()
+    else:
+        read = reader.read(paths, format_name=format_name, model=model, progress=progress)
+        derived = report.Derived.of(
+            read.batch, settings.prompt_length_edges, settings.cost_model_for, settings.default_model
+        )
+        summary = report.summarize(derived)
+        result = _report(
+            summary,
+            settings,
+            labels,
+            read,
+            len(read.batch),
+            paths,
+            lambda: diagnosis.prefix_potential(derived),
+        )
+        points = [
+            (
+                name,
+                read.batch.prompt_tokens[rows],
+                read.batch.cached_tokens[rows],
+                read.batch.prefill_seconds[rows],
+            )
+            for name in sorted(set(derived.model))
+            if (rows := derived.model == name).any() and not np.isnan(read.batch.prefill_seconds[rows]).all()
+        ]
+    fits = _fits(points, settings, prefill_points)
+    result["calibration"] = [{**fit.as_dict(), "residuals": fit.residuals} for fit in fits]
+    return result, fits
+
+
+def _report(
+    summary: report.Summary,
+    settings: Settings,
+    labels: list[str],
+    read: reader.ReadResult,
+    records: int,
+    paths: list[str],
+    potential: Callable[[], dict[str, Any] | None],
+) -> dict[str, Any]:
+    result = report.build_from(summary, settings.cost_model_for, labels)
     result["input"] = {
         "files": paths,
         "formats": read.formats,
         "lines": read.lines,
         "ignored": read.ignored,
-        "records": len(read.batch),
+        "records": records,
         "skipped_total": read.skipped_total,
         "skipped": dict(sorted(read.skipped.items())),
         "skipped_examples": read.examples,
     }
-    result["diagnosis"] = diagnosis.diagnose(derived, result)
-    fits = [
-        calibration.fit(
-            name,
-            read.batch.prompt_tokens[rows],
-            read.batch.cached_tokens[rows],
-            read.batch.prefill_seconds[rows],
-        )
-        for name in sorted(set(derived.model))
-        if (rows := derived.model == name).any() and not np.isnan(read.batch.prefill_seconds[rows]).all()
-    ]
+    result["diagnosis"] = diagnosis.diagnose(summary, labels, result, potential)
+    return result
+
+
+def _fits(
+    points: Iterable[Points], settings: Settings, prefill_points: Sequence[Path]
+) -> list[calibration.Fit]:
+    fits = [calibration.fit(name, n, h, y) for name, n, h, y in points]
 
     def layers(name: str) -> int | None:
         shape = settings.model_shapes.get(name)
@@ -59,5 +128,4 @@ def analyze(
         for path in prefill_points
         for points in calibration.read_points(path, layers)
     ]
-    result["calibration"] = [{**fit.as_dict(), "residuals": fit.residuals} for fit in fits]
-    return result, fits
+    return fits

@@ -1,0 +1,589 @@
+"""``kvlens analyze`` out of core: the reducer as SQL, run by DuckDB in-process (the ``scale``
+extra).
+
+The records never sit in Python: JSON lines go through the same reader and validator as the
+numpy path, one chunk at a time, into a DuckDB table (spilled to disk past ``memory_limit``);
+Parquet files are scanned where they lie, checked against the bounds :class:`kvlens.records.Record`
+declares. The per-record decisions of :func:`kvlens.reduce.reduce` become the view of
+:func:`reduced_sql`; the engine computes a :class:`kvlens.analysis.report.Summary` (exact integer
+sums per model, length group and hit; exact order statistics; fixed-point TTFT sums) and the
+report is built from it by the same code as the numpy path's, so the two agree field by field
+(tests/unit/test_columnar.py draws random record sets to hold them to it).
+
+Exact order statistics in bounded memory: an engine's sort or its ``quantile`` aggregate either
+holds a group's values in memory or sorts all of them; instead each wanted rank is found by
+narrowing a value range with histograms (:data:`BINS` bins a pass, one scan of the data for all
+series at once) until the range holds one distinct value or few enough values to fetch.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvlens import definitions, records
+from kvlens.analysis import reader, report
+from kvlens.errors import InputError
+
+DEFAULT_MEMORY_LIMIT = "2GiB"
+BINS = 1024  # histogram bins a pass
+FETCH_MAX = 4096  # values in range fetched to pick the rank directly
+PARQUET_SUFFIXES = (".parquet", ".pq")
+_PARQUET_MAGIC = b"PAR1"
+
+# The columns the analysis reads, in the record's order. `src`/`row` keep the input order
+# (file, line or row), which calibration's residual sample follows.
+ANALYSIS_COLUMNS = (
+    "model",
+    "prompt_tokens",
+    "cached_tokens",
+    "queue_seconds",
+    "prefill_seconds",
+    "ttft_seconds",
+)
+SCALAR_COLUMNS = tuple(spec.name for spec in records.FIELDS if spec.kind is not list)
+_SQL_TYPE = {int: "BIGINT", float: "DOUBLE", str: "VARCHAR"}
+# Parquet physical types accepted for each kind (a duration stored as an integer is refused:
+# its unit is unknown).
+_PARQUET_TYPES = {int: {"INT32", "INT64"}, float: {"FLOAT", "DOUBLE"}, str: {"BYTE_ARRAY"}}
+_SPEC = {spec.name: spec for spec in records.FIELDS}
+
+
+def _duckdb() -> Any:
+    try:
+        import duckdb
+    except ModuleNotFoundError as error:
+        raise InputError("this needs the scale extra (DuckDB): pip install 'kvlens[scale]'") from error
+    return duckdb
+
+
+@dataclass
+class Engine:
+    """A DuckDB connection with a memory limit it honours by spilling to ``temp_directory``."""
+
+    memory_limit: str = DEFAULT_MEMORY_LIMIT
+    temp_directory: str | None = None
+    threads: int | None = None
+    connection: Any = field(init=False)
+
+    def __post_init__(self) -> None:
+        duckdb = _duckdb()
+        self.connection = duckdb.connect(":memory:")
+        spill = self.temp_directory or os.path.join(tempfile.gettempdir(), f"kvlens-duckdb-{os.getpid()}")
+        try:
+            self.connection.execute(f"SET memory_limit = '{_quoted(self.memory_limit)}'")
+        except duckdb.Error as error:
+            raise InputError(f"memory limit {self.memory_limit!r} is not a size DuckDB takes") from error
+        self.connection.execute(f"SET temp_directory = '{_quoted(spill)}'")
+        self.connection.execute("SET preserve_insertion_order = false")
+        if self.threads:
+            self.connection.execute(f"SET threads = {int(self.threads)}")
+
+    def close(self) -> None:
+        self.connection.close()
+
+
+def _quoted(text: str) -> str:
+    return text.replace("'", "''")
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+def expand(paths: Sequence[str]) -> list[str]:
+    """Files named by ``paths``: files, directories (every file below, hidden ones aside, in
+    name order: a hive layout such as ``day=2026-11-30/model=x/part-0.parquet`` works) and
+    globs (``**`` spans directories). A path that names nothing is an error, not an empty
+    input. Object-storage URLs (``s3://...``) go to DuckDB as they are."""
+    out: list[str] = []
+    for path in paths:
+        if path == "-" or "://" in path:
+            out.append(path)
+        elif os.path.isdir(path):
+            found = sorted(
+                str(p)
+                for p in Path(path).rglob("*")
+                if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+            )
+            out.extend(found)
+        elif any(char in path for char in "*?["):
+            matched = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+            if not matched:
+                raise InputError(f"{path}: the pattern matches no file")
+            out.extend(matched)
+        elif os.path.isfile(path):
+            out.append(path)
+        else:
+            raise InputError(f"{path}: no such file or directory")
+    return out
+
+
+def is_parquet(path: str) -> bool:
+    if path.endswith(PARQUET_SUFFIXES):
+        return True
+    if path == "-" or "://" in path:
+        return False
+    with open(path, "rb") as probe:
+        return probe.read(4) == _PARQUET_MAGIC
+
+
+@dataclass
+class Loaded:
+    """The records view in the engine, and how the input read."""
+
+    read: reader.ReadResult
+    records: int
+    files: list[str]
+
+
+def load(
+    engine: Engine,
+    paths: Sequence[str],
+    *,
+    columns: Sequence[str] = ANALYSIS_COLUMNS,
+    format_name: str | None = None,
+    model: str | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> Loaded:
+    """Create the view ``records`` (``columns`` plus ``src`` and ``row``) of the valid records
+    of ``paths``, counting skipped lines and rows in the result as the numpy path does."""
+    files = expand(paths)
+    result = reader.ReadResult(batch=records.batch_from_objects([]).batch)
+    con = engine.connection
+    typed = ", ".join(f"{name} {_SQL_TYPE[_SPEC[name].kind]}" for name in columns)
+    con.execute(f"CREATE OR REPLACE TEMP TABLE jsonl_records ({typed}, src INTEGER, row BIGINT)")
+    parquet = [(index, path) for index, path in enumerate(files) if is_parquet(path)]
+    for index, path in enumerate(files):
+        if (index, path) in parquet:
+            continue
+        offset = 0
+        for batch in reader.batches_of(
+            [path], result, format_name=format_name, model=model, progress=progress
+        ):
+            if not len(batch):
+                continue
+            chunk = _columns_of(batch, columns)
+            chunk["src"] = np.full(len(batch), index, np.int32)
+            chunk["row"] = np.arange(offset, offset + len(batch), dtype=np.int64)
+            offset += len(batch)
+            con.register("chunk", chunk)
+            con.execute(f"INSERT INTO jsonl_records SELECT {', '.join((*columns, 'src', 'row'))} FROM chunk")
+            con.unregister("chunk")
+    sources = ["SELECT * FROM jsonl_records"]
+    if parquet:
+        sources.append(_parquet_view(engine, parquet, columns, result))
+    con.execute(f"CREATE OR REPLACE TEMP VIEW records AS {' UNION ALL '.join(sources)}")
+    ((count,),) = con.execute("SELECT count(*) FROM records").fetchall()
+    return Loaded(read=result, records=int(count), files=files)
+
+
+def _columns_of(batch: records.RecordBatch, columns: Sequence[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in columns:
+        if name == "model":
+            names = np.array([*batch.model_names, None], dtype=object)
+            out[name] = names[batch.model_codes]  # -1 (none) picks the trailing None
+        else:
+            values = getattr(batch, name)
+            if isinstance(values, np.ndarray):
+                # absent counts are -1 in a batch, NaN durations become NULL in DuckDB's scan
+                out[name] = np.where(values < 0, np.nan, values) if values.dtype.kind == "i" else values
+            else:
+                out[name] = np.array(values, dtype=object)
+    return out
+
+
+def _parquet_view(
+    engine: Engine, parquet: list[tuple[int, str]], columns: Sequence[str], result: reader.ReadResult
+) -> str:
+    """The valid rows of the Parquet files as SQL; rejected rows are counted by reason in
+    ``result`` (with the first few named by file and row), as the validator does for lines."""
+    present = _check_parquet_schema(engine, [path for _, path in parquet], columns)
+    listed = ", ".join(f"'{_quoted(path)}'" for _, path in parquet)
+    src = " ".join(f"WHEN '{_quoted(path)}' THEN {index}" for index, path in parquet)
+    scan = (
+        f"SELECT *, CASE filename {src} END AS src, file_row_number AS row FROM read_parquet([{listed}], "
+        "union_by_name = true, filename = true, file_row_number = true, hive_partitioning = false)"
+    )
+    selected = ", ".join(
+        name if name in present else f"CAST(NULL AS {_SQL_TYPE[_SPEC[name].kind]}) AS {name}"
+        for name in columns
+    )
+    checked = f"SELECT {selected}, src, row, filename, {rejection_sql(present)} AS rejection FROM ({scan})"
+    for reason_field, count in engine.connection.execute(
+        f"SELECT rejection, count(*) FROM ({checked}) WHERE rejection IS NOT NULL GROUP BY ALL ORDER BY 1"
+    ).fetchall():
+        result.skipped[reason_field.split(":")[1]] += int(count)
+    room = reader.MAX_EXAMPLES - len(result.examples)
+    if room > 0:
+        for rejection, filename, row in engine.connection.execute(
+            f"SELECT rejection, filename, row FROM ({checked}) WHERE rejection IS NOT NULL "
+            f"ORDER BY src, row LIMIT {room}"
+        ).fetchall():
+            field_name, reason = rejection.split(":")
+            result.examples.append(
+                {
+                    "file": filename,
+                    "row": int(row),
+                    "field": field_name or None,
+                    "reason": reason,
+                    "message": records.reason_message(field_name or None, reason),
+                }
+            )
+    for _, path in parquet:
+        result.formats[path] = "parquet"
+    ((rows,),) = engine.connection.execute(f"SELECT count(*) FROM ({scan})").fetchall()
+    result.lines += int(rows)
+    return f"SELECT {', '.join(columns)}, src, row FROM ({checked}) WHERE rejection IS NULL"
+
+
+def _check_parquet_schema(engine: Engine, paths: list[str], columns: Sequence[str]) -> set[str]:
+    """The wanted columns some file has; an error naming the file and column when a file lacks
+    a required column or stores one in a type that is not the record's."""
+    listed = ", ".join(f"'{_quoted(path)}'" for path in paths)
+    rows = engine.connection.execute(
+        f"SELECT file_name, name, type FROM parquet_schema([{listed}]) "
+        "WHERE num_children IS NULL OR num_children = 0"
+    ).fetchall()
+    by_file: dict[str, dict[str, str]] = {}
+    for file_name, name, kind in rows:
+        by_file.setdefault(file_name, {})[name] = kind
+    present: set[str] = set()
+    for path in paths:
+        schema = by_file.get(path, {})
+        for name in columns:
+            spec = _SPEC[name]
+            kind = schema.get(name)
+            if kind is None:
+                if spec.required:
+                    raise InputError(f"{path}: the Parquet file has no column {name!r} (required)")
+                continue
+            if kind not in _PARQUET_TYPES[spec.kind]:
+                wanted = " or ".join(sorted(_PARQUET_TYPES[spec.kind]))
+                raise InputError(
+                    f"{path}: column {name!r} is {kind} in the Parquet file; a record's {name} is {wanted}"
+                )
+            present.add(name)
+    return present
+
+
+def rejection_sql(columns: set[str] | Sequence[str]) -> str:
+    """``'field:reason'`` of the first rule a row breaks (in the record's field order), else
+    NULL: the bounds are read off :data:`kvlens.records.FIELDS`, the schema's own."""
+    rules: list[tuple[str, str, str]] = []
+    for spec in records.FIELDS:
+        if spec.name not in columns:
+            if spec.required:
+                rules.append(("TRUE", spec.name, "missing"))
+            continue
+        name = spec.name
+        if spec.required:
+            rules.append((f"{name} IS NULL", name, "missing"))
+        if spec.kind is float:
+            rules.append((f"(isnan({name}) OR isinf({name}))", name, "not_finite"))
+        if spec.kind in (int, float) and spec.low is not None:
+            rules.append((f"{name} < {spec.low!r}", name, "out_of_range"))
+        if spec.kind in (int, float) and spec.high is not None:
+            rules.append((f"{name} > {spec.high!r}", name, "out_of_range"))
+        if spec.kind is str and spec.is_label:
+            rules.append((f"octet_length(encode({name})) > {records.MAX_LABEL_BYTES}", name, "invalid_label"))
+        elif spec.kind is str and spec.max_length is not None:
+            rules.append((f"length({name}) > {spec.max_length}", name, "too_long"))
+        if name == "cached_tokens":
+            rules.append(("cached_tokens > prompt_tokens", name, "cached_exceeds_prompt"))
+    cases = " ".join(f"WHEN {condition} THEN '{name}:{reason}'" for condition, name, reason in rules)
+    return f"CASE {cases} END"
+
+
+# ---------------------------------------------------------------------------------------------
+# The reducer as SQL
+
+
+def reduced_sql(source: str, edges: Sequence[int], default_model: str) -> str:
+    """The per-record decisions of :func:`kvlens.reduce.reduce` over ``source``: the model by
+    raw name (``default_model`` when none), hit (``h > 0``), the prompt-length group (the edges
+    at or below ``n``: numpy's ``searchsorted(..., side="right")``), the squares that ``C(n)``
+    and ``C(h)`` sum from, and the TTFT split with its completeness."""
+    group = " + ".join(f"CASE WHEN prompt_tokens >= {int(edge)} THEN 1 ELSE 0 END" for edge in edges) or "0"
+    other = "ttft_seconds - queue_seconds - prefill_seconds"
+    complete = "(queue_seconds IS NOT NULL AND prefill_seconds IS NOT NULL AND ttft_seconds IS NOT NULL)"
+    return f"""SELECT
+  COALESCE(model, '{_quoted(default_model)}') AS model,
+  prompt_tokens,
+  cached_tokens,
+  cached_tokens > 0 AS hit,
+  {group} AS length_group,
+  prompt_tokens * prompt_tokens AS prompt_squares,
+  cached_tokens * cached_tokens AS cached_squares,
+  ttft_seconds,
+  queue_seconds,
+  prefill_seconds,
+  prefill_seconds / CAST(GREATEST(prompt_tokens - cached_tokens, 1) AS DOUBLE) AS prefill_per_computed_token,
+  {complete} AS ttft_complete,
+  CASE WHEN {complete} THEN {other} < 0 ELSE FALSE END AS ttft_overlapped,
+  CASE WHEN {complete} THEN GREATEST({other}, 0.0) END AS ttft_other
+FROM {source}"""
+
+
+def cells_sql(reduced: str) -> str:
+    """Exact sums per (model, length group, hit): DECIMAL(38,0) does not overflow where a
+    BIGINT sum of squares would (a billion 10M-token prompts), in any engine."""
+    return f"""SELECT model, length_group, hit,
+  COUNT(*) AS requests,
+  SUM(CAST(prompt_tokens AS DECIMAL(38,0))) AS prompt_tokens,
+  SUM(CAST(cached_tokens AS DECIMAL(38,0))) AS cached_tokens,
+  SUM(CAST(prompt_squares AS DECIMAL(38,0))) AS prompt_squares,
+  SUM(CAST(cached_squares AS DECIMAL(38,0))) AS cached_squares
+FROM ({reduced}) GROUP BY model, length_group, hit"""
+
+
+FIXED = float(definitions.FIXED_POINT_SECONDS)
+
+
+def decomposition_sql(reduced: str) -> str:
+    def fixed(column: str) -> str:
+        return f"SUM(CAST(CAST(FLOOR({column} * {FIXED!r}) AS BIGINT) AS DECIMAL(38,0)))"
+
+    return f"""SELECT COUNT(*) AS requests,
+  SUM(CASE WHEN ttft_overlapped THEN 1 ELSE 0 END) AS overlapped,
+  {fixed("queue_seconds")} AS queue, {fixed("prefill_seconds")} AS prefill, {fixed("ttft_other")} AS other
+FROM ({reduced}) WHERE ttft_complete"""
+
+
+def cost_models_sql(names: Sequence[str], cost_for: Callable[[str], definitions.CostModel]) -> str:
+    """The cost models of ``names`` as a VALUES list (``unit`` indexes ``definitions.UNITS``)."""
+    rows = []
+    for name in names:
+        cost = cost_for(name)
+        rows.append(f"('{_quoted(name)}', {cost.a!r}, {cost.b!r}, '{cost.unit}')")
+    return "(VALUES " + ", ".join(rows) + ") AS cost_models(model, a, b, unit)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact order statistics in bounded memory
+
+Part = tuple[str, int, bool]  # (series, length group or -1 for all records, hit)
+
+
+def _series_sql(reduced: str) -> str:
+    """Each latency value once per series it is ranked in: per group, and TTFT over all."""
+    branches = [
+        f"SELECT '{name}' AS series, length_group AS g, hit, {name} AS v "
+        f"FROM ({reduced}) WHERE {name} IS NOT NULL"
+        for name in (*report.LATENCY_COLUMNS, "prefill_per_computed_token")
+    ]
+    branches.append(
+        f"SELECT 'all_ttft' AS series, -1 AS g, FALSE AS hit, ttft_seconds AS v FROM ({reduced}) "
+        "WHERE ttft_seconds IS NOT NULL"
+    )
+    return " UNION ALL ".join(branches)
+
+
+@dataclass
+class _Target:
+    part: Part
+    rank: int
+    low: float
+    high: float
+    offset: int  # rank within [low, high]
+    count: int  # values within [low, high]
+    value: float | None = None
+
+
+def order_statistics(
+    engine: Engine, series: str, wanted: dict[Part, list[int]], bounds: dict[Part, tuple[int, float, float]]
+) -> dict[tuple[Part, int], float]:
+    """The values at ``wanted`` ranks (0-based, ascending) of each part of ``series``;
+    ``bounds`` gives each part's count, min and max."""
+    targets = [
+        _Target(part, rank, bounds[part][1], bounds[part][2], rank, bounds[part][0])
+        for part, ranks in wanted.items()
+        for rank in ranks
+    ]
+    while True:
+        for target in targets:
+            if target.value is None and target.low == target.high:
+                target.value = target.low
+        open_targets = [t for t in targets if t.value is None]
+        if not open_targets:
+            break
+        fetch = [t for t in open_targets if t.count <= FETCH_MAX]
+        narrow = [t for t in open_targets if t.count > FETCH_MAX]
+        if fetch:
+            _fetch(engine, series, fetch)
+        if narrow:
+            _narrow(engine, series, narrow)
+    return {(t.part, t.rank): float(t.value) for t in targets if t.value is not None}
+
+
+def _targets_table(targets: list[_Target]) -> dict[str, Any]:
+    return {
+        "id": np.arange(len(targets), dtype=np.int64),
+        "series": np.array([t.part[0] for t in targets], dtype=object),
+        "g": np.array([t.part[1] for t in targets], dtype=np.int64),
+        "hit": np.array([t.part[2] for t in targets], dtype=bool),
+        "lo": np.array([t.low for t in targets], dtype=np.float64),
+        "hi": np.array([t.high for t in targets], dtype=np.float64),
+    }
+
+
+_JOIN = "d.series = t.series AND d.g = t.g AND d.hit = t.hit AND d.v >= t.lo AND d.v <= t.hi"
+
+
+def _fetch(engine: Engine, series: str, targets: list[_Target]) -> None:
+    con = engine.connection
+    con.register("targets", _targets_table(targets))
+    try:
+        rows = con.execute(
+            f"SELECT t.id, d.v FROM ({series}) d JOIN targets t ON {_JOIN} ORDER BY t.id, d.v"
+        ).fetchall()
+    finally:
+        con.unregister("targets")
+    values: dict[int, list[float]] = {}
+    for target_id, value in rows:
+        values.setdefault(int(target_id), []).append(float(value))
+    for index, target in enumerate(targets):
+        target.value = values[index][target.offset]
+
+
+def _narrow(engine: Engine, series: str, targets: list[_Target]) -> None:
+    """One histogram pass: each target's range shrinks to the bin holding its rank. The bin of
+    ``v`` is monotone in ``v`` (each step rounds monotonically), so bins are runs of the sorted
+    values."""
+    con = engine.connection
+    con.register("targets", _targets_table(targets))
+    try:
+        rows = con.execute(
+            "SELECT t.id, "
+            f"LEAST(CAST(FLOOR((d.v - t.lo) / (t.hi - t.lo) * {BINS}) AS BIGINT), {BINS - 1}) AS bin, "
+            f"COUNT(*), MIN(d.v), MAX(d.v) FROM ({series}) d JOIN targets t ON {_JOIN} "
+            "GROUP BY 1, 2 ORDER BY 1, 2"
+        ).fetchall()
+    finally:
+        con.unregister("targets")
+    bins: dict[int, list[tuple[int, float, float]]] = {}
+    for target_id, _, count, low, high in rows:
+        bins.setdefault(int(target_id), []).append((int(count), float(low), float(high)))
+    for index, target in enumerate(targets):
+        before = 0
+        for count, low, high in bins[index]:
+            if target.offset < before + count:
+                target.low, target.high, target.count, target.offset = (
+                    low,
+                    high,
+                    count,
+                    target.offset - before,
+                )
+                break
+            before += count
+
+
+# ---------------------------------------------------------------------------------------------
+# The summary
+
+
+def summarize(engine: Engine, source: str, edges: Sequence[int], default_model: str) -> report.Summary:
+    """The :class:`kvlens.analysis.report.Summary` of the records in ``source``."""
+    reduced = reduced_sql(source, edges, default_model)
+    con = engine.connection
+    con.execute(f"CREATE OR REPLACE TEMP VIEW reduced AS {reduced}")
+    reduced = "SELECT * FROM reduced"
+    cells: dict[report.Key, report.Cell] = {}
+    for model, group, hit, requests, n, h, n2, h2 in con.execute(cells_sql(reduced)).fetchall():
+        n, h, n2, h2 = int(n), int(h), int(n2), int(h2)
+        cells[(str(model), int(group), bool(hit))] = report.Cell(
+            int(requests), n, h, (n2 + n) // 2, (h2 + h) // 2
+        )
+    series = _series_sql(reduced)
+    bounds = {
+        (str(name), int(g), bool(hit)): (int(count), float(low), float(high))
+        for name, g, hit, count, low, high in con.execute(
+            f"SELECT series, g, hit, COUNT(*), MIN(v), MAX(v) FROM ({series}) GROUP BY ALL"
+        ).fetchall()
+    }
+    fractions = {name: tuple(q / 100 for q in report.QUANTILES) for name in report.LATENCY_COLUMNS}
+    fractions["prefill_per_computed_token"] = (0.5,)
+    fractions["all_ttft"] = (1 - report.SLOWEST_SHARE,)
+    wanted: dict[Part, list[int]] = {}
+    for part, (count, _, _) in bounds.items():
+        ranks = [definitions.quantile_ranks(count, fraction) for fraction in fractions[part[0]]]
+        wanted[part] = sorted({rank for low, high, _ in ranks for rank in (low, high)})
+    found = order_statistics(engine, series, wanted, bounds)
+
+    def quantiles_of(part: Part, fractions: tuple[float, ...]) -> list[float]:
+        count = bounds[part][0]
+        return definitions.quantiles(count, fractions, lambda ranks: [found[(part, rank)] for rank in ranks])
+
+    def latency_of(part: Part) -> dict[str, Any]:
+        count = bounds[part][0] if part in bounds else 0
+        return report.percentiles_of(count, lambda ranks: [found[(part, rank)] for rank in ranks])
+
+    groups = {(key[1], key[2]) for key in cells}
+    latency = {
+        group: {name: latency_of((name, *group)) for name in report.LATENCY_COLUMNS}
+        for group in sorted(groups)
+    }
+    ((requests, overlapped, queue, prefill, other),) = con.execute(decomposition_sql(reduced)).fetchall()
+    decomposition = report.Decomposition(
+        int(requests), int(overlapped or 0), int(queue or 0), int(prefill or 0), int(other or 0)
+    )
+    threshold = None
+    slowest: dict[report.Group, int] = {}
+    if ("all_ttft", -1, False) in bounds:
+        (threshold,) = quantiles_of(("all_ttft", -1, False), (1 - report.SLOWEST_SHARE,))
+        con.register("threshold", {"t": np.array([threshold], dtype=np.float64)})
+        slowest = {
+            (int(g), bool(hit)): int(count)
+            for g, hit, count in con.execute(
+                "SELECT length_group, hit, COUNT(*) FROM reduced, threshold "
+                "WHERE ttft_seconds >= threshold.t GROUP BY ALL"
+            ).fetchall()
+        }
+        con.unregister("threshold")
+    prefill_groups: dict[report.Group, report.PrefillGroup] = {}
+    for g, hit, count, n, h in con.execute(
+        "SELECT length_group, hit, COUNT(*), SUM(CAST(prompt_tokens AS DECIMAL(38,0))), "
+        "SUM(CAST(cached_tokens AS DECIMAL(38,0))) FROM reduced "
+        "WHERE prefill_seconds IS NOT NULL GROUP BY ALL"
+    ).fetchall():
+        group = (int(g), bool(hit))
+        (median,) = quantiles_of(("prefill_seconds", *group), (0.5,))
+        (per_token,) = quantiles_of(("prefill_per_computed_token", *group), (0.5,))
+        prefill_groups[group] = report.PrefillGroup(int(count), int(n), int(h), median, per_token)
+    return report.Summary(cells, latency, decomposition, threshold, slowest, prefill_groups)
+
+
+def calibration_inputs(
+    engine: Engine, model: str, default_model: str, limit: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """``n``, ``h`` and prefill seconds of ``model``'s records with a prefill time, in input
+    order; past ``limit`` records an even, deterministic sample of them (the fit needs the
+    shape of the cloud, not every point). The last item is how many records there were."""
+    con = engine.connection
+    con.register("wanted", {"m": np.array([model], dtype=object)})
+    try:
+        ((count,),) = con.execute(
+            "SELECT COUNT(*) FROM reduced, wanted WHERE model = wanted.m AND prefill_seconds IS NOT NULL"
+        ).fetchall()
+        sample = "" if count <= limit else f" AND hash(src, row) % {int(count)} < {int(limit)}"
+        rows = con.execute(
+            "SELECT r.prompt_tokens, r.cached_tokens, r.prefill_seconds FROM records r, wanted "
+            f"WHERE COALESCE(r.model, '{_quoted(default_model)}') = wanted.m "
+            f"AND r.prefill_seconds IS NOT NULL{sample} ORDER BY r.src, r.row"
+        ).fetchnumpy()
+    finally:
+        con.unregister("wanted")
+    return (
+        np.asarray(rows["prompt_tokens"], dtype=np.int64),
+        np.asarray(rows["cached_tokens"], dtype=np.int64),
+        np.asarray(rows["prefill_seconds"], dtype=np.float64),
+        int(count),
+    )
