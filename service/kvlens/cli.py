@@ -126,11 +126,31 @@ def _parser() -> argparse.ArgumentParser:
         )
         sub.add_argument("--markdown", action="store_true", help="print the report as Markdown")
 
+    def scale_flags(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument(
+            "--memory-limit", metavar="SIZE", help="DuckDB's memory before it spills, e.g. 2GiB (the default)"
+        )
+
     analyze = commands.add_parser("analyze", help="report, diagnose and calibrate recorded traffic")
     analyze.add_argument(
-        "files", nargs="*", metavar="FILE", help="JSON-lines files (.gz allowed; - for stdin)"
+        "files",
+        nargs="*",
+        metavar="FILE",
+        help="JSON-lines (.gz allowed; - for stdin) or Parquet files, directories, globs",
     )
     input_flags(analyze)
+    scale_flags(analyze)
+    analyze.add_argument(
+        "--engine",
+        choices=("auto", "numpy", "duckdb"),
+        default="auto",
+        help="duckdb: out of core (the scale extra); auto: duckdb for Parquet or large input",
+    )
+    analyze.add_argument(
+        "--print-sql",
+        action="store_true",
+        help="print the reducer as portable SQL (for a warehouse) and exit",
+    )
     analyze.add_argument("--html", type=Path, metavar="OUT", help="write a self-contained HTML report")
     analyze.add_argument(
         "--calibrate", type=Path, metavar="OUT", help="write fitted cost models in seconds (YAML settings)"
@@ -144,6 +164,21 @@ def _parser() -> argparse.ArgumentParser:
         help="measured prefill points to calibrate from (columns of prefill_h200.csv; see README)",
     )
     analyze.set_defaults(run=_analyze)
+
+    convert = commands.add_parser(
+        "convert", help="write records as Parquet (what the duckdb engine reads fastest)"
+    )
+    convert.add_argument(
+        "files", nargs="+", metavar="RECORDS", help="JSON-lines or Parquet files, directories, globs"
+    )
+    convert.add_argument("--to", nargs=2, required=True, metavar=("FORMAT", "OUT"), help="parquet OUT")
+    convert.add_argument(
+        "--format", dest="input_format", help="kvlens, sglang or openai-usage (default: detect)"
+    )
+    convert.add_argument("--model", help="model for records that carry none (SGLang)")
+    convert.add_argument("--config", type=Path, help="YAML settings (analyze_memory_limit)")
+    scale_flags(convert)
+    convert.set_defaults(run=_convert)
 
     compare = commands.add_parser(
         "compare", help="compare cache-off / cold / warm replays of one request sequence"
@@ -362,12 +397,17 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _analyze(args: argparse.Namespace) -> int:
     from kvlens.analysis import calibration, render
-    from kvlens.analysis.analyze import analyze
+    from kvlens.analysis.analyze import analyze, choose_engine
 
+    settings = load_settings(args.config)
+    if args.print_sql:
+        from kvlens.analysis import warehouse
+
+        print(warehouse.script(settings), end="")
+        return 0
     if not args.files and not args.prefill_points:
         print("kvlens analyze: give record files, --prefill-points CSV, or both", file=sys.stderr)
         return 2
-    settings = load_settings(args.config)
     with _progress(args.files) as progress:
         report, fits = analyze(
             args.files,
@@ -376,6 +416,8 @@ def _analyze(args: argparse.Namespace) -> int:
             model=args.model,
             progress=progress,
             prefill_points=args.prefill_points,
+            engine=choose_engine(args.engine, args.files),
+            memory_limit=args.memory_limit or settings.analyze_memory_limit,
         )
     if args.calibrate:
         args.calibrate.write_text(yaml.safe_dump(calibration.cost_model_file(fits), sort_keys=False))
@@ -387,6 +429,28 @@ def _analyze(args: argparse.Namespace) -> int:
         print(render.markdown(report), end="")
     elif not args.html:
         render.terminal(report)
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from kvlens.analysis import columnar
+
+    target, out = args.to
+    if target != "parquet":
+        print(f"kvlens convert: --to takes parquet, not {target!r}", file=sys.stderr)
+        return 2
+    settings = load_settings(args.config)
+    loaded = columnar.convert(
+        args.files,
+        Path(out),
+        format_name=args.input_format,
+        model=args.model,
+        memory_limit=args.memory_limit or settings.analyze_memory_limit,
+    )
+    print(
+        f"kvlens convert: {loaded.records} records to {out} ({loaded.read.skipped_total} lines skipped)",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -8,6 +8,7 @@ is one code path.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ from kvlens.definitions import prompt_length_labels
 
 ENGINES = ("numpy", "duckdb")
 CALIBRATION_MAX_POINTS = 2_000_000  # per model, duckdb engine: past it an even sample is fitted
+
+AUTO_DUCKDB_BYTES = 256 * 1024 * 1024  # numpy holds about twice the JSON lines in memory
 
 Points = tuple[str, npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.float64]]
 
@@ -88,6 +91,24 @@ def analyze(
     fits = _fits(points, settings, prefill_points)
     result["calibration"] = [{**fit.as_dict(), "residuals": fit.residuals} for fit in fits]
     return result, fits
+
+
+def choose_engine(requested: str, paths: Sequence[str]) -> str:
+    """``auto``: duckdb (when installed) for Parquet, directories, globs or files past
+    :data:`AUTO_DUCKDB_BYTES` together; numpy otherwise (it also reads ``prefix_hashes`` for the
+    diagnosis)."""
+    if requested != "auto":
+        return requested
+    try:
+        import duckdb  # noqa: F401
+    except ModuleNotFoundError:
+        return "numpy"
+    from kvlens.analysis import columnar
+
+    local = [path for path in paths if path != "-"]
+    if any(not os.path.isfile(path) or columnar.is_parquet(path) for path in local):
+        return "duckdb"
+    return "duckdb" if sum(os.path.getsize(path) for path in local) >= AUTO_DUCKDB_BYTES else "numpy"
 
 
 def _report(

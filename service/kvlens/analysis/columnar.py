@@ -194,8 +194,9 @@ def _columns_of(batch: records.RecordBatch, columns: Sequence[str]) -> dict[str,
         else:
             values = getattr(batch, name)
             if isinstance(values, np.ndarray):
-                # absent counts are -1 in a batch, NaN durations become NULL in DuckDB's scan
-                out[name] = np.where(values < 0, np.nan, values) if values.dtype.kind == "i" else values
+                # absent counts are -1 in a batch; NaN becomes NULL in DuckDB's scan
+                absent = values.dtype.kind == "i" and bool((values < 0).any())
+                out[name] = np.where(values < 0, np.nan, values) if absent else values
             else:
                 out[name] = np.array(values, dtype=object)
     return out
@@ -587,3 +588,26 @@ def calibration_inputs(
         np.asarray(rows["prefill_seconds"], dtype=np.float64),
         int(count),
     )
+
+
+def convert(
+    paths: Sequence[str],
+    out: Path,
+    *,
+    format_name: str | None = None,
+    model: str | None = None,
+    memory_limit: str = DEFAULT_MEMORY_LIMIT,
+) -> Loaded:
+    """Write the valid records of ``paths`` to one Parquet file (zstd), in input order, with
+    every scalar field of the record (``prefix_hashes`` is not kept: a list of mixed ints and
+    strings has no Parquet type, and only the in-memory diagnosis reads it)."""
+    engine = Engine(memory_limit=memory_limit)
+    try:
+        loaded = load(engine, paths, columns=SCALAR_COLUMNS, format_name=format_name, model=model)
+        engine.connection.execute(
+            f"COPY (SELECT {', '.join(SCALAR_COLUMNS)} FROM records ORDER BY src, row) "
+            f"TO '{_quoted(str(out))}' (FORMAT parquet, COMPRESSION zstd)"
+        )
+        return loaded
+    finally:
+        engine.close()

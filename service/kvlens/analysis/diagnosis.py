@@ -94,8 +94,12 @@ def diagnose(
                 "hit_ratio_flatters",
                 "info",
                 f"The hit ratio flatters: {hit:.1%} of requests hit, {reuse:.2%} of tokens reused",
-                f"Modelled compute saved is {saved:.3%}. "
-                "Most hits reuse a short prefix or the long requests miss; "
+                (
+                    f"Modelled compute saved is {saved:.3%}. "
+                    if saved is not None
+                    else "Modelled compute saved is not one number here (the models count work in several units). "
+                )
+                + "Most hits reuse a short prefix or the long requests miss; "
                 "judge the cache by token reuse and compute saved.",
                 request_hit_ratio=hit,
                 token_reuse_ratio=reuse,

@@ -1,0 +1,211 @@
+"""The DuckDB engine of ``kvlens analyze`` against the numpy one: the same report, field by
+field, for random record sets (edges, nulls, long model names, per-model cost models in all
+three units) read from JSON lines and from Parquet; the goldens through every input form; bad
+input; and a memory limit far below the data (it spills, the answer does not change)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvlens.analysis import columnar
+from kvlens.analysis.analyze import analyze
+from kvlens.cli import main
+from kvlens.config import Settings, load_settings
+from kvlens.errors import InputError
+from kvlens.records import MAX_LABEL_BYTES, MAX_SECONDS, MAX_TOKENS
+from tests.article import article_records
+
+pytest.importorskip("duckdb")
+
+EDGES = [512, 2048, 8192, 32768]
+COSTED = {
+    "work": {"a": 1.0, "b": 1.0 / 1024.0, "unit": "work_units"},
+    "flops": {"a": 1.6e10, "b": 524288.0, "unit": "flops"},
+    "secs": {"a": 3.1e-5, "b": 1.7e-9, "unit": "seconds"},
+}
+
+
+def write_jsonl(path: Path, records: list[dict[str, Any]], extra: bytes = b"") -> Path:
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records) + extra)
+    return path
+
+
+def config_file(path: Path, **values: Any) -> Settings:
+    path.write_text(yaml.safe_dump({"prompt_length_edges": EDGES, "cost_models": COSTED, **values}))
+    return load_settings(path)
+
+
+def without_paths(report: dict[str, Any]) -> dict[str, Any]:
+    """The report less what names the input files (the forms differ in nothing else)."""
+    out = dict(report)
+    out["input"] = {k: v for k, v in report["input"].items() if k not in ("files", "formats")}
+    return out
+
+
+tokens = st.one_of(
+    st.sampled_from([0, 1, 511, 512, 513, 2047, 2048, 8191, 8192, 32767, 32768, MAX_TOKENS]),
+    st.integers(0, 40_000),
+)
+seconds = st.one_of(
+    st.none(),
+    st.sampled_from([0.0, 1e-9, 0.1, 0.3, MAX_SECONDS]),
+    st.floats(0, 30, allow_nan=False, allow_infinity=False),
+)
+models = st.one_of(
+    st.none(),
+    st.sampled_from(sorted(COSTED)),
+    st.sampled_from(["m" * MAX_LABEL_BYTES, "é" * (MAX_LABEL_BYTES // 2)]),  # the longest labels
+    st.text(alphabet="abcxyz-", min_size=1, max_size=12),  # many names: the label cap overflows
+)
+
+
+@st.composite
+def record(draw: st.DrawFn) -> dict[str, Any]:
+    n = draw(tokens)
+    h = draw(st.one_of(st.just(0), st.just(n), st.integers(0, n)))
+    out: dict[str, Any] = {"prompt_tokens": n, "cached_tokens": h}
+    for name, value in (
+        ("model", draw(models)),
+        ("ttft_seconds", draw(seconds)),
+        ("queue_seconds", draw(seconds)),
+        ("prefill_seconds", draw(seconds)),
+    ):
+        if value is not None:
+            out[name] = value
+    return out
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(record(), max_size=120))
+def test_duckdb_and_numpy_reports_are_identical(
+    tmp_path_factory: pytest.TempPathFactory, records: list[Any]
+) -> None:
+    folder = tmp_path_factory.mktemp("parity")
+    chosen = config_file(folder / "settings.yaml")
+    path = write_jsonl(folder / "r.jsonl", records, extra=b"{not json\n")
+    expected, _ = analyze([str(path)], chosen)
+    got, _ = analyze([str(path)], chosen, engine="duckdb")
+    assert got == expected
+    parquet = folder / "r.parquet"
+    columnar.convert([str(path)], parquet)
+    from_parquet, _ = analyze([str(parquet)], chosen, engine="duckdb")
+    expected["input"]["skipped"], expected["input"]["skipped_total"] = {}, 0
+    expected["input"]["skipped_examples"], expected["input"]["lines"] = [], len(records)
+    assert without_paths(from_parquet) == without_paths(expected)
+
+
+def test_goldens_through_every_input_form(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    records = article_records()
+    plain = write_jsonl(tmp_path / "a.jsonl", records)
+    gz = tmp_path / "a.jsonl.gz"
+    gz.write_bytes(gzip.compress(plain.read_bytes()))
+    parquet = tmp_path / "a.parquet"
+    assert main(["convert", str(plain), "--to", "parquet", str(parquet)]) == 0
+    hive = tmp_path / "hive"
+    for day, part in (("2026-11-30", records[:40]), ("2026-12-01", records[40:])):
+        (hive / f"day={day}" / "model=m").mkdir(parents=True)
+        columnar.convert(
+            [str(write_jsonl(tmp_path / f"{day}.jsonl", part))], hive / f"day={day}" / "model=m" / "0.parquet"
+        )
+    forms = [
+        [str(plain)],
+        [str(gz)],
+        [str(parquet)],
+        [str(hive)],
+        [str(tmp_path / "hive" / "**" / "*.parquet")],
+    ]
+    forms.append([str(tmp_path / "2026-11-30.jsonl"), str(hive / "day=2026-12-01" / "model=m" / "0.parquet")])
+    for form in forms:
+        for engine in ("numpy", "duckdb"):
+            if engine == "numpy" and any("parquet" in path or "hive" in path for path in form):
+                continue
+            assert main(["analyze", *form, "--engine", engine, "--json"]) == 0
+            overall = json.loads(capsys.readouterr().out)["overall"]
+            assert (overall["requests"], overall["prompt_tokens"], overall["cached_tokens"]) == (
+                100,
+                93_440,
+                1_440,
+            )
+            assert f"{100 * overall['request_hit_ratio']:.2f}" == "90.00"
+            assert f"{100 * overall['token_reuse_ratio']:.2f}" == "1.54"
+            assert f"{100 * overall['compute_saved_ratio']:.3f}" == "0.344"
+
+
+def test_parquet_rows_out_of_bounds_are_counted_like_bad_lines(tmp_path: Path) -> None:
+    engine = columnar.Engine()
+    bad = tmp_path / "bad.parquet"
+    engine.connection.execute(
+        "COPY (SELECT * FROM (VALUES (10, 4, 0.5), (5, 9, 0.5), (-1, 0, 0.5), (10, 0, 'nan'::DOUBLE), "
+        "(20, 2, 1e9), (NULL, 0, 0.1)) t(prompt_tokens, cached_tokens, ttft_seconds)) "
+        f"TO '{bad}' (FORMAT parquet)"
+    )
+    engine.close()
+    report, _ = analyze([str(bad)], load_settings(), engine="duckdb")
+    assert report["overall"]["requests"] == 1
+    assert report["input"]["lines"] == 6
+    assert report["input"]["skipped"] == {
+        "cached_exceeds_prompt": 1,
+        "missing": 1,
+        "not_finite": 1,
+        "out_of_range": 2,
+    }
+    first = report["input"]["skipped_examples"][0]
+    assert (first["file"], first["row"], first["field"], first["reason"]) == (
+        str(bad),
+        1,
+        "cached_tokens",
+        "cached_exceeds_prompt",
+    )
+
+
+def test_a_parquet_schema_mismatch_names_the_file_and_the_column(tmp_path: Path) -> None:
+    engine = columnar.Engine()
+    good, wrong, lacking = tmp_path / "good.parquet", tmp_path / "wrong.parquet", tmp_path / "lacking.parquet"
+    engine.connection.execute(
+        f"COPY (SELECT 10 AS prompt_tokens, 2 AS cached_tokens) TO '{good}' (FORMAT parquet)"
+    )
+    engine.connection.execute(
+        f"COPY (SELECT 10 AS prompt_tokens, 2 AS cached_tokens, '0.5' AS ttft_seconds) TO '{wrong}' (FORMAT parquet)"
+    )
+    engine.connection.execute(f"COPY (SELECT 10 AS prompt_tokens) TO '{lacking}' (FORMAT parquet)")
+    engine.close()
+    with pytest.raises(InputError) as caught:
+        analyze([str(good), str(wrong)], load_settings(), engine="duckdb")
+    assert str(caught.value) == (
+        f"{wrong}: column 'ttft_seconds' is BYTE_ARRAY in the Parquet file; a record's ttft_seconds is DOUBLE or FLOAT"
+    )
+    with pytest.raises(InputError) as caught:
+        analyze([str(lacking)], load_settings(), engine="duckdb")
+    assert str(caught.value) == f"{lacking}: the Parquet file has no column 'cached_tokens' (required)"
+
+
+def test_a_path_that_names_nothing_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="matches no file"):
+        columnar.expand([str(tmp_path / "*.parquet")])
+    with pytest.raises(InputError, match="no such file"):
+        columnar.expand([str(tmp_path / "absent.jsonl")])
+
+
+def test_a_flattering_hit_ratio_over_several_work_units_is_diagnosed(tmp_path: Path) -> None:
+    """Found by the parity property: with the models' work in two units the compute-saved ratio
+    is None, and the hit-ratio finding formatted it as a percentage (TypeError)."""
+    records = [{"prompt_tokens": 0, "cached_tokens": 0}] * 3 + [{"prompt_tokens": 511, "cached_tokens": 511}] * 2
+    records += [
+        {"prompt_tokens": 10_000_000, "cached_tokens": 56283},
+        {"prompt_tokens": 10_000_000, "cached_tokens": 301, "model": "flops"},
+    ]
+    path = write_jsonl(tmp_path / "r.jsonl", records)
+    for engine in ("numpy", "duckdb"):
+        report, _ = analyze([str(path)], config_file(tmp_path / "s.yaml"), engine=engine)
+        (finding,) = [f for f in report["diagnosis"] if f["id"] == "hit_ratio_flatters"]
+        assert finding["numbers"]["compute_saved_ratio"] is None
+        assert "Modelled compute saved is not one number" in finding["detail"]
