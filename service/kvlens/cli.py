@@ -440,7 +440,7 @@ def _convert(args: argparse.Namespace) -> int:
         print(f"kvlens convert: --to takes parquet, not {target!r}", file=sys.stderr)
         return 2
     settings = load_settings(args.config)
-    loaded = columnar.convert(
+    loaded, written = columnar.convert(
         args.files,
         Path(out),
         format_name=args.input_format,
@@ -448,7 +448,7 @@ def _convert(args: argparse.Namespace) -> int:
         memory_limit=args.memory_limit or settings.analyze_memory_limit,
     )
     print(
-        f"kvlens convert: {loaded.records} records to {out} ({loaded.read.skipped_total} lines skipped)",
+        f"kvlens convert: {written} records to {out} ({loaded.read.skipped_total} lines skipped)",
         file=sys.stderr,
     )
     return 0

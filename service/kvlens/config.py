@@ -266,7 +266,7 @@ class Settings(BaseSettings):
     analyze_memory_limit: str = Field(
         "2GiB",
         pattern=r"^[0-9]+(\.[0-9]+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)$",
-        description="Memory `kvlens analyze --engine duckdb` holds before it spills to disk (`--memory-limit`).",
+        description="Memory `kvlens analyze --engine duckdb` holds before it spills (`--memory-limit`).",
     )
     scrape_targets: list[str] = Field(
         [], description="vLLM `/metrics` URLs to scrape for the engine's own counters (`--scrape`)."

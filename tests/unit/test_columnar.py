@@ -174,14 +174,16 @@ def test_a_parquet_schema_mismatch_names_the_file_and_the_column(tmp_path: Path)
         f"COPY (SELECT 10 AS prompt_tokens, 2 AS cached_tokens) TO '{good}' (FORMAT parquet)"
     )
     engine.connection.execute(
-        f"COPY (SELECT 10 AS prompt_tokens, 2 AS cached_tokens, '0.5' AS ttft_seconds) TO '{wrong}' (FORMAT parquet)"
+        "COPY (SELECT 10 AS prompt_tokens, 2 AS cached_tokens, '0.5' AS ttft_seconds) "
+        f"TO '{wrong}' (FORMAT parquet)"
     )
     engine.connection.execute(f"COPY (SELECT 10 AS prompt_tokens) TO '{lacking}' (FORMAT parquet)")
     engine.close()
     with pytest.raises(InputError) as caught:
         analyze([str(good), str(wrong)], load_settings(), engine="duckdb")
     assert str(caught.value) == (
-        f"{wrong}: column 'ttft_seconds' is BYTE_ARRAY in the Parquet file; a record's ttft_seconds is DOUBLE or FLOAT"
+        f"{wrong}: column 'ttft_seconds' is BYTE_ARRAY in the Parquet file; "
+        "a record's ttft_seconds is DOUBLE or FLOAT"
     )
     with pytest.raises(InputError) as caught:
         analyze([str(lacking)], load_settings(), engine="duckdb")
@@ -198,7 +200,9 @@ def test_a_path_that_names_nothing_is_an_error(tmp_path: Path) -> None:
 def test_a_flattering_hit_ratio_over_several_work_units_is_diagnosed(tmp_path: Path) -> None:
     """Found by the parity property: with the models' work in two units the compute-saved ratio
     is None, and the hit-ratio finding formatted it as a percentage (TypeError)."""
-    records = [{"prompt_tokens": 0, "cached_tokens": 0}] * 3 + [{"prompt_tokens": 511, "cached_tokens": 511}] * 2
+    records = [{"prompt_tokens": 0, "cached_tokens": 0}] * 3 + [
+        {"prompt_tokens": 511, "cached_tokens": 511}
+    ] * 2
     records += [
         {"prompt_tokens": 10_000_000, "cached_tokens": 56283},
         {"prompt_tokens": 10_000_000, "cached_tokens": 301, "model": "flops"},

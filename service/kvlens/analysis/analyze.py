@@ -51,15 +51,8 @@ def analyze(
             summary = columnar.summarize(
                 store, "records", settings.prompt_length_edges, settings.default_model
             )
-            read, records = loaded.read, loaded.records
-            names = sorted({key[0] for key in summary.cells})
-            points: list[Points] = []
-            for name in names:
-                n, h, y, count = columnar.calibration_inputs(
-                    store, name, settings.default_model, CALIBRATION_MAX_POINTS
-                )
-                if count:
-                    points.append((name, n, h, y))
+            read, records = loaded.read, sum(cell.requests for cell in summary.cells.values())
+            points: list[Points] = list(columnar.calibration_inputs(store, CALIBRATION_MAX_POINTS))
             result = _report(summary, settings, labels, read, records, paths, lambda: None)
         finally:
             store.close()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import glob
 import os
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,7 @@ from kvlens.analysis import reader, report
 from kvlens.errors import InputError
 
 DEFAULT_MEMORY_LIMIT = "2GiB"
-BINS = 1024  # histogram bins a pass
+BINS = 4096  # histogram bins a pass
 FETCH_MAX = 4096  # values in range fetched to pick the rank directly
 PARQUET_SUFFIXES = (".parquet", ".pq")
 _PARQUET_MAGIC = b"PAR1"
@@ -83,6 +83,7 @@ class Engine:
             raise InputError(f"memory limit {self.memory_limit!r} is not a size DuckDB takes") from error
         self.connection.execute(f"SET temp_directory = '{_quoted(spill)}'")
         self.connection.execute("SET preserve_insertion_order = false")
+        self.connection.execute("SET enable_progress_bar = false")
         if self.threads:
             self.connection.execute(f"SET threads = {int(self.threads)}")
 
@@ -140,7 +141,6 @@ class Loaded:
     """The records view in the engine, and how the input read."""
 
     read: reader.ReadResult
-    records: int
     files: list[str]
 
 
@@ -181,8 +181,7 @@ def load(
     if parquet:
         sources.append(_parquet_view(engine, parquet, columns, result))
     con.execute(f"CREATE OR REPLACE TEMP VIEW records AS {' UNION ALL '.join(sources)}")
-    ((count,),) = con.execute("SELECT count(*) FROM records").fetchall()
-    return Loaded(read=result, records=int(count), files=files)
+    return Loaded(read=result, files=files)
 
 
 def _columns_of(batch: records.RecordBatch, columns: Sequence[str]) -> dict[str, Any]:
@@ -219,12 +218,16 @@ def _parquet_view(
         for name in columns
     )
     checked = f"SELECT {selected}, src, row, filename, {rejection_sql(present)} AS rejection FROM ({scan})"
+    rejected = 0
     for reason_field, count in engine.connection.execute(
-        f"SELECT rejection, count(*) FROM ({checked}) WHERE rejection IS NOT NULL GROUP BY ALL ORDER BY 1"
+        f"SELECT rejection, count(*) FROM ({checked}) GROUP BY ALL"
     ).fetchall():
-        result.skipped[reason_field.split(":")[1]] += int(count)
+        result.lines += int(count)
+        if reason_field is not None:
+            result.skipped[reason_field.split(":")[1]] += int(count)
+            rejected += int(count)
     room = reader.MAX_EXAMPLES - len(result.examples)
-    if room > 0:
+    if room > 0 and rejected:
         for rejection, filename, row in engine.connection.execute(
             f"SELECT rejection, filename, row FROM ({checked}) WHERE rejection IS NOT NULL "
             f"ORDER BY src, row LIMIT {room}"
@@ -241,8 +244,6 @@ def _parquet_view(
             )
     for _, path in parquet:
         result.formats[path] = "parquet"
-    ((rows,),) = engine.connection.execute(f"SELECT count(*) FROM ({scan})").fetchall()
-    result.lines += int(rows)
     return f"SELECT {', '.join(columns)}, src, row FROM ({checked}) WHERE rejection IS NULL"
 
 
@@ -308,7 +309,7 @@ def rejection_sql(columns: set[str] | Sequence[str]) -> str:
 # The reducer as SQL
 
 
-def reduced_sql(source: str, edges: Sequence[int], default_model: str) -> str:
+def reduced_sql(source: str, edges: Sequence[int], default_model: str, keep: Sequence[str] = ()) -> str:
     """The per-record decisions of :func:`kvlens.reduce.reduce` over ``source``: the model by
     raw name (``default_model`` when none), hit (``h > 0``), the prompt-length group (the edges
     at or below ``n``: numpy's ``searchsorted(..., side="right")``), the squares that ``C(n)``
@@ -330,7 +331,7 @@ def reduced_sql(source: str, edges: Sequence[int], default_model: str) -> str:
   prefill_seconds / CAST(GREATEST(prompt_tokens - cached_tokens, 1) AS DOUBLE) AS prefill_per_computed_token,
   {complete} AS ttft_complete,
   CASE WHEN {complete} THEN {other} < 0 ELSE FALSE END AS ttft_overlapped,
-  CASE WHEN {complete} THEN GREATEST({other}, 0.0) END AS ttft_other
+  CASE WHEN {complete} THEN GREATEST({other}, 0.0) END AS ttft_other{"".join(f", {name}" for name in keep)}
 FROM {source}"""
 
 
@@ -425,15 +426,20 @@ def order_statistics(
     return {(t.part, t.rank): float(t.value) for t in targets if t.value is not None}
 
 
-def _targets_table(targets: list[_Target]) -> dict[str, Any]:
+def _windows(targets: list[_Target]) -> tuple[dict[str, Any], list[int]]:
+    """The distinct value ranges the targets look in (several ranks of one part share theirs
+    until they part ways), as a table, and each target's range."""
+    index: dict[tuple[Part, float, float], int] = {}
+    of_target = [index.setdefault((t.part, t.low, t.high), len(index)) for t in targets]
+    windows = list(index)
     return {
-        "id": np.arange(len(targets), dtype=np.int64),
-        "series": np.array([t.part[0] for t in targets], dtype=object),
-        "g": np.array([t.part[1] for t in targets], dtype=np.int64),
-        "hit": np.array([t.part[2] for t in targets], dtype=bool),
-        "lo": np.array([t.low for t in targets], dtype=np.float64),
-        "hi": np.array([t.high for t in targets], dtype=np.float64),
-    }
+        "id": np.arange(len(windows), dtype=np.int64),
+        "series": np.array([w[0][0] for w in windows], dtype=object),
+        "g": np.array([w[0][1] for w in windows], dtype=np.int64),
+        "hit": np.array([w[0][2] for w in windows], dtype=bool),
+        "lo": np.array([w[1] for w in windows], dtype=np.float64),
+        "hi": np.array([w[2] for w in windows], dtype=np.float64),
+    }, of_target
 
 
 _JOIN = "d.series = t.series AND d.g = t.g AND d.hit = t.hit AND d.v >= t.lo AND d.v <= t.hi"
@@ -441,18 +447,19 @@ _JOIN = "d.series = t.series AND d.g = t.g AND d.hit = t.hit AND d.v >= t.lo AND
 
 def _fetch(engine: Engine, series: str, targets: list[_Target]) -> None:
     con = engine.connection
-    con.register("targets", _targets_table(targets))
+    table, of_target = _windows(targets)
+    con.register("windows", table)
     try:
         rows = con.execute(
-            f"SELECT t.id, d.v FROM ({series}) d JOIN targets t ON {_JOIN} ORDER BY t.id, d.v"
+            f"SELECT t.id, d.v FROM ({series}) d JOIN windows t ON {_JOIN} ORDER BY t.id, d.v"
         ).fetchall()
     finally:
-        con.unregister("targets")
+        con.unregister("windows")
     values: dict[int, list[float]] = {}
-    for target_id, value in rows:
-        values.setdefault(int(target_id), []).append(float(value))
-    for index, target in enumerate(targets):
-        target.value = values[index][target.offset]
+    for window, value in rows:
+        values.setdefault(int(window), []).append(float(value))
+    for target, window in zip(targets, of_target, strict=True):
+        target.value = values[window][target.offset]
 
 
 def _narrow(engine: Engine, series: str, targets: list[_Target]) -> None:
@@ -460,29 +467,26 @@ def _narrow(engine: Engine, series: str, targets: list[_Target]) -> None:
     ``v`` is monotone in ``v`` (each step rounds monotonically), so bins are runs of the sorted
     values."""
     con = engine.connection
-    con.register("targets", _targets_table(targets))
+    table, of_target = _windows(targets)
+    con.register("windows", table)
     try:
         rows = con.execute(
             "SELECT t.id, "
             f"LEAST(CAST(FLOOR((d.v - t.lo) / (t.hi - t.lo) * {BINS}) AS BIGINT), {BINS - 1}) AS bin, "
-            f"COUNT(*), MIN(d.v), MAX(d.v) FROM ({series}) d JOIN targets t ON {_JOIN} "
+            f"COUNT(*), MIN(d.v), MAX(d.v) FROM ({series}) d JOIN windows t ON {_JOIN} "
             "GROUP BY 1, 2 ORDER BY 1, 2"
         ).fetchall()
     finally:
-        con.unregister("targets")
+        con.unregister("windows")
     bins: dict[int, list[tuple[int, float, float]]] = {}
-    for target_id, _, count, low, high in rows:
-        bins.setdefault(int(target_id), []).append((int(count), float(low), float(high)))
-    for index, target in enumerate(targets):
+    for window, _, count, low, high in rows:
+        bins.setdefault(int(window), []).append((int(count), float(low), float(high)))
+    for target, window in zip(targets, of_target, strict=True):
         before = 0
-        for count, low, high in bins[index]:
+        for count, low, high in bins[window]:
             if target.offset < before + count:
-                target.low, target.high, target.count, target.offset = (
-                    low,
-                    high,
-                    count,
-                    target.offset - before,
-                )
+                target.low, target.high = low, high
+                target.count, target.offset = count, target.offset - before
                 break
             before += count
 
@@ -493,9 +497,11 @@ def _narrow(engine: Engine, series: str, targets: list[_Target]) -> None:
 
 def summarize(engine: Engine, source: str, edges: Sequence[int], default_model: str) -> report.Summary:
     """The :class:`kvlens.analysis.report.Summary` of the records in ``source``."""
-    reduced = reduced_sql(source, edges, default_model)
+    reduced = reduced_sql(source, edges, default_model, keep=("src", "row"))
     con = engine.connection
-    con.execute(f"CREATE OR REPLACE TEMP VIEW reduced AS {reduced}")
+    # Materialized once: every query below reads this table, not the files again (it spills
+    # to disk past the memory limit).
+    con.execute(f"CREATE OR REPLACE TEMP TABLE reduced AS {reduced}")
     reduced = "SELECT * FROM reduced"
     cells: dict[report.Key, report.Cell] = {}
     for model, group, hit, requests, n, h, n2, h2 in con.execute(cells_sql(reduced)).fetchall():
@@ -562,32 +568,37 @@ def summarize(engine: Engine, source: str, edges: Sequence[int], default_model: 
     return report.Summary(cells, latency, decomposition, threshold, slowest, prefill_groups)
 
 
-def calibration_inputs(
-    engine: Engine, model: str, default_model: str, limit: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """``n``, ``h`` and prefill seconds of ``model``'s records with a prefill time, in input
-    order; past ``limit`` records an even, deterministic sample of them (the fit needs the
-    shape of the cloud, not every point). The last item is how many records there were."""
+def calibration_inputs(engine: Engine, limit: int) -> Iterator[tuple[str, Any, Any, Any]]:
+    """Per model (by name), ``n``, ``h`` and prefill seconds of its records with a prefill time,
+    in input order; past ``limit`` records of a model, an even, deterministic sample of them
+    (the fit needs the shape of the cloud, not every point)."""
     con = engine.connection
-    con.register("wanted", {"m": np.array([model], dtype=object)})
-    try:
-        ((count,),) = con.execute(
-            "SELECT COUNT(*) FROM reduced, wanted WHERE model = wanted.m AND prefill_seconds IS NOT NULL"
+    counts = dict(
+        con.execute(
+            "SELECT model, COUNT(*) FROM reduced WHERE prefill_seconds IS NOT NULL GROUP BY ALL"
         ).fetchall()
-        sample = "" if count <= limit else f" AND hash(src, row) % {int(count)} < {int(limit)}"
+    )
+    con.register("counts", {"m": np.array(list(counts), dtype=object), "c": np.array(list(counts.values()))})
+    try:
         rows = con.execute(
-            "SELECT r.prompt_tokens, r.cached_tokens, r.prefill_seconds FROM records r, wanted "
-            f"WHERE COALESCE(r.model, '{_quoted(default_model)}') = wanted.m "
-            f"AND r.prefill_seconds IS NOT NULL{sample} ORDER BY r.src, r.row"
+            "SELECT model, prompt_tokens, cached_tokens, prefill_seconds FROM reduced "
+            "JOIN counts ON model = counts.m WHERE prefill_seconds IS NOT NULL "
+            f"AND (counts.c <= {int(limit)} OR hash(src, row) % counts.c < {int(limit)}) "
+            "ORDER BY model, src, row"
         ).fetchnumpy()
     finally:
-        con.unregister("wanted")
-    return (
-        np.asarray(rows["prompt_tokens"], dtype=np.int64),
-        np.asarray(rows["cached_tokens"], dtype=np.int64),
-        np.asarray(rows["prefill_seconds"], dtype=np.float64),
-        int(count),
-    )
+        con.unregister("counts")
+    names = np.asarray(rows["model"], dtype=object)
+    if not names.size:
+        return
+    starts = np.flatnonzero(np.r_[True, names[1:] != names[:-1]])
+    for begin, end in zip(starts, [*starts[1:], names.size], strict=True):
+        yield (
+            str(names[begin]),
+            np.asarray(rows["prompt_tokens"][begin:end], dtype=np.int64),
+            np.asarray(rows["cached_tokens"][begin:end], dtype=np.int64),
+            np.asarray(rows["prefill_seconds"][begin:end], dtype=np.float64),
+        )
 
 
 def convert(
@@ -597,17 +608,18 @@ def convert(
     format_name: str | None = None,
     model: str | None = None,
     memory_limit: str = DEFAULT_MEMORY_LIMIT,
-) -> Loaded:
+) -> tuple[Loaded, int]:
     """Write the valid records of ``paths`` to one Parquet file (zstd), in input order, with
     every scalar field of the record (``prefix_hashes`` is not kept: a list of mixed ints and
-    strings has no Parquet type, and only the in-memory diagnosis reads it)."""
+    strings has no Parquet type, and only the in-memory diagnosis reads it). Returns how the
+    input read and how many records were written."""
     engine = Engine(memory_limit=memory_limit)
     try:
         loaded = load(engine, paths, columns=SCALAR_COLUMNS, format_name=format_name, model=model)
-        engine.connection.execute(
+        ((count,),) = engine.connection.execute(
             f"COPY (SELECT {', '.join(SCALAR_COLUMNS)} FROM records ORDER BY src, row) "
             f"TO '{_quoted(str(out))}' (FORMAT parquet, COMPRESSION zstd)"
-        )
-        return loaded
+        ).fetchall()
+        return loaded, int(count)
     finally:
         engine.close()

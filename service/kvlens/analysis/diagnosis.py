@@ -97,7 +97,8 @@ def diagnose(
                 (
                     f"Modelled compute saved is {saved:.3%}. "
                     if saved is not None
-                    else "Modelled compute saved is not one number here (the models count work in several units). "
+                    else "Modelled compute saved is not one number here "
+                    "(the models count work in several units). "
                 )
                 + "Most hits reuse a short prefix or the long requests miss; "
                 "judge the cache by token reuse and compute saved.",

@@ -35,7 +35,8 @@ def script(settings: Settings) -> str:
         for fraction in fractions
     )
     ranked = " UNION ALL ".join(
-        f"SELECT '{name}' AS series, length_group AS g, hit, {name} AS v FROM reduced WHERE {name} IS NOT NULL"
+        f"SELECT '{name}' AS series, length_group AS g, hit, {name} AS v "
+        f"FROM reduced WHERE {name} IS NOT NULL"
         for name in (*report.LATENCY_COLUMNS, "prefill_per_computed_token")
     )
     ranked += (
@@ -55,9 +56,11 @@ CREATE VIEW reduced AS
 -- 2. modelled work per unit (a model not in the list takes the '{DEFAULT_COST}' row).
 SELECT COALESCE(named.unit, fallback.unit) AS unit,
   SUM(COALESCE(named.a, fallback.a) * CAST(c.prompt_tokens AS DOUBLE)
-      + COALESCE(named.b, fallback.b) * CAST((c.prompt_squares + c.prompt_tokens) / 2 AS DOUBLE)) AS prompt_work,
+      + COALESCE(named.b, fallback.b) * CAST((c.prompt_squares + c.prompt_tokens) / 2 AS DOUBLE))
+    AS prompt_work,
   SUM(COALESCE(named.a, fallback.a) * CAST(c.cached_tokens AS DOUBLE)
-      + COALESCE(named.b, fallback.b) * CAST((c.cached_squares + c.cached_tokens) / 2 AS DOUBLE)) AS reused_work
+      + COALESCE(named.b, fallback.b) * CAST((c.cached_squares + c.cached_tokens) / 2 AS DOUBLE))
+    AS reused_work
 FROM ({cells}) c
 LEFT JOIN {costs.replace("cost_models", "named")} ON named.model = c.model
 CROSS JOIN (SELECT * FROM {costs} WHERE cost_models.model = '{DEFAULT_COST}') fallback
