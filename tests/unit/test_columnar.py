@@ -10,14 +10,16 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
 import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvlens.analysis import columnar
+from kvlens.analysis import columnar, reader
 from kvlens.analysis.analyze import analyze
+from kvlens.analysis.report import Derived, summarize
 from kvlens.cli import main
 from kvlens.config import Settings, load_settings
 from kvlens.errors import InputError
@@ -213,3 +215,48 @@ def test_a_flattering_hit_ratio_over_several_work_units_is_diagnosed(tmp_path: P
         (finding,) = [f for f in report["diagnosis"] if f["id"] == "hit_ratio_flatters"]
         assert finding["numbers"]["compute_saved_ratio"] is None
         assert "Modelled compute saved is not one number" in finding["detail"]
+
+
+def hundred_thousand(path: Path) -> Path:
+    rng = np.random.default_rng(20)
+    count = 100_000
+    n = rng.integers(1, 40_000, count)
+    h = (n * rng.random(count)).astype(np.int64) * (rng.random(count) < 0.5)
+    seconds = rng.random((count, 3))
+    path.write_bytes(
+        b"".join(
+            orjson.dumps(
+                {
+                    "model": f"m{i % 5}",
+                    "prompt_tokens": int(n[i]),
+                    "cached_tokens": int(h[i]),
+                    "ttft_seconds": float(seconds[i, 0]),
+                    "queue_seconds": float(seconds[i, 1] / 3),
+                    "prefill_seconds": float(seconds[i, 2] / 3),
+                },
+                option=orjson.OPT_APPEND_NEWLINE,
+            )
+            for i in range(count)
+        )
+    )
+    return path
+
+
+def test_a_tiny_memory_limit_spills_and_the_answer_does_not_change(tmp_path: Path) -> None:
+    path = hundred_thousand(tmp_path / "100k.jsonl")
+    chosen = load_settings()
+    read = reader.read([str(path)])
+    derived = Derived.of(read.batch, chosen.prompt_length_edges, chosen.cost_model_for, chosen.default_model)
+    engine = columnar.Engine(memory_limit="32MiB", threads=1)
+    columnar.load(engine, [str(path)])
+    summary = columnar.summarize(engine, "records", chosen.prompt_length_edges, chosen.default_model)
+    assert engine.spilled() > 0  # the reduced table did not fit in 32 MiB
+    engine.close()
+    assert summary == summarize(derived)
+
+
+def test_a_memory_limit_too_small_to_work_in_is_a_clear_error(tmp_path: Path) -> None:
+    path = hundred_thousand(tmp_path / "100k.jsonl")
+    with pytest.raises(InputError) as caught:
+        analyze([str(path)], load_settings(), engine="duckdb", memory_limit="2MiB")
+    assert str(caught.value).startswith("DuckDB needed more than the memory limit 2MiB")

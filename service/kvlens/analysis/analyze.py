@@ -47,13 +47,14 @@ def analyze(
 
         store = columnar.Engine(memory_limit=memory_limit or columnar.DEFAULT_MEMORY_LIMIT)
         try:
-            loaded = columnar.load(store, paths, format_name=format_name, model=model, progress=progress)
-            summary = columnar.summarize(
-                store, "records", settings.prompt_length_edges, settings.default_model
-            )
-            read, records = loaded.read, sum(cell.requests for cell in summary.cells.values())
-            points: list[Points] = list(columnar.calibration_inputs(store, CALIBRATION_MAX_POINTS))
-            result = _report(summary, settings, labels, read, records, paths, lambda: None)
+            with columnar.engine_errors(store.memory_limit):
+                loaded = columnar.load(store, paths, format_name=format_name, model=model, progress=progress)
+                summary = columnar.summarize(
+                    store, "records", settings.prompt_length_edges, settings.default_model
+                )
+                read, records = loaded.read, sum(cell.requests for cell in summary.cells.values())
+                points: list[Points] = list(columnar.calibration_inputs(store, CALIBRATION_MAX_POINTS))
+                result = _report(summary, settings, labels, read, records, paths, lambda: None)
         finally:
             store.close()
     else:

@@ -18,6 +18,7 @@ series at once) until the range holds one distinct value or few enough values to
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import tempfile
@@ -69,14 +70,17 @@ class Engine:
     """A DuckDB connection with a memory limit it honours by spilling to ``temp_directory``."""
 
     memory_limit: str = DEFAULT_MEMORY_LIMIT
-    temp_directory: str | None = None
+    temp_directory: str | None = None  # default: a new directory, removed on close
     threads: int | None = None
     connection: Any = field(init=False)
+    _spill: tempfile.TemporaryDirectory[str] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         duckdb = _duckdb()
         self.connection = duckdb.connect(":memory:")
-        spill = self.temp_directory or os.path.join(tempfile.gettempdir(), f"kvlens-duckdb-{os.getpid()}")
+        if self.temp_directory is None:
+            self._spill = tempfile.TemporaryDirectory(prefix="kvlens-duckdb-")
+        spill = self.temp_directory or self._spill.name  # type: ignore[union-attr]
         try:
             self.connection.execute(f"SET memory_limit = '{_quoted(self.memory_limit)}'")
         except duckdb.Error as error:
@@ -87,8 +91,34 @@ class Engine:
         if self.threads:
             self.connection.execute(f"SET threads = {int(self.threads)}")
 
+    def spilled(self) -> int:
+        """Bytes DuckDB holds in temporary files now (past the memory limit)."""
+        rows = self.connection.execute(
+            "SELECT COALESCE(SUM(size), 0) FROM duckdb_temporary_files()"
+        ).fetchall()
+        return int(rows[0][0])
+
     def close(self) -> None:
         self.connection.close()
+        if self._spill is not None:
+            self._spill.cleanup()
+
+
+@contextlib.contextmanager
+def engine_errors(memory_limit: str) -> Iterator[None]:
+    """DuckDB's errors as :class:`InputError` (a clear message and exit 2, never a trace):
+    running out of memory names the limit to raise; the rest (a corrupt file, an unreadable URL)
+    carry DuckDB's own first line, which names the file."""
+    duckdb = _duckdb()
+    try:
+        yield
+    except duckdb.OutOfMemoryException as error:
+        raise InputError(
+            f"DuckDB needed more than the memory limit {memory_limit} (it spills what it can to "
+            "disk, but some steps need a minimum): raise --memory-limit or analyze_memory_limit"
+        ) from error
+    except duckdb.Error as error:
+        raise InputError(f"DuckDB: {str(error).splitlines()[0]}") from error
 
 
 def _quoted(text: str) -> str:
@@ -615,11 +645,12 @@ def convert(
     input read and how many records were written."""
     engine = Engine(memory_limit=memory_limit)
     try:
-        loaded = load(engine, paths, columns=SCALAR_COLUMNS, format_name=format_name, model=model)
-        ((count,),) = engine.connection.execute(
-            f"COPY (SELECT {', '.join(SCALAR_COLUMNS)} FROM records ORDER BY src, row) "
-            f"TO '{_quoted(str(out))}' (FORMAT parquet, COMPRESSION zstd)"
-        ).fetchall()
+        with engine_errors(memory_limit):
+            loaded = load(engine, paths, columns=SCALAR_COLUMNS, format_name=format_name, model=model)
+            ((count,),) = engine.connection.execute(
+                f"COPY (SELECT {', '.join(SCALAR_COLUMNS)} FROM records ORDER BY src, row) "
+                f"TO '{_quoted(str(out))}' (FORMAT parquet, COMPRESSION zstd)"
+            ).fetchall()
         return loaded, int(count)
     finally:
         engine.close()
