@@ -374,7 +374,7 @@ def cells_sql(reduced: str) -> str:
   SUM(CAST(cached_tokens AS DECIMAL(38,0))) AS cached_tokens,
   SUM(CAST(prompt_squares AS DECIMAL(38,0))) AS prompt_squares,
   SUM(CAST(cached_squares AS DECIMAL(38,0))) AS cached_squares
-FROM ({reduced}) GROUP BY model, length_group, hit"""
+FROM ({reduced}) AS reduced_rows GROUP BY model, length_group, hit"""
 
 
 FIXED = float(definitions.FIXED_POINT_SECONDS)
@@ -387,7 +387,7 @@ def decomposition_sql(reduced: str) -> str:
     return f"""SELECT COUNT(*) AS requests,
   SUM(CASE WHEN ttft_overlapped THEN 1 ELSE 0 END) AS overlapped,
   {fixed("queue_seconds")} AS queue, {fixed("prefill_seconds")} AS prefill, {fixed("ttft_other")} AS other
-FROM ({reduced}) WHERE ttft_complete"""
+FROM ({reduced}) AS reduced_rows WHERE ttft_complete"""
 
 
 def cost_models_sql(names: Sequence[str], cost_for: Callable[[str], definitions.CostModel]) -> str:
