@@ -197,6 +197,9 @@ def test_a_path_that_names_nothing_is_an_error(tmp_path: Path) -> None:
         columnar.expand([str(tmp_path / "*.parquet")])
     with pytest.raises(InputError, match="no such file"):
         columnar.expand([str(tmp_path / "absent.jsonl")])
+    with pytest.raises(InputError, match="only Parquet is read from a URL"):
+        columnar.expand(["s3://bucket/records.jsonl"])
+    assert columnar.expand(["s3://bucket/day=*/*.parquet"]) == ["s3://bucket/day=*/*.parquet"]
 
 
 def test_a_flattering_hit_ratio_over_several_work_units_is_diagnosed(tmp_path: Path) -> None:

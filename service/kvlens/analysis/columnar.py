@@ -133,9 +133,12 @@ def expand(paths: Sequence[str]) -> list[str]:
     """Files named by ``paths``: files, directories (every file below, hidden ones aside, in
     name order: a hive layout such as ``day=2026-11-30/model=x/part-0.parquet`` works) and
     globs (``**`` spans directories). A path that names nothing is an error, not an empty
-    input. Object-storage URLs (``s3://...``) go to DuckDB as they are."""
+    input. Object-storage URLs of Parquet files (``s3://.../x.parquet``, globs allowed) go to
+    DuckDB as they are; it reads them where its httpfs extension is installed."""
     out: list[str] = []
     for path in paths:
+        if "://" in path and not path.endswith(PARQUET_SUFFIXES):
+            raise InputError(f"{path}: only Parquet is read from a URL (name it .parquet)")
         if path == "-" or "://" in path:
             out.append(path)
         elif os.path.isdir(path):
