@@ -263,3 +263,23 @@ def test_a_memory_limit_too_small_to_work_in_is_a_clear_error(tmp_path: Path) ->
     with pytest.raises(InputError) as caught:
         analyze([str(path)], load_settings(), engine="duckdb", memory_limit="2MiB")
     assert str(caught.value).startswith("DuckDB needed more than the memory limit 2MiB")
+
+
+def test_sglang_openai_usage_and_gzip_mixed_read_the_same_in_both_engines(tmp_path: Path) -> None:
+    from tests.unit.test_formats import SGLANG_LINE
+
+    sglang = write_jsonl(tmp_path / "sglang-request-metrics.log", [SGLANG_LINE] * 4)
+    usage = write_jsonl(
+        tmp_path / "gateway.jsonl",
+        [{"model": "m", "usage": {"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 4}}}] * 3,
+        extra=b"{broken\n",
+    )
+    gz = tmp_path / "a.jsonl.gz"
+    gz.write_bytes(gzip.compress(b"".join(orjson.dumps(r) + b"\n" for r in article_records())))
+    paths = [str(sglang), str(usage), str(gz)]
+    expected, _ = analyze(paths, load_settings(), model="qwen")
+    got, _ = analyze(paths, load_settings(), model="qwen", engine="duckdb")
+    assert got == expected
+    assert got["input"]["formats"] == {str(sglang): "sglang", str(usage): "openai-usage", str(gz): "kvlens"}
+    assert (got["overall"]["requests"], got["input"]["skipped"]) == (107, {"malformed_json": 1})
+    assert got["models"]["qwen"]["cached_tokens"] == 4 * 512
