@@ -9,23 +9,20 @@ is one code path.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from kvlens.analysis import calibration, diagnosis, reader, report
 from kvlens.config import Settings
 from kvlens.definitions import prompt_length_labels
 
 ENGINES = ("numpy", "duckdb")
-CALIBRATION_MAX_POINTS = 2_000_000  # per model, duckdb engine: past it an even sample is fitted
+CALIBRATION_MAX_POINTS = 200_000  # per model, duckdb engine: past it an even sample is fitted
 
 AUTO_DUCKDB_BYTES = 256 * 1024 * 1024  # numpy holds about twice the JSON lines in memory
-
-Points = tuple[str, npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.float64]]
 
 
 def analyze(
@@ -53,7 +50,11 @@ def analyze(
                     store, "records", settings.prompt_length_edges, settings.default_model
                 )
                 read, records = loaded.read, sum(cell.requests for cell in summary.cells.values())
-                points: list[Points] = list(columnar.calibration_inputs(store, CALIBRATION_MAX_POINTS))
+                # one model's points at a time, fitted as they come
+                fits = [
+                    calibration.fit(*points)
+                    for points in columnar.calibration_inputs(store, CALIBRATION_MAX_POINTS)
+                ]
                 result = _report(summary, settings, labels, read, records, paths, lambda: None)
         finally:
             store.close()
@@ -72,8 +73,8 @@ def analyze(
             paths,
             lambda: diagnosis.prefix_potential(derived),
         )
-        points = [
-            (
+        fits = [
+            calibration.fit(
                 name,
                 read.batch.prompt_tokens[rows],
                 read.batch.cached_tokens[rows],
@@ -82,7 +83,7 @@ def analyze(
             for name in sorted(set(derived.model))
             if (rows := derived.model == name).any() and not np.isnan(read.batch.prefill_seconds[rows]).all()
         ]
-    fits = _fits(points, settings, prefill_points)
+    fits += _point_fits(settings, prefill_points)
     result["calibration"] = [{**fit.as_dict(), "residuals": fit.residuals} for fit in fits]
     return result, fits
 
@@ -129,18 +130,13 @@ def _report(
     return result
 
 
-def _fits(
-    points: Iterable[Points], settings: Settings, prefill_points: Sequence[Path]
-) -> list[calibration.Fit]:
-    fits = [calibration.fit(name, n, h, y) for name, n, h, y in points]
-
+def _point_fits(settings: Settings, prefill_points: Sequence[Path]) -> list[calibration.Fit]:
     def layers(name: str) -> int | None:
         shape = settings.model_shapes.get(name)
         return shape.layers if shape is not None else None
 
-    fits += [
+    return [
         calibration.fit_points(points)
         for path in prefill_points
         for points in calibration.read_points(path, layers)
     ]
-    return fits

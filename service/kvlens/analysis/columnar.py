@@ -603,34 +603,28 @@ def summarize(engine: Engine, source: str, edges: Sequence[int], default_model: 
 
 def calibration_inputs(engine: Engine, limit: int) -> Iterator[tuple[str, Any, Any, Any]]:
     """Per model (by name), ``n``, ``h`` and prefill seconds of its records with a prefill time,
-    in input order; past ``limit`` records of a model, an even, deterministic sample of them
-    (the fit needs the shape of the cloud, not every point)."""
+    in input order; past ``limit`` records of a model, an even, deterministic sample of about
+    ``limit`` of them (a fit needs the shape of the cloud, not every point). One model at a
+    time, so Python holds at most about ``limit`` points."""
     con = engine.connection
-    counts = dict(
-        con.execute(
-            "SELECT model, COUNT(*) FROM reduced WHERE prefill_seconds IS NOT NULL GROUP BY ALL"
-        ).fetchall()
-    )
-    con.register("counts", {"m": np.array(list(counts), dtype=object), "c": np.array(list(counts.values()))})
-    try:
-        rows = con.execute(
-            "SELECT model, prompt_tokens, cached_tokens, prefill_seconds FROM reduced "
-            "JOIN counts ON model = counts.m WHERE prefill_seconds IS NOT NULL "
-            f"AND (counts.c <= {int(limit)} OR hash(src, row) % counts.c < {int(limit)}) "
-            "ORDER BY model, src, row"
-        ).fetchnumpy()
-    finally:
-        con.unregister("counts")
-    names = np.asarray(rows["model"], dtype=object)
-    if not names.size:
-        return
-    starts = np.flatnonzero(np.r_[True, names[1:] != names[:-1]])
-    for begin, end in zip(starts, [*starts[1:], names.size], strict=True):
+    counts = con.execute(
+        "SELECT model, COUNT(*) FROM reduced WHERE prefill_seconds IS NOT NULL GROUP BY ALL ORDER BY 1"
+    ).fetchall()
+    for name, count in counts:
+        sample = "" if count <= limit else f" AND hash(src, row) % {int(count)} < {int(limit)}"
+        con.register("wanted", {"m": np.array([name], dtype=object)})
+        try:
+            rows = con.execute(
+                "SELECT prompt_tokens, cached_tokens, prefill_seconds FROM reduced, wanted "
+                f"WHERE model = wanted.m AND prefill_seconds IS NOT NULL{sample} ORDER BY src, row"
+            ).fetchnumpy()
+        finally:
+            con.unregister("wanted")
         yield (
-            str(names[begin]),
-            np.asarray(rows["prompt_tokens"][begin:end], dtype=np.int64),
-            np.asarray(rows["cached_tokens"][begin:end], dtype=np.int64),
-            np.asarray(rows["prefill_seconds"][begin:end], dtype=np.float64),
+            str(name),
+            np.asarray(rows["prompt_tokens"], dtype=np.int64),
+            np.asarray(rows["cached_tokens"], dtype=np.int64),
+            np.asarray(rows["prefill_seconds"], dtype=np.float64),
         )
 
 
