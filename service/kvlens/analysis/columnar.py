@@ -408,15 +408,30 @@ def cost_models_sql(names: Sequence[str], cost_for: Callable[[str], definitions.
 Part = tuple[str, int, bool]  # (series, length group or -1 for all records, hit)
 
 
+SERIES = (*report.LATENCY_COLUMNS, "prefill_per_computed_token", "all_ttft")
+_PART_STRIDE = 1 << 20  # parts are keyed by one integer: series * stride + (group + 1) * 2 + hit
+
+
+def _part_key(part: Part) -> int:
+    return SERIES.index(part[0]) * _PART_STRIDE + (part[1] + 1) * 2 + int(part[2])
+
+
+def _part_of(key: int) -> Part:
+    series, rest = divmod(key, _PART_STRIDE)
+    group, hit = divmod(rest, 2)
+    return SERIES[series], group - 1, bool(hit)
+
+
 def _series_sql(reduced: str) -> str:
-    """Each latency value once per series it is ranked in: per group, and TTFT over all."""
+    """Each latency value once per series it is ranked in (per group; TTFT also over all),
+    keyed by its part (:func:`_part_key`): one integer joins faster than three columns."""
     branches = [
-        f"SELECT '{name}' AS series, length_group AS g, hit, {name} AS v "
+        f"SELECT {index * _PART_STRIDE} + (length_group + 1) * 2 + CAST(hit AS INTEGER) AS k, {name} AS v "
         f"FROM ({reduced}) WHERE {name} IS NOT NULL"
-        for name in (*report.LATENCY_COLUMNS, "prefill_per_computed_token")
+        for index, name in enumerate(SERIES[:-1])
     ]
     branches.append(
-        f"SELECT 'all_ttft' AS series, -1 AS g, FALSE AS hit, ttft_seconds AS v FROM ({reduced}) "
+        f"SELECT {_part_key(('all_ttft', -1, False))} AS k, ttft_seconds AS v FROM ({reduced}) "
         "WHERE ttft_seconds IS NOT NULL"
     )
     return " UNION ALL ".join(branches)
@@ -467,15 +482,13 @@ def _windows(targets: list[_Target]) -> tuple[dict[str, Any], list[int]]:
     windows = list(index)
     return {
         "id": np.arange(len(windows), dtype=np.int64),
-        "series": np.array([w[0][0] for w in windows], dtype=object),
-        "g": np.array([w[0][1] for w in windows], dtype=np.int64),
-        "hit": np.array([w[0][2] for w in windows], dtype=bool),
+        "k": np.array([_part_key(w[0]) for w in windows], dtype=np.int64),
         "lo": np.array([w[1] for w in windows], dtype=np.float64),
         "hi": np.array([w[2] for w in windows], dtype=np.float64),
     }, of_target
 
 
-_JOIN = "d.series = t.series AND d.g = t.g AND d.hit = t.hit AND d.v >= t.lo AND d.v <= t.hi"
+_JOIN = "d.k = t.k AND d.v >= t.lo AND d.v <= t.hi"
 
 
 def _fetch(engine: Engine, series: str, targets: list[_Target]) -> None:
@@ -544,9 +557,9 @@ def summarize(engine: Engine, source: str, edges: Sequence[int], default_model: 
         )
     series = _series_sql(reduced)
     bounds = {
-        (str(name), int(g), bool(hit)): (int(count), float(low), float(high))
-        for name, g, hit, count, low, high in con.execute(
-            f"SELECT series, g, hit, COUNT(*), MIN(v), MAX(v) FROM ({series}) GROUP BY ALL"
+        _part_of(int(key)): (int(count), float(low), float(high))
+        for key, count, low, high in con.execute(
+            f"SELECT k, COUNT(*), MIN(v), MAX(v) FROM ({series}) GROUP BY k"
         ).fetchall()
     }
     fractions = {name: tuple(q / 100 for q in report.QUANTILES) for name in report.LATENCY_COLUMNS}
