@@ -283,3 +283,27 @@ def test_sglang_openai_usage_and_gzip_mixed_read_the_same_in_both_engines(tmp_pa
     assert got["input"]["formats"] == {str(sglang): "sglang", str(usage): "openai-usage", str(gz): "kvlens"}
     assert (got["overall"]["requests"], got["input"]["skipped"]) == (107, {"malformed_json": 1})
     assert got["models"]["qwen"]["cached_tokens"] == 4 * 512
+
+
+def test_auto_engine_is_duckdb_for_parquet_directories_globs_and_large_input(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvlens.analysis import analyze as module
+
+    small = write_jsonl(tmp_path / "small.jsonl", article_records())
+    parquet = tmp_path / "a.parquet"
+    columnar.convert([str(small)], parquet)
+    assert module.choose_engine("auto", [str(small)]) == "numpy"
+    assert module.choose_engine("auto", [str(small), str(parquet)]) == "duckdb"
+    assert module.choose_engine("auto", [str(tmp_path)]) == "duckdb"
+    assert module.choose_engine("auto", [str(tmp_path / "*.jsonl")]) == "duckdb"
+    assert module.choose_engine("numpy", [str(parquet)]) == "numpy"
+    monkeypatch.setattr(module, "AUTO_DUCKDB_BYTES", small.stat().st_size)
+    assert module.choose_engine("auto", [str(small)]) == "duckdb"
+
+
+def test_convert_refuses_other_targets(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    small = write_jsonl(tmp_path / "small.jsonl", article_records())
+    assert main(["convert", str(small), "--to", "csv", str(tmp_path / "out.csv")]) == 2
+    assert "--to takes parquet, not 'csv'" in capsys.readouterr().err
+    assert not (tmp_path / "out.csv").exists()
