@@ -194,8 +194,9 @@ def load(
     typed = ", ".join(f"{name} {_SQL_TYPE[_SPEC[name].kind]}" for name in columns)
     con.execute(f"CREATE OR REPLACE TEMP TABLE jsonl_records ({typed}, src INTEGER, row BIGINT)")
     parquet = [(index, path) for index, path in enumerate(files) if is_parquet(path)]
+    scanned = {index for index, _ in parquet}
     for index, path in enumerate(files):
-        if (index, path) in parquet:
+        if index in scanned:
             continue
         offset = 0
         for batch in reader.batches_of(
