@@ -307,3 +307,13 @@ def test_convert_refuses_other_targets(tmp_path: Path, capsys: pytest.CaptureFix
     assert main(["convert", str(small), "--to", "csv", str(tmp_path / "out.csv")]) == 2
     assert "--to takes parquet, not 'csv'" in capsys.readouterr().err
     assert not (tmp_path / "out.csv").exists()
+
+
+def test_a_corrupt_parquet_file_is_a_clear_error_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    corrupt = tmp_path / "part-0.parquet"
+    corrupt.write_bytes(b"PAR1 this is not a Parquet file")
+    assert main(["analyze", str(corrupt), "--json"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("kvlens: DuckDB: ") and str(corrupt) in error
