@@ -43,6 +43,7 @@ def generate(directory: Path, count: int, json_lines: bool) -> tuple[Path, Path 
 
     connection = duckdb.connect()
     connection.execute("SET preserve_insertion_order = false")
+    connection.execute("SET enable_progress_bar = false")
     parquet = directory / f"records-{count}.parquet"
     connection.execute(
         f"COPY ({GENERATE.format(count=count)}) TO '{parquet}' (FORMAT parquet, COMPRESSION zstd)"

@@ -3,12 +3,13 @@ extra).
 
 The records never sit in Python: JSON lines go through the same reader and validator as the
 numpy path, one chunk at a time, into a DuckDB table (spilled to disk past ``memory_limit``);
-Parquet files are scanned where they lie, checked against the bounds :class:`kvlens.records.Record`
-declares. The per-record decisions of :func:`kvlens.reduce.reduce` become the table of
-:func:`reduced_sql` (materialized once); the engine computes a :class:`kvlens.analysis.report.Summary` (exact integer
-sums per model, length group and hit; exact order statistics; fixed-point TTFT sums) and the
-report is built from it by the same code as the numpy path's, so the two agree field by field
-(tests/unit/test_columnar.py draws random record sets to hold them to it).
+Parquet files are scanned where they lie, checked against the bounds
+:class:`kvlens.records.Record` declares. The per-record decisions of :func:`kvlens.reduce.reduce`
+become the table of :func:`reduced_sql` (materialized once); the engine computes a
+:class:`kvlens.analysis.report.Summary` (exact integer sums per model, length group and hit;
+exact order statistics; fixed-point TTFT sums) and the report is built from it by the same code
+as the numpy path's, so the two agree field by field (tests/unit/test_columnar.py draws random
+record sets to hold them to it).
 
 Exact order statistics in bounded memory: an engine's sort or its ``quantile`` aggregate either
 holds a group's values in memory or sorts all of them; instead each wanted rank is found by
