@@ -545,11 +545,13 @@ def _narrow(engine: Engine, series: str, targets: list[_Target]) -> None:
 
 def summarize(engine: Engine, source: str, edges: Sequence[int], default_model: str) -> report.Summary:
     """The :class:`kvlens.analysis.report.Summary` of the records in ``source``."""
-    reduced = reduced_sql(source, edges, default_model, keep=("src", "row"))
     con = engine.connection
-    # Materialized once: every query below reads this table, not the files again (it spills
-    # to disk past the memory limit).
-    con.execute(f"CREATE OR REPLACE TEMP TABLE reduced AS {reduced}")
+    # The records are materialized once, as they are (about 70 bytes each; past the memory
+    # limit in the temporary directory): every query below reads this table, not the files
+    # again, and the view derives the per-record decisions as it reads.
+    con.execute(f"CREATE OR REPLACE TEMP TABLE kept AS SELECT * FROM {source}")
+    reduced = reduced_sql("kept", edges, default_model, keep=("src", "row"))
+    con.execute(f"CREATE OR REPLACE TEMP VIEW reduced AS {reduced}")
     reduced = "SELECT * FROM reduced"
     cells: dict[report.Key, report.Cell] = {}
     for model, group, hit, requests, n, h, n2, h2 in con.execute(cells_sql(reduced)).fetchall():
