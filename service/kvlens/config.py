@@ -303,6 +303,11 @@ class Settings(BaseSettings):
     )
     max_models: int = Field(50, ge=1, le=10_000, description="Cap on `model` values without allow-list.")
     default_model: str = Field("unknown", description="`model` label of records that carry none.")
+    analyze_memory_limit: str = Field(
+        "2GiB",
+        pattern=r"^[0-9]+(\.[0-9]+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)$",
+        description="Memory `kvlens analyze --engine duckdb` holds before it spills (`--memory-limit`).",
+    )
     scrape_targets: list[str] = Field(
         [], description="vLLM `/metrics` URLs to scrape for the engine's own counters (`--scrape`)."
     )

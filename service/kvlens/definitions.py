@@ -63,6 +63,12 @@ class CostModel:
         costs requests one at a time, where numpy's per-call overhead would dominate)."""
         return self._of(*_remaining(float(prompt_tokens), float(cached_tokens)))
 
+    def work_of_sums(self, tokens: int, pairs: int) -> float:
+        """``sum C(n)`` of requests whose ``n`` add up to ``tokens`` and whose causal pairs
+        ``n*(n+1)/2`` add up to ``pairs``: ``C`` is linear in both, so work summed from exact
+        integer sums is the same whatever order or engine added the requests."""
+        return self._of(float(tokens), float(pairs))
+
     def _of(self, linear: Amount, pairs: Amount) -> Amount:
         return self.a * linear + self.b * pairs
 
@@ -243,6 +249,51 @@ def request_reuse_fraction(prompt_tokens: ArrayLike, cached_tokens: ArrayLike) -
     n = np.asarray(prompt_tokens, dtype=np.float64)
     h = np.asarray(cached_tokens, dtype=np.float64)
     return np.divide(h, n, out=np.zeros_like(h), where=n > 0)
+
+
+FIXED_POINT_SECONDS = 2**40
+"""Durations are summed as integers of ``2**-40`` s (under a picosecond): ``floor(x * 2**40)``
+is exact in binary floating point, and integer sums do not depend on the order of addition, so
+every engine and every partitioning of the records gives the same sums (float sums would differ
+in their last bits)."""
+
+
+def fixed_point_seconds(seconds: ArrayLike) -> npt.NDArray[np.int64]:
+    """``floor(x * 2**40)`` of each duration (durations are at most ``MAX_SECONDS`` < 2**17, so
+    the result fits 57 bits)."""
+    return np.floor(np.asarray(seconds, dtype=np.float64) * float(FIXED_POINT_SECONDS)).astype(np.int64)
+
+
+def quantile_ranks(count: int, fraction: float) -> tuple[int, int, float]:
+    """The two order statistics (0-based ranks in ascending order) and the weight between them
+    of the ``fraction`` quantile of ``count`` values, linear between order statistics (numpy's
+    default, Hyndman and Fan's type 7). Any engine that can fetch exact order statistics gives
+    the same quantile through :func:`interpolate`."""
+    virtual = (count - 1) * fraction
+    if virtual >= count - 1:
+        return count - 1, count - 1, 0.0
+    low = int(np.floor(virtual))
+    return low, low + 1, virtual - low
+
+
+def interpolate(low: float, high: float, weight: float) -> float:
+    """Between two order statistics, the way numpy does it (from the nearer end), so quantiles
+    from :func:`quantile_ranks` equal ``np.quantile`` to the last bit."""
+    difference = high - low
+    if weight >= 0.5:
+        return float(high - difference * (1 - weight))
+    return float(low + difference * weight)
+
+
+def quantiles(
+    count: int, fractions: tuple[float, ...], pick: Callable[[list[int]], list[float]]
+) -> list[float]:
+    """Exact quantiles of ``count`` values; ``pick`` returns the values at the given ascending
+    ranks (an engine's order statistics)."""
+    ranks = [quantile_ranks(count, fraction) for fraction in fractions]
+    wanted = sorted({rank for low, high, _ in ranks for rank in (low, high)})
+    value = dict(zip(wanted, pick(wanted), strict=True))
+    return [interpolate(value[low], value[high], weight) for low, high, weight in ranks]
 
 
 def prompt_length_labels(edges: list[int]) -> list[str]:

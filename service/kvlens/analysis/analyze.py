@@ -1,7 +1,14 @@
-"""``kvlens analyze``: read files, build the report, diagnose, calibrate."""
+"""``kvlens analyze``: read files, build the report, diagnose, calibrate.
+
+Two engines compute the report's :class:`~kvlens.analysis.report.Summary`: ``numpy`` holds the
+records in memory (the live exporter's reducer, called); ``duckdb`` (the ``scale`` extra) runs
+the reducer as SQL out of core (:mod:`kvlens.analysis.columnar`). Everything after the summary
+is one code path.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -10,6 +17,12 @@ import numpy as np
 
 from kvlens.analysis import calibration, diagnosis, reader, report
 from kvlens.config import Settings
+from kvlens.definitions import prompt_length_labels
+
+ENGINES = ("numpy", "duckdb")
+CALIBRATION_MAX_POINTS = 200_000  # per model, duckdb engine: past it an even sample is fitted
+
+AUTO_DUCKDB_BYTES = 256 * 1024 * 1024  # numpy holds about twice the JSON lines in memory
 
 
 def analyze(
@@ -20,44 +33,110 @@ def analyze(
     model: str | None = None,
     progress: Callable[[int], None] | None = None,
     prefill_points: Sequence[Path] = (),
+    engine: str = "numpy",
+    memory_limit: str | None = None,
 ) -> tuple[dict[str, Any], list[calibration.Fit]]:
     """The report of the records in ``paths`` (none: an empty report), with the calibration of
     each model that has prefill times and of each model in the ``prefill_points`` tables."""
-    read = reader.read(paths, format_name=format_name, model=model, progress=progress)
-    derived = report.Derived.of(
-        read.batch, settings.prompt_length_edges, settings.cost_model_for, settings.default_model
-    )
-    result = report.build(derived)
+    labels = prompt_length_labels(settings.prompt_length_edges)
+    if engine == "duckdb":
+        from kvlens.analysis import columnar
+
+        store = columnar.Engine(memory_limit=memory_limit or columnar.DEFAULT_MEMORY_LIMIT)
+        try:
+            with columnar.engine_errors(store.memory_limit):
+                loaded = columnar.load(store, paths, format_name=format_name, model=model, progress=progress)
+                summary = columnar.summarize(
+                    store, "records", settings.prompt_length_edges, settings.default_model
+                )
+                read, records = loaded.read, sum(cell.requests for cell in summary.cells.values())
+                # one model's points at a time, fitted as they come
+                fits = [
+                    calibration.fit(*points)
+                    for points in columnar.calibration_inputs(store, CALIBRATION_MAX_POINTS)
+                ]
+                result = _report(summary, settings, labels, read, records, paths, lambda: None)
+        finally:
+            store.close()
+    else:
+        read = reader.read(paths, format_name=format_name, model=model, progress=progress)
+        derived = report.Derived.of(
+            read.batch, settings.prompt_length_edges, settings.cost_model_for, settings.default_model
+        )
+        summary = report.summarize(derived)
+        result = _report(
+            summary,
+            settings,
+            labels,
+            read,
+            len(read.batch),
+            paths,
+            lambda: diagnosis.prefix_potential(derived),
+        )
+        fits = [
+            calibration.fit(
+                name,
+                read.batch.prompt_tokens[rows],
+                read.batch.cached_tokens[rows],
+                read.batch.prefill_seconds[rows],
+            )
+            for name in sorted(set(derived.model))
+            if (rows := derived.model == name).any() and not np.isnan(read.batch.prefill_seconds[rows]).all()
+        ]
+    fits += _point_fits(settings, prefill_points)
+    result["calibration"] = [{**fit.as_dict(), "residuals": fit.residuals} for fit in fits]
+    return result, fits
+
+
+def choose_engine(requested: str, paths: Sequence[str]) -> str:
+    """``auto``: duckdb (when installed) for Parquet, directories, globs or files past
+    :data:`AUTO_DUCKDB_BYTES` together; numpy otherwise (it also reads ``prefix_hashes`` for the
+    diagnosis)."""
+    if requested != "auto":
+        return requested
+    try:
+        import duckdb  # noqa: F401
+    except ModuleNotFoundError:
+        return "numpy"
+    from kvlens.analysis import columnar
+
+    local = [path for path in paths if path != "-"]
+    if any(not os.path.isfile(path) or columnar.is_parquet(path) for path in local):
+        return "duckdb"
+    return "duckdb" if sum(os.path.getsize(path) for path in local) >= AUTO_DUCKDB_BYTES else "numpy"
+
+
+def _report(
+    summary: report.Summary,
+    settings: Settings,
+    labels: list[str],
+    read: reader.ReadResult,
+    records: int,
+    paths: list[str],
+    potential: Callable[[], dict[str, Any] | None],
+) -> dict[str, Any]:
+    result = report.build_from(summary, settings.cost_model_for, labels)
     result["input"] = {
         "files": paths,
         "formats": read.formats,
         "lines": read.lines,
         "ignored": read.ignored,
-        "records": len(read.batch),
+        "records": records,
         "skipped_total": read.skipped_total,
         "skipped": dict(sorted(read.skipped.items())),
         "skipped_examples": read.examples,
     }
-    result["diagnosis"] = diagnosis.diagnose(derived, result)
-    fits = [
-        calibration.fit(
-            name,
-            read.batch.prompt_tokens[rows],
-            read.batch.cached_tokens[rows],
-            read.batch.prefill_seconds[rows],
-        )
-        for name in sorted(set(derived.model))
-        if (rows := derived.model == name).any() and not np.isnan(read.batch.prefill_seconds[rows]).all()
-    ]
+    result["diagnosis"] = diagnosis.diagnose(summary, labels, result, potential)
+    return result
 
+
+def _point_fits(settings: Settings, prefill_points: Sequence[Path]) -> list[calibration.Fit]:
     def layers(name: str) -> int | None:
         shape = settings.model_shapes.get(name)
         return shape.layers if shape is not None else None
 
-    fits += [
+    return [
         calibration.fit_points(points)
         for path in prefill_points
         for points in calibration.read_points(path, layers)
     ]
-    result["calibration"] = [{**fit.as_dict(), "residuals": fit.residuals} for fit in fits]
-    return result, fits

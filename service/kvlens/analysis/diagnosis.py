@@ -11,11 +11,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from kvlens.analysis.report import Derived
+from kvlens.analysis.report import Derived, Summary
 
 LITTLE_REUSE = 0.2
 HIGH_REUSE = 0.25
@@ -29,7 +30,14 @@ def finding(kind: str, severity: str, title: str, detail: str, **numbers: Any) -
     return {"id": kind, "severity": severity, "title": title, "detail": detail, "numbers": numbers}
 
 
-def diagnose(derived: Derived, report: dict[str, Any]) -> list[dict[str, Any]]:
+def diagnose(
+    summary: Summary,
+    length_labels: list[str],
+    report: dict[str, Any],
+    prefix_potential: Callable[[], dict[str, Any] | None],
+) -> list[dict[str, Any]]:
+    """``prefix_potential`` gives :func:`prefix_potential` of the records (None: no prefix
+    hashes); it is called only when reuse is little."""
     overall = report["overall"]
     reuse, hit, saved = (
         overall["token_reuse_ratio"],
@@ -41,7 +49,7 @@ def diagnose(derived: Derived, report: dict[str, Any]) -> list[dict[str, Any]]:
         return out
     if reuse < LITTLE_REUSE:
         numbers: dict[str, Any] = {"token_reuse_ratio": reuse, "requests_without_reuse": 1 - (hit or 0)}
-        potential = prefix_potential(derived)
+        potential = prefix_potential()
         if potential is not None:
             numbers.update(potential)
             structural = potential["unbounded_cache_token_reuse"] < 2 * reuse + 0.05
@@ -64,7 +72,7 @@ def diagnose(derived: Derived, report: dict[str, Any]) -> list[dict[str, Any]]:
                 "little_reuse", "warning", f"Little reuse: {reuse:.1%} of prompt tokens", detail, **numbers
             )
         )
-    not_faster = _prefill_not_faster(derived, report)
+    not_faster = _prefill_not_faster(summary, length_labels)
     if not_faster is not None:
         out.append(not_faster)
     queue_share = report["ttft_decomposition"]["queue_share"]
@@ -86,8 +94,13 @@ def diagnose(derived: Derived, report: dict[str, Any]) -> list[dict[str, Any]]:
                 "hit_ratio_flatters",
                 "info",
                 f"The hit ratio flatters: {hit:.1%} of requests hit, {reuse:.2%} of tokens reused",
-                f"Modelled compute saved is {saved:.3%}. "
-                "Most hits reuse a short prefix or the long requests miss; "
+                (
+                    f"Modelled compute saved is {saved:.3%}. "
+                    if saved is not None
+                    else "Modelled compute saved is not one number here "
+                    "(the models count work in several units). "
+                )
+                + "Most hits reuse a short prefix or the long requests miss; "
                 "judge the cache by token reuse and compute saved.",
                 request_hit_ratio=hit,
                 token_reuse_ratio=reuse,
@@ -97,23 +110,15 @@ def diagnose(derived: Derived, report: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _prefill_not_faster(derived: Derived, report: dict[str, Any]) -> dict[str, Any] | None:
-    batch = derived.batch
+def _prefill_not_faster(summary: Summary, length_labels: list[str]) -> dict[str, Any] | None:
     compared = []
-    for length, label in enumerate(derived.length_labels):
-        group = (derived.length_group == length) & ~np.isnan(batch.prefill_seconds)
-        hits, misses = group & derived.hit, group & ~derived.hit
-        if hits.sum() < 5 or misses.sum() < 5:
+    for length, label in enumerate(length_labels):
+        hits, misses = summary.prefill.get((length, True)), summary.prefill.get((length, False))
+        if hits is None or misses is None or hits.requests < 5 or misses.requests < 5:
             continue
-        reused = batch.cached_tokens[hits].sum() / max(batch.prompt_tokens[hits].sum(), 1)
-        hit_median = float(np.median(batch.prefill_seconds[hits]))
-        miss_median = float(np.median(batch.prefill_seconds[misses]))
-        computed = batch.prompt_tokens - batch.cached_tokens
-        per_token = {
-            "hit": float(np.median(batch.prefill_seconds[hits] / np.maximum(computed[hits], 1))),
-            "miss": float(np.median(batch.prefill_seconds[misses] / np.maximum(computed[misses], 1))),
-        }
-        compared.append((label, float(reused), hit_median, miss_median, per_token))
+        reused = hits.cached_tokens / max(hits.prompt_tokens, 1)
+        per_token = {"hit": hits.median_per_computed_token, "miss": misses.median_per_computed_token}
+        compared.append((label, float(reused), hits.median_seconds, misses.median_seconds, per_token))
     suspicious = [c for c in compared if c[1] >= HIGH_REUSE and c[2] >= NOT_FASTER * c[3]]
     if not suspicious:
         return None

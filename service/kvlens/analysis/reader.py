@@ -62,8 +62,23 @@ def read(
     progress: Callable[[int], None] | None = None,
 ) -> ReadResult:
     """All records of ``paths``; ``progress`` is told how many bytes were read as reading goes."""
-    batches: list[RecordBatch] = []
     result = ReadResult(batch=batch_from_objects([]).batch)
+    batches = list(batches_of(paths, result, format_name=format_name, model=model, progress=progress))
+    if batches:
+        result.batch = RecordBatch.concat(batches)
+    return result
+
+
+def batches_of(
+    paths: list[str],
+    result: ReadResult,
+    *,
+    format_name: str | None = None,
+    model: str | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> Iterator[RecordBatch]:
+    """The records of ``paths``, one batch of at most ``CHUNK_LINES`` lines at a time (so a
+    caller that does not keep them holds one chunk); lines, skips and formats go to ``result``."""
     for path in paths:
         with _open(path) as stream:
             file_format = format_name
@@ -71,11 +86,8 @@ def read(
                 if file_format is None:
                     file_format = _first_format(chunk) or "kvlens"
                     result.formats[path] = file_format
-                batches.append(_read_chunk(path, first_line, chunk, file_format, model, result))
+                yield _read_chunk(path, first_line, chunk, file_format, model, result)
             result.formats.setdefault(path, file_format or "kvlens")
-    if batches:
-        result.batch = RecordBatch.concat(batches)
-    return result
 
 
 def _open(path: str) -> IO[bytes]:

@@ -6,7 +6,7 @@ the live exporter. Renderers (terminal, Markdown, HTML) only format it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Any
 
 import numpy as np
@@ -29,13 +29,14 @@ class Derived:
     batch: RecordBatch
     reduced: Reduced
     length_labels: list[str]
+    cost_for: Callable[[str], CostModel]
 
     @classmethod
     def of(
         cls, batch: RecordBatch, edges: list[int], cost_for: Callable[[str], CostModel], default_model: str
     ) -> Derived:
         reduced = reduce(batch, edges=edges, cost_for=cost_for, default_model=default_model)
-        return cls(batch=batch, reduced=reduced, length_labels=prompt_length_labels(edges))
+        return cls(batch=batch, reduced=reduced, length_labels=prompt_length_labels(edges), cost_for=cost_for)
 
     @property
     def model(self) -> npt.NDArray[np.object_]:
@@ -85,35 +86,229 @@ def ratios(totals: Totals) -> dict[str, Any]:
 def percentiles(values: npt.NDArray[np.float64]) -> dict[str, Any]:
     """Exact percentiles (linear between order statistics) of the present values."""
     present = values[~np.isnan(values)]
-    if not present.size:
+    return percentiles_of(int(present.size), lambda ranks: _order_statistics(present, ranks))
+
+
+def percentiles_of(count: int, pick: Callable[[list[int]], list[float]]) -> dict[str, Any]:
+    """:func:`percentiles` of ``count`` values whose order statistics ``pick`` returns (any
+    engine's)."""
+    if not count:
         return {"count": 0, **{f"p{q}": None for q in QUANTILES}}
-    found = np.percentile(present, QUANTILES)
-    return {"count": int(present.size), **{f"p{q}": float(v) for q, v in zip(QUANTILES, found, strict=True)}}
+    found = definitions.quantiles(count, tuple(q / 100 for q in QUANTILES), pick)
+    return {"count": count, **{f"p{q}": v for q, v in zip(QUANTILES, found, strict=True)}}
+
+
+def _order_statistics(values: npt.NDArray[np.float64], ranks: list[int]) -> list[float]:
+    return [float(v) for v in np.partition(values, ranks)[ranks]]
+
+
+# ---------------------------------------------------------------------------------------------
+# What an engine computes from the records (numpy here, SQL in kvlens.analysis.columnar); the
+# report is built from a Summary alone, so both engines share every step after the scan.
+
+Key = tuple[str, int, bool]  # (model by raw name, prompt-length group, hit)
+Group = tuple[int, bool]  # (prompt-length group, hit)
+LATENCY_COLUMNS = ("ttft_seconds", "queue_seconds", "prefill_seconds")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """Exact integer sums of the records of one :data:`Key`: ``C(n)`` summed is
+    ``a*sum(n) + b*sum(n*(n+1)/2)``, so integer sums fix the modelled work to the last bit."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prompt_pairs: int = 0  # sum of n*(n+1)/2
+    cached_pairs: int = 0  # sum of h*(h+1)/2
+
+    def __add__(self, other: Cell) -> Cell:
+        return Cell(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+
+@dataclass(frozen=True)
+class Decomposition:
+    """TTFT parts of the records with all three measured, summed in fixed point
+    (:data:`kvlens.definitions.FIXED_POINT_SECONDS`)."""
+
+    requests: int = 0
+    overlapped: int = 0
+    queue: int = 0
+    prefill: int = 0
+    other: int = 0
+
+
+@dataclass(frozen=True)
+class PrefillGroup:
+    """A group's records with a prefill time: what the "prefill not faster" diagnosis compares."""
+
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    median_seconds: float
+    median_per_computed_token: float  # prefill / max(n - h, 1)
+
+
+@dataclass(frozen=True)
+class Summary:
+    cells: dict[Key, Cell]
+    latency: dict[Group, dict[str, dict[str, Any]]]  # group -> column -> percentiles
+    decomposition: Decomposition
+    slowest_threshold: float | None
+    slowest: dict[Group, int]  # records with TTFT at or above the threshold
+    prefill: dict[Group, PrefillGroup]
+
+
+def totals_of(cells: dict[Key, Cell], cost_for: Callable[[str], CostModel]) -> Totals:
+    """The :class:`Totals` of ``cells``; work summed model by model (sorted by name) from the
+    exact sums, each in its model's unit."""
+    by_model: dict[str, Cell] = {}
+    for key, cell in cells.items():
+        by_model[key[0]] = by_model.get(key[0], Cell()) + cell
+    prompt_work = [0.0] * len(definitions.UNITS)
+    reused_work = [0.0] * len(definitions.UNITS)
+    hits = sum(cell.requests for key, cell in cells.items() if key[2])
+    for name in sorted(by_model):
+        cell, cost = by_model[name], cost_for(name)
+        unit = definitions.UNITS.index(cost.unit)
+        prompt_work[unit] += cost.work_of_sums(cell.prompt_tokens, cell.prompt_pairs)
+        reused_work[unit] += cost.work_of_sums(cell.cached_tokens, cell.cached_pairs)
+    total = sum(by_model.values(), Cell())
+    return Totals(
+        requests=total.requests,
+        hit_requests=hits,
+        prompt_tokens=total.prompt_tokens,
+        cached_tokens=total.cached_tokens,
+        prompt_work=tuple(prompt_work),
+        reused_work=tuple(reused_work),
+    )
+
+
+def summarize(derived: Derived) -> Summary:
+    """The numpy engine: the :class:`Summary` of records held in memory."""
+    batch, reduced = derived.batch, derived.reduced
+    groups = len(derived.length_labels)
+    code = (reduced.model_codes.astype(np.int64) * groups + reduced.length_group) * 2 + reduced.hit
+    keys, inverse = np.unique(code, return_inverse=True)
+    n, h = batch.prompt_tokens, batch.cached_tokens
+    sums = [
+        _exact_sums(inverse, len(keys), column)
+        for column in (np.ones_like(n), n, h, n * (n + 1) // 2, h * (h + 1) // 2)
+    ]
+    cells = {}
+    for i, value in enumerate(keys.tolist()):
+        rest, hit = divmod(value, 2)
+        model, group = divmod(rest, groups)
+        cells[(reduced.model_names[model], group, bool(hit))] = Cell(*(column[i] for column in sums))
+    present = [(g, hit) for g in range(groups) for hit in (True, False)]
+    rows_of = {group: (reduced.length_group == group[0]) & (reduced.hit == group[1]) for group in present}
+    latency = {
+        group: {name: percentiles(getattr(batch, name)[rows]) for name in LATENCY_COLUMNS}
+        for group, rows in rows_of.items()
+        if rows.any()
+    }
+    parts, complete = reduced.ttft, reduced.ttft_complete
+    decomposition = Decomposition(
+        int(complete.sum()),
+        int(parts.overlapped[complete].sum()),
+        *(
+            _exact_sum(definitions.fixed_point_seconds(getattr(parts, name)[complete]))
+            for name in ("queue", "prefill", "other")
+        ),
+    )
+    ttft = batch.ttft_seconds
+    threshold = None
+    slowest: dict[Group, int] = {}
+    present_ttft = ttft[~np.isnan(ttft)]
+    if present_ttft.size:
+        (threshold,) = definitions.quantiles(
+            int(present_ttft.size), (1 - SLOWEST_SHARE,), lambda r: _order_statistics(present_ttft, r)
+        )
+        slow = ~np.isnan(ttft) & (ttft >= threshold)
+        slowest = {group: int((slow & rows).sum()) for group, rows in rows_of.items()}
+    prefill = {}
+    measured = ~np.isnan(batch.prefill_seconds)
+    for group, rows in rows_of.items():
+        chosen = rows & measured
+        if chosen.any():
+            seconds = batch.prefill_seconds[chosen]
+            per_token = seconds / np.maximum(n[chosen] - h[chosen], 1)
+            prefill[group] = PrefillGroup(
+                int(chosen.sum()),
+                int(n[chosen].sum()),
+                int(h[chosen].sum()),
+                _median(seconds),
+                _median(per_token),
+            )
+    return Summary(cells, latency, decomposition, threshold, slowest, prefill)
+
+
+def _median(values: npt.NDArray[np.float64]) -> float:
+    (median,) = definitions.quantiles(int(values.size), (0.5,), lambda r: _order_statistics(values, r))
+    return median
+
+
+SAFE_ROWS = 2**16  # rows whose int64 sum cannot overflow: each n*(n+1)/2 < 2**46 (n <= 10M)
+
+
+def _exact_sum(values: npt.NDArray[np.int64]) -> int:
+    return (
+        sum(int(v) for v in np.add.reduceat(values, np.arange(0, values.size, SAFE_ROWS)))
+        if values.size
+        else 0
+    )
+
+
+def _exact_sums(inverse: npt.NDArray[np.intp], keys: int, values: npt.NDArray[np.int64]) -> list[int]:
+    """Per key, the exact (Python int) sum of ``values``: int64 partial sums of at most
+    :data:`SAFE_ROWS` rows, added as Python ints."""
+    order = np.argsort(inverse, kind="stable")
+    sorted_keys, sorted_values = inverse[order], values[order]
+    starts = np.flatnonzero(np.r_[True, sorted_keys[1:] != sorted_keys[:-1]]) if order.size else order
+    bounds = np.union1d(starts, np.arange(0, order.size, SAFE_ROWS))
+    out = [0] * keys
+    if order.size:
+        for key, partial in zip(
+            sorted_keys[bounds].tolist(), np.add.reduceat(sorted_values, bounds).tolist(), strict=True
+        ):
+            out[key] += int(partial)
+    return out
 
 
 def build(derived: Derived) -> dict[str, Any]:
-    overall = derived.totals()
+    return build_from(summarize(derived), derived.cost_for, derived.length_labels)
+
+
+def build_from(
+    summary: Summary, cost_for: Callable[[str], CostModel], length_labels: list[str]
+) -> dict[str, Any]:
+    """The report of a :class:`Summary`, whichever engine computed it."""
+    cells = summary.cells
+    overall = totals_of(cells, cost_for)
+    models = sorted({key[0] for key in cells})
     return {
         "schema": SCHEMA,
         "overall": ratios(overall),
         "models": {
-            name: ratios(derived.totals(derived.model == name)) for name in sorted(set(derived.model))
+            name: ratios(totals_of({k: c for k, c in cells.items() if k[0] == name}, cost_for))
+            for name in models
         },
-        "groups": _groups(derived, overall),
-        "ttft_decomposition": _decomposition(derived.reduced),
-        "slowest": _slowest(derived),
+        "groups": _groups(summary, cost_for, length_labels, overall),
+        "ttft_decomposition": _decomposition(summary.decomposition),
+        "slowest": _slowest(summary, length_labels),
     }
 
 
-def _groups(derived: Derived, overall: Totals) -> list[dict[str, Any]]:
-    batch = derived.batch
+def _groups(
+    summary: Summary, cost_for: Callable[[str], CostModel], length_labels: list[str], overall: Totals
+) -> list[dict[str, Any]]:
     out = []
-    for length, label in enumerate(derived.length_labels):
+    for length, label in enumerate(length_labels):
         for cache, hit in (("hit", True), ("miss", False)):
-            rows = (derived.length_group == length) & (derived.hit == hit)
-            if not rows.any():
+            cells = {k: c for k, c in summary.cells.items() if k[1:] == (length, hit)}
+            totals = totals_of(cells, cost_for)
+            if not totals.requests:
                 continue
-            totals = derived.totals(rows)
             out.append(
                 {
                     "prompt_len": label,
@@ -123,9 +318,7 @@ def _groups(derived: Derived, overall: Totals) -> list[dict[str, Any]]:
                     "share_of_tokens": definitions.safe_ratio(totals.prompt_tokens, overall.prompt_tokens),
                     "share_of_work": _share_of_work(totals, overall),
                     "token_reuse_ratio": totals.token_reuse_ratio,
-                    "ttft_seconds": percentiles(batch.ttft_seconds[rows]),
-                    "queue_seconds": percentiles(batch.queue_seconds[rows]),
-                    "prefill_seconds": percentiles(batch.prefill_seconds[rows]),
+                    **summary.latency[(length, hit)],
                 }
             )
     return out
@@ -140,37 +333,33 @@ def _share_of_work(part: Totals, whole: Totals) -> float | None:
     return definitions.safe_ratio(part.prompt_work[index], whole.prompt_work[index])
 
 
-def _decomposition(reduced: Reduced) -> dict[str, Any]:
-    parts, complete = reduced.ttft, reduced.ttft_complete
-    sums = {name: float(getattr(parts, name)[complete].sum()) for name in ("queue", "prefill", "other")}
-    total = sum(sums.values())
+def _decomposition(parts: Decomposition) -> dict[str, Any]:
+    total = parts.queue + parts.prefill + parts.other
     return {
-        "requests": int(complete.sum()),
-        "overlapped_requests": int(parts.overlapped[complete].sum()),
-        **{f"{name}_share": definitions.safe_ratio(value, total) for name, value in sums.items()},
+        "requests": parts.requests,
+        "overlapped_requests": parts.overlapped,
+        **{
+            f"{name}_share": definitions.safe_ratio(getattr(parts, name), total)
+            for name in ("queue", "prefill", "other")
+        },
     }
 
 
-def _slowest(derived: Derived) -> dict[str, Any]:
+def _slowest(summary: Summary, length_labels: list[str]) -> dict[str, Any]:
     """Where the slowest 5 % of requests (by TTFT) sit, by group."""
-    ttft = derived.batch.ttft_seconds
-    present = ~np.isnan(ttft)
-    if not present.any():
+    if summary.slowest_threshold is None:
         return {"share": SLOWEST_SHARE, "threshold_seconds": None, "requests": 0, "groups": []}
-    threshold = float(np.quantile(ttft[present], 1 - SLOWEST_SHARE))
-    slow = present & (ttft >= threshold)
+    slow = sum(summary.slowest.values())
     groups: list[dict[str, Any]] = []
-    for length, label in enumerate(derived.length_labels):
+    for length, label in enumerate(length_labels):
         for cache, hit in (("hit", True), ("miss", False)):
-            count = int((slow & (derived.length_group == length) & (derived.hit == hit)).sum())
+            count = summary.slowest.get((length, hit), 0)
             if count:
-                groups.append(
-                    {"prompt_len": label, "cache": cache, "requests": count, "share": count / int(slow.sum())}
-                )
+                groups.append({"prompt_len": label, "cache": cache, "requests": count, "share": count / slow})
     groups.sort(key=lambda group: -group["requests"])
     return {
         "share": SLOWEST_SHARE,
-        "threshold_seconds": threshold,
-        "requests": int(slow.sum()),
+        "threshold_seconds": summary.slowest_threshold,
+        "requests": slow,
         "groups": groups,
     }

@@ -11,12 +11,12 @@ import sys
 from collections.abc import Callable, Sequence
 
 from kvlens import __version__
-from kvlens.cli import analyze, bandwidth, compare, demo, experiment, replay, serve, simulate
+from kvlens.cli import analyze, bandwidth, compare, convert, demo, experiment, replay, serve, simulate
 from kvlens.config import ENV_PREFIX
 from kvlens.console import install_hint
 from kvlens.errors import InputError, SettingsError
 
-COMMANDS = (serve, demo, analyze, compare, simulate, replay, experiment, bandwidth)
+COMMANDS = (serve, demo, analyze, convert, compare, simulate, replay, experiment, bandwidth)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

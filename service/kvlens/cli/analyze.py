@@ -10,16 +10,31 @@ from typing import Any
 
 import yaml
 
-from kvlens.cli.common import check_writable, input_flags, read_progress
+from kvlens.cli.common import check_writable, input_flags, read_progress, scale_flags
 from kvlens.config import load_settings
 
 
 def add_parser(commands: Any) -> None:
     analyze = commands.add_parser("analyze", help="report, diagnose and calibrate recorded traffic")
     analyze.add_argument(
-        "files", nargs="*", metavar="FILE", help="JSON-lines files (.gz allowed; - for stdin)"
+        "files",
+        nargs="*",
+        metavar="FILE",
+        help="JSON-lines (.gz allowed; - for stdin) or Parquet files, directories, globs",
     )
     input_flags(analyze)
+    scale_flags(analyze)
+    analyze.add_argument(
+        "--engine",
+        choices=("auto", "numpy", "duckdb"),
+        default="auto",
+        help="duckdb: out of core (the scale extra); auto: duckdb for Parquet or large input",
+    )
+    analyze.add_argument(
+        "--print-sql",
+        action="store_true",
+        help="print the reducer as portable SQL (for a warehouse) and exit",
+    )
     analyze.add_argument("--html", type=Path, metavar="OUT", help="write a self-contained HTML report")
     analyze.add_argument(
         "--calibrate", type=Path, metavar="OUT", help="write fitted cost models in seconds (YAML settings)"
@@ -37,12 +52,17 @@ def add_parser(commands: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvlens.analysis import calibration, render
-    from kvlens.analysis.analyze import analyze
+    from kvlens.analysis.analyze import analyze, choose_engine
 
+    settings = load_settings(args.config)
+    if args.print_sql:
+        from kvlens.analysis import warehouse
+
+        print(warehouse.script(settings), end="")
+        return 0
     if not args.files and not args.prefill_points:
         print("kvlens analyze: give record files, --prefill-points CSV, or both", file=sys.stderr)
         return 2
-    settings = load_settings(args.config)
     check_writable(args.html, args.calibrate)
     with read_progress(args.files) as progress:
         report, fits = analyze(
@@ -52,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
             model=args.model,
             progress=progress,
             prefill_points=args.prefill_points,
+            engine=choose_engine(args.engine, args.files),
+            memory_limit=args.memory_limit or settings.analyze_memory_limit,
         )
     accepted = report["input"]["records"]
     if not accepted and not args.prefill_points:

@@ -45,6 +45,12 @@ def input_flags(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--markdown", action="store_true", help="print the report as Markdown")
 
 
+def scale_flags(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument(
+        "--memory-limit", metavar="SIZE", help="DuckDB's memory before it spills, e.g. 2GiB (the default)"
+    )
+
+
 def settings_from(args: argparse.Namespace, **overrides: Any) -> Settings:
     return load_settings(
         args.config,

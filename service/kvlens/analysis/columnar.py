@@ -1,0 +1,669 @@
+"""``kvlens analyze`` out of core: the reducer as SQL, run by DuckDB in-process (the ``scale``
+extra).
+
+The records never sit in Python: JSON lines go through the same reader and validator as the
+numpy path, one chunk at a time, into a DuckDB table (spilled to disk past ``memory_limit``);
+Parquet files are scanned where they lie, checked against the bounds
+:class:`kvlens.records.Record` declares. The per-record decisions of :func:`kvlens.reduce.reduce`
+become the table of :func:`reduced_sql` (materialized once); the engine computes a
+:class:`kvlens.analysis.report.Summary` (exact integer sums per model, length group and hit;
+exact order statistics; fixed-point TTFT sums) and the report is built from it by the same code
+as the numpy path's, so the two agree field by field (tests/unit/test_columnar.py draws random
+record sets to hold them to it).
+
+Exact order statistics in bounded memory: an engine's sort or its ``quantile`` aggregate either
+holds a group's values in memory or sorts all of them; instead each wanted rank is found by
+narrowing a value range with histograms (:data:`BINS` bins a pass, one scan of the data for all
+series at once) until the range holds one distinct value or few enough values to fetch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvlens import definitions, records
+from kvlens.analysis import reader, report
+from kvlens.errors import InputError
+
+DEFAULT_MEMORY_LIMIT = "2GiB"
+BINS = 4096  # histogram bins a pass
+FETCH_MAX = 4096  # values in range fetched to pick the rank directly
+PARQUET_SUFFIXES = (".parquet", ".pq")
+_PARQUET_MAGIC = b"PAR1"
+
+# The columns the analysis reads, in the record's order. `src`/`row` keep the input order
+# (file, line or row), which calibration's residual sample follows.
+ANALYSIS_COLUMNS = (
+    "model",
+    "prompt_tokens",
+    "cached_tokens",
+    "queue_seconds",
+    "prefill_seconds",
+    "ttft_seconds",
+)
+SCALAR_COLUMNS = tuple(spec.name for spec in records.FIELDS if spec.kind is not list)
+_SQL_TYPE = {int: "BIGINT", float: "DOUBLE", str: "VARCHAR"}
+# Parquet physical types accepted for each kind (a duration stored as an integer is refused:
+# its unit is unknown).
+_PARQUET_TYPES = {int: {"INT32", "INT64"}, float: {"FLOAT", "DOUBLE"}, str: {"BYTE_ARRAY"}}
+_SPEC = {spec.name: spec for spec in records.FIELDS}
+
+
+def _duckdb() -> Any:
+    try:
+        import duckdb
+    except ModuleNotFoundError as error:
+        raise InputError("this needs the scale extra (DuckDB): pip install 'kvlens[scale]'") from error
+    return duckdb
+
+
+@dataclass
+class Engine:
+    """A DuckDB connection with a memory limit it honours by spilling to ``temp_directory``."""
+
+    memory_limit: str = DEFAULT_MEMORY_LIMIT
+    temp_directory: str | None = None  # default: a new directory, removed on close
+    threads: int | None = None
+    connection: Any = field(init=False)
+    _spill: tempfile.TemporaryDirectory[str] | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        duckdb = _duckdb()
+        self.connection = duckdb.connect(":memory:")
+        if self.temp_directory is None:
+            self._spill = tempfile.TemporaryDirectory(prefix="kvlens-duckdb-")
+        spill = self.temp_directory or self._spill.name  # type: ignore[union-attr]
+        try:
+            self.connection.execute(f"SET memory_limit = '{_quoted(self.memory_limit)}'")
+        except duckdb.Error as error:
+            raise InputError(f"memory limit {self.memory_limit!r} is not a size DuckDB takes") from error
+        self.connection.execute(f"SET temp_directory = '{_quoted(spill)}'")
+        self.connection.execute("SET preserve_insertion_order = false")
+        self.connection.execute("SET enable_progress_bar = false")
+        if self.threads:
+            self.connection.execute(f"SET threads = {int(self.threads)}")
+
+    def spilled(self) -> int:
+        """Bytes DuckDB holds in temporary files now (past the memory limit)."""
+        rows = self.connection.execute(
+            "SELECT COALESCE(SUM(size), 0) FROM duckdb_temporary_files()"
+        ).fetchall()
+        return int(rows[0][0])
+
+    def close(self) -> None:
+        self.connection.close()
+        if self._spill is not None:
+            self._spill.cleanup()
+
+
+@contextlib.contextmanager
+def engine_errors(memory_limit: str) -> Iterator[None]:
+    """DuckDB's errors as :class:`InputError` (a clear message and exit 2, never a trace):
+    running out of memory names the limit to raise; the rest (a corrupt file, an unreadable URL)
+    carry DuckDB's own first line, which names the file."""
+    duckdb = _duckdb()
+    try:
+        yield
+    except duckdb.OutOfMemoryException as error:
+        raise InputError(
+            f"DuckDB needed more than the memory limit {memory_limit} (it spills what it can to "
+            "disk, but some steps need a minimum): raise --memory-limit or analyze_memory_limit"
+        ) from error
+    except duckdb.Error as error:
+        raise InputError(f"DuckDB: {str(error).splitlines()[0]}") from error
+
+
+def _quoted(text: str) -> str:
+    return text.replace("'", "''")
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+def expand(paths: Sequence[str]) -> list[str]:
+    """Files named by ``paths``: files, directories (every file below, hidden ones aside, in
+    name order: a hive layout such as ``day=2026-11-30/model=x/part-0.parquet`` works) and
+    globs (``**`` spans directories). A path that names nothing is an error, not an empty
+    input. Object-storage URLs of Parquet files (``s3://.../x.parquet``, globs allowed) go to
+    DuckDB as they are; it reads them where its httpfs extension is installed."""
+    out: list[str] = []
+    for path in paths:
+        if "://" in path and not path.endswith(PARQUET_SUFFIXES):
+            raise InputError(f"{path}: only Parquet is read from a URL (name it .parquet)")
+        if path == "-" or "://" in path:
+            out.append(path)
+        elif os.path.isdir(path):
+            found = sorted(
+                str(p)
+                for p in Path(path).rglob("*")
+                if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+            )
+            out.extend(found)
+        elif any(char in path for char in "*?["):
+            matched = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+            if not matched:
+                raise InputError(f"{path}: the pattern matches no file")
+            out.extend(matched)
+        elif os.path.isfile(path):
+            out.append(path)
+        else:
+            raise InputError(f"{path}: no such file or directory")
+    return out
+
+
+def is_parquet(path: str) -> bool:
+    if path.endswith(PARQUET_SUFFIXES):
+        return True
+    if path == "-" or "://" in path:
+        return False
+    with open(path, "rb") as probe:
+        return probe.read(4) == _PARQUET_MAGIC
+
+
+@dataclass
+class Loaded:
+    """The records view in the engine, and how the input read."""
+
+    read: reader.ReadResult
+    files: list[str]
+
+
+def load(
+    engine: Engine,
+    paths: Sequence[str],
+    *,
+    columns: Sequence[str] = ANALYSIS_COLUMNS,
+    format_name: str | None = None,
+    model: str | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> Loaded:
+    """Create the view ``records`` (``columns`` plus ``src`` and ``row``) of the valid records
+    of ``paths``, counting skipped lines and rows in the result as the numpy path does."""
+    files = expand(paths)
+    result = reader.ReadResult(batch=records.batch_from_objects([]).batch)
+    con = engine.connection
+    typed = ", ".join(f"{name} {_SQL_TYPE[_SPEC[name].kind]}" for name in columns)
+    con.execute(f"CREATE OR REPLACE TEMP TABLE jsonl_records ({typed}, src INTEGER, row BIGINT)")
+    parquet = [(index, path) for index, path in enumerate(files) if is_parquet(path)]
+    scanned = {index for index, _ in parquet}
+    for index, path in enumerate(files):
+        if index in scanned:
+            continue
+        offset = 0
+        for batch in reader.batches_of(
+            [path], result, format_name=format_name, model=model, progress=progress
+        ):
+            if not len(batch):
+                continue
+            chunk = _columns_of(batch, columns)
+            chunk["src"] = np.full(len(batch), index, np.int32)
+            chunk["row"] = np.arange(offset, offset + len(batch), dtype=np.int64)
+            offset += len(batch)
+            con.register("chunk", chunk)
+            con.execute(f"INSERT INTO jsonl_records SELECT {', '.join((*columns, 'src', 'row'))} FROM chunk")
+            con.unregister("chunk")
+    sources = ["SELECT * FROM jsonl_records"]
+    if parquet:
+        sources.append(_parquet_view(engine, parquet, columns, result))
+    con.execute(f"CREATE OR REPLACE TEMP VIEW records AS {' UNION ALL '.join(sources)}")
+    return Loaded(read=result, files=files)
+
+
+def _columns_of(batch: records.RecordBatch, columns: Sequence[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in columns:
+        if name == "model":
+            names = np.array([*batch.model_names, None], dtype=object)
+            out[name] = names[batch.model_codes]  # -1 (none) picks the trailing None
+        else:
+            values = getattr(batch, name)
+            if isinstance(values, np.ndarray):
+                # absent counts are -1 in a batch; NaN becomes NULL in DuckDB's scan
+                absent = values.dtype.kind == "i" and bool((values < 0).any())
+                out[name] = np.where(values < 0, np.nan, values) if absent else values
+            else:
+                out[name] = np.array(values, dtype=object)
+    return out
+
+
+def _parquet_view(
+    engine: Engine, parquet: list[tuple[int, str]], columns: Sequence[str], result: reader.ReadResult
+) -> str:
+    """The valid rows of the Parquet files as SQL; rejected rows are counted by reason in
+    ``result`` (with the first few named by file and row), as the validator does for lines."""
+    present = _check_parquet_schema(engine, [path for _, path in parquet], columns)
+    listed = ", ".join(f"'{_quoted(path)}'" for _, path in parquet)
+    src = " ".join(f"WHEN '{_quoted(path)}' THEN {index}" for index, path in parquet)
+    scan = (
+        f"SELECT *, CASE filename {src} END AS src, file_row_number AS row FROM read_parquet([{listed}], "
+        "union_by_name = true, filename = true, file_row_number = true, hive_partitioning = false)"
+    )
+    selected = ", ".join(
+        name if name in present else f"CAST(NULL AS {_SQL_TYPE[_SPEC[name].kind]}) AS {name}"
+        for name in columns
+    )
+    checked = f"SELECT {selected}, src, row, filename, {rejection_sql(present)} AS rejection FROM ({scan})"
+    rejected = 0
+    for reason_field, count in engine.connection.execute(
+        f"SELECT rejection, count(*) FROM ({checked}) GROUP BY ALL"
+    ).fetchall():
+        result.lines += int(count)
+        if reason_field is not None:
+            result.skipped[reason_field.split(":")[1]] += int(count)
+            rejected += int(count)
+    room = reader.MAX_EXAMPLES - len(result.examples)
+    if room > 0 and rejected:
+        for rejection, filename, row in engine.connection.execute(
+            f"SELECT rejection, filename, row FROM ({checked}) WHERE rejection IS NOT NULL "
+            f"ORDER BY src, row LIMIT {room}"
+        ).fetchall():
+            field_name, reason = rejection.split(":")
+            result.examples.append(
+                {
+                    "file": filename,
+                    "row": int(row),
+                    "field": field_name or None,
+                    "reason": reason,
+                    "message": records.reason_message(field_name or None, reason),
+                }
+            )
+    for _, path in parquet:
+        result.formats[path] = "parquet"
+    return f"SELECT {', '.join(columns)}, src, row FROM ({checked}) WHERE rejection IS NULL"
+
+
+def _check_parquet_schema(engine: Engine, paths: list[str], columns: Sequence[str]) -> set[str]:
+    """The wanted columns some file has; an error naming the file and column when a file lacks
+    a required column or stores one in a type that is not the record's."""
+    listed = ", ".join(f"'{_quoted(path)}'" for path in paths)
+    rows = engine.connection.execute(
+        f"SELECT file_name, name, type FROM parquet_schema([{listed}]) "
+        "WHERE num_children IS NULL OR num_children = 0"
+    ).fetchall()
+    by_file: dict[str, dict[str, str]] = {}
+    for file_name, name, kind in rows:
+        by_file.setdefault(file_name, {})[name] = kind
+    present: set[str] = set()
+    for path in paths:
+        schema = by_file.get(path, {})
+        for name in columns:
+            spec = _SPEC[name]
+            kind = schema.get(name)
+            if kind is None:
+                if spec.required:
+                    raise InputError(f"{path}: the Parquet file has no column {name!r} (required)")
+                continue
+            if kind not in _PARQUET_TYPES[spec.kind]:
+                wanted = " or ".join(sorted(_PARQUET_TYPES[spec.kind]))
+                raise InputError(
+                    f"{path}: column {name!r} is {kind} in the Parquet file; a record's {name} is {wanted}"
+                )
+            present.add(name)
+    return present
+
+
+def rejection_sql(columns: set[str] | Sequence[str]) -> str:
+    """``'field:reason'`` of the first rule a row breaks (in the record's field order), else
+    NULL: the bounds are read off :data:`kvlens.records.FIELDS`, the schema's own."""
+    rules: list[tuple[str, str, str]] = []
+    for spec in records.FIELDS:
+        if spec.name not in columns:
+            if spec.required:
+                rules.append(("TRUE", spec.name, "missing"))
+            continue
+        name = spec.name
+        if spec.required:
+            rules.append((f"{name} IS NULL", name, "missing"))
+        if spec.kind is float:
+            rules.append((f"(isnan({name}) OR isinf({name}))", name, "not_finite"))
+        if spec.kind in (int, float) and spec.low is not None:
+            rules.append((f"{name} < {spec.low!r}", name, "out_of_range"))
+        if spec.kind in (int, float) and spec.high is not None:
+            rules.append((f"{name} > {spec.high!r}", name, "out_of_range"))
+        if spec.kind is str and spec.is_label:
+            rules.append((f"octet_length(encode({name})) > {records.MAX_LABEL_BYTES}", name, "invalid_label"))
+        elif spec.kind is str and spec.max_length is not None:
+            rules.append((f"length({name}) > {spec.max_length}", name, "too_long"))
+        if name == "cached_tokens":
+            rules.append(("cached_tokens > prompt_tokens", name, "cached_exceeds_prompt"))
+    cases = " ".join(f"WHEN {condition} THEN '{name}:{reason}'" for condition, name, reason in rules)
+    return f"CASE {cases} END"
+
+
+# ---------------------------------------------------------------------------------------------
+# The reducer as SQL
+
+
+def reduced_sql(source: str, edges: Sequence[int], default_model: str, keep: Sequence[str] = ()) -> str:
+    """The per-record decisions of :func:`kvlens.reduce.reduce` over ``source``: the model by
+    raw name (``default_model`` when none), hit (``h > 0``), the prompt-length group (the edges
+    at or below ``n``: numpy's ``searchsorted(..., side="right")``), the squares that ``C(n)``
+    and ``C(h)`` sum from, and the TTFT split with its completeness."""
+    group = " + ".join(f"CASE WHEN prompt_tokens >= {int(edge)} THEN 1 ELSE 0 END" for edge in edges) or "0"
+    other = "ttft_seconds - queue_seconds - prefill_seconds"
+    complete = "(queue_seconds IS NOT NULL AND prefill_seconds IS NOT NULL AND ttft_seconds IS NOT NULL)"
+    return f"""SELECT
+  COALESCE(model, '{_quoted(default_model)}') AS model,
+  prompt_tokens,
+  cached_tokens,
+  cached_tokens > 0 AS hit,
+  {group} AS length_group,
+  prompt_tokens * prompt_tokens AS prompt_squares,
+  cached_tokens * cached_tokens AS cached_squares,
+  ttft_seconds,
+  queue_seconds,
+  prefill_seconds,
+  prefill_seconds / CAST(GREATEST(prompt_tokens - cached_tokens, 1) AS DOUBLE) AS prefill_per_computed_token,
+  {complete} AS ttft_complete,
+  CASE WHEN {complete} THEN {other} < 0 ELSE FALSE END AS ttft_overlapped,
+  CASE WHEN {complete} THEN GREATEST({other}, 0.0) END AS ttft_other{"".join(f", {name}" for name in keep)}
+FROM {source}"""
+
+
+def cells_sql(reduced: str) -> str:
+    """Exact sums per (model, length group, hit): DECIMAL(38,0) does not overflow where a
+    BIGINT sum of squares would (a billion 10M-token prompts), in any engine."""
+    return f"""SELECT model, length_group, hit,
+  COUNT(*) AS requests,
+  SUM(CAST(prompt_tokens AS DECIMAL(38,0))) AS prompt_tokens,
+  SUM(CAST(cached_tokens AS DECIMAL(38,0))) AS cached_tokens,
+  SUM(CAST(prompt_squares AS DECIMAL(38,0))) AS prompt_squares,
+  SUM(CAST(cached_squares AS DECIMAL(38,0))) AS cached_squares
+FROM ({reduced}) AS reduced_rows GROUP BY model, length_group, hit"""
+
+
+FIXED = float(definitions.FIXED_POINT_SECONDS)
+
+
+def decomposition_sql(reduced: str) -> str:
+    def fixed(column: str) -> str:
+        return f"SUM(CAST(CAST(FLOOR({column} * {FIXED!r}) AS BIGINT) AS DECIMAL(38,0)))"
+
+    return f"""SELECT COUNT(*) AS requests,
+  SUM(CASE WHEN ttft_overlapped THEN 1 ELSE 0 END) AS overlapped,
+  {fixed("queue_seconds")} AS queue, {fixed("prefill_seconds")} AS prefill, {fixed("ttft_other")} AS other
+FROM ({reduced}) AS reduced_rows WHERE ttft_complete"""
+
+
+def cost_models_sql(names: Sequence[str], cost_for: Callable[[str], definitions.CostModel]) -> str:
+    """The cost models of ``names`` as a VALUES list (``unit`` indexes ``definitions.UNITS``)."""
+    rows = []
+    for name in names:
+        cost = cost_for(name)
+        rows.append(f"('{_quoted(name)}', {cost.a!r}, {cost.b!r}, '{cost.unit}')")
+    return "(VALUES " + ", ".join(rows) + ") AS cost_models(model, a, b, unit)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact order statistics in bounded memory
+
+Part = tuple[str, int, bool]  # (series, length group or -1 for all records, hit)
+
+
+SERIES = (*report.LATENCY_COLUMNS, "prefill_per_computed_token", "all_ttft")
+_PART_STRIDE = 1 << 20  # parts are keyed by one integer: series * stride + (group + 1) * 2 + hit
+
+
+def _part_key(part: Part) -> int:
+    return SERIES.index(part[0]) * _PART_STRIDE + (part[1] + 1) * 2 + int(part[2])
+
+
+def _part_of(key: int) -> Part:
+    series, rest = divmod(key, _PART_STRIDE)
+    group, hit = divmod(rest, 2)
+    return SERIES[series], group - 1, bool(hit)
+
+
+def _series_sql(reduced: str) -> str:
+    """Each latency value once per series it is ranked in (per group; TTFT also over all),
+    keyed by its part (:func:`_part_key`: one integer joins faster than three columns), from
+    one scan of the records (a UNION ALL would read them once per series)."""
+    group = "(length_group + 1) * 2 + CAST(hit AS INTEGER)"
+    keys = [f"{index * _PART_STRIDE} + {group}" for index in range(len(SERIES) - 1)]
+    keys.append(str(_part_key(("all_ttft", -1, False))))
+    values = [*SERIES[:-1], "ttft_seconds"]
+    return (
+        f"SELECT k, v FROM (SELECT UNNEST([{', '.join(keys)}]) AS k, UNNEST([{', '.join(values)}]) AS v "
+        f"FROM ({reduced}) AS records_once) AS series WHERE v IS NOT NULL"
+    )
+
+
+@dataclass
+class _Target:
+    part: Part
+    rank: int
+    low: float
+    high: float
+    offset: int  # rank within [low, high]
+    count: int  # values within [low, high]
+    value: float | None = None
+
+
+def order_statistics(
+    engine: Engine, series: str, wanted: dict[Part, list[int]], bounds: dict[Part, tuple[int, float, float]]
+) -> dict[tuple[Part, int], float]:
+    """The values at ``wanted`` ranks (0-based, ascending) of each part of ``series``;
+    ``bounds`` gives each part's count, min and max."""
+    targets = [
+        _Target(part, rank, bounds[part][1], bounds[part][2], rank, bounds[part][0])
+        for part, ranks in wanted.items()
+        for rank in ranks
+    ]
+    while True:
+        for target in targets:
+            if target.value is None and target.low == target.high:
+                target.value = target.low
+        open_targets = [t for t in targets if t.value is None]
+        if not open_targets:
+            break
+        fetch = [t for t in open_targets if t.count <= FETCH_MAX]
+        narrow = [t for t in open_targets if t.count > FETCH_MAX]
+        if fetch:
+            _fetch(engine, series, fetch)
+        if narrow:
+            _narrow(engine, series, narrow)
+    return {(t.part, t.rank): float(t.value) for t in targets if t.value is not None}
+
+
+def _windows(targets: list[_Target]) -> tuple[dict[str, Any], list[int]]:
+    """The distinct value ranges the targets look in (several ranks of one part share theirs
+    until they part ways), as a table, and each target's range."""
+    index: dict[tuple[Part, float, float], int] = {}
+    of_target = [index.setdefault((t.part, t.low, t.high), len(index)) for t in targets]
+    windows = list(index)
+    return {
+        "id": np.arange(len(windows), dtype=np.int64),
+        "k": np.array([_part_key(w[0]) for w in windows], dtype=np.int64),
+        "lo": np.array([w[1] for w in windows], dtype=np.float64),
+        "hi": np.array([w[2] for w in windows], dtype=np.float64),
+    }, of_target
+
+
+_JOIN = "d.k = t.k AND d.v >= t.lo AND d.v <= t.hi"
+
+
+def _fetch(engine: Engine, series: str, targets: list[_Target]) -> None:
+    con = engine.connection
+    table, of_target = _windows(targets)
+    con.register("windows", table)
+    try:
+        rows = con.execute(
+            f"SELECT t.id, d.v FROM ({series}) d JOIN windows t ON {_JOIN} ORDER BY t.id, d.v"
+        ).fetchall()
+    finally:
+        con.unregister("windows")
+    values: dict[int, list[float]] = {}
+    for window, value in rows:
+        values.setdefault(int(window), []).append(float(value))
+    for target, window in zip(targets, of_target, strict=True):
+        target.value = values[window][target.offset]
+
+
+def _narrow(engine: Engine, series: str, targets: list[_Target]) -> None:
+    """One histogram pass: each target's range shrinks to the bin holding its rank. The bin of
+    ``v`` is monotone in ``v`` (each step rounds monotonically), so bins are runs of the sorted
+    values."""
+    con = engine.connection
+    table, of_target = _windows(targets)
+    con.register("windows", table)
+    try:
+        rows = con.execute(
+            "SELECT t.id, "
+            f"LEAST(CAST(FLOOR((d.v - t.lo) / (t.hi - t.lo) * {BINS}) AS BIGINT), {BINS - 1}) AS bin, "
+            f"COUNT(*), MIN(d.v), MAX(d.v) FROM ({series}) d JOIN windows t ON {_JOIN} "
+            "GROUP BY 1, 2 ORDER BY 1, 2"
+        ).fetchall()
+    finally:
+        con.unregister("windows")
+    bins: dict[int, list[tuple[int, float, float]]] = {}
+    for window, _, count, low, high in rows:
+        bins.setdefault(int(window), []).append((int(count), float(low), float(high)))
+    for target, window in zip(targets, of_target, strict=True):
+        before = 0
+        for count, low, high in bins[window]:
+            if target.offset < before + count:
+                target.low, target.high = low, high
+                target.count, target.offset = count, target.offset - before
+                break
+            before += count
+
+
+# ---------------------------------------------------------------------------------------------
+# The summary
+
+
+def summarize(engine: Engine, source: str, edges: Sequence[int], default_model: str) -> report.Summary:
+    """The :class:`kvlens.analysis.report.Summary` of the records in ``source``."""
+    con = engine.connection
+    # The records are materialized once, as they are (about 70 bytes each; past the memory
+    # limit in the temporary directory): every query below reads this table, not the files
+    # again, and the view derives the per-record decisions as it reads.
+    con.execute(f"CREATE OR REPLACE TEMP TABLE kept AS SELECT * FROM {source}")
+    reduced = reduced_sql("kept", edges, default_model, keep=("src", "row"))
+    con.execute(f"CREATE OR REPLACE TEMP VIEW reduced AS {reduced}")
+    reduced = "SELECT * FROM reduced"
+    cells: dict[report.Key, report.Cell] = {}
+    for model, group, hit, requests, n, h, n2, h2 in con.execute(cells_sql(reduced)).fetchall():
+        n, h, n2, h2 = int(n), int(h), int(n2), int(h2)
+        cells[(str(model), int(group), bool(hit))] = report.Cell(
+            int(requests), n, h, (n2 + n) // 2, (h2 + h) // 2
+        )
+    series = _series_sql(reduced)
+    bounds = {
+        _part_of(int(key)): (int(count), float(low), float(high))
+        for key, count, low, high in con.execute(
+            f"SELECT k, COUNT(*), MIN(v), MAX(v) FROM ({series}) GROUP BY k"
+        ).fetchall()
+    }
+    fractions = {name: tuple(q / 100 for q in report.QUANTILES) for name in report.LATENCY_COLUMNS}
+    fractions["prefill_per_computed_token"] = (0.5,)
+    fractions["all_ttft"] = (1 - report.SLOWEST_SHARE,)
+    wanted: dict[Part, list[int]] = {}
+    for part, (count, _, _) in bounds.items():
+        ranks = [definitions.quantile_ranks(count, fraction) for fraction in fractions[part[0]]]
+        wanted[part] = sorted({rank for low, high, _ in ranks for rank in (low, high)})
+    found = order_statistics(engine, series, wanted, bounds)
+
+    def quantiles_of(part: Part, fractions: tuple[float, ...]) -> list[float]:
+        count = bounds[part][0]
+        return definitions.quantiles(count, fractions, lambda ranks: [found[(part, rank)] for rank in ranks])
+
+    def latency_of(part: Part) -> dict[str, Any]:
+        count = bounds[part][0] if part in bounds else 0
+        return report.percentiles_of(count, lambda ranks: [found[(part, rank)] for rank in ranks])
+
+    groups = {(key[1], key[2]) for key in cells}
+    latency = {
+        group: {name: latency_of((name, *group)) for name in report.LATENCY_COLUMNS}
+        for group in sorted(groups)
+    }
+    ((requests, overlapped, queue, prefill, other),) = con.execute(decomposition_sql(reduced)).fetchall()
+    decomposition = report.Decomposition(
+        int(requests), int(overlapped or 0), int(queue or 0), int(prefill or 0), int(other or 0)
+    )
+    threshold = None
+    slowest: dict[report.Group, int] = {}
+    if ("all_ttft", -1, False) in bounds:
+        (threshold,) = quantiles_of(("all_ttft", -1, False), (1 - report.SLOWEST_SHARE,))
+        con.register("threshold", {"t": np.array([threshold], dtype=np.float64)})
+        slowest = {
+            (int(g), bool(hit)): int(count)
+            for g, hit, count in con.execute(
+                "SELECT length_group, hit, COUNT(*) FROM reduced, threshold "
+                "WHERE ttft_seconds >= threshold.t GROUP BY ALL"
+            ).fetchall()
+        }
+        con.unregister("threshold")
+    prefill_groups: dict[report.Group, report.PrefillGroup] = {}
+    for g, hit, count, n, h in con.execute(
+        "SELECT length_group, hit, COUNT(*), SUM(CAST(prompt_tokens AS DECIMAL(38,0))), "
+        "SUM(CAST(cached_tokens AS DECIMAL(38,0))) FROM reduced "
+        "WHERE prefill_seconds IS NOT NULL GROUP BY ALL"
+    ).fetchall():
+        group = (int(g), bool(hit))
+        (median,) = quantiles_of(("prefill_seconds", *group), (0.5,))
+        (per_token,) = quantiles_of(("prefill_per_computed_token", *group), (0.5,))
+        prefill_groups[group] = report.PrefillGroup(int(count), int(n), int(h), median, per_token)
+    return report.Summary(cells, latency, decomposition, threshold, slowest, prefill_groups)
+
+
+def calibration_inputs(engine: Engine, limit: int) -> Iterator[tuple[str, Any, Any, Any]]:
+    """Per model (by name), ``n``, ``h`` and prefill seconds of its records with a prefill time,
+    in input order; past ``limit`` records of a model, an even, deterministic sample of about
+    ``limit`` of them (a fit needs the shape of the cloud, not every point). One model at a
+    time, so Python holds at most about ``limit`` points."""
+    con = engine.connection
+    counts = con.execute(
+        "SELECT model, COUNT(*) FROM reduced WHERE prefill_seconds IS NOT NULL GROUP BY ALL ORDER BY 1"
+    ).fetchall()
+    for name, count in counts:
+        sample = "" if count <= limit else f" AND hash(src, row) % {int(count)} < {int(limit)}"
+        con.register("wanted", {"m": np.array([name], dtype=object)})
+        try:
+            rows = con.execute(
+                "SELECT prompt_tokens, cached_tokens, prefill_seconds FROM reduced, wanted "
+                f"WHERE model = wanted.m AND prefill_seconds IS NOT NULL{sample} ORDER BY src, row"
+            ).fetchnumpy()
+        finally:
+            con.unregister("wanted")
+        yield (
+            str(name),
+            np.asarray(rows["prompt_tokens"], dtype=np.int64),
+            np.asarray(rows["cached_tokens"], dtype=np.int64),
+            np.asarray(rows["prefill_seconds"], dtype=np.float64),
+        )
+
+
+def convert(
+    paths: Sequence[str],
+    out: Path,
+    *,
+    format_name: str | None = None,
+    model: str | None = None,
+    memory_limit: str = DEFAULT_MEMORY_LIMIT,
+) -> tuple[Loaded, int]:
+    """Write the valid records of ``paths`` to one Parquet file (zstd), in input order, with
+    every scalar field of the record (``prefix_hashes`` is not kept: a list of mixed ints and
+    strings has no Parquet type, and only the in-memory diagnosis reads it). Returns how the
+    input read and how many records were written."""
+    engine = Engine(memory_limit=memory_limit)
+    try:
+        with engine_errors(memory_limit):
+            loaded = load(engine, paths, columns=SCALAR_COLUMNS, format_name=format_name, model=model)
+            ((count,),) = engine.connection.execute(
+                f"COPY (SELECT {', '.join(SCALAR_COLUMNS)} FROM records ORDER BY src, row) "
+                f"TO '{_quoted(str(out))}' (FORMAT parquet, COMPRESSION zstd)"
+            ).fetchall()
+        return loaded, int(count)
+    finally:
+        engine.close()

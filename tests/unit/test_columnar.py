@@ -1,0 +1,319 @@
+"""The DuckDB engine of ``kvlens analyze`` against the numpy one: the same report, field by
+field, for random record sets (edges, nulls, long model names, per-model cost models in all
+three units) read from JSON lines and from Parquet; the goldens through every input form; bad
+input; and a memory limit far below the data (it spills, the answer does not change)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvlens.analysis import columnar, reader
+from kvlens.analysis.analyze import analyze
+from kvlens.analysis.report import Derived, summarize
+from kvlens.cli import main
+from kvlens.config import Settings, load_settings
+from kvlens.errors import InputError
+from kvlens.records import MAX_LABEL_BYTES, MAX_SECONDS, MAX_TOKENS
+from tests.article import article_records
+
+pytest.importorskip("duckdb")
+
+EDGES = [512, 2048, 8192, 32768]
+COSTED = {
+    "work": {"a": 1.0, "b": 1.0 / 1024.0, "unit": "work_units"},
+    "flops": {"a": 1.6e10, "b": 524288.0, "unit": "flops"},
+    "secs": {"a": 3.1e-5, "b": 1.7e-9, "unit": "seconds"},
+}
+
+
+def write_jsonl(path: Path, records: list[dict[str, Any]], extra: bytes = b"") -> Path:
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records) + extra)
+    return path
+
+
+def config_file(path: Path, **values: Any) -> Settings:
+    path.write_text(yaml.safe_dump({"prompt_length_edges": EDGES, "cost_models": COSTED, **values}))
+    return load_settings(path)
+
+
+def without_paths(report: dict[str, Any]) -> dict[str, Any]:
+    """The report less what names the input files (the forms differ in nothing else)."""
+    out = dict(report)
+    out["input"] = {k: v for k, v in report["input"].items() if k not in ("files", "formats")}
+    return out
+
+
+tokens = st.one_of(
+    st.sampled_from([0, 1, 511, 512, 513, 2047, 2048, 8191, 8192, 32767, 32768, MAX_TOKENS]),
+    st.integers(0, 40_000),
+)
+seconds = st.one_of(
+    st.none(),
+    st.sampled_from([0.0, 1e-9, 0.1, 0.3, MAX_SECONDS]),
+    st.floats(0, 30, allow_nan=False, allow_infinity=False),
+)
+models = st.one_of(
+    st.none(),
+    st.sampled_from(sorted(COSTED)),
+    st.sampled_from(["m" * MAX_LABEL_BYTES, "é" * (MAX_LABEL_BYTES // 2)]),  # the longest labels
+    st.text(alphabet="abcxyz-", min_size=1, max_size=12),  # many names: the label cap overflows
+)
+
+
+@st.composite
+def record(draw: st.DrawFn) -> dict[str, Any]:
+    n = draw(tokens)
+    h = draw(st.one_of(st.just(0), st.just(n), st.integers(0, n)))
+    out: dict[str, Any] = {"prompt_tokens": n, "cached_tokens": h}
+    for name, value in (
+        ("model", draw(models)),
+        ("ttft_seconds", draw(seconds)),
+        ("queue_seconds", draw(seconds)),
+        ("prefill_seconds", draw(seconds)),
+    ):
+        if value is not None:
+            out[name] = value
+    return out
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(record(), max_size=120))
+def test_duckdb_and_numpy_reports_are_identical(
+    tmp_path_factory: pytest.TempPathFactory, records: list[Any]
+) -> None:
+    folder = tmp_path_factory.mktemp("parity")
+    chosen = config_file(folder / "settings.yaml")
+    path = write_jsonl(folder / "r.jsonl", records, extra=b"{not json\n")
+    expected, _ = analyze([str(path)], chosen)
+    got, _ = analyze([str(path)], chosen, engine="duckdb")
+    assert got == expected
+    parquet = folder / "r.parquet"
+    columnar.convert([str(path)], parquet)
+    from_parquet, _ = analyze([str(parquet)], chosen, engine="duckdb")
+    expected["input"]["skipped"], expected["input"]["skipped_total"] = {}, 0
+    expected["input"]["skipped_examples"], expected["input"]["lines"] = [], len(records)
+    assert without_paths(from_parquet) == without_paths(expected)
+
+
+def test_goldens_through_every_input_form(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    records = article_records()
+    plain = write_jsonl(tmp_path / "a.jsonl", records)
+    gz = tmp_path / "a.jsonl.gz"
+    gz.write_bytes(gzip.compress(plain.read_bytes()))
+    parquet = tmp_path / "a.parquet"
+    assert main(["convert", str(plain), "--to", "parquet", str(parquet)]) == 0
+    hive = tmp_path / "hive"
+    for day, part in (("2026-11-30", records[:40]), ("2026-12-01", records[40:])):
+        (hive / f"day={day}" / "model=m").mkdir(parents=True)
+        columnar.convert(
+            [str(write_jsonl(tmp_path / f"{day}.jsonl", part))], hive / f"day={day}" / "model=m" / "0.parquet"
+        )
+    forms = [
+        [str(plain)],
+        [str(gz)],
+        [str(parquet)],
+        [str(hive)],
+        [str(tmp_path / "hive" / "**" / "*.parquet")],
+    ]
+    forms.append([str(tmp_path / "2026-11-30.jsonl"), str(hive / "day=2026-12-01" / "model=m" / "0.parquet")])
+    for form in forms:
+        for engine in ("numpy", "duckdb"):
+            if engine == "numpy" and any("parquet" in path or "hive" in path for path in form):
+                continue
+            assert main(["analyze", *form, "--engine", engine, "--json"]) == 0
+            overall = json.loads(capsys.readouterr().out)["overall"]
+            assert (overall["requests"], overall["prompt_tokens"], overall["cached_tokens"]) == (
+                100,
+                93_440,
+                1_440,
+            )
+            assert f"{100 * overall['request_hit_ratio']:.2f}" == "90.00"
+            assert f"{100 * overall['token_reuse_ratio']:.2f}" == "1.54"
+            assert f"{100 * overall['compute_saved_ratio']:.3f}" == "0.344"
+
+
+def test_parquet_rows_out_of_bounds_are_counted_like_bad_lines(tmp_path: Path) -> None:
+    engine = columnar.Engine()
+    bad = tmp_path / "bad.parquet"
+    engine.connection.execute(
+        "COPY (SELECT * FROM (VALUES (10, 4, 0.5), (5, 9, 0.5), (-1, 0, 0.5), (10, 0, 'nan'::DOUBLE), "
+        "(20, 2, 1e9), (NULL, 0, 0.1)) t(prompt_tokens, cached_tokens, ttft_seconds)) "
+        f"TO '{bad}' (FORMAT parquet)"
+    )
+    engine.close()
+    report, _ = analyze([str(bad)], load_settings(), engine="duckdb")
+    assert report["overall"]["requests"] == 1
+    assert report["input"]["lines"] == 6
+    assert report["input"]["skipped"] == {
+        "cached_exceeds_prompt": 1,
+        "missing": 1,
+        "not_finite": 1,
+        "out_of_range": 2,
+    }
+    first = report["input"]["skipped_examples"][0]
+    assert (first["file"], first["row"], first["field"], first["reason"]) == (
+        str(bad),
+        1,
+        "cached_tokens",
+        "cached_exceeds_prompt",
+    )
+
+
+def test_a_parquet_schema_mismatch_names_the_file_and_the_column(tmp_path: Path) -> None:
+    engine = columnar.Engine()
+    good, wrong, lacking = tmp_path / "good.parquet", tmp_path / "wrong.parquet", tmp_path / "lacking.parquet"
+    engine.connection.execute(
+        f"COPY (SELECT 10 AS prompt_tokens, 2 AS cached_tokens) TO '{good}' (FORMAT parquet)"
+    )
+    engine.connection.execute(
+        "COPY (SELECT 10 AS prompt_tokens, 2 AS cached_tokens, '0.5' AS ttft_seconds) "
+        f"TO '{wrong}' (FORMAT parquet)"
+    )
+    engine.connection.execute(f"COPY (SELECT 10 AS prompt_tokens) TO '{lacking}' (FORMAT parquet)")
+    engine.close()
+    with pytest.raises(InputError) as caught:
+        analyze([str(good), str(wrong)], load_settings(), engine="duckdb")
+    assert str(caught.value) == (
+        f"{wrong}: column 'ttft_seconds' is BYTE_ARRAY in the Parquet file; "
+        "a record's ttft_seconds is DOUBLE or FLOAT"
+    )
+    with pytest.raises(InputError) as caught:
+        analyze([str(lacking)], load_settings(), engine="duckdb")
+    assert str(caught.value) == f"{lacking}: the Parquet file has no column 'cached_tokens' (required)"
+
+
+def test_a_path_that_names_nothing_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="matches no file"):
+        columnar.expand([str(tmp_path / "*.parquet")])
+    with pytest.raises(InputError, match="no such file"):
+        columnar.expand([str(tmp_path / "absent.jsonl")])
+    with pytest.raises(InputError, match="only Parquet is read from a URL"):
+        columnar.expand(["s3://bucket/records.jsonl"])
+    assert columnar.expand(["s3://bucket/day=*/*.parquet"]) == ["s3://bucket/day=*/*.parquet"]
+
+
+def test_a_flattering_hit_ratio_over_several_work_units_is_diagnosed(tmp_path: Path) -> None:
+    """Found by the parity property: with the models' work in two units the compute-saved ratio
+    is None, and the hit-ratio finding formatted it as a percentage (TypeError)."""
+    records = [{"prompt_tokens": 0, "cached_tokens": 0}] * 3 + [
+        {"prompt_tokens": 511, "cached_tokens": 511}
+    ] * 2
+    records += [
+        {"prompt_tokens": 10_000_000, "cached_tokens": 56283},
+        {"prompt_tokens": 10_000_000, "cached_tokens": 301, "model": "flops"},
+    ]
+    path = write_jsonl(tmp_path / "r.jsonl", records)
+    for engine in ("numpy", "duckdb"):
+        report, _ = analyze([str(path)], config_file(tmp_path / "s.yaml"), engine=engine)
+        (finding,) = [f for f in report["diagnosis"] if f["id"] == "hit_ratio_flatters"]
+        assert finding["numbers"]["compute_saved_ratio"] is None
+        assert "Modelled compute saved is not one number" in finding["detail"]
+
+
+def hundred_thousand(path: Path) -> Path:
+    rng = np.random.default_rng(20)
+    count = 100_000
+    n = rng.integers(1, 40_000, count)
+    h = (n * rng.random(count)).astype(np.int64) * (rng.random(count) < 0.5)
+    seconds = rng.random((count, 3))
+    path.write_bytes(
+        b"".join(
+            orjson.dumps(
+                {
+                    "model": f"m{i % 5}",
+                    "prompt_tokens": int(n[i]),
+                    "cached_tokens": int(h[i]),
+                    "ttft_seconds": float(seconds[i, 0]),
+                    "queue_seconds": float(seconds[i, 1] / 3),
+                    "prefill_seconds": float(seconds[i, 2] / 3),
+                },
+                option=orjson.OPT_APPEND_NEWLINE,
+            )
+            for i in range(count)
+        )
+    )
+    return path
+
+
+def test_a_tiny_memory_limit_spills_and_the_answer_does_not_change(tmp_path: Path) -> None:
+    path = hundred_thousand(tmp_path / "100k.jsonl")
+    chosen = load_settings()
+    read = reader.read([str(path)])
+    derived = Derived.of(read.batch, chosen.prompt_length_edges, chosen.cost_model_for, chosen.default_model)
+    engine = columnar.Engine(memory_limit="16MiB", threads=1)
+    columnar.load(engine, [str(path)])
+    summary = columnar.summarize(engine, "records", chosen.prompt_length_edges, chosen.default_model)
+    assert engine.spilled() > 0  # the 100k records (about 7.7 MB) and the queries' state did not fit
+    engine.close()
+    assert summary == summarize(derived)
+
+
+def test_a_memory_limit_too_small_to_work_in_is_a_clear_error(tmp_path: Path) -> None:
+    path = hundred_thousand(tmp_path / "100k.jsonl")
+    with pytest.raises(InputError) as caught:
+        analyze([str(path)], load_settings(), engine="duckdb", memory_limit="2MiB")
+    assert str(caught.value).startswith("DuckDB needed more than the memory limit 2MiB")
+
+
+def test_sglang_openai_usage_and_gzip_mixed_read_the_same_in_both_engines(tmp_path: Path) -> None:
+    from tests.unit.test_formats import SGLANG_LINE
+
+    sglang = write_jsonl(tmp_path / "sglang-request-metrics.log", [SGLANG_LINE] * 4)
+    usage = write_jsonl(
+        tmp_path / "gateway.jsonl",
+        [{"model": "m", "usage": {"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 4}}}] * 3,
+        extra=b"{broken\n",
+    )
+    gz = tmp_path / "a.jsonl.gz"
+    gz.write_bytes(gzip.compress(b"".join(orjson.dumps(r) + b"\n" for r in article_records())))
+    paths = [str(sglang), str(usage), str(gz)]
+    expected, _ = analyze(paths, load_settings(), model="qwen")
+    got, _ = analyze(paths, load_settings(), model="qwen", engine="duckdb")
+    assert got == expected
+    assert got["input"]["formats"] == {str(sglang): "sglang", str(usage): "openai-usage", str(gz): "kvlens"}
+    assert (got["overall"]["requests"], got["input"]["skipped"]) == (107, {"malformed_json": 1})
+    assert got["models"]["qwen"]["cached_tokens"] == 4 * 512
+
+
+def test_auto_engine_is_duckdb_for_parquet_directories_globs_and_large_input(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvlens.analysis import analyze as module
+
+    small = write_jsonl(tmp_path / "small.jsonl", article_records())
+    parquet = tmp_path / "a.parquet"
+    columnar.convert([str(small)], parquet)
+    assert module.choose_engine("auto", [str(small)]) == "numpy"
+    assert module.choose_engine("auto", [str(small), str(parquet)]) == "duckdb"
+    assert module.choose_engine("auto", [str(tmp_path)]) == "duckdb"
+    assert module.choose_engine("auto", [str(tmp_path / "*.jsonl")]) == "duckdb"
+    assert module.choose_engine("numpy", [str(parquet)]) == "numpy"
+    monkeypatch.setattr(module, "AUTO_DUCKDB_BYTES", small.stat().st_size)
+    assert module.choose_engine("auto", [str(small)]) == "duckdb"
+
+
+def test_convert_refuses_other_targets(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    small = write_jsonl(tmp_path / "small.jsonl", article_records())
+    assert main(["convert", str(small), "--to", "csv", str(tmp_path / "out.csv")]) == 2
+    assert "--to takes parquet, not 'csv'" in capsys.readouterr().err
+    assert not (tmp_path / "out.csv").exists()
+
+
+def test_a_corrupt_parquet_file_is_a_clear_error_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    corrupt = tmp_path / "part-0.parquet"
+    corrupt.write_bytes(b"PAR1 this is not a Parquet file")
+    assert main(["analyze", str(corrupt), "--json"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("kvlens: DuckDB: ") and str(corrupt) in error
