@@ -36,6 +36,8 @@ from kvlens.records import valid_label
 from kvlens.sources import formats, vllm_metrics
 
 ENV_PREFIX = "KVLENS_"
+_SECRETS = ("ingest_token", "metrics_token", "metrics_password")
+_NULL: Any = object()  # a secret's key given with no value (see Settings._mark_null_secrets)
 
 DEFAULT_LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
@@ -370,7 +372,23 @@ class Settings(BaseSettings):
         100, ge=0, le=100_000, description="Rejections listed per ingest answer (the count is exact)."
     )
 
-    @field_validator("ingest_token", "metrics_token", "metrics_password")
+    @model_validator(mode="before")
+    @classmethod
+    def _mark_null_secrets(cls, data: Any) -> Any:
+        # A key given with no value (`ingest_token:` in YAML, or a template that rendered nothing)
+        # would read as unset and turn the check off: marked here, refused by _not_null.
+        if isinstance(data, dict) and any(data.get(name, _NULL) is None for name in _SECRETS):
+            return {k: _NULL if k in _SECRETS and v is None else v for k, v in data.items()}
+        return data
+
+    @field_validator(*_SECRETS, mode="before")
+    @classmethod
+    def _not_null(cls, value: Any) -> Any:
+        if value is _NULL:
+            raise ValueError("is empty: remove the key to turn this check off, or give a value")
+        return value
+
+    @field_validator(*_SECRETS)
     @classmethod
     def _not_blank(cls, secret: SecretStr | None, info: ValidationInfo) -> SecretStr | None:
         # An empty value (a typo, an unset shell variable in compose) must not turn the check
