@@ -237,7 +237,25 @@ class Settings(BaseSettings):
     )
     max_gzip_members: int = Field(16, ge=1, le=10_000, description="Gzip members per body; more get 413.")
     max_concurrent_ingest: int = Field(
-        4, ge=1, le=1024, description="Ingest requests in progress at once; more get 503 with Retry-After."
+        4,
+        ge=1,
+        le=1024,
+        description="Ingest requests whose body has arrived in progress at once (waiting to be "
+        "decoded, decoding); more get 503 with Retry-After.",
+    )
+    max_arriving_bodies: int = Field(
+        256,
+        ge=1,
+        le=100_000,
+        description="Ingest request bodies arriving at once; one more gets 503 with Retry-After before "
+        "its body is read, and its connection closes (each costs about 40 KiB besides the bytes it "
+        "holds, up to 100 KiB while uvicorn reads ahead of a fast sender).",
+    )
+    max_arriving_body_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=1024,
+        description="Bytes held by bodies still arriving, together; a body that would cross it gets 503 "
+        "with Retry-After and its connection closes.",
     )
     max_connections: int = Field(
         4096,
@@ -267,7 +285,7 @@ class Settings(BaseSettings):
         gt=0,
         le=300,
         description="The window body_min_bytes_per_second is measured over; the first is the grace "
-        "period. A body takes an ingest slot once it ended or 16 KiB of it arrived.",
+        "period. A body takes an ingest slot only once all of it has arrived.",
     )
     batch_id_window: int = Field(
         10_000,
