@@ -36,6 +36,8 @@ from kvlens.records import valid_label
 from kvlens.sources import formats, vllm_metrics
 
 ENV_PREFIX = "KVLENS_"
+_SECRETS = ("ingest_token", "metrics_token", "metrics_password")
+_NULL: Any = object()  # a secret's key given with no value (see Settings._mark_null_secrets)
 
 DEFAULT_LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
@@ -235,7 +237,25 @@ class Settings(BaseSettings):
     )
     max_gzip_members: int = Field(16, ge=1, le=10_000, description="Gzip members per body; more get 413.")
     max_concurrent_ingest: int = Field(
-        4, ge=1, le=1024, description="Ingest requests in progress at once; more get 503 with Retry-After."
+        4,
+        ge=1,
+        le=1024,
+        description="Ingest requests whose body has arrived in progress at once (waiting to be "
+        "decoded, decoding); more get 503 with Retry-After.",
+    )
+    max_arriving_bodies: int = Field(
+        256,
+        ge=1,
+        le=100_000,
+        description="Ingest request bodies arriving at once; one more gets 503 with Retry-After before "
+        "its body is read, and its connection closes (each costs about 40 KiB besides the bytes it "
+        "holds, up to 100 KiB while uvicorn reads ahead of a fast sender).",
+    )
+    max_arriving_body_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=1024,
+        description="Bytes held by bodies still arriving, together; a body that would cross it gets 503 "
+        "with Retry-After and its connection closes.",
     )
     max_connections: int = Field(
         4096,
@@ -265,7 +285,7 @@ class Settings(BaseSettings):
         gt=0,
         le=300,
         description="The window body_min_bytes_per_second is measured over; the first is the grace "
-        "period. A body takes an ingest slot once it ended or 16 KiB of it arrived.",
+        "period. A body takes an ingest slot only once all of it has arrived.",
     )
     batch_id_window: int = Field(
         10_000,
@@ -375,7 +395,23 @@ class Settings(BaseSettings):
         100, ge=0, le=100_000, description="Rejections listed per ingest answer (the count is exact)."
     )
 
-    @field_validator("ingest_token", "metrics_token", "metrics_password")
+    @model_validator(mode="before")
+    @classmethod
+    def _mark_null_secrets(cls, data: Any) -> Any:
+        # A key given with no value (`ingest_token:` in YAML, or a template that rendered nothing)
+        # would read as unset and turn the check off: marked here, refused by _not_null.
+        if isinstance(data, dict) and any(data.get(name, _NULL) is None for name in _SECRETS):
+            return {k: _NULL if k in _SECRETS and v is None else v for k, v in data.items()}
+        return data
+
+    @field_validator(*_SECRETS, mode="before")
+    @classmethod
+    def _not_null(cls, value: Any) -> Any:
+        if value is _NULL:
+            raise ValueError("is empty: remove the key to turn this check off, or give a value")
+        return value
+
+    @field_validator(*_SECRETS)
     @classmethod
     def _not_blank(cls, secret: SecretStr | None, info: ValidationInfo) -> SecretStr | None:
         # An empty value (a typo, an unset shell variable in compose) must not turn the check

@@ -12,6 +12,7 @@
     │   ├── UnsupportedMediaType  415: a Content-Type the endpoint cannot read
     │   ├── PayloadUndecodable    400: nothing in the body decodes
     │   ├── BodyTooSlow           408: the body did not arrive within its deadlines or at its pace
+    │   ├── ArrivingBytesFull     503: bodies still arriving hold max_arriving_body_bytes already
     │   └── ClientDisconnected    499 (never sent): the client went away before its body arrived
     ├── ScrapeError               a scrape of an engine's /metrics failed; ``reason`` is a closed set
     └── ArmsDiffer                ``kvlens compare``: the arms are not replays of one sequence
@@ -72,6 +73,13 @@ class PayloadUndecodable(InputError):
 class BodyTooSlow(InputError):
     status = 408
     reason = "too_slow"
+
+
+class ArrivingBytesFull(InputError):
+    """Retryable, as any 503: the bytes that other bodies hold free up as they arrive or fail."""
+
+    status = 503
+    reason = "busy"
 
 
 class ClientDisconnected(InputError):

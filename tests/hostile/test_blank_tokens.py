@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -21,11 +22,11 @@ from tests.live import free_port
 pytestmark = pytest.mark.integration
 
 
-def start_and_exit(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def start_and_exit(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     """Run ``kvlens serve`` expecting it to refuse its settings (it would serve otherwise: then
     the timeout fails the test)."""
     return subprocess.run(
-        [sys.executable, "-m", "kvlens.cli", "serve", "--host", "0.0.0.0", "--port", str(free_port())],
+        [sys.executable, "-m", "kvlens.cli", "serve", "--host", "0.0.0.0", "--port", str(free_port()), *args],
         env={**os.environ, "KVLENS_LOG_LEVEL": "WARNING", **env},
         capture_output=True,
         text=True,
@@ -47,6 +48,22 @@ def test_a_blank_secret_is_refused_at_start(name: str, value: str) -> None:
     assert lines[0].startswith(f"kvlens: invalid setting {setting}: "), lines[0]
     assert "blank" in lines[0]
     assert "Traceback" not in finished.stderr
+
+
+@pytest.mark.parametrize("setting", ["ingest_token", "metrics_token", "metrics_password"])
+@pytest.mark.parametrize("null", ["", " ~", " null"])
+def test_a_secret_key_without_a_value_in_the_config_file_is_refused_at_start(
+    tmp_path: Path, setting: str, null: str
+) -> None:
+    # What a Helm or compose template that rendered nothing gives: the key is there, with YAML null.
+    config = tmp_path / "kvlens.yaml"
+    extra = "metrics_username: prom\n" if setting == "metrics_password" else ""
+    config.write_text(f"{setting}:{null}\n{extra}")
+    finished = start_and_exit({}, "--config", str(config))
+    assert finished.returncode == 2, (finished.stdout, finished.stderr)
+    assert finished.stderr.splitlines() == [
+        f"kvlens: invalid setting {setting}: is empty: remove the key to turn this check off, or give a value"
+    ]
 
 
 def test_a_token_with_surrounding_whitespace_is_refused_at_start() -> None:

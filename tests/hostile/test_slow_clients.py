@@ -2,10 +2,13 @@
 
 Requirements: a body that arrives under a documented pace (``body_min_bytes_per_second`` over each
 ``body_rate_window_seconds``) is closed after the first window, and takes no ingest slot before
-it has arrived or proved its pace, so 4 or 64 such sockets leave real POSTs answered 200 (p99 under
-1 s: the figure is printed and kept in the notes; the test bounds it only as a hang check); a TLS
-handshake is held to the header deadline and counts against ``max_connections``; a client gone
-mid-body is counted and logged as one INFO line, without a traceback.
+all of it has arrived, so 4 or 64 such sockets (also ones that send 16.5 KiB at once, then keep
+just above the pace) leave real POSTs answered 200 (p99 under 1 s: the figure is printed and kept
+in the notes; the test bounds it only as a hang check); at most ``max_arriving_bodies`` bodies
+arrive at once (one more is answered 503 before its body is read) holding at most
+``max_arriving_body_bytes`` together; a TLS handshake is held to the header deadline and counts
+against ``max_connections``; clients gone mid-body are counted exactly and logged as at most one
+INFO line per 10 s, without a traceback.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -36,14 +40,30 @@ SLOW_HEAD = (
 )
 
 
-class SlowBodies:
-    """``count`` sockets that each send a request head and then one body byte every ``pace``
-    seconds (2 bytes/s, far under the default 1024), reopened as soon as the sidecar answers or
-    closes them, as an attacker keeps them up."""
+BURST_HEAD = (
+    b"POST /v1/records HTTP/1.1\r\nHost: kvlens\r\nContent-Type: application/json\r\n"
+    b"Content-Length: 8000000\r\n\r\n"
+)
 
-    def __init__(self, port: int, count: int, pace: float = 0.5) -> None:
+
+class SlowBodies:
+    """``count`` sockets that each send a request head (and ``burst`` body bytes at once) and then
+    ``piece`` body bytes every ``pace`` seconds (by default 2 bytes/s, far under the default 1024),
+    reopened as soon as the sidecar answers or closes them, as an attacker keeps them up."""
+
+    def __init__(
+        self,
+        port: int,
+        count: int,
+        pace: float = 0.5,
+        head: bytes = SLOW_HEAD,
+        burst: int = 0,
+        piece: int = 1,
+    ) -> None:
         self.port = port
         self.pace = pace
+        self.head = head + b" " * burst
+        self.piece = b" " * piece
         self.stop = threading.Event()
         self.reopened = 0
         self.sockets = [self._open() for _ in range(count)]
@@ -51,7 +71,7 @@ class SlowBodies:
 
     def _open(self) -> socket.socket:
         sock = socket.create_connection(("127.0.0.1", self.port))
-        sock.sendall(SLOW_HEAD)
+        sock.sendall(self.head)
         return sock
 
     def _run(self) -> None:
@@ -61,7 +81,7 @@ class SlowBodies:
                 try:
                     if sock in answered:
                         raise ConnectionResetError
-                    sock.sendall(b" ")
+                    sock.sendall(self.piece)
                 except OSError:
                     sock.close()
                     self.sockets[i] = self._open()
@@ -74,6 +94,27 @@ class SlowBodies:
             sock.close()
 
 
+def post_until(sidecar: Running, done: Callable[[], bool], timeout: float = 60) -> list[float]:
+    """Real POSTs of 100 records, 10 at a time until ``done()``; each must be answered 200.
+    Returns their latencies (the figure kept in the notes; bounded here as a hang check only)."""
+    body = orjson.dumps(article_records())
+    latencies: list[float] = []
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=10) as client:
+        while not done():
+            assert time.monotonic() < deadline, "the slow bodies were never closed"
+            for _ in range(10):
+                started = time.monotonic()
+                answer = client.post(f"{sidecar.url}/v1/records", content=body)
+                latencies.append(time.monotonic() - started)
+                assert answer.status_code == 200, (answer.status_code, answer.text)
+    return latencies
+
+
+def p99(latencies: list[float]) -> float:
+    return sorted(latencies)[int(0.99 * len(latencies))]
+
+
 @pytest.mark.parametrize("count", [4, 64])
 def test_slow_bodies_leave_real_posts_served(serve: Serve, count: int) -> None:
     raise_open_files_limit()
@@ -81,85 +122,163 @@ def test_slow_bodies_leave_real_posts_served(serve: Serve, count: int) -> None:
     attack = SlowBodies(sidecar.port, count)
     try:
         assert sidecar.wait_for("kvlens_connections_open", count + 1) == count + 1  # + the scrape's
-        body = orjson.dumps(article_records())
-        latencies: list[float] = []
-        deadline = time.monotonic() + 60
-        with httpx.Client(timeout=10) as client:
-            # Until every slow socket was closed twice over: they were held, and reopened, meanwhile.
-            while sidecar.value("kvlens_ingest_refused_total", reason="too_slow") < 2 * count:
-                assert time.monotonic() < deadline, "the slow bodies were never closed"
-                for _ in range(10):
-                    started = time.monotonic()
-                    answer = client.post(f"{sidecar.url}/v1/records", content=body)
-                    latencies.append(time.monotonic() - started)
-                    assert answer.status_code == 200, (answer.status_code, answer.text)
+        # Until every slow socket was closed twice over: they were held, and reopened, meanwhile.
+        latencies = post_until(
+            sidecar, lambda: sidecar.value("kvlens_ingest_refused_total", reason="too_slow") >= 2 * count
+        )
         assert attack.reopened >= count
-        p99 = sorted(latencies)[int(0.99 * len(latencies))]
-        print(f"\n{count} slow bodies: {len(latencies)} real POSTs, all 200, p99 {p99 * 1000:.1f} ms")
-        assert p99 < 5.0  # a hang check; the p99 < 1 s figure is measured and noted, not timed here
+        print(
+            f"\n{count} slow bodies: {len(latencies)} real POSTs, all 200, p99 {p99(latencies) * 1000:.1f} ms"
+        )
+        assert (
+            p99(latencies) < 5.0
+        )  # a hang check; the p99 < 1 s figure is measured and noted, not timed here
         assert sidecar.value("kvlens_requests_total") == 100 * len(latencies)
         assert sidecar.value("kvlens_ingest_refused_total", reason="busy") == 0
     finally:
         attack.close()
 
 
-def test_a_body_under_the_pace_is_closed_after_one_window_and_one_above_it_is_taken(
-    serve: Serve,
-) -> None:
-    sidecar = serve(KVLENS_BODY_RATE_WINDOW_SECONDS="1", KVLENS_BODY_MIN_BYTES_PER_SECOND="1000")
-    slow = socket.create_connection(("127.0.0.1", sidecar.port))
-    slow.sendall(SLOW_HEAD)
-    started = time.monotonic()
-    answer = b""
+@pytest.mark.parametrize("count", [4, 64])
+def test_bodies_that_burst_then_keep_the_pace_hold_no_ingest_slot(serve: Serve, count: int) -> None:
+    # The review's a_burst.py: 16.5 KiB at once (past the 16 KiB that used to win a slot), then
+    # 1.4 KiB/s, above the pace, until the body deadline (5 s here, 30 s by default) closes them.
+    raise_open_files_limit()
+    sidecar = serve(KVLENS_BODY_TIMEOUT_SECONDS="5")
+    attack = SlowBodies(sidecar.port, count, head=BURST_HEAD, burst=16_500, piece=700)
     try:
-        while not answer.endswith(b"}") and time.monotonic() - started < 8:
-            slow.sendall(b" ")  # 2 bytes/s, under 1000
-            ready, _, _ = select.select([slow], [], [], 0.5)  # the sender's pace
-            if ready:
-                answer += slow.recv(4096)
-        assert answer.startswith(b"HTTP/1.1 408"), answer[:40]
-        assert b"slower than 1000 bytes/s over 1 s" in answer
-        assert closed_within(slow, 3)  # and the rest of the body is not waited for
-        assert time.monotonic() - started < 5  # well before the 10 s stall and the 30 s body deadlines
+        assert sidecar.wait_for("kvlens_ingest_in_flight", count) == count
+        latencies = post_until(
+            sidecar, lambda: sidecar.value("kvlens_ingest_refused_total", reason="too_slow") >= count
+        )
+        figure = f"{len(latencies)} real POSTs, all 200, p99 {p99(latencies) * 1000:.1f} ms"
+        print(f"\n{count} bursting bodies: {figure}")
+        assert p99(latencies) < 5.0  # a hang check only
+        assert sidecar.value("kvlens_requests_total") == 100 * len(latencies)
+        assert sidecar.value("kvlens_ingest_refused_total", reason="busy") == 0
     finally:
-        slow.close()
-    assert sidecar.value("kvlens_ingest_refused_total", reason="too_slow") == 1
+        attack.close()
 
-    # A body paced above the minimum (about 4 KB/s in pieces every 0.1 s, over 3 windows) is taken.
-    body = orjson.dumps(article_records())
-    head = (
-        b"POST /v1/records HTTP/1.1\r\nHost: kvlens\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\n\r\n" % len(body)
+
+def test_past_max_arriving_bodies_a_post_is_refused_before_its_body_is_read(serve: Serve) -> None:
+    raise_open_files_limit()
+    # Long deadlines: the 8 held bodies must outlast the test, not be closed as stalled.
+    sidecar = serve(
+        KVLENS_MAX_ARRIVING_BODIES="8", KVLENS_HEADER_TIMEOUT_SECONDS="120", KVLENS_BODY_TIMEOUT_SECONDS="120"
     )
-    paced = socket.create_connection(("127.0.0.1", sidecar.port))
+    held = [socket.create_connection(("127.0.0.1", sidecar.port)) for _ in range(8)]
     try:
-        paced.sendall(head)
-        piece = max(1, len(body) // 30)
-        for offset in range(0, len(body), piece):
-            paced.sendall(body[offset : offset + piece])
-            time.sleep(0.1)  # the sender's pace
-        paced.settimeout(10)
-        reply = paced.recv(65536)
+        for sock in held:
+            sock.sendall(SLOW_HEAD)  # a head and one body byte: each body stays arriving
+        assert sidecar.wait_for("kvlens_ingest_in_flight", 8) == 8
+        refused = httpx.post(f"{sidecar.url}/v1/records", content=orjson.dumps(article_records()))
+        assert refused.status_code == 503, refused.text
+        assert refused.headers["retry-after"] == "1"
+        assert refused.headers["connection"] == "close"
+        assert refused.json() == {"error": "too many request bodies arriving"}
+        # A head alone is answered: nothing of the body is waited for, and the connection closes.
+        with socket.create_connection(("127.0.0.1", sidecar.port)) as head_only:
+            head_only.sendall(BURST_HEAD)
+            assert head_only.recv(4096).startswith(b"HTTP/1.1 503")
+            assert closed_within(head_only, 5)
+        # 300 more heads, each refused at once: health probes stay answered meanwhile.
+        flood = SlowBodies(sidecar.port, 300, pace=0.05, head=BURST_HEAD)
+        try:
+            with httpx.Client(timeout=10) as client:
+                for _ in range(20):
+                    started = time.monotonic()
+                    assert client.get(f"{sidecar.url}/healthz").status_code == 200
+                    assert time.monotonic() - started < 2.0  # a hang check only (was 2.8-6.3 s)
+            assert flood.reopened >= 300
+        finally:
+            flood.close()
+        assert sidecar.value("kvlens_ingest_in_flight") == 8
+        assert sidecar.value("kvlens_requests_total") == 0
     finally:
-        paced.close()
-    assert reply.startswith(b"HTTP/1.1 200"), reply[:40]
+        for sock in held:
+            sock.close()
+    deadline = time.monotonic() + 5
+    while (answer := httpx.post(f"{sidecar.url}/v1/records", content=b"[]")).status_code == 503:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)  # the closed requests leave their places as the server notices
+    assert answer.status_code == 200
+
+
+def test_past_max_arriving_body_bytes_a_body_is_refused_and_its_bytes_freed(serve: Serve) -> None:
+    sidecar = serve(KVLENS_MAX_ARRIVING_BODY_BYTES="100000")
+    first = socket.create_connection(("127.0.0.1", sidecar.port))
+    padded = orjson.dumps(article_records()).ljust(50_000)
+    try:
+        first.sendall(BURST_HEAD + b" " * 60_000)
+        assert sidecar.wait_for("kvlens_ingest_arriving_bytes", 60_000) == 60_000
+        refused = httpx.post(f"{sidecar.url}/v1/records", content=padded)  # 60,000 + 50,000 > 100,000
+        assert refused.status_code == 503, refused.text
+        assert refused.headers["retry-after"] == "1"
+        assert refused.headers["connection"] == "close"
+        assert "bodies arriving hold 100000 bytes already" in refused.text
+        assert sidecar.value("kvlens_ingest_arriving_bytes") == 60_000  # the refused body's are free
+        assert sidecar.value("kvlens_ingest_refused_total", reason="busy") == 1
+    finally:
+        first.close()
+    assert sidecar.wait_for("kvlens_ingest_refused_total", 1, reason="client_disconnected") == 1
+    assert sidecar.value("kvlens_ingest_arriving_bytes") == 0
+    assert httpx.post(f"{sidecar.url}/v1/records", content=padded).status_code == 200
     assert sidecar.value("kvlens_requests_total") == 100
-    assert sidecar.value("kvlens_ingest_refused_total", reason="too_slow") == 1
 
 
-def test_a_client_gone_mid_body_is_counted_and_logged_in_one_info_line() -> None:
+def test_the_memory_of_arriving_bodies_is_bounded_by_their_caps(serve: Serve) -> None:
+    # 600 senders of 16,000 body bytes each (under the 16 KiB that used to take a slot, so before
+    # nothing capped them): 32 fit in the 512 KiB budget, the others are answered 503 and closed.
+    raise_open_files_limit()
+    sidecar = serve(
+        KVLENS_MAX_ARRIVING_BODY_BYTES=str(512 * 1024),
+        KVLENS_MAX_ARRIVING_BODIES="64",
+        KVLENS_HEADER_TIMEOUT_SECONDS="120",
+        KVLENS_BODY_TIMEOUT_SECONDS="120",
+    )
+    memory = sidecar.memory()
+    memory.reset()
+    senders = []
+    try:
+        for _ in range(600):
+            sock = socket.create_connection(("127.0.0.1", sidecar.port))
+            sock.sendall(BURST_HEAD + b" " * 16_000)
+            senders.append(sock)
+        deadline = time.monotonic() + 30
+        while True:  # until each sender was either let in (its body still arriving) or refused
+            samples = sidecar.samples()
+            arriving = total(samples, "kvlens_ingest_in_flight")
+            refused = total(samples, "kvlens_ingest_refused_total", reason="busy")
+            if arriving + refused == 600 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)  # polling the real process
+        assert (arriving, refused) == (32, 568)
+        assert total(samples, "kvlens_ingest_arriving_bytes") == 32 * 16_000
+        growth = memory.peak_growth_mib()
+        print(f"\n600 bodies of 16,000 bytes, 32 let in: peak growth {growth:.1f} MiB")
+        # Measured 13 MiB: mostly what 568 refused requests left in the allocator (it plateaus);
+        # before, all 600 were held at about 42 KiB each (25 MiB).
+        assert growth < 20
+    finally:
+        for sock in senders:
+            sock.close()
+
+
+def test_clients_gone_mid_body_are_counted_exactly_and_logged_at_most_once_per_interval() -> None:
     sidecar = start_kvlens("serve", env={"KVLENS_LOG_LEVEL": "INFO"})
     try:
-        for _ in range(3):
+        for _ in range(30):
             with socket.create_connection(("127.0.0.1", sidecar.port)) as sock:
                 sock.sendall(SLOW_HEAD + b'{"model": "m"')
-        found = sidecar.wait_for("kvlens_ingest_refused_total", 3, timeout=10, reason="client_disconnected")
+        found = sidecar.wait_for("kvlens_ingest_refused_total", 30, timeout=10, reason="client_disconnected")
     finally:
         output = sidecar.output()
-    assert found == 3
+    assert found == 30
     assert "Traceback" not in output and "ERROR" not in output, output
     gone = [line for line in output.splitlines() if "went away" in line]
-    assert len(gone) == 3 and all(line.startswith("INFO ") for line in gone), gone
+    # 30 in well under 10 s: the first is logged, the others counted only (a client decides how
+    # many there are, so it must not decide the log volume)
+    assert len(gone) == 1 and gone[0].startswith("INFO "), gone
 
 
 def client_hello() -> bytes:

@@ -12,13 +12,14 @@ from prometheus_client import CollectorRegistry
 from starlette.requests import Request
 from starlette.types import Message
 
-from kvlens.errors import BodyTooSlow, ClientDisconnected
+from kvlens.errors import ArrivingBytesFull, BodyTooSlow, ClientDisconnected
 from kvlens.exporter.ingest import (
-    ADMISSION_BYTES,
+    ArrivingBodies,
     BatchLedger,
     BodyLimits,
     BodyReader,
     IngestGate,
+    LogThrottle,
     RecentRecords,
 )
 from kvlens.exporter.runtime import ConnectionGuard, LoopLag, ScrapeRenderer
@@ -180,11 +181,14 @@ def arriving(pieces: list[tuple[float, bytes | None]], clock: Clock) -> Request:
     return Request({"type": "http", "method": "POST", "path": "/", "headers": []}, receive)
 
 
-def read_all(pieces: list[tuple[float, bytes | None]], limits: BodyLimits = PACE) -> bytes:
+def read_all(
+    pieces: list[tuple[float, bytes | None]],
+    limits: BodyLimits = PACE,
+    budget: ArrivingBodies | None = None,
+) -> bytes:
     async def run() -> bytes:
         clock = Clock()
-        reader = BodyReader(arriving(pieces, clock), limits, clock)
-        await reader.read(ADMISSION_BYTES)
+        reader = BodyReader(arriving(pieces, clock), limits, budget or ArrivingBodies(1, 1 << 30), clock)
         return await reader.body()
 
     return asyncio.run(run())
@@ -204,9 +208,7 @@ def test_a_sender_that_bursts_then_trickles_is_closed_at_the_end_of_the_window_i
     async def run() -> float:
         clock = Clock()
         pieces: list[tuple[float, bytes | None]] = [(0.1, b" " * 20_000), (1.5, b" " * 10), (2.5, b" " * 10)]
-        reader = BodyReader(arriving([*pieces, (2.6, b"")], clock), PACE, clock)
-        await reader.read(ADMISSION_BYTES)  # 16 KiB arrived: the request would now take a slot
-        assert clock.now == 0.1
+        reader = BodyReader(arriving([*pieces, (2.6, b"")], clock), PACE, ArrivingBodies(1, 1 << 30), clock)
         with pytest.raises(BodyTooSlow):
             await reader.body()
         return clock.now
@@ -224,3 +226,48 @@ def test_a_short_body_arrives_whole_before_admission_and_the_pace_can_be_turned_
 def test_a_client_gone_mid_body_is_its_own_error() -> None:
     with pytest.raises(ClientDisconnected):
         read_all([(0.1, b"[{"), (0.2, None)])
+
+
+def test_the_arriving_bodies_are_capped_in_number_and_bytes() -> None:
+    arriving = ArrivingBodies(max_bodies=2, max_bytes=1000)
+    with arriving.admit() as one, arriving.admit() as two, arriving.admit() as three:
+        assert [one, two, three] == [True, True, False]
+        assert arriving.bodies == 2
+    assert arriving.bodies == 0
+    assert arriving.take(600) and not arriving.take(401) and arriving.take(400)
+    assert arriving.bytes == 1000
+    arriving.give_back(1000)
+    assert arriving.bytes == 0
+
+
+def test_a_body_that_would_cross_the_arriving_bytes_is_refused_and_gives_its_bytes_back() -> None:
+    budget = ArrivingBodies(max_bodies=4, max_bytes=2000)
+    assert budget.take(500)  # another body, still arriving, holds 500
+    with pytest.raises(ArrivingBytesFull, match="hold 2000 bytes already"):
+        read_all([(0.1, b"a" * 1000), (0.2, b"b" * 1000), (0.3, b"")], budget=budget)
+    assert budget.bytes == 500  # what the refused body held is free again
+    assert read_all([(0.1, b"a" * 1000), (0.2, b"b" * 500), (0.3, b"")], budget=budget) == (
+        b"a" * 1000 + b"b" * 500
+    )
+    assert budget.bytes == 500  # a body that arrived leaves the budget: it is no longer arriving
+
+
+def test_a_body_that_fails_gives_its_bytes_back() -> None:
+    budget = ArrivingBodies(max_bodies=4, max_bytes=1 << 20)
+    with pytest.raises(ClientDisconnected):
+        read_all([(0.1, b"[{" * 100), (0.2, None)], budget=budget)
+    with pytest.raises(BodyTooSlow):
+        read_all([(0.5, b"a" * 500), (1.5, b"b" * 500), (1.6, b"")], budget=budget)
+    assert budget.bytes == 0
+
+
+def test_the_log_throttle_lets_one_line_per_interval_and_counts_the_others() -> None:
+    clock = Clock()
+    throttle = LogThrottle(10, clock)
+    assert throttle.allow() == 0
+    clock.now = 9.9
+    assert [throttle.allow() for _ in range(5)] == [None] * 5
+    clock.now = 10.0
+    assert throttle.allow() == 5  # the line that goes out says how many were held back
+    clock.now = 30.0
+    assert throttle.allow() == 0

@@ -14,6 +14,7 @@ import binascii
 import contextlib
 import hmac
 import logging
+import time
 import traceback
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -29,18 +30,19 @@ from pydantic import BaseModel, Field
 
 from kvlens import __version__
 from kvlens.config import Settings
-from kvlens.errors import BodyTooSlow, ClientDisconnected, InputError
+from kvlens.errors import ArrivingBytesFull, BodyTooSlow, ClientDisconnected, InputError
 from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.background import BackgroundSources
 from kvlens.exporter.collector import KVLensCollector
 from kvlens.exporter.ingest import (
-    ADMISSION_BYTES,
     RETRY_AFTER_SECONDS,
+    ArrivingBodies,
     BatchLedger,
     BodyLimits,
     BodyReader,
     IngestGate,
     IngestWorker,
+    LogThrottle,
     RecentRecords,
 )
 from kvlens.exporter.runtime import ConnectionGuard, ScrapeRenderer, ServiceHealth
@@ -48,6 +50,7 @@ from kvlens.records import Record, Rejections, Validated
 from kvlens.sources import encoding, otlp, push, vllm_plugin
 
 log = logging.getLogger(__name__)
+GONE_LOG_INTERVAL_SECONDS: Final = 10.0  # a client decides how often it leaves mid-body
 DEDUPE_HEADER = "kvlens-dedupe"
 # The exposition versions prometheus_client writes, by media type (an Accept's `version=`).
 EXPOSITION_VERSIONS: Final = {
@@ -91,12 +94,14 @@ class Sidecar:
     renderer: ScrapeRenderer = field(init=False)
     ingest_token: bytes | None = field(init=False)
     decode_limits: encoding.DecodeLimits = field(init=False)
+    gone_log: LogThrottle = field(init=False)
 
     def __post_init__(self) -> None:
         settings = self.settings
         self.health = ServiceHealth(
             ingest_open=settings.ingest_open,
             gate=IngestGate(settings.max_concurrent_ingest),
+            arriving=ArrivingBodies(settings.max_arriving_bodies, settings.max_arriving_body_bytes),
             connections=ConnectionGuard(settings.max_connections, settings.header_timeout_seconds),
         )
         self.ledger = BatchLedger(settings.batch_id_window)
@@ -106,10 +111,12 @@ class Sidecar:
         self.decode_limits = encoding.DecodeLimits(
             settings.max_body_bytes, settings.max_decompression_ratio, settings.max_gzip_members
         )
+        self.gone_log = LogThrottle(GONE_LOG_INTERVAL_SECONDS, time.monotonic)
 
-    async def arriving(self, request: Request) -> BodyReader:
-        """The request's body reader once the body ended or :data:`ADMISSION_BYTES` of it arrived,
-        at the pace the settings ask; before that the request holds no ingest slot."""
+    async def arrived(self, request: Request) -> bytes | Response:
+        """The request's whole body, received at the pace the settings ask while it counts against
+        the arriving bodies' caps; or the answer that refuses it. Until it has arrived the request
+        holds no ingest slot: a slot is the decoding's, which a slow sender must not hold."""
         settings = self.settings
         limits = BodyLimits(
             settings.max_body_bytes,
@@ -118,9 +125,13 @@ class Sidecar:
             settings.body_min_bytes_per_second,
             settings.body_rate_window_seconds,
         )
-        reader = BodyReader(request, limits)
-        await reader.read(ADMISSION_BYTES)
-        return reader
+        with self.health.arriving.admit() as admitted:
+            if not admitted:  # nothing of the body read: close rather than take the rest of it
+                return _busy(self, "busy", "too many request bodies arriving", close=True)
+            try:
+                return await BodyReader(request, limits, self.health.arriving).body()
+            except InputError as error:
+                return _refused(self, error)
 
     def dedupe(self, request: Request) -> bool:
         """Whether records already counted are dropped: by setting, or asked for per request."""
@@ -242,10 +253,9 @@ async def ingest_records(request: Request) -> Response:
     # which the sender does not retry), never on 413, 408 or 503, which it retries.
     dropped = request.headers.get(vllm_plugin.DROPPED_HEADER, "")
     dropped_count = int(dropped) if dropped.isascii() and dropped.isdigit() and len(dropped) <= 12 else 0
-    try:
-        reader = await sidecar.arriving(request)
-    except InputError as error:
-        return _refused(sidecar, error)
+    body = await sidecar.arrived(request)
+    if isinstance(body, Response):
+        return body
     async with sidecar.health.gate.slot() as admitted:
         if not admitted:
             return _busy(sidecar, "busy", "too many ingest requests in progress")
@@ -267,7 +277,6 @@ async def ingest_records(request: Request) -> Response:
                     orjson.dumps(answer), media_type="application/json", headers={"kvlens-duplicate": "1"}
                 )
         try:
-            body = await reader.body()
             content_encoding = request.headers.get("content-encoding")
 
             def work() -> IngestResult:
@@ -313,15 +322,13 @@ async def ingest_traces(request: Request) -> Response:
     except InputError as error:
         return _refused(sidecar, error)
     dedupe = sidecar.dedupe(request)
-    try:
-        reader = await sidecar.arriving(request)
-    except InputError as error:
-        return _refused(sidecar, error)
+    body = await sidecar.arrived(request)
+    if isinstance(body, Response):
+        return body
     async with sidecar.health.gate.slot() as admitted:
         if not admitted:
             return _busy(sidecar, "busy", "too many ingest requests in progress")
         try:
-            body = await reader.body()
             content_encoding = request.headers.get("content-encoding")
 
             def work() -> bytes:
@@ -428,15 +435,23 @@ def _basic_matches(request: Request, user: str, password: str) -> bool:
     return hmac.compare_digest(presented, expected)
 
 
-def _busy(sidecar: Sidecar, reason: str, message: str) -> JSONResponse:
+def _busy(sidecar: Sidecar, reason: str, message: str, close: bool = False) -> JSONResponse:
     sidecar.health.refuse(reason)
-    return _error(503, message, {"Retry-After": str(RETRY_AFTER_SECONDS)})
+    headers = {"Retry-After": str(RETRY_AFTER_SECONDS)}
+    if close:
+        headers["Connection"] = "close"
+    return _error(503, message, headers)
 
 
 def _refused(sidecar: Sidecar, error: InputError) -> JSONResponse:
+    if isinstance(error, ArrivingBytesFull):
+        return _busy(sidecar, error.reason, str(error), close=True)
     sidecar.health.refuse(error.reason)
-    if isinstance(error, ClientDisconnected):  # routine on a flaky network: counted, one line
-        log.info("kvlens: %s (%s)", error, error.reason)
+    if isinstance(error, ClientDisconnected):  # routine on a flaky network: counted exactly, logged
+        held = sidecar.gone_log.allow()  # at most once per interval: a client decides how often
+        if held is not None:
+            more = f"; {held} more since the last such line" if held else ""
+            log.info("kvlens: %s (%s)%s", error, error.reason, more)
     # A slow body's sender is still sending: close rather than wait for the rest of it.
     headers = {"Connection": "close"} if isinstance(error, BodyTooSlow) else None
     return _error(error.status, str(error), headers)

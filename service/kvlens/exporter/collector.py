@@ -339,13 +339,15 @@ def _tail_families(tails: list[TailStatus]) -> list[Metric]:
 
 def _service_families(health: ServiceHealth) -> list[Metric]:
     in_flight = _gauge(metrics.INGEST_IN_FLIGHT)
-    in_flight.add_metric([], health.gate.in_flight)
+    in_flight.add_metric([], health.arriving.bodies + health.gate.in_flight)
+    arriving_bytes = _gauge(metrics.INGEST_ARRIVING_BYTES)
+    arriving_bytes.add_metric([], health.arriving.bytes)
     refused = _counter(metrics.INGEST_REFUSED)
     for reason in INGEST_REFUSALS:
         refused.add_metric([reason], health.refused[reason])
     ingest_open = _gauge(metrics.INGEST_OPEN)
     ingest_open.add_metric([], 1 if health.ingest_open else 0)
-    families: list[Metric] = [in_flight, refused, ingest_open]
+    families: list[Metric] = [in_flight, arriving_bytes, refused, ingest_open]
     if health.connections is not None:
         connections = _gauge(metrics.CONNECTIONS_OPEN)
         connections.add_metric([], health.connections.open)

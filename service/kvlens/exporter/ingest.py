@@ -1,15 +1,19 @@
 """What an ingest request goes through before its records are counted, each step bounded.
 
-- :class:`IngestGate`: at most ``max_concurrent_ingest`` requests in progress (reading the rest of
-  their body, waiting, decoding); one more is answered 503 with ``Retry-After``.
+- :class:`ArrivingBodies`: at most ``max_arriving_bodies`` bodies arriving at once (one more is
+  answered 503 with ``Retry-After`` before anything of its body is read), holding at most
+  ``max_arriving_body_bytes`` together (a body that would cross it is answered 503 and closed).
 - :class:`BodyReader`: the body, under ``max_body_bytes``, a total deadline, a stall deadline and a
-  minimum pace; its first :data:`ADMISSION_BYTES` (or all of a shorter body) arrive before the
-  request asks the gate for a slot, so slow senders never hold one.
+  minimum pace; read whole before the request asks the gate for a slot, so slow senders never
+  hold one.
+- :class:`IngestGate`: at most ``max_concurrent_ingest`` requests whose body has arrived in
+  progress (waiting for the worker, decoding); one more is answered 503 with ``Retry-After``.
 - :class:`IngestWorker`: one thread decodes and counts, one request at a time, off the event loop,
   so memory is one request's working set however many arrive.
 - :class:`BatchLedger`: ``kvlens-batch-id``s of committed batches, so a batch retried after a lost
   answer counts once; a retry of a batch still in progress is told to retry later.
 - :class:`RecentRecords`: the optional de-duplication of records by request id and content.
+- :class:`LogThrottle`: at most one line per interval for an event a client can repeat at will.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import contextlib
 import hashlib
 import threading
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Final, TypeVar
@@ -27,7 +31,7 @@ from typing import Final, TypeVar
 import numpy as np
 from starlette.requests import ClientDisconnect, Request
 
-from kvlens.errors import BodyTooSlow, ClientDisconnected, PayloadTooLarge
+from kvlens.errors import ArrivingBytesFull, BodyTooSlow, ClientDisconnected, PayloadTooLarge
 from kvlens.records import RecordBatch
 
 T = TypeVar("T")
@@ -56,7 +60,38 @@ class IngestGate:
             self.in_flight -= 1
 
 
-ADMISSION_BYTES: Final = 16 * 1024
+class ArrivingBodies:
+    """The bodies still arriving and the bytes they hold: at most ``max_bodies`` at once (the rest
+    are refused before anything of their body is read) and ``max_bytes`` together. Used from the
+    event loop only (no lock)."""
+
+    def __init__(self, max_bodies: int, max_bytes: int) -> None:
+        self.max_bodies = max_bodies
+        self.max_bytes = max_bytes
+        self.bodies = 0
+        self.bytes = 0
+
+    @contextlib.contextmanager
+    def admit(self) -> Iterator[bool]:
+        """Yields whether one more body may arrive now."""
+        if self.bodies >= self.max_bodies:
+            yield False
+            return
+        self.bodies += 1
+        try:
+            yield True
+        finally:
+            self.bodies -= 1
+
+    def take(self, size: int) -> bool:
+        """Reserve ``size`` bytes for a piece that arrived; False (nothing reserved) past the cap."""
+        if self.bytes + size > self.max_bytes:
+            return False
+        self.bytes += size
+        return True
+
+    def give_back(self, size: int) -> None:
+        self.bytes -= size
 
 
 @dataclass(frozen=True)
@@ -73,18 +108,22 @@ class BodyLimits:
 
 
 class BodyReader:
-    """A request body received under :class:`BodyLimits`, in two steps: :meth:`read` up to
-    :data:`ADMISSION_BYTES` before the request takes an ingest slot (a body that trickles in holds
-    a connection and at most that much memory, never a slot), then :meth:`body` for the rest.
+    """A request body received under :class:`BodyLimits`, its bytes counted against an
+    :class:`ArrivingBodies` budget while it arrives (given back once it has arrived, or failed).
 
     The pending read is a task awaited with a timeout, not cancelled, so a window boundary that
     passes between two pieces checks the pace without losing the piece on its way."""
 
     def __init__(
-        self, request: Request, limits: BodyLimits, clock: Callable[[], float] | None = None
+        self,
+        request: Request,
+        limits: BodyLimits,
+        budget: ArrivingBodies,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self._request = request
         self._limits = limits
+        self._budget = budget
         self._clock = clock or asyncio.get_running_loop().time
         self._stream = request.stream().__aiter__()
         self._pending: asyncio.Task[bytes] | None = None
@@ -97,26 +136,25 @@ class BodyReader:
         self._window_end = now + limits.window_seconds
         self._window_bytes = 0
 
-    async def read(self, until: int) -> None:
-        """Receive until the body ended or at least ``until`` bytes of it arrived."""
-        declared = self._request.headers.get("content-length", "")
-        if declared.isascii() and declared.isdigit() and int(declared) > self._limits.max_bytes:
-            raise PayloadTooLarge(f"the body exceeds {self._limits.max_bytes} bytes")
-        try:
-            while not self._complete and self._size < until:
-                await self._next()
-        except BaseException:
-            self.close()
-            raise
-
     async def body(self) -> bytes:
-        await self.read(self._limits.max_bytes + 1)
-        return b"".join(self._chunks)
+        """The whole body; the bytes it held leave the arriving budget whatever the outcome."""
+        declared = self._request.headers.get("content-length", "")
+        try:
+            if declared.isascii() and declared.isdigit() and int(declared) > self._limits.max_bytes:
+                raise PayloadTooLarge(f"the body exceeds {self._limits.max_bytes} bytes")
+            while not self._complete:
+                await self._next()
+            return b"".join(self._chunks)
+        finally:
+            self.close()
 
     def close(self) -> None:
         if self._pending is not None:
             self._pending.cancel()
             self._pending = None
+        self._budget.give_back(self._size)
+        self._size = 0
+        self._chunks = []
 
     async def _next(self) -> None:
         limits = self._limits
@@ -143,10 +181,12 @@ class BodyReader:
             raise ClientDisconnected("the client went away before its body arrived") from None
         self._close_windows(now)
         self._last_piece = now
-        self._size += len(chunk)
         self._window_bytes += len(chunk)
-        if self._size > limits.max_bytes:
+        if self._size + len(chunk) > limits.max_bytes:
             raise PayloadTooLarge(f"the body exceeds {limits.max_bytes} bytes")
+        if not self._budget.take(len(chunk)):
+            raise ArrivingBytesFull(f"bodies arriving hold {self._budget.max_bytes} bytes already; retry")
+        self._size += len(chunk)
         self._chunks.append(chunk)
 
     def _close_windows(self, now: float) -> None:
@@ -259,3 +299,23 @@ class RecentRecords:
             if len(self._order) > self._capacity:
                 self._seen.discard(self._order.popleft())
         return keep
+
+
+class LogThrottle:
+    """At most one line per ``interval`` seconds; :meth:`allow` says how many were held back since
+    the last line that went out, or None when this one must be held back too."""
+
+    def __init__(self, interval: float, clock: Callable[[], float]) -> None:
+        self._interval = interval
+        self._clock = clock
+        self._next = -float("inf")
+        self._held = 0
+
+    def allow(self) -> int | None:
+        now = self._clock()
+        if now < self._next:
+            self._held += 1
+            return None
+        held, self._held = self._held, 0
+        self._next = now + self._interval
+        return held

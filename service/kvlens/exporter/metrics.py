@@ -227,14 +227,20 @@ TAIL: Final = (
 INGEST_IN_FLIGHT = MetricSpec(
     "kvlens_ingest_in_flight", "gauge", (), "Ingest requests in progress (receiving, waiting or decoding)."
 )
+INGEST_ARRIVING_BYTES = MetricSpec(
+    "kvlens_ingest_arriving_bytes",
+    "gauge",
+    (),
+    "Bytes held by ingest bodies still arriving (capped by max_arriving_body_bytes).",
+)
 INGEST_REFUSED = MetricSpec(
     "kvlens_ingest_refused",
     "counter",
     ("reason",),
-    "Ingest requests refused whole: busy, batch_in_progress, unauthorized, too_large, "
-    "too_many_records, compression_bomb, unsupported_encoding, unsupported_media_type, "
-    "undecodable, too_slow (past a deadline or under the minimum pace), client_disconnected (gone "
-    "mid-body).",
+    "Ingest requests refused whole: busy (503: a cap on requests or bytes), batch_in_progress, "
+    "unauthorized, too_large, too_many_records, compression_bomb, unsupported_encoding, "
+    "unsupported_media_type, undecodable, too_slow (past a deadline or under the minimum pace), "
+    "client_disconnected (gone mid-body).",
 )
 INGEST_OPEN = MetricSpec(
     "kvlens_ingest_open",
@@ -258,6 +264,7 @@ LOOP_LAG = MetricSpec(
 )
 SERVICE: Final = (
     INGEST_IN_FLIGHT,
+    INGEST_ARRIVING_BYTES,
     INGEST_REFUSED,
     INGEST_OPEN,
     CONNECTIONS_OPEN,

@@ -22,7 +22,7 @@ from typing import Final, Protocol
 
 from prometheus_client import CollectorRegistry
 
-from kvlens.exporter.ingest import IngestGate
+from kvlens.exporter.ingest import ArrivingBodies, IngestGate
 
 LAG_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -152,6 +152,7 @@ class ServiceHealth:
 
     ingest_open: bool
     gate: IngestGate
+    arriving: ArrivingBodies
     loop_lag: LoopLag = field(default_factory=LoopLag)
     connections: ConnectionGuard | None = None
     refused: Counter[str] = field(default_factory=Counter)  # event loop only
