@@ -48,7 +48,7 @@ def test_a_retry_while_the_first_attempt_is_still_arriving_counts_once(serve: Se
         retry = httpx.post(f"{sidecar.url}/v1/records", content=ARTICLE, headers={BATCH: "b-1"})
         assert retry.status_code == 200 and retry.json()["accepted"] == 100
         first.sendall(padded[17_000:])
-        answer = first.recv(65536)
+        answer = read_response(first)
         assert answer.startswith(b"HTTP/1.1 200"), answer[:40]
         assert b"kvlens-duplicate: 1" in answer and b'"duplicate":true' in answer
     finally:
@@ -113,3 +113,29 @@ def test_request_ids_are_deduplicated_when_the_sender_asks(serve: Serve) -> None
     # without the header, nothing is de-duplicated
     httpx.post(f"{sidecar.url}/v1/records", content=ARTICLE)
     assert sidecar.value("kvlens_requests_total") == 203
+
+
+def read_response(sock: socket.socket) -> bytes:
+    """A whole HTTP/1.1 response (its head and Content-Length bytes of body): one recv may end
+    after the head."""
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return answer
+        answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    length = next(
+        (
+            int(line.split(b":", 1)[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        ),
+        0,
+    )
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body

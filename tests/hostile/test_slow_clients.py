@@ -228,7 +228,8 @@ def test_past_max_arriving_body_bytes_a_body_is_refused_and_its_bytes_freed(serv
 
 def test_the_memory_of_arriving_bodies_is_bounded_by_their_caps(serve: Serve) -> None:
     # 600 senders of 16,000 body bytes each (under the 16 KiB that used to take a slot, so before
-    # nothing capped them): 32 fit in the 512 KiB budget, the others are answered 503 and closed.
+    # nothing capped them): about 32 fit in the 512 KiB budget, the others are answered 503 and
+    # closed.
     raise_open_files_limit()
     sidecar = serve(
         KVLENS_MAX_ARRIVING_BODY_BYTES=str(512 * 1024),
@@ -252,10 +253,13 @@ def test_the_memory_of_arriving_bodies_is_bounded_by_their_caps(serve: Serve) ->
             if arriving + refused == 600 or time.monotonic() > deadline:
                 break
             time.sleep(0.05)  # polling the real process
-        assert (arriving, refused) == (32, 568)
-        assert total(samples, "kvlens_ingest_arriving_bytes") == 32 * 16_000
+        # Which bodies get in depends on how the kernel splits each 16,000 bytes into reads (a body
+        # is let in while its bytes so far fit): the invariants are the caps, never crossed.
+        assert arriving + refused == 600
+        assert arriving <= 64 and refused >= 600 - 64
+        assert 0 < total(samples, "kvlens_ingest_arriving_bytes") <= 512 * 1024
         growth = memory.peak_growth_mib()
-        print(f"\n600 bodies of 16,000 bytes, 32 let in: peak growth {growth:.1f} MiB")
+        print(f"\n600 bodies of 16,000 bytes, {arriving:.0f} let in: peak growth {growth:.1f} MiB")
         # Measured 13 MiB: mostly what 568 refused requests left in the allocator (it plateaus);
         # before, all 600 were held at about 42 KiB each (25 MiB).
         assert growth < 20
