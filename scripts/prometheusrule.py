@@ -49,7 +49,8 @@ def alerts(pattern: str = RUNBOOK_URL_PATTERN) -> dict[str, Any]:
 
 
 def prometheus_rule(pattern: str = RUNBOOK_URL_PATTERN) -> dict[str, Any]:
-    groups = [*yaml.safe_load(RECORDING.read_text())["groups"], *alerts(pattern)["groups"]]
+    # In the order of the rule files by name (kvlens-alerts, kvlens-rules), as a test expects.
+    groups = [*alerts(pattern)["groups"], *yaml.safe_load(RECORDING.read_text())["groups"]]
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
