@@ -27,6 +27,7 @@ from grafana_foundation_sdk.cog import builder as cogbuilder
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common
 from grafana_foundation_sdk.models import dashboard as model
+from grafana_foundation_sdk.models.heatmap import HeatmapColorMode
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
 OUT = Path(__file__).resolve().parent.parent / "dashboards"
@@ -533,7 +534,7 @@ def overview() -> dash.Dashboard:
         .unit("short")  # the cells: requests per rate interval
         .calculate(False)
         .y_axis(heatmap.YAxisConfig().unit("percentunit"))
-        .color(heatmap.HeatmapColorOptions().mode(heatmap_color_mode()).scheme("Oranges").steps(64))
+        .color(heatmap.HeatmapColorOptions().mode(HeatmapColorMode.SCHEME).scheme("Oranges").steps(64))
         .cell_values(heatmap.CellValues().unit("short"))
         .show_legend()
     )
@@ -616,12 +617,6 @@ def overview() -> dash.Dashboard:
         )
     )
     return board
-
-
-def heatmap_color_mode() -> Any:
-    from grafana_foundation_sdk.models.heatmap import HeatmapColorMode
-
-    return HeatmapColorMode.SCHEME
 
 
 def latency_table(selection: str) -> table.Panel:
