@@ -8,9 +8,11 @@ never need it. Its builders type every option, so a unit, a transform's options 
 cannot be misspelt or left out as in hand-written dicts.
 
 Selection: every query matches `cluster`, `namespace`, `job` and `instance` with `=~` on the
-dashboard's variables, whose "All" is `.*`, which also matches a label a setup does not have
-(one Prometheus without a `cluster` label, Docker without `namespace`), so the same dashboard
-serves a single Prometheus and a Thanos or Mimir holding many clusters.
+dashboard's variables. The "All" of `cluster` and `namespace` is `.*`, which also matches a label
+a setup does not have (one Prometheus without a `cluster` label, Docker without `namespace`), so
+the same dashboard serves a single Prometheus and a Thanos or Mimir holding many clusters. The
+"All" of `job` and `instance` is the list of kvlens's own (from `kvlens_build_info`), so that
+`up` counts kvlens's targets only, not a vLLM job's or any other.
 """
 
 from __future__ import annotations
@@ -202,8 +204,12 @@ def single(
 
 
 # ----------------------------------------------------------------------------- variables --------
-def variable(name: str, label: str, query_text: str, description: str) -> dash.QueryVariable:
-    return (
+def variable(
+    name: str, label: str, query_text: str, description: str, all_value: str | None = ".*"
+) -> dash.QueryVariable:
+    """A multi-value variable. "All" is `all_value`, or, without one, Grafana's alternation of the
+    listed values (so that `up{job=~"$job"}` counts kvlens's targets, not every job's)."""
+    built = (
         dash.QueryVariable(name)
         .label(label)
         .description(description)
@@ -213,8 +219,8 @@ def variable(name: str, label: str, query_text: str, description: str) -> dash.Q
         .sort(model.VariableSort.ALPHABETICAL_ASC)
         .multi(True)
         .include_all(True)
-        .all_value(".*")
     )
+    return built if all_value is None else built.all_value(all_value)
 
 
 def variables(with_model: bool) -> list[cogbuilder.Builder[model.VariableModel]]:
@@ -237,6 +243,7 @@ def variables(with_model: bool) -> list[cogbuilder.Builder[model.VariableModel]]
             "Job",
             'label_values(kvlens_build_info{cluster=~"$cluster", namespace=~"$namespace"}, job)',
             "Prometheus jobs that scrape kvlens.",
+            all_value=None,
         ),
         variable(
             "instance",
@@ -244,6 +251,7 @@ def variables(with_model: bool) -> list[cogbuilder.Builder[model.VariableModel]]
             'label_values(kvlens_build_info{cluster=~"$cluster", namespace=~"$namespace", job=~"$job"}, '
             "instance)",
             "One kvlens sidecar (one vLLM pod with the sidecar deployment).",
+            all_value=None,
         ),
     ]
     if with_model:

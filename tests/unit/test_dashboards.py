@@ -32,8 +32,12 @@ def test_dashboard_structure(path: Path) -> None:
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource"
     # Multi-cluster (Thanos, Mimir) in mind: "All" is `.*`, which matches an absent label too.
-    for name in ("cluster", "namespace", "job", "instance"):
+    for name in ("cluster", "namespace"):
         assert variables[name]["includeAll"] and variables[name]["allValue"] == ".*", name
+    # kvlens's jobs and instances, listed: `up{job=~"$job"}` must not count a vLLM target.
+    for name in ("job", "instance"):
+        assert variables[name]["includeAll"] and "allValue" not in variables[name], name
+        assert variables[name]["query"].startswith("label_values(kvlens_build_info"), name
     ids = [panel["id"] for panel in dashboard["panels"]]
     assert len(ids) == len(set(ids))
     assert dashboard["graphTooltip"] == 1  # shared crosshair
