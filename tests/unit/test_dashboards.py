@@ -197,3 +197,14 @@ def test_per_pod_panels_and_the_series_nobody_could_see() -> None:
 def test_provisioning_files_parse() -> None:
     for path in (ROOT / "dashboards" / "provisioning").glob("*.yaml"):
         assert yaml.safe_load(path.read_text())["apiVersion"] == 1
+
+
+def test_one_unit_per_axis() -> None:
+    """A time series' axis has one unit, never `none` (the W4A16 speedup and the weights' share
+    once shared an axis as `none`), and no series overrides it onto a second unit."""
+    for panel in all_panels():
+        if panel["type"] != "timeseries":
+            continue
+        assert panel["fieldConfig"]["defaults"]["unit"] != "none", panel["title"]
+        for override in panel["fieldConfig"]["overrides"]:
+            assert all(p["id"] != "unit" for p in override["properties"]), panel["title"]
