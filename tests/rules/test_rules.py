@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.dashboards import load, queries
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 RULE_FILES = sorted((ROOT / "deploy" / "prometheus").glob("kvlens-*.yaml"))
 pytestmark = pytest.mark.integration
@@ -207,4 +209,52 @@ def test_records_rejected_fires_for_one_sidecar_in_200(promtool: str, tmp_path: 
         )
     )
     tested = subprocess.run([promtool, "test", "rules", str(test)], capture_output=True, text=True)
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+
+
+def test_dashboard_compute_saved_is_one_ratio_per_unit_never_added(promtool: str, tmp_path: Path) -> None:
+    """The overview's own compute-saved queries (stat and per-model column), as Grafana sends them,
+    on three models counting in three units: one exact ratio per unit (and per model), never a
+    sum of FLOPs and seconds."""
+    overview = load(ROOT / "dashboards" / "kvlens-overview.json")
+    exprs = {title: expr for title, raw, expr in queries(overview) if "kvlens_reused_flops_total" in raw}
+    assert set(exprs) == {
+        "Compute saved (modelled)",
+        "Per model",
+        "Request hit vs token reuse vs compute saved, by model",
+    }
+    sidecar = 'job="kvlens",instance="k:9433",prompt_len="0-511",cache="hit"'
+    series = [
+        (f'kvlens_prompt_work_units_total{{{sidecar},model="u"}}', "0+100x20"),
+        (f'kvlens_reused_work_units_total{{{sidecar},model="u"}}', "0+10x20"),
+        (f'kvlens_prompt_flops_total{{{sidecar},model="f"}}', "0+4000000x20"),
+        (f'kvlens_reused_flops_total{{{sidecar},model="f"}}', "0+1000000x20"),
+        (f'kvlens_modelled_prefill_seconds_total{{{sidecar},model="s"}}', "0+30x20"),
+        (f'kvlens_saved_prefill_seconds_total{{{sidecar},model="s"}}', "0+15x20"),
+    ]
+    per_unit = [
+        {"labels": f'{{unit="{unit}"}}', "value": value}
+        for unit, value in (("work_units", 0.1), ("flops", 0.25), ("seconds", 0.5))
+    ]
+    per_model = [
+        {"labels": f'{{model="{model}"}}', "value": value}
+        for model, value in (("u", 0.1), ("f", 0.25), ("s", 0.5))
+    ]
+    test = {
+        "rule_files": [],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": [{"series": name, "values": values} for name, values in series],
+                "promql_expr_test": [
+                    {"expr": exprs["Compute saved (modelled)"], "eval_time": "10m", "exp_samples": per_unit},
+                    {"expr": exprs["Per model"], "eval_time": "10m", "exp_samples": per_model},
+                ],
+            }
+        ],
+    }
+    path = tmp_path / "compute_saved.test.yaml"
+    path.write_text(yaml.safe_dump(test))
+    tested = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True)
     assert tested.returncode == 0, tested.stdout + tested.stderr
