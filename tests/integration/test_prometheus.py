@@ -8,7 +8,7 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -39,33 +39,43 @@ def engine() -> Iterator[str]:
 
 
 @pytest.fixture
-def prometheus(tmp_path: Path, engine: str) -> Iterator[tuple[Running, str]]:
+def prometheus(tmp_path: Path, engine: str) -> Iterator[tuple[Running, str, Callable[[int], Running]]]:
     binary = shutil.which("prometheus")
     if binary is None:
         pytest.fail("prometheus is missing: scripts/test installs Debian's prometheus package")
     # A followed file, so that the tail's checkpoint state (a sidecar-dashboard panel) exists.
     (tmp_path / "records.jsonl").write_text("")
-    kvlens = start_kvlens(
-        "serve",
-        "--scrape",
-        engine,
-        "--tail",
-        str(tmp_path / "records.jsonl"),
-        env={
-            "KVLENS_STATE_DIR": str(tmp_path / "state"),
-            "KVLENS_SCRAPE_INTERVAL_SECONDS": "0.5",
-            "KVLENS_MODELS": '["article-model", "Qwen/Qwen3-8B", "flops-model", "seconds-model"]',
-            # article-model: a decode shape only, so its compute stays in the article's unit;
-            # flops-model: a full shape (FLOPs); seconds-model: calibrated in seconds.
-            "KVLENS_MODEL_SHAPES": orjson.dumps(
-                {
-                    "article-model": {"layers": 32, "kv_heads": 8, "head_dim": 128, "weight_bytes": "14GiB"},
-                    "flops-model": REPLAY_SHAPE,
-                }
-            ).decode(),
-            "KVLENS_COST_MODELS": '{"seconds-model": {"a": 7.3e-5, "b": 5.3e-9, "unit": "seconds"}}',
-        },
-    )
+
+    def launch(port: int | None = None) -> Running:
+        return start_kvlens(
+            "serve",
+            "--scrape",
+            engine,
+            "--tail",
+            str(tmp_path / "records.jsonl"),
+            port=port,
+            env={
+                "KVLENS_STATE_DIR": str(tmp_path / "state"),
+                "KVLENS_SCRAPE_INTERVAL_SECONDS": "0.5",
+                "KVLENS_MODELS": '["article-model", "Qwen/Qwen3-8B", "flops-model", "seconds-model"]',
+                # article-model: a decode shape only, so its compute stays in the article's unit;
+                # flops-model: a full shape (FLOPs); seconds-model: calibrated in seconds.
+                "KVLENS_MODEL_SHAPES": orjson.dumps(
+                    {
+                        "article-model": {
+                            "layers": 32,
+                            "kv_heads": 8,
+                            "head_dim": 128,
+                            "weight_bytes": "14GiB",
+                        },
+                        "flops-model": REPLAY_SHAPE,
+                    }
+                ).decode(),
+                "KVLENS_COST_MODELS": '{"seconds-model": {"a": 7.3e-5, "b": 5.3e-9, "unit": "seconds"}}',
+            },
+        )
+
+    kvlens = launch()
     config = tmp_path / "prometheus.yml"
     config.write_text(
         orjson.dumps(
@@ -97,7 +107,7 @@ def prometheus(tmp_path: Path, engine: str) -> Iterator[tuple[Running, str]]:
     url = f"http://127.0.0.1:{port}"
     try:
         wait(lambda: httpx.get(f"{url}/-/ready", timeout=1).status_code == 200)
-        yield kvlens, url
+        yield kvlens, url, launch
     finally:
         process.terminate()
         process.wait(timeout=20)
@@ -133,8 +143,10 @@ def scalar(url: str, expr: str) -> float | None:
     return float(result[0]["value"][1]) if result else None
 
 
-def test_rules_and_every_dashboard_query_on_a_real_prometheus(prometheus: tuple[Running, str]) -> None:
-    kvlens, url = prometheus
+def test_rules_and_every_dashboard_query_on_a_real_prometheus(
+    prometheus: tuple[Running, str, Callable[[int], Running]],
+) -> None:
+    kvlens, url, launch = prometheus
     post = lambda records: httpx.post(f"{kvlens.url}/v1/records", content=orjson.dumps(records))  # noqa: E731
     # Earlier traffic creates the series, and Prometheus must see them before the measured
     # requests: a series' first sample is its baseline. Plenty of it, so that rate() never
@@ -213,7 +225,7 @@ def test_rules_and_every_dashboard_query_on_a_real_prometheus(prometheus: tuple[
                 result = query(url, expr)
                 assert result, f"{path.name}: panel {title!r} returned no data for {expr}"
         for _, expr in annotation_queries(dashboard):
-            query(url, expr)  # valid; no restart happened, so no annotation
+            assert query(url, expr) == [], expr  # no restart yet
         values = {
             variable: httpx.get(f"{url}/api/v1/label/{label}/values", params={"match[]": selector}).json()[
                 "data"
@@ -224,3 +236,13 @@ def test_rules_and_every_dashboard_query_on_a_real_prometheus(prometheus: tuple[
         if "model" in values:
             expected["model"] = sorted(["article-model", "Qwen/Qwen3-8B", "flops-model", "seconds-model"])
         assert values == expected, path.name
+
+    # A restart of kvlens (same port, so the same target): the restart annotation marks it.
+    kvlens.output()
+    restarted = launch(kvlens.port)
+    try:
+        for path in DASHBOARDS:
+            for _, expr in annotation_queries(load(path)):
+                wait(lambda expr=expr: [r["metric"]["instance"] for r in query(url, expr)] == [sidecar])
+    finally:
+        restarted.output()
