@@ -628,8 +628,27 @@ def overview() -> dash.Dashboard:
 
 
 def latency_table(selection: str) -> table.Panel:
-    """Hit beside miss per prompt length: p50 and p95 over the range, one row per length."""
+    """Hit beside miss per prompt length: p50 and p95 over the range, one row per length, in
+    length order (a numeric `length_from` label, hidden, because "512-2047" sorts after
+    "2048-8191" as text)."""
     refs = {"A": (0.5, "hit"), "B": (0.5, "miss"), "C": (0.95, "hit"), "D": (0.95, "miss")}
+    transforms = [
+        ("merge", {}),
+        (
+            "convertFieldType",
+            {"fields": {}, "conversions": [{"targetField": "length_from", "destinationType": "number"}]},
+        ),
+        ("sortBy", {"fields": {}, "sort": [{"field": "length_from", "desc": False}]}),
+        (
+            "organize",
+            {
+                "excludeByName": {"Time": True, "length_from": True},
+                "renameByName": {
+                    f"Value #{ref}": f"{cache} p{round(q * 100)}" for ref, (q, cache) in refs.items()
+                },
+            },
+        ),
+    ]
     panel = (
         table.Panel()
         .title("TTFT by prompt length: hit beside miss (selected range)")
@@ -641,28 +660,16 @@ def latency_table(selection: str) -> table.Panel:
         .span(24)
         .height(6)
         .unit("s")
-        .with_transformation(model.DataTransformerConfig(id_val="merge", options={}))
-        .with_transformation(
-            model.DataTransformerConfig(
-                id_val="organize",
-                options={
-                    "excludeByName": {"Time": True},
-                    "renameByName": {
-                        f"Value #{ref}": f"{cache} p{round(q * 100)}" for ref, (q, cache) in refs.items()
-                    },
-                },
-            )
-        )
-        .sort_by([common_builders.TableSortByFieldState().display_name("prompt_len")])
     )
+    for transform, options in transforms:
+        panel = panel.with_transformation(model.DataTransformerConfig(id_val=transform, options=options))
     for ref, (q, cache) in refs.items():
+        expr = quantile(
+            q, "kvlens_ttft_seconds", f'{selection}, cache="{cache}"', window=RANGE, by="prompt_len"
+        )
         panel = panel.with_target(
             query(
-                quantile(
-                    q, "kvlens_ttft_seconds", f'{selection}, cache="{cache}"', window=RANGE, by="prompt_len"
-                ),
-                ref=ref,
-                rows=True,
+                f'label_replace({expr}, "length_from", "$1", "prompt_len", `(\\d+).*`)', ref=ref, rows=True
             )
         )
     return panel

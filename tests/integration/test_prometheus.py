@@ -211,6 +211,18 @@ def test_rules_and_every_dashboard_query_on_a_real_prometheus(
     }
     assert per_model["article-model"] == pytest.approx(0.00344, abs=0.001)
 
+    # The hit-beside-miss table orders its rows by a numeric label taken from prompt_len.
+    rows = [
+        result["metric"]
+        for title, _, expr in queries(overview)
+        if title.startswith("TTFT by prompt length")
+        for result in query(url, expr)
+    ]
+    assert {(row["prompt_len"], row["length_from"]) for row in rows} == {
+        ("0-511", "0"),
+        ("8192-32767", "8192"),
+    }
+
     rules = httpx.get(f"{url}/api/v1/rules").json()["data"]["groups"]
     assert {group["name"] for group in rules} == {"kvlens-ratios", "kvlens-alerts"}
     assert all(rule["health"] == "ok" for group in rules for rule in group["rules"]), rules
