@@ -668,9 +668,7 @@ def latency_table(selection: str) -> table.Panel:
             q, "kvlens_ttft_seconds", f'{selection}, cache="{cache}"', window=RANGE, by="prompt_len"
         )
         panel = panel.with_target(
-            query(
-                f'label_replace({expr}, "length_from", "$1", "prompt_len", `(\\d+).*`)', ref=ref, rows=True
-            )
+            query(f'label_replace({expr}, "length_from", "$1", "prompt_len", `(\\d+).*`)', ref=ref, rows=True)
         )
     return panel
 
