@@ -8,7 +8,7 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,7 @@ import pytest
 from kvlens.fleet.wire import BlockRemoved, BlockStored
 from kvlens.sources.demo import REPLAY_SHAPE
 from tests.article import article_records
-from tests.dashboards import DASHBOARDS, load, queries
+from tests.dashboards import DASHBOARDS, SUBSTITUTIONS, annotation_queries, load, queries, variable_queries
 from tests.integration.conftest import Running, free_port, start_kvlens
 from tests.integration.test_scrape import FIXTURE, FakeEngine
 from tests.kv_publisher import TestPublisher
@@ -41,44 +41,73 @@ def engine() -> Iterator[str]:
 
 
 @pytest.fixture
-def kv_publisher() -> Iterator[TestPublisher]:
-    publisher = TestPublisher(free_port())
-    yield publisher
-    publisher.close()
+def kv_publishers() -> Iterator[tuple[TestPublisher, TestPublisher]]:
+    publishers = (TestPublisher(free_port()), TestPublisher(free_port()))
+    yield publishers
+    for publisher in publishers:
+        publisher.close()
 
 
 @pytest.fixture
-def prometheus(tmp_path: Path, engine: str, kv_publisher: TestPublisher) -> Iterator[tuple[Running, str]]:
+def prometheus(
+    tmp_path: Path, engine: str, kv_publishers: tuple[TestPublisher, TestPublisher]
+) -> Iterator[tuple[Running, str, Callable[[int], Running]]]:
     binary = shutil.which("prometheus")
     if binary is None:
         pytest.fail("prometheus is missing: scripts/test installs Debian's prometheus package")
-    kvlens = start_kvlens(
-        "serve",
-        "--scrape",
-        engine,
-        env={
-            "KVLENS_SCRAPE_INTERVAL_SECONDS": "0.5",
-            "KVLENS_MODELS": '["article-model", "Qwen/Qwen3-8B", "flops-model", "seconds-model"]',
-            # article-model: a decode shape only, so its compute stays in the article's unit;
-            # flops-model: a full shape (FLOPs); seconds-model: calibrated in seconds.
-            "KVLENS_MODEL_SHAPES": orjson.dumps(
-                {
-                    "article-model": {"layers": 32, "kv_heads": 8, "head_dim": 128, "weight_bytes": "14GiB"},
-                    "flops-model": REPLAY_SHAPE,
-                }
-            ).decode(),
-            "KVLENS_COST_MODELS": '{"seconds-model": {"a": 7.3e-5, "b": 5.3e-9, "unit": "seconds"}}',
-            "KVLENS_KV_EVENTS": orjson.dumps([{"name": "r0", "endpoint": kv_publisher.endpoint}]).decode(),
-        },
-    )
-    # One replica's KV events: a block stored, evicted and stored again (the fleet row has data).
-    kv_publisher.wait_subscribed()
-    for event in (
-        BlockStored([1], None, [1, 2, 3, 4], 4, None, "GPU", None),
-        BlockRemoved([1], "GPU"),
-        BlockStored([1], None, [1, 2, 3, 4], 4, None, "GPU", None),
+    # A followed file, so that the tail's checkpoint state (a sidecar-dashboard panel) exists.
+    (tmp_path / "records.jsonl").write_text("")
+
+    def launch(port: int | None = None) -> Running:
+        return start_kvlens(
+            "serve",
+            "--scrape",
+            engine,
+            "--tail",
+            str(tmp_path / "records.jsonl"),
+            port=port,
+            env={
+                "KVLENS_STATE_DIR": str(tmp_path / "state"),
+                "KVLENS_SCRAPE_INTERVAL_SECONDS": "0.5",
+                "KVLENS_MODELS": '["article-model", "Qwen/Qwen3-8B", "flops-model", "seconds-model"]',
+                # article-model: a decode shape only, so its compute stays in the article's unit;
+                # flops-model: a full shape (FLOPs); seconds-model: calibrated in seconds.
+                "KVLENS_MODEL_SHAPES": orjson.dumps(
+                    {
+                        "article-model": {
+                            "layers": 32,
+                            "kv_heads": 8,
+                            "head_dim": 128,
+                            "weight_bytes": "14GiB",
+                        },
+                        "flops-model": REPLAY_SHAPE,
+                    }
+                ).decode(),
+                "KVLENS_COST_MODELS": '{"seconds-model": {"a": 7.3e-5, "b": 5.3e-9, "unit": "seconds"}}',
+                "KVLENS_KV_EVENTS": orjson.dumps(
+                    [{"name": f"r{i}", "endpoint": p.endpoint} for i, p in enumerate(kv_publishers)]
+                ).decode(),
+            },
+        )
+
+    kvlens = launch()
+    # Two replicas' KV events, so that every cause the "Why reuse is lost" row reads has data: r0
+    # computes blocks 1 and 2 (new), r1 computes block 1 while r0 holds it (held_elsewhere), r0
+    # evicts block 2 and computes it again (evicted_here). Timestamps order them across publishers.
+    r0, r1 = kv_publishers
+    for publisher in kv_publishers:
+        publisher.wait_subscribed()
+    for at, (publisher, event) in enumerate(
+        (
+            (r0, BlockStored([1], None, [1, 2, 3, 4], 4, None, "GPU", None)),
+            (r0, BlockStored([2], None, [5, 6, 7, 8], 4, None, "GPU", None)),
+            (r1, BlockStored([1], None, [1, 2, 3, 4], 4, None, "GPU", None)),
+            (r0, BlockRemoved([2], "GPU")),
+            (r0, BlockStored([2], None, [5, 6, 7, 8], 4, None, "GPU", None)),
+        ),
+        start=1,
     ):
-        kv_publisher.publish_events([event])
+        publisher.publish_events([event], ts=1_800_000_000.0 + at)
     config = tmp_path / "prometheus.yml"
     config.write_text(
         orjson.dumps(
@@ -110,7 +139,7 @@ def prometheus(tmp_path: Path, engine: str, kv_publisher: TestPublisher) -> Iter
     url = f"http://127.0.0.1:{port}"
     try:
         wait(lambda: httpx.get(f"{url}/-/ready", timeout=1).status_code == 200)
-        yield kvlens, url
+        yield kvlens, url, launch
     finally:
         process.terminate()
         process.wait(timeout=20)
@@ -146,65 +175,118 @@ def scalar(url: str, expr: str) -> float | None:
     return float(result[0]["value"][1]) if result else None
 
 
-def test_rules_and_every_dashboard_query_on_a_real_prometheus(prometheus: tuple[Running, str]) -> None:
-    kvlens, url = prometheus
+def test_rules_and_every_dashboard_query_on_a_real_prometheus(
+    prometheus: tuple[Running, str, Callable[[int], Running]],
+) -> None:
+    kvlens, url, launch = prometheus
     post = lambda records: httpx.post(f"{kvlens.url}/v1/records", content=orjson.dumps(records))  # noqa: E731
     # Earlier traffic creates the series, and Prometheus must see them before the measured
     # requests: a series' first sample is its baseline. Plenty of it, so that rate() never
     # clamps its extrapolation at zero (which it would do per series, skewing the ratios).
-    short, long = article_records()[0], article_records()[-1]  # with timings: histograms exist too
+    # With timings (end-to-end too): the latency histograms exist.
+    records = [{**record, "e2e_seconds": record["ttft_seconds"] + 2.0} for record in article_records()]
+    short, long = records[0], records[-1]
     # The same requests, as two other models, give the FLOPs and seconds families data.
     other_units = [
         {**record, "model": model} for model in ("flops-model", "seconds-model") for record in (short, long)
     ]
     post([short, long] * 1000 + other_units * 100)
     wait(lambda: scalar(url, "sum(kvlens_requests_total)") == 2400)
-    post(article_records() + other_units)
+    post(records + other_units)
     FakeEngine.exposition = FIXTURE.replace("} 1008.0", "} 2016.0").replace("} 2048.0", "} 4096.0")
     wait(lambda: scalar(url, "sum(kvlens_requests_total)") == 2504)
     # Until the rules have been evaluated on a scrape that saw those requests, the ratios are
     # NaN (0/0) or absent.
-    headline = [
-        'model:kvlens_request_hit_ratio:ratio_rate5m{model="article-model"}',
-        'unit:kvlens_compute_saved_ratio:ratio_rate5m{unit="work_units"}',
-    ]
+    article = '{model="article-model"}'
     wait(
         lambda: all(
             finite(scalar(url, expr))
-            for expr in [*headline, "model:kvlens_engine_token_reuse_ratio:ratio_rate5m"]
+            for expr in [
+                f"namespace_model:kvlens_request_hit_ratio:ratio_rate5m{article}",
+                "instance_model:kvlens_engine_token_reuse_ratio:ratio_rate5m",
+            ]
         )
     )
 
-    # The headline ratios, as the recording rules compute them, equal the records' own.
-    article = '{model="article-model"}'
-    assert scalar(url, f"model:kvlens_request_hit_ratio:ratio_rate5m{article}") == pytest.approx(
-        0.9000, abs=0.001
-    )
-    assert scalar(url, f"model:kvlens_token_reuse_ratio:ratio_rate5m{article}") == pytest.approx(
-        0.0154, abs=0.001
-    )
-    assert scalar(url, f"model:kvlens_compute_saved_ratio:ratio_rate5m{article}") == pytest.approx(
-        0.00344, abs=0.001
-    )
+    # The headline ratios, as the recording rules compute them, equal the records' own, and the
+    # rules keep the job and instance the dashboard selects on.
+    sidecar = kvlens.url.removeprefix("http://")
+    for level in ("instance_model", "namespace_model"):
+        hit = query(url, f"{level}:kvlens_request_hit_ratio:ratio_rate5m{article}")
+        assert len(hit) == 1 and hit[0]["metric"]["job"] == "kvlens"
+        assert hit[0]["metric"].get("instance") == (sidecar if level == "instance_model" else None)
+        assert float(hit[0]["value"][1]) == pytest.approx(0.9000, abs=0.001)
+        assert scalar(url, f"{level}:kvlens_token_reuse_ratio:ratio_rate5m{article}") == pytest.approx(
+            0.0154, abs=0.001
+        )
+
+    # The overview's own stats, as Grafana would send them for a 5-minute range.
+    overview = load(next(path for path in DASHBOARDS if path.name == "kvlens-overview.json"))
+    stats = {title: expr for title, _, expr in queries(overview)}
+    # The measured requests: the article's 100 (90 hits) and 4 of the other models (2 hits).
+    assert scalar(url, stats["Request hit ratio"]) == pytest.approx(92 / 104, abs=0.005)
+    units = {
+        result["metric"]["unit"]: float(result["value"][1])
+        for result in query(url, stats["Compute saved (modelled)"])
+    }
     # Only article-model counts in work units, so the fleet's work-unit ratio is its ratio;
     # FLOPs and seconds are never added to it.
-    assert scalar(url, 'unit:kvlens_compute_saved_ratio:ratio_rate5m{unit="work_units"}') == pytest.approx(
-        0.00344, abs=0.001
-    )
-    for unit in ("flops", "seconds"):
-        assert finite(scalar(url, f'unit:kvlens_compute_saved_ratio:ratio_rate5m{{unit="{unit}"}}'))
-    assert finite(scalar(url, 'model:kvlens_saved_prefill_seconds:rate5m{model="seconds-model"}'))
+    assert set(units) == {"work_units", "flops", "seconds"}
+    assert units["work_units"] == pytest.approx(0.00344, abs=0.001)
+    assert all(math.isfinite(value) for value in units.values())
+    per_model = {
+        result["metric"]["model"]: float(result["value"][1])
+        for result in query(
+            url,
+            next(expr for title, raw, expr in queries(overview) if title == "Per model" and "saved" in raw),
+        )
+    }
+    assert per_model["article-model"] == pytest.approx(0.00344, abs=0.001)
+
+    # The hit-beside-miss table orders its rows by a numeric label taken from prompt_len.
+    rows = [
+        result["metric"]
+        for title, _, expr in queries(overview)
+        if title.startswith("TTFT by prompt length")
+        for result in query(url, expr)
+    ]
+    assert {(row["prompt_len"], row["length_from"]) for row in rows} == {
+        ("0-511", "0"),
+        ("8192-32767", "8192"),
+    }
 
     rules = httpx.get(f"{url}/api/v1/rules").json()["data"]["groups"]
-    assert {group["name"] for group in rules} == {
-        "kvlens-ratios",
-        "kvlens-latency",
-        "kvlens-kv-events",
-        "kvlens-alerts",
-    }
+    assert {group["name"] for group in rules} == {"kvlens-ratios", "kvlens-kv-events", "kvlens-alerts"}
     assert all(rule["health"] == "ok" for group in rules for rule in group["rules"]), rules
 
+    # Every panel of every dashboard has data with every variable on "All" (`.*` matching the
+    # cluster and namespace labels this Prometheus does not have), and with this sidecar chosen.
+    chosen = {**SUBSTITUTIONS, "$instance": sidecar.replace(".", "\\\\.")}
     for path in DASHBOARDS:
-        for title, _, expr in queries(load(path)):
-            result = query(url, expr)
-            assert result, f"{path.name}: panel {title!r} returned no data for {expr}"
+        dashboard = load(path)
+        for substitutions in (SUBSTITUTIONS, chosen):
+            for title, _, expr in queries(dashboard, substitutions):
+                result = query(url, expr)
+                assert result, f"{path.name}: panel {title!r} returned no data for {expr}"
+        for _, expr in annotation_queries(dashboard):
+            assert query(url, expr) == [], expr  # no restart yet
+        values = {
+            variable: httpx.get(f"{url}/api/v1/label/{label}/values", params={"match[]": selector}).json()[
+                "data"
+            ]
+            for variable, label, selector in variable_queries(dashboard)
+        }
+        expected = {"cluster": [], "namespace": [], "job": ["kvlens"], "instance": [sidecar]}
+        if "model" in values:
+            expected["model"] = sorted(["article-model", "Qwen/Qwen3-8B", "flops-model", "seconds-model"])
+        assert values == expected, path.name
+
+    # A restart of kvlens (same port, so the same target): the restart annotation marks it.
+    kvlens.output()
+    restarted = launch(kvlens.port)
+    try:
+        for path in DASHBOARDS:
+            for _, expr in annotation_queries(load(path)):
+                wait(lambda expr=expr: [r["metric"]["instance"] for r in query(url, expr)] == [sidecar])
+    finally:
+        restarted.output()
