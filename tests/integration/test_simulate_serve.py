@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import threading
 import time
 from collections.abc import Iterator
 from http.server import ThreadingHTTPServer
@@ -380,12 +381,15 @@ class Collector:
 
     def __init__(self) -> None:
         self.records: list[dict[str, object]] = []
+        self.arrived = threading.Condition()
         collector = self
 
         class Handler(TextHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers["content-length"]))
-                collector.records.extend(json.loads(body))
+                with collector.arrived:
+                    collector.records.extend(json.loads(body))
+                    collector.arrived.notify_all()
                 self.answer(b"{}")
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -394,10 +398,9 @@ class Collector:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/records"
 
     def wait_for(self, count: int, timeout: float = 20) -> int:
-        deadline = time.monotonic() + timeout
-        while len(self.records) < count and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return len(self.records)
+        with self.arrived:  # woken by each delivery, not by a clock
+            self.arrived.wait_for(lambda: len(self.records) >= count, timeout)
+            return len(self.records)
 
     def close(self) -> None:
         self.server.shutdown()
