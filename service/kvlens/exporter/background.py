@@ -54,6 +54,7 @@ class BackgroundSources:
         self._tasks: list[asyncio.Task[None]] = []
         self._threads: list[threading.Thread] = []
         self._stop_tails = threading.Event()
+        self._stopping = False
 
     async def start(self) -> None:
         if self.kv_events is not None:
@@ -64,6 +65,7 @@ class BackgroundSources:
         ]
 
     async def stop(self) -> None:
+        self._stopping = True  # a scrape loop that lost its cancellation still ends at its next turn
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -83,7 +85,7 @@ class BackgroundSources:
         # No ratio limit: the byte cap bounds memory, and a verbose engine may compress very well.
         limits = DecodeLimits(settings.scrape_max_bytes, math.inf, settings.max_gzip_members)
         async with httpx.AsyncClient(timeout=settings.scrape_timeout_seconds) as client:
-            while True:
+            while not self._stopping:
                 try:
                     text = await vllm_metrics.fetch(
                         client, scraped, deadline_seconds=settings.scrape_timeout_seconds, limits=limits
