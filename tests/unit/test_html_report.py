@@ -232,6 +232,8 @@ def test_self_contained_and_accessible(tmp_path: Path) -> None:
             assert not re.match(r"\s*(https?:)?//", node.attrs.get(name, "")), (node.tag, node.attrs)
     assert tree.find("script") == [] and tree.find("link") == [] and "@import" not in page
     assert tree.find("html")[0].attrs["lang"] == "en"
+    assert tree.find("title")[0].all_text() == "kvlens analyze: 0 findings"
+    assert tree.find("section", id="verdict")[0].all_text().startswith("VerdictNo finding. Checked, in")
     svgs = tree.find("svg")
     assert len(svgs) == 6  # ratios, shares, TTFT, queue, prefill, calibration
     for svg in svgs:
@@ -239,3 +241,24 @@ def test_self_contained_and_accessible(tmp_path: Path) -> None:
         assert svg.children[0].tag == "title" and svg.children[0].all_text() == svg.attrs["aria-label"]
     style = tree.find("style")[0].all_text()
     assert "@media print" in style and "svg{max-width:100%" in style
+
+
+def test_points_only_report_says_there_is_no_record_and_charts_each_shape(tmp_path: Path) -> None:
+    points = Path(__file__).resolve().parent.parent / "fixtures" / "h200" / "prefill_h200.csv"
+    out = tmp_path / "report.html"
+    assert main(["analyze", "--prefill-points", str(points), "--html", str(out)]) == 0
+    tree = parse(out.read_text())
+    assert tree.find("section", id="verdict")[0].find("p")[0].all_text() == (
+        "No record to judge: only calibration points were given."
+    )
+    context = tree.find("section", id="context")[0].all_text()
+    assert "none (calibration points only)" in context and "0 accepted, 0 rejected, of 0 lines" in context
+    assert tree.find("section", id="latency") == [] and tree.find("table") == []
+    shapes = {line.split(",")[0] for line in points.read_text().splitlines()[1:]}
+    charts = tree.find("section", id="calibration")[0].find("svg")
+    assert len(charts) == len(shapes) == 2
+    for svg in charts:
+        assert "prompt length (tokens), log scale" in svg.all_text()
+        assert "prefill time per layer (seconds), log scale" in svg.all_text()  # no layer count given
+    captions = [c.all_text() for c in tree.find("section", id="calibration")[0].find("figcaption")]
+    assert all("Fit per layer: t = a·m" in caption for caption in captions)

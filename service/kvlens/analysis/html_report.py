@@ -107,7 +107,7 @@ def _verdict(report: dict[str, Any]) -> str:
         )
         content = f'<p class="lead">{lead}</p><ol class="findings">{items}</ol>'
     elif report["overall"]["requests"]:
-        content = f'<p class="lead">No finding: none of the checks fired ({", ".join(CHECKS)}).</p>'
+        content = f'<p class="lead">No finding. Checked, in troubleshooting order: {"; ".join(CHECKS)}.</p>'
     else:
         content = '<p class="lead">No record to judge: only calibration points were given.</p>'
     return _section("verdict", "Verdict", content)
@@ -414,7 +414,7 @@ class Box:
     width: int = 640
     height: int = 420
     left: int = 70
-    right: int = 20
+    right: int = 36  # room for the last tick's label
     top: int = 30
     bottom: int = 60
 
@@ -453,7 +453,7 @@ def _calibration_chart(fit: dict[str, Any], box: Box = Box()) -> str:
         box.y_end - box.top,
         flip=True,
     )
-    parts = [_calibration_axes(x, y, box)]
+    parts = [_calibration_axes(x, y, box, per_layer=fit["per_layer"])]
     # the curves under the points, so every measured point stays visible
     for (name, line), dash in zip(lines.items(), ("", ' stroke-dasharray="6 4"'), strict=False):
         path = " ".join(f"{'L' if i else 'M'}{x(n):.1f},{y(t):.1f}" for i, (n, t) in enumerate(line))
@@ -488,7 +488,7 @@ def _spread(low: float, high: float, *, log: bool, steps: int = 60) -> list[floa
     return [low + (high - low) * i / steps for i in range(steps + 1)]
 
 
-def _calibration_axes(x: Axis, y: Axis, box: Box) -> str:
+def _calibration_axes(x: Axis, y: Axis, box: Box, *, per_layer: bool) -> str:
     x_ticks = "".join(
         f'<line x1="{x(t):.1f}" x2="{x(t):.1f}" y1="{box.y_end}" y2="{box.y_end + 4}" class="tick"/>'
         f'<text x="{x(t):.1f}" y="{box.y_end + 16}" text-anchor="middle" class="value">{_tick(t)}</text>'
@@ -500,13 +500,14 @@ def _calibration_axes(x: Axis, y: Axis, box: Box) -> str:
         for t in y.ticks()
     )
     x_title = f"prompt length (tokens){', log scale' if x.log else ''}"
-    y_title = f"prefill time (seconds){', log scale' if y.log else ''}"
+    # a table measured per layer, without the layer count, fits (and so shows) one layer
+    y_title = f"prefill time{' per layer' if per_layer else ''} (seconds){', log scale' if y.log else ''}"
     middle_x, middle_y = (box.left + box.x_end) / 2, (box.top + box.y_end) / 2
     return (
-        f'<g class="axis" data-axis="x" data-scale="{x.scale}">'
+        f'<g class="scale" data-axis="x" data-scale="{x.scale}">'
         f'<line x1="{box.left}" x2="{box.x_end}" y1="{box.y_end}" y2="{box.y_end}" class="axis"/>{x_ticks}'
         f'<text x="{middle_x}" y="{box.height - 22}" text-anchor="middle" class="axis-title">{x_title}</text>'
-        f'</g><g class="axis" data-axis="y" data-scale="{y.scale}">'
+        f'</g><g class="scale" data-axis="y" data-scale="{y.scale}">'
         f'<line x1="{box.left}" x2="{box.left}" y1="{box.top}" y2="{box.y_end}" class="axis"/>{y_ticks}'
         f'<text transform="translate(14,{middle_y}) rotate(-90)" text-anchor="middle" '
         f'class="axis-title">{y_title}</text></g>'
