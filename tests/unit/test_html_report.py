@@ -144,7 +144,7 @@ def test_verdict_then_context_precede_every_chart_and_table(tmp_path: Path) -> N
         "2027-01-15 08:00:00 UTC to 2027-01-15 08:59:24 UTC (59.4 min; 100 records with an arrival_time)"
         in context
     )
-    assert str(source) in context and "(kvlens)" in context
+    assert f"{source} (kvlens)1 file(s) read (kvlens 1)" in context
     assert "100 accepted, 2 rejected, of 102 lines" in context
     assert "a = 1, b = 0.0009766, in work_units" in context
     assert tree.find("title")[0].all_text() == "kvlens analyze: 2 findings"
@@ -249,7 +249,7 @@ def test_points_only_report_says_there_is_no_record_and_charts_each_shape(tmp_pa
     assert main(["analyze", "--prefill-points", str(points), "--html", str(out)]) == 0
     tree = parse(out.read_text())
     assert tree.find("section", id="verdict")[0].find("p")[0].all_text() == (
-        "No record to judge: only calibration points were given."
+        "No record accepted, nothing to judge: only the calibration below."
     )
     context = tree.find("section", id="context")[0].all_text()
     assert "none (calibration points only)" in context and "0 accepted, 0 rejected, of 0 lines" in context
@@ -262,3 +262,18 @@ def test_points_only_report_says_there_is_no_record_and_charts_each_shape(tmp_pa
         assert "prefill time per layer (seconds), log scale" in svg.all_text()  # no layer count given
     captions = [c.all_text() for c in tree.find("section", id="calibration")[0].find("figcaption")]
     assert all("Fit per layer: t = a·m" in caption for caption in captions)
+
+
+def test_past_twenty_input_paths_the_rest_are_counted(tmp_path: Path) -> None:
+    paths = [
+        str(write_records(tmp_path / f"part-{i:02}.jsonl", [{"prompt_tokens": 100, "cached_tokens": 16}]))
+        for i in range(22)
+    ]
+    out = tmp_path / "report.html"
+    assert main(["analyze", *paths, "--html", str(out)]) == 0
+    files = parse(out.read_text()).find("section", id="context")[0].find("dd")[1]
+    assert [li.all_text() for li in files.find("li")] == [
+        *(f"{path} (kvlens)" for path in paths[:20]),
+        "and 2 more",
+    ]
+    assert files.all_text().endswith("22 file(s) read (kvlens 22)")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import html
 import json
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -29,6 +30,7 @@ MISS_COLOUR: Final = "#D55E00"
 NEUTRAL_COLOUR: Final = "#5f6b7a"
 INK: Final = "#1d232a"
 SERIES: Final = (("hit", HIT_COLOUR), ("miss", MISS_COLOUR))
+MAX_LISTED: Final = 20  # input paths named in the context; the rest are counted
 LOG_SPAN: Final = 10.0  # an axis whose data spans more than this factor is drawn on a log scale
 LATENCY_CHARTS: Final = (
     ("ttft_seconds", "Time to first token"),
@@ -109,7 +111,7 @@ def _verdict(report: dict[str, Any]) -> str:
     elif report["overall"]["requests"]:
         content = f'<p class="lead">No finding. Checked, in troubleshooting order: {"; ".join(CHECKS)}.</p>'
     else:
-        content = '<p class="lead">No record to judge: only calibration points were given.</p>'
+        content = '<p class="lead">No record accepted, nothing to judge: only the calibration below.</p>'
     return _section("verdict", "Verdict", content)
 
 
@@ -140,6 +142,8 @@ def _time_range(span: dict[str, Any] | None) -> str:
 
 
 def _files(source: dict[str, Any]) -> str:
+    """The paths as given (a directory or glob stands for many files), then the files read by
+    format; a long list is cut, not the counts."""
     if not source["files"]:
         return "none (calibration points only)"
     formats = source["formats"]
@@ -147,9 +151,13 @@ def _files(source: dict[str, Any]) -> str:
         f"<li><code>{html.escape(path)}</code>"
         + (f" ({html.escape(formats[path])})" if path in formats else "")
         + "</li>"
-        for path in source["files"]
+        for path in source["files"][:MAX_LISTED]
     )
-    return f"<ul>{listed}</ul>"
+    more = len(source["files"]) - MAX_LISTED
+    listed += f"<li>and {more:,} more</li>" if more > 0 else ""
+    read = Counter(formats.values())
+    by_format = ", ".join(f"{name} {count:,}" for name, count in sorted(read.items()))
+    return f"<ul>{listed}</ul>{sum(read.values()):,} file(s) read ({html.escape(by_format or 'none')})"
 
 
 def _counts(source: dict[str, Any]) -> str:
@@ -227,7 +235,7 @@ def _figure(svg: str, caption: str) -> str:
 
 
 def _svg_open(width: int, height: int, label: str) -> str:
-    # width 100 % with a viewBox: the chart shrinks to a printed page's width
+    # the viewBox keeps the proportions when the style shrinks the chart to a narrower page
     return (
         f'<svg viewBox="0 0 {width} {height}" width="{width}" height="{height}" role="img" '
         f'aria-label="{html.escape(label)}">'
