@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import yaml
 
 from kvlens.cli import main
 from tests.article import article_records
@@ -277,3 +278,20 @@ def test_past_twenty_input_paths_the_rest_are_counted(tmp_path: Path) -> None:
         "and 2 more",
     ]
     assert files.all_text().endswith("22 file(s) read (kvlens 22)")
+
+
+def test_work_in_two_units_is_not_a_share_and_each_model_names_its_unit(tmp_path: Path) -> None:
+    config = tmp_path / "settings.yaml"
+    config.write_text(yaml.safe_dump({"cost_models": {"fitted": {"a": 3e-5, "b": 2e-9, "unit": "seconds"}}}))
+    records = [
+        {"model": "fitted", "prompt_tokens": 1000, "cached_tokens": 500},
+        {"model": "plain", "prompt_tokens": 1000, "cached_tokens": 0},
+    ]
+    _, tree = html_of(tmp_path, records, "--config", str(config))
+    context = tree.find("section", id="context")[0].all_text()
+    assert "fitted: C(n) = a·n + b·n(n+1)/2 with a = 3e-05, b = 2e-09, in seconds" in context
+    assert "plain: C(n) = a·n + b·n(n+1)/2 with a = 1, b = 0.0009766, in work_units" in context
+    ratios, shares = tree.find("section", id="numbers")[0].find("svg")
+    texts = [t.all_text() for t in ratios.find("text")]
+    assert texts[-2:] == ["Compute saved (modelled)", "n/a"]  # no one number across units
+    assert [t.all_text() for t in shares.find("text")][-2:] == ["512-2047 miss work", "n/a"]

@@ -201,13 +201,13 @@ def _key_numbers(report: dict[str, Any]) -> str:
     ratios = _bars(
         "The three ratios",
         "The three ratios of all records, in percent",
-        [(title, overall[key] or 0.0) for key, title in render.RATIO_NAMES],
+        [(title, overall[key]) for key, title in render.RATIO_NAMES],
     )
     shares = _bars(
         "Share of requests and of modelled work, by group",
         "For each prompt-length group and hit status, its share of requests and of modelled work, in percent",
         [
-            (f"{g['prompt_len']} {g['cache']} {kind}", g[f"share_of_{kind}"] or 0.0)
+            (f"{g['prompt_len']} {g['cache']} {kind}", g[f"share_of_{kind}"])
             for g in report["groups"]
             for kind in ("requests", "work")
         ],
@@ -243,19 +243,25 @@ def _svg_open(width: int, height: int, label: str) -> str:
     )
 
 
-def _bars(title: str, label: str, items: list[tuple[str, float]], width: int = 640) -> str:
-    """Horizontal bars of fractions, one colour (hit and miss colours are kept for hit and miss)."""
+def _bars(title: str, label: str, items: list[tuple[str, float | None]], width: int = 640) -> str:
+    """Horizontal bars of fractions in one neutral colour (blue and vermillion mean hit and miss
+    here); a fraction that is not one number (work in several units) is written n/a, not 0."""
     if not items:
         return ""
     height = 24 * len(items) + 12
     rows = []
     for i, (name, value) in enumerate(items):
         y = 4 + 24 * i
-        length = max(value, 0.0) * (width - 320)
+        length = 1.0 if value is None else max(value * (width - 320), 1.0)
+        shown = "n/a" if value is None else f"{100 * value:.2f} %"
+        bar = (
+            ""
+            if value is None
+            else f'<rect x="200" y="{y}" width="{length:.1f}" height="18" fill="{NEUTRAL_COLOUR}"/>'
+        )
         rows.append(
-            f'<text x="0" y="{y + 14}" class="label">{html.escape(name)}</text>'
-            f'<rect x="200" y="{y}" width="{max(length, 1):.1f}" height="18" fill="{NEUTRAL_COLOUR}"/>'
-            f'<text x="{205 + max(length, 1):.1f}" y="{y + 14}" class="value">{100 * value:.2f} %</text>'
+            f'<text x="0" y="{y + 14}" class="label">{html.escape(name)}</text>{bar}'
+            f'<text x="{205 + length:.1f}" y="{y + 14}" class="value">{shown}</text>'
         )
     return _figure(_svg_open(width, height, label) + "".join(rows) + "</svg>", html.escape(title))
 
