@@ -80,6 +80,7 @@ def record(draw: st.DrawFn) -> dict[str, Any]:
         ("ttft_seconds", draw(seconds)),
         ("queue_seconds", draw(seconds)),
         ("prefill_seconds", draw(seconds)),
+        ("arrival_time", draw(st.one_of(st.none(), st.floats(1.7e9, 1.8e9)))),  # the report's time range
     ):
         if value is not None:
             out[name] = value

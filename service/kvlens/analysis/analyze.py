@@ -55,7 +55,8 @@ def analyze(
                     calibration.fit(*points)
                     for points in columnar.calibration_inputs(store, CALIBRATION_MAX_POINTS)
                 ]
-                result = _report(summary, settings, labels, read, records, paths, lambda: None)
+                span = time_range(*columnar.arrival_range(store))
+                result = _report(summary, settings, labels, read, records, paths, span, lambda: None)
         finally:
             store.close()
     else:
@@ -64,6 +65,12 @@ def analyze(
             read.batch, settings.prompt_length_edges, settings.cost_model_for, settings.default_model
         )
         summary = report.summarize(derived)
+        arrivals = read.batch.arrival_time[~np.isnan(read.batch.arrival_time)]
+        span = time_range(
+            float(arrivals.min()) if arrivals.size else None,
+            float(arrivals.max()) if arrivals.size else None,
+            int(arrivals.size),
+        )
         result = _report(
             summary,
             settings,
@@ -71,6 +78,7 @@ def analyze(
             read,
             len(read.batch),
             paths,
+            span,
             lambda: diagnosis.prefix_potential(derived),
         )
         fits = [
@@ -84,8 +92,16 @@ def analyze(
             if (rows := derived.model == name).any() and not np.isnan(read.batch.prefill_seconds[rows]).all()
         ]
     fits += _point_fits(settings, prefill_points)
-    result["calibration"] = [{**fit.as_dict(), "residuals": fit.residuals} for fit in fits]
+    result["calibration"] = [
+        {**fit.as_dict(), "residuals": fit.residuals, "sample": fit.sample} for fit in fits
+    ]
     return result, fits
+
+
+def time_range(first: float | None, last: float | None, records: int) -> dict[str, Any]:
+    """The first and last ``arrival_time`` (unix seconds) of the accepted records, and how many
+    carry one (the field is optional: the range may rest on a part of the records)."""
+    return {"first_arrival": first, "last_arrival": last, "records": records}
 
 
 def choose_engine(requested: str, paths: Sequence[str]) -> str:
@@ -113,6 +129,7 @@ def _report(
     read: reader.ReadResult,
     records: int,
     paths: list[str],
+    span: dict[str, Any],
     potential: Callable[[], dict[str, Any] | None],
 ) -> dict[str, Any]:
     result = report.build_from(summary, settings.cost_model_for, labels)
@@ -125,6 +142,7 @@ def _report(
         "skipped_total": read.skipped_total,
         "skipped": dict(sorted(read.skipped.items())),
         "skipped_examples": read.examples,
+        "time_range": span,
     }
     result["diagnosis"] = diagnosis.diagnose(summary, labels, result, potential)
     return result

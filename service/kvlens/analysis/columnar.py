@@ -49,6 +49,7 @@ ANALYSIS_COLUMNS = (
     "queue_seconds",
     "prefill_seconds",
     "ttft_seconds",
+    "arrival_time",  # only its range is read (the report's time range)
 )
 SCALAR_COLUMNS = tuple(spec.name for spec in records.FIELDS if spec.kind is not list)
 _SQL_TYPE = {int: "BIGINT", float: "DOUBLE", str: "VARCHAR"}
@@ -615,6 +616,14 @@ def summarize(engine: Engine, source: str, edges: Sequence[int], default_model: 
         (per_token,) = quantiles_of(("prefill_per_computed_token", *group), (0.5,))
         prefill_groups[group] = report.PrefillGroup(int(count), int(n), int(h), median, per_token)
     return report.Summary(cells, latency, decomposition, threshold, slowest, prefill_groups)
+
+
+def arrival_range(engine: Engine) -> tuple[float | None, float | None, int]:
+    """The first and last arrival time of the records :func:`summarize` kept, and how many have one."""
+    first, last, count = engine.connection.execute(
+        "SELECT min(arrival_time), max(arrival_time), count(arrival_time) FROM kept"
+    ).fetchone() or (None, None, 0)
+    return (None if first is None else float(first), None if last is None else float(last), int(count))
 
 
 def calibration_inputs(engine: Engine, limit: int) -> Iterator[tuple[str, Any, Any, Any]]:

@@ -84,7 +84,9 @@ def run(args: argparse.Namespace) -> int:
     if args.calibrate:
         args.calibrate.write_text(yaml.safe_dump(calibration.cost_model_file(fits), sort_keys=False))
     if args.html:
-        args.html.write_text(render.html_page(report))
+        from kvlens.analysis import html_report
+
+        args.html.write_text(html_report.page(report, settings.cost_model_for))
     if args.json:
         print(json.dumps(report, indent=2))
     elif args.markdown:
