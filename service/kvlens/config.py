@@ -365,6 +365,14 @@ class Settings(BaseSettings):
     kv_events: list[KVEventsPublisherSetting] = Field(
         [], description="Replicas' KV event publishers to subscribe to (`--kv-events NAME=URL`)."
     )
+    kv_events_dns: list[str] = Field(
+        [],
+        description="Headless Services whose addresses are replicas' publishers (`--kv-events-dns HOST:PORT`), "
+        "re-resolved every kv_events_dns_interval_seconds.",
+    )
+    kv_events_dns_interval_seconds: float = Field(
+        30.0, gt=0, le=3600, description="Seconds between lookups of the kv_events_dns names."
+    )
     kv_events_hashes_alike: bool = Field(
         False, description="Every replica hashes blocks alike (same algorithm and seed): key by engine hash."
     )
@@ -490,6 +498,13 @@ class Settings(BaseSettings):
         if len({p.name for p in publishers}) != len(publishers):
             raise ValueError("KV events replica names must be distinct")
         return publishers
+
+    @field_validator("kv_events_dns")
+    @classmethod
+    def _dns_targets(cls, targets: list[str]) -> list[str]:
+        for target in targets:
+            parse_dns_target(target)
+        return targets
 
     @field_validator("kv_events_shard")
     @classmethod
@@ -645,6 +660,14 @@ def _compact(value: Any) -> str:
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k}: {_compact(v)}" for k, v in value.items()) + "}"
     return str(value)
+
+
+def parse_dns_target(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` -> (host, port)."""
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in host:
+        raise ValueError(f"a KV events DNS target is HOST:PORT, e.g. vllm-headless.ns.svc:5557, not {text!r}")
+    return host, int(port)
 
 
 def parse_shard(text: str) -> tuple[int, int]:

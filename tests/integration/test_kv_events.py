@@ -249,3 +249,24 @@ def _taken(port: int) -> bool:
         except OSError:
             return True
     return False
+
+
+def test_serve_finds_its_publishers_by_dns() -> None:
+    """``kvlens serve --kv-events-dns localhost:PORT``: the real resolver gives 127.0.0.1 (this
+    machine's localhost), a replica named by its address; its events are classified as any."""
+    port = free_port()
+    publisher = TestPublisher(port)
+    kvlens = start_kvlens("serve", "--kv-events-dns", f"localhost:{port}")
+    try:
+        publisher.wait_subscribed()
+        replica = f"127.0.0.1:{port}"
+        assert kvlens.wait_for("kvlens_kv_publisher_up", 1, replica=replica) == 1
+        publisher.publish(stored([101, 102], None, FIRST + SECOND))
+        assert kvlens.wait_for("kvlens_kv_event_batches_total", 1, replica=replica) == 1
+        assert kvlens.value("kvlens_kv_recomputed_tokens_total", replica=replica, cause=NEW) == 8
+        assert kvlens.value("kvlens_kv_dns_replicas", service=f"localhost:{port}") == 1
+        assert kvlens.value("kvlens_kv_dns_failures_total", service=f"localhost:{port}") == 0
+    finally:
+        out = kvlens.output()
+        publisher.close()
+    assert "Traceback" not in out

@@ -61,6 +61,7 @@ def settings_from(args: argparse.Namespace, **overrides: Any) -> Settings:
         scrape_username=getattr(args, "scrape_username", None),
         scrape_password_file=getattr(args, "scrape_password_file", None),
         kv_events=kv_events_from(getattr(args, "kv_events", None)),
+        kv_events_dns=getattr(args, "kv_events_dns", None),
         kv_events_shard=getattr(args, "kv_events_shard", None),
         tails=tails_from(
             getattr(args, "tail", None), getattr(args, "formats", None), getattr(args, "model", None)

@@ -10,12 +10,12 @@ import threading
 
 import httpx
 
-from kvlens.config import Settings, TailSetting, parse_shard
+from kvlens.config import Settings, TailSetting, parse_dns_target, parse_shard
 from kvlens.errors import ScrapeError
 from kvlens.exporter.aggregator import Aggregator, ModelLabels
 from kvlens.exporter.upstream import UpstreamState
 from kvlens.fleet.index import FleetIndex
-from kvlens.fleet.source import KVEvents, Publisher
+from kvlens.fleet.source import DnsTarget, KVEvents, Publisher
 from kvlens.sources import tail, vllm_metrics
 from kvlens.sources.encoding import DecodeLimits
 
@@ -47,8 +47,10 @@ class BackgroundSources:
                     shard=parse_shard(settings.kv_events_shard),
                 ),
                 settings.kv_events_reorder_seconds,
+                dns=[DnsTarget(*parse_dns_target(target)) for target in settings.kv_events_dns],
+                dns_interval_seconds=settings.kv_events_dns_interval_seconds,
             )
-            if settings.kv_events
+            if settings.kv_events or settings.kv_events_dns
             else None
         )
         self._tasks: list[asyncio.Task[None]] = []

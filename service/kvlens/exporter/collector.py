@@ -316,7 +316,12 @@ def _kv_families(kv_events: KVEvents) -> list[Metric]:
         family = _gauge(spec) if spec.kind == "gauge" else _counter(spec)
         family.add_metric([], value)
         singles.append(family)
-    return [recomputed, stored, removed, held, fleet, events, rejected, *per_publisher.values(), *singles]
+    dns_replicas, dns_failures = _gauge(metrics.KV_DNS_REPLICAS), _counter(metrics.KV_DNS_FAILURES)
+    for name, (replicas, failures) in sorted(snapshot.dns.items()):
+        dns_replicas.add_metric([name], replicas)
+        dns_failures.add_metric([name], failures)
+    families = [recomputed, stored, removed, held, fleet, events, rejected, *per_publisher.values(), *singles]
+    return families + ([dns_replicas, dns_failures] if snapshot.dns else [])
 
 
 def _gauge(spec: metrics.MetricSpec) -> GaugeMetricFamily:

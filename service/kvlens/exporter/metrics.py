@@ -364,6 +364,18 @@ KV_UNKNOWN_REMOVED = MetricSpec(
     (),
     "Removed blocks whose store kvlens never saw (it started later, or a gap lost it).",
 )
+KV_DNS_REPLICAS = MetricSpec(
+    "kvlens_kv_dns_replicas",
+    "gauge",
+    ("service",),
+    "Addresses the KV events DNS name resolved to at its last successful lookup (replicas subscribed).",
+)
+KV_DNS_FAILURES = MetricSpec(
+    "kvlens_kv_dns_failures",
+    "counter",
+    ("service",),
+    "Lookups of a KV events DNS name that failed or found no address (the last set was kept).",
+)
 KV: Final = (
     KV_RECOMPUTED_TOKENS,
     KV_BLOCKS_STORED,
@@ -384,6 +396,8 @@ KV: Final = (
     KV_FORGOTTEN,
     KV_UNTRACKED,
     KV_UNKNOWN_REMOVED,
+    KV_DNS_REPLICAS,
+    KV_DNS_FAILURES,
 )  # with --kv-events
 SCRAPE_ERRORS = MetricSpec(
     "kvlens_collector_errors", "counter", (), "Metric families that failed to render and were left out."
