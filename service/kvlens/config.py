@@ -395,6 +395,29 @@ class Settings(BaseSettings):
     kv_events_shard: str = Field(
         "0/1", description="i/N: keep only the blocks of shard i of N (N kvlens on the same publishers)."
     )
+    modelled_capacity_blocks: int | None = Field(
+        None,
+        ge=1,
+        description="Set: records with prefix_hashes and replica go through one modelled cache of this "
+        "many blocks per replica: kvlens_kv_modelled_recomputed_tokens_total (causes without KV events).",
+    )
+    modelled_block_size: int = Field(
+        16,
+        ge=1,
+        le=1_000_000,
+        description="Tokens per block of the modelled caches (records of another are skipped).",
+    )
+    modelled_max_replicas: int = Field(
+        256,
+        ge=1,
+        le=100_000,
+        description="Replicas modelled; records of further replicas are skipped (counted).",
+    )
+    modelled_partial_last_block: bool = Field(
+        False,
+        description="The last prefix id names the prompt's partial last block (LiteLLM's): dropped when "
+        "prompt_tokens is not a whole number of blocks.",
+    )
     state_dir: Path = Field(
         Path("~/.local/state/kvlens"),
         description="Where tail checkpoints are kept: a writable volume (the image uses /var/lib/kvlens).",

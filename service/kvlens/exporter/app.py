@@ -150,7 +150,7 @@ class Sidecar:
                     validated.rejections + Rejections.single([-1] * duplicates, "duplicate"),
                     validated.unknown_fields,
                 )
-        self.aggregator.add(validated, source)
+        self.background.count(validated, source)
         return validated, duplicates
 
 
@@ -281,7 +281,11 @@ async def ingest_records(request: Request) -> Response:
 
             def work() -> IngestResult:
                 text = encoding.decode(body, content_encoding, sidecar.decode_limits)  # off the loop
-                validated = push.read_records(text, settings.max_records_per_request)
+                validated = push.read_records(
+                    text,
+                    settings.max_records_per_request,
+                    keep_prefix_hashes=sidecar.background.modelled is not None,
+                )
                 counted, duplicates = sidecar.count(validated, source, dedupe)
                 return IngestResult(
                     accepted=len(counted.batch),

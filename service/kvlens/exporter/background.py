@@ -13,9 +13,11 @@ import httpx
 from kvlens.config import Settings, TailSetting, parse_dns_target, parse_shard
 from kvlens.errors import ScrapeError
 from kvlens.exporter.aggregator import Aggregator, ModelLabels
+from kvlens.exporter.modelled import ModelledCauses
 from kvlens.exporter.upstream import UpstreamState
 from kvlens.fleet.index import FleetIndex
 from kvlens.fleet.source import DnsTarget, KVEvents, Publisher
+from kvlens.records import Validated
 from kvlens.sources import tail, vllm_metrics
 from kvlens.sources.encoding import DecodeLimits
 
@@ -53,6 +55,17 @@ class BackgroundSources:
             if settings.kv_events or settings.kv_events_dns
             else None
         )
+        self.modelled = (
+            None
+            if settings.modelled_capacity_blocks is None
+            else ModelledCauses(
+                settings.modelled_capacity_blocks,
+                settings.modelled_block_size,
+                max_replicas=settings.modelled_max_replicas,
+                partial_last_block=settings.modelled_partial_last_block,
+                remember_blocks=settings.kv_events_remember_blocks,
+            )
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self._threads: list[threading.Thread] = []
         self._stop_tails = threading.Event()
@@ -74,6 +87,12 @@ class BackgroundSources:
             await asyncio.to_thread(self.kv_events.stop)
         for thread in self._threads:  # each writes its last checkpoint as it ends
             await asyncio.to_thread(thread.join, 10)
+
+    def count(self, validated: Validated, source: str) -> None:
+        """Add records to the sums, and to the modelled caches when they are on."""
+        self.aggregator.add(validated, source)
+        if self.modelled is not None:
+            self.modelled.add(validated.batch)
 
     def problems(self) -> list[str]:
         """Why the sidecar cannot keep its promises now (readiness fails while there are any)."""
@@ -111,7 +130,7 @@ class BackgroundSources:
             args=(
                 tailer,
                 spec.converter(),
-                lambda validated: self.aggregator.add(validated, "tail"),
+                lambda validated: self.count(validated, "tail"),
                 self._stop_tails,
             ),
             kwargs={"poll_seconds": self.settings.tail_poll_seconds, "status": status},

@@ -399,6 +399,21 @@ KV: Final = (
     KV_DNS_REPLICAS,
     KV_DNS_FAILURES,
 )  # with --kv-events
+KV_MODELLED_RECOMPUTED_TOKENS = MetricSpec(
+    "kvlens_kv_modelled_recomputed_tokens",
+    "counter",
+    ("replica", "cause"),
+    "As kvlens_kv_recomputed_tokens_total, modelled: records' prefix_hashes through one modelled cache of "
+    "modelled_capacity_blocks per replica (no KV events). Kept apart: never add it to the observed family.",
+)
+KV_MODELLED_RECORDS = MetricSpec(
+    "kvlens_kv_modelled_records",
+    "counter",
+    ("outcome",),
+    "Records with prefix_hashes: modelled, or left out: no_replica, block_size (not modelled_block_size), "
+    "replicas (past modelled_max_replicas).",
+)
+KV_MODELLED: Final = (KV_MODELLED_RECOMPUTED_TOKENS, KV_MODELLED_RECORDS)  # with modelled_capacity_blocks
 SCRAPE_ERRORS = MetricSpec(
     "kvlens_collector_errors", "counter", (), "Metric families that failed to render and were left out."
 )
@@ -427,6 +442,7 @@ ALL: Final = (
     *TAIL,
     *DECODE,
     *KV,
+    *KV_MODELLED,
     SCRAPE_ERRORS,
     BUILD_INFO,
 )
