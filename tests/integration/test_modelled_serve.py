@@ -75,10 +75,12 @@ def test_posted_records_give_the_offline_modelled_causes() -> None:
             }
         )
         assert found == Counter({key: float(tokens) for key, tokens in expected.items()})
-        exported = {(dict(l)["replica"], dict(l)["cause"]) for (m, l) in samples if m == name}
+        exported = {(dict(labels)["replica"], dict(labels)["cause"]) for (m, labels) in samples if m == name}
         assert exported == {(f"r{i}", cause) for i in range(REPLICAS) for cause in CAUSES}
         outcomes = {
-            dict(l)["outcome"]: v for (m, l), v in samples.items() if m == "kvlens_kv_modelled_records_total"
+            dict(labels)["outcome"]: v
+            for (m, labels), v in samples.items()
+            if m == "kvlens_kv_modelled_records_total"
         }
         assert outcomes == {"modelled": 900, "no_replica": 1, "block_size": 1, "replicas": 0}
         assert kvlens.value("kvlens_requests_total") == 903
