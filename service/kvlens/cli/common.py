@@ -22,6 +22,7 @@ from kvlens.errors import SettingsError
 from kvlens.exporter import server
 from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.app import create_app
+from kvlens.fleet.source import KVEvents
 
 log = logging.getLogger("kvlens")
 
@@ -99,11 +100,13 @@ def tails_from(
     ]
 
 
-def build_server(settings: Settings, aggregator: Aggregator, log_level: str) -> uvicorn.Server:
+def build_server(
+    settings: Settings, aggregator: Aggregator, log_level: str, kv_events: KVEvents | None = None
+) -> uvicorn.Server:
     check_port_free(settings)
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)  # process_start_time_seconds shows restarts
-    app = create_app(settings, registry, aggregator)
+    app = create_app(settings, registry, aggregator, kv_events)
     sockets = server.raise_open_files_limit()
     server.return_large_buffers()  # a refused bomb's 16 MiB goes back to the kernel
     if sockets < settings.max_connections + 64:

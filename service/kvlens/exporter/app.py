@@ -46,6 +46,7 @@ from kvlens.exporter.ingest import (
     RecentRecords,
 )
 from kvlens.exporter.runtime import ConnectionGuard, ScrapeRenderer, ServiceHealth
+from kvlens.fleet.source import KVEvents
 from kvlens.records import Record, Rejections, Validated
 from kvlens.sources import encoding, otlp, push, vllm_plugin
 
@@ -155,10 +156,13 @@ class Sidecar:
 
 
 def create_app(
-    settings: Settings, registry: CollectorRegistry, aggregator: Aggregator | None = None
+    settings: Settings,
+    registry: CollectorRegistry,
+    aggregator: Aggregator | None = None,
+    kv_events: KVEvents | None = None,
 ) -> FastAPI:
     aggregator = aggregator or Aggregator(settings)
-    background = BackgroundSources(settings, aggregator)
+    background = BackgroundSources(settings, aggregator, kv_events)
     sidecar = Sidecar(settings, aggregator, background, registry)
     registry.register(KVLensCollector(aggregator, background, sidecar.health))
 

@@ -24,8 +24,19 @@ from kvlens.sources.encoding import DecodeLimits
 log = logging.getLogger(__name__)
 
 
+def fleet_index(settings: Settings) -> FleetIndex:
+    """The KV events' block index as the settings size it."""
+    return FleetIndex(
+        hashes_alike=settings.kv_events_hashes_alike,
+        remember_blocks=settings.kv_events_remember_blocks,
+        max_held_blocks=settings.kv_events_max_held_blocks,
+        shard=parse_shard(settings.kv_events_shard),
+    )
+
+
 class BackgroundSources:
-    def __init__(self, settings: Settings, aggregator: Aggregator) -> None:
+    def __init__(self, settings: Settings, aggregator: Aggregator, kv_events: KVEvents | None = None) -> None:
+        """``kv_events``: one fed in process (the demo), instead of the settings' subscriptions."""
         self.settings = settings
         self.aggregator = aggregator
         self.targets = {target.name: target for target in settings.scrape_targets_parsed()}
@@ -39,22 +50,15 @@ class BackgroundSources:
             else None
         )
         self.tails = [tail.TailStatus(spec.path) for spec in settings.tails]
-        self.kv_events = (
-            KVEvents(
+        self.kv_events = kv_events
+        if kv_events is None and (settings.kv_events or settings.kv_events_dns):
+            self.kv_events = KVEvents(
                 [Publisher(p.name, p.endpoint, p.replay_endpoint, p.topic) for p in settings.kv_events],
-                FleetIndex(
-                    hashes_alike=settings.kv_events_hashes_alike,
-                    remember_blocks=settings.kv_events_remember_blocks,
-                    max_held_blocks=settings.kv_events_max_held_blocks,
-                    shard=parse_shard(settings.kv_events_shard),
-                ),
+                fleet_index(settings),
                 settings.kv_events_reorder_seconds,
                 dns=[DnsTarget(*parse_dns_target(target)) for target in settings.kv_events_dns],
                 dns_interval_seconds=settings.kv_events_dns_interval_seconds,
             )
-            if settings.kv_events or settings.kv_events_dns
-            else None
-        )
         self.modelled = (
             None
             if settings.modelled_capacity_blocks is None
