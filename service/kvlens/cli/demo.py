@@ -160,6 +160,10 @@ def print_summary(aggregator: Aggregator, out: TextIO, kv_events: KVEvents | Non
     )
 
 
+def _share(fraction: float) -> str:
+    return f"{100 * fraction:.0f}" if fraction >= 0.005 else "<1"
+
+
 def causes_summary(kv_events: KVEvents) -> str:
     """Why the fleet recomputed what it stored: each lost-reuse cause's share of the tokens."""
     by_cause: Counter[str] = Counter()
@@ -168,7 +172,5 @@ def causes_summary(kv_events: KVEvents) -> str:
     whole = sum(by_cause.values())
     if not whole:
         return ""
-    shares = ", ".join(
-        f"{cause} {100 * by_cause[cause] / whole:.0f} %" for cause in CAUSES if by_cause[cause]
-    )
+    shares = ", ".join(f"{cause} {_share(by_cause[cause] / whole)} %" for cause in CAUSES if by_cause[cause])
     return f" | recomputed: {shares}"
