@@ -84,13 +84,17 @@ def test_addresses_past_the_cap_are_left_out_and_counted() -> None:
     assert (len(target.addresses), target.too_many) == (MAX_DISCOVERED, 3)
 
 
-def test_configured_publishers_win_over_a_discovered_address_of_the_same_name() -> None:
-    static = [Publisher("10.0.0.5:5557", "tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558")]
-    first, second = DnsTarget("a", 5557, Answers(["10.0.0.5"])), DnsTarget("b", 5557, Answers(["10.0.0.5"]))
+def test_a_publisher_is_subscribed_once_however_often_it_is_named() -> None:
+    static = [
+        Publisher("10.0.0.5:5557", "tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558"),
+        Publisher("r0", "tcp://10.0.0.6:5557"),
+    ]
+    first = DnsTarget("a", 5557, Answers(["10.0.0.5", "10.0.0.6", "10.0.0.7"]))
+    second = DnsTarget("b", 5557, Answers(["10.0.0.7"]))
     first.refresh()
     second.refresh()
     wanted = wanted_publishers(static, [first, second])
-    assert list(wanted.values()) == static
+    assert list(wanted.values()) == [*static, Publisher("10.0.0.7:5557", "tcp://10.0.0.7:5557")]
 
 
 def test_a_vanished_replica_s_blocks_are_removed_and_a_later_store_is_evicted_here() -> None:

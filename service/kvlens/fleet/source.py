@@ -297,11 +297,14 @@ class DnsTarget:
 
 def wanted_publishers(static: list[Publisher], targets: list[DnsTarget]) -> dict[str, Publisher]:
     """The publishers to subscribe to now: the configured ones, then each name's addresses (a name
-    given twice, or an address equal to a configured replica, is subscribed once)."""
+    given twice, or an address a configured replica already has, is subscribed once: two
+    subscriptions to one publisher would count its blocks as held by two replicas)."""
     wanted = {publisher.name: publisher for publisher in static}
+    endpoints = {publisher.endpoint for publisher in static}
     for target in targets:
         for publisher in target.publishers():
-            wanted.setdefault(publisher.name, publisher)
+            if publisher.endpoint not in endpoints:
+                wanted.setdefault(publisher.name, publisher)
     return wanted
 
 
