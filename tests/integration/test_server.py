@@ -163,6 +163,7 @@ def test_demo_replays_the_bundled_trace_on_a_simulated_fleet() -> None:
         stored = total(values, "kvlens_kv_blocks_stored_total", medium="GPU")
         assert stored > 0 and total(values, recomputed) == 512 * stored
         assert total(values, recomputed, cause="new") > 0
+        assert total(values, recomputed, cause="unknown") == 0  # no store left out: every parent known
         assert total(values, "kvlens_kv_publisher_up") == 4
     finally:
         output = running.output()

@@ -124,10 +124,14 @@ def _feed(
     tick: float = 0.5,
 ) -> None:
     last = time.time()
+    # The cache events from the trace's start, though the records start now: a block stored while
+    # the server started and left out would make its children's content unknown.
+    events_from = last if kv_feed is None else min(last, kv_feed.traffic.origin)
     while not stop.wait(tick):
         now = time.time()
         if kv_feed is not None:  # a request's blocks are stored before it finishes
-            kv_feed.feed(last, now)
+            kv_feed.feed(events_from, now)
+            events_from = now
         records = traffic.records(last, now)
         last = now
         if records:
