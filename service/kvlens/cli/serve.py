@@ -54,7 +54,8 @@ def add_parser(commands: Any) -> None:
         "--kv-events-dns",
         action="append",
         metavar="HOST:PORT",
-        help="a headless Service whose addresses are the replicas' publishers, re-resolved every 30 s "
+        help="a headless Service whose addresses are the replicas' publishers, looked up every "
+        "kv_events_dns_interval_seconds (30) "
         "(repeatable; kvlens[kv-events])",
     )
     serve.add_argument(
