@@ -685,12 +685,17 @@ def _compact(value: Any) -> str:
     return str(value)
 
 
-def parse_dns_target(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` -> (host, port)."""
-    host, _, port = text.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in host:
-        raise ValueError(f"a KV events DNS target is HOST:PORT, e.g. vllm-headless.ns.svc:5557, not {text!r}")
-    return host, int(port)
+def parse_dns_target(text: str) -> tuple[str, int, int | None]:
+    """``HOST:PORT`` or ``HOST:PORT/REPLAY_PORT`` -> (host, port, replay port or None)."""
+    address, slash, replay = text.partition("/")
+    host, _, port = address.rpartition(":")
+    ports = [port, replay] if slash else [port]
+    if not host or not all(p.isdigit() and 0 < int(p) < 65536 for p in ports) or "://" in host:
+        raise ValueError(
+            "a KV events DNS target is HOST:PORT or HOST:PORT/REPLAY_PORT, e.g. "
+            f"vllm-headless.ns.svc:5557/5558, not {text!r}"
+        )
+    return host, int(port), int(replay) if slash else None
 
 
 def parse_shard(text: str) -> tuple[int, int]:

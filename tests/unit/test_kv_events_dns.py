@@ -77,6 +77,15 @@ def test_each_address_is_a_replica_and_a_failed_lookup_keeps_the_last_set(
     assert answers.asked == [("vllm-headless.ns.svc", 5557)] * 4
 
 
+def test_each_address_s_replay_endpoint_is_on_the_replay_port() -> None:
+    target = DnsTarget("svc", 5557, Answers(["10.0.0.5", "fd00::7"]), replay_port=5558)
+    target.refresh()
+    assert target.publishers() == [
+        Publisher("10.0.0.5:5557", "tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558"),
+        Publisher("[fd00::7]:5557", "tcp://[fd00::7]:5557", "tcp://[fd00::7]:5558"),
+    ]
+
+
 def test_addresses_past_the_cap_are_left_out_and_counted() -> None:
     many = [f"10.{i // 65536}.{i // 256 % 256}.{i % 256}" for i in range(MAX_DISCOVERED + 3)]
     target = DnsTarget("big", 1, Answers(many))
@@ -125,7 +134,10 @@ def test_localhost_resolves_with_the_real_resolver() -> None:
     assert "127.0.0.1" in resolve_addresses("localhost", 5557)
 
 
-@pytest.mark.parametrize("text", ["svc", "svc:", ":5557", "svc:0", "svc:70000", "tcp://svc:5557"])
+@pytest.mark.parametrize(
+    "text",
+    ["svc", "svc:", ":5557", "svc:0", "svc:70000", "tcp://svc:5557", "svc:5557/", "svc:5557/x", "svc/1:2"],
+)
 def test_a_bad_target_is_a_named_settings_error(text: str) -> None:
     with pytest.raises(SettingsError, match="kv_events_dns"):
         load_settings(None, kv_events_dns=[text])
@@ -135,7 +147,9 @@ def test_a_target_parses() -> None:
     assert parse_dns_target("kvlens-vllm-headless.ns.svc.cluster.local:5557") == (
         "kvlens-vllm-headless.ns.svc.cluster.local",
         5557,
+        None,
     )
+    assert parse_dns_target("svc:5557/5558") == ("svc", 5557, 5558)
     settings = load_settings(None, kv_events_dns=["a:1"], kv_events_dns_interval_seconds=5)
     assert (settings.kv_events_dns, settings.kv_events_dns_interval_seconds) == (["a:1"], 5)
 

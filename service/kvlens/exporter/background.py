@@ -34,6 +34,11 @@ def fleet_index(settings: Settings) -> FleetIndex:
     )
 
 
+def dns_target(text: str) -> DnsTarget:
+    host, port, replay_port = parse_dns_target(text)
+    return DnsTarget(host, port, replay_port=replay_port)
+
+
 class BackgroundSources:
     def __init__(self, settings: Settings, aggregator: Aggregator, kv_events: KVEvents | None = None) -> None:
         """``kv_events``: one fed in process (the demo), instead of the settings' subscriptions."""
@@ -56,7 +61,7 @@ class BackgroundSources:
                 [Publisher(p.name, p.endpoint, p.replay_endpoint, p.topic) for p in settings.kv_events],
                 fleet_index(settings),
                 settings.kv_events_reorder_seconds,
-                dns=[DnsTarget(*parse_dns_target(target)) for target in settings.kv_events_dns],
+                dns=[dns_target(target) for target in settings.kv_events_dns],
                 dns_interval_seconds=settings.kv_events_dns_interval_seconds,
             )
         self.modelled = (

@@ -22,7 +22,8 @@ removals, which never come; ``AllBlocksCleared`` or kvlens's own restart clears 
 A replay that does not answer within ``replay_timeout_seconds`` leaves the gap unrepaired (counted
 as such). Nothing here raises out of the thread: an unexpected error is logged and counted.
 
-**DNS discovery** (Kubernetes: a headless Service's name, ``HOST:PORT``): a resolver thread looks
+**DNS discovery** (Kubernetes: a headless Service's name, ``HOST:PORT``, or
+``HOST:PORT/REPLAY_PORT`` when the publishers have a replay endpoint): a resolver thread looks
 the name up (``socket.getaddrinfo``, A and AAAA) at start and every ``interval`` seconds. Each
 address is a replica named ``ADDRESS:PORT`` (``[ADDRESS]:PORT`` for IPv6; no reverse lookup: a
 pod's PTR record names its address, not the pod). A new address is subscribed; a vanished one is
@@ -252,6 +253,7 @@ class DnsTarget:
     host: str
     port: int
     resolve: Resolver = resolve_addresses
+    replay_port: int | None = None  # each address's replay endpoint, to repair gaps
     addresses: tuple[str, ...] = ()
     lookups: int = 0
     failures: int = 0  # lookups that failed or found nothing (the last set was kept)
@@ -290,8 +292,14 @@ class DnsTarget:
         self.failing = True
 
     def publishers(self) -> list[Publisher]:
+        replay = self.replay_port
         return [
-            Publisher(name, f"tcp://{name}") for name in (address_name(a, self.port) for a in self.addresses)
+            Publisher(
+                address_name(address, self.port),
+                f"tcp://{address_name(address, self.port)}",
+                None if replay is None else f"tcp://{address_name(address, replay)}",
+            )
+            for address in self.addresses
         ]
 
 
