@@ -367,8 +367,8 @@ class Settings(BaseSettings):
     )
     kv_events_dns: list[str] = Field(
         [],
-        description="Headless Services whose addresses are replicas' publishers "
-        "(`--kv-events-dns HOST:PORT`), re-resolved every kv_events_dns_interval_seconds.",
+        description="Headless Services whose addresses are replicas' publishers (`--kv-events-dns "
+        "HOST:PORT[/REPLAY_PORT]`), re-resolved every kv_events_dns_interval_seconds.",
     )
     kv_events_dns_interval_seconds: float = Field(
         30.0, gt=0, le=3600, description="Seconds between lookups of the kv_events_dns names."

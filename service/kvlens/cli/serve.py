@@ -53,7 +53,7 @@ def add_parser(commands: Any) -> None:
     serve.add_argument(
         "--kv-events-dns",
         action="append",
-        metavar="HOST:PORT",
+        metavar="HOST:PORT[/REPLAY_PORT]",
         help="a headless Service whose addresses are the replicas' publishers, looked up every "
         "kv_events_dns_interval_seconds (30) "
         "(repeatable; kvlens[kv-events])",
