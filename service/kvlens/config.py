@@ -365,6 +365,14 @@ class Settings(BaseSettings):
     kv_events: list[KVEventsPublisherSetting] = Field(
         [], description="Replicas' KV event publishers to subscribe to (`--kv-events NAME=URL`)."
     )
+    kv_events_dns: list[str] = Field(
+        [],
+        description="Headless Services whose addresses are replicas' publishers (`--kv-events-dns "
+        "HOST:PORT[/REPLAY_PORT]`), re-resolved every kv_events_dns_interval_seconds.",
+    )
+    kv_events_dns_interval_seconds: float = Field(
+        30.0, gt=0, le=3600, description="Seconds between lookups of the kv_events_dns names."
+    )
     kv_events_hashes_alike: bool = Field(
         False, description="Every replica hashes blocks alike (same algorithm and seed): key by engine hash."
     )
@@ -386,6 +394,29 @@ class Settings(BaseSettings):
     )
     kv_events_shard: str = Field(
         "0/1", description="i/N: keep only the blocks of shard i of N (N kvlens on the same publishers)."
+    )
+    modelled_capacity_blocks: int | None = Field(
+        None,
+        ge=1,
+        description="Set: records with prefix_hashes and replica go through one modelled cache of this "
+        "many blocks per replica: kvlens_kv_modelled_recomputed_tokens_total (causes without KV events).",
+    )
+    modelled_block_size: int = Field(
+        16,
+        ge=1,
+        le=1_000_000,
+        description="Tokens per block of the modelled caches (records of another are skipped).",
+    )
+    modelled_max_replicas: int = Field(
+        256,
+        ge=1,
+        le=100_000,
+        description="Replicas modelled; records of further replicas are skipped (counted).",
+    )
+    modelled_partial_last_block: bool = Field(
+        False,
+        description="The last prefix id names the prompt's partial last block (LiteLLM's): dropped when "
+        "prompt_tokens is not a whole number of blocks.",
     )
     state_dir: Path = Field(
         Path("~/.local/state/kvlens"),
@@ -490,6 +521,13 @@ class Settings(BaseSettings):
         if len({p.name for p in publishers}) != len(publishers):
             raise ValueError("KV events replica names must be distinct")
         return publishers
+
+    @field_validator("kv_events_dns")
+    @classmethod
+    def _dns_targets(cls, targets: list[str]) -> list[str]:
+        for target in targets:
+            parse_dns_target(target)
+        return targets
 
     @field_validator("kv_events_shard")
     @classmethod
@@ -645,6 +683,19 @@ def _compact(value: Any) -> str:
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k}: {_compact(v)}" for k, v in value.items()) + "}"
     return str(value)
+
+
+def parse_dns_target(text: str) -> tuple[str, int, int | None]:
+    """``HOST:PORT`` or ``HOST:PORT/REPLAY_PORT`` -> (host, port, replay port or None)."""
+    address, slash, replay = text.partition("/")
+    host, _, port = address.rpartition(":")
+    ports = [port, replay] if slash else [port]
+    if not host or not all(p.isdigit() and 0 < int(p) < 65536 for p in ports) or "://" in host:
+        raise ValueError(
+            "a KV events DNS target is HOST:PORT or HOST:PORT/REPLAY_PORT, e.g. "
+            f"vllm-headless.ns.svc:5557/5558, not {text!r}"
+        )
+    return host, int(port), int(replay) if slash else None
 
 
 def parse_shard(text: str) -> tuple[int, int]:

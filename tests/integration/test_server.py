@@ -158,9 +158,17 @@ def test_demo_replays_the_bundled_trace_on_a_simulated_fleet() -> None:
         assert total(values, "kvlens_decode_context_tokens") > 0
         reuse = total(values, "kvlens_cached_tokens_total") / total(values, "kvlens_prompt_tokens_total")
         assert 0.02 < reuse < 0.7  # the Mooncake trace reuses; no fleet reuses more than it can reach (0.65)
+        # Why reuse is lost: the simulated fleet's KV events, in process; every stored block has a cause
+        recomputed = "kvlens_kv_recomputed_tokens_total"
+        stored = total(values, "kvlens_kv_blocks_stored_total", medium="GPU")
+        assert stored > 0 and total(values, recomputed) == 512 * stored
+        assert total(values, recomputed, cause="new") > 0
+        assert total(values, recomputed, cause="unknown") == 0  # no store left out: every parent known
+        assert total(values, "kvlens_kv_publisher_up") == 4
     finally:
         output = running.output()
     assert "Mooncake trace" in output and "request hit" in output
+    assert "| recomputed: new " in output
 
 
 def test_synthetic_demo_serves_article_shaped_numbers() -> None:

@@ -22,6 +22,7 @@ from kvlens.errors import SettingsError
 from kvlens.exporter import server
 from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.app import create_app
+from kvlens.fleet.source import KVEvents
 
 log = logging.getLogger("kvlens")
 
@@ -61,6 +62,7 @@ def settings_from(args: argparse.Namespace, **overrides: Any) -> Settings:
         scrape_username=getattr(args, "scrape_username", None),
         scrape_password_file=getattr(args, "scrape_password_file", None),
         kv_events=kv_events_from(getattr(args, "kv_events", None)),
+        kv_events_dns=getattr(args, "kv_events_dns", None),
         kv_events_shard=getattr(args, "kv_events_shard", None),
         tails=tails_from(
             getattr(args, "tail", None), getattr(args, "formats", None), getattr(args, "model", None)
@@ -98,11 +100,13 @@ def tails_from(
     ]
 
 
-def build_server(settings: Settings, aggregator: Aggregator, log_level: str) -> uvicorn.Server:
+def build_server(
+    settings: Settings, aggregator: Aggregator, log_level: str, kv_events: KVEvents | None = None
+) -> uvicorn.Server:
     check_port_free(settings)
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)  # process_start_time_seconds shows restarts
-    app = create_app(settings, registry, aggregator)
+    app = create_app(settings, registry, aggregator, kv_events)
     sockets = server.raise_open_files_limit()
     server.return_large_buffers()  # a refused bomb's 16 MiB goes back to the kernel
     if sockets < settings.max_connections + 64:

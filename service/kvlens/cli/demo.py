@@ -6,10 +6,15 @@ import argparse
 import sys
 import threading
 import time
+from collections import Counter
 from typing import Any, TextIO
 
 from kvlens.cli.common import build_server, server_flags, settings_from
+from kvlens.config import Settings
 from kvlens.exporter.aggregator import Aggregator
+from kvlens.exporter.background import fleet_index
+from kvlens.fleet.index import CAUSES
+from kvlens.fleet.source import KVEvents, Publisher
 from kvlens.records import batch_from_objects
 from kvlens.sources import demo
 
@@ -53,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         if not settings.model_shapes:  # the replayed model's shape: compute saved in FLOPs
             settings = settings_from(args, docs=True, model_shapes={demo.REPLAY_MODEL: demo.REPLAY_SHAPE})
-        replay = demo.ReplayTraffic(speed=args.speed, policy=args.policy)
+        replay = demo.ReplayTraffic(speed=args.speed, policy=args.policy, kv_events=True)
         traffic = replay
         what = (
             f"the Mooncake trace (kvcache-ai/Mooncake, Apache-2.0) replayed {args.speed:g}x faster by the\n"
@@ -61,7 +66,11 @@ def run(args: argparse.Namespace) -> int:
             f"{args.policy}"
         )
     aggregator = Aggregator(settings, extra_sources=(demo.SOURCE,))
-    server = build_server(settings, aggregator, "warning")
+    kv_events, feed = None, None
+    if isinstance(traffic, demo.ReplayTraffic):
+        kv_events = in_process_kv_events(settings, demo.ReplayKVEvents.names(traffic.replicas))
+        feed = demo.ReplayKVEvents(traffic, kv_events)
+    server = build_server(settings, aggregator, "warning", kv_events)
     stop = threading.Event()
     base = f"http://{settings.host}:{settings.port}"
     print(
@@ -74,10 +83,10 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     threads = [
-        threading.Thread(target=_feed, args=(traffic, aggregator, stop), name="demo-feed", daemon=True),
+        threading.Thread(target=_feed, args=(traffic, aggregator, stop, feed), name="demo-feed", daemon=True),
         threading.Thread(
             target=_summarize,
-            args=(aggregator, stop, args.every, sys.stdout),
+            args=(aggregator, stop, args.every, sys.stdout, kv_events),
             name="demo-summary",
             daemon=True,
         ),
@@ -92,28 +101,51 @@ def run(args: argparse.Namespace) -> int:
         stop.set()
         for thread in threads:
             thread.join(timeout=2)
-    print_summary(aggregator, sys.stdout)
+    print_summary(aggregator, sys.stdout, kv_events)
     return 0
 
 
+def in_process_kv_events(settings: Settings, replicas: list[str]) -> KVEvents:
+    """The sidecar's KV events index, fed in process by the demo's simulated fleet: no socket, so
+    the demo's ``.[serve]`` install needs no pyzmq; its replicas count as connected."""
+    kv_events = KVEvents(
+        [Publisher(name, "in-process") for name in replicas], fleet_index(settings), in_process=True
+    )
+    for status in kv_events.consumer.status.values():
+        status.up = 1
+    return kv_events
+
+
 def _feed(
-    traffic: demo.TrafficSource, aggregator: Aggregator, stop: threading.Event, tick: float = 0.5
+    traffic: demo.TrafficSource,
+    aggregator: Aggregator,
+    stop: threading.Event,
+    kv_feed: demo.ReplayKVEvents | None = None,
+    tick: float = 0.5,
 ) -> None:
     last = time.time()
+    # The cache events from the trace's start, though the records start now: a block stored while
+    # the server started and left out would make its children's content unknown.
+    events_from = last if kv_feed is None else min(last, kv_feed.traffic.origin)
     while not stop.wait(tick):
         now = time.time()
+        if kv_feed is not None:  # a request's blocks are stored before it finishes
+            kv_feed.feed(events_from, now)
+            events_from = now
         records = traffic.records(last, now)
         last = now
         if records:
             aggregator.add(batch_from_objects(records), demo.SOURCE)
 
 
-def _summarize(aggregator: Aggregator, stop: threading.Event, every: float, out: TextIO) -> None:
+def _summarize(
+    aggregator: Aggregator, stop: threading.Event, every: float, out: TextIO, kv_events: KVEvents | None
+) -> None:
     while not stop.wait(every):
-        print_summary(aggregator, out)
+        print_summary(aggregator, out, kv_events)
 
 
-def print_summary(aggregator: Aggregator, out: TextIO) -> None:
+def print_summary(aggregator: Aggregator, out: TextIO, kv_events: KVEvents | None = None) -> None:
     totals = aggregator.snapshot().totals()
     if not totals.requests:
         print("  no requests yet", file=out, flush=True)
@@ -125,7 +157,24 @@ def print_summary(aggregator: Aggregator, out: TextIO) -> None:
     print(
         f"  {totals.requests:>8,} requests | request hit {percent(totals.request_hit_ratio, 1)}"
         f" | token reuse {percent(totals.token_reuse_ratio, 2)}"
-        f" | compute saved {percent(totals.compute_saved_ratio, 3)}",
+        f" | compute saved {percent(totals.compute_saved_ratio, 3)}"
+        f"{'' if kv_events is None else causes_summary(kv_events)}",
         file=out,
         flush=True,
     )
+
+
+def _share(fraction: float) -> str:
+    return f"{100 * fraction:.0f}" if fraction >= 0.005 else "<1"
+
+
+def causes_summary(kv_events: KVEvents) -> str:
+    """Why the fleet recomputed what it stored: each lost-reuse cause's share of the tokens."""
+    by_cause: Counter[str] = Counter()
+    for (_, cause), tokens in kv_events.snapshot().index.recomputed_tokens.items():
+        by_cause[cause] += tokens
+    whole = sum(by_cause.values())
+    if not whole:
+        return ""
+    shares = ", ".join(f"{cause} {_share(by_cause[cause] / whole)} %" for cause in CAUSES if by_cause[cause])
+    return f" | recomputed: {shares}"

@@ -51,6 +51,14 @@ def add_parser(commands: Any) -> None:
         help="a replica's KV event publisher, e.g. r0=tcp://10.0.0.5:5557 (repeatable; kvlens[kv-events])",
     )
     serve.add_argument(
+        "--kv-events-dns",
+        action="append",
+        metavar="HOST:PORT[/REPLAY_PORT]",
+        help="a headless Service whose addresses are the replicas' publishers, looked up every "
+        "kv_events_dns_interval_seconds (30) "
+        "(repeatable; kvlens[kv-events])",
+    )
+    serve.add_argument(
         "--kv-events-shard", metavar="i/N", help="keep only shard i of N of the fleet's blocks"
     )
     serve.set_defaults(run=run)

@@ -21,6 +21,16 @@ removals, which never come; ``AllBlocksCleared`` or kvlens's own restart clears 
 
 A replay that does not answer within ``replay_timeout_seconds`` leaves the gap unrepaired (counted
 as such). Nothing here raises out of the thread: an unexpected error is logged and counted.
+
+**DNS discovery** (Kubernetes: a headless Service's name, ``HOST:PORT``, or
+``HOST:PORT/REPLAY_PORT`` when the publishers have a replay endpoint): a resolver thread looks
+the name up (``socket.getaddrinfo``, A and AAAA) at start and every ``interval`` seconds. Each
+address is a replica named ``ADDRESS:PORT`` (``[ADDRESS]:PORT`` for IPv6; no reverse lookup: a
+pod's PTR record names its address, not the pod). A new address is subscribed; a vanished one is
+unsubscribed and its blocks counted removed, as after ``AllBlocksCleared`` (a block it held and
+stores again later is ``evicted_here``); its counters stay, its ``up`` goes to 0. A failed or empty
+answer keeps the last set (a fleet scaled to zero keeps its subscriptions, down), counted and
+logged once until a lookup succeeds again. At most :data:`MAX_DISCOVERED` addresses per name.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import heapq
 import importlib.util
 import logging
 import math
+import socket
 import threading
 import time
 from collections import Counter
@@ -46,6 +57,9 @@ MAX_REPLAY_FRAMES: Final = 100_000  # one replay answer at most (vLLM's buffer_s
 # A message past this closes the connection (ZMQ_MAXMSGSIZE; ZeroMQ reconnects): a vLLM batch
 # is one engine step's events, well under a MiB.
 MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
+# Addresses kept per DNS name: a fleet-level kvlens follows one deployment's replicas, and each
+# costs a socket and its series.
+MAX_DISCOVERED: Final = 1024
 # Batches waiting for the reorder window (kept as received, read when applied) hold at most this
 # many bytes; past it the oldest are applied at once (a publisher whose timestamps do not move,
 # or a burst, cannot make kvlens hold more).
@@ -110,6 +124,22 @@ class Consumer:
         self._arrival = 0
         self._newest = -math.inf
         self._last_ts: dict[str, float] = {}
+
+    def add(self, publisher: Publisher) -> None:
+        """A replica found after start (DNS discovery); one seen before keeps its counters."""
+        with self.index.lock:  # snapshots copy the statuses under it
+            self.status.setdefault(publisher.name, PublisherStatus())
+
+    def vanished(self, replica: str) -> None:
+        """The replica left the fleet (its address left the DNS answer): its blocks are removed,
+        in order with the batches still waiting; if it comes back it starts a new sequence."""
+        status = self.status[replica]
+        status.up = 0
+        status.next_seq = None
+        self._last_ts.pop(replica, None)
+        now = self.clock()
+        self._wait(self._newest, replica, now, None, 0)
+        self.release(now, idle=False)
 
     def message(
         self, replica: str, seq: int, payload: bytes, replay: Callable[[int], list[tuple[int, bytes]]] | None
@@ -204,14 +234,99 @@ class Consumer:
                     status.other_group_events += 1
 
 
+Resolver = Callable[[str, int], list[str]]
+
+
+def resolve_addresses(host: str, port: int) -> list[str]:
+    """The A and AAAA records of ``host`` (blocking: called on the resolver thread)."""
+    return sorted({str(info[4][0]) for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)})
+
+
+def address_name(address: str, port: int) -> str:
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
+@dataclass
+class DnsTarget:
+    """One DNS name whose addresses are replicas; :meth:`refresh` runs on the resolver thread."""
+
+    host: str
+    port: int
+    resolve: Resolver = resolve_addresses
+    replay_port: int | None = None  # each address's replay endpoint, to repair gaps
+    addresses: tuple[str, ...] = ()
+    lookups: int = 0
+    failures: int = 0  # lookups that failed or found nothing (the last set was kept)
+    failing: bool = False
+    too_many: int = 0  # addresses past MAX_DISCOVERED left out, at the last lookup
+
+    @property
+    def name(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def refresh(self) -> None:
+        self.lookups += 1
+        try:
+            found = sorted(set(self.resolve(self.host, self.port)))
+        except (OSError, UnicodeError, ValueError) as error:  # gaierror is an OSError
+            self._failed(str(error))
+            return
+        if not found:
+            self._failed("no address")
+            return
+        if self.failing:
+            log.info("kvlens: KV events DNS %s resolves again: %d addresses", self.name, len(found))
+        self.failing = False
+        self.too_many = max(0, len(found) - MAX_DISCOVERED)
+        self.addresses = tuple(found[:MAX_DISCOVERED])
+
+    def _failed(self, why: str) -> None:
+        self.failures += 1
+        if not self.failing:  # once per failing streak, not every interval
+            log.warning(
+                "kvlens: KV events DNS %s did not resolve (%s): keeping its %d replicas",
+                self.name,
+                why,
+                len(self.addresses),
+            )
+        self.failing = True
+
+    def publishers(self) -> list[Publisher]:
+        replay = self.replay_port
+        return [
+            Publisher(
+                address_name(address, self.port),
+                f"tcp://{address_name(address, self.port)}",
+                None if replay is None else f"tcp://{address_name(address, replay)}",
+            )
+            for address in self.addresses
+        ]
+
+
+def wanted_publishers(static: list[Publisher], targets: list[DnsTarget]) -> dict[str, Publisher]:
+    """The publishers to subscribe to now: the configured ones, then each name's addresses (a name
+    given twice, or an address a configured replica already has, is subscribed once: two
+    subscriptions to one publisher would count its blocks as held by two replicas)."""
+    wanted = {publisher.name: publisher for publisher in static}
+    endpoints = {publisher.endpoint for publisher in static}
+    for target in targets:
+        for publisher in target.publishers():
+            if publisher.endpoint not in endpoints:
+                wanted.setdefault(publisher.name, publisher)
+    return wanted
+
+
 class KVEventsSource:
-    """The subscriptions' thread. ``start`` / ``stop`` from the app's lifespan."""
+    """The subscriptions' thread (and, with DNS targets, the resolver's). ``start`` / ``stop``
+    from the app's lifespan."""
 
     def __init__(
         self,
         consumer: Consumer,
         publishers: list[Publisher],
         *,
+        dns: list[DnsTarget] | None = None,
+        dns_interval_seconds: float = 30.0,
         replay_timeout_seconds: float = 2.0,
         poll_milliseconds: int = 100,
         clock: Callable[[], float] = time.monotonic,
@@ -221,6 +336,8 @@ class KVEventsSource:
         self._zmq = zmq
         self.consumer = consumer
         self.publishers = publishers
+        self.dns = dns or []
+        self.dns_interval_seconds = dns_interval_seconds
         self.replay_timeout_seconds = replay_timeout_seconds
         self.poll_milliseconds = poll_milliseconds
         self.clock = clock
@@ -228,60 +345,120 @@ class KVEventsSource:
         self._context = zmq.Context()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.ready = threading.Event()  # set once every SUB socket is connected
+        self._resolver: threading.Thread | None = None
+        self._wake = threading.Event()  # look the names up now (stop, or resolve_now)
+        self._wanted_lock = threading.Lock()
+        self._wanted: dict[str, Publisher] | None = None  # a new set from the resolver, not yet applied
+        self.ready = threading.Event()  # set once every configured SUB socket is connected
+        self.resolved = threading.Event()  # set once every DNS target was looked up (tests wait on it)
+        self._poller: Any = None
+        self._subscribed: dict[str, tuple[Any, Any]] = {}  # replica -> (SUB socket, its monitor)
+        self._sockets: dict[Any, Publisher] = {}
+        self._monitors: dict[Any, Publisher] = {}
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="kvlens-kv-events", daemon=True)
         self._thread.start()
+        if self.dns:
+            self._resolver = threading.Thread(target=self._resolve_forever, name="kvlens-kv-dns", daemon=True)
+            self._resolver.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._wake.set()
+        for thread in (self._resolver, self._thread):
+            if thread is not None:
+                thread.join(timeout)
         self._context.term()
+
+    def _resolve_forever(self) -> None:
+        while not self._stop.is_set():
+            for target in self.dns:
+                try:
+                    target.refresh()
+                except Exception:  # a bug must not end the discovery
+                    log.exception("kvlens: KV events DNS %s failed", target.name)
+                    self.errors += 1
+            with self._wanted_lock:
+                self._wanted = wanted_publishers(self.publishers, self.dns)
+            self.resolved.set()
+            self._wake.wait(self.dns_interval_seconds)
+            self._wake.clear()
+
+    def resolve_now(self) -> None:
+        """Look the DNS names up again without waiting for the interval."""
+        self.resolved.clear()
+        self._wake.set()
+
+    def _apply_wanted(self) -> None:
+        """Subscribe to new publishers and leave vanished ones (on the subscriptions' thread)."""
+        with self._wanted_lock:
+            wanted, self._wanted = self._wanted, None
+        if wanted is None:
+            return
+        for name in [name for name in self._subscribed if name not in wanted]:
+            self._unsubscribe(name)
+            self.consumer.vanished(name)
+            log.info("kvlens: KV events replica %s left the DNS answer: unsubscribed", name)
+        for name, publisher in wanted.items():
+            if name not in self._subscribed:
+                self.consumer.add(publisher)
+                self._subscribe(publisher)
+
+    def _subscribe(self, publisher: Publisher) -> None:
+        zmq = self._zmq
+        sub = self._context.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sub.setsockopt(zmq.IPV6, 1)  # a discovered AAAA address; harmless for IPv4
+        sub.setsockopt(zmq.SUBSCRIBE, publisher.topic.encode())
+        # PUB sends nothing while the engine is idle: the connection, not the traffic, says up;
+        # a finished ZMTP handshake, not the TCP connect (anything that accepts TCP does that)
+        monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        sub.connect(publisher.endpoint)
+        self._subscribed[publisher.name] = (sub, monitor)
+        self._sockets[sub] = publisher
+        self._monitors[monitor] = publisher
+        self._poller.register(sub, zmq.POLLIN)
+        self._poller.register(monitor, zmq.POLLIN)
+
+    def _unsubscribe(self, name: str) -> None:
+        sub, monitor = self._subscribed.pop(name)
+        for socket_ in (sub, monitor):
+            self._poller.unregister(socket_)
+        del self._sockets[sub], self._monitors[monitor]
+        sub.disable_monitor()
+        sub.close(0)
+        monitor.close(0)
 
     def _run(self) -> None:
         zmq = self._zmq
-        poller = zmq.Poller()
-        sockets: dict[Any, Publisher] = {}
-        monitors: dict[Any, Publisher] = {}
+        self._poller = zmq.Poller()
+        sockets, monitors = self._sockets, self._monitors
         for publisher in self.publishers:
-            sub = self._context.socket(zmq.SUB)
-            sub.setsockopt(zmq.LINGER, 0)
-            sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-            sub.setsockopt(zmq.SUBSCRIBE, publisher.topic.encode())
-            # PUB sends nothing while the engine is idle: the connection, not the traffic, says up;
-            # a finished ZMTP handshake, not the TCP connect (anything that accepts TCP does that)
-            monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-            sub.connect(publisher.endpoint)
-            sockets[sub] = publisher
-            monitors[monitor] = publisher
-            poller.register(sub, zmq.POLLIN)
-            poller.register(monitor, zmq.POLLIN)
+            self._subscribe(publisher)
         self.ready.set()
         try:
             while not self._stop.is_set():
-                ready = poller.poll(self.poll_milliseconds)
+                self._apply_wanted()
+                ready = self._poller.poll(self.poll_milliseconds)
                 if not ready:
                     self.consumer.release(idle=True)  # nothing older is on its way
-                for socket, _ in ready:
-                    publisher = sockets.get(socket) or monitors[socket]
+                for socket_, _ in ready:
+                    publisher = sockets.get(socket_) or monitors[socket_]
                     try:
-                        if socket in sockets:
-                            self._receive(socket, publisher)
+                        if socket_ in sockets:
+                            self._receive(socket_, publisher)
                         else:
-                            self._connection(socket, publisher)
+                            self._connection(socket_, publisher)
                     except Exception:  # a bug must not end the subscriptions
                         log.exception("kvlens: KV events from %s failed", publisher.name)
                         self.errors += 1
                         self.consumer.status[publisher.name].errors += 1
         finally:
             self.consumer.release(everything=True)
-            for sub in sockets:
-                sub.disable_monitor()
-                sub.close(0)
-            for monitor in monitors:
-                monitor.close(0)
+            for name in list(self._subscribed):
+                self._unsubscribe(name)
 
     def _connection(self, monitor: Any, publisher: Publisher) -> None:
         from zmq.utils.monitor import recv_monitor_message
@@ -344,22 +521,41 @@ class KVEventsSnapshot:
     index: IndexSnapshot
     publishers: dict[str, PublisherStatus]
     errors: int
+    dns: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (replicas, failed lookups)
 
 
 class KVEvents:
     """The index, the consumer and (once started) the subscriptions: what ``serve`` runs and what
     the collector reads."""
 
-    def __init__(self, publishers: list[Publisher], index: FleetIndex, reorder_seconds: float = 0.0) -> None:
-        if importlib.util.find_spec("zmq") is None:  # before serving, not when the lifespan starts
+    def __init__(
+        self,
+        publishers: list[Publisher],
+        index: FleetIndex,
+        reorder_seconds: float = 0.0,
+        *,
+        dns: list[DnsTarget] | None = None,
+        dns_interval_seconds: float = 30.0,
+        in_process: bool = False,
+    ) -> None:
+        """``in_process``: nothing is subscribed (no pyzmq needed); the events are applied to
+        ``index`` by the caller (the demo's simulated fleet)."""
+        self.in_process = in_process
+        if not in_process and importlib.util.find_spec("zmq") is None:  # before serving, not at start
             raise SettingsError("kv_events needs the kv-events extra: pip install 'kvlens[kv-events]'")
         self.publishers = publishers
         self.index = index
+        self.dns = dns or []
+        self.dns_interval_seconds = dns_interval_seconds
         self.consumer = Consumer(index, publishers, reorder_seconds=reorder_seconds)
         self.source: KVEventsSource | None = None
 
     def start(self) -> None:
-        self.source = KVEventsSource(self.consumer, self.publishers)
+        if self.in_process:
+            return
+        self.source = KVEventsSource(
+            self.consumer, self.publishers, dns=self.dns, dns_interval_seconds=self.dns_interval_seconds
+        )
         self.source.start()
 
     def stop(self) -> None:
@@ -373,4 +569,5 @@ class KVEvents:
                 name: replace(status, events=Counter(status.events))
                 for name, status in self.consumer.status.items()
             }
-        return KVEventsSnapshot(index, publishers, 0 if self.source is None else self.source.errors)
+        dns = {target.name: (len(target.addresses), target.failures) for target in self.dns}
+        return KVEventsSnapshot(index, publishers, 0 if self.source is None else self.source.errors, dns)
