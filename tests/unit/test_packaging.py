@@ -49,7 +49,7 @@ def test_the_image_runs_the_python_ci_tests_on_and_checks_health_on_its_port_and
     for key in ("title", "version", "licenses", "source", "base.name"):
         assert f"org.opencontainers.image.{key}=" in text, key
     assert labels.startswith("LABEL org.opencontainers.image.title")
-    assert "'kvlens[serve]'" in text  # the bare wheel would be the plugin alone
+    assert "'kvlens[serve,kv-events]'" in text  # the bare wheel would be the plugin alone; kv-events: pyzmq
 
 
 @pytest.fixture(scope="module")
