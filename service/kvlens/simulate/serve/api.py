@@ -164,18 +164,11 @@ class Api:
                 request_id = value.decode("latin-1")
         client = Client()
         try:
-            raw = bytearray()
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return
-                raw += message.get("body", b"")
-                if len(raw) > MAX_BODY_BYTES:
-                    raise ApiError(TOO_LARGE, status=413)
-                if not message.get("more_body"):
-                    break
+            raw = await _read_body(receive)
         except ApiError as error:
             await _send(send, error.status, _error_body(error), _JSON_HEADERS)
+            return
+        if raw is None:
             return
         # The client's going away is heard through receive() (uvicorn answers http.disconnect
         # when the connection is lost): the answer wakes and stops, its prompts leave the fleet.
@@ -183,7 +176,7 @@ class Api:
         watcher.add_done_callback(client.leave)
         try:
             try:
-                answer: Generated = await handler(self._parse(bytes(raw)), request_id, client)
+                answer: Generated = await handler(self._parse(raw), request_id, client)
             except ApiError as error:
                 await _send(send, error.status, _error_body(error), _JSON_HEADERS)
                 return
@@ -366,9 +359,9 @@ class Api:
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
             raise ApiError(TOO_LARGE, status=413)
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise ApiError(TOO_LARGE, status=413)
+        raw = await _read_body(request.receive)
+        if raw is None:
+            raise ApiError("the client went away before its body ended")  # nobody reads this answer
         return self._parse(raw)
 
     def _parse(self, raw: bytes) -> dict[str, Any]:
@@ -589,6 +582,21 @@ class Api:
                 b"data: " + orjson.dumps({**head, "choices": [], "usage": _usage(tickets, ticket)}) + b"\n\n"
             )
         yield b"data: [DONE]\n\n"
+
+
+async def _read_body(receive: Receive) -> bytes | None:
+    """The request's body, refused (413) as soon as it passes MAX_BODY_BYTES: a chunked body
+    says no length up front, so the cap is kept while it arrives. None: the client went away."""
+    raw = bytearray()
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        raw += message.get("body", b"")
+        if len(raw) > MAX_BODY_BYTES:
+            raise ApiError(TOO_LARGE, status=413)
+        if not message.get("more_body"):
+            return bytes(raw)
 
 
 def _usage(tickets: Sequence[Ticket], cached_from: Ticket | None) -> dict[str, Any]:
