@@ -319,7 +319,7 @@ class Api:
         return orjson.dumps(response)
 
     async def chat(self, body: dict[str, Any], request_id: str | None, client: Client) -> Generated:
-        ids = tokenizer.encode(self._chat_text(body))
+        ids = self._encode(self._chat_text(body), "messages")
         asked_name = (
             "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         )
@@ -403,12 +403,7 @@ class Api:
         limit = self.served.max_model_len
         outputs = []
         for ids in prompts:
-            if len(ids) >= limit:
-                raise ApiError(
-                    f"This model's maximum context length is {limit} tokens. However, your request has "
-                    f"{len(ids)} input tokens. Please reduce the length of the input messages.",
-                    "prompt" if prefix == "cmpl" else "messages",
-                )
+            self._fits(len(ids), "prompt" if prefix == "cmpl" else "messages")
             outputs.append(min(asked, limit - len(ids)) if asked is not None else limit - len(ids))
         minimum = _integer(body, "min_tokens", 0, low=0)
         if asked is not None and minimum > asked:
@@ -417,9 +412,23 @@ class Api:
             )
         return _Answer(prompts, outputs, stream, include_usage, f"{prefix}-{header or uuid.uuid4().hex}")
 
+    def _fits(self, tokens: int, param: str) -> None:
+        limit = self.served.max_model_len
+        if tokens >= limit:
+            raise ApiError(
+                f"This model's maximum context length is {limit} tokens. However, your request has "
+                f"{tokens} input tokens. Please reduce the length of the input messages.",
+                param,
+            )
+
+    def _encode(self, text: str, param: str) -> list[int]:
+        """The prompt's tokens; one past the context is refused before they are made."""
+        self._fits(tokenizer.count(text), param)
+        return tokenizer.encode(text)
+
     def _prompts(self, prompt: Any) -> list[list[int]]:
         if type(prompt) is str:
-            prompts = [tokenizer.encode(prompt)]
+            prompts = [self._encode(prompt, "prompt")]
         elif type(prompt) is list and prompt and all(type(p) is int for p in prompt):
             prompts = [self._token_ids(prompt, "prompt")]
         elif type(prompt) is list and prompt:
@@ -428,7 +437,7 @@ class Api:
             prompts = []
             for index, item in enumerate(prompt):
                 if type(item) is str:
-                    prompts.append(tokenizer.encode(item))
+                    prompts.append(self._encode(item, "prompt"))
                 elif type(item) is list:
                     prompts.append(self._token_ids(item, f"prompt[{index}]"))
                 else:
