@@ -125,7 +125,8 @@ class Consumer:
         elif expected is not None and seq > expected:
             status.gaps += 1
             repaired = False
-            if replay is not None:
+            # a gap wider than any replay answer cannot be repaired: not asked, nor its numbers listed
+            if replay is not None and seq - expected <= MAX_REPLAY_FRAMES:
                 status.replays += 1
                 frames = [(s, p) for s, p in replay(expected) if expected <= s < seq]
                 if [number for number, _ in frames] == list(range(expected, seq)):
