@@ -48,6 +48,10 @@ from kvlens.simulate.serve.metrics import FleetMetrics
 JSON: Final = "application/json"
 MAX_BODY_BYTES: Final = 16 * 1024 * 1024
 MAX_PROMPTS: Final = 1024  # prompts in one completions batch
+# A stream is written at most this many token events at a time (3 parts each), each write after
+# the last has drained (uvicorn waits for it): tokens that came due while nobody read wait as
+# counts, not as bytes, so an unread stream holds about a socket buffer (not its whole answer).
+PIECE_PARTS: Final = 3 * 64
 TOO_LARGE: Final = f"the request body is larger than {MAX_BODY_BYTES} bytes"
 Generated = bytes | AsyncGenerator[bytes, None]  # a JSON answer, or the events of a stream
 _JSON_HEADERS: Final = [(b"content-type", b"application/json")]
@@ -555,7 +559,11 @@ class Api:
                 prefix = opening + str(index).encode() + b',"text":'
                 for position in range(start, end):
                     out += (prefix, texts[position % len(texts)], ending if position == last - 1 else going)
-            yield b"".join(out)
+                    if len(out) >= PIECE_PARTS:
+                        yield b"".join(out)
+                        out.clear()
+            if out:
+                yield b"".join(out)
         if answer.include_usage:
             yield b"data: " + orjson.dumps({**head, "choices": [], "usage": _usage(tickets, first)}) + b"\n\n"
         yield b"data: [DONE]\n\n"
@@ -585,7 +593,11 @@ class Api:
                 last = ticket.job.output_tokens
                 for position in range(start, end):
                     out += (content, texts[position % len(texts)], ending if position == last - 1 else going)
-            yield b"".join(out)
+                    if len(out) >= PIECE_PARTS:
+                        yield b"".join(out)
+                        out.clear()
+            if out:
+                yield b"".join(out)
         if answer.include_usage:
             yield (
                 b"data: " + orjson.dumps({**head, "choices": [], "usage": _usage(tickets, ticket)}) + b"\n\n"
