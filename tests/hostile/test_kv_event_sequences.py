@@ -13,6 +13,7 @@ import json
 from collections.abc import Iterator
 
 import pytest
+import zmq
 
 from kvlens.fleet.source import MAX_REPLAY_FRAMES
 from tests.hostile.conftest import Serve
@@ -62,3 +63,40 @@ def test_a_sequence_jumping_past_any_replay_buffer_is_missed_not_built(
     assert sidecar.value("kvlens_kv_recomputed_tokens_total") == 5 * 64
     assert memory.peak_growth_mib() < 16
     assert MAX_REPLAY_FRAMES < 2**22 - 3
+
+
+def test_a_dead_replay_endpoint_is_asked_once_not_at_every_gap(serve: Serve) -> None:
+    # A publisher that skips a number in every message, its replay endpoint bound and silent: each
+    # replay held the one subscriber thread replay_timeout_seconds (2 s), so 10 gaps held every
+    # other publisher's batches 20 s. After one replay that repaired nothing, the publisher's gaps
+    # are missed without asking for REPLAY_QUIET_TIMEOUTS timeouts.
+    silent_router = zmq.Context.instance().socket(zmq.ROUTER)
+    replay_port = free_port()
+    silent_router.bind(f"tcp://127.0.0.1:{replay_port}")
+    gappy, steady = TestPublisher(free_port()), TestPublisher(free_port())
+    try:
+        config = [
+            {
+                "name": "gappy",
+                "endpoint": gappy.endpoint,
+                "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
+            },
+            {"name": "steady", "endpoint": steady.endpoint},
+        ]
+        sidecar = serve(KVLENS_KV_EVENTS=json.dumps(config))
+        gappy.wait_subscribed()
+        steady.wait_subscribed()
+        gappy.publish(stored_batch(0, 1))
+        for number in range(1, 11):
+            gappy.drop(stored_batch(number * 128, 1))
+            gappy.publish(stored_batch(number * 128 + 64, 1))
+            steady.publish(stored_batch(10_000 + number * 64, 1))
+        assert sidecar.wait_for("kvlens_kv_event_batches_total", 11, timeout=60, replica="gappy") == 11
+        assert sidecar.wait_for("kvlens_kv_event_batches_total", 10, timeout=60, replica="steady") == 10
+        assert sidecar.value("kvlens_kv_sequence_gaps_total", replica="gappy") == 10
+        assert sidecar.value("kvlens_kv_replays_total", replica="gappy") == 1
+        assert sidecar.value("kvlens_kv_missed_batches_total", replica="gappy") == 10
+    finally:
+        gappy.close()
+        steady.close()
+        silent_router.close(0)

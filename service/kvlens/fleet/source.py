@@ -43,6 +43,10 @@ from kvlens.fleet.wire import MALFORMED, OTHER_GROUP, MalformedPayload, apply, b
 log = logging.getLogger(__name__)
 END_SEQ: Final = -1
 MAX_REPLAY_FRAMES: Final = 100_000  # one replay answer at most (vLLM's buffer_steps is 10,000)
+# After a replay that repaired nothing, the publisher's gaps are missed without asking for this
+# many replay timeouts: one thread serves every publisher, and a publisher that skips a number in
+# every message with a dead replay endpoint would hold it replay_timeout_seconds a message.
+REPLAY_QUIET_TIMEOUTS: Final = 10
 # A message past this closes the connection (ZMQ_MAXMSGSIZE; ZeroMQ reconnects): a vLLM batch
 # is one engine step's events, well under a MiB.
 MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
@@ -230,6 +234,7 @@ class KVEventsSource:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.ready = threading.Event()  # set once every SUB socket is connected
+        self._replay_quiet_until: dict[str, float] = {}  # publisher -> no replay asked before
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="kvlens-kv-events", daemon=True)
@@ -304,7 +309,8 @@ class KVEventsSource:
                 status.malformed_payloads += 1
                 continue
             seq = int.from_bytes(frames[1], "big", signed=True)
-            replay = None if publisher.replay_endpoint is None else self._replayer(publisher)
+            quiet = self._replay_quiet_until.get(publisher.name, -math.inf) > status.last_message
+            replay = None if publisher.replay_endpoint is None or quiet else self._replayer(publisher)
             self.consumer.message(publisher.name, seq, frames[2], replay)
 
     def _replayer(self, publisher: Publisher) -> Callable[[int], list[tuple[int, bytes]]]:
@@ -314,6 +320,13 @@ class KVEventsSource:
         assert endpoint is not None
 
         def replay(first: int) -> list[tuple[int, bytes]]:
+            frames = ask(first)
+            if not frames:
+                quiet = REPLAY_QUIET_TIMEOUTS * self.replay_timeout_seconds
+                self._replay_quiet_until[publisher.name] = self.clock() + quiet
+            return frames
+
+        def ask(first: int) -> list[tuple[int, bytes]]:
             socket = self._context.socket(zmq.DEALER)
             socket.setsockopt(zmq.LINGER, 0)
             try:
