@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from kvlens.cli import main
 from kvlens.experiment.client import MAX_LINE_BYTES
 
 pytestmark = pytest.mark.integration
@@ -197,3 +198,18 @@ def test_each_misbehaving_answer_is_one_error_record_and_the_run_goes_on(
     for number, (reason, _) in enumerate(SCENARIOS):
         if reason in ("too_many_tokens", "line_too_long", "http_500"):
             assert hostile.sent[number] < MAX_LINE_BYTES + 16 * MIB, (reason, hostile.sent[number])
+
+
+@pytest.mark.parametrize("seconds", ["nan", "0", "-1"])
+def test_a_timeout_that_is_no_duration_is_refused_before_any_request(
+    hostile: Hostile, tmp_path: Path, seconds: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --timeout nan went to asyncio as a deadline: "ValueError: deadline must not be NaN" out of
+    # the run, a traceback and exit 1; 0 and -1 failed every request as a timeout.
+    out = tmp_path / "arm.jsonl"
+    flags = ["--model", "m", "--arm", "a", "--out", str(out), "--requests", "2", "--timeout", seconds]
+    assert main(["replay", "shared-prefix", "--endpoint", hostile.url, *flags]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"kvlens: --timeout must be a positive number of seconds, not {seconds}"
+    )
+    assert hostile.sent == {}

@@ -34,6 +34,7 @@ import numpy.typing as npt
 import orjson
 
 from kvlens.definitions import quantiles
+from kvlens.errors import InputError
 from kvlens.experiment.prompts import PromptSynthesizer
 from kvlens.simulate.trace import TraceRequest
 
@@ -96,6 +97,10 @@ class Endpoint:
     missing_cached_is_zero: bool = False
     late_after_seconds: float = 0.005  # a request sent this much after its time is counted late
     api: str = COMPLETIONS  # or CHAT: the prompt as text (from /detokenize) in one user message
+
+    def __post_init__(self) -> None:
+        if not self.timeout_seconds > 0:  # NaN too: asyncio takes no NaN deadline
+            raise InputError(f"--timeout must be a positive number of seconds, not {self.timeout_seconds:g}")
 
     @property
     def path(self) -> str:
