@@ -20,7 +20,9 @@ away and is already past the old sequence looks like a gap (its old blocks stay 
 removals, which never come; ``AllBlocksCleared`` or kvlens's own restart clears them).
 
 A replay that does not answer within ``replay_timeout_seconds`` leaves the gap unrepaired (counted
-as such). Nothing here raises out of the thread: an unexpected error is logged and counted.
+as such), and that publisher's next gaps for ``REPLAY_QUIET_TIMEOUTS`` timeouts are not asked for;
+a gap wider than ``MAX_REPLAY_FRAMES`` is never asked for. Nothing here raises out of the thread:
+an unexpected error is logged and counted.
 """
 
 from __future__ import annotations
