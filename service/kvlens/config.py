@@ -192,6 +192,15 @@ class ModelShapeSetting(BaseModel):
         return self.weight_bytes if self.weight_bytes is not None else self.shape().weight_bytes()
 
 
+def _redacted(url: str) -> str:
+    """``url`` with the password of its userinfo as ``***``."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
+
+
 class Settings(BaseSettings):
     """Sidecar settings. Lists and maps in environment variables are JSON."""
 
@@ -452,12 +461,35 @@ class Settings(BaseSettings):
         value = secret.get_secret_value()
         if not value.strip():
             raise ValueError("is blank: unset it to turn this check off, or give a value")
-        if value != value.strip() and info.field_name != "metrics_password":  # basic auth carries it
+        if info.field_name == "metrics_password":  # basic auth carries any UTF-8 (RFC 7617)
+            return secret
+        if value != value.strip():
             raise ValueError(
                 "must not start or end with whitespace (a newline from a file?): a bearer header "
                 "can never carry it"
             )
+        if not all("!" <= character <= "~" for character in value):
+            # Starlette reads a header as latin-1: a UTF-8 token never matched (every request 401)
+            raise ValueError(
+                "must be visible ASCII characters (no spaces, no accents): a bearer header carries "
+                "nothing else, so no client could ever match it"
+            )
         return secret
+
+    @field_validator("metrics_username")
+    @classmethod
+    def _basic_user(cls, user: str | None) -> str | None:
+        if user is not None and (not user.strip() or ":" in user):
+            raise ValueError(
+                "must not be blank nor hold ':' (basic auth splits the user from the password at "
+                "the first ':')"
+            )
+        return user
+
+    def __repr_args__(self) -> Any:
+        # a scrape URL may carry its password: never in a repr, a traceback or a log line
+        for name, value in super().__repr_args__():
+            yield name, [_redacted(url) for url in value] if name == "scrape_targets" else value
 
     @field_validator("prompt_length_edges")
     @classmethod

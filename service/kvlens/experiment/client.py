@@ -24,9 +24,9 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Any, Final
 
 import httpx
 import numpy as np
@@ -34,10 +34,18 @@ import numpy.typing as npt
 import orjson
 
 from kvlens.definitions import quantiles
+from kvlens.errors import InputError
 from kvlens.experiment.prompts import PromptSynthesizer
 from kvlens.simulate.trace import TraceRequest
 
 log = logging.getLogger("kvlens.experiment")
+# One line of an answer at most: vLLM's chunks are a few hundred bytes, its usage line smaller;
+# a line past this (a server that never sends a newline) fails the request, not the memory.
+MAX_LINE_BYTES: Final = 1024 * 1024
+# A /detokenize answer at most (a 128k-token prompt as text is well under it).
+MAX_DETOKENIZE_BYTES: Final = 16 * 1024 * 1024
+# A usage count past this is no model's (records and their sums stay far from int64's end).
+MAX_USAGE_TOKENS: Final = 2**31
 
 WARMUP = "warmup"
 MEASURE = "measure"
@@ -89,6 +97,10 @@ class Endpoint:
     missing_cached_is_zero: bool = False
     late_after_seconds: float = 0.005  # a request sent this much after its time is counted late
     api: str = COMPLETIONS  # or CHAT: the prompt as text (from /detokenize) in one user message
+
+    def __post_init__(self) -> None:
+        if not self.timeout_seconds > 0:  # NaN too: asyncio takes no NaN deadline
+            raise InputError(f"--timeout must be a positive number of seconds, not {self.timeout_seconds:g}")
 
     @property
     def path(self) -> str:
@@ -196,16 +208,27 @@ async def _chat_body(
     ``/detokenize``, in one user message. The server tokenizes that text again and adds its chat
     template, so prompt lengths are approximate (the records carry the server's count); a
     detokenize that fails leaves the request to fail as a request."""
+    content = orjson.dumps({"model": model, "tokens": prompt}, option=orjson.OPT_SERIALIZE_NUMPY)
     try:
-        answer = await client.post(
-            "/detokenize",
-            content=orjson.dumps({"model": model, "tokens": prompt}, option=orjson.OPT_SERIALIZE_NUMPY),
-        )
-        text = answer.json()["prompt"] if answer.status_code == 200 else ""
-    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        raw = await asyncio.wait_for(_detokenize(client, content), client.timeout.read)
+        text = orjson.loads(raw)["prompt"] if raw is not None else ""
+    except (httpx.HTTPError, asyncio.TimeoutError, ValueError, KeyError, TypeError):
         text = ""
     messages = [{"role": "user", "content": text if isinstance(text, str) else ""}]
     return orjson.dumps({"model": model, "messages": messages, **_generation(output_tokens)})
+
+
+async def _detokenize(client: httpx.AsyncClient, content: bytes) -> bytes | None:
+    """The answer's body, or None: not a 200, compressed, or past MAX_DETOKENIZE_BYTES."""
+    async with client.stream("POST", "/detokenize", content=content, headers=_HEADERS) as answer:
+        if answer.status_code != 200 or not _identity(answer):
+            return None
+        body = bytearray()
+        async for piece in answer.aiter_raw():
+            body += piece
+            if len(body) > MAX_DETOKENIZE_BYTES:
+                return None
+        return bytes(body)
 
 
 async def _one(
@@ -230,7 +253,16 @@ async def _one(
         "client_send_lag_seconds": timing.lag,
     }
     try:
-        stream = await _stream(client, endpoint.path, body, timing.sent)
+        try:
+            # the whole request, not each read: a server that trickles forever is a timeout too
+            stream = await asyncio.wait_for(
+                _stream(client, endpoint.path, body, timing.sent, request.output_tokens),
+                endpoint.timeout_seconds,
+            )
+        except asyncio.TimeoutError:
+            raise _Failed("timeout") from None
+        if stream.usage is not None and not _plausible(stream.usage, request.request.prompt_tokens):
+            raise _Failed("invalid_usage")
     except _Failed as failure:
         record["error"] = failure.reason
         progress.errors += 1
@@ -255,22 +287,29 @@ class _Stream:
     end: float = math.nan
 
 
-async def _stream(client: httpx.AsyncClient, path: str, body: bytes, sent: float) -> _Stream:
+_HEADERS: Final = {"content-type": "application/json", "accept-encoding": "identity"}
+
+
+async def _stream(
+    client: httpx.AsyncClient, path: str, body: bytes, sent: float, output_tokens: int
+) -> _Stream:
+    """The answer's stream, read line by line; :class:`_Failed` says why it is not one. It holds
+    at most a line (MAX_LINE_BYTES) and ``output_tokens`` token times: a stream that sends more
+    tokens than were asked is refused, not followed forever."""
     loop = asyncio.get_running_loop()
     result = _Stream()
     try:
-        async with client.stream(
-            "POST", path, content=body, headers={"content-type": "application/json"}
-        ) as response:
+        async with client.stream("POST", path, content=body, headers=_HEADERS) as response:
             if response.status_code != 200:
-                await response.aread()
-                raise _Failed(f"http_{response.status_code}")
+                raise _Failed(f"http_{response.status_code}")  # its body is not read: it may not end
+            if not _identity(response):
+                raise _Failed("content_encoding")  # asked for none: a bomb is not inflated
             done = False
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
+            async for line in _lines(response):
+                if not line.startswith(b"data:"):
                     continue  # blank separators, comments, event: lines
                 data = line[5:].strip()
-                if data == "[DONE]":
+                if data == b"[DONE]":
                     done = True
                     break
                 try:
@@ -282,6 +321,8 @@ async def _stream(client: httpx.AsyncClient, path: str, body: bytes, sent: float
                 if "error" in chunk:
                     raise _Failed("stream_error")
                 if any(_carries_text(choice) for choice in chunk.get("choices") or ()):
+                    if len(result.token_times) == output_tokens:
+                        raise _Failed("too_many_tokens")
                     result.token_times.append(loop.time() - sent)
                 if isinstance(chunk.get("usage"), dict):
                     result.usage = chunk["usage"]
@@ -295,6 +336,40 @@ async def _stream(client: httpx.AsyncClient, path: str, body: bytes, sent: float
     if not result.token_times:
         raise _Failed("no_tokens")
     return result
+
+
+def _identity(response: httpx.Response) -> bool:
+    return response.headers.get("content-encoding", "identity").strip().lower() in ("identity", "")
+
+
+async def _lines(response: httpx.Response) -> AsyncIterator[bytes]:
+    """The answer's lines (``\n``-ended, a ``\r`` before it dropped), each at most MAX_LINE_BYTES."""
+    pending = b""
+    async for piece in response.aiter_raw():
+        lines = (pending + piece).split(b"\n")
+        pending = lines.pop()
+        if len(pending) > MAX_LINE_BYTES or any(len(line) > MAX_LINE_BYTES for line in lines):
+            raise _Failed("line_too_long")
+        for line in lines:
+            yield line.removesuffix(b"\r")
+    if pending:
+        yield pending
+
+
+def _count(value: Any) -> bool:
+    return type(value) is int and 0 <= value < MAX_USAGE_TOKENS
+
+
+def _plausible(usage: dict[str, Any], sent_prompt_tokens: int) -> bool:
+    """Counts a record can carry: whole numbers (not true/false) from 0 up, cached tokens no more
+    than the prompt's (the server's count, else the one sent). A field left out is left out of the
+    record; one that cannot be is an error."""
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if any(value is not None and not _count(value) for value in (prompt, completion, cached)):
+        return False
+    return cached is None or cached <= (sent_prompt_tokens if prompt is None else prompt)
 
 
 def _carries_text(choice: Any) -> bool:

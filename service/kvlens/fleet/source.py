@@ -20,7 +20,9 @@ away and is already past the old sequence looks like a gap (its old blocks stay 
 removals, which never come; ``AllBlocksCleared`` or kvlens's own restart clears them).
 
 A replay that does not answer within ``replay_timeout_seconds`` leaves the gap unrepaired (counted
-as such). Nothing here raises out of the thread: an unexpected error is logged and counted.
+as such), and that publisher's next gaps for ``REPLAY_QUIET_TIMEOUTS`` timeouts are not asked for;
+a gap wider than ``MAX_REPLAY_FRAMES`` is never asked for. Nothing here raises out of the thread:
+an unexpected error is logged and counted.
 
 **DNS discovery** (Kubernetes: a headless Service's name, ``HOST:PORT``, or
 ``HOST:PORT/REPLAY_PORT`` when the publishers have a replay endpoint): a resolver thread looks
@@ -54,6 +56,10 @@ from kvlens.fleet.wire import MALFORMED, OTHER_GROUP, MalformedPayload, apply, b
 log = logging.getLogger(__name__)
 END_SEQ: Final = -1
 MAX_REPLAY_FRAMES: Final = 100_000  # one replay answer at most (vLLM's buffer_steps is 10,000)
+# After a replay that repaired nothing, the publisher's gaps are missed without asking for this
+# many replay timeouts: one thread serves every publisher, and a publisher that skips a number in
+# every message with a dead replay endpoint would hold it replay_timeout_seconds a message.
+REPLAY_QUIET_TIMEOUTS: Final = 10
 # A message past this closes the connection (ZMQ_MAXMSGSIZE; ZeroMQ reconnects): a vLLM batch
 # is one engine step's events, well under a MiB.
 MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
@@ -155,7 +161,8 @@ class Consumer:
         elif expected is not None and seq > expected:
             status.gaps += 1
             repaired = False
-            if replay is not None:
+            # a gap wider than any replay answer cannot be repaired: not asked, nor its numbers listed
+            if replay is not None and seq - expected <= MAX_REPLAY_FRAMES:
                 status.replays += 1
                 frames = [(s, p) for s, p in replay(expected) if expected <= s < seq]
                 if [number for number, _ in frames] == list(range(expected, seq)):
@@ -355,6 +362,7 @@ class KVEventsSource:
         self._subscribed: dict[str, tuple[Any, Any]] = {}  # replica -> (SUB socket, its monitor)
         self._sockets: dict[Any, Publisher] = {}
         self._monitors: dict[Any, Publisher] = {}
+        self._replay_quiet_until: dict[str, float] = {}  # publisher -> no replay asked before
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="kvlens-kv-events", daemon=True)
@@ -480,7 +488,8 @@ class KVEventsSource:
                 status.malformed_payloads += 1
                 continue
             seq = int.from_bytes(frames[1], "big", signed=True)
-            replay = None if publisher.replay_endpoint is None else self._replayer(publisher)
+            quiet = self._replay_quiet_until.get(publisher.name, -math.inf) > status.last_message
+            replay = None if publisher.replay_endpoint is None or quiet else self._replayer(publisher)
             self.consumer.message(publisher.name, seq, frames[2], replay)
 
     def _replayer(self, publisher: Publisher) -> Callable[[int], list[tuple[int, bytes]]]:
@@ -490,6 +499,13 @@ class KVEventsSource:
         assert endpoint is not None
 
         def replay(first: int) -> list[tuple[int, bytes]]:
+            frames = ask(first)
+            if not frames:
+                quiet = REPLAY_QUIET_TIMEOUTS * self.replay_timeout_seconds
+                self._replay_quiet_until[publisher.name] = self.clock() + quiet
+            return frames
+
+        def ask(first: int) -> list[tuple[int, bytes]]:
             socket = self._context.socket(zmq.DEALER)
             socket.setsockopt(zmq.LINGER, 0)
             try:

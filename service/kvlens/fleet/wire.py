@@ -183,6 +183,11 @@ class MalformedPayload(ValueError):
     """A payload that is not an ``EventBatch``."""
 
 
+# msgspec raises RecursionError, not DecodeError, on msgpack nested past its depth (a few KB of
+# 0x91 bytes): that is bad input too, not a kvlens failure.
+_UNREADABLE: Final = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
+
+
 @dataclass
 class Decoded:
     ts: float
@@ -209,7 +214,7 @@ def batch_ts(payload: bytes) -> float:
     """A payload's ``ts`` alone (its events are read later); raises :class:`MalformedPayload`."""
     try:
         return (_stamp.decode(payload) if _is_array(payload) else _map_stamp.decode(payload)).ts
-    except (msgspec.DecodeError, msgspec.ValidationError) as error:
+    except _UNREADABLE as error:
         raise MalformedPayload(str(error)) from None
 
 
@@ -224,7 +229,7 @@ def decode_batch(payload: bytes) -> Decoded:
         envelope: _Envelope | _MapEnvelope = (
             _envelope.decode(payload) if _is_array(payload) else _map_envelope.decode(payload)
         )
-    except (msgspec.DecodeError, msgspec.ValidationError) as error:
+    except _UNREADABLE as error:
         raise MalformedPayload(str(error)) from None
     out = Decoded(envelope.ts, envelope.data_parallel_rank)
     for raw in envelope.events:
@@ -240,18 +245,18 @@ def _decode_event(raw: bytes, out: Decoded) -> None:
         if "unknown field" in str(error):
             try:
                 loose = _loose.decode(raw)
-            except (msgspec.DecodeError, msgspec.ValidationError):
+            except _UNREADABLE:
                 out.malformed_events += 1
                 return
             out.unknown_fields += 1
             out.events.append(loose)  # a subclass of the strict one: apply() takes it alike
             return
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         out.malformed_events += 1
         return
     try:
         generic = _any.decode(raw)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         out.malformed_events += 1
         return
     if isinstance(generic, dict):
