@@ -9,15 +9,26 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvlens.cli.common import examples
+
 
 def add_parser(commands: Any) -> None:
-    decode = commands.add_parser("bandwidth", help="decode traffic model: would W4A16 speed up decode?")
+    decode = commands.add_parser(
+        "bandwidth",
+        help="decode traffic model: would W4A16 speed up decode?",
+        epilog=examples(
+            "kvlens bandwidth --params 8B --layers 32 --kv-heads 8 --head-dim 128 --bandwidth 4.8TB/s",
+            "kvlens bandwidth --weight-bytes 14GiB --quantized-weight-bytes 4GiB "
+            "--kv-bytes-per-sequence 1GiB --bandwidth 4.8TB/s --json",
+            "kvlens bandwidth --measured decode_h200.csv",
+        ),
+    )
     shape = decode.add_argument_group("model shape: a config.json, the numbers, or the KV bytes directly")
-    shape.add_argument("--config-json", type=Path, help="a Hugging Face config.json")
-    shape.add_argument("--layers", type=int)
-    shape.add_argument("--kv-heads", type=int)
-    shape.add_argument("--head-dim", type=int)
-    shape.add_argument("--kv-dtype-bytes", type=float, default=None, help="bytes per KV value (default 2)")
+    shape.add_argument("--config-json", type=Path, metavar="FILE", help="a Hugging Face config.json")
+    shape.add_argument("--layers", type=int, help="decoder layers")
+    shape.add_argument("--kv-heads", type=int, help="key-value heads per layer")
+    shape.add_argument("--head-dim", type=int, help="values per head")
+    shape.add_argument("--kv-dtype-bytes", type=float, default=None, help="bytes per KV value (default: 2)")
     shape.add_argument(
         "--kv-bytes-per-sequence", help="K: KV bytes one sequence holds at --context, e.g. 1GiB"
     )
@@ -28,13 +39,15 @@ def add_parser(commands: Any) -> None:
         "--quantized-weight-bytes",
         help="quantized weight bytes, e.g. 4GiB (instead of --bits, --group-size, --quantized-fraction)",
     )
-    decode.add_argument(
-        "--bits", type=int, default=4, choices=(4, 8), help="quantized weight bits (default 4)"
-    )
-    decode.add_argument("--group-size", type=int, default=128, help="weights per 16-bit scale (default 128)")
+    decode.add_argument("--bits", type=int, default=4, choices=(4, 8), help="quantized weight bits")
+    decode.add_argument("--group-size", type=int, default=128, help="weights per 16-bit scale")
     decode.add_argument("--quantized-fraction", type=float, default=0.9, help="share of weights quantized")
     decode.add_argument("--bandwidth", help="memory bandwidth, e.g. 4.8TB/s or 1TiB/s")
-    decode.add_argument("--batch", default=None, help="batch sizes, comma-separated (default 1,8,32)")
+    decode.add_argument(
+        "--batch",
+        default=None,
+        help="batch sizes, comma-separated (default: 1,8,32; with --measured: the CSV's)",
+    )
     decode.add_argument("--context", default="8192", help="context lengths in tokens, comma-separated")
     decode.add_argument("--compute-floor-ms", type=float, default=0.0, help="a compute-bound floor per step")
     decode.add_argument("--extra-ms", type=float, default=0.0, help="extra time per quantized step")
@@ -44,7 +57,9 @@ def add_parser(commands: Any) -> None:
         metavar="CSV",
         help="measured step times (columns of decode_h200.csv): fit t0 + bytes/BW per path instead",
     )
-    decode.add_argument("--json", action="store_true")
+    decode.add_argument(
+        "--json", action="store_true", help="print the result as JSON (schema kvlens.bandwidth/v1)"
+    )
     decode.set_defaults(run=run)
 
 

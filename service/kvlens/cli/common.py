@@ -7,16 +7,18 @@ import argparse
 import contextlib
 import errno
 import logging
+import logging.config
 import os
 import socket
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import uvicorn
 from prometheus_client import CollectorRegistry, ProcessCollector
 
+from kvlens import logs
 from kvlens.config import ENV_PREFIX, Settings, load_settings
 from kvlens.errors import SettingsError
 from kvlens.exporter import server
@@ -26,9 +28,78 @@ from kvlens.exporter.app import create_app
 log = logging.getLogger("kvlens")
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Each flag's help ends with its default (as ``ArgumentDefaultsHelpFormatter``), except where
+    there is none to tell (None, an off switch, an empty list) or the help already says it; the
+    description and the examples (the epilog) keep their lines."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help = action.help or ""
+        default = action.default
+        # `is`, not `in`: 0 and 0.0 equal False, and they are defaults worth telling
+        quiet = default is None or default is False or default == [] or default == argparse.SUPPRESS
+        quiet = quiet or "default:" in help
+        if quiet or not (action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE)):
+            return help
+        return f"{help} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """A command's parser: a flag it does not know is its error, shown with its own usage
+    (argparse hands a subcommand's unknown flags up to ``kvlens``, whose usage tells nothing)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+
+def examples(*lines: str) -> str:
+    """An epilog of example command lines."""
+    return "examples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+def log_flags(parser: argparse.ArgumentParser) -> None:
+    """``--log-level`` and ``--log-format`` on every command (their defaults from the environment)."""
+    parser.add_argument(
+        "--log-level",
+        type=str.lower,
+        choices=logs.LEVELS,
+        default=os.environ.get(f"{ENV_PREFIX}LOG_LEVEL", "info").lower(),
+        help=f"the least severe log lines shown (env {ENV_PREFIX}LOG_LEVEL)",
+    )
+    parser.add_argument(
+        "--log-format",
+        type=str.lower,
+        choices=logs.FORMATS,
+        default=os.environ.get(f"{ENV_PREFIX}LOG_FORMAT", "text").lower(),
+        help=f"log lines on stderr: text, or one JSON object per line (env {ENV_PREFIX}LOG_FORMAT)",
+    )
+
+
+def configure_logging(args: argparse.Namespace) -> dict[str, Any]:
+    """Install the logging the flags (or their variables) ask for; the same dictionary is
+    uvicorn's ``log_config``. A value from the environment is not checked by argparse's choices."""
+    for name, allowed in (("log_level", logs.LEVELS), ("log_format", logs.FORMATS)):
+        value = getattr(args, name)
+        if value not in allowed:
+            variable = f"{ENV_PREFIX}{name.upper()}"
+            raise SettingsError(f"{variable}={os.environ.get(variable)!r} is not one of {', '.join(allowed)}")
+    config = logs.config(args.log_level, args.log_format)
+    logging.config.dictConfig(config)
+    return config
+
+
 def server_flags(sub: argparse.ArgumentParser) -> None:
-    sub.add_argument("--host", help=f"listen address (env {ENV_PREFIX}HOST; default 127.0.0.1)")
-    sub.add_argument("--port", type=int, help=f"listen port (env {ENV_PREFIX}PORT; default 9433)")
+    sub.add_argument("--host", help=f"listen address (env {ENV_PREFIX}HOST; default: 127.0.0.1)")
+    sub.add_argument("--port", type=int, help=f"listen port (env {ENV_PREFIX}PORT; default: 9433)")
     sub.add_argument(
         "--config",
         type=Path,
@@ -98,7 +169,10 @@ def tails_from(
     ]
 
 
-def build_server(settings: Settings, aggregator: Aggregator, log_level: str) -> uvicorn.Server:
+def build_server(
+    settings: Settings, aggregator: Aggregator, args: argparse.Namespace, quieter: str | None = None
+) -> uvicorn.Server:
+    """``quieter``: a least level for uvicorn's lines when the command prints its own (demo)."""
     check_port_free(settings)
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)  # process_start_time_seconds shows restarts
@@ -122,7 +196,10 @@ def build_server(settings: Settings, aggregator: Aggregator, log_level: str) -> 
         log.info("%s", note)
     guard = app.state.sidecar.health.connections
     assert guard is not None
-    return server.build_server(settings, app, guard, log_level)
+    level = args.log_level
+    if quieter is not None and logs.LEVELS.index(quieter) > logs.LEVELS.index(level):
+        level = quieter
+    return server.build_server(settings, app, guard, level, logs.config(args.log_level, args.log_format))
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ import threading
 import time
 from typing import Any, TextIO
 
-from kvlens.cli.common import build_server, server_flags, settings_from
+from kvlens.cli.common import build_server, examples, server_flags, settings_from
 from kvlens.exporter.aggregator import Aggregator
 from kvlens.records import batch_from_objects
 from kvlens.sources import demo
@@ -16,7 +16,13 @@ from kvlens.sources import demo
 
 def add_parser(commands: Any) -> None:
     run_demo = commands.add_parser(
-        "demo", help="run the sidecar fed live by the simulator replaying a real trace (bundled)"
+        "demo",
+        help="run the sidecar fed live by the simulator replaying a real trace (bundled)",
+        epilog=examples(
+            "kvlens demo",
+            "kvlens demo --speed 10 --policy round_robin --port 9500",
+            "kvlens demo --traffic synthetic --rate 50 --duration 60",
+        ),
     )
     server_flags(run_demo)
     run_demo.add_argument(
@@ -25,16 +31,14 @@ def add_parser(commands: Any) -> None:
         default="replay",
         help="replay: the bundled Mooncake trace on a simulated fleet (default); synthetic: article-shaped",
     )
-    run_demo.add_argument(
-        "--speed", type=float, default=4.0, help="replay this many times faster (default 4)"
-    )
+    run_demo.add_argument("--speed", type=float, default=4.0, help="replay this many times faster")
     run_demo.add_argument(
         "--policy",
         default="prefix_affinity",
         choices=("round_robin", "least_queue", "prefix_affinity", "cost_aware"),
         help="the replay fleet's router (default prefix_affinity)",
     )
-    run_demo.add_argument("--rate", type=float, default=20.0, help="synthetic: requests per second (20)")
+    run_demo.add_argument("--rate", type=float, default=20.0, help="synthetic: requests per second")
     run_demo.add_argument("--seed", type=int, default=0, help="synthetic: random seed")
     run_demo.add_argument("--every", type=float, default=5.0, help="seconds between summary lines")
     run_demo.add_argument("--duration", type=float, help="stop after this many seconds (default: run)")
@@ -61,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
             f"{args.policy}"
         )
     aggregator = Aggregator(settings, extra_sources=(demo.SOURCE,))
-    server = build_server(settings, aggregator, "warning")
+    server = build_server(settings, aggregator, args, quieter="warning")  # its summary lines speak
     stop = threading.Event()
     base = f"http://{settings.host}:{settings.port}"
     print(
