@@ -57,8 +57,10 @@ def run(args: argparse.Namespace) -> int:
     except compare.ArmsDiffer as error:
         print(f"kvlens compare: {error}", file=sys.stderr)
         return 2
-    print(
-        json.dumps(result, indent=2) if args.json else compare.markdown(result),
-        end="" if not args.json else "\n",
-    )
+    if args.json:
+        print(json.dumps(result, indent=2))
+    elif args.markdown or not sys.stdout.isatty():  # a file, a pipe, a CI step's summary
+        print(compare.markdown(result), end="")
+    else:
+        compare.terminal(result)
     return 0

@@ -8,6 +8,7 @@ import threading
 import time
 from typing import Any, TextIO
 
+from kvlens import terminal
 from kvlens.cli.common import build_server, examples, server_flags, settings_from
 from kvlens.exporter.aggregator import Aggregator
 from kvlens.records import batch_from_objects
@@ -51,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     if args.traffic == "synthetic":
         traffic = demo.DemoTraffic(rate_per_second=args.rate, seed=args.seed)
         what = (
-            "built-in traffic shaped like the articles' fleet (many short requests that hit a small\n"
+            "built-in traffic shaped like the articles' fleet (many short requests that hit a small "
             "shared prefix, a few long ones that miss)"
         )
     else:
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         replay = demo.ReplayTraffic(speed=args.speed, policy=args.policy)
         traffic = replay
         what = (
-            f"the Mooncake trace (kvcache-ai/Mooncake, Apache-2.0) replayed {args.speed:g}x faster by the\n"
+            f"the Mooncake trace (kvcache-ai/Mooncake, Apache-2.0) replayed {args.speed:g}x faster by the "
             f"simulator on {replay.replicas} replicas of {replay.capacity_blocks:,} cache blocks, routed by "
             f"{args.policy}"
         )
@@ -68,15 +69,7 @@ def run(args: argparse.Namespace) -> int:
     server = build_server(settings, aggregator, args, quieter="warning")  # its summary lines speak
     stop = threading.Event()
     base = f"http://{settings.host}:{settings.port}"
-    print(
-        f"kvlens demo: {what}, fed through the live exporter.\n"
-        f"  metrics   {base}/metrics\n"
-        f"  API docs  {base}/docs\n"
-        f"  push your own records: curl -X POST {base}/v1/records "
-        '-d \'{"prompt_tokens": 128, "cached_tokens": 16}\'\n'
-        "Ctrl-C to stop.",
-        flush=True,
-    )
+    print(banner(what, base, terminal.width()), flush=True)
     threads = [
         threading.Thread(target=_feed, args=(traffic, aggregator, stop), name="demo-feed", daemon=True),
         threading.Thread(
@@ -98,6 +91,21 @@ def run(args: argparse.Namespace) -> int:
             thread.join(timeout=2)
     print_summary(aggregator, sys.stdout)
     return 0
+
+
+def banner(what: str, base: str, columns: int) -> str:
+    """What runs, where to look, and how to push a record (a command that pastes as it is)."""
+    lines = terminal.wrapped([f"kvlens demo: {what}, fed through the live exporter."], columns)
+    lines += [
+        f"  metrics   {base}/metrics",
+        f"  API docs  {base}/docs",
+        "  push your own records:",
+        f"    curl -X POST {base}/v1/records \\",
+        '      -d \'{"prompt_tokens": 128, "cached_tokens": 16}\'',
+        "summaries: requests so far | request hit | token reuse | compute saved",
+        "Ctrl-C to stop.",
+    ]
+    return "\n".join(terminal.wrapped(lines, columns))
 
 
 def _feed(
@@ -126,9 +134,10 @@ def print_summary(aggregator: Aggregator, out: TextIO) -> None:
     def percent(value: float | None, digits: int) -> str:
         return "n/a" if value is None else f"{100 * value:.{digits}f} %"
 
+    # at most 78 columns: 10 digits of requests, every ratio at 100 %
     print(
-        f"  {totals.requests:>8,} requests | request hit {percent(totals.request_hit_ratio, 1)}"
-        f" | token reuse {percent(totals.token_reuse_ratio, 2)}"
+        f"  {totals.requests:>10,} requests | hit {percent(totals.request_hit_ratio, 1)}"
+        f" | reuse {percent(totals.token_reuse_ratio, 2)}"
         f" | compute saved {percent(totals.compute_saved_ratio, 3)}",
         file=out,
         flush=True,

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvlens import terminal
 from kvlens.cli.common import Parser, examples, run_progress
 from kvlens.config import load_settings
 
@@ -134,5 +135,8 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as error:
             print(f"kvlens simulate: {error}", file=sys.stderr)
             return 2
-    print(json.dumps(result, indent=2) if args.json else render.text(result), end="\n" if args.json else "")
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(render.text(result, terminal.width()), end="")
     return 0
