@@ -40,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvlens: {error.filename}: {error.strerror or error}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as error:
-        if (error.name or "").split(".")[0] not in ("rich", "scipy"):
+        if (error.name or "").split(".")[0] != "rich":
             raise
         print(f"kvlens: this command needs the analyze extra: {install_hint('analyze')}", file=sys.stderr)
         return 2
