@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from typing import Any
 
@@ -39,6 +40,18 @@ class JsonFormatter(_UtcFormatter):
         return json.dumps(line, ensure_ascii=False)
 
 
+class StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to the ``sys.stderr`` of the moment, not the one at configuration: a command run
+    twice in one process (the tests) must not log into a stream since closed."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
 def config(level: str, fmt: str) -> dict[str, Any]:
     """The ``logging.config.dictConfig`` of ``level`` (any case) and ``fmt`` (text or json):
     one stderr handler for the root, kvlens's and uvicorn's loggers (uvicorn's own handlers
@@ -53,9 +66,7 @@ def config(level: str, fmt: str) -> dict[str, Any]:
         "version": 1,
         "disable_existing_loggers": False,
         "formatters": {"kvlens": {"()": f"{__name__}.{formatter.__name__}"}},
-        "handlers": {
-            "stderr": {"class": "logging.StreamHandler", "formatter": "kvlens", "stream": "ext://sys.stderr"}
-        },
+        "handlers": {"stderr": {"()": f"{__name__}.StderrHandler", "formatter": "kvlens"}},
         "root": {"handlers": ["stderr"], "level": level},
         "loggers": {
             "uvicorn": own(),

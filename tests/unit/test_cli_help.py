@@ -5,10 +5,10 @@ what it does and its default, every command's help has examples, and log lines s
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import logging
 import logging.config
+import re
 
 import pytest
 
@@ -95,33 +95,30 @@ def test_every_command_has_examples(prog: str) -> None:
     assert all(line.startswith(prog + " ") or line == prog for line in lines), lines
 
 
-def records_of(level: str, fmt: str) -> list[str]:
+def records_of(level: str, fmt: str, capsys: pytest.CaptureFixture[str]) -> list[str]:
     """Log through the configuration the CLI installs (and hands to uvicorn as its log_config)
-    one line from kvlens and one from uvicorn's own logger, as they would reach stderr."""
-    stream = io.StringIO()
-    config = logs.config(level, fmt)
-    config["handlers"]["stderr"]["stream"] = stream
-    logging.config.dictConfig(config)
+    one line from kvlens and one from uvicorn's own logger, as they reach stderr."""
+    logging.config.dictConfig(logs.config(level, fmt))
     try:
         logging.getLogger("kvlens.test").info("hello %s", "there")
         logging.getLogger("uvicorn.error").info("Uvicorn running on %s", "http://127.0.0.1:1")
         logging.getLogger("kvlens.test").debug("not at info")
     finally:
         logging.config.dictConfig(logs.config("WARNING", "text"))
-    return stream.getvalue().splitlines()
+    return capsys.readouterr().err.splitlines()
 
 
-def test_text_log_lines_have_one_format_with_uvicorns() -> None:
-    lines = records_of("info", "text")
+def test_text_log_lines_have_one_format_with_uvicorns(capsys: pytest.CaptureFixture[str]) -> None:
+    lines = records_of("info", "text", capsys)
     assert len(lines) == 2
     pattern = r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z INFO "
-    assert all(pytest.importorskip("re").match(pattern, line) for line in lines), lines
+    assert all(re.match(pattern, line) for line in lines), lines
     assert lines[0].endswith(" INFO kvlens.test: hello there")
     assert lines[1].endswith(" INFO uvicorn.error: Uvicorn running on http://127.0.0.1:1")
 
 
-def test_json_log_lines_are_one_object_each() -> None:
-    lines = records_of("INFO", "json")
+def test_json_log_lines_are_one_object_each(capsys: pytest.CaptureFixture[str]) -> None:
+    lines = records_of("INFO", "json", capsys)
     objects = [json.loads(line) for line in lines]
     assert [set(o) for o in objects] == [{"ts", "level", "logger", "message"}] * 2
     assert [(o["level"], o["logger"], o["message"]) for o in objects] == [

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvlens import terminal
 from kvlens.cli.common import examples
 from kvlens.cli.replay import (
     endpoint,
@@ -118,11 +119,15 @@ def _prefix_cache(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(compare.markdown(report), end="")
-        print(
-            "\nReuse is not speedup: a warm arm's cached tokens save prefill work, and TTFT falls only "
+        if sys.stdout.isatty():  # as kvlens compare: a table at a terminal, Markdown into a file
+            compare.terminal(report)
+        else:
+            print(compare.markdown(report), end="")
+        moral = (
+            "Reuse is not speedup: a warm arm's cached tokens save prefill work, and TTFT falls only "
             "where prefill, not queueing, was the wait."
         )
+        print("\n" + "\n".join(terminal.wrap(moral, terminal.width())))
     return 0
 
 
