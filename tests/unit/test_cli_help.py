@@ -81,14 +81,20 @@ def test_every_flag_has_help_and_shows_its_default(prog: str) -> None:
         if isinstance(action, argparse._HelpAction | argparse._VersionAction):
             continue
         assert action.help, f"{prog} {action.option_strings[0]} has no help"
+        # a default written by hand beside the one the formatter adds says it twice
+        assert not re.search(r"\(default [^:]|\(\d[\d.,]*\)$", action.help), action.help
         if action.default is not None and action.default is not False and action.default != []:
             shown = " ".join(f"(default: {action.default})".split())
             assert shown in text, f"{prog} {action.option_strings[0]}: no {shown!r}"
 
 
 @pytest.mark.parametrize("prog", sorted(every_command()))
-def test_every_command_has_examples(prog: str) -> None:
+def test_every_command_has_examples_and_its_help_fits_80_columns(
+    prog: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "80")  # argparse wraps to it
     text = every_command()[prog].format_help()
+    assert max(len(line) for line in text.splitlines()) <= 80, text
     examples = text.split("examples:\n", 1)[1]
     lines = [line.strip() for line in examples.splitlines() if line.strip().startswith("kvlens ")]
     assert lines, text

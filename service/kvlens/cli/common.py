@@ -28,10 +28,15 @@ from kvlens.exporter.app import create_app
 log = logging.getLogger("kvlens")
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+class HelpFormatter(argparse.HelpFormatter):
     """Each flag's help ends with its default (as ``ArgumentDefaultsHelpFormatter``), except where
     there is none to tell (None, an off switch, an empty list) or the help already says it; the
-    description and the examples (the epilog) keep their lines."""
+    examples (the epilog) keep their lines, as ``RawDescriptionHelpFormatter`` would."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith(EXAMPLES):
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         help = action.help or ""
@@ -61,9 +66,22 @@ class Parser(argparse.ArgumentParser):
         return parsed, extras
 
 
-def examples(*lines: str) -> str:
-    """An epilog of example command lines."""
-    return "examples:\n" + "\n".join(f"  {line}" for line in lines)
+EXAMPLES = "examples:\n"
+
+
+def examples(*commands: str) -> str:
+    """An epilog of example command lines, each continued with a backslash (so it still pastes
+    into a shell) where it would pass 80 columns."""
+    lines = []
+    for command in commands:
+        line = " "
+        for word in command.split(" "):
+            if len(line) + 1 + len(word) > 77 and line.strip():
+                lines.append(line + " \\")
+                line = "     "
+            line += " " + word
+        lines.append(line)
+    return EXAMPLES + "\n".join(lines)
 
 
 def log_flags(parser: argparse.ArgumentParser) -> None:
@@ -72,13 +90,15 @@ def log_flags(parser: argparse.ArgumentParser) -> None:
         "--log-level",
         type=str.lower,
         choices=logs.LEVELS,
+        metavar="LEVEL",
         default=os.environ.get(f"{ENV_PREFIX}LOG_LEVEL", "info").lower(),
-        help=f"the least severe log lines shown (env {ENV_PREFIX}LOG_LEVEL)",
+        help=f"the least severe log lines shown: {', '.join(logs.LEVELS)} (env {ENV_PREFIX}LOG_LEVEL)",
     )
     parser.add_argument(
         "--log-format",
         type=str.lower,
         choices=logs.FORMATS,
+        metavar="FORMAT",
         default=os.environ.get(f"{ENV_PREFIX}LOG_FORMAT", "text").lower(),
         help=f"log lines on stderr: text, or one JSON object per line (env {ENV_PREFIX}LOG_FORMAT)",
     )
@@ -112,13 +132,19 @@ def input_flags(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--format", dest="input_format", help="kvlens, sglang or openai-usage (default: detect)")
     sub.add_argument("--model", help="model for records that carry none (SGLang)")
     sub.add_argument("--config", type=Path, help="YAML settings: prompt_length_edges, cost_models, ...")
-    sub.add_argument("--json", action="store_true", help="print the report as JSON (schema in the README)")
+    sub.add_argument(
+        "--json",
+        action="store_true",
+        help="print the report as JSON (its schema key names a file in kvlens/schemas)",
+    )
     sub.add_argument("--markdown", action="store_true", help="print the report as Markdown")
 
 
 def scale_flags(sub: argparse.ArgumentParser) -> None:
     sub.add_argument(
-        "--memory-limit", metavar="SIZE", help="DuckDB's memory before it spills, e.g. 2GiB (the default)"
+        "--memory-limit",
+        metavar="SIZE",
+        help="DuckDB's memory before it spills, e.g. 4GiB (default: analyze_memory_limit, 2GiB)",
     )
 
 

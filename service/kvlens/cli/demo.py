@@ -37,7 +37,8 @@ def add_parser(commands: Any) -> None:
         "--policy",
         default="prefix_affinity",
         choices=("round_robin", "least_queue", "prefix_affinity", "cost_aware"),
-        help="the replay fleet's router (default prefix_affinity)",
+        metavar="POLICY",
+        help="the replay fleet's router: round_robin, least_queue, prefix_affinity or cost_aware",
     )
     run_demo.add_argument("--rate", type=float, default=20.0, help="synthetic: requests per second")
     run_demo.add_argument("--seed", type=int, default=0, help="synthetic: random seed")

@@ -44,7 +44,8 @@ def add_parser(commands: Any) -> None:
         "--policy",
         action="append",
         choices=("round_robin", "least_queue", "prefix_affinity", "cost_aware"),
-        help="routing policy, repeatable (default: all four)",
+        metavar="POLICY",
+        help="round_robin, least_queue, prefix_affinity or cost_aware; repeatable (default: all four)",
     )
     sim.add_argument("--block-size", type=int, help="refuse a trace whose blocks are not this size")
     sim.add_argument(

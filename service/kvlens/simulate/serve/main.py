@@ -41,7 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="C",
         help="KV cache blocks per replica, or 'unbounded'",
     )
-    parser.add_argument("--policy", choices=POLICIES, default="round_robin", help="routing (round_robin)")
+    parser.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default="round_robin",
+        metavar="POLICY",
+        help=f"routing: {', '.join(POLICIES)}",
+    )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--model", default="simulated", help="served model name")
     parser.add_argument("--max-model-len", type=int, default=32_768, help="context length")
