@@ -141,6 +141,8 @@ def test_the_environment_sets_the_defaults_and_a_flag_wins(monkeypatch: pytest.M
     assert (args.log_level, args.log_format) == ("warning", "json")
     args = parser_of(["analyze"]).parse_args(["analyze", "x.jsonl", "--log-format", "text"])
     assert args.log_format == "text"
+    monkeypatch.setenv("KVLENS_LOG_LEVEL", "")  # set but empty, as a compose file may leave it: unset
+    assert parser_of(["analyze"]).parse_args(["analyze", "x.jsonl"]).log_level == "info"
 
 
 def test_a_bad_log_setting_from_the_environment_is_one_clear_line(

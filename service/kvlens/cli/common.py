@@ -91,7 +91,7 @@ def log_flags(parser: argparse.ArgumentParser) -> None:
         type=str.lower,
         choices=logs.LEVELS,
         metavar="LEVEL",
-        default=os.environ.get(f"{ENV_PREFIX}LOG_LEVEL", "info").lower(),
+        default=(os.environ.get(f"{ENV_PREFIX}LOG_LEVEL") or "info").lower(),  # empty: unset
         help=f"the least severe log lines shown: {', '.join(logs.LEVELS)} (env {ENV_PREFIX}LOG_LEVEL)",
     )
     parser.add_argument(
@@ -99,7 +99,7 @@ def log_flags(parser: argparse.ArgumentParser) -> None:
         type=str.lower,
         choices=logs.FORMATS,
         metavar="FORMAT",
-        default=os.environ.get(f"{ENV_PREFIX}LOG_FORMAT", "text").lower(),
+        default=(os.environ.get(f"{ENV_PREFIX}LOG_FORMAT") or "text").lower(),
         help=f"log lines on stderr: text, or one JSON object per line (env {ENV_PREFIX}LOG_FORMAT)",
     )
 
