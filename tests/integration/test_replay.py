@@ -21,6 +21,7 @@ import pytest
 from kvlens.cli import main
 from kvlens.experiment import protocol
 from kvlens.simulate.trace import BUNDLED
+from tests.json_outputs import validate
 from tests.live import Running, free_port, start_kvlens
 
 pytestmark = pytest.mark.integration
@@ -148,6 +149,7 @@ def test_experiment_prefix_cache_end_to_end(tmp_path: Path, capsys: pytest.Captu
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     assert report["schema"] == "kvlens.compare/v1"
+    validate(report)
     assert report["arms"] == ["off", "cold", "warm"]
     assert all(int(r["cached_tokens"]) == 0 for r in records(tmp_path / "off.jsonl"))
     assert all(int(r["cached_tokens"]) == 4096 for r in records(tmp_path / "warm.jsonl"))
@@ -406,6 +408,7 @@ def test_quantization_w4a16_holds_a_higher_rate_for_the_reason_the_model_gives(
     assert code == 0
     result = json.loads(capsys.readouterr().out)
     assert result["schema"] == "kvlens.quantization/v1"
+    validate(result)
     fixed = result["fixed_work"]
     assert set(fixed) == {"bf16", "w4a16"} and set(fixed["bf16"]) == {"short"}
     assert (

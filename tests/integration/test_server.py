@@ -168,7 +168,7 @@ def test_demo_replays_the_bundled_trace_on_a_simulated_fleet() -> None:
     finally:
         output = running.output()
     assert "Mooncake trace" in output and "request hit" in output
-    assert "| recomputed: new " in output
+    assert "\n  recomputed: new " in output
 
 
 def test_synthetic_demo_serves_article_shaped_numbers() -> None:

@@ -39,7 +39,7 @@ def test_the_demo_feed_gives_the_simulated_engines_causes_and_each_loop_the_same
     for (_, cause), tokens in expected.items():
         by_cause[cause] += tokens
     whole = sum(by_cause.values())
-    shares = dict(part.rsplit(" ", 2)[:2] for part in line.removeprefix(" | recomputed: ").split(", "))
+    shares = dict(part.rsplit(" ", 2)[:2] for part in line.removeprefix("recomputed: ").split(", "))
     assert shares == {
         cause: f"{100 * tokens / whole:.0f}" if tokens / whole >= 0.005 else "<1"
         for cause, tokens in by_cause.items()

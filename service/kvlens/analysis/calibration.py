@@ -123,7 +123,7 @@ class Fit:
 
 def _fit_candidate(columns: tuple[FloatArray, ...], y: FloatArray) -> tuple[FloatArray, FloatArray]:
     """Coefficients (the constant last) minimising the squared relative error, and the modelled times."""
-    from scipy.optimize import nnls  # the "analyze" extra
+    from kvlens.nnls import nnls
 
     design = np.column_stack([*columns, np.ones_like(y)])
     weighted = design / y[:, None]

@@ -193,32 +193,74 @@ def _not_benefiting(base: Arm, arm: Arm, timed: npt.NDArray[np.bool_]) -> dict[s
     }
 
 
+def _warmup_lines(result: dict[str, Any]) -> list[str]:
+    return [
+        f"warm-up, {name}: {summary['requests']} requests (kept out of the timed window)"
+        for name, summary in result["warmup"].items()
+    ]
+
+
+def _not_benefiting_lines(result: dict[str, Any]) -> list[str]:
+    lines = []
+    for arm, info in result["not_benefiting"].items():
+        share = "n/a" if info["share"] is None else f"{info['share']:.1%}"
+        lines.append(
+            f"{arm}: {info['requests']} timed requests ({share}) were not faster than "
+            f"{result['baseline']}; {info['of_which_reused_nothing']} of them reused nothing"
+        )
+    return lines
+
+
+def _rows(result: dict[str, Any], arm: str) -> list[tuple[dict[str, Any], str, list[str]]]:
+    """``arm``'s rows: the group, the metric, and the p50 and p95 delta cells."""
+    return [
+        (group, metric.removesuffix("_seconds"), [_delta_cell(stats[f"p{q}"]) for q in QUANTILES])
+        for group in result["groups"]
+        for metric, stats in group["arms"].get(arm, {}).items()
+        if stats.get("count")
+    ]
+
+
 def markdown(result: dict[str, Any]) -> str:
     lines = [f"# kvlens compare (baseline: {result['baseline']})", ""]
-    for name, summary in result["warmup"].items():
-        lines.append(f"- warm-up, {name}: {summary['requests']} requests (kept out of the timed window)")
+    lines += [f"- {line}" for line in _warmup_lines(result)]
     header = ["prompt_len", "cache (baseline)", "requests", "arm", "metric"]
     header += ["p50 delta ms [95 % CI]", "p95 delta ms [95 % CI]"]
     lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for group in result["groups"]:
-        for arm, metrics in group["arms"].items():
-            for metric, stats in metrics.items():
-                if not stats.get("count"):
-                    continue
-                cells = [_delta_cell(stats[f"p{q}"]) for q in QUANTILES]
+        for arm in group["arms"]:
+            for row_group, metric, cells in _rows({**result, "groups": [group]}, arm):
                 lines.append(
-                    f"| {group['prompt_len']} | {group['cache_in_baseline']} | {group['requests']} | {arm} | "
-                    f"{metric.removesuffix('_seconds')} | {cells[0]} | {cells[1]} |"
+                    f"| {row_group['prompt_len']} | {row_group['cache_in_baseline']} | "
+                    f"{row_group['requests']} | {arm} | {metric} | {cells[0]} | {cells[1]} |"
                 )
     lines.append("")
-    for arm, info in result["not_benefiting"].items():
-        share = "n/a" if info["share"] is None else f"{info['share']:.1%}"
-        lines.append(
-            f"- {arm}: {info['requests']} timed requests ({share}) were not faster than "
-            f"{result['baseline']}; "
-            f"{info['of_which_reused_nothing']} of them reused nothing"
-        )
+    lines += [f"- {line}" for line in _not_benefiting_lines(result)]
     return "\n".join(lines) + "\n"
+
+
+def terminal(result: dict[str, Any], console: Any = None) -> None:
+    """The comparison as tables (rich), one per compared arm: at 80 columns a delta and its
+    interval wrap between their numbers, never through one."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    console.print(f"kvlens compare (baseline: {result['baseline']})", markup=False)
+    for line in _warmup_lines(result):
+        console.print(line, markup=False)
+    for arm in result["arms"][1:]:
+        table = Table(title=f"{arm} vs {result['baseline']}: change in ms [95 % CI]")
+        for column in ("prompt_len", "cache (baseline)", "requests", "metric", "p50", "p95"):
+            table.add_column(column, justify="right", overflow="fold")
+        for group, metric, cells in _rows(result, arm):
+            deltas = [cell.replace(" [", "\n[", 1) for cell in cells]  # the interval under its delta
+            table.add_row(
+                group["prompt_len"], group["cache_in_baseline"], f"{group['requests']:,}", metric, *deltas
+            )
+        console.print(table)
+    for line in _not_benefiting_lines(result):
+        console.print(line, markup=False)
 
 
 def _delta_cell(stats: dict[str, Any]) -> str:

@@ -25,22 +25,30 @@ def _ms(value: float | None) -> str:
     return "n/a" if value is None else f"{1000 * value:.1f}"
 
 
+STAGES = (("ttft_seconds", "TTFT"), ("queue_seconds", "queue"), ("prefill_seconds", "prefill"))
+PERCENTILES = ("p50", "p95", "p99")
+
+
+def _share_cells(group: dict[str, Any]) -> list[str]:
+    return [
+        group["prompt_len"],
+        group["cache"],
+        f"{group['requests']:,}",
+        _pct(group["share_of_requests"], 1),
+        _pct(group["share_of_tokens"], 1),
+        _pct(group["share_of_work"], 1),
+    ]
+
+
 def _group_rows(report: dict[str, Any]) -> list[list[str]]:
-    rows = []
-    for group in report["groups"]:
-        ttft, queue, prefill = group["ttft_seconds"], group["queue_seconds"], group["prefill_seconds"]
-        rows.append(
-            [
-                group["prompt_len"],
-                group["cache"],
-                f"{group['requests']:,}",
-                _pct(group["share_of_requests"], 1),
-                _pct(group["share_of_tokens"], 1),
-                _pct(group["share_of_work"], 1),
-                *(f"{_ms(s['p50'])} / {_ms(s['p95'])} / {_ms(s['p99'])}" for s in (ttft, queue, prefill)),
-            ]
-        )
-    return rows
+    """One row per group, its percentiles as ``p50 / p95 / p99`` in one cell per stage."""
+    return [
+        [
+            *_share_cells(group),
+            *(" / ".join(_ms(group[stage][p]) for p in PERCENTILES) for stage, _ in STAGES),
+        ]
+        for group in report["groups"]
+    ]
 
 
 GROUP_HEADER = [
@@ -54,6 +62,7 @@ GROUP_HEADER = [
     "queue p50/p95/p99 ms",
     "prefill p50/p95/p99 ms",
 ]
+SHARE_HEADER = GROUP_HEADER[:6]
 
 
 def _compute_saved(totals: dict[str, Any]) -> str:
@@ -123,19 +132,11 @@ def terminal(report: dict[str, Any]) -> None:
 
 
 def _terminal_records(console: Any, report: dict[str, Any]) -> None:
-    from rich.table import Table
-
     for line in _summary_lines(report):
         console.print(line)
-    table = Table(title="By prompt length and hit status")
-    for column in GROUP_HEADER:
-        table.add_column(column, justify="right")
-    for row in _group_rows(report):
-        table.add_row(*row)
-    console.print(table)
-    models = Table(title="By model")
-    for column in MODEL_HEADER:
-        models.add_column(column, justify="right")
+    for table in _group_tables(console, report):
+        console.print(table)
+    models = _table("By model", MODEL_HEADER)
     for name, model in report["models"].items():
         models.add_row(*_model_row(name, model))
     console.print(models)
@@ -143,8 +144,46 @@ def _terminal_records(console: Any, report: dict[str, Any]) -> None:
         console.print(f"[bold]{item['severity'].upper()}[/bold] {item['title']}\n  {item['detail']}")
     for example in report["input"]["skipped_examples"][:5]:
         console.print(
-            f"skipped {example['file']}:{example['line']}: {example['field'] or 'line'} {example['message']}"
+            f"skipped {example['file']}:{example['line']}: {example['field'] or 'line'} {example['message']}",
+            markup=False,
         )
+
+
+def _table(title: str, header: list[str]) -> Any:
+    """A table whose cells wrap between words but never cut one: a number too wide for its
+    column folds onto the next line instead of losing its digits to an ellipsis."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in header:
+        table.add_column(column, justify="right", overflow="fold")
+    return table
+
+
+def _group_tables(console: Any, report: dict[str, Any]) -> list[Any]:
+    """The groups in one table, each percentile in its column, when the terminal is wide enough;
+    otherwise their shares, then their latencies one stage a row (80 columns hold both)."""
+    from rich.measure import Measurement
+
+    wide = _table(
+        "By prompt length and hit status (latency in ms)",
+        SHARE_HEADER + [f"{name} {p}" for _, name in STAGES for p in PERCENTILES],
+    )
+    for group in report["groups"]:
+        wide.add_row(*_share_cells(group), *(_ms(group[s][p]) for s, _ in STAGES for p in PERCENTILES))
+    natural = Measurement.get(console, console.options.update_width(1 << 16), wide).maximum
+    if natural <= console.width:
+        return [wide]
+    shares = _table("By prompt length and hit status", SHARE_HEADER)
+    latency = _table(
+        "Latency by prompt length and hit status, ms", ["prompt_len", "cache", "stage", *PERCENTILES]
+    )
+    for group in report["groups"]:
+        shares.add_row(*_share_cells(group))
+        for i, (stage, name) in enumerate(STAGES):
+            label = [group["prompt_len"], group["cache"]] if i == 0 else ["", ""]
+            latency.add_row(*label, name, *(_ms(group[stage][p]) for p in PERCENTILES), end_section=i == 2)
+    return [shares, latency]
 
 
 def _calibration_lines(fit: dict[str, Any]) -> list[str]:

@@ -10,12 +10,23 @@ from typing import Any
 
 import yaml
 
-from kvlens.cli.common import check_writable, input_flags, read_progress, scale_flags
+from kvlens.cli.common import check_writable, examples, input_flags, read_progress, scale_flags
 from kvlens.config import load_settings
 
 
 def add_parser(commands: Any) -> None:
-    analyze = commands.add_parser("analyze", help="report, diagnose and calibrate recorded traffic")
+    analyze = commands.add_parser(
+        "analyze",
+        help="report, diagnose and calibrate recorded traffic",
+        description="Report, diagnose and calibrate recorded traffic: a table at a terminal, "
+        "--markdown, --json (schema kvlens.analyze/v1) or --html.",
+        epilog=examples(
+            "kvlens analyze records.jsonl",
+            "kvlens analyze 'logs/*.jsonl.gz' --json > report.json",
+            "kvlens analyze records.jsonl --html report.html",
+            "kvlens analyze --prefill-points prefill_h200.csv --config shapes.yaml --calibrate costs.yaml",
+        ),
+    )
     analyze.add_argument(
         "files",
         nargs="*",

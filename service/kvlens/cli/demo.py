@@ -9,7 +9,8 @@ import time
 from collections import Counter
 from typing import Any, TextIO
 
-from kvlens.cli.common import build_server, server_flags, settings_from
+from kvlens import terminal
+from kvlens.cli.common import build_server, examples, server_flags, settings_from
 from kvlens.config import Settings
 from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.background import fleet_index
@@ -21,7 +22,13 @@ from kvlens.sources import demo
 
 def add_parser(commands: Any) -> None:
     run_demo = commands.add_parser(
-        "demo", help="run the sidecar fed live by the simulator replaying a real trace (bundled)"
+        "demo",
+        help="run the sidecar fed live by the simulator replaying a real trace (bundled)",
+        epilog=examples(
+            "kvlens demo",
+            "kvlens demo --speed 10 --policy round_robin --port 9500",
+            "kvlens demo --traffic synthetic --rate 50 --duration 60",
+        ),
     )
     server_flags(run_demo)
     run_demo.add_argument(
@@ -30,16 +37,15 @@ def add_parser(commands: Any) -> None:
         default="replay",
         help="replay: the bundled Mooncake trace on a simulated fleet (default); synthetic: article-shaped",
     )
-    run_demo.add_argument(
-        "--speed", type=float, default=4.0, help="replay this many times faster (default 4)"
-    )
+    run_demo.add_argument("--speed", type=float, default=4.0, help="replay this many times faster")
     run_demo.add_argument(
         "--policy",
         default="prefix_affinity",
         choices=("round_robin", "least_queue", "prefix_affinity", "cost_aware"),
-        help="the replay fleet's router (default prefix_affinity)",
+        metavar="POLICY",
+        help="the replay fleet's router: round_robin, least_queue, prefix_affinity or cost_aware",
     )
-    run_demo.add_argument("--rate", type=float, default=20.0, help="synthetic: requests per second (20)")
+    run_demo.add_argument("--rate", type=float, default=20.0, help="synthetic: requests per second")
     run_demo.add_argument("--seed", type=int, default=0, help="synthetic: random seed")
     run_demo.add_argument("--every", type=float, default=5.0, help="seconds between summary lines")
     run_demo.add_argument("--duration", type=float, help="stop after this many seconds (default: run)")
@@ -52,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     if args.traffic == "synthetic":
         traffic = demo.DemoTraffic(rate_per_second=args.rate, seed=args.seed)
         what = (
-            "built-in traffic shaped like the articles' fleet (many short requests that hit a small\n"
+            "built-in traffic shaped like the articles' fleet (many short requests that hit a small "
             "shared prefix, a few long ones that miss)"
         )
     else:
@@ -61,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         replay = demo.ReplayTraffic(speed=args.speed, policy=args.policy, kv_events=True)
         traffic = replay
         what = (
-            f"the Mooncake trace (kvcache-ai/Mooncake, Apache-2.0) replayed {args.speed:g}x faster by the\n"
+            f"the Mooncake trace (kvcache-ai/Mooncake, Apache-2.0) replayed {args.speed:g}x faster by the "
             f"simulator on {replay.replicas} replicas of {replay.capacity_blocks:,} cache blocks, routed by "
             f"{args.policy}"
         )
@@ -70,18 +76,11 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(traffic, demo.ReplayTraffic):
         kv_events = in_process_kv_events(settings, demo.ReplayKVEvents.names(traffic.replicas))
         feed = demo.ReplayKVEvents(traffic, kv_events)
-    server = build_server(settings, aggregator, "warning", kv_events)
+    # its summary lines speak: uvicorn's at warning at least
+    server = build_server(settings, aggregator, args, quieter="warning", kv_events=kv_events)
     stop = threading.Event()
     base = f"http://{settings.host}:{settings.port}"
-    print(
-        f"kvlens demo: {what}, fed through the live exporter.\n"
-        f"  metrics   {base}/metrics\n"
-        f"  API docs  {base}/docs\n"
-        f"  push your own records: curl -X POST {base}/v1/records "
-        '-d \'{"prompt_tokens": 128, "cached_tokens": 16}\'\n'
-        "Ctrl-C to stop.",
-        flush=True,
-    )
+    print(banner(what, base, terminal.width()), flush=True)
     threads = [
         threading.Thread(target=_feed, args=(traffic, aggregator, stop, feed), name="demo-feed", daemon=True),
         threading.Thread(
@@ -114,6 +113,21 @@ def in_process_kv_events(settings: Settings, replicas: list[str]) -> KVEvents:
     for status in kv_events.consumer.status.values():
         status.up = 1
     return kv_events
+
+
+def banner(what: str, base: str, columns: int) -> str:
+    """What runs, where to look, and how to push a record (a command that pastes as it is)."""
+    lines = terminal.wrapped([f"kvlens demo: {what}, fed through the live exporter."], columns)
+    lines += [
+        f"  metrics   {base}/metrics",
+        f"  API docs  {base}/docs",
+        "  push your own records:",
+        f"    curl -X POST {base}/v1/records \\",
+        '      -d \'{"prompt_tokens": 128, "cached_tokens": 16}\'',
+        "summaries: requests so far | request hit | token reuse | compute saved",
+        "Ctrl-C to stop.",
+    ]
+    return "\n".join(terminal.wrapped(lines, columns))
 
 
 def _feed(
@@ -154,14 +168,17 @@ def print_summary(aggregator: Aggregator, out: TextIO, kv_events: KVEvents | Non
     def percent(value: float | None, digits: int) -> str:
         return "n/a" if value is None else f"{100 * value:.{digits}f} %"
 
+    # at most 78 columns: 10 digits of requests, every ratio at 100 %
     print(
-        f"  {totals.requests:>8,} requests | request hit {percent(totals.request_hit_ratio, 1)}"
-        f" | token reuse {percent(totals.token_reuse_ratio, 2)}"
-        f" | compute saved {percent(totals.compute_saved_ratio, 3)}"
-        f"{'' if kv_events is None else causes_summary(kv_events)}",
+        f"  {totals.requests:>10,} requests | hit {percent(totals.request_hit_ratio, 1)}"
+        f" | reuse {percent(totals.token_reuse_ratio, 2)}"
+        f" | compute saved {percent(totals.compute_saved_ratio, 3)}",
         file=out,
         flush=True,
     )
+    causes = "" if kv_events is None else causes_summary(kv_events)
+    if causes:  # a line of its own: four causes would push the summary past 80 columns
+        print("\n".join(terminal.wrap(f"  {causes}", terminal.width(), indent="    ")), file=out, flush=True)
 
 
 def _share(fraction: float) -> str:
@@ -177,4 +194,4 @@ def causes_summary(kv_events: KVEvents) -> str:
     if not whole:
         return ""
     shares = ", ".join(f"{cause} {_share(by_cause[cause] / whole)} %" for cause in CAUSES if by_cause[cause])
-    return f" | recomputed: {shares}"
+    return f"recomputed: {shares}"

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvlens import terminal
+from kvlens.cli.common import examples
 from kvlens.cli.replay import (
     endpoint,
     endpoint_flags,
@@ -28,7 +30,11 @@ from kvlens.experiment.protocol import ExperimentError
 
 
 def add_parser(commands: Any) -> None:
-    experiment = commands.add_parser("experiment", help="the articles' experiments against endpoints")
+    experiment = commands.add_parser(
+        "experiment",
+        help="the articles' experiments against endpoints",
+        epilog=examples("kvlens experiment prefix-cache --help", "kvlens experiment quantization --help"),
+    )
     kinds = experiment.add_subparsers(required=True, metavar="EXPERIMENT")
     prefix = kinds.add_parser(
         "prefix-cache",
@@ -36,8 +42,10 @@ def add_parser(commands: Any) -> None:
         description="Runs the off arm (when --off-endpoint is given), then cold (cache emptied) and "
         "warm (emptied, warmed by the traffic before --measure-from, timed apart) on --endpoint, "
         "one records file per arm in --out-dir, and prints the compare report.",
-        epilog="example: kvlens experiment prefix-cache shared-prefix --endpoint http://127.0.0.1:8000 "
-        "--off-endpoint http://127.0.0.1:8001 --model simulated --out-dir runs/",
+        epilog=examples(
+            "kvlens experiment prefix-cache shared-prefix --endpoint http://127.0.0.1:8000 "
+            "--off-endpoint http://127.0.0.1:8001 --model simulated --out-dir runs/",
+        ),
     )
     trace_flags(prefix)
     endpoint_flags(prefix)
@@ -54,8 +62,10 @@ def add_parser(commands: Any) -> None:
         "long contexts apart; TTFT, inter-token latency and e2e apart). Experiment 2 (--rates) replays "
         "the trace at each rate and reports attainment of --slo-ttft and --slo-itl, goodput, the "
         "highest rate each endpoint holds, and whether a gain came from faster steps or more KV.",
-        epilog="example: kvlens experiment quantization shared-prefix --endpoint bf16=http://127.0.0.1:8000 "
-        "--endpoint w4a16=http://127.0.0.1:8001 --model simulated --out-dir quant/ --rates 2,4,8",
+        epilog=examples(
+            "kvlens experiment quantization shared-prefix --endpoint bf16=http://127.0.0.1:8000 "
+            "--endpoint w4a16=http://127.0.0.1:8001 --model simulated --out-dir quant/ --rates 2,4,8",
+        ),
     )
     quant.add_argument("trace", metavar="TRACE", help=f"a trace file, or '{arms.SHARED_PREFIX}'")
     quant.add_argument(
@@ -67,16 +77,14 @@ def add_parser(commands: Any) -> None:
     )
     quant.add_argument("--model", required=True, help="the served model name (the same on every endpoint)")
     quant.add_argument("--api-key", help="bearer token for the endpoints")
-    quant.add_argument("--timeout", type=float, default=600, help="seconds one request may take (600)")
+    quant.add_argument("--timeout", type=float, default=600, help="seconds one request may take")
     quant.add_argument("--out-dir", type=Path, required=True, help="where each run's records go")
-    quant.add_argument("--concurrency", type=int, default=8, help="experiment 1: requests in flight (8)")
+    quant.add_argument("--concurrency", type=int, default=8, help="experiment 1: requests in flight")
     quant.add_argument("--rates", help="experiment 2: requests per second, comma-separated (none: skip)")
-    quant.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT target, seconds (2)")
-    quant.add_argument(
-        "--slo-itl", type=float, default=0.05, help="mean inter-token latency target, s (0.05)"
-    )
-    quant.add_argument("--slo-attainment", type=float, default=0.9, help="share that must meet both (0.9)")
-    quant.add_argument("--long-context", type=int, default=4096, help="prompts this long are long (4096)")
+    quant.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT target, seconds")
+    quant.add_argument("--slo-itl", type=float, default=0.05, help="mean inter-token latency target, s")
+    quant.add_argument("--slo-attainment", type=float, default=0.9, help="share that must meet both")
+    quant.add_argument("--long-context", type=int, default=4096, help="prompts this long are long")
     quant.add_argument("--max-output-tokens", type=int, help="cap the trace's output lengths")
     quant.add_argument("--json", action="store_true", help="print the report as JSON")
     traffic_flags(quant)
@@ -111,11 +119,15 @@ def _prefix_cache(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(compare.markdown(report), end="")
-        print(
-            "\nReuse is not speedup: a warm arm's cached tokens save prefill work, and TTFT falls only "
+        if sys.stdout.isatty():  # as kvlens compare: a table at a terminal, Markdown into a file
+            compare.terminal(report)
+        else:
+            print(compare.markdown(report), end="")
+        moral = (
+            "Reuse is not speedup: a warm arm's cached tokens save prefill work, and TTFT falls only "
             "where prefill, not queueing, was the wait."
         )
+        print("\n" + "\n".join(terminal.wrap(moral, terminal.width())))
     return 0
 
 

@@ -36,6 +36,7 @@ from kvlens.experiment.prompts import PromptSynthesizer
 from kvlens.experiment.protocol import ExperimentError, check_reachable, reset_cache
 from kvlens.experiment.run import Schedule
 from kvlens.simulate.trace import TraceRequest
+from kvlens.terminal import NARROWEST, wrap, wrapped
 
 SCHEMA = "kvlens.quantization/v1"
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # 0.10+, 0.8/0.9
@@ -357,9 +358,12 @@ def text(result: dict[str, Any]) -> str:
     load = result.get("rising_load")
     if load:
         targets = result["targets"]
-        lines += [
+        lines += wrap(
             f"Experiment 2, rising load (targets: TTFT <= {targets['ttft_seconds']:g} s, "
             f"ITL mean <= {targets['tpot_seconds'] * 1000:g} ms, {targets['attainment']:.0%} of requests)",
+            NARROWEST,
+        )
+        lines += [
             "",
             f"{'endpoint':<12}{'req/s':>7}{'attain':>8}{'goodput':>9}{'TTFT p50':>10}"
             f"{'KV max':>8}{'reuse':>8}",
@@ -374,8 +378,9 @@ def text(result: dict[str, Any]) -> str:
                 )
         lines.append("")
         for name, rate in load["highest_rate"].items():
-            lines.append(
-                f"{name}: highest rate meeting the targets: {'none' if rate is None else f'{rate:g} req/s'}"
+            lines += wrap(
+                f"{name}: highest rate meeting the targets: {'none' if rate is None else f'{rate:g} req/s'}",
+                NARROWEST,
             )
-        lines += load["attribution"]
+        lines += wrapped(load["attribution"], NARROWEST)
     return "\n".join(lines) + "\n"
