@@ -5,6 +5,8 @@ in the room."""
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
@@ -29,6 +31,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     command: Callable[[argparse.Namespace], int] = args.run
     try:
         return command(args)
+    except KeyboardInterrupt:  # Ctrl-C is how demo, serve and a replay are stopped: not a defect
+        return 128 + signal.SIGINT
+    except BrokenPipeError:  # `kvlens analyze --json | head`: the reader has left; say no more
+        # Python flushes stdout again at exit and would print that error too: point it nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except (SettingsError, InputError) as error:
         print(f"kvlens: {error}", file=sys.stderr)
         return 2
