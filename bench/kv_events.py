@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import time
 import tracemalloc
 from collections.abc import Callable
 
 import msgspec
+import numpy as np
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
@@ -94,29 +96,32 @@ def kvlens(payloads: list[Message], replicas: int, alike: bool) -> Callable[[], 
     return run
 
 
-def memory(held: int, block_tokens: int, alike: bool) -> tuple[float, float, FleetIndex]:
-    """Bytes per held (block, replica) entry, everything the index keeps for it (tracemalloc),
-    and per remembered block (the remembered table and its age queue alone)."""
-    tokens = list(range(block_tokens * 64))
-    chains = [list(range(first, first + 64)) for first in range(0, held - held % 64, 64)]
+def rss() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory(held: int, block_tokens: int, alike: bool) -> tuple[float, float, float, FleetIndex]:
+    """Bytes per held (block, replica) entry, everything the index keeps for it (tracemalloc, and
+    the process's RSS growth), and per remembered block (the same blocks, removed)."""
+    chains = held // 64
     gc.collect()
+    before = rss()
     tracemalloc.start()
     index = FleetIndex(hashes_alike=alike, remember_blocks=held, max_held_blocks=held)
     base = tracemalloc.get_traced_memory()[0]
-    for chain in chains:
-        index.stored("r0", chain, None, tokens, block_tokens)
+    for chain in range(chains):  # 64-block prompts, each its own tokens
+        first = chain * 64
+        tokens = np.arange(first * block_tokens, (first + 64) * block_tokens, dtype=np.uint64)
+        index.stored("r0", list(range(first, first + 64)), None, tokens, block_tokens)
     holding = tracemalloc.get_traced_memory()[0] - base
+    grown = rss() - before
+    for chain in range(chains):
+        index.removed("r0", list(range(chain * 64, chain * 64 + 64)))
+    remembering = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
-    del chains
-    gc.collect()
-    tracemalloc.start()
-    remembering = FleetIndex(remember_blocks=held)
-    base = tracemalloc.get_traced_memory()[0]
-    for key in range(1 << 40, (1 << 40) + held):  # 64-bit-sized keys, as content keys are
-        remembering._remember(key, 1)
-    remembered = tracemalloc.get_traced_memory()[0] - base
-    tracemalloc.stop()
-    return holding / held, remembered / held, index
+    assert index.snapshot().remembered_blocks == chains * 64
+    return holding / (chains * 64), grown / (chains * 64), remembering / (chains * 64), index
 
 
 def render_seconds(index: FleetIndex, replicas: int) -> float:
@@ -155,9 +160,12 @@ def main() -> None:
             f"{baseline / seconds:.2f} of the bare decode's rate"
         )
     for alike in (False, True):
-        held, remembered, index = memory(args.held, args.block_tokens, alike)
+        held, grown, remembered, index = memory(args.held, args.block_tokens, alike)
         label = "hashes_alike" if alike else "content keys"
-        print(f"memory ({label}): {held:.1f} bytes per held block, {remembered:.1f} per remembered block")
+        print(
+            f"memory ({label}): {held:.1f} bytes per held block (RSS {grown:.1f}), "
+            f"{remembered:.1f} per remembered block"
+        )
     print(f"/metrics render of the KV families: {render_seconds(index, args.replicas) * 1e3:.2f} ms")
 
 

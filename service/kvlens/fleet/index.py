@@ -124,36 +124,10 @@ def _extra_digest(lora_name: str | None, extra: Any) -> int:
     return int.from_bytes(hashlib.blake2b(material, digest_size=8).digest(), "big")
 
 
-def content_keys(
-    parent: int | None,
-    token_ids: Sequence[int] | np.ndarray[Any, np.dtype[np.uint64]],
-    block_size: int,
-    count: int,
-    extra_keys: Sequence[Any] | None = None,
-    lora_name: str | None = None,
-) -> np.ndarray[Any, np.dtype[np.uint64]]:
-    """The content keys of ``count`` consecutive blocks after ``parent`` (None: the first block)."""
-    from kvlens.fleet import kernels
-
-    tokens = token_ids if isinstance(token_ids, np.ndarray) else token_array(token_ids)
-    if tokens is None or tokens.size != count * block_size:
-        raise ValueError(f"{count} blocks of {block_size} tokens need {count * block_size} token ids")
-    if extra_keys is None and lora_name is None:
-        extras = np.zeros(count, np.uint64)
-    else:
-        extras = np.array(
-            [_extra_digest(lora_name, None if extra_keys is None else extra_keys[i]) for i in range(count)],
-            dtype=np.uint64,
-        )
-    keys = np.empty(count, np.uint64)
-    kernels.content_keys(tokens, block_size, np.uint64(parent or 0), extras, keys)
-    return keys
-
-
 @dataclass
 class _Replica:
     name: str
-    bit: np.uint64
+    number: int  # its bit in the fleet's masks, its row of counters
     table: kernels.Table  # engine hash -> content key | the tiers holding it << 60
     copies: Counter[tuple[str, int]] = field(default_factory=Counter)  # extra copies of a hash
 
@@ -174,9 +148,14 @@ class IndexSnapshot:
     memory_bytes: int
 
 
-def _tier(name: str) -> tuple[str, np.uint64]:
-    position = TIERS.index(name) if name in TIERS else len(TIERS) - 1
-    return TIERS[position], np.uint64(1 << position)
+_TIER_NUMBERS: Final = {name: position for position, name in enumerate(TIERS)}
+_NO_TOKENS: Final = np.zeros(0, np.uint64)
+_NO_BYTES: Final = np.zeros(0, np.uint8)
+
+
+def _tier(name: str) -> tuple[str, int]:
+    number = _TIER_NUMBERS.get(name, len(TIERS) - 1)
+    return TIERS[number], number
 
 
 class FleetIndex:
@@ -203,22 +182,19 @@ class FleetIndex:
         self.remember_cap = remember_blocks
         self.max_held = max_held_blocks
         self.shard_index, self.shard_count = shard
-        self._shard = (np.uint64(count), np.uint64(index))
         self.lock = threading.Lock()
         self._replicas: dict[str, _Replica] = {}
         self._fleet = kernels.Table()  # content key -> bits of the replicas holding it
         self._remembered = kernels.Table()  # content key -> bits of replicas that removed it
         self._ring = kernels.Ring(remember_blocks)  # remembered keys, oldest first
-        self._held_entries = 0
-        self.duplicated = 0
-        self.forgotten = 0
-        self.untracked = 0
-        self.unknown_removed = 0
-        self.recomputed: Counter[tuple[str, str]] = Counter()  # (replica, cause) -> blocks
-        self.recomputed_tokens: Counter[tuple[str, str]] = Counter()
-        self.stored_blocks: Counter[tuple[str, str]] = Counter()  # (replica, medium)
-        self.removed_blocks: Counter[tuple[str, str]] = Counter()
-        self.held_count: Counter[tuple[str, str]] = Counter()  # (replica, medium) -> held now
+        self._stats = np.zeros((MAX_REPLICAS, kernels.STATS), np.int64)  # a row per replica
+        self._counts = np.zeros(kernels.FLEET_COUNTS, np.int64)
+        self._params = np.zeros(kernels.PARAMS, np.uint64)
+        params = self._params
+        params[kernels.P_ALIKE] = hashes_alike
+        params[kernels.P_SHARDS], params[kernels.P_SHARD] = count, index
+        params[kernels.P_MAX_HELD], params[kernels.P_CAP] = max_held_blocks, remember_blocks
+        self._copies = np.zeros(64, np.uint8)
 
     # --- feeding ---------------------------------------------------------------------------
 
@@ -227,96 +203,98 @@ class FleetIndex:
         if state is None:
             if len(self._replicas) == MAX_REPLICAS:
                 raise ValueError(f"replica {name!r}: the index follows at most {MAX_REPLICAS} replicas")
-            bit = np.uint64(1 << len(self._replicas))
-            state = self._replicas[name] = _Replica(name, bit, self._k.Table())
+            state = self._replicas[name] = _Replica(name, len(self._replicas), self._k.Table())
         return state
 
     def _mine(self, key: int) -> bool:
         return self.shard_count == 1 or key % self.shard_count == self.shard_index
 
     def _content_key(self, state: _Replica, engine_hash: int) -> int | None:
-        found, value = self._k.lookup(state.table.keys, state.table.vals, np.uint64(engine_hash))
+        found, value = self._k.lookup(state.table.rows, np.uint64(engine_hash))
         if not found:
             return None
         return engine_hash if self.hashes_alike else int(value) & int(self._k.MASK60)
+
+    def _set(self, state: _Replica, tier: int) -> np.ndarray[Any, np.dtype[np.uint64]]:
+        params = self._params
+        params[self._k.P_REPLICA] = state.number
+        params[self._k.P_TIER] = tier
+        return params
 
     def stored(
         self,
         replica: str,
         block_hashes: Sequence[EngineHash],
         parent_block_hash: EngineHash | None,
-        token_ids: Sequence[int] | np.ndarray[Any, np.dtype[np.uint64]],
+        token_ids: Sequence[int] | msgspec.Raw | np.ndarray[Any, np.dtype[np.uint64]],
         block_size: int,
         *,
         medium: str | None = None,
         extra_keys: Sequence[Any] | None = None,
         lora_name: str | None = None,
-    ) -> None:
-        """One ``BlockStored``: classify each block (primary tier) and hold it. The caller has
-        checked the shapes (``len(token_ids) == len(block_hashes) * block_size``)."""
-        state = self.replica(replica)
+    ) -> bool:
+        """One ``BlockStored``: classify each block (primary tier) and hold it. False, and nothing
+        counted, when the token ids are not ``block_size`` integers for each block (``token_ids``
+        as msgpack bytes are parsed in the compiled loop: cheaper than a list of Python ints)."""
+        state = self._replicas.get(replica) or self.replica(replica)
         tier_name, tier = _tier(medium or PRIMARY)
         hashes = _hash_array(block_hashes)
         count = hashes.size
-        chained = True
-        if self.hashes_alike:
-            keys = hashes
+        if isinstance(token_ids, msgspec.Raw):
+            raw, tokens = np.frombuffer(token_ids, dtype=np.uint8), _NO_TOKENS
         else:
-            parent = None
-            if parent_block_hash is not None:
-                parent = self._content_key(state, engine_key(parent_block_hash))
-                chained = parent is not None
-            keys = content_keys(parent, token_ids, block_size, count, extra_keys, lora_name)
+            raw = _NO_BYTES
+            given = token_ids if isinstance(token_ids, np.ndarray) else token_array(token_ids)
+            if given is None:
+                return False
+            tokens = given.astype(np.uint64, copy=False)
+        if extra_keys is None and lora_name is None:
+            extras = _NO_TOKENS
+        else:
+            extras = np.array(
+                [_extra_digest(lora_name, None if extra_keys is None else extra_keys[i]) for i in range(count)],
+                dtype=np.uint64,
+            )
         k = self._k
-        table, fleet = state.table, self._fleet
+        params = self._set(state, tier)
+        params[k.P_BLOCK_SIZE] = max(block_size, 0)
+        params[k.P_HAS_PARENT] = parent_block_hash is not None
+        params[k.P_PARENT] = 0 if parent_block_hash is None else engine_key(parent_block_hash)
+        table = state.table
         table.reserve(count)
-        fleet.reserve(count)
-        out = np.zeros(12, np.int64)
-        copies = np.zeros(count, np.uint8)
-        k.store(
+        self._fleet.reserve(count)
+        if count > self._copies.size:
+            self._copies = np.zeros(2 * count, np.uint8)
+        copies = self._copies
+        copied = k.store(
             hashes,
-            keys,
-            self.hashes_alike,
-            state.bit,
-            tier,
-            tier_name == PRIMARY,
-            chained,
-            *self._shard,
-            self.max_held - self._held_entries,
-            table.keys,
-            table.vals,
-            table.counts,
-            fleet.keys,
-            fleet.vals,
-            fleet.counts,
-            self._remembered.keys,
-            self._remembered.vals,
-            out,
+            raw,
+            tokens,
+            extras,
+            params,
+            table.rows,
+            self._fleet.rows,
+            self._remembered.rows,
+            self._stats,
+            self._counts,
             copies,
         )
-        counts = out.tolist()
-        self._held_entries += counts[k.O_ADDED]
-        self.duplicated += counts[k.O_DUPLICATED]
-        self.untracked += counts[k.O_UNTRACKED]
-        if counts[k.O_COPIES]:
-            for position in np.flatnonzero(copies).tolist():
+        if copied < 0:
+            return False
+        if copied:
+            for position in np.flatnonzero(copies[:count]).tolist():
                 state.copies[tier_name, int(hashes[position])] += 1
-        if counts[k.O_STORED]:
-            self.stored_blocks[replica, tier_name] += counts[k.O_STORED]
-        if counts[k.O_HELD]:
-            self.held_count[replica, tier_name] += counts[k.O_HELD]
-        for cause, blocks in zip(CAUSES, counts, strict=False):
-            if blocks:
-                self.recomputed[replica, cause] += blocks
-                self.recomputed_tokens[replica, cause] += blocks * block_size
+        return True
 
     def removed(self, replica: str, block_hashes: Sequence[EngineHash], *, medium: str | None = None) -> None:
         """One ``BlockRemoved``."""
-        state = self.replica(replica)
+        state = self._replicas.get(replica) or self.replica(replica)
         tier_name, tier = _tier(medium or PRIMARY)
         hashes = _hash_array(block_hashes)
+        k = self._k
         if state.copies:  # an extra copy goes first: the block stays held
             kept = []
+            row = self._stats[state.number]
             for engine_hash in hashes.tolist():
                 extra = state.copies.get((tier_name, engine_hash))
                 if not extra:
@@ -328,105 +306,106 @@ class FleetIndex:
                     state.copies[tier_name, engine_hash] = extra - 1
                 key = self._content_key(state, engine_hash)
                 if key is not None and self._mine(key):
-                    self.removed_blocks[replica, tier_name] += 1
-                    self.held_count[replica, tier_name] -= 1
+                    row[k.REMOVED + tier] += 1
+                    row[k.HELD + tier] -= 1
             hashes = np.array(kept, dtype=np.uint64)
-        k = self._k
-        table, fleet, remembered = state.table, self._fleet, self._remembered
-        remembered.reserve(hashes.size)
+        self._remembered.reserve(hashes.size)
         self._ring.reserve(hashes.size)
-        out = np.zeros(5, np.int64)
         k.remove(
             hashes,
-            self.hashes_alike,
-            state.bit,
-            tier,
-            *self._shard,
-            self.remember_cap,
-            table.keys,
-            table.vals,
-            table.counts,
-            fleet.keys,
-            fleet.vals,
-            fleet.counts,
-            remembered.keys,
-            remembered.vals,
-            remembered.counts,
+            self._set(state, tier),
+            state.table.rows,
+            self._fleet.rows,
+            self._remembered.rows,
             self._ring.keys,
-            self._ring.meta,
-            out,
+            self._stats,
+            self._counts,
         )
-        self._count_removal(out.tolist())
-        mine = int(out[k.R_MINE])
-        if mine:
-            self.removed_blocks[replica, tier_name] += mine
-            self.held_count[replica, tier_name] -= mine
-        table.shrink()
-
-    def _count_removal(self, counts: list[int]) -> None:
-        k = self._k
-        self._held_entries -= counts[k.R_DROPPED]
-        self.unknown_removed += counts[k.R_UNKNOWN]
-        self.duplicated -= counts[k.R_UNDUPLICATED]
-        self.forgotten += counts[k.R_FORGOTTEN]
+        state.table.shrink()
+        self._fleet.shrink()
 
     def cleared(self, replica: str) -> None:
         """``AllBlocksCleared``, or the publisher restarted: the replica holds nothing now."""
         state = self.replica(replica)
+        k = self._k
+        row = self._stats[state.number]
         for (tier_name, engine_hash), extra in state.copies.items():
             key = self._content_key(state, engine_hash)
             if key is not None and self._mine(key):
-                self.removed_blocks[replica, tier_name] += extra
-                self.held_count[replica, tier_name] -= extra
+                tier = _tier(tier_name)[1]
+                row[k.REMOVED + tier] += extra
+                row[k.HELD + tier] -= extra
         state.copies.clear()
-        k = self._k
-        table, fleet, remembered = state.table, self._fleet, self._remembered
-        remembered.reserve(table.live)
+        table = state.table
+        self._remembered.reserve(table.live)
         self._ring.reserve(table.live)
-        out = np.zeros(5, np.int64)
-        tiers = np.zeros(len(TIERS), np.int64)
         k.clear(
-            self.hashes_alike,
-            state.bit,
-            *self._shard,
-            self.remember_cap,
-            table.keys,
-            table.vals,
-            fleet.keys,
-            fleet.vals,
-            fleet.counts,
-            remembered.keys,
-            remembered.vals,
-            remembered.counts,
+            self._set(state, 0),
+            table.rows,
+            self._fleet.rows,
+            self._remembered.rows,
             self._ring.keys,
-            self._ring.meta,
-            out,
-            tiers,
+            self._stats,
+            self._counts,
         )
-        self._count_removal(out.tolist())
-        for tier_name, blocks in zip(TIERS, tiers.tolist(), strict=True):
-            if blocks:
-                self.removed_blocks[replica, tier_name] += blocks
-                self.held_count[replica, tier_name] -= blocks
         state.table = k.Table()
-        fleet.shrink()
+        self._fleet.shrink()
 
     # --- reading ---------------------------------------------------------------------------
 
+    def _by_replica(self, first: int, names: Sequence[str], every: bool = False) -> Counter[tuple[str, str]]:
+        """A block of the counter rows as {(replica, name): value}: the non-zero values, or with
+        ``every`` each tier the replica stored into or removed from (a held count of 0 shows)."""
+        k = self._k
+        table: Counter[tuple[str, str]] = Counter()
+        for state in self._replicas.values():
+            row = self._stats[state.number].tolist()
+            for offset, name in enumerate(names):
+                value = row[first + offset]
+                touched = row[k.STORED + offset] or row[k.REMOVED + offset] if every else value
+                if touched:
+                    table[state.name, name] = value
+        return table
+
+    @property
+    def recomputed(self) -> Counter[tuple[str, str]]:
+        """(replica, cause) -> blocks."""
+        return self._by_replica(self._k.C_NEW, CAUSES)
+
+    @property
+    def recomputed_tokens(self) -> Counter[tuple[str, str]]:
+        return self._by_replica(self._k.TOKENS, CAUSES)
+
+    @property
+    def duplicated(self) -> int:
+        return int(self._counts[self._k.DUPLICATED])
+
+    @property
+    def forgotten(self) -> int:
+        return int(self._counts[self._k.FORGOTTEN])
+
+    @property
+    def untracked(self) -> int:
+        return int(self._counts[self._k.UNTRACKED])
+
+    @property
+    def unknown_removed(self) -> int:
+        return int(self._counts[self._k.UNKNOWN_REMOVED])
+
     def holders(self, key: int) -> list[str]:
         """The replicas that hold the block of content key ``key`` now."""
-        _, mask = self._k.lookup(self._fleet.keys, self._fleet.vals, np.uint64(key))
-        return [state.name for state in self._replicas.values() if mask & state.bit]
+        _, mask = self._k.lookup(self._fleet.rows, np.uint64(key))
+        return [state.name for state in self._replicas.values() if int(mask) >> state.number & 1]
 
     def snapshot(self) -> IndexSnapshot:
+        k = self._k
         with self.lock:
-            held = dict(self.held_count)
             return IndexSnapshot(
                 recomputed_blocks=dict(self.recomputed),
                 recomputed_tokens=dict(self.recomputed_tokens),
-                stored=dict(self.stored_blocks),
-                removed=dict(self.removed_blocks),
-                held=held,
+                stored=dict(self._by_replica(k.STORED, TIERS)),
+                removed=dict(self._by_replica(k.REMOVED, TIERS)),
+                held=dict(self._by_replica(k.HELD, TIERS, every=True)),
                 distinct_blocks=self._fleet.live,
                 duplicated_blocks=self.duplicated,
                 remembered_blocks=self._remembered.live,
@@ -437,6 +416,6 @@ class FleetIndex:
             )
 
     def memory_bytes(self) -> int:
-        """The tables' arrays, exactly (extra copies of a block, rare, are not counted)."""
+        """The tables' and counters' arrays, exactly (extra copies of a block, rare, are not)."""
         tables = [self._fleet, self._remembered, *(state.table for state in self._replicas.values())]
-        return sum(table.nbytes for table in tables) + self._ring.keys.nbytes
+        return sum(table.nbytes for table in tables) + self._ring.keys.nbytes + self._stats.nbytes

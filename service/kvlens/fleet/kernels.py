@@ -1,11 +1,13 @@
 """The fleet index's inner loops, compiled (numba; the ``kv-events`` extra).
 
-Every table is an open-addressing hash table of 64-bit keys and 64-bit values in two numpy
-arrays (16 bytes a slot), linear probing from a multiplicative hash, deleted slots left as
-tombstones that inserts reuse. Keys 0 and 1 mark empty and deleted slots, so those two keys live
-in two extra slots at the end (``keys[size + key]`` is ``PRESENT`` when held). ``counts`` is
-``[live entries, used slots]`` (used: live or tombstone, in the probed part); the caller keeps
-``used`` under :data:`MAX_LOAD` of the slots (:class:`Table`), so a probe always ends.
+Every table is an open-addressing hash table of 64-bit keys and 64-bit values in one numpy array
+of rows ``[key, value]`` (16 bytes a slot), linear probing from a multiplicative hash, deleted
+slots left as tombstones that inserts reuse. Keys 0 and 1 mark empty and deleted slots, so those
+two keys live in two extra rows after the ``size`` probed ones (``[PRESENT, value]`` when held);
+the last row is ``[live entries, used slots]`` (used: live or tombstone, in the probed part). The
+caller keeps ``used`` under :data:`MAX_LOAD` of the slots (:class:`Table`), so a probe always
+ends. One array a table, and the counters in arrays the loops add to, because a compiled call
+costs about 0.3 microseconds an argument.
 
 Why compiled: per block the index does a few table look-ups; as Python bytecode that costs
 about a microsecond a block (the parse alone, msgspec's, is 0.4), and numpy per event pays its
@@ -40,12 +42,17 @@ MAX_LOAD: Final = 0.85
 FILL: Final = 0.70
 MIN_SLOTS: Final = 256
 
-# The cause indices of store()'s counts: kvlens.fleet.index.CAUSES is in this order.
+# A replica's row of counters (``stats[replica]``): blocks per cause (kvlens.fleet.index.CAUSES's
+# order), tokens per cause, then per tier (GPU, CPU, STORAGE, other) blocks stored, removed, held.
 C_NEW, C_EVICTED_HERE, C_HELD_ELSEWHERE, C_EVICTED_ELSEWHERE, C_HELD_HERE, C_UNKNOWN = range(6)
-# store()'s other counts
-O_STORED, O_HELD, O_ADDED, O_DUPLICATED, O_UNTRACKED, O_COPIES = range(6, 12)
-# remove() / clear() counts
-R_DROPPED, R_MINE, R_UNKNOWN, R_UNDUPLICATED, R_FORGOTTEN = range(5)
+TOKENS, STORED, REMOVED, HELD = 6, 12, 16, 20
+STATS = 24
+# The fleet's counters (``fleet_counts``)
+HELD_ENTRIES, DUPLICATED, UNTRACKED, UNKNOWN_REMOVED, FORGOTTEN = range(5)
+FLEET_COUNTS = 5
+# store()'s parameters (``params``, uint64)
+P_BLOCK_SIZE, P_PARENT, P_HAS_PARENT, P_ALIKE, P_TIER, P_REPLICA, P_SHARDS, P_SHARD, P_MAX_HELD, P_CAP = range(10)
+PARAMS = 10
 
 
 @njit(cache=True, nogil=True)  # type: ignore[misc]
@@ -60,17 +67,16 @@ def _mix(h: Any) -> Any:
 
 
 @njit(cache=True, nogil=True)  # type: ignore[misc]
-def _find(keys: Any, key: Any) -> tuple[int, bool]:
-    """(slot of ``key``, True), or (where to insert it, False)."""
-    size = keys.size - 2
+def _find(table: Any, key: Any) -> tuple[int, bool]:
+    """(row of ``key``, True), or (where to insert it, False)."""
+    size = table.shape[0] - 3
     if key < PRESENT:
         spare = size + np.int64(key)
-        return spare, keys[spare] == PRESENT
-    home = np.int64((((key * _GOLDEN) >> _S32) * np.uint64(size)) >> _S32)
-    pos = home
+        return spare, table[spare, 0] == PRESENT
+    pos = np.int64((((key * _GOLDEN) >> _S32) * np.uint64(size)) >> _S32)
     tomb = -1
     while True:
-        found = keys[pos]
+        found = table[pos, 0]
         if found == key:
             return pos, True
         if found == EMPTY:
@@ -83,104 +89,105 @@ def _find(keys: Any, key: Any) -> tuple[int, bool]:
 
 
 @njit(cache=True, nogil=True)  # type: ignore[misc]
-def _insert(keys: Any, vals: Any, counts: Any, slot: int, key: Any, val: Any) -> None:
-    if slot >= keys.size - 2:
-        keys[slot] = PRESENT
+def _insert(table: Any, row: int, key: Any, val: Any) -> None:
+    last = table.shape[0] - 1
+    if row >= last - 2:
+        table[row, 0] = PRESENT
     else:
-        if keys[slot] == EMPTY:
-            counts[1] += 1
-        keys[slot] = key
-    vals[slot] = val
-    counts[0] += 1
+        if table[row, 0] == EMPTY:
+            table[last, 1] += np.uint64(1)
+        table[row, 0] = key
+    table[row, 1] = val
+    table[last, 0] += np.uint64(1)
 
 
 @njit(cache=True, nogil=True)  # type: ignore[misc]
-def _delete(keys: Any, vals: Any, counts: Any, slot: int) -> None:
-    keys[slot] = EMPTY if slot >= keys.size - 2 else TOMB
-    vals[slot] = 0
-    counts[0] -= 1
+def _delete(table: Any, row: int) -> None:
+    last = table.shape[0] - 1
+    table[row, 0] = EMPTY if row >= last - 2 else TOMB
+    table[row, 1] = 0
+    table[last, 0] -= np.uint64(1)
 
 
 @njit(cache=True, nogil=True)  # type: ignore[misc]
-def lookup(keys: Any, vals: Any, key: Any) -> tuple[bool, Any]:
-    slot, found = _find(keys, key)
-    return found, vals[slot] if found else np.uint64(0)
+def lookup(table: Any, key: Any) -> tuple[bool, Any]:
+    row, found = _find(table, key)
+    return found, table[row, 1] if found else np.uint64(0)
 
 
 @njit(cache=True, nogil=True)  # type: ignore[misc]
-def _rebuild(keys: Any, vals: Any, slots: int) -> tuple[Any, Any, Any]:
-    new_keys = np.zeros(slots + 2, np.uint64)
-    new_vals = np.zeros(slots + 2, np.uint64)
-    counts = np.zeros(2, np.int64)
-    size = keys.size - 2
+def _rebuild(table: Any, slots: int) -> Any:
+    new = np.zeros((slots + 3, 2), np.uint64)
+    size = table.shape[0] - 3
     for i in range(size):
-        key = keys[i]
+        key = table[i, 0]
         if key > TOMB:
-            slot, _ = _find(new_keys, key)
-            _insert(new_keys, new_vals, counts, slot, key, vals[i])
+            row, _ = _find(new, key)
+            _insert(new, row, key, table[i, 1])
     for spare in range(2):
-        if keys[size + spare] == PRESENT:
-            new_keys[slots + spare] = PRESENT
-            new_vals[slots + spare] = vals[size + spare]
-            counts[0] += 1
-    return new_keys, new_vals, counts
+        if table[size + spare, 0] == PRESENT:
+            _insert(new, slots + spare, np.uint64(spare), table[size + spare, 1])
+    return new
+
+
+def new_table(slots: int) -> np.ndarray[Any, np.dtype[np.uint64]]:
+    return np.zeros((slots + 3, 2), np.uint64)
 
 
 class Table:
-    """One hash table: ``keys``, ``vals``, ``counts`` (the arrays the kernels take)."""
+    """One hash table (``rows``, what the kernels take), grown and shrunk here."""
 
-    __slots__ = ("keys", "vals", "counts")
+    __slots__ = ("rows", "limit")
 
     def __init__(self, slots: int = MIN_SLOTS) -> None:
-        self.keys = np.zeros(slots + 2, np.uint64)
-        self.vals = np.zeros(slots + 2, np.uint64)
-        self.counts = np.zeros(2, np.int64)
+        self.rows = new_table(slots)
+        self.limit = int(MAX_LOAD * slots)
 
     @property
     def live(self) -> int:
-        return int(self.counts[0])
+        return int(self.rows[-1, 0])
 
     @property
     def nbytes(self) -> int:
-        return int(self.keys.nbytes + self.vals.nbytes + self.counts.nbytes)
+        return int(self.rows.nbytes)
 
     def reserve(self, inserts: int) -> None:
         """Room for ``inserts`` more keys under :data:`MAX_LOAD` (rebuilt at :data:`FILL`)."""
-        slots = self.keys.size - 2
-        if self.counts[1] + inserts > MAX_LOAD * slots:
+        if self.rows[-1, 1] + inserts > self.limit:
             self._rebuild(self.live + inserts)
 
     def shrink(self) -> None:
         """Give memory back once most entries are gone (a replica cleared, a cap lowered)."""
-        slots = self.keys.size - 2
-        if slots > MIN_SLOTS and self.counts[0] < 0.2 * slots:
+        if self.limit > MIN_SLOTS * MAX_LOAD and self.rows[-1, 0] < self.limit // 4:
             self._rebuild(self.live)
 
     def _rebuild(self, entries: int) -> None:
         slots = max(MIN_SLOTS, math.ceil(entries / FILL))
-        self.keys, self.vals, self.counts = _rebuild(self.keys, self.vals, slots)
+        self.rows = _rebuild(self.rows, slots)
+        self.limit = int(MAX_LOAD * slots)
 
 
 class Ring:
-    """The remembered blocks' keys, oldest first (``meta`` = [head, count]); grown to ``cap``."""
+    """The remembered blocks' keys, oldest first: ``keys[0]`` is the head, ``keys[1]`` the count,
+    the ring after them; grown to ``cap``."""
 
-    __slots__ = ("cap", "keys", "meta")
+    __slots__ = ("cap", "keys")
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
-        self.keys = np.zeros(min(cap, MIN_SLOTS), np.uint64)
-        self.meta = np.zeros(2, np.int64)
+        self.keys = np.zeros(2 + min(cap, MIN_SLOTS), np.uint64)
 
     def reserve(self, appends: int) -> None:
-        head, count = int(self.meta[0]), int(self.meta[1])
+        head, count = int(self.keys[0]), int(self.keys[1])
+        size = self.keys.size - 2
         need = min(self.cap, count + appends)
-        if need <= self.keys.size:
+        if need <= size:
             return
-        grown = np.zeros(min(self.cap, max(need, 2 * self.keys.size)), np.uint64)
-        ordered = np.concatenate((self.keys[head:], self.keys[:head]))[:count]
-        grown[:count] = ordered
+        ring = self.keys[2:]
+        grown = np.zeros(2 + min(self.cap, max(need, 2 * size)), np.uint64)
+        grown[2 : 2 + count] = np.concatenate((ring[head:], ring[:head]))[:count]
+        grown[1] = count
         self.keys = grown
-        self.meta[0] = 0
 
 
 @njit(cache=True, nogil=True)  # type: ignore[misc]
@@ -257,87 +264,107 @@ def msgpack_ints(buf: Any) -> tuple[bool, Any]:
 
 
 @njit(cache=True, nogil=True)  # type: ignore[misc]
-def _remember(
-    key: Any, bit: Any, cap: int, mk: Any, mv: Any, mc: Any, ring: Any, meta: Any, out: Any
-) -> None:
-    slot, found = _find(mk, key)
+def _remember(key: Any, bit: Any, cap: int, remembered: Any, ring: Any, fleet_counts: Any) -> None:
+    row, found = _find(remembered, key)
     if found:
-        mv[slot] |= bit
+        remembered[row, 1] |= bit
         return
     if cap == 0:
-        out[R_FORGOTTEN] += 1
+        fleet_counts[FORGOTTEN] += 1
         return
-    head, count = meta[0], meta[1]
+    size = ring.size - 2
+    head, count = np.int64(ring[0]), np.int64(ring[1])
     if count == cap:  # the oldest goes first: the same state as adding, then forgetting
-        old, _ = _find(mk, ring[head])
-        _delete(mk, mv, mc, old)
-        head = (head + 1) % ring.size
+        old, _ = _find(remembered, ring[2 + head])
+        _delete(remembered, old)
+        head = (head + 1) % size
         count -= 1
-        out[R_FORGOTTEN] += 1
-        slot, _ = _find(mk, key)
-    ring[(head + count) % ring.size] = key
-    meta[0] = head
-    meta[1] = count + 1
-    _insert(mk, mv, mc, slot, key, bit)
+        fleet_counts[FORGOTTEN] += 1
+        row, _ = _find(remembered, key)
+    ring[2 + (head + count) % size] = key
+    ring[0] = head
+    ring[1] = count + 1
+    _insert(remembered, row, key, bit)
 
 
 @njit(cache=True, nogil=True)  # type: ignore[misc]
-def _release(
-    key: Any, bit: Any, cap: int, fk: Any, fv: Any, fc: Any, mk: Any, mv: Any, mc: Any, ring: Any, meta: Any, out: Any
-) -> None:
+def _release(key: Any, bit: Any, cap: int, fleet: Any, remembered: Any, ring: Any, fleet_counts: Any) -> None:
     """The replica no longer holds ``key`` in any tier: off its holders, remembered."""
-    slot, found = _find(fk, key)
-    mask = fv[slot] if found else np.uint64(0)
+    row, found = _find(fleet, key)
+    mask = fleet[row, 1] if found else np.uint64(0)
     if mask & bit:
         mask &= ~bit
         if mask:
-            fv[slot] = mask
-            out[R_UNDUPLICATED] += 1
+            fleet[row, 1] = mask
+            fleet_counts[DUPLICATED] -= 1
         else:
-            _delete(fk, fv, fc, slot)
-    _remember(key, bit, cap, mk, mv, mc, ring, meta, out)
+            _delete(fleet, row)
+    _remember(key, bit, cap, remembered, ring, fleet_counts)
 
 
 @njit(cache=True, nogil=True)  # type: ignore[misc]
 def store(
     hashes: Any,
-    keys: Any,
-    alike: bool,
-    bit: Any,
-    tier: Any,
-    classify: bool,
-    chained: bool,
-    shard_n: Any,
-    shard_i: Any,
-    room: int,
-    rk: Any,
-    rv: Any,
-    rc: Any,
-    fk: Any,
-    fv: Any,
-    fc: Any,
-    mk: Any,
-    mv: Any,
-    out: Any,
+    raw: Any,
+    tokens: Any,
+    extras: Any,
+    params: Any,
+    replica: Any,
+    fleet: Any,
+    remembered: Any,
+    stats: Any,
+    fleet_counts: Any,
     copies: Any,
-) -> None:
-    """One ``BlockStored``: classify each block and hold it (see :meth:`FleetIndex.stored`).
-    ``copies[b]`` is set for a block the tier holds already (counted by the caller)."""
-    whole = shard_n == np.uint64(1)
-    tier_bits = tier << TIER_SHIFT
+) -> int:
+    """One ``BlockStored`` into ``replica``'s table: classify each block and hold it (see
+    :meth:`FleetIndex.stored`). Tokens come as msgpack bytes (``raw``, when not empty) or as
+    ``tokens``; -1 (and nothing changed) when they are not ``block_size`` integers a block. Else
+    the number of blocks the tier held already, marked in ``copies`` (the caller counts them);
+    ``extras`` is empty or a digest a block."""
+    count = hashes.size
+    block_size = np.int64(params[P_BLOCK_SIZE])
+    if raw.size:
+        ok, tokens = msgpack_ints(raw)
+        if not ok:
+            return -1
+    if block_size < 1 or tokens.size != count * block_size:
+        return -1
+    alike = params[P_ALIKE] != 0
+    tier = np.int64(params[P_TIER])
+    classify = tier == 0
+    mine_row = stats[np.int64(params[P_REPLICA])]
+    bit = np.uint64(1) << params[P_REPLICA]
+    shards, shard = params[P_SHARDS], params[P_SHARD]
+    whole = shards == np.uint64(1)
+    room = np.int64(params[P_MAX_HELD]) - fleet_counts[HELD_ENTRIES]
+    tier_bits = np.uint64(1) << (np.uint64(tier) + TIER_SHIFT)
+    chained = True
+    if alike:
+        keys = hashes
+    else:
+        parent = np.uint64(0)
+        if params[P_HAS_PARENT]:
+            row, chained = _find(replica, params[P_PARENT])
+            if chained:
+                parent = replica[row, 1] & MASK60
+        keys = np.empty(count, np.uint64)
+        content_keys(tokens, block_size, parent, extras if extras.size else np.zeros(count, np.uint64), keys)
     added = 0
-    for b in range(hashes.size):
+    held = 0
+    copied = 0
+    stored = 0
+    for b in range(count):
         engine_hash = hashes[b]
         key = keys[b]
-        mine = whole or key % shard_n == shard_i
+        mine = whole or key % shards == shard
         mask = np.uint64(0)
-        fleet_slot = -1
+        fleet_row = -1
         fleet_found = False
         if mine:
-            fleet_slot, fleet_found = _find(fk, key)
+            fleet_row, fleet_found = _find(fleet, key)
             if fleet_found:
-                mask = fv[fleet_slot]
-            out[O_STORED] += 1
+                mask = fleet[fleet_row, 1]
+            stored += 1
             if classify:
                 if not chained:
                     cause = C_UNKNOWN
@@ -346,130 +373,120 @@ def store(
                 elif mask:
                     cause = C_HELD_ELSEWHERE
                 else:
-                    slot, found = _find(mk, key)
-                    before = mv[slot] if found else np.uint64(0)
+                    row, found = _find(remembered, key)
+                    before = remembered[row, 1] if found else np.uint64(0)
                     cause = C_NEW if not before else C_EVICTED_HERE if before & bit else C_EVICTED_ELSEWHERE
-                out[cause] += 1
-        slot, found = _find(rk, engine_hash)
-        if found and rv[slot] & tier_bits:
+                mine_row[cause] += 1
+                mine_row[TOKENS + cause] += block_size
+        row, found = _find(replica, engine_hash)
+        copies[b] = 0
+        if found and replica[row, 1] & tier_bits:
             copies[b] = 1
-            out[O_COPIES] += 1
+            copied += 1
             if mine:
-                out[O_HELD] += 1
+                held += 1
             continue
         if not mine and alike:
             continue  # nothing chains from it: out of this shard, it is not kept at all
         if added >= room:
-            out[O_UNTRACKED] += 1
+            fleet_counts[UNTRACKED] += 1
             continue
         if found:
-            rv[slot] |= tier_bits
+            replica[row, 1] |= tier_bits
         else:
-            _insert(rk, rv, rc, slot, engine_hash, (np.uint64(0) if alike else key) | tier_bits)
+            _insert(replica, row, engine_hash, (np.uint64(0) if alike else key) | tier_bits)
         added += 1
         if mine:
-            out[O_HELD] += 1
+            held += 1
             if not mask & bit:
                 if mask:
-                    out[O_DUPLICATED] += 1
+                    fleet_counts[DUPLICATED] += 1
                 if fleet_found:
-                    fv[fleet_slot] = mask | bit
+                    fleet[fleet_row, 1] = mask | bit
                 else:
-                    _insert(fk, fv, fc, fleet_slot, key, bit)
-    out[O_ADDED] = added
+                    _insert(fleet, fleet_row, key, bit)
+    fleet_counts[HELD_ENTRIES] += added
+    mine_row[STORED + tier] += stored
+    mine_row[HELD + tier] += held
+    return copied
 
 
 @njit(cache=True, nogil=True)  # type: ignore[misc]
 def remove(
     hashes: Any,
-    alike: bool,
-    bit: Any,
-    tier: Any,
-    shard_n: Any,
-    shard_i: Any,
-    cap: int,
-    rk: Any,
-    rv: Any,
-    rc: Any,
-    fk: Any,
-    fv: Any,
-    fc: Any,
-    mk: Any,
-    mv: Any,
-    mc: Any,
+    params: Any,
+    replica: Any,
+    fleet: Any,
+    remembered: Any,
     ring: Any,
-    meta: Any,
-    out: Any,
+    stats: Any,
+    fleet_counts: Any,
 ) -> None:
     """One ``BlockRemoved`` (its blocks held as extra copies already taken off by the caller)."""
-    whole = shard_n == np.uint64(1)
-    tier_bits = tier << TIER_SHIFT
+    alike = params[P_ALIKE] != 0
+    tier = np.int64(params[P_TIER])
+    mine_row = stats[np.int64(params[P_REPLICA])]
+    bit = np.uint64(1) << params[P_REPLICA]
+    shards, shard = params[P_SHARDS], params[P_SHARD]
+    whole = shards == np.uint64(1)
+    cap = np.int64(params[P_CAP])
+    tier_bits = np.uint64(1) << (np.uint64(tier) + TIER_SHIFT)
     for b in range(hashes.size):
         engine_hash = hashes[b]
-        slot, found = _find(rk, engine_hash)
-        if not found or not rv[slot] & tier_bits:
+        row, found = _find(replica, engine_hash)
+        if not found or not replica[row, 1] & tier_bits:
             # its store was missed (or not kept); without hashes alike its shard is unknown, so
             # shard 0 counts it
-            if (whole or engine_hash % shard_n == shard_i) if alike else shard_i == np.uint64(0):
-                out[R_UNKNOWN] += 1
+            if (whole or engine_hash % shards == shard) if alike else shard == np.uint64(0):
+                fleet_counts[UNKNOWN_REMOVED] += 1
             continue
-        val = rv[slot]
+        val = replica[row, 1]
         key = engine_hash if alike else val & MASK60
-        out[R_DROPPED] += 1
-        mine = whole or key % shard_n == shard_i
+        fleet_counts[HELD_ENTRIES] -= 1
+        mine = whole or key % shards == shard
         if mine:
-            out[R_MINE] += 1
+            mine_row[REMOVED + tier] += 1
+            mine_row[HELD + tier] -= 1
         left = val & ~tier_bits
         if left >> TIER_SHIFT:
-            rv[slot] = left  # still held in another tier: still a holder
+            replica[row, 1] = left  # still held in another tier: still a holder
             continue
-        _delete(rk, rv, rc, slot)
+        _delete(replica, row)
         if mine:
-            _release(key, bit, cap, fk, fv, fc, mk, mv, mc, ring, meta, out)
+            _release(key, bit, cap, fleet, remembered, ring, fleet_counts)
 
 
 @njit(cache=True, nogil=True)  # type: ignore[misc]
 def clear(
-    alike: bool,
-    bit: Any,
-    shard_n: Any,
-    shard_i: Any,
-    cap: int,
-    rk: Any,
-    rv: Any,
-    fk: Any,
-    fv: Any,
-    fc: Any,
-    mk: Any,
-    mv: Any,
-    mc: Any,
-    ring: Any,
-    meta: Any,
-    out: Any,
-    tiers: Any,
+    params: Any, replica: Any, fleet: Any, remembered: Any, ring: Any, stats: Any, fleet_counts: Any
 ) -> None:
-    """Every block of one replica removed (``tiers[t]``: this shard's blocks removed from tier t;
-    the caller drops the replica's table afterwards)."""
-    whole = shard_n == np.uint64(1)
-    size = rk.size - 2
-    for slot in range(rk.size):
-        stored_key = rk[slot]
-        if slot < size:
+    """Every block of one replica removed (the caller drops the replica's table afterwards)."""
+    alike = params[P_ALIKE] != 0
+    mine_row = stats[np.int64(params[P_REPLICA])]
+    bit = np.uint64(1) << params[P_REPLICA]
+    shards, shard = params[P_SHARDS], params[P_SHARD]
+    whole = shards == np.uint64(1)
+    cap = np.int64(params[P_CAP])
+    size = replica.shape[0] - 3
+    for row in range(size + 2):
+        stored_key = replica[row, 0]
+        if row < size:
             if stored_key <= TOMB:
                 continue
             engine_hash = stored_key
         else:
             if stored_key != PRESENT:
                 continue
-            engine_hash = np.uint64(slot - size)
-        val = rv[slot]
+            engine_hash = np.uint64(row - size)
+        val = replica[row, 1]
         key = engine_hash if alike else val & MASK60
-        mine = whole or key % shard_n == shard_i
+        mine = whole or key % shards == shard
         held = val >> TIER_SHIFT
         for t in range(4):
             if held & (np.uint64(1) << np.uint64(t)):
-                out[R_DROPPED] += 1
+                fleet_counts[HELD_ENTRIES] -= 1
                 if mine:
-                    tiers[t] += 1
+                    mine_row[REMOVED + t] += 1
+                    mine_row[HELD + t] -= 1
         if mine:
-            _release(key, bit, cap, fk, fv, fc, mk, mv, mc, ring, meta, out)
+            _release(key, bit, cap, fleet, remembered, ring, fleet_counts)
