@@ -37,7 +37,7 @@ from kvlens.exporter.collector import _kv_families
 from kvlens.fleet.index import FleetIndex
 from kvlens.fleet.simulated import SimulatedEngine
 from kvlens.fleet.source import Consumer, KVEvents, Publisher
-from kvlens.fleet.wire import BlockRemoved, BlockStored, Event, KVEventBatch
+from kvlens.fleet.wire import BlockRemoved, BlockStored, Event, KVEventBatch, apply, decode_batch
 from kvlens.simulate.run import Fleet, simulate
 from kvlens.simulate.trace import BUNDLED, MOONCAKE, Trace
 
@@ -101,6 +101,19 @@ def rss() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def index_only(payloads: list[Message], replicas: int, alike: bool) -> Callable[[], None]:
+    """The decode and the index without the consumer's sequence check and ordering: where the
+    rest of the time goes."""
+
+    def run() -> None:
+        index = FleetIndex(hashes_alike=alike)
+        for replica, _, payload in payloads:
+            for event in decode_batch(payload).events:
+                apply(index, replica, event)
+
+    return run
+
+
 def memory(held: int, block_tokens: int, alike: bool) -> tuple[float, float, float, FleetIndex]:
     """Bytes per held (block, replica) entry, everything the index keeps for it (tracemalloc, and
     the process's RSS growth), and per remembered block (the same blocks, removed)."""
@@ -157,6 +170,11 @@ def main() -> None:
         label = "engine hash as key (hashes_alike)" if alike else "content keys"
         print(
             f"kvlens consumer, {label}: {blocks / seconds:,.0f} blocks/s, "
+            f"{baseline / seconds:.2f} of the bare decode's rate"
+        )
+        seconds = timed(index_only(payloads, args.replicas, alike), args.repeat)
+        print(
+            f"  of which decode + index alone: {blocks / seconds:,.0f} blocks/s, "
             f"{baseline / seconds:.2f} of the bare decode's rate"
         )
     for alike in (False, True):

@@ -260,25 +260,27 @@ class FleetIndex:
         params[k.P_BLOCK_SIZE] = max(block_size, 0)
         params[k.P_HAS_PARENT] = parent_block_hash is not None
         params[k.P_PARENT] = 0 if parent_block_hash is None else engine_key(parent_block_hash)
-        table = state.table
-        table.reserve(count)
-        self._fleet.reserve(count)
         if count > self._copies.size:
             self._copies = np.zeros(2 * count, np.uint8)
         copies = self._copies
-        copied = k.store(
-            hashes,
-            raw,
-            tokens,
-            extras,
-            params,
-            table.rows,
-            self._fleet.rows,
-            self._remembered.rows,
-            self._stats,
-            self._counts,
-            copies,
-        )
+        while True:
+            copied = k.store(
+                hashes,
+                raw,
+                tokens,
+                extras,
+                params,
+                state.table.rows,
+                self._fleet.rows,
+                self._remembered.rows,
+                self._stats,
+                self._counts,
+                copies,
+            )
+            if copied != k.GROW:
+                break
+            state.table.reserve(count)
+            self._fleet.reserve(count)
         if copied < 0:
             return False
         if copied:
@@ -309,20 +311,26 @@ class FleetIndex:
                     row[k.REMOVED + tier] += 1
                     row[k.HELD + tier] -= 1
             hashes = np.array(kept, dtype=np.uint64)
-        self._remembered.reserve(hashes.size)
-        self._ring.reserve(hashes.size)
-        k.remove(
-            hashes,
-            self._set(state, tier),
-            state.table.rows,
-            self._fleet.rows,
-            self._remembered.rows,
-            self._ring.keys,
-            self._stats,
-            self._counts,
-        )
-        state.table.shrink()
-        self._fleet.shrink()
+        params = self._set(state, tier)
+        while True:
+            done = k.remove(
+                hashes,
+                params,
+                state.table.rows,
+                self._fleet.rows,
+                self._remembered.rows,
+                self._ring.keys,
+                self._stats,
+                self._counts,
+            )
+            if done != k.GROW:
+                break
+            self._remembered.reserve(hashes.size)
+            self._ring.reserve(hashes.size)
+        if done & k.SHRINK_REPLICA:
+            state.table.shrink()
+        if done & k.SHRINK_FLEET:
+            self._fleet.shrink()
 
     def cleared(self, replica: str) -> None:
         """``AllBlocksCleared``, or the publisher restarted: the replica holds nothing now."""

@@ -53,6 +53,9 @@ FLEET_COUNTS = 5
 # store()'s parameters (``params``, uint64)
 P_BLOCK_SIZE, P_PARENT, P_HAS_PARENT, P_ALIKE, P_TIER, P_REPLICA, P_SHARDS, P_SHARD, P_MAX_HELD, P_CAP = range(10)
 PARAMS = 10
+# what store() and remove() answer besides their counts
+GROW = -2  # a table needs room first (nothing was changed)
+SHRINK_REPLICA, SHRINK_FLEET = 1, 2
 
 
 @njit(cache=True, nogil=True)  # type: ignore[misc]
@@ -110,6 +113,22 @@ def _delete(table: Any, row: int) -> None:
 
 
 @njit(cache=True, nogil=True)  # type: ignore[misc]
+def _room(table: Any, inserts: int) -> bool:
+    """Whether ``inserts`` more keys keep the used slots under :data:`MAX_LOAD` (else the caller
+    rebuilds the table first: :meth:`Table.reserve`, the same rule)."""
+    last = table.shape[0] - 1
+    return np.int64(table[last, 1]) + inserts <= np.int64(MAX_LOAD * (last - 2))
+
+
+@njit(cache=True, nogil=True)  # type: ignore[misc]
+def _sparse(table: Any) -> bool:
+    """Mostly empty: :meth:`Table.shrink` gives memory back (the same rule)."""
+    last = table.shape[0] - 1
+    limit = np.int64(MAX_LOAD * (last - 2))
+    return limit > MIN_SLOTS * MAX_LOAD and np.int64(table[last, 0]) < limit // 4
+
+
+@njit(cache=True, nogil=True)  # type: ignore[misc]
 def lookup(table: Any, key: Any) -> tuple[bool, Any]:
     row, found = _find(table, key)
     return found, table[row, 1] if found else np.uint64(0)
@@ -137,11 +156,10 @@ def new_table(slots: int) -> np.ndarray[Any, np.dtype[np.uint64]]:
 class Table:
     """One hash table (``rows``, what the kernels take), grown and shrunk here."""
 
-    __slots__ = ("rows", "limit")
+    __slots__ = ("rows",)
 
     def __init__(self, slots: int = MIN_SLOTS) -> None:
         self.rows = new_table(slots)
-        self.limit = int(MAX_LOAD * slots)
 
     @property
     def live(self) -> int:
@@ -153,18 +171,17 @@ class Table:
 
     def reserve(self, inserts: int) -> None:
         """Room for ``inserts`` more keys under :data:`MAX_LOAD` (rebuilt at :data:`FILL`)."""
-        if self.rows[-1, 1] + inserts > self.limit:
+        if not _room(self.rows, inserts):
             self._rebuild(self.live + inserts)
 
     def shrink(self) -> None:
         """Give memory back once most entries are gone (a replica cleared, a cap lowered)."""
-        if self.limit > MIN_SLOTS * MAX_LOAD and self.rows[-1, 0] < self.limit // 4:
+        if _sparse(self.rows):
             self._rebuild(self.live)
 
     def _rebuild(self, entries: int) -> None:
         slots = max(MIN_SLOTS, math.ceil(entries / FILL))
         self.rows = _rebuild(self.rows, slots)
-        self.limit = int(MAX_LOAD * slots)
 
 
 class Ring:
@@ -329,6 +346,8 @@ def store(
             return -1
     if block_size < 1 or tokens.size != count * block_size:
         return -1
+    if not (_room(replica, count) and _room(fleet, count)):
+        return GROW
     alike = params[P_ALIKE] != 0
     tier = np.int64(params[P_TIER])
     classify = tier == 0
@@ -421,15 +440,19 @@ def remove(
     ring: Any,
     stats: Any,
     fleet_counts: Any,
-) -> None:
-    """One ``BlockRemoved`` (its blocks held as extra copies already taken off by the caller)."""
+) -> int:
+    """One ``BlockRemoved`` (its blocks held as extra copies already taken off by the caller).
+    :data:`GROW` (nothing changed) when the remembered table or ring needs room first; else
+    :data:`SHRINK_REPLICA` and :data:`SHRINK_FLEET` set for the tables now mostly empty."""
+    cap = np.int64(params[P_CAP])
+    if not (_room(remembered, hashes.size) and ring.size - 2 >= min(cap, np.int64(ring[1]) + hashes.size)):
+        return GROW
     alike = params[P_ALIKE] != 0
     tier = np.int64(params[P_TIER])
     mine_row = stats[np.int64(params[P_REPLICA])]
     bit = np.uint64(1) << params[P_REPLICA]
     shards, shard = params[P_SHARDS], params[P_SHARD]
     whole = shards == np.uint64(1)
-    cap = np.int64(params[P_CAP])
     tier_bits = np.uint64(1) << (np.uint64(tier) + TIER_SHIFT)
     for b in range(hashes.size):
         engine_hash = hashes[b]
@@ -454,6 +477,7 @@ def remove(
         _delete(replica, row)
         if mine:
             _release(key, bit, cap, fleet, remembered, ring, fleet_counts)
+    return (SHRINK_REPLICA if _sparse(replica) else 0) | (SHRINK_FLEET if _sparse(fleet) else 0)
 
 
 @njit(cache=True, nogil=True)  # type: ignore[misc]
