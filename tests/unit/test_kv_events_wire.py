@@ -365,3 +365,35 @@ def test_only_the_first_kv_cache_group_is_followed() -> None:
     assert c.index.recomputed == {("a", NEW): 1}
     assert c.index.snapshot().held == {("a", "GPU"): 1}
     assert c.status["a"].other_group_events == 2
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(-(2**63), 2**64 - 1), max_size=40))
+def test_token_ids_read_from_msgpack_equal_the_decoded_list(values: list[int]) -> None:
+    """Every msgpack integer form (fixint, negative fixint, uint8-64, int8-64; array16 past 15)
+    read in place gives what decoding to a list gives, negative ids in two's complement."""
+    raw = msgspec.Raw(msgspec.msgpack.encode(values))
+    from_raw, from_list = token_array(raw), token_array(values)
+    assert from_raw is not None and from_list is not None
+    assert from_raw.tolist() == from_list.tolist() == [v & (2**64 - 1) for v in values]
+
+
+@pytest.mark.parametrize(
+    "value",
+    [[1, "2"], [1.5], [[1]], [None], {"a": 1}, "1", 7, b"\x01"],
+    ids=["str", "float", "nested", "nil", "map", "string", "int", "bin"],
+)
+def test_token_ids_that_are_not_integers_make_the_event_malformed(value: Any) -> None:
+    raw = msgspec.Raw(msgspec.msgpack.encode(value))
+    assert token_array(raw) is None
+    event = decode_batch(batch(stored([1], None, FIRST))).events[0]
+    assert apply(FleetIndex(), "a", msgspec.structs.replace(event, token_ids=raw)) == MALFORMED
+
+
+def test_truncated_and_long_token_arrays_are_refused() -> None:
+    encoded = msgspec.msgpack.encode(list(range(100, 140)) + [70_000] * 20)  # array16, uint32s
+    assert encoded[0] == 0xDC
+    assert token_array(msgspec.Raw(encoded)) is not None
+    for cut in (1, 2, 3, 50, len(encoded) - 1):
+        assert token_array(msgspec.Raw(encoded[:cut])) is None
+    assert token_array(msgspec.Raw(encoded + b"\x01")) is None  # a byte past the array

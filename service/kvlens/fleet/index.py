@@ -45,6 +45,7 @@ parent's, whatever the parent's shard).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import threading
 from collections import Counter
 from collections.abc import Sequence
@@ -53,6 +54,8 @@ from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 import numpy as np
+
+from kvlens.errors import SettingsError
 
 if TYPE_CHECKING:
     from kvlens.fleet import kernels
@@ -72,10 +75,11 @@ MASK64: Final = (1 << 64) - 1
 REMEMBER_BLOCKS: Final = 10_000_000
 MAX_HELD_BLOCKS: Final = 10_000_000
 # The most an entry costs, all tables counted (a table is rebuilt at 70 % full when 85 % full;
-# 16 bytes a slot): a (block, replica) held, with its share of the fleet table when one replica
-# holds it (more replicas share that), and a remembered block with its place in the ring.
-HELD_ENTRY_BYTES: Final = 46
-REMEMBERED_ENTRY_BYTES: Final = 31
+# 16 bytes a slot: 23 bytes an entry at most): a (block, replica) held, with its share of the
+# fleet table when one replica holds it (more replicas share that), and a remembered block with
+# its place in the ring (8 bytes, the ring grown by a quarter); tested.
+HELD_ENTRY_BYTES: Final = 48
+REMEMBERED_ENTRY_BYTES: Final = 34
 
 EngineHash = int | bytes
 _encode = msgspec.msgpack.Encoder().encode
@@ -170,8 +174,11 @@ class FleetIndex:
         max_held_blocks: int = MAX_HELD_BLOCKS,
         shard: tuple[int, int] = (0, 1),
     ) -> None:
+        if importlib.util.find_spec("numba") is None:  # before serving, not at the first event
+            raise SettingsError("the fleet index needs the kv-events extra: pip install 'kvlens[kv-events]'")
         from kvlens.fleet import kernels  # numba: only where KV events are followed
 
+        kernels.warm()
         if remember_blocks < 0 or max_held_blocks < 0:
             raise ValueError("remember_blocks and max_held_blocks must be >= 0")
         index, count = shard
@@ -252,7 +259,10 @@ class FleetIndex:
             extras = _NO_TOKENS
         else:
             extras = np.array(
-                [_extra_digest(lora_name, None if extra_keys is None else extra_keys[i]) for i in range(count)],
+                [
+                    _extra_digest(lora_name, None if extra_keys is None else extra_keys[i])
+                    for i in range(count)
+                ],
                 dtype=np.uint64,
             )
         k = self._k

@@ -22,7 +22,7 @@ import math
 from typing import Any, Final
 
 import numpy as np
-from numba import njit  # type: ignore[import-untyped]
+from numba import njit
 
 EMPTY: Final = np.uint64(0)
 TOMB: Final = np.uint64(1)
@@ -51,14 +51,16 @@ STATS = 24
 HELD_ENTRIES, DUPLICATED, UNTRACKED, UNKNOWN_REMOVED, FORGOTTEN = range(5)
 FLEET_COUNTS = 5
 # store()'s parameters (``params``, uint64)
-P_BLOCK_SIZE, P_PARENT, P_HAS_PARENT, P_ALIKE, P_TIER, P_REPLICA, P_SHARDS, P_SHARD, P_MAX_HELD, P_CAP = range(10)
+P_BLOCK_SIZE, P_PARENT, P_HAS_PARENT, P_ALIKE, P_TIER, P_REPLICA, P_SHARDS, P_SHARD, P_MAX_HELD, P_CAP = (
+    range(10)
+)
 PARAMS = 10
 # what store() and remove() answer besides their counts
 GROW = -2  # a table needs room first (nothing was changed)
 SHRINK_REPLICA, SHRINK_FLEET = 1, 2
 
 
-@njit(cache=True, nogil=True)  # type: ignore[misc]
+@njit(cache=True, nogil=True)
 def _mix(h: Any) -> Any:
     """MurmurHash3's 64-bit finalizer: a bijection, every input bit reaches every output bit."""
     h ^= h >> _S33
@@ -69,7 +71,7 @@ def _mix(h: Any) -> Any:
     return h
 
 
-@njit(cache=True, nogil=True)  # type: ignore[misc]
+@njit(cache=True, nogil=True)
 def _find(table: Any, key: Any) -> tuple[int, bool]:
     """(row of ``key``, True), or (where to insert it, False)."""
     size = table.shape[0] - 3
@@ -91,7 +93,7 @@ def _find(table: Any, key: Any) -> tuple[int, bool]:
             pos = 0
 
 
-@njit(cache=True, nogil=True)  # type: ignore[misc]
+@njit(cache=True, nogil=True)
 def _insert(table: Any, row: int, key: Any, val: Any) -> None:
     last = table.shape[0] - 1
     if row >= last - 2:
@@ -104,7 +106,7 @@ def _insert(table: Any, row: int, key: Any, val: Any) -> None:
     table[last, 0] += np.uint64(1)
 
 
-@njit(cache=True, nogil=True)  # type: ignore[misc]
+@njit(cache=True, nogil=True)
 def _delete(table: Any, row: int) -> None:
     last = table.shape[0] - 1
     table[row, 0] = EMPTY if row >= last - 2 else TOMB
@@ -112,29 +114,29 @@ def _delete(table: Any, row: int) -> None:
     table[last, 0] -= np.uint64(1)
 
 
-@njit(cache=True, nogil=True)  # type: ignore[misc]
+@njit(cache=True, nogil=True)
 def _room(table: Any, inserts: int) -> bool:
     """Whether ``inserts`` more keys keep the used slots under :data:`MAX_LOAD` (else the caller
     rebuilds the table first: :meth:`Table.reserve`, the same rule)."""
     last = table.shape[0] - 1
-    return np.int64(table[last, 1]) + inserts <= np.int64(MAX_LOAD * (last - 2))
+    return bool(np.int64(table[last, 1]) + inserts <= np.int64(MAX_LOAD * (last - 2)))
 
 
-@njit(cache=True, nogil=True)  # type: ignore[misc]
+@njit(cache=True, nogil=True)
 def _sparse(table: Any) -> bool:
     """Mostly empty: :meth:`Table.shrink` gives memory back (the same rule)."""
     last = table.shape[0] - 1
     limit = np.int64(MAX_LOAD * (last - 2))
-    return limit > MIN_SLOTS * MAX_LOAD and np.int64(table[last, 0]) < limit // 4
+    return bool(limit > MIN_SLOTS * MAX_LOAD and np.int64(table[last, 0]) < limit // 4)
 
 
-@njit(cache=True, nogil=True)  # type: ignore[misc]
+@njit(cache=True, nogil=True)
 def lookup(table: Any, key: Any) -> tuple[bool, Any]:
     row, found = _find(table, key)
     return found, table[row, 1] if found else np.uint64(0)
 
 
-@njit(cache=True, nogil=True)  # type: ignore[misc]
+@njit(cache=True, nogil=True)
 def _rebuild(table: Any, slots: int) -> Any:
     new = np.zeros((slots + 3, 2), np.uint64)
     size = table.shape[0] - 3
@@ -201,13 +203,14 @@ class Ring:
         if need <= size:
             return
         ring = self.keys[2:]
-        grown = np.zeros(2 + min(self.cap, max(need, 2 * size)), np.uint64)
+        # by a quarter: the ring's slack is part of a remembered block's cost
+        grown = np.zeros(2 + min(self.cap, max(need, size + size // 4)), np.uint64)
         grown[2 : 2 + count] = np.concatenate((ring[head:], ring[:head]))[:count]
         grown[1] = count
         self.keys = grown
 
 
-@njit(cache=True, nogil=True)  # type: ignore[misc]
+@njit(cache=True, nogil=True)
 def content_keys(tokens: Any, block_size: int, parent: Any, extras: Any, out: Any) -> None:
     """Each block's content key, chained from its parent's: 60 bits (the top 4 of a replica
     table's value say which tiers hold the block). Tokens are hashed FNV-1a-like a token at a time,
@@ -223,7 +226,7 @@ def content_keys(tokens: Any, block_size: int, parent: Any, extras: Any, out: An
         out[i] = key
 
 
-@njit(cache=True, nogil=True)  # type: ignore[misc]
+@njit(cache=True, nogil=True)
 def msgpack_ints(buf: Any) -> tuple[bool, Any]:
     """A msgpack array of integers (as ``token_ids`` arrive) as uint64, negative ones in two's
     complement: (True, the array), or (False, nothing) when ``buf`` is anything else."""
@@ -239,7 +242,9 @@ def msgpack_ints(buf: Any) -> tuple[bool, Any]:
         count = (np.int64(buf[1]) << 8) | np.int64(buf[2])
         pos = 3
     elif first == 0xDD and end >= 5:
-        count = (np.int64(buf[1]) << 24) | (np.int64(buf[2]) << 16) | (np.int64(buf[3]) << 8) | np.int64(buf[4])
+        count = (
+            (np.int64(buf[1]) << 24) | (np.int64(buf[2]) << 16) | (np.int64(buf[3]) << 8) | np.int64(buf[4])
+        )
         pos = 5
     else:
         return False, nothing
@@ -280,7 +285,7 @@ def msgpack_ints(buf: Any) -> tuple[bool, Any]:
     return True, out
 
 
-@njit(cache=True, nogil=True)  # type: ignore[misc]
+@njit(cache=True, nogil=True)
 def _remember(key: Any, bit: Any, cap: int, remembered: Any, ring: Any, fleet_counts: Any) -> None:
     row, found = _find(remembered, key)
     if found:
@@ -304,7 +309,7 @@ def _remember(key: Any, bit: Any, cap: int, remembered: Any, ring: Any, fleet_co
     _insert(remembered, row, key, bit)
 
 
-@njit(cache=True, nogil=True)  # type: ignore[misc]
+@njit(cache=True, nogil=True)
 def _release(key: Any, bit: Any, cap: int, fleet: Any, remembered: Any, ring: Any, fleet_counts: Any) -> None:
     """The replica no longer holds ``key`` in any tier: off its holders, remembered."""
     row, found = _find(fleet, key)
@@ -319,7 +324,7 @@ def _release(key: Any, bit: Any, cap: int, fleet: Any, remembered: Any, ring: An
     _remember(key, bit, cap, remembered, ring, fleet_counts)
 
 
-@njit(cache=True, nogil=True)  # type: ignore[misc]
+@njit(cache=True, nogil=True)
 def store(
     hashes: Any,
     raw: Any,
@@ -430,7 +435,7 @@ def store(
     return copied
 
 
-@njit(cache=True, nogil=True)  # type: ignore[misc]
+@njit(cache=True, nogil=True)
 def remove(
     hashes: Any,
     params: Any,
@@ -480,7 +485,7 @@ def remove(
     return (SHRINK_REPLICA if _sparse(replica) else 0) | (SHRINK_FLEET if _sparse(fleet) else 0)
 
 
-@njit(cache=True, nogil=True)  # type: ignore[misc]
+@njit(cache=True, nogil=True)
 def clear(
     params: Any, replica: Any, fleet: Any, remembered: Any, ring: Any, stats: Any, fleet_counts: Any
 ) -> None:
@@ -514,3 +519,40 @@ def clear(
                     mine_row[HELD + t] -= 1
         if mine:
             _release(key, bit, cap, fleet, remembered, ring, fleet_counts)
+
+
+_warm = False
+
+
+def warm() -> None:
+    """Compile (or load from numba's cache) every loop now, once a process: at startup rather
+    than on the first event, and before any memory is measured."""
+    global _warm
+    if _warm:
+        return
+    table, ring = new_table(MIN_SLOTS), Ring(1)
+    stats, counts = np.zeros((1, STATS), np.int64), np.zeros(FLEET_COUNTS, np.int64)
+    params = np.zeros(PARAMS, np.uint64)
+    params[P_SHARDS], params[P_BLOCK_SIZE], params[P_MAX_HELD] = 1, 1, 1
+    hashes, tokens = np.ones(1, np.uint64), np.ones(1, np.uint64)
+    store(
+        hashes,
+        np.zeros(0, np.uint8),
+        tokens,
+        tokens,
+        params,
+        table,
+        table,
+        table,
+        stats,
+        counts,
+        np.zeros(1, np.uint8),
+    )
+    remove(hashes, params, table, table, table, ring.keys, stats, counts)
+    clear(params, table, table, table, ring.keys, stats, counts)
+    lookup(table, hashes[0])
+    msgpack_ints(np.zeros(1, np.uint8))
+    _rebuild(table, MIN_SLOTS)
+    _room(table, 1)
+    _sparse(table)
+    _warm = True
