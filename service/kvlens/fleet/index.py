@@ -32,7 +32,8 @@ replica, a table of the blocks it holds (engine hash -> content key and the tier
 for the fleet, a table of the blocks some replica holds (content key -> bits of the replicas
 holding it: at most :data:`MAX_REPLICAS` replicas) and one of the blocks remembered to have been
 held (content key -> bits of the replicas that removed it) with their keys in a ring, oldest
-first. A (block, replica) held costs 38-46 bytes, a remembered block 27-31. The remembered ones
+first. A (block, replica) held costs at most :data:`HELD_ENTRY_BYTES`, a remembered block at
+most :data:`REMEMBERED_ENTRY_BYTES` (tested). The remembered ones
 are capped (``remember_blocks``), the oldest forgotten first and counted, and held blocks past
 ``max_held_blocks`` are classified but not kept (counted). ``AllBlocksCleared`` remembers the
 replica's blocks in its table's order, not the order they were stored. With

@@ -9,11 +9,12 @@ caller keeps ``used`` under :data:`MAX_LOAD` of the slots (:class:`Table`), so a
 ends. One array a table, and the counters in arrays the loops add to, because a compiled call
 costs about 0.3 microseconds an argument.
 
-Why compiled: per block the index does a few table look-ups; as Python bytecode that costs
-about a microsecond a block (the parse alone, msgspec's, is 0.4), and numpy per event pays its
-call overhead a dozen times for vLLM's one-to-forty-block events. A loop compiled once costs tens
-of nanoseconds a block, and the tables hold 16 bytes a slot instead of about 100 bytes a dict
-entry with its int objects.
+Why compiled: the memory goal (48 bytes a held block) needs the tables in arrays, not dicts of
+Python ints (about 100 bytes an entry); walked from Python, an array costs more per element than
+a dict, and numpy vectorised per event pays its call overhead a dozen times a table for vLLM's
+one-to-forty-block events. A compiled loop keeps the rules sequential, so exact (a block stored
+twice in one event, a removal then a store in one batch), at the cost of the table look-ups
+themselves (cache misses on a large table) and a fixed cost a call (numba's argument checks).
 """
 
 from __future__ import annotations
