@@ -397,3 +397,11 @@ def test_truncated_and_long_token_arrays_are_refused() -> None:
     for cut in (1, 2, 3, 50, len(encoded) - 1):
         assert token_array(msgspec.Raw(encoded[:cut])) is None
     assert token_array(msgspec.Raw(encoded + b"\x01")) is None  # a byte past the array
+
+
+@pytest.mark.parametrize("size", [0, -4, 2**31 + 1, 2**64 + 4])
+def test_a_block_size_out_of_range_makes_the_event_malformed(size: int) -> None:
+    event = decode_batch(batch(stored([1], None, FIRST))).events[0]
+    index = FleetIndex()
+    assert apply(index, "a", msgspec.structs.replace(event, block_size=size)) == MALFORMED
+    assert index.recomputed == {}

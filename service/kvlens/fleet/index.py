@@ -71,6 +71,7 @@ CAUSES: Final = (NEW, EVICTED_HERE, HELD_ELSEWHERE, EVICTED_ELSEWHERE, HELD_HERE
 PRIMARY: Final = "GPU"
 TIERS: Final = ("GPU", "CPU", "STORAGE", "other")  # a tier's bit in a replica table's value
 MAX_REPLICAS: Final = 64  # one bit each in the fleet's 64-bit holder masks
+MAX_BLOCK_SIZE: Final = 1 << 31  # tokens a block: more is a malformed event
 MASK64: Final = (1 << 64) - 1
 # Default caps: 10M of each in 512 MiB (the most a table entry costs, below, times 10M).
 REMEMBER_BLOCKS: Final = 10_000_000
@@ -244,6 +245,8 @@ class FleetIndex:
         """One ``BlockStored``: classify each block (primary tier) and hold it. False, and nothing
         counted, when the token ids are not ``block_size`` integers for each block (``token_ids``
         as msgpack bytes are parsed in the compiled loop: cheaper than a list of Python ints)."""
+        if not 1 <= block_size <= MAX_BLOCK_SIZE:
+            return False
         state = self._replicas.get(replica) or self.replica(replica)
         tier_name, tier = _tier(medium or PRIMARY)
         hashes = _hash_array(block_hashes)
@@ -268,7 +271,7 @@ class FleetIndex:
             )
         k = self._k
         params = self._set(state, tier)
-        params[k.P_BLOCK_SIZE] = max(block_size, 0)
+        params[k.P_BLOCK_SIZE] = block_size
         params[k.P_HAS_PARENT] = parent_block_hash is not None
         params[k.P_PARENT] = 0 if parent_block_hash is None else engine_key(parent_block_hash)
         if count > self._copies.size:
