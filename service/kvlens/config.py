@@ -386,14 +386,14 @@ class Settings(BaseSettings):
         False, description="Every replica hashes blocks alike (same algorithm and seed): key by engine hash."
     )
     kv_events_remember_blocks: int = Field(
-        5_000_000,
+        10_000_000,
         ge=0,
-        description="Blocks remembered to have been held (about 93 bytes each); oldest forgotten past it.",
+        description="Blocks remembered to have been held (at most 34 bytes each); oldest forgotten past it.",
     )
     kv_events_max_held_blocks: int = Field(
-        5_000_000,
+        10_000_000,
         ge=0,
-        description="(block, replica, tier) holdings kept (about 105 bytes each); stores past it not kept.",
+        description="(block, replica) holdings kept (at most 48 bytes each); stores past it not kept.",
     )
     kv_events_reorder_seconds: float = Field(
         0.25,
@@ -550,8 +550,12 @@ class Settings(BaseSettings):
     @field_validator("kv_events")
     @classmethod
     def _distinct_replicas(cls, publishers: list[KVEventsPublisherSetting]) -> list[KVEventsPublisherSetting]:
+        from kvlens.fleet.index import MAX_REPLICAS
+
         if len({p.name for p in publishers}) != len(publishers):
             raise ValueError("KV events replica names must be distinct")
+        if len(publishers) > MAX_REPLICAS:
+            raise ValueError(f"at most {MAX_REPLICAS} KV events publishers (one bit each in the fleet index)")
         return publishers
 
     @field_validator("kv_events_dns")
