@@ -36,8 +36,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     KVLENS_PORT=9433 \
     KVLENS_STATE_DIR=/var/lib/kvlens
 COPY --from=build /wheels /tmp/wheels
+# The KV index's compiled loops go into numba's cache at build time: the root filesystem is
+# read-only when the image runs.
 RUN pip install --no-cache-dir --no-index --find-links /tmp/wheels 'kvlens[serve,kv-events]' && rm -rf /tmp/wheels \
-    && mkdir -p /var/lib/kvlens && chown 65532:65532 /var/lib/kvlens
+    && mkdir -p /var/lib/kvlens && chown 65532:65532 /var/lib/kvlens \
+    && python -c 'from kvlens.fleet import kernels; kernels.warm()'
 USER 65532:65532
 VOLUME ["/var/lib/kvlens"]
 EXPOSE 9433

@@ -12,9 +12,10 @@ from typing import Any, TextIO
 from kvlens import terminal
 from kvlens.cli.common import build_server, examples, server_flags, settings_from
 from kvlens.config import Settings
+from kvlens.console import install_hint
 from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.background import fleet_index
-from kvlens.fleet.index import CAUSES
+from kvlens.fleet.index import CAUSES, compiled_loops_available
 from kvlens.fleet.source import KVEvents, Publisher
 from kvlens.records import batch_from_objects
 from kvlens.sources import demo
@@ -64,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         if not settings.model_shapes:  # the replayed model's shape: compute saved in FLOPs
             settings = settings_from(args, docs=True, model_shapes={demo.REPLAY_MODEL: demo.REPLAY_SHAPE})
-        replay = demo.ReplayTraffic(speed=args.speed, policy=args.policy, kv_events=True)
+        events = compiled_loops_available()  # the replicas' KV events: why reuse is lost
+        replay = demo.ReplayTraffic(speed=args.speed, policy=args.policy, kv_events=events)
         traffic = replay
         what = (
             f"the Mooncake trace (kvcache-ai/Mooncake, Apache-2.0) replayed {args.speed:g}x faster by the "
@@ -72,15 +74,20 @@ def run(args: argparse.Namespace) -> int:
             f"{args.policy}"
         )
     aggregator = Aggregator(settings, extra_sources=(demo.SOURCE,))
-    kv_events, feed = None, None
-    if isinstance(traffic, demo.ReplayTraffic):
+    kv_events, feed, note = None, None, ""
+    if isinstance(traffic, demo.ReplayTraffic) and compiled_loops_available():
         kv_events = in_process_kv_events(settings, demo.ReplayKVEvents.names(traffic.replicas))
         feed = demo.ReplayKVEvents(traffic, kv_events)
+    elif isinstance(traffic, demo.ReplayTraffic):
+        extra = install_hint("kv-events")
+        note = f"why reuse is lost (the replicas' KV events) needs the kv-events extra: {extra}"
     # its summary lines speak: uvicorn's at warning at least
     server = build_server(settings, aggregator, args, quieter="warning", kv_events=kv_events)
     stop = threading.Event()
     base = f"http://{settings.host}:{settings.port}"
     print(banner(what, base, terminal.width()), flush=True)
+    if note:
+        print("\n".join(terminal.wrap(note, terminal.width())), flush=True)
     threads = [
         threading.Thread(target=_feed, args=(traffic, aggregator, stop, feed), name="demo-feed", daemon=True),
         threading.Thread(

@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any, Final
 import msgspec
 import numpy as np
 
+from kvlens.console import install_hint
 from kvlens.errors import SettingsError
 
 if TYPE_CHECKING:
@@ -164,6 +165,11 @@ def _tier(name: str) -> tuple[str, int]:
     return TIERS[number], number
 
 
+def compiled_loops_available() -> bool:
+    """Whether the index's compiled loops can run here (numba, of the ``kv-events`` extra)."""
+    return importlib.util.find_spec("numba") is not None
+
+
 class FleetIndex:
     """The index is fed from one thread at a time (its lock makes that so) and read at scrape
     time through :meth:`snapshot`. Needs numba (the ``kv-events`` extra)."""
@@ -176,8 +182,8 @@ class FleetIndex:
         max_held_blocks: int = MAX_HELD_BLOCKS,
         shard: tuple[int, int] = (0, 1),
     ) -> None:
-        if importlib.util.find_spec("numba") is None:  # before serving, not at the first event
-            raise SettingsError("the fleet index needs the kv-events extra: pip install 'kvlens[kv-events]'")
+        if not compiled_loops_available():  # before serving, not at the first event
+            raise SettingsError(f"the fleet index needs the kv-events extra: {install_hint('kv-events')}")
         from kvlens.fleet import kernels  # numba: only where KV events are followed
 
         kernels.warm()
