@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvlens.cli.common import check_writable
 from kvlens.cli.replay import (
     endpoint,
     endpoint_flags,
@@ -45,6 +46,7 @@ def add_parser(commands: Any) -> None:
     prefix.add_argument("--out-dir", type=Path, required=True, help="where the arms' records go")
     prefix.add_argument("--config", type=Path, help="YAML settings (prompt-length groups, cost models)")
     prefix.add_argument("--json", action="store_true", help="print the compare result as JSON")
+    prefix.add_argument("--html", type=Path, metavar="OUT", help="also write the compare report as HTML")
     prefix.set_defaults(run=_prefix_cache)
 
     quant = kinds.add_parser(
@@ -86,6 +88,7 @@ def add_parser(commands: Any) -> None:
 def _prefix_cache(args: argparse.Namespace) -> int:
     from kvlens.analysis import compare
 
+    check_writable(args.html)  # before the arms run, not after
     window, prompts, schedule = setup(args, warms=True)
     settings = load_settings(args.config)
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -108,14 +111,14 @@ def _prefix_cache(args: argparse.Namespace) -> int:
     for warning in warnings:
         print(f"kvlens experiment: {warning}", file=sys.stderr)
     report = arms.compare_arms(results, settings)
+    if args.html:
+        from kvlens.analysis import html_compare
+
+        html_compare.write(report, args.html)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print(compare.markdown(report), end="")
-        print(
-            "\nReuse is not speedup: a warm arm's cached tokens save prefill work, and TTFT falls only "
-            "where prefill, not queueing, was the wait."
-        )
     return 0
 
 
