@@ -31,7 +31,15 @@ from kvlens.analysis.html_report import (
 )
 from kvlens.analysis.html_report import SERIES as CACHE_COLOURS
 
-EXAMPLE_HEADER: Final = ["arm", "request", "request_id", "prompt tokens", "cached", "TTFT base ms", "TTFT arm ms"]
+EXAMPLE_HEADER: Final = [
+    "arm",
+    "request",
+    "request_id",
+    "prompt tokens",
+    "cached",
+    "TTFT base ms",
+    "TTFT arm ms",
+]
 COMPARE_STYLE: Final = "#caveat{font-weight:600;border-left:4px solid #6b7785;padding-left:.6rem}"
 
 
@@ -80,7 +88,7 @@ def _context(result: dict[str, Any]) -> str:
             "Files",
             "<ul>"
             + "".join(
-                f"<li>{html.escape(arm)}: <code>{html.escape(files.get(arm) or 'given in memory')}</code></li>"
+                f"<li>{html.escape(arm)}: <code>{html.escape(files.get(arm) or 'not a file')}</code></li>"
                 for arm in result["arms"]
             )
             + "</ul>",
@@ -149,12 +157,12 @@ def _delta_chart(result: dict[str, Any], column: str, name: str, width: int = 76
                 f'<line x1="{x(ci[0]):.1f}" x2="{x(ci[1]):.1f}" y1="{middle:.1f}" y2="{middle:.1f}" '
                 f'stroke="{colour}" stroke-width="2"/>'
             )
+        shown = f"{compare._delta_cell(p50)} ms"
+        what = f"{arm} minus {result['baseline']}, {group['prompt_len']} {cache}: {shown}"
         parts.append(
             f'<circle cx="{x(p50["delta"]):.1f}" cy="{middle:.1f}" r="4" fill="{colour}">'
-            f"<title>{html.escape(arm)} minus {html.escape(result['baseline'])}, {html.escape(group['prompt_len'])} "
-            f"{cache}: {compare._delta_cell(p50)} ms</title></circle>"
-            f'<text x="{left + plot + 8}" y="{middle + 4:.1f}" class="value">{compare._delta_cell(p50)} ms</text>'
-            "</g>"
+            f"<title>{html.escape(what)}</title></circle>"
+            f'<text x="{left + plot + 8}" y="{middle + 4:.1f}" class="value">{shown}</text></g>'
         )
         y += row
     parts.append(_linear_axis(left, plot, y + 4, ticks))
@@ -188,9 +196,8 @@ def _tables(result: dict[str, Any]) -> str:
         for arm, info in result["not_benefiting"].items()
         for e in info["examples"]
     ]
-    out = (
-        "<h3>By prompt length and cache status in the baseline</h3>"
-        + _table(compare.TABLE_HEADER, compare.table_rows(result))
+    out = "<h3>By prompt length and cache status in the baseline</h3>" + _table(
+        compare.TABLE_HEADER, compare.table_rows(result)
     )
     if examples:
         out += "<h3>Requests that did not benefit (first ten per arm)</h3>" + _table(EXAMPLE_HEADER, examples)

@@ -61,4 +61,3 @@ def run(args: argparse.Namespace) -> int:
         end="" if not args.json else "\n",
     )
     return 0
-
