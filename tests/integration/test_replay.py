@@ -140,6 +140,8 @@ def test_experiment_prefix_cache_end_to_end(tmp_path: Path, capsys: pytest.Captu
                 "--traffic-rate",
                 "8",
                 "--json",
+                "--html",
+                str(tmp_path / "compare.html"),
             ]
         )
     finally:
@@ -157,6 +159,11 @@ def test_experiment_prefix_cache_end_to_end(tmp_path: Path, capsys: pytest.Captu
     warm_ttft = group["arms"]["warm"]["ttft_seconds"]
     assert warm_ttft["p50"]["delta"] < 0, warm_ttft
     assert warm_ttft["p50"]["ci95"][1] < 0, warm_ttft  # the whole interval: faster, not noise
+    # the HTML report of the same run says so first, and lists each arm's records file
+    page = (tmp_path / "compare.html").read_text()
+    verdict = page[page.index('id="verdict"') : page.index('id="context"')]
+    assert f"warm vs off, {group['prompt_len']} tokens, miss in off (20 requests): faster" in verdict
+    assert all(f"<code>{tmp_path / arm}.jsonl</code>" in page for arm in ("off", "cold", "warm"))
 
 
 def test_an_endpoint_down_at_start_is_a_clear_error_before_any_arm(
