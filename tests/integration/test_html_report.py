@@ -13,8 +13,8 @@ import pytest
 
 from kvlens.analysis import html_report
 from kvlens.analysis.analyze import analyze
-from kvlens.config import load_settings
 from kvlens.cli import main
+from kvlens.config import load_settings
 from tests.article import article_records
 from tests.unit.test_compare_html import arm_records, write
 

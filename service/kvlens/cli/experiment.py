@@ -72,7 +72,21 @@ def add_parser(commands: Any) -> None:
     quant.add_argument("--timeout", type=float, default=600, help="seconds one request may take (600)")
     quant.add_argument("--out-dir", type=Path, required=True, help="where each run's records go")
     quant.add_argument("--concurrency", type=int, default=8, help="experiment 1: requests in flight (8)")
-    quant.add_argument("--rates", help="experiment 2: requests per second, comma-separated (none: skip)")
+    load = quant.add_mutually_exclusive_group()
+    load.add_argument("--rates", help="experiment 2: requests per second, comma-separated (none: skip)")
+    load.add_argument(
+        "--rate-sweep",
+        type=float,
+        metavar="START",
+        help="experiment 2: START req/s, doubled until every endpoint falls under --slo-attainment, "
+        "then once halfway at each endpoint's limit",
+    )
+    quant.add_argument(
+        "--sweep-doublings", type=int, default=6, metavar="N", help="--rate-sweep doubles at most N times (6)"
+    )
+    quant.add_argument(
+        "--plot", type=Path, metavar="FILE", help="attainment against rate per endpoint (.svg, .png)"
+    )
     quant.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT target, seconds (2)")
     quant.add_argument(
         "--slo-itl", type=float, default=0.05, help="mean inter-token latency target, s (0.05)"
@@ -134,6 +148,12 @@ def _quantization(args: argparse.Namespace) -> int:
     if args.concurrency < 1:
         raise ExperimentError("--concurrency must be at least 1")
     rates = quantization.parse_rates(args.rates) if args.rates else None
+    quantization.check_sweep(args.rate_sweep, args.sweep_doublings)
+    if args.plot and not (rates or args.rate_sweep):
+        raise ExperimentError("--plot draws experiment 2: give --rates or --rate-sweep")
+    if args.plot and args.plot.suffix.lower() not in (".svg", ".png"):
+        raise ExperimentError(f"--plot writes .svg or .png, not {args.plot.name!r}")
+    check_writable(args.plot)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     fixed = quantization.fixed_work(
         endpoints,
@@ -144,21 +164,31 @@ def _quantization(args: argparse.Namespace) -> int:
         targets=targets,
         max_output_tokens=args.max_output_tokens,
     )
-    load = (
-        quantization.rising_load(
-            endpoints,
-            requests,
-            prompts,
-            args.out_dir,
-            rates=rates,
-            targets=targets,
-            max_output_tokens=args.max_output_tokens,
-            seed=args.seed,
+    load = None
+    if rates or args.rate_sweep:
+        step = quantization.stepper(
+            endpoints, requests, prompts, args.out_dir, targets, args.max_output_tokens, args.seed
         )
-        if rates
-        else None
-    )
+        load = (
+            quantization.rate_sweep(
+                step,
+                list(endpoints),
+                start=args.rate_sweep,
+                targets=targets,
+                max_doublings=args.sweep_doublings,
+            )
+            if args.rate_sweep
+            else quantization.run_rates(step, list(endpoints), rates or [], targets)
+        )
     result = quantization.report(fixed, load, targets, next(iter(endpoints)))
+    if args.plot:
+        from kvlens.experiment.plot import write_plot
+
+        try:
+            write_plot(result, args.plot)
+        except ValueError as error:  # a PNG without matplotlib
+            print(f"kvlens experiment: {error}", file=sys.stderr)
+            return 2
     print(
         json.dumps(result, indent=2) if args.json else quantization.text(result),
         end="\n" if args.json else "",
