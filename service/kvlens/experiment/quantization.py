@@ -157,7 +157,8 @@ def rate_sweep(
             stopped = f"every endpoint fell under {targets.attainment:.0%} at {rate:g} req/s"
             break
         if doubling == max_doublings:
-            stopped = f"the step limit ({max_doublings} doublings) was reached at {rate:g} req/s"
+            plural = "" if max_doublings == 1 else "s"
+            stopped = f"the step limit ({max_doublings} doubling{plural}) was reached at {rate:g} req/s"
             break
         rate *= 2
     middles = sorted(
