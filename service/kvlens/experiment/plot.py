@@ -82,7 +82,8 @@ def svg(result: dict[str, Any], box: Box = BOX) -> str:
         parts.append(
             f'<g class="series" data-endpoint="{html.escape(name)}">'
             f'<polyline fill="none" stroke="{colour}" stroke-width="2" points="{coordinates}"/>{dots}'
-            f'<text x="{box.x_end + 6}" y="{box.top + 16 * index + 4}" fill="{colour}">'
+            # the names at the foot of the right margin: the target's label is near the top
+            f'<text x="{box.x_end + 6}" y="{box.y_end - 16 * (len(points) - 1 - index)}" fill="{colour}">'
             f"{html.escape(name)}</text></g>"
         )
     parts.append("</svg>")
