@@ -165,6 +165,12 @@ def test_experiment_prefix_cache_end_to_end(tmp_path: Path, capsys: pytest.Captu
     verdict = page[page.index('id="verdict"') : page.index('id="context"')]
     assert f"warm vs off, {group['prompt_len']} tokens, miss in off (20 requests): faster" in verdict
     assert all(f"<code>{tmp_path / arm}.jsonl</code>" in page for arm in ("off", "cold", "warm"))
+    warmup = tmp_path / "warm.warmup.jsonl"
+    assert report["warmup_recorded_apart"] == {"warm": {"file": str(warmup), "requests": 20}}
+    apart = (
+        f"warm: 0 requests kept out of the timed window; 20 replayed before it, recorded apart in {warmup}"
+    )
+    assert f"<li>{apart}</li>" in page
 
 
 def test_an_endpoint_down_at_start_is_a_clear_error_before_any_arm(

@@ -278,6 +278,19 @@ def verdict(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def warmup_lines(result: dict[str, Any]) -> list[str]:
+    """Per arm, the warm-up kept out of the timed window, and the one recorded in a file of its
+    own (``kvlens experiment prefix-cache``'s warm arm), which is never timed."""
+    apart = result.get("warmup_recorded_apart") or {}
+    lines = []
+    for name, summary in result["warmup"].items():
+        line = f"warm-up, {name}: {summary['requests']} requests kept out of the timed window"
+        if name in apart:
+            line += f"; {apart[name]['requests']} replayed before it, recorded apart in {apart[name]['file']}"
+        lines.append(line)
+    return lines
+
+
 def _direction(delta: float, ci: list[float] | None) -> str:
     if ci is None:
         return "faster (one request, no interval)" if delta < 0 else "not faster (one request, no interval)"
@@ -292,8 +305,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [f"# kvlens compare (baseline: {result['baseline']})", ""]
     lines += [f"- {line}" for line in verdict(result)]
     lines.append("")
-    for name, summary in result["warmup"].items():
-        lines.append(f"- warm-up, {name}: {summary['requests']} requests (kept out of the timed window)")
+    lines += [f"- {line}" for line in warmup_lines(result)]
     lines += ["", _md_table(TABLE_HEADER, table_rows(result)), "", REUSE_IS_NOT_SPEEDUP]
     return "\n".join(lines) + "\n"
 

@@ -98,8 +98,8 @@ def _context(result: dict[str, Any]) -> str:
             "Warm-up excluded",
             "<ul>"
             + "".join(
-                f"<li>{html.escape(arm)}: {summary['requests']:,} requests kept out of the timed window</li>"
-                for arm, summary in result["warmup"].items()
+                f"<li>{html.escape(line.removeprefix('warm-up, '))}</li>"
+                for line in compare.warmup_lines(result)
             )
             + "</ul>",
         ),
