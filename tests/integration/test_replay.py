@@ -171,6 +171,8 @@ def test_experiment_prefix_cache_end_to_end(tmp_path: Path, capsys: pytest.Captu
         f"warm: 0 requests kept out of the timed window; 20 replayed before it, recorded apart in {warmup}"
     )
     assert f"<li>{apart}</li>" in page
+    # a client sees no queue or prefill time: the page says so instead of dropping the charts
+    assert 'data-metric="queue_seconds"' in page and 'data-metric="prefill_seconds"' in page
 
 
 def test_an_endpoint_down_at_start_is_a_clear_error_before_any_arm(

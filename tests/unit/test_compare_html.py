@@ -217,3 +217,22 @@ def test_an_unwritable_html_path_is_refused_before_any_work(
     missing = tmp_path / "no" / "such" / "page.html"
     assert main(["compare", "--arm", f"a={off}", "--arm", f"b={off}", "--html", str(missing)]) == 2
     assert "its folder does not exist" in capsys.readouterr().err
+
+
+def test_metrics_a_client_cannot_see_are_said_missing_not_dropped(tmp_path: Path) -> None:
+    """Replay records (client side) have TTFT but no queue or prefill time."""
+
+    def client_side(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{k: v for k, v in r.items() if k not in ("queue_seconds", "prefill_seconds")} for r in rows]
+
+    off = write(tmp_path / "off.jsonl", client_side(arm_records([40.0, 160.0], [0, 0], 0.01)))
+    warm = write(tmp_path / "warm.jsonl", client_side(arm_records([15.0, 30.0], [768, 3584], 0.01)))
+    out = tmp_path / "compare.html"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["compare", "--arm", f"off={off}", "--arm", f"warm={warm}", "--html", str(out)]) == 0
+    missing = "not in these records (a client sees only TTFT; the sidecar's or the engine's records carry it)"
+    assert f"- queue: {missing}\n- prefill: {missing}\n" in printed.getvalue()
+    (deltas,) = parse(out.read_text()).find(id="deltas")
+    assert [svg.attrs["aria-label"].split(":")[0] for svg in deltas.find("svg")] == ["Time to first token"]
+    assert texts(deltas, "p") == [f"Queue time: {missing}.", f"Prefill time: {missing}."]

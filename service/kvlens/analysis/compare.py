@@ -278,6 +278,22 @@ def verdict(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def unmeasured(result: dict[str, Any]) -> list[str]:
+    """The metrics no timed request has in both arms: a replay client sees TTFT but neither the
+    queue nor the prefill; records from the sidecar or the engine carry them."""
+    return [
+        metric
+        for metric in METRICS
+        if result["groups"]
+        and not any(
+            stats[metric].get("count") for group in result["groups"] for stats in group["arms"].values()
+        )
+    ]
+
+
+UNMEASURED = "not in these records (a client sees only TTFT; the sidecar's or the engine's records carry it)"
+
+
 def warmup_lines(result: dict[str, Any]) -> list[str]:
     """Per arm, the warm-up kept out of the timed window, and the one recorded in a file of its
     own (``kvlens experiment prefix-cache``'s warm arm), which is never timed."""
@@ -306,7 +322,9 @@ def markdown(result: dict[str, Any]) -> str:
     lines += [f"- {line}" for line in verdict(result)]
     lines.append("")
     lines += [f"- {line}" for line in warmup_lines(result)]
-    lines += ["", _md_table(TABLE_HEADER, table_rows(result)), "", REUSE_IS_NOT_SPEEDUP]
+    lines += ["", _md_table(TABLE_HEADER, table_rows(result)), ""]
+    lines += [f"- {metric.removesuffix('_seconds')}: {UNMEASURED}" for metric in unmeasured(result)]
+    lines += ["", REUSE_IS_NOT_SPEEDUP]
     return "\n".join(lines) + "\n"
 
 

@@ -109,8 +109,14 @@ def _context(result: dict[str, Any]) -> str:
 
 
 def _charts(result: dict[str, Any]) -> str:
-    charts = [_delta_chart(result, column, name) for column, name in LATENCY_CHARTS]
-    return "".join(chart for chart in charts if chart) or "<p>No latency was measured in both arms.</p>"
+    missing = compare.unmeasured(result)
+    charts = [
+        f'<p class="unmeasured" data-metric="{column}">{name}: {html.escape(compare.UNMEASURED)}.</p>'
+        if column in missing
+        else _delta_chart(result, column, name)
+        for column, name in LATENCY_CHARTS
+    ]
+    return "".join(chart for chart in charts if chart) or "<p>No timed request to compare.</p>"
 
 
 def _delta_chart(result: dict[str, Any], column: str, name: str, width: int = 760) -> str:
