@@ -23,7 +23,14 @@ def endpoints_holding(limits: dict[str, float]) -> tuple[Any, list[float]]:
     def step(rate: float) -> dict[str, dict[str, Any]]:
         called.append(rate)
         return {
-            name: {"rate": rate, "attainment": 1.0 if rate <= limit else 0.5, "engine_kv_usage_max": 0.2}
+            name: {
+                "rate": rate,
+                "attainment": 1.0 if rate <= limit else 0.5,
+                "goodput_rps": rate if rate <= limit else rate / 2,
+                "ttft_p50_seconds": 0.1,
+                "engine_kv_usage_max": 0.2,
+                "engine_token_reuse": None,
+            }
             for name, limit in limits.items()
         }
 
@@ -42,6 +49,7 @@ def test_doubles_until_every_endpoint_falls_under_then_bisects_each_limit_once()
         "max_doublings": 6,
         "bisected": [6.0, 24.0],
         "stopped": "every endpoint fell under 90% at 32 req/s",
+        "never_fell_under": [],
     }
 
 
@@ -51,6 +59,11 @@ def test_the_step_limit_bounds_the_sweep() -> None:
     assert called == [2, 4, 8, 3]  # w4a16 never fell under: no halfway step for it
     assert load["highest_rate"] == {"bf16": 3, "w4a16": 8}
     assert load["sweep"]["stopped"] == "the step limit (2 doublings) was reached at 8 req/s"
+    assert load["sweep"]["never_fell_under"] == ["w4a16"]
+    report = quantization.report(None, load, TARGETS, "bf16")
+    assert "w4a16: highest rate meeting the targets: 8 req/s (never fell under: a lower bound)\n" in (
+        quantization.text(report)
+    )
 
 
 def test_a_start_every_endpoint_misses_is_the_only_step() -> None:

@@ -180,6 +180,12 @@ def rate_sweep(
         "max_doublings": max_doublings,
         "bisected": middles,
         "stopped": stopped,
+        # met the target at every rate run: its highest rate is a lower bound, not its limit
+        "never_fell_under": [
+            name
+            for name, rows in steps.items()
+            if all(row["attainment"] >= targets.attainment for row in rows)
+        ],
     }
     return result
 
@@ -478,9 +484,11 @@ def text(result: dict[str, Any]) -> str:
                 f"Sweep from {sweep['start']:g} req/s: {sweep['stopped']}; halfway steps: {middles}",
                 "",
             ]
+        unbounded = (sweep or {}).get("never_fell_under", [])
         for name, rate in load["highest_rate"].items():
             lines.append(
                 f"{name}: highest rate meeting the targets: {'none' if rate is None else f'{rate:g} req/s'}"
+                + (" (never fell under: a lower bound)" if name in unbounded else "")
             )
         lines += load["attribution"]
     return "\n".join(lines) + "\n"
