@@ -123,5 +123,26 @@ def test_the_svg_has_one_series_per_endpoint_with_its_points() -> None:
 def test_a_plot_needs_experiment_two_and_a_known_suffix(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--rates or --rate-sweep"):
         plot.write_plot({"targets": {"attainment": 0.9}, "rising_load": None}, tmp_path / "p.svg")
-    with pytest.raises(ValueError, match=r"\.svg or \.png"):
+    with pytest.raises(ExperimentError, match=r"\.svg or \.png"):
         plot.write_plot(result_of({"a": [(1, 1.0)]}), tmp_path / "p.pdf")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--rates", "1", "--plot", "p.pdf"], "--plot writes .svg or .png, not 'p.pdf'"),
+        (["--plot", "p.svg"], "--plot draws experiment 2: give --rates or --rate-sweep"),
+        (["--rate-sweep", "0"], "--rate-sweep takes a positive start rate"),
+    ],
+)
+def test_the_command_refuses_a_bad_plot_or_sweep_before_any_request(
+    flags: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvlens.cli import main
+
+    # nothing listens on port 9: a request sent before the check would fail with another message
+    endpoints = ["--endpoint", "a=http://127.0.0.1:9", "--endpoint", "b=http://127.0.0.1:9"]
+    args = ["experiment", "quantization", "shared-prefix", "--model", "m", "--out-dir", str(tmp_path / "out")]
+    assert main([*args, *endpoints, *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -151,9 +151,11 @@ def _quantization(args: argparse.Namespace) -> int:
     quantization.check_sweep(args.rate_sweep, args.sweep_doublings)
     if args.plot and not (rates or args.rate_sweep):
         raise ExperimentError("--plot draws experiment 2: give --rates or --rate-sweep")
-    if args.plot and args.plot.suffix.lower() not in (".svg", ".png"):
-        raise ExperimentError(f"--plot writes .svg or .png, not {args.plot.name!r}")
-    check_writable(args.plot)
+    if args.plot:
+        from kvlens.experiment.plot import check_path
+
+        check_path(args.plot)
+        check_writable(args.plot)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     fixed = quantization.fixed_work(
         endpoints,

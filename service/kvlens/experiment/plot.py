@@ -10,6 +10,7 @@ from typing import Any
 
 from kvlens.analysis.html_report import Axis, Box, _tick
 from kvlens.console import install_hint
+from kvlens.experiment.protocol import ExperimentError
 from kvlens.simulate.render import COLORS
 
 TITLE = "Attainment against request rate"
@@ -27,14 +28,18 @@ def series(result: dict[str, Any]) -> dict[str, list[tuple[float, float]]]:
     }
 
 
+def check_path(path: Path) -> None:
+    """Refuse a plot path of another kind before the experiment runs, not after."""
+    if path.suffix.lower() not in (".svg", ".png"):
+        raise ExperimentError(f"--plot writes .svg or .png, not {path.name!r}")
+
+
 def write_plot(result: dict[str, Any], path: Path) -> None:
-    suffix = path.suffix.lower()
-    if suffix == ".svg":
+    check_path(path)
+    if path.suffix.lower() == ".svg":
         path.write_text(svg(result))
-    elif suffix == ".png":
-        _png(result, path)
     else:
-        raise ValueError(f"--plot writes .svg or .png, not {path.name!r}")
+        _png(result, path)
 
 
 def svg(result: dict[str, Any], box: Box = BOX) -> str:
