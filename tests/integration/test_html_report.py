@@ -13,8 +13,10 @@ import pytest
 
 from kvlens.analysis import html_report
 from kvlens.analysis.analyze import analyze
+from kvlens.cli import main
 from kvlens.config import load_settings
 from tests.article import article_records
+from tests.unit.test_compare_html import arm_records, write
 
 pytestmark = pytest.mark.integration
 
@@ -111,4 +113,16 @@ def test_html_report_fits_a_printed_page_width(tmp_path: Path) -> None:
     report is wider than a printed page."""
     page = article_page(tmp_path)
     assert "@media print{" in page
+    assert measure_width(page.replace("@media print{", "@media all{"), tmp_path) == []
+
+
+def test_compare_report_renders_and_fits_a_printed_page_width(tmp_path: Path) -> None:
+    """The compare page (``kvlens compare --html``), in the browser at a printed page's width:
+    no console message, the three delta charts drawn, nothing wider than the page."""
+    off = write(tmp_path / "off.jsonl", arm_records([40.0, 160.0], [0, 0], 0.010))
+    warm = write(tmp_path / "warm.jsonl", arm_records([15.0, 30.0], [768, 3584], 0.010))
+    out = tmp_path / "compare.html"
+    assert main(["compare", "--arm", f"off={off}", "--arm", f"warm={warm}", "--html", str(out)]) == 0
+    page = out.read_text()
+    assert page.count('role="img"') == 3
     assert measure_width(page.replace("@media print{", "@media all{"), tmp_path) == []

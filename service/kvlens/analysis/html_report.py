@@ -367,10 +367,11 @@ def _linear_ticks(high: float, most: int = 5) -> list[float]:
 
 
 def _linear_axis(left: float, length: float, y: float, ticks: list[float]) -> str:
-    top = ticks[-1]
+    """A horizontal axis in ms from the first tick (0, or below it for deltas) to the last."""
+    low, top = ticks[0], ticks[-1]
     marks = []
     for t in ticks:
-        x = left + length * t / top
+        x = left + length * (t - low) / (top - low)
         marks.append(
             f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{y}" y2="{y + 4}" class="tick"/>'
             f'<text x="{x:.1f}" y="{y + 15}" text-anchor="middle" class="value">{1000 * t:g}</text>'

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
-from kvlens.cli.common import examples, input_flags
+from kvlens.cli.common import check_writable, examples, input_flags
 from kvlens.config import load_settings
 
 
@@ -32,12 +33,14 @@ def add_parser(commands: Any) -> None:
     warm.add_argument(
         "--warmup-until", type=float, metavar="T", help="requests arriving before T are warm-up"
     )
+    compare.add_argument("--html", type=Path, metavar="OUT", help="also write the report as one HTML file")
     compare.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from kvlens.analysis import compare
 
+    check_writable(args.html)
     settings = load_settings(args.config)
     arms = []
     for spec in args.arm:
@@ -57,6 +60,10 @@ def run(args: argparse.Namespace) -> int:
     except compare.ArmsDiffer as error:
         print(f"kvlens compare: {error}", file=sys.stderr)
         return 2
+    if args.html:
+        from kvlens.analysis import html_compare
+
+        html_compare.write(result, args.html)
     if args.json:
         print(json.dumps(result, indent=2))
     elif args.markdown or not sys.stdout.isatty():  # a file, a pipe, a CI step's summary

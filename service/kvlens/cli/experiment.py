@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvlens import terminal
-from kvlens.cli.common import examples
+from kvlens.cli.common import check_writable, examples
 from kvlens.cli.replay import (
     endpoint,
     endpoint_flags,
@@ -53,6 +52,7 @@ def add_parser(commands: Any) -> None:
     prefix.add_argument("--out-dir", type=Path, required=True, help="where the arms' records go")
     prefix.add_argument("--config", type=Path, help="YAML settings (prompt-length groups, cost models)")
     prefix.add_argument("--json", action="store_true", help="print the compare result as JSON")
+    prefix.add_argument("--html", type=Path, metavar="OUT", help="also write the compare report as HTML")
     prefix.set_defaults(run=_prefix_cache)
 
     quant = kinds.add_parser(
@@ -80,7 +80,21 @@ def add_parser(commands: Any) -> None:
     quant.add_argument("--timeout", type=float, default=600, help="seconds one request may take")
     quant.add_argument("--out-dir", type=Path, required=True, help="where each run's records go")
     quant.add_argument("--concurrency", type=int, default=8, help="experiment 1: requests in flight")
-    quant.add_argument("--rates", help="experiment 2: requests per second, comma-separated (none: skip)")
+    load = quant.add_mutually_exclusive_group()
+    load.add_argument("--rates", help="experiment 2: requests per second, comma-separated (none: skip)")
+    load.add_argument(
+        "--rate-sweep",
+        type=float,
+        metavar="START",
+        help="experiment 2: START req/s, doubled until every endpoint falls under --slo-attainment, "
+        "then once halfway at each endpoint's limit",
+    )
+    quant.add_argument(
+        "--sweep-doublings", type=int, default=6, metavar="N", help="--rate-sweep doubles at most N times"
+    )
+    quant.add_argument(
+        "--plot", type=Path, metavar="FILE", help="attainment against rate per endpoint (.svg, .png)"
+    )
     quant.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT target, seconds")
     quant.add_argument("--slo-itl", type=float, default=0.05, help="mean inter-token latency target, s")
     quant.add_argument("--slo-attainment", type=float, default=0.9, help="share that must meet both")
@@ -94,6 +108,7 @@ def add_parser(commands: Any) -> None:
 def _prefix_cache(args: argparse.Namespace) -> int:
     from kvlens.analysis import compare
 
+    check_writable(args.html)  # before the arms run, not after
     window, prompts, schedule = setup(args, warms=True)
     settings = load_settings(args.config)
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -116,6 +131,10 @@ def _prefix_cache(args: argparse.Namespace) -> int:
     for warning in warnings:
         print(f"kvlens experiment: {warning}", file=sys.stderr)
     report = arms.compare_arms(results, settings)
+    if args.html:
+        from kvlens.analysis import html_compare
+
+        html_compare.write(report, args.html)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -123,11 +142,6 @@ def _prefix_cache(args: argparse.Namespace) -> int:
             compare.terminal(report)
         else:
             print(compare.markdown(report), end="")
-        moral = (
-            "Reuse is not speedup: a warm arm's cached tokens save prefill work, and TTFT falls only "
-            "where prefill, not queueing, was the wait."
-        )
-        print("\n" + "\n".join(terminal.wrap(moral, terminal.width())))
     return 0
 
 
@@ -143,6 +157,14 @@ def _quantization(args: argparse.Namespace) -> int:
     if args.concurrency < 1:
         raise ExperimentError("--concurrency must be at least 1")
     rates = quantization.parse_rates(args.rates) if args.rates else None
+    quantization.check_sweep(args.rate_sweep, args.sweep_doublings)
+    if args.plot and not (rates or args.rate_sweep):
+        raise ExperimentError("--plot draws experiment 2: give --rates or --rate-sweep")
+    if args.plot:
+        from kvlens.experiment.plot import check_path
+
+        check_path(args.plot)
+        check_writable(args.plot)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     fixed = quantization.fixed_work(
         endpoints,
@@ -153,21 +175,31 @@ def _quantization(args: argparse.Namespace) -> int:
         targets=targets,
         max_output_tokens=args.max_output_tokens,
     )
-    load = (
-        quantization.rising_load(
-            endpoints,
-            requests,
-            prompts,
-            args.out_dir,
-            rates=rates,
-            targets=targets,
-            max_output_tokens=args.max_output_tokens,
-            seed=args.seed,
+    load = None
+    if rates or args.rate_sweep:
+        step = quantization.stepper(
+            endpoints, requests, prompts, args.out_dir, targets, args.max_output_tokens, args.seed
         )
-        if rates
-        else None
-    )
+        load = (
+            quantization.rate_sweep(
+                step,
+                list(endpoints),
+                start=args.rate_sweep,
+                targets=targets,
+                max_doublings=args.sweep_doublings,
+            )
+            if args.rate_sweep
+            else quantization.run_rates(step, list(endpoints), rates or [], targets)
+        )
     result = quantization.report(fixed, load, targets, next(iter(endpoints)))
+    if args.plot:
+        from kvlens.experiment.plot import write_plot
+
+        try:
+            write_plot(result, args.plot)
+        except ValueError as error:  # a PNG without matplotlib
+            print(f"kvlens experiment: {error}", file=sys.stderr)
+            return 2
     print(
         json.dumps(result, indent=2) if args.json else quantization.text(result),
         end="\n" if args.json else "",
