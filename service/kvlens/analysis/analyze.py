@@ -47,7 +47,10 @@ def analyze(
             with columnar.engine_errors(store.memory_limit):
                 loaded = columnar.load(store, paths, format_name=format_name, model=model, progress=progress)
                 summary = columnar.summarize(
-                    store, "records", settings.prompt_length_edges, settings.default_model
+                    store,
+                    columnar.working_set(store, loaded),
+                    settings.prompt_length_edges,
+                    settings.default_model,
                 )
                 read, records = loaded.read, sum(cell.requests for cell in summary.cells.values())
                 # one model's points at a time, fitted as they come
