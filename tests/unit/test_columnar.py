@@ -317,3 +317,48 @@ def test_a_corrupt_parquet_file_is_a_clear_error_naming_it(
     assert main(["analyze", str(corrupt), "--json"]) == 2
     error = capsys.readouterr().err
     assert error.startswith("kvlens: DuckDB: ") and str(corrupt) in error
+
+
+def test_order_statistics_narrowed_over_many_passes_are_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bins sized for 2 values and at most 3 fetched: the ranks go through the first pass, two
+    narrowing passes (skewed values, ties, several ranks in one bin) and fetches."""
+    rng = np.random.default_rng(11)
+    count = 3000
+    skewed = np.round(rng.lognormal(-3, 2, size=(count, 3)), 4)  # ties from the rounding
+    records = [
+        {
+            "model": f"m{i % 3}",
+            "prompt_tokens": int(n),
+            "cached_tokens": int(n) // 2 * (i % 2),
+            "ttft_seconds": float(skewed[i, 0] + skewed[i, 1] + skewed[i, 2]),
+            "queue_seconds": float(skewed[i, 1]),
+            "prefill_seconds": float(skewed[i, 2]),
+        }
+        for i, n in enumerate(rng.integers(0, 40_000, count))
+    ]
+    path = write_jsonl(tmp_path / "skewed.jsonl", records)
+    monkeypatch.setattr(columnar, "BIN_VALUES", 2)
+    monkeypatch.setattr(columnar, "FETCH_MAX", 3)
+    passes: list[str] = []
+    for name in ("_first_pass", "_narrow", "_fetch"):
+        original = getattr(columnar, name)
+
+        def counted(*args: Any, _name: str = name, _original: Any = original) -> None:
+            passes.append(_name)
+            _original(*args)
+
+        monkeypatch.setattr(columnar, name, counted)
+    chosen = load_settings()
+    engine = columnar.Engine()
+    loaded = columnar.load(engine, [str(path)])
+    summary = columnar.summarize(
+        engine, columnar.working_set(engine, loaded), chosen.prompt_length_edges, chosen.default_model
+    )
+    engine.close()
+    derived = Derived.of(
+        reader.read([str(path)]).batch, chosen.prompt_length_edges, chosen.cost_model_for, chosen.default_model
+    )
+    assert summary == summarize(derived)
+    assert passes == ["_first_pass", "_fetch", "_narrow", "_fetch", "_narrow", "_fetch"]
