@@ -12,16 +12,15 @@ import socket
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
-
-import uvicorn
-from prometheus_client import CollectorRegistry, ProcessCollector
+from typing import TYPE_CHECKING, Any
 
 from kvlens.config import ENV_PREFIX, Settings, load_settings
 from kvlens.errors import SettingsError
-from kvlens.exporter import server
-from kvlens.exporter.aggregator import Aggregator
-from kvlens.exporter.app import create_app
+
+if TYPE_CHECKING:  # the server's modules load when a server is built: offline commands skip them
+    import uvicorn
+
+    from kvlens.exporter.aggregator import Aggregator
 
 log = logging.getLogger("kvlens")
 
@@ -99,6 +98,11 @@ def tails_from(
 
 
 def build_server(settings: Settings, aggregator: Aggregator, log_level: str) -> uvicorn.Server:
+    from prometheus_client import CollectorRegistry, ProcessCollector
+
+    from kvlens.exporter import server
+    from kvlens.exporter.app import create_app
+
     check_port_free(settings)
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)  # process_start_time_seconds shows restarts
