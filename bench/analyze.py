@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -111,7 +112,10 @@ def main() -> None:
         print(json.dumps(run_case(args.case, args.path, args.memory_limit)))
         return
     print(f"memory limit {args.memory_limit}; each case in its own process; peak RSS of that process")
-    print(f"{'records':>12} {'case':<24} {'seconds':>8} {'records/s':>12} {'peak RSS':>10}  vs baseline")
+    print(
+        f"{'records':>12} {'case':<24} {'seconds':>8} {'records/s':>12} {'peak RSS':>10}  "
+        f"{'vs baseline':<28} load average 1/5/15 min after the case"
+    )
     with tempfile.TemporaryDirectory(dir=args.directory) as directory:
         for count in (int(size) for size in args.records.split(",")):
             start = time.perf_counter()
@@ -132,9 +136,10 @@ def main() -> None:
                 ratio = (
                     f"{result['seconds'] / results[baseline]['seconds']:.2f}x {baseline}" if baseline else ""
                 )
+                load = "/".join(f"{value:.1f}" for value in os.getloadavg())
                 print(
                     f"{count:>12,} {case:<24} {result['seconds']:8.2f} {count / result['seconds']:12,.0f} "
-                    f"{result['peak_rss'] / 2**30:8.2f} GiB  {ratio}",
+                    f"{result['peak_rss'] / 2**30:8.2f} GiB  {ratio:<28} load {load}",
                     flush=True,
                 )
             parquet.unlink()

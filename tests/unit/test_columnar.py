@@ -357,8 +357,28 @@ def test_order_statistics_narrowed_over_many_passes_are_exact(
         engine, columnar.working_set(engine, loaded), chosen.prompt_length_edges, chosen.default_model
     )
     engine.close()
-    derived = Derived.of(
-        reader.read([str(path)]).batch, chosen.prompt_length_edges, chosen.cost_model_for, chosen.default_model
-    )
+    batch = reader.read([str(path)]).batch
+    derived = Derived.of(batch, chosen.prompt_length_edges, chosen.cost_model_for, chosen.default_model)
     assert summary == summarize(derived)
     assert passes == ["_first_pass", "_fetch", "_narrow", "_fetch", "_narrow", "_fetch"]
+
+
+def test_lines_split_across_reads_keep_their_numbers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reads of 37 bytes cut lines (and span a 160-byte one) anywhere: the same records, and the
+    skipped lines named by the same numbers, as one read of the whole file."""
+    good = [
+        orjson.dumps({"prompt_tokens": 100 + i, "cached_tokens": i, "model": "m" * (i * 12)})
+        for i in range(11)
+    ]
+    lines = [good[0], b"", good[1] + b"\r", b"{broken", good[2], b"   ", good[10], good[3], b"[1]", good[4]]
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(b"\n".join(lines))  # no newline after the last line
+    whole = reader.read([str(path)])
+    monkeypatch.setattr(reader, "CHUNK_BYTES", 37)
+    cut = reader.read([str(path)])
+    assert [e["line"] for e in whole.examples] == [4, 9]
+    assert cut.examples == whole.examples
+    assert cut.lines == whole.lines == 8
+    assert dict(cut.skipped) == dict(whole.skipped) == {"malformed_json": 1, "not_an_object": 1}
+    expected = [100, 101, 102, 110, 103, 104]
+    assert cut.batch.prompt_tokens.tolist() == whole.batch.prompt_tokens.tolist() == expected

@@ -552,8 +552,8 @@ def _first_pass(
         "offset": np.array([t.offset for t in targets], dtype=np.int64),
     }
     histogram = (
-        f"SELECT d.k, {_bin('d.v', 'p.lo', 'p.hi', 'p.nb')} AS bin, COUNT(*) AS c, MIN(d.v) AS lo, MAX(d.v) AS hi "
-        f"FROM ({series}) d JOIN parts p ON d.k = p.k GROUP BY 1, 2"
+        f"SELECT d.k, {_bin('d.v', 'p.lo', 'p.hi', 'p.nb')} AS bin, COUNT(*) AS c, MIN(d.v) AS lo, "
+        f"MAX(d.v) AS hi FROM ({series}) d JOIN parts p ON d.k = p.k GROUP BY 1, 2"
     )
     with _registered(engine, {"parts": _parts_table(targets, bounds), "targets": table}):
         rows = engine.connection.execute(_picked(histogram, "k")).fetchall()
@@ -589,7 +589,10 @@ def _in_windows(
         "hi": np.array([w[3] for w in windows], dtype=np.float64),
         "nb": np.array([_bins_for(count) for count in counts], dtype=np.int64),
     }
-    binned = f"SELECT d.k, d.v, {_bin('d.v', 'p.lo', 'p.hi', 'p.nb')} AS b FROM ({series}) d JOIN parts p ON d.k = p.k"
+    binned = (
+        f"SELECT d.k, d.v, {_bin('d.v', 'p.lo', 'p.hi', 'p.nb')} AS b "
+        f"FROM ({series}) d JOIN parts p ON d.k = p.k"
+    )
     values = (
         f"SELECT t.w, t.lo, t.hi, t.nb, d.v FROM ({binned}) d JOIN windows t ON d.k = t.k AND d.b = t.b "
         "WHERE d.v >= t.lo AND d.v <= t.hi"
@@ -650,11 +653,13 @@ def totals_sql(reduced: str) -> str:
     def _fixed(column: str) -> str:
         return f"SUM(CAST(FLOOR({column} * {FIXED!r}) AS BIGINT))"
 
-    return f"""SELECT model, length_group, hit, COUNT(*), {_exact("prompt_tokens")}, {_exact("cached_tokens")},
+    return f"""SELECT model, length_group, hit, COUNT(*),
+  {_exact("prompt_tokens")}, {_exact("cached_tokens")},
   {_exact("prompt_squares")}, {_exact("cached_squares")},
   {series},
   COUNT(*) {complete}, COUNT(*) FILTER (WHERE ttft_overlapped),
-  {_fixed("queue_seconds")} {complete}, {_fixed("prefill_seconds")} {complete}, {_fixed("ttft_other")} {complete},
+  {_fixed("queue_seconds")} {complete}, {_fixed("prefill_seconds")} {complete},
+  {_fixed("ttft_other")} {complete},
   {_exact("prompt_tokens")} {timed}, {_exact("cached_tokens")} {timed}
 FROM ({reduced}) AS reduced_rows GROUP BY model, length_group, hit"""
 
@@ -807,7 +812,8 @@ def calibration_inputs(engine: Engine, limit: int) -> Iterator[tuple[str, Any, A
         con.execute(
             "CREATE OR REPLACE TEMP TABLE calibration_points AS SELECT model, prompt_tokens, cached_tokens, "
             "prefill_seconds, src, row FROM reduced JOIN rates ON reduced.model = rates.m "
-            f"WHERE prefill_seconds IS NOT NULL AND (rates.c <= {int(limit)} OR hash(src, row) % rates.c < {int(limit)})"
+            f"WHERE prefill_seconds IS NOT NULL "
+            f"AND (rates.c <= {int(limit)} OR hash(src, row) % rates.c < {int(limit)})"
         )
     try:
         for name in names:
