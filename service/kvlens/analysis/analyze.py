@@ -18,6 +18,7 @@ import numpy as np
 from kvlens.analysis import calibration, diagnosis, reader, report
 from kvlens.config import Settings
 from kvlens.definitions import prompt_length_labels
+from kvlens.records import batch_from_objects
 
 ENGINES = ("numpy", "duckdb")
 CALIBRATION_MAX_POINTS = 200_000  # per model, duckdb engine: past it an even sample is fitted
@@ -86,9 +87,35 @@ def analyze(
             for name in sorted(set(derived.model))
             if (rows := derived.model == name).any() and not np.isnan(read.batch.prefill_seconds[rows]).all()
         ]
-    fits += _point_fits(settings, prefill_points)
+    return _calibrated(result, fits, settings, prefill_points)
+
+
+def _calibrated(
+    result: dict[str, Any], fits: list[calibration.Fit], settings: Settings, prefill_points: Sequence[Path]
+) -> tuple[dict[str, Any], list[calibration.Fit]]:
+    """The report with the fits of the records and of the ``prefill_points`` tables."""
+    fits = [*fits, *_point_fits(settings, prefill_points)]
     result["calibration"] = [{**fit.as_dict(), "residuals": fit.residuals} for fit in fits]
     return result, fits
+
+
+def from_aggregates(
+    paths: Sequence[Path], settings: Settings, *, prefill_points: Sequence[Path] = ()
+) -> tuple[dict[str, Any], list[calibration.Fit]]:
+    """The report of a warehouse's results of the ``--print-sql`` statements (the same settings):
+    everything a direct analysis reports but the calibration from records, which needs each
+    request (``prefill_points`` still calibrate)."""
+    from kvlens.analysis import warehouse
+
+    summary = warehouse.summary_from(warehouse.read_aggregates(paths), paths)
+    records = sum(cell.requests for cell in summary.cells.values())
+    files = [str(path) for path in paths]
+    read = reader.ReadResult(
+        batch=batch_from_objects([]).batch, lines=records, formats=dict.fromkeys(files, "aggregates")
+    )
+    labels = prompt_length_labels(settings.prompt_length_edges)
+    result = _report(summary, settings, labels, read, records, files, lambda: None)
+    return _calibrated(result, [], settings, prefill_points)
 
 
 def choose_engine(requested: str, paths: Sequence[str]) -> str:
