@@ -288,10 +288,9 @@ def summary_from(
         _needed(rows, "prefill", paths)
     for where, row in rows["prefill"]:
         group = (_integer(where, row, "g"), _boolean(where, row, "hit"))
-        (median,) = definitions.quantiles(
-            counts[("prefill_seconds", *group)], (0.5,), pick(("prefill_seconds", *group))
-        )
-        per_token_part = ("prefill_per_computed_token", *group)
+        seconds_part: Part = ("prefill_seconds", *group)
+        (median,) = definitions.quantiles(counts[seconds_part], (0.5,), pick(seconds_part))
+        per_token_part: Part = ("prefill_per_computed_token", *group)
         (per_token,) = definitions.quantiles(counts[per_token_part], (0.5,), pick(per_token_part))
         prefill[group] = report.PrefillGroup(
             _integer(where, row, "requests"),
