@@ -2,19 +2,21 @@
 extra).
 
 The records never sit in Python: JSON lines go through the same reader and validator as the
-numpy path, one chunk at a time, into a DuckDB table (spilled to disk past ``memory_limit``);
+numpy path, one block at a time, into a DuckDB table (spilled to disk past ``memory_limit``);
 Parquet files are scanned where they lie, checked against the bounds
-:class:`kvlens.records.Record` declares. The per-record decisions of :func:`kvlens.reduce.reduce`
-become the table of :func:`reduced_sql` (materialized once); the engine computes a
+:class:`kvlens.records.Record` declares, and copied into memory once only when they fit in
+half the limit (:func:`working_set`). The per-record decisions of :func:`kvlens.reduce.reduce`
+are the view of :func:`reduced_sql`, derived as each scan reads; the engine computes a
 :class:`kvlens.analysis.report.Summary` (exact integer sums per model, length group and hit;
-exact order statistics; fixed-point TTFT sums) and the report is built from it by the same code
-as the numpy path's, so the two agree field by field (tests/unit/test_columnar.py draws random
-record sets to hold them to it).
+exact order statistics; fixed-point TTFT sums) in a few scans (:func:`summarize`) and the
+report is built from it by the same code as the numpy path's, so the two agree field by field
+(tests/unit/test_columnar.py draws random record sets to hold them to it).
 
 Exact order statistics in bounded memory: an engine's sort or its ``quantile`` aggregate either
 holds a group's values in memory or sorts all of them; instead each wanted rank is found by
-narrowing a value range with histograms (:data:`BINS` bins a pass, one scan of the data for all
-series at once) until the range holds one distinct value or few enough values to fetch.
+narrowing a value range with histograms (about :data:`BIN_VALUES` values a bin, one scan of
+the data for all series at once) until the range holds one distinct value or few enough values
+to fetch.
 """
 
 from __future__ import annotations
