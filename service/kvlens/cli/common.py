@@ -13,18 +13,17 @@ import socket
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
-
-import uvicorn
-from prometheus_client import CollectorRegistry, ProcessCollector
+from typing import TYPE_CHECKING, Any
 
 from kvlens import logs
 from kvlens.config import ENV_PREFIX, Settings, load_settings
 from kvlens.errors import SettingsError
-from kvlens.exporter import server
-from kvlens.exporter.aggregator import Aggregator
-from kvlens.exporter.app import create_app
-from kvlens.fleet.source import KVEvents
+
+if TYPE_CHECKING:  # the server's modules load when a server is built: offline commands skip them
+    import uvicorn
+
+    from kvlens.exporter.aggregator import Aggregator
+    from kvlens.fleet.source import KVEvents
 
 log = logging.getLogger("kvlens")
 
@@ -206,6 +205,11 @@ def build_server(
 ) -> uvicorn.Server:
     """``quieter``: a least level for uvicorn's lines when the command prints its own (demo);
     ``kv_events``: an index fed in process (the demo) instead of from the settings' publishers."""
+    from prometheus_client import CollectorRegistry, ProcessCollector
+
+    from kvlens.exporter import server
+    from kvlens.exporter.app import create_app
+
     check_port_free(settings)
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)  # process_start_time_seconds shows restarts
