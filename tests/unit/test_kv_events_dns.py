@@ -15,7 +15,7 @@ import pytest
 from kvlens.config import load_settings, parse_dns_target
 from kvlens.errors import SettingsError
 from kvlens.fleet import wire
-from kvlens.fleet.index import EVICTED_ELSEWHERE, EVICTED_HERE, HELD_ELSEWHERE, NEW, FleetIndex
+from kvlens.fleet.index import EVICTED_ELSEWHERE, HELD_ELSEWHERE, NEW, FleetIndex
 from kvlens.fleet.publisher import EventPublisher
 from kvlens.fleet.source import (
     MAX_DISCOVERED,
@@ -106,7 +106,9 @@ def test_a_publisher_is_subscribed_once_however_often_it_is_named() -> None:
     assert list(wanted.values()) == [*static, Publisher("10.0.0.7:5557", "tcp://10.0.0.7:5557")]
 
 
-def test_a_vanished_replica_s_blocks_are_removed_and_a_later_store_is_evicted_here() -> None:
+def test_a_vanished_replica_s_blocks_are_removed_and_a_later_store_is_evicted_elsewhere() -> None:
+    """A vanished address's slot is forgotten: if it comes back (a new pod given an old IP), it
+    is a new replica, and the blocks the old one held were held by the fleet, not by it."""
     index = FleetIndex(hashes_alike=True)
     consumer = Consumer(index, [])
     consumer.add(Publisher("10.0.0.5:5557", "tcp://10.0.0.5:5557"))
@@ -127,7 +129,7 @@ def test_a_vanished_replica_s_blocks_are_removed_and_a_later_store_is_evicted_he
     consumer.message("10.0.0.5:5557", 5, batch, None)  # a new sequence: neither a gap nor a restart
     consumer.release(everything=True)
     assert (status.gaps, status.restarts, status.batches) == (0, 0, 2)
-    assert index.recomputed == {("10.0.0.5:5557", NEW): 2, ("10.0.0.5:5557", EVICTED_HERE): 2}
+    assert index.recomputed == {("10.0.0.5:5557", NEW): 2, ("10.0.0.5:5557", EVICTED_ELSEWHERE): 2}
 
 
 def test_localhost_resolves_with_the_real_resolver() -> None:
