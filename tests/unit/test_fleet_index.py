@@ -455,7 +455,10 @@ def test_replicas_cycling_through_the_slots_are_classified_as_the_plain_rules_sa
     assert sum(n for (_, cause), n in by_name.items() if cause == EVICTED_ELSEWHERE) > 0
     snapshot = index.snapshot()
     assert snapshot.distinct_blocks == len(reference.holders)
-    assert (snapshot.remembered_blocks, snapshot.forgotten_blocks) == (len(reference.remembered), reference.forgotten)
+    assert (snapshot.remembered_blocks, snapshot.forgotten_blocks) == (
+        len(reference.remembered),
+        reference.forgotten,
+    )
     assert (reference.forgotten > 0) == (remember < 3_000)
     assert {name for (name, _), n in snapshot.held.items() if n} == {name for name in live if held[name]}
     for key in range(3_000):

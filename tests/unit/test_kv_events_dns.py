@@ -263,7 +263,9 @@ def test_addresses_churning_past_the_index_s_replicas_keep_being_classified() ->
     assert (snapshot.distinct_blocks, snapshot.duplicated_blocks) == (17, 15)
 
 
-def test_a_replica_past_the_slots_in_use_is_refused_once_and_counted(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_replica_past_the_slots_in_use_is_refused_once_and_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """65 live addresses: the 65th's batches are dropped, counted (rejected, reason
     replica_limit) and logged once; once a pod leaves, its slot takes the waiting one."""
     many = [f"10.2.0.{p + 1}" for p in range(65)]

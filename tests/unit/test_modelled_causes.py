@@ -36,13 +36,14 @@ def test_the_replicas_modelled_are_capped_at_the_index_s_replicas() -> None:
     assert settings.modelled_max_replicas == MAX_REPLICAS == 64
     modelled = ModelledCauses(8, 4, max_replicas=settings.modelled_max_replicas, remember_blocks=100)
     objects = [
-        {"prompt_tokens": 9, "cached_tokens": 0, "replica": f"r{i}", "prefix_hashes": [1, 2]} for i in range(66)
+        {"prompt_tokens": 9, "cached_tokens": 0, "replica": f"r{i}", "prefix_hashes": [1, 2]}
+        for i in range(66)
     ]
     modelled.add(batch_from_objects(objects).batch)
     snapshot = modelled.snapshot()
     assert snapshot.records == {"modelled": 64, "no_replica": 0, "block_size": 0, "replicas": 2}
     assert snapshot.index.recomputed_tokens[("r63", HELD_ELSEWHERE)] == 8
-    with pytest.raises(SettingsError, match="modelled_max_replicas.*64"):
+    with pytest.raises(SettingsError, match=r"modelled_max_replicas: at most 64 \(one bit each"):
         load_settings(None, modelled_max_replicas=65)
     with pytest.raises(ValueError, match="max_replicas 65: the fleet index holds at most 64 replicas"):
         ModelledCauses(8, 4, max_replicas=65, remember_blocks=100)

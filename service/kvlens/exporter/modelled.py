@@ -48,7 +48,9 @@ class ModelledCauses:
         remember_blocks: int,
     ) -> None:
         if not 1 <= max_replicas <= MAX_REPLICAS:
-            raise ValueError(f"max_replicas {max_replicas}: the fleet index holds at most {MAX_REPLICAS} replicas")
+            raise ValueError(
+                f"max_replicas {max_replicas}: the fleet index holds at most {MAX_REPLICAS} replicas"
+            )
         self.block_size = block_size
         self.max_replicas = max_replicas
         self.index = FleetIndex(

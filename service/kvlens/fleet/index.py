@@ -27,6 +27,18 @@ Stores into other tiers (``CPU``, ``STORAGE``: offload copies) are counted, and 
 holder, but are not work and get no cause. ``AllBlocksCleared`` and a publisher restart remove
 every block the replica holds (it held them, and lost them: a later store is ``evicted_here``).
 
+Replicas: each one followed has a slot, its bit in the fleet's 64-bit masks, so at most
+:data:`MAX_REPLICAS` at once. A replica that left the fleet for good (a pod's address gone from
+the DNS answer) is forgotten (:meth:`FleetIndex.forget_replica`): its blocks are cleared, its bit
+taken off every held and remembered entry, and its slot given to the next new replica, which
+inherits nothing. A block that only forgotten replicas removed stays remembered, with no remover:
+"held before, by the fleet", so a later store is ``evicted_elsewhere`` (by any replica, one of
+the same name included: a name that comes back is a new replica); it is ``new`` only once the
+block itself is forgotten past ``remember_blocks``. A forgotten replica's counters are kept by
+name (a few hundred bytes each), so what is exported never goes back. Past
+:data:`MAX_REPLICAS` live replicas :meth:`FleetIndex.replica` raises and :meth:`FleetIndex.admit`
+says no (the caller drops that replica's events, counted).
+
 Memory (the tables are :class:`kvlens.fleet.kernels.Table`, 16 bytes a slot, 70-85 % full): per
 replica, a table of the blocks it holds (engine hash -> content key and the tiers holding it);
 for the fleet, a table of the blocks some replica holds (content key -> bits of the replicas
