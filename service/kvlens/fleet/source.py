@@ -36,9 +36,10 @@ remembered as held before by the fleet, not by any replica: a later store of one
 address that comes back (a new pod given an old IP), is ``evicted_elsewhere``. Its counters stay
 (a comeback adds to them), its ``up`` goes to 0. When all the slots are in use by live replicas, a
 further one's batches are dropped and counted (``kvlens_kv_events_rejected_total{reason=
-"replica_limit"}``), logged once, until a replica leaves and its slot takes the waiting one. A failed or empty
-answer keeps the last set (a fleet scaled to zero keeps its subscriptions, down), counted and
-logged once until a lookup succeeds again. At most :data:`MAX_DISCOVERED` addresses per name.
+"replica_limit"}``), logged once, until a replica leaves and its slot takes the waiting one.
+A failed or empty answer keeps the last set (a fleet scaled to zero keeps its subscriptions,
+down), counted and logged once until a lookup succeeds again. At most :data:`MAX_DISCOVERED`
+addresses per name.
 """
 
 from __future__ import annotations
@@ -250,7 +251,8 @@ class Consumer:
                 self.index.cleared(replica)
                 if payload == VANISHED:
                     self.index.forget_replica(replica)
-            self._refused.discard(replica)
+            if payload == VANISHED:  # a comeback refused again is logged again
+                self._refused.discard(replica)
 
     def _admitted(self, replica: str, status: PublisherStatus) -> bool:
         """Whether the index has a slot for ``replica``; else its batch is dropped and counted,
