@@ -417,10 +417,10 @@ class Settings(BaseSettings):
         description="Tokens per block of the modelled caches (records of another are skipped).",
     )
     modelled_max_replicas: int = Field(
-        256,
+        64,  # kvlens.fleet.index.MAX_REPLICAS (tested): the modelled caches feed a fleet index
         ge=1,
-        le=100_000,
-        description="Replicas modelled; records of further replicas are skipped (counted).",
+        description="Replicas modelled (at most 64: the fleet index's replicas); records of further "
+        "replicas are skipped (counted).",
     )
     modelled_partial_last_block: bool = Field(
         False,
@@ -557,6 +557,15 @@ class Settings(BaseSettings):
         if len(publishers) > MAX_REPLICAS:
             raise ValueError(f"at most {MAX_REPLICAS} KV events publishers (one bit each in the fleet index)")
         return publishers
+
+    @field_validator("modelled_max_replicas")
+    @classmethod
+    def _modelled_replicas_fit_the_index(cls, replicas: int) -> int:
+        from kvlens.fleet.index import MAX_REPLICAS
+
+        if replicas > MAX_REPLICAS:
+            raise ValueError(f"at most {MAX_REPLICAS} (one bit each in the fleet index's holder masks)")
+        return replicas
 
     @field_validator("kv_events_dns")
     @classmethod

@@ -137,7 +137,15 @@ def test_serve_exports_the_causes_and_the_publishers_health(
             if name == "kvlens_kv_events_rejected_total" and ("replica", "a") in labels
         }
         assert sorted(dict(labels)["reason"] for labels in rejected) == sorted(
-            ["malformed_payload", "malformed_event", "unknown_event", "unknown_field", "other_group", "error"]
+            [
+                "malformed_payload",
+                "malformed_event",
+                "unknown_event",
+                "unknown_field",
+                "other_group",
+                "replica_limit",
+                "error",
+            ]
         )
         assert sum(rejected.values()) == 0
     finally:

@@ -316,7 +316,7 @@ class Reference:
             else HELD_ELSEWHERE
             if holders
             else NEW
-            if not before
+            if key not in self.remembered
             else EVICTED_HERE
             if replica in before
             else EVICTED_ELSEWHERE
@@ -393,6 +393,76 @@ def test_memory_stays_within_the_documented_bytes_per_entry() -> None:
     assert 40 < worst_held <= HELD_ENTRY_BYTES
     assert 0.5 < worst <= 1
     assert 25 < index.memory_bytes() / 200_000 <= REMEMBERED_ENTRY_BYTES
+
+
+@pytest.mark.parametrize("remember", [5_000, 1_500])
+def test_replicas_cycling_through_the_slots_are_classified_as_the_plain_rules_say(remember: int) -> None:
+    """200 replica names come and go, at most 20 at a time (a fleet rolled out again and again,
+    each pod a new address): a vanished one's blocks are cleared and its slot forgotten, and a
+    new replica on that slot inherits none of its past. The reference keeps every replica's
+    history by name, a name that comes back being a new replica (its past life's removals are
+    someone else's): the causes, holders and held counts stay exactly what it gives. With fewer
+    blocks remembered than the 3,000 used, the oldest are forgotten too: there the vanishing
+    replica's blocks are removed first, in the reference's order (a clear remembers them in its
+    table's order, which the reference does not model)."""
+    rng = random.Random(1919)
+    index, reference = FleetIndex(hashes_alike=True, remember_blocks=remember), Reference(remember)
+    live: dict[str, str] = {}  # name -> its identity in the reference (name#life)
+    lives: Counter[str] = Counter()
+    held: dict[str, set[int]] = {}
+    pool = [f"10.0.{i // 256}.{i % 256}:5557" for i in range(200)]
+    fresh = iter(pool)
+    for _ in range(4_000):
+        if len(live) < 20 and (len(live) < 5 or rng.random() < 0.05):
+            # mostly a new address; now and then one seen before comes back
+            gone = [name for name in pool if name not in live and lives[name]]
+            name = rng.choice(gone) if gone and rng.random() < 0.2 else next(fresh, None)
+            if name is None:
+                name = rng.choice(gone)
+            lives[name] += 1
+            live[name] = f"{name}#{lives[name]}"
+            held[name] = set()
+            continue
+        name = rng.choice(sorted(live))
+        if len(live) > 5 and rng.random() < 0.04:
+            if remember < 3_000:
+                index.removed(name, sorted(held[name]))
+            index.cleared(name)
+            index.forget_replica(name)
+            for key in sorted(held.pop(name)):
+                reference.removed(live[name], key)
+            del live[name]
+            continue
+        if rng.random() < 0.6:
+            sample = rng.sample(range(3_000), rng.randrange(1, 30))
+            keys = [key for key in sample if key not in held[name]]
+            index.stored(name, keys, None, [0] * len(keys), 1)
+            for key in keys:
+                reference.stored(live[name], key)
+            held[name].update(keys)
+        elif held[name]:
+            keys = rng.sample(sorted(held[name]), min(len(held[name]), rng.randrange(1, 40)))
+            index.removed(name, keys)
+            for key in keys:
+                reference.removed(live[name], key)
+            held[name].difference_update(keys)
+    by_name: Counter[tuple[str, str]] = Counter()
+    for (identity, cause), count in reference.causes.items():
+        by_name[identity.split("#")[0], cause] += count
+    assert sum(lives.values()) > 2 * MAX_REPLICAS and len(lives) > MAX_REPLICAS
+    assert any(n > 1 for n in lives.values())
+    assert index.recomputed == +by_name
+    assert sum(n for (_, cause), n in by_name.items() if cause == EVICTED_ELSEWHERE) > 0
+    snapshot = index.snapshot()
+    assert snapshot.distinct_blocks == len(reference.holders)
+    assert (snapshot.remembered_blocks, snapshot.forgotten_blocks) == (
+        len(reference.remembered),
+        reference.forgotten,
+    )
+    assert (reference.forgotten > 0) == (remember < 3_000)
+    assert {name for (name, _), n in snapshot.held.items() if n} == {name for name in live if held[name]}
+    for key in range(3_000):
+        assert {live[name] for name in index.holders(key)} == reference.holders.get(key, set())
 
 
 def test_more_replicas_than_the_masks_hold_is_an_error_naming_the_replica() -> None:

@@ -15,7 +15,7 @@ import pytest
 from kvlens.config import load_settings, parse_dns_target
 from kvlens.errors import SettingsError
 from kvlens.fleet import wire
-from kvlens.fleet.index import EVICTED_HERE, NEW, FleetIndex
+from kvlens.fleet.index import EVICTED_ELSEWHERE, HELD_ELSEWHERE, NEW, FleetIndex
 from kvlens.fleet.publisher import EventPublisher
 from kvlens.fleet.source import (
     MAX_DISCOVERED,
@@ -106,7 +106,9 @@ def test_a_publisher_is_subscribed_once_however_often_it_is_named() -> None:
     assert list(wanted.values()) == [*static, Publisher("10.0.0.7:5557", "tcp://10.0.0.7:5557")]
 
 
-def test_a_vanished_replica_s_blocks_are_removed_and_a_later_store_is_evicted_here() -> None:
+def test_a_vanished_replica_s_blocks_are_removed_and_a_later_store_is_evicted_elsewhere() -> None:
+    """A vanished address's slot is forgotten: if it comes back (a new pod given an old IP), it
+    is a new replica, and the blocks the old one held were held by the fleet, not by it."""
     index = FleetIndex(hashes_alike=True)
     consumer = Consumer(index, [])
     consumer.add(Publisher("10.0.0.5:5557", "tcp://10.0.0.5:5557"))
@@ -127,7 +129,7 @@ def test_a_vanished_replica_s_blocks_are_removed_and_a_later_store_is_evicted_he
     consumer.message("10.0.0.5:5557", 5, batch, None)  # a new sequence: neither a gap nor a restart
     consumer.release(everything=True)
     assert (status.gaps, status.restarts, status.batches) == (0, 0, 2)
-    assert index.recomputed == {("10.0.0.5:5557", NEW): 2, ("10.0.0.5:5557", EVICTED_HERE): 2}
+    assert index.recomputed == {("10.0.0.5:5557", NEW): 2, ("10.0.0.5:5557", EVICTED_ELSEWHERE): 2}
 
 
 def test_localhost_resolves_with_the_real_resolver() -> None:
@@ -208,3 +210,88 @@ def test_subscriptions_follow_the_answers_over_real_sockets() -> None:
         one.close()
         two.close()
     assert source.errors == 0
+
+
+def rollouts(count: int, pods: int) -> list[list[str]]:
+    """Each rollout's answer: every pod a new address (Kubernetes gives a new pod a new IP)."""
+    return [[f"10.1.{r}.{p + 1}" for p in range(pods)] for r in range(count)]
+
+
+def shared_and_own(block: int) -> bytes:
+    """A batch storing the block every pod computes (the system prompt) and one of its own."""
+    events = [
+        vllm.BlockStored([1], None, TOKENS, 4, None, "GPU", None),
+        vllm.BlockStored([block], None, [block] * 4, 4, None, "GPU", None),
+    ]
+    return vllm.encode(vllm.KVEventBatch(ts=float(block), events=events))
+
+
+def follow(consumer: Consumer, target: DnsTarget) -> None:
+    consumer.follow(wanted_publishers([], [target]))
+    consumer.release(everything=True)
+
+
+def test_addresses_churning_past_the_index_s_replicas_keep_being_classified() -> None:
+    """13 rollouts of 16 pods: 208 addresses, far past the index's 64 replica slots. Each
+    vanished pod's slot is freed, so every pod's blocks are classified: the first pod of the
+    fleet computes the shared block new, the first of each later rollout finds it evicted
+    elsewhere (the fleet held it before: the last rollout's pods), the others held elsewhere."""
+    answers = rollouts(13, 16)
+    target = DnsTarget("vllm-headless", 5557, Answers(*answers))
+    index = FleetIndex(hashes_alike=True)
+    consumer = Consumer(index, [])
+    for r, answer in enumerate(answers):
+        target.refresh()
+        follow(consumer, target)
+        for p, address in enumerate(answer):
+            consumer.message(f"{address}:5557", 0, shared_and_own(1000 * (r + 1) + p), None)
+        consumer.release(everything=True)
+    expected = {}
+    for r, answer in enumerate(answers):
+        for p, address in enumerate(answer):
+            name = f"{address}:5557"
+            first = NEW if r == 0 else EVICTED_ELSEWHERE
+            expected[name, first if p == 0 else HELD_ELSEWHERE] = 1
+            expected[name, NEW] = expected.get((name, NEW), 0) + 1
+    assert index.recomputed == expected
+    assert sum(status.errors for status in consumer.status.values()) == 0
+    snapshot = index.snapshot()
+    # the vanished pods' counters stay (their blocks counted removed), the last rollout holds 32
+    assert sum(snapshot.stored.values()) == 13 * 16 * 2
+    assert sum(snapshot.removed.values()) == 12 * 16 * 2
+    assert sum(snapshot.held.values()) == 16 * 2
+    assert (snapshot.distinct_blocks, snapshot.duplicated_blocks) == (17, 15)
+
+
+def test_a_replica_past_the_slots_in_use_is_refused_once_and_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """65 live addresses: the 65th's batches are dropped, counted (rejected, reason
+    replica_limit) and logged once; once a pod leaves, its slot takes the waiting one."""
+    many = [f"10.2.0.{p + 1}" for p in range(65)]
+    target = DnsTarget("big", 5557, Answers(many, many[1:]))
+    index = FleetIndex(hashes_alike=True)
+    consumer = Consumer(index, [])
+    target.refresh()
+    follow(consumer, target)
+    with caplog.at_level(logging.ERROR, logger="kvlens.fleet.source"):
+        for seq in range(2):
+            for p, address in enumerate(many):
+                consumer.message(f"{address}:5557", seq, shared_and_own(1000 * (seq + 1) + p), None)
+            consumer.release(everything=True)
+    last = f"{many[-1]}:5557"
+    refusals = [r.getMessage() for r in caplog.records if "replica" in r.getMessage()]
+    assert refusals == [
+        f"kvlens: KV events replica {last} refused: the index follows at most 64 replicas at once, "
+        "all in use; its events are dropped (counted) until a replica leaves"
+    ]
+    assert consumer.status[last].refused_batches == 2
+    assert sum(status.refused_batches for status in consumer.status.values()) == 2
+    assert not any(name == last for name, _ in index.recomputed)
+    target.refresh()  # the first pod leaves
+    follow(consumer, target)
+    consumer.message(last, 2, shared_and_own(5000), None)
+    consumer.release(everything=True)
+    assert index.recomputed[last, HELD_ELSEWHERE] == 1
+    assert index.recomputed[last, NEW] == 1
+    assert consumer.status[last].refused_batches == 2

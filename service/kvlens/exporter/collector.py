@@ -296,6 +296,7 @@ def _kv_families(kv_events: KVEvents) -> list[Metric]:
             ("unknown_event", status.unknown_events),
             ("unknown_field", status.unknown_fields),
             ("other_group", status.other_group_events),
+            ("replica_limit", status.refused_batches),
             ("error", status.errors),
         ):
             rejected.add_metric([replica, reason], count)

@@ -314,7 +314,8 @@ KV_REJECTED = MetricSpec(
     ("replica", "reason"),
     "KV event input not used whole: malformed_payload (batch dropped), malformed_event (event "
     "dropped), unknown_event (type skipped), unknown_field (field skipped, event used), "
-    "other_group (a KV cache group past the first: left out), error (a kvlens bug, logged).",
+    "other_group (a KV cache group past the first: left out), replica_limit (batch dropped: the "
+    "index's 64 replica slots all in use by live replicas), error (a kvlens bug, logged).",
 )
 KV_GAPS = MetricSpec(
     "kvlens_kv_sequence_gaps", "counter", ("replica",), "Jumps in a publisher's sequence numbers."

@@ -6,7 +6,9 @@ The records are modelled in the order the sidecar counts them (a batch in its or
 they arrive: a sender that sorts by arrival gets the offline result of the same records). A
 record is left out, and counted by reason, when it has no ``replica`` (``no_replica``), a
 ``block_size`` other than ``modelled_block_size`` (``block_size``: one modelled block size, so a
-replica's blocks are comparable), or a replica past ``modelled_max_replicas`` (``replicas``).
+replica's blocks are comparable), or a replica past ``modelled_max_replicas`` (``replicas``; at
+most :data:`~kvlens.fleet.index.MAX_REPLICAS`, the index's slots: modelled replicas are never
+forgotten, a record's replica may come back any time).
 Records without ``prefix_hashes`` are not counted here at all.
 
 Memory: at most ``modelled_max_replicas`` caches of ``modelled_capacity_blocks`` each, and the
@@ -20,7 +22,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Final
 
-from kvlens.fleet.index import FleetIndex, IndexSnapshot
+from kvlens.fleet.index import MAX_REPLICAS, FleetIndex, IndexSnapshot
 from kvlens.fleet.modelled import ModelledFleet
 from kvlens.records import RecordBatch
 
@@ -45,6 +47,10 @@ class ModelledCauses:
         partial_last_block: bool = False,
         remember_blocks: int,
     ) -> None:
+        if not 1 <= max_replicas <= MAX_REPLICAS:
+            raise ValueError(
+                f"max_replicas {max_replicas}: the fleet index holds at most {MAX_REPLICAS} replicas"
+            )
         self.block_size = block_size
         self.max_replicas = max_replicas
         self.index = FleetIndex(

@@ -27,6 +27,18 @@ Stores into other tiers (``CPU``, ``STORAGE``: offload copies) are counted, and 
 holder, but are not work and get no cause. ``AllBlocksCleared`` and a publisher restart remove
 every block the replica holds (it held them, and lost them: a later store is ``evicted_here``).
 
+Replicas: each one followed has a slot, its bit in the fleet's 64-bit masks, so at most
+:data:`MAX_REPLICAS` at once. A replica that left the fleet for good (a pod's address gone from
+the DNS answer) is forgotten (:meth:`FleetIndex.forget_replica`): its blocks are cleared, its bit
+taken off every held and remembered entry, and its slot given to the next new replica, which
+inherits nothing. A block that only forgotten replicas removed stays remembered, with no remover:
+"held before, by the fleet", so a later store is ``evicted_elsewhere`` (by any replica, one of
+the same name included: a name that comes back is a new replica); it is ``new`` only once the
+block itself is forgotten past ``remember_blocks``. A forgotten replica's counters are kept by
+name (a few hundred bytes each), so what is exported never goes back. Past
+:data:`MAX_REPLICAS` live replicas :meth:`FleetIndex.replica` raises and :meth:`FleetIndex.admit`
+says no (the caller drops that replica's events, counted).
+
 Memory (the tables are :class:`kvlens.fleet.kernels.Table`, 16 bytes a slot, 70-85 % full): per
 replica, a table of the blocks it holds (engine hash -> content key and the tiers holding it);
 for the fleet, a table of the blocks some replica holds (content key -> bits of the replicas
@@ -210,16 +222,50 @@ class FleetIndex:
         params[kernels.P_SHARDS], params[kernels.P_SHARD] = count, index
         params[kernels.P_MAX_HELD], params[kernels.P_CAP] = max_held_blocks, remember_blocks
         self._copies = np.zeros(64, np.uint8)
+        self._free = list(range(MAX_REPLICAS - 1, -1, -1))  # slots, the lowest taken first
+        # the counters of forgotten replicas, by name: exported counters never go back
+        self._retired: dict[str, np.ndarray[Any, np.dtype[np.int64]]] = {}
 
     # --- feeding ---------------------------------------------------------------------------
 
     def replica(self, name: str) -> _Replica:
         state = self._replicas.get(name)
         if state is None:
-            if len(self._replicas) == MAX_REPLICAS:
+            if not self._free:
                 raise ValueError(f"replica {name!r}: the index follows at most {MAX_REPLICAS} replicas")
-            state = self._replicas[name] = _Replica(name, len(self._replicas), self._k.Table())
+            state = self._replicas[name] = _Replica(name, self._free.pop(), self._k.Table())
         return state
+
+    def admit(self, name: str) -> bool:
+        """Whether ``name`` has a slot, taking a free one: False when all :data:`MAX_REPLICAS`
+        are in use by other replicas (until one is forgotten)."""
+        if name not in self._replicas:
+            if not self._free:
+                return False
+            self.replica(name)
+        return True
+
+    def forget_replica(self, name: str) -> None:
+        """The replica left the fleet for good (its address left the DNS answer): its blocks are
+        cleared (counted removed, remembered as held before), its bit taken off every entry of the
+        fleet's tables in one compiled pass, and its slot freed for the next replica, which
+        inherits nothing. A block only it removed stays remembered, without a remover: stored
+        later by any replica, even one of the same name, it is ``evicted_elsewhere`` (the fleet
+        held it; nobody here did). Its counters stay, by name, added to by a replica of the same
+        name later: the exported counters never go back."""
+        state = self._replicas.get(name)
+        if state is None:
+            return
+        if state.table.live or state.copies:
+            self.cleared(name)
+        if self._k.forget(np.uint64(state.number), self._fleet.rows, self._remembered.rows, self._counts):
+            self._fleet.shrink()
+        row = self._stats[state.number]
+        earlier = self._retired.get(name)
+        self._retired[name] = row.copy() if earlier is None else earlier + row
+        row[:] = 0
+        del self._replicas[name]
+        self._free.append(state.number)
 
     def _mine(self, key: int) -> bool:
         return self.shard_count == 1 or key % self.shard_count == self.shard_index
@@ -354,7 +400,9 @@ class FleetIndex:
 
     def cleared(self, replica: str) -> None:
         """``AllBlocksCleared``, or the publisher restarted: the replica holds nothing now."""
-        state = self.replica(replica)
+        state = self._replicas.get(replica)
+        if state is None:  # nothing stored (or refused a slot): nothing to clear
+            return
         k = self._k
         row = self._stats[state.number]
         for (tier_name, engine_hash), extra in state.copies.items():
@@ -385,14 +433,19 @@ class FleetIndex:
         """A block of the counter rows as {(replica, name): value}: the non-zero values, or with
         ``every`` each tier the replica stored into or removed from (a held count of 0 shows)."""
         k = self._k
-        table: Counter[tuple[str, str]] = Counter()
+        rows = dict(self._retired)
         for state in self._replicas.values():
-            row = self._stats[state.number].tolist()
+            earlier = rows.get(state.name)
+            live = self._stats[state.number]
+            rows[state.name] = live if earlier is None else earlier + live
+        table: Counter[tuple[str, str]] = Counter()
+        for replica, counts in rows.items():
+            row = counts.tolist()
             for offset, name in enumerate(names):
                 value = row[first + offset]
                 touched = row[k.STORED + offset] or row[k.REMOVED + offset] if every else value
                 if touched:
-                    table[state.name, name] = value
+                    table[replica, name] = value
         return table
 
     @property
@@ -446,4 +499,5 @@ class FleetIndex:
     def memory_bytes(self) -> int:
         """The tables' and counters' arrays, exactly (extra copies of a block, rare, are not)."""
         tables = [self._fleet, self._remembered, *(state.table for state in self._replicas.values())]
-        return sum(table.nbytes for table in tables) + self._ring.keys.nbytes + self._stats.nbytes
+        retired = sum(row.nbytes for row in self._retired.values())
+        return sum(table.nbytes for table in tables) + self._ring.keys.nbytes + self._stats.nbytes + retired

@@ -400,7 +400,8 @@ def store(
                 else:
                     row, found = _find(remembered, key)
                     before = remembered[row, 1] if found else np.uint64(0)
-                    cause = C_NEW if not before else C_EVICTED_HERE if before & bit else C_EVICTED_ELSEWHERE
+                    # found with no bits: held before by replicas since forgotten (forget())
+                    cause = C_NEW if not found else C_EVICTED_HERE if before & bit else C_EVICTED_ELSEWHERE
                 mine_row[cause] += 1
                 mine_row[TOKENS + cause] += block_size
         row, found = _find(replica, engine_hash)
@@ -522,6 +523,39 @@ def clear(
             _release(key, bit, cap, fleet, remembered, ring, fleet_counts)
 
 
+@njit(cache=True, nogil=True)
+def _drop_bit(table: Any, bit: Any, holders: bool, fleet_counts: Any) -> None:
+    size = table.shape[0] - 3
+    for row in range(size + 2):
+        key = table[row, 0]
+        if (key <= TOMB) if row < size else (key != PRESENT):
+            continue
+        mask = table[row, 1]
+        if not mask & bit:
+            continue
+        mask &= ~bit
+        if mask or not holders:
+            table[row, 1] = mask
+            if holders:
+                fleet_counts[DUPLICATED] -= 1
+        else:
+            _delete(table, row)
+
+
+@njit(cache=True, nogil=True)
+def forget(number: Any, fleet: Any, remembered: Any, fleet_counts: Any) -> bool:
+    """Replica ``number``'s bit off every entry of both fleet tables, in one pass each, so that a
+    replica given the slot next inherits nothing. A block it was the last holder of leaves the
+    fleet table (none is left once its blocks are cleared); a remembered block keeps its entry,
+    with no bits when the replica was its only remover: still remembered as held before, by some
+    replica (a later store is ``evicted_elsewhere``, not ``new``). True when the fleet table is
+    now mostly empty (the caller shrinks it)."""
+    bit = np.uint64(1) << np.uint64(number)
+    _drop_bit(fleet, bit, True, fleet_counts)
+    _drop_bit(remembered, bit, False, fleet_counts)
+    return _sparse(fleet)
+
+
 _warm = False
 
 
@@ -551,6 +585,7 @@ def warm() -> None:
     )
     remove(hashes, params, table, table, table, ring.keys, stats, counts)
     clear(params, table, table, table, ring.keys, stats, counts)
+    forget(np.uint64(0), table, table, counts)
     lookup(table, hashes[0])
     msgpack_ints(np.zeros(1, np.uint8))
     _rebuild(table, MIN_SLOTS)

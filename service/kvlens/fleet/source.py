@@ -29,10 +29,17 @@ an unexpected error is logged and counted.
 the name up (``socket.getaddrinfo``, A and AAAA) at start and every ``interval`` seconds. Each
 address is a replica named ``ADDRESS:PORT`` (``[ADDRESS]:PORT`` for IPv6; no reverse lookup: a
 pod's PTR record names its address, not the pod). A new address is subscribed; a vanished one is
-unsubscribed and its blocks counted removed, as after ``AllBlocksCleared`` (a block it held and
-stores again later is ``evicted_here``); its counters stay, its ``up`` goes to 0. A failed or empty
-answer keeps the last set (a fleet scaled to zero keeps its subscriptions, down), counted and
-logged once until a lookup succeeds again. At most :data:`MAX_DISCOVERED` addresses per name.
+unsubscribed, its blocks counted removed, as after ``AllBlocksCleared``, and its slot in the index
+freed (:meth:`~kvlens.fleet.index.FleetIndex.forget_replica`: a rollout gives every pod a new
+address, and the index has :data:`~kvlens.fleet.index.MAX_REPLICAS` slots). Its blocks stay
+remembered as held before by the fleet, not by any replica: a later store of one, even by an
+address that comes back (a new pod given an old IP), is ``evicted_elsewhere``. Its counters stay
+(a comeback adds to them), its ``up`` goes to 0. When all the slots are in use by live replicas, a
+further one's batches are dropped and counted (``kvlens_kv_events_rejected_total{reason=
+"replica_limit"}``), logged once, until a replica leaves and its slot takes the waiting one.
+A failed or empty answer keeps the last set (a fleet scaled to zero keeps its subscriptions,
+down), counted and logged once until a lookup succeeds again. At most :data:`MAX_DISCOVERED`
+addresses per name.
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 from kvlens.errors import SettingsError
-from kvlens.fleet.index import FleetIndex, IndexSnapshot
+from kvlens.fleet.index import MAX_REPLICAS, FleetIndex, IndexSnapshot
 from kvlens.fleet.wire import MALFORMED, OTHER_GROUP, MalformedPayload, apply, batch_ts, decode_batch
 
 log = logging.getLogger(__name__)
@@ -70,6 +77,10 @@ MAX_DISCOVERED: Final = 1024
 # many bytes; past it the oldest are applied at once (a publisher whose timestamps do not move,
 # or a burst, cannot make kvlens hold more).
 MAX_WAITING_BYTES: Final = 8 * 1024 * 1024
+# What waits in the reorder queue in place of a payload: the replica's blocks are all gone (a
+# restart), or the replica left the fleet (its slot in the index is freed too).
+CLEARED: Final = "cleared"
+VANISHED: Final = "vanished"
 
 
 @dataclass(frozen=True)
@@ -97,6 +108,7 @@ class PublisherStatus:
     unknown_fields: int = 0
     other_group_events: int = 0  # events of KV cache groups past the first, left out
     errors: int = 0  # messages whose handling failed unexpectedly (a kvlens bug; logged)
+    refused_batches: int = 0  # dropped: every replica slot of the index in use by others
     last_message: float = 0.0
 
 
@@ -124,27 +136,44 @@ class Consumer:
         self.status = {p.name: PublisherStatus() for p in publishers}
         self.reorder_seconds = reorder_seconds
         self.clock = clock
-        # (ts, replica, arrival, received at, payload or None: the replica restarted, bytes)
-        self._waiting: list[tuple[float, str, int, float, bytes | None, int]] = []
+        # (ts, replica, arrival, received at, payload or CLEARED or VANISHED, bytes)
+        self._waiting: list[tuple[float, str, int, float, bytes | str, int]] = []
         self._waiting_bytes = 0
         self._arrival = 0
         self._newest = -math.inf
         self._last_ts: dict[str, float] = {}
+        self.following = {p.name: p for p in publishers}
+        self._refused: set[str] = set()  # replicas refused a slot, logged once each time
+
+    def follow(self, wanted: dict[str, Publisher]) -> tuple[list[str], list[Publisher]]:
+        """Follow the ``wanted`` publishers (a DNS answer's): the ones gone are :meth:`vanished`,
+        the new ones added. Returns (gone, new), for the caller's subscriptions."""
+        gone = [name for name in self.following if name not in wanted]
+        for name in gone:
+            self.vanished(name)
+        new = [publisher for name, publisher in wanted.items() if name not in self.following]
+        for publisher in new:
+            self.add(publisher)
+        return gone, new
 
     def add(self, publisher: Publisher) -> None:
         """A replica found after start (DNS discovery); one seen before keeps its counters."""
         with self.index.lock:  # snapshots copy the statuses under it
             self.status.setdefault(publisher.name, PublisherStatus())
+        self.following[publisher.name] = publisher
 
     def vanished(self, replica: str) -> None:
-        """The replica left the fleet (its address left the DNS answer): its blocks are removed,
-        in order with the batches still waiting; if it comes back it starts a new sequence."""
+        """The replica left the fleet (its address left the DNS answer): its blocks are removed
+        and its slot in the index freed, in order with the batches still waiting; if it comes
+        back it starts a new sequence, as a new replica, its batches after the removal."""
         status = self.status[replica]
         status.up = 0
         status.next_seq = None
-        self._last_ts.pop(replica, None)
+        self.following.pop(replica, None)
+        # not popped: a batch of its comeback stamped earlier must not pass the removal
+        self._last_ts[replica] = self._newest
         now = self.clock()
-        self._wait(self._newest, replica, now, None, 0)
+        self._wait(self._newest, replica, now, VANISHED, 0)
         self.release(now, idle=False)
 
     def message(
@@ -185,14 +214,14 @@ class Consumer:
             ts = max(stamp, self._last_ts.get(replica, -math.inf))
             self._last_ts[replica] = ts
             if restarted and position == len(payloads) - 1:
-                self._wait(ts, replica, now, None, 0)
+                self._wait(ts, replica, now, CLEARED, 0)
                 clear_queued = True
             self._wait(ts, replica, now, data, len(data))
         if restarted and not clear_queued:  # the restarting batch was malformed
-            self._wait(self._newest, replica, now, None, 0)
+            self._wait(self._newest, replica, now, CLEARED, 0)
         self.release(now, idle=False)
 
-    def _wait(self, ts: float, replica: str, now: float, payload: bytes | None, size: int) -> None:
+    def _wait(self, ts: float, replica: str, now: float, payload: bytes | str, size: int) -> None:
         heapq.heappush(self._waiting, (ts, replica, self._arrival, now, payload, size))
         self._arrival += 1
         self._waiting_bytes += size
@@ -215,14 +244,39 @@ class Consumer:
                 return
             heapq.heappop(waiting)
             self._waiting_bytes -= size
-            if payload is None:
-                with self.index.lock:
-                    self.index.cleared(replica)
-            else:
+            if isinstance(payload, bytes):
                 self._apply(replica, self.status[replica], payload)
+                continue
+            with self.index.lock:
+                self.index.cleared(replica)
+                if payload == VANISHED:
+                    self.index.forget_replica(replica)
+            if payload == VANISHED:  # a comeback refused again is logged again
+                self._refused.discard(replica)
+
+    def _admitted(self, replica: str, status: PublisherStatus) -> bool:
+        """Whether the index has a slot for ``replica``; else its batch is dropped and counted,
+        and the refusal logged once (not per batch) until a slot frees up and takes it."""
+        with self.index.lock:
+            admitted = self.index.admit(replica)
+        if admitted:
+            self._refused.discard(replica)
+            return True
+        status.refused_batches += 1
+        if replica not in self._refused:
+            self._refused.add(replica)
+            log.error(
+                "kvlens: KV events replica %s refused: the index follows at most %d replicas at once, "
+                "all in use; its events are dropped (counted) until a replica leaves",
+                replica,
+                MAX_REPLICAS,
+            )
+        return False
 
     def _apply(self, replica: str, status: PublisherStatus, payload: bytes) -> None:
         status.batches += 1
+        if not self._admitted(replica, status):
+            return
         try:
             decoded = decode_batch(payload)
         except MalformedPayload:  # its ts was readable, its events are not
@@ -404,14 +458,12 @@ class KVEventsSource:
             wanted, self._wanted = self._wanted, None
         if wanted is None:
             return
-        for name in [name for name in self._subscribed if name not in wanted]:
+        gone, new = self.consumer.follow(wanted)
+        for name in gone:
             self._unsubscribe(name)
-            self.consumer.vanished(name)
             log.info("kvlens: KV events replica %s left the DNS answer: unsubscribed", name)
-        for name, publisher in wanted.items():
-            if name not in self._subscribed:
-                self.consumer.add(publisher)
-                self._subscribe(publisher)
+        for publisher in new:
+            self._subscribe(publisher)
 
     def _subscribe(self, publisher: Publisher) -> None:
         zmq = self._zmq
