@@ -20,9 +20,10 @@ so it never enters a latency figure.
 from __future__ import annotations
 
 import asyncio
+import collections
+import functools
 import itertools
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ import orjson
 
 from kvlens.definitions import quantiles
 from kvlens.experiment.prompts import PromptSynthesizer
+from kvlens.experiment.stream import Exchange, Failed, StreamClient
 from kvlens.simulate.trace import TraceRequest
 
 log = logging.getLogger("kvlens.experiment")
@@ -47,8 +49,8 @@ COMPLETIONS, CHAT = "completions", "chat"
 @dataclass(frozen=True)
 class Planned:
     """One request of the replay: the trace's request, when to send it (seconds from the start of
-    the replay), how many tokens to generate, and its phase. Its token ids are drawn just before it
-    is sent (a trace's prompts held at once would not fit in memory)."""
+    the replay), how many tokens to generate, and its phase. Its token ids are drawn shortly before it
+    is sent, a bounded number ahead (a trace's prompts held at once would not fit in memory)."""
 
     request: TraceRequest
     due: float
@@ -112,6 +114,12 @@ class RecordWriter:
             self._push(record)
 
 
+LOOKAHEAD_REQUESTS = 64  # bodies prepared ahead of their send time, at most
+LOOKAHEAD_BYTES = 32 * 1024 * 1024  # and at most this many bytes of them
+_PREPARE_SLACK = 0.002  # another body is prepared ahead only with this much time before a send
+_COARSE = 0.001  # the event loop wakes within ~1 ms of a timer (epoll's resolution): spin the rest
+
+
 async def replay(
     planned: Iterable[Planned],
     prompts: PromptSynthesizer,
@@ -119,57 +127,97 @@ async def replay(
     arm: str,
     writer: RecordWriter,
     progress: Progress | None = None,
-    *,
-    transport: httpx.AsyncBaseTransport | None = None,
 ) -> Progress:
-    """Send every planned request at its time (open loop) and write its record as it ends."""
+    """Send every planned request at its time (open loop) and write its record as it ends.
+
+    The loop does as little as it can at a send: bodies (token ids drawn, orjson-encoded) are
+    prepared ahead of their time while there is slack, the wait ends with a short spin past the
+    loop's timer resolution, and the request is written on an idle connection in the same step
+    (``stream.StreamClient``); its record is written from the answer's completion callback."""
     progress = progress or Progress()
     slots = asyncio.Semaphore(endpoint.max_concurrency)
-    limits = httpx.Limits(
-        max_connections=endpoint.max_concurrency, max_keepalive_connections=endpoint.max_concurrency
-    )
     headers = {"authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
-    timeout = httpx.Timeout(endpoint.timeout_seconds, connect=min(10.0, endpoint.timeout_seconds))
-    tasks: set[asyncio.Task[None]] = set()
-    async with httpx.AsyncClient(
-        base_url=endpoint.url, limits=limits, headers=headers, timeout=timeout, transport=transport
-    ) as client:
-        loop = asyncio.get_running_loop()
-        start = loop.time()
+    client = StreamClient(
+        endpoint.url,
+        headers,
+        timeout=endpoint.timeout_seconds,
+        connect_timeout=min(10.0, endpoint.timeout_seconds),
+    )
+    detokenizer = (
+        httpx.AsyncClient(base_url=endpoint.url, headers=headers, timeout=endpoint.timeout_seconds)
+        if endpoint.api == CHAT
+        else None
+    )
+    pending: set[asyncio.Future[Exchange]] = set()
+    ready: collections.deque[tuple[Planned, bytes]] = collections.deque()
+    requests = iter(planned)
+    ready_bytes = 0
+
+    async def prepare() -> bool:
+        nonlocal ready_bytes
+        request = next(requests, None)
+        if request is None:
+            return False
+        tokens = prompts.tokens(request.request)
+        body = (
+            await _chat_body(detokenizer, endpoint.model, tokens, request.output_tokens)
+            if detokenizer is not None
+            else _body(endpoint.model, tokens, request.output_tokens)
+        )
+        ready.append((request, body))
+        ready_bytes += len(body)
+        return True
+
+    try:
+        start = time.perf_counter()
         wall_start = time.time()
-        for request in planned:
-            tokens = prompts.tokens(request.request)  # built while waiting for the request's time
-            body = (
-                await _chat_body(client, endpoint.model, tokens, request.output_tokens)
-                if endpoint.api == CHAT
-                else _body(endpoint.model, tokens, request.output_tokens)
-            )
-            delay = start + request.due - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
+        while ready or await prepare():
+            request, body = ready.popleft()
+            ready_bytes -= len(body)
+            due = start + request.due
+            while (
+                len(ready) < LOOKAHEAD_REQUESTS
+                and ready_bytes < LOOKAHEAD_BYTES
+                and due - time.perf_counter() > _PREPARE_SLACK
+                and await prepare()
+            ):
+                pass
+            await _until(due)
             await slots.acquire()
-            sent = loop.time()
-            lag = max(0.0, sent - start - request.due)
+            sent = time.perf_counter()
+            lag = max(0.0, sent - due)
             progress.sent += 1
             progress.in_flight += 1
             progress.lags.append(lag)
             if lag > endpoint.late_after_seconds:
                 progress.late += 1
-            timing = _Timing(sent, lag, wall_start + (sent - start))
-            task = asyncio.create_task(_one(client, endpoint, arm, request, body, timing, writer, progress))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-            task.add_done_callback(lambda _: slots.release())
-        if tasks:
-            await asyncio.gather(*tasks)
+            record = _record(endpoint, arm, request, lag, wall_start + (sent - start))
+            answer = client.begin(endpoint.path, body, sent)
+            pending.add(answer)
+            answer.add_done_callback(
+                functools.partial(_ended, record=record, endpoint=endpoint, writer=writer, progress=progress)
+            )
+            answer.add_done_callback(pending.discard)
+            answer.add_done_callback(lambda _: slots.release())
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+    finally:
+        for answer in list(pending):  # interrupted: what was in flight is not measured, not an error
+            answer.cancel()
+        await client.aclose()
+        if detokenizer is not None:
+            await detokenizer.aclose()
     return progress
 
 
-@dataclass(frozen=True)
-class _Timing:
-    sent: float  # the loop's clock
-    lag: float
-    wall: float  # unix seconds, for the record's arrival_time
+async def _until(deadline: float) -> None:
+    """Sleep on the loop's timer to within ``_COARSE`` of the deadline, then yield to the loop
+    (which keeps serving the streams) until it passes: a timer alone wakes up to ~1 ms late."""
+    delay = deadline - time.perf_counter()
+    if delay > _COARSE:
+        await asyncio.sleep(delay - _COARSE)
+    while time.perf_counter() < deadline:
+        await asyncio.sleep(0)
 
 
 def _generation(output_tokens: int) -> dict[str, Any]:
@@ -208,109 +256,49 @@ async def _chat_body(
     return orjson.dumps({"model": model, "messages": messages, **_generation(output_tokens)})
 
 
-async def _one(
-    client: httpx.AsyncClient,
-    endpoint: Endpoint,
-    arm: str,
-    request: Planned,
-    body: bytes,
-    timing: _Timing,
-    writer: RecordWriter,
-    progress: Progress,
-) -> None:
-    record: dict[str, Any] = {
+def _record(endpoint: Endpoint, arm: str, request: Planned, lag: float, wall: float) -> dict[str, Any]:
+    return {
         "request_id": f"trace-{request.index}",  # the same in every arm: compare pairs them
         "model": endpoint.model,
         "prompt_tokens": request.request.prompt_tokens,
-        "arrival_time": round(timing.wall, 6),
+        "arrival_time": round(wall, 6),
         "arm": arm,
         "phase": request.phase,
         "trace_index": request.index,
         "client_scheduled_seconds": request.due,
-        "client_send_lag_seconds": timing.lag,
+        "client_send_lag_seconds": lag,
     }
-    try:
-        stream = await _stream(client, endpoint.path, body, timing.sent)
-    except _Failed as failure:
-        record["error"] = failure.reason
+
+
+def _ended(
+    answer: asyncio.Future[Exchange],
+    *,
+    record: dict[str, Any],
+    endpoint: Endpoint,
+    writer: RecordWriter,
+    progress: Progress,
+) -> None:
+    progress.in_flight -= 1
+    if answer.cancelled():
+        return  # the run was interrupted: nothing was measured
+    failure = answer.exception()
+    if failure is not None:
+        # Failed carries the reason; anything else is the client's own fault, recorded all the same.
+        reason = failure.reason if isinstance(failure, Failed) else f"client_{type(failure).__name__}"
+        record["error"] = reason
         progress.errors += 1
     else:
-        _fill(record, stream, endpoint, progress)
-    finally:
-        progress.in_flight -= 1
+        _fill(record, answer.result(), endpoint, progress)
     progress.done += 1
     writer.write(record)
 
 
-class _Failed(Exception):
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-@dataclass
-class _Stream:
-    token_times: list[float] = field(default_factory=list)  # loop-clock seconds after the send
-    usage: dict[str, Any] | None = None
-    end: float = math.nan
-
-
-async def _stream(client: httpx.AsyncClient, path: str, body: bytes, sent: float) -> _Stream:
-    loop = asyncio.get_running_loop()
-    result = _Stream()
-    try:
-        async with client.stream(
-            "POST", path, content=body, headers={"content-type": "application/json"}
-        ) as response:
-            if response.status_code != 200:
-                await response.aread()
-                raise _Failed(f"http_{response.status_code}")
-            done = False
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue  # blank separators, comments, event: lines
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                try:
-                    chunk = orjson.loads(data)
-                except orjson.JSONDecodeError:
-                    raise _Failed("malformed_stream") from None
-                if not isinstance(chunk, dict):
-                    raise _Failed("malformed_stream")
-                if "error" in chunk:
-                    raise _Failed("stream_error")
-                if any(_carries_text(choice) for choice in chunk.get("choices") or ()):
-                    result.token_times.append(loop.time() - sent)
-                if isinstance(chunk.get("usage"), dict):
-                    result.usage = chunk["usage"]
-            if not done:
-                raise _Failed("stream_ended_early")
-    except httpx.TimeoutException:
-        raise _Failed("timeout") from None
-    except httpx.TransportError as error:
-        raise _Failed(f"transport_{type(error).__name__}") from None
-    result.end = loop.time() - sent
-    if not result.token_times:
-        raise _Failed("no_tokens")
-    return result
-
-
-def _carries_text(choice: Any) -> bool:
-    """A completion chunk's ``text``, or a chat chunk's ``delta.content``, is not empty."""
-    if not isinstance(choice, dict):
-        return False
-    delta = choice.get("delta")
-    return bool(choice.get("text") or (isinstance(delta, dict) and delta.get("content")))
-
-
-def _fill(record: dict[str, Any], stream: _Stream, endpoint: Endpoint, progress: Progress) -> None:
-    ttft = stream.token_times[0]
+def _fill(record: dict[str, Any], stream: Exchange, endpoint: Endpoint, progress: Progress) -> None:
+    times = [arrival - stream.sent for arrival in stream.token_times]
+    ttft, end = times[0], stream.end - stream.sent
     record["ttft_seconds"] = ttft
-    record["e2e_seconds"] = stream.end
-    record["decode_seconds"] = stream.end - ttft
-    times = stream.token_times
+    record["e2e_seconds"] = end
+    record["decode_seconds"] = end - ttft
     # Plain Python: a few dozen gaps; numpy's percentile costs ~100 us a call on the client's loop.
     gaps = sorted(later - earlier for earlier, later in itertools.pairwise(times))
     record["output_tokens"] = len(stream.token_times)
