@@ -162,7 +162,7 @@ async def replay(
         body = (
             await _chat_body(detokenizer, endpoint.model, tokens, request.output_tokens)
             if detokenizer is not None
-            else _body(endpoint.model, tokens, request.output_tokens)
+            else completions_body(endpoint.model, tokens, request.output_tokens)
         )
         ready.append((request, body))
         ready_bytes += len(body)
@@ -230,7 +230,7 @@ def _generation(output_tokens: int) -> dict[str, Any]:
     }
 
 
-def _body(model: str, prompt: npt.NDArray[np.uint64], output_tokens: int) -> bytes:
+def completions_body(model: str, prompt: npt.NDArray[np.uint64], output_tokens: int) -> bytes:
     """The request as vLLM's ``/v1/completions`` takes it: token ids, exact lengths."""
     return orjson.dumps(
         {"model": model, "prompt": prompt, **_generation(output_tokens)}, option=orjson.OPT_SERIALIZE_NUMPY
