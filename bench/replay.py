@@ -15,6 +15,8 @@ requests (64 token ids, 16 output tokens, the same JSON body) for ``--seconds``:
   body with one ``httpx.AsyncClient`` (pool as large as kvlens's concurrency, keep-alive) and reads
   the stream's lines to ``[DONE]``, noting the first ``data:`` line, nothing else.
 
+Each client run is a forked child process (a fresh heap and event loop, the same core), killed if
+it overstays three times its schedule plus 20 s (then its figures are infinite and "answered" 0).
 Both time on ``time.perf_counter``: lag = send - scheduled time, TTFT = first chunk - send.
 Each rate runs ``--repeats`` times, the clients' order alternating; each figure is the median of
 the repeats. Client-added TTFT: kvlens's TTFT percentile minus the naive loop's in the same
@@ -31,10 +33,13 @@ import argparse
 import asyncio
 import contextlib
 import importlib.util
+import math
+import multiprocessing
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -131,9 +136,9 @@ async def naive_client(
                 await asyncio.sleep(delay)
             lags.append(max(0.0, time.perf_counter() - start - p.due))
             tasks.append(asyncio.create_task(one(body)))
-        await asyncio.wait(tasks, timeout=patience(plan) - (time.perf_counter() - start))
-        for task in tasks:
-            task.cancel()  # unanswered in time: left out, as kvlens leaves them out
+        # No in-process deadline: cancelling thousands of requests queued in httpcore's pool costs
+        # a pool scan each (minutes); the parent kills a run that overstays instead.
+        await asyncio.gather(*tasks)
     return lags, ttfts
 
 
@@ -141,6 +146,26 @@ def patience(plan: list[Planned]) -> float:
     """How long a client may take over a run before its unanswered requests are dropped (a client
     that falls behind on a loaded machine can take minutes to drain; "answered" says so)."""
     return 3 * (plan[-1].due if plan else 0.0) + 20
+
+
+def isolated(run: Callable[[], tuple[list[float], list[float]]], seconds: float) -> tuple[float, ...] | None:
+    """``run`` in a forked child (a fresh heap and loop per run, the same core), its figures back
+    through a pipe; None if it has not finished within ``seconds`` (then it is killed)."""
+    context = multiprocessing.get_context("fork")
+    receiver, sender = context.Pipe(duplex=False)
+
+    def child() -> None:
+        lags, ttfts = run()
+        sender.send((*percentiles(lags), *percentiles(ttfts), len(ttfts)))
+
+    process = context.Process(target=child, daemon=True)
+    process.start()
+    sender.close()
+    figures = receiver.recv() if receiver.poll(seconds) else None
+    if figures is None:
+        process.kill()
+    process.join()
+    return figures
 
 
 def percentiles(values: list[float]) -> tuple[float, float]:
@@ -170,9 +195,11 @@ def measure(
         order = CLIENTS if repeat % 2 == 0 else CLIENTS[::-1]
         for name in order:
             if only is None or name == only:
-                lags, ttfts = runs[name]()
-                answered = 100 * len(ttfts) / len(plan)
-                figures[name].append((*percentiles(lags), *percentiles(ttfts), answered))
+                got = isolated(runs[name], patience(plan) + 10)
+                if got is None:  # overstayed: as if infinitely late, nothing answered
+                    figures[name].append((math.inf,) * 4 + (0.0,))
+                else:
+                    figures[name].append((*got[:4], 100 * got[4] / len(plan)))
     out = {
         name: [float(v) for v in np.median(np.array(rows), axis=0)] for name, rows in figures.items() if rows
     }
