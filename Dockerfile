@@ -13,9 +13,11 @@ FROM ${PYTHON_IMAGE} AS build
 WORKDIR /src
 COPY pyproject.toml README.md LICENSE ./
 COPY service ./service
-# The sidecar is the `serve` extra (the bare wheel is the vLLM plugin alone): build its wheels here
-# so the final stage installs without a compiler or an index.
-RUN pip wheel --no-cache-dir --wheel-dir /wheels '.[serve]'
+# The sidecar is the `serve` extra (the bare wheel is the vLLM plugin alone), with `kv-events`
+# (pyzmq, a manylinux wheel bundling libzmq) so the fleet-level kvlens of the KV-events section
+# runs from this image: build their wheels here so the final stage installs without a compiler
+# or an index.
+RUN pip wheel --no-cache-dir --wheel-dir /wheels '.[serve,kv-events]'
 
 FROM ${PYTHON_IMAGE}
 ARG VERSION=0.1.0
@@ -34,8 +36,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     KVLENS_PORT=9433 \
     KVLENS_STATE_DIR=/var/lib/kvlens
 COPY --from=build /wheels /tmp/wheels
-RUN pip install --no-cache-dir --no-index --find-links /tmp/wheels 'kvlens[serve]' && rm -rf /tmp/wheels \
-    && mkdir -p /var/lib/kvlens && chown 65532:65532 /var/lib/kvlens
+# The KV index's compiled loops go into numba's cache at build time: the root filesystem is
+# read-only when the image runs.
+RUN pip install --no-cache-dir --no-index --find-links /tmp/wheels 'kvlens[serve,kv-events]' && rm -rf /tmp/wheels \
+    && mkdir -p /var/lib/kvlens && chown 65532:65532 /var/lib/kvlens \
+    && python -c 'from kvlens.fleet import kernels; kernels.warm()'
 USER 65532:65532
 VOLUME ["/var/lib/kvlens"]
 EXPOSE 9433

@@ -11,9 +11,11 @@ Figures (medians of ``--repeat`` runs; these machines are noisy, so read the rat
   typed (what any consumer must at least do): blocks per second;
 - kvlens: the consumer (sequence check, tolerant decode, classification, holding) over the same
   payloads, by content key and with ``hashes_alike``: blocks per second, and as a share of the
-  baseline's rate. Goals: >= 200k blocks/s on one core, >= a third of the bare decode;
+  baseline's rate, then the decode and index alone (no consumer). Goals: >= 200k blocks/s on
+  one core, >= a third of the bare decode;
 - memory: bytes per held (block, replica) and per remembered block, measured with tracemalloc
-  on an index of ``--held`` blocks (goal: <= 48 bytes each);
+  on an index of ``--held`` blocks, and the process's RSS growth per million blocks held (goal:
+  <= 48 bytes each);
 - ``/metrics``: rendering the KV families of that index (goal: < 50 ms).
 """
 
@@ -21,12 +23,14 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import time
 import tracemalloc
 from collections.abc import Callable
 
 import msgspec
+import numpy as np
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
@@ -35,7 +39,7 @@ from kvlens.exporter.collector import _kv_families
 from kvlens.fleet.index import FleetIndex
 from kvlens.fleet.simulated import SimulatedEngine
 from kvlens.fleet.source import Consumer, KVEvents, Publisher
-from kvlens.fleet.wire import BlockRemoved, BlockStored, Event, KVEventBatch
+from kvlens.fleet.wire import BlockRemoved, BlockStored, Event, KVEventBatch, apply, decode_batch
 from kvlens.simulate.run import Fleet, simulate
 from kvlens.simulate.trace import BUNDLED, MOONCAKE, Trace
 
@@ -94,29 +98,45 @@ def kvlens(payloads: list[Message], replicas: int, alike: bool) -> Callable[[], 
     return run
 
 
-def memory(held: int, block_tokens: int, alike: bool) -> tuple[float, float, FleetIndex]:
-    """Bytes per held (block, replica) entry, everything the index keeps for it (tracemalloc),
-    and per remembered block (the remembered table and its age queue alone)."""
-    tokens = list(range(block_tokens * 64))
-    chains = [list(range(first, first + 64)) for first in range(0, held - held % 64, 64)]
+def rss() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def index_only(payloads: list[Message], replicas: int, alike: bool) -> Callable[[], None]:
+    """The decode and the index without the consumer's sequence check and ordering: where the
+    rest of the time goes."""
+
+    def run() -> None:
+        index = FleetIndex(hashes_alike=alike)
+        for replica, _, payload in payloads:
+            for event in decode_batch(payload).events:
+                apply(index, replica, event)
+
+    return run
+
+
+def memory(held: int, block_tokens: int, alike: bool) -> tuple[float, float, float, FleetIndex]:
+    """Bytes per held (block, replica) entry, everything the index keeps for it (tracemalloc, and
+    the process's RSS growth), and per remembered block (the same blocks, removed)."""
+    chains = held // 64
     gc.collect()
+    before = rss()
     tracemalloc.start()
     index = FleetIndex(hashes_alike=alike, remember_blocks=held, max_held_blocks=held)
     base = tracemalloc.get_traced_memory()[0]
-    for chain in chains:
-        index.stored("r0", chain, None, tokens, block_tokens)
+    for chain in range(chains):  # 64-block prompts, each its own tokens
+        first = chain * 64
+        tokens = np.arange(first * block_tokens, (first + 64) * block_tokens, dtype=np.uint64)
+        index.stored("r0", list(range(first, first + 64)), None, tokens, block_tokens)
     holding = tracemalloc.get_traced_memory()[0] - base
+    grown = rss() - before
+    for chain in range(chains):
+        index.removed("r0", list(range(chain * 64, chain * 64 + 64)))
+    remembering = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
-    del chains
-    gc.collect()
-    tracemalloc.start()
-    remembering = FleetIndex(remember_blocks=held)
-    base = tracemalloc.get_traced_memory()[0]
-    for key in range(1 << 40, (1 << 40) + held):  # 64-bit-sized keys, as content keys are
-        remembering._remember(key, 1)
-    remembered = tracemalloc.get_traced_memory()[0] - base
-    tracemalloc.stop()
-    return holding / held, remembered / held, index
+    assert index.snapshot().remembered_blocks == chains * 64
+    return holding / (chains * 64), grown / (chains * 64), remembering / (chains * 64), index
 
 
 def render_seconds(index: FleetIndex, replicas: int) -> float:
@@ -154,10 +174,18 @@ def main() -> None:
             f"kvlens consumer, {label}: {blocks / seconds:,.0f} blocks/s, "
             f"{baseline / seconds:.2f} of the bare decode's rate"
         )
+        seconds = timed(index_only(payloads, args.replicas, alike), args.repeat)
+        print(
+            f"  of which decode + index alone: {blocks / seconds:,.0f} blocks/s, "
+            f"{baseline / seconds:.2f} of the bare decode's rate"
+        )
     for alike in (False, True):
-        held, remembered, index = memory(args.held, args.block_tokens, alike)
+        held, grown, remembered, index = memory(args.held, args.block_tokens, alike)
         label = "hashes_alike" if alike else "content keys"
-        print(f"memory ({label}): {held:.1f} bytes per held block, {remembered:.1f} per remembered block")
+        print(
+            f"memory ({label}): {held:.1f} bytes per held block (RSS {grown:.1f} MB per million held), "
+            f"{remembered:.1f} per remembered block"
+        )
     print(f"/metrics render of the KV families: {render_seconds(index, args.replicas) * 1e3:.2f} ms")
 
 

@@ -13,6 +13,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def pytest_make_parametrize_id(config: pytest.Config, val: object, argname: str) -> str | None:
+    """Bytes parameters are named by their argument (pytest numbers equal names): their own bytes
+    would make a test's name change between two collections (gzip stamps the time, some bodies
+    are random), and parallel workers must collect the same tests."""
+    return argname if isinstance(val, (bytes, bytearray)) else None
+
+
 @pytest.fixture
 def update_golden(request: pytest.FixtureRequest) -> bool:
     return bool(request.config.getoption("--update-golden"))

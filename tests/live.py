@@ -39,7 +39,12 @@ class Running:
     def output(self) -> str:
         """Stop the process (SIGTERM, so it shuts down cleanly) and return what it printed."""
         self.process.terminate()
-        out, _ = self.process.communicate(timeout=20)
+        try:
+            out, _ = self.process.communicate(timeout=20)
+        except subprocess.TimeoutExpired:  # a defect: kill it, so it cannot outlive its test
+            self.process.kill()
+            self.process.communicate()
+            raise
         return out
 
     def samples(self, **headers: str) -> Samples:

@@ -178,7 +178,7 @@ def read_measured(path: Path) -> list[MeasuredStep]:
 def fit_paths(steps: Iterable[MeasuredStep]) -> list[PathFit]:
     """One fit per path, by least squares with ``t0 >= 0`` and ``BW_eff > 0``; a path needs
     steps at two or more different byte counts (batch sizes or contexts) and one weight size."""
-    from scipy.optimize import nnls  # the "analyze" extra
+    from kvlens.nnls import nnls
 
     by_path: dict[str, list[MeasuredStep]] = {}
     for step in steps:

@@ -192,6 +192,15 @@ class ModelShapeSetting(BaseModel):
         return self.weight_bytes if self.weight_bytes is not None else self.shape().weight_bytes()
 
 
+def _redacted(url: str) -> str:
+    """``url`` with the password of its userinfo as ``***``."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
+
+
 class Settings(BaseSettings):
     """Sidecar settings. Lists and maps in environment variables are JSON."""
 
@@ -365,18 +374,26 @@ class Settings(BaseSettings):
     kv_events: list[KVEventsPublisherSetting] = Field(
         [], description="Replicas' KV event publishers to subscribe to (`--kv-events NAME=URL`)."
     )
+    kv_events_dns: list[str] = Field(
+        [],
+        description="Headless Services whose addresses are replicas' publishers (`--kv-events-dns "
+        "HOST:PORT[/REPLAY_PORT]`), re-resolved every kv_events_dns_interval_seconds.",
+    )
+    kv_events_dns_interval_seconds: float = Field(
+        30.0, gt=0, le=3600, description="Seconds between lookups of the kv_events_dns names."
+    )
     kv_events_hashes_alike: bool = Field(
         False, description="Every replica hashes blocks alike (same algorithm and seed): key by engine hash."
     )
     kv_events_remember_blocks: int = Field(
-        5_000_000,
+        10_000_000,
         ge=0,
-        description="Blocks remembered to have been held (about 93 bytes each); oldest forgotten past it.",
+        description="Blocks remembered to have been held (at most 34 bytes each); oldest forgotten past it.",
     )
     kv_events_max_held_blocks: int = Field(
-        5_000_000,
+        10_000_000,
         ge=0,
-        description="(block, replica, tier) holdings kept (about 105 bytes each); stores past it not kept.",
+        description="(block, replica) holdings kept (at most 48 bytes each); stores past it not kept.",
     )
     kv_events_reorder_seconds: float = Field(
         0.25,
@@ -386,6 +403,29 @@ class Settings(BaseSettings):
     )
     kv_events_shard: str = Field(
         "0/1", description="i/N: keep only the blocks of shard i of N (N kvlens on the same publishers)."
+    )
+    modelled_capacity_blocks: int | None = Field(
+        None,
+        ge=1,
+        description="Set: records with prefix_hashes and replica go through one modelled cache of this "
+        "many blocks per replica: kvlens_kv_modelled_recomputed_tokens_total (causes without KV events).",
+    )
+    modelled_block_size: int = Field(
+        16,
+        ge=1,
+        le=1_000_000,
+        description="Tokens per block of the modelled caches (records of another are skipped).",
+    )
+    modelled_max_replicas: int = Field(
+        64,  # kvlens.fleet.index.MAX_REPLICAS (tested): the modelled caches feed a fleet index
+        ge=1,
+        description="Replicas modelled (at most 64: the fleet index's replicas); records of further "
+        "replicas are skipped (counted).",
+    )
+    modelled_partial_last_block: bool = Field(
+        False,
+        description="The last prefix id names the prompt's partial last block (LiteLLM's): dropped when "
+        "prompt_tokens is not a whole number of blocks.",
     )
     state_dir: Path = Field(
         Path("~/.local/state/kvlens"),
@@ -421,12 +461,35 @@ class Settings(BaseSettings):
         value = secret.get_secret_value()
         if not value.strip():
             raise ValueError("is blank: unset it to turn this check off, or give a value")
-        if value != value.strip() and info.field_name != "metrics_password":  # basic auth carries it
+        if info.field_name == "metrics_password":  # basic auth carries any UTF-8 (RFC 7617)
+            return secret
+        if value != value.strip():
             raise ValueError(
                 "must not start or end with whitespace (a newline from a file?): a bearer header "
                 "can never carry it"
             )
+        if not all("!" <= character <= "~" for character in value):
+            # Starlette reads a header as latin-1: a UTF-8 token never matched (every request 401)
+            raise ValueError(
+                "must be visible ASCII characters (no spaces, no accents): a bearer header carries "
+                "nothing else, so no client could ever match it"
+            )
         return secret
+
+    @field_validator("metrics_username")
+    @classmethod
+    def _basic_user(cls, user: str | None) -> str | None:
+        if user is not None and (not user.strip() or ":" in user):
+            raise ValueError(
+                "must not be blank nor hold ':' (basic auth splits the user from the password at "
+                "the first ':')"
+            )
+        return user
+
+    def __repr_args__(self) -> Any:
+        # a scrape URL may carry its password: never in a repr, a traceback or a log line
+        for name, value in super().__repr_args__():
+            yield name, [_redacted(url) for url in value] if name == "scrape_targets" else value
 
     @field_validator("prompt_length_edges")
     @classmethod
@@ -487,9 +550,29 @@ class Settings(BaseSettings):
     @field_validator("kv_events")
     @classmethod
     def _distinct_replicas(cls, publishers: list[KVEventsPublisherSetting]) -> list[KVEventsPublisherSetting]:
+        from kvlens.fleet.index import MAX_REPLICAS
+
         if len({p.name for p in publishers}) != len(publishers):
             raise ValueError("KV events replica names must be distinct")
+        if len(publishers) > MAX_REPLICAS:
+            raise ValueError(f"at most {MAX_REPLICAS} KV events publishers (one bit each in the fleet index)")
         return publishers
+
+    @field_validator("modelled_max_replicas")
+    @classmethod
+    def _modelled_replicas_fit_the_index(cls, replicas: int) -> int:
+        from kvlens.fleet.index import MAX_REPLICAS
+
+        if replicas > MAX_REPLICAS:
+            raise ValueError(f"at most {MAX_REPLICAS} (one bit each in the fleet index's holder masks)")
+        return replicas
+
+    @field_validator("kv_events_dns")
+    @classmethod
+    def _dns_targets(cls, targets: list[str]) -> list[str]:
+        for target in targets:
+            parse_dns_target(target)
+        return targets
 
     @field_validator("kv_events_shard")
     @classmethod
@@ -645,6 +728,19 @@ def _compact(value: Any) -> str:
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k}: {_compact(v)}" for k, v in value.items()) + "}"
     return str(value)
+
+
+def parse_dns_target(text: str) -> tuple[str, int, int | None]:
+    """``HOST:PORT`` or ``HOST:PORT/REPLAY_PORT`` -> (host, port, replay port or None)."""
+    address, slash, replay = text.partition("/")
+    host, _, port = address.rpartition(":")
+    ports = [port, replay] if slash else [port]
+    if not host or not all(p.isdigit() and 0 < int(p) < 65536 for p in ports) or "://" in host:
+        raise ValueError(
+            "a KV events DNS target is HOST:PORT or HOST:PORT/REPLAY_PORT, e.g. "
+            f"vllm-headless.ns.svc:5557/5558, not {text!r}"
+        )
+    return host, int(port), int(replay) if slash else None
 
 
 def parse_shard(text: str) -> tuple[int, int]:

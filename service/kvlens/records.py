@@ -100,7 +100,7 @@ class Record(BaseModel):
     prefix_hashes: Annotated[list[int | str], Field(max_length=MAX_PREFIX_BLOCKS)] | None = Field(
         None,
         description="Chained hashes of the prompt's full blocks (optional, never a label; checked "
-        "but not kept by the live sidecar, which has no use for them).",
+        "by the live sidecar, and read only by its modelled caches when modelled_capacity_blocks is set).",
     )
 
     @model_validator(mode="after")
@@ -469,6 +469,7 @@ _LiveWireRecord = _wire_struct(msgspec.Raw)
 _WIRE_DECODER: Final = msgspec.json.Decoder(list[_WireRecord])  # type: ignore[valid-type]
 _LIVE_WIRE_DECODER: Final = msgspec.json.Decoder(list[_LiveWireRecord])  # type: ignore[valid-type]
 _LIVE_LINE_DECODER: Final = msgspec.json.Decoder(_LiveWireRecord)
+_LINE_DECODER: Final = msgspec.json.Decoder(_WireRecord)
 _ABSENT_RAW: Final = _LiveWireRecord.__struct_defaults__[-1]  # prefix_hashes' default: absent
 _HASHES_DECODER: Final = msgspec.json.Decoder(
     Annotated[list[int | str], msgspec.Meta(max_length=MAX_PREFIX_BLOCKS)]
@@ -486,14 +487,15 @@ def batch_from_json_array(data: bytes, *, keep_prefix_hashes: bool = True) -> Re
     return _wire_batch(records, keep_prefix_hashes)
 
 
-def batch_from_json_lines(data: bytes) -> RecordBatch | None:
-    """Like :func:`batch_from_json_array` (live: prefix_hashes checked, not kept) for JSON values
-    separated by whitespace: NDJSON, or one pretty-printed record."""
+def batch_from_json_lines(data: bytes, *, keep_prefix_hashes: bool = False) -> RecordBatch | None:
+    """Like :func:`batch_from_json_array` (by default as live: prefix_hashes checked, not kept)
+    for JSON values separated by whitespace: NDJSON, or one pretty-printed record."""
+    decoder = _LINE_DECODER if keep_prefix_hashes else _LIVE_LINE_DECODER
     try:
-        records = jsonscan.decode(_LIVE_LINE_DECODER.decode_lines, data)
+        records = jsonscan.decode(decoder.decode_lines, data)
     except msgspec.DecodeError:
         return None
-    return _wire_batch(records, keep_prefix_hashes=False)
+    return _wire_batch(records, keep_prefix_hashes)
 
 
 def _wire_batch(records: list[Any], keep_prefix_hashes: bool) -> RecordBatch | None:

@@ -75,7 +75,11 @@ def test_a_fifo_in_the_glob_is_skipped_and_the_regular_file_beside_it_is_read(
     os.mkfifo(fifo)  # nobody ever writes to it: an open() without O_NONBLOCK waits forever
     pattern = str(logs / "*.jsonl")
     sidecar = serve(
-        "--tail", pattern, KVLENS_STATE_DIR=str(tmp_path / "state"), KVLENS_TAIL_POLL_SECONDS="0.05"
+        "--tail",
+        pattern,
+        KVLENS_STATE_DIR=str(tmp_path / "state"),
+        KVLENS_TAIL_POLL_SECONDS="0.05",
+        KVLENS_LOG_LEVEL="INFO",  # "shutdown complete" is uvicorn's INFO line; the level is uvicorn's too
     )
 
     assert sidecar.wait_for("kvlens_requests_total", LINES, timeout=10) == LINES

@@ -137,7 +137,15 @@ def test_serve_exports_the_causes_and_the_publishers_health(
             if name == "kvlens_kv_events_rejected_total" and ("replica", "a") in labels
         }
         assert sorted(dict(labels)["reason"] for labels in rejected) == sorted(
-            ["malformed_payload", "malformed_event", "unknown_event", "unknown_field", "other_group", "error"]
+            [
+                "malformed_payload",
+                "malformed_event",
+                "unknown_event",
+                "unknown_field",
+                "other_group",
+                "replica_limit",
+                "error",
+            ]
         )
         assert sum(rejected.values()) == 0
     finally:
@@ -249,3 +257,29 @@ def _taken(port: int) -> bool:
         except OSError:
             return True
     return False
+
+
+def test_serve_finds_its_publishers_by_dns() -> None:
+    """``kvlens serve --kv-events-dns localhost:PORT/REPLAY_PORT``: the real resolver gives
+    127.0.0.1 (this machine's localhost), a replica named by its address, whose gap is repaired
+    from the replay port; its events are classified as any."""
+    port, replay_port = free_port(), free_port()
+    publisher = TestPublisher(port, replay_port=replay_port)
+    kvlens = start_kvlens("serve", "--kv-events-dns", f"localhost:{port}/{replay_port}")
+    try:
+        publisher.wait_subscribed()
+        replica = f"127.0.0.1:{port}"
+        assert kvlens.wait_for("kvlens_kv_publisher_up", 1, replica=replica) == 1
+        publisher.publish(stored([101], None, FIRST))  # seq 0
+        assert kvlens.wait_for("kvlens_kv_event_batches_total", 1, replica=replica) == 1
+        publisher.drop(stored([102], 101, SECOND))  # seq 1 lost on the way
+        publisher.publish(stored([103], 102, [9, 9, 9, 9]))  # seq 2: the gap is repaired first
+        assert kvlens.wait_for("kvlens_kv_event_batches_total", 3, replica=replica) == 3
+        assert kvlens.value("kvlens_kv_recomputed_tokens_total", replica=replica, cause=NEW) == 12
+        assert kvlens.value("kvlens_kv_replayed_batches_total", replica=replica) == 1
+        assert kvlens.value("kvlens_kv_dns_replicas", service=f"localhost:{port}") == 1
+        assert kvlens.value("kvlens_kv_dns_failures_total", service=f"localhost:{port}") == 0
+    finally:
+        out = kvlens.output()
+        publisher.close()
+    assert "Traceback" not in out

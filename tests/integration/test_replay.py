@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import itertools
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import pytest
 from kvlens.cli import main
 from kvlens.experiment import protocol
 from kvlens.simulate.trace import BUNDLED
+from tests.json_outputs import validate
 from tests.live import Running, free_port, start_kvlens
 
 pytestmark = pytest.mark.integration
@@ -140,6 +142,8 @@ def test_experiment_prefix_cache_end_to_end(tmp_path: Path, capsys: pytest.Captu
                 "--traffic-rate",
                 "8",
                 "--json",
+                "--html",
+                str(tmp_path / "compare.html"),
             ]
         )
     finally:
@@ -148,6 +152,7 @@ def test_experiment_prefix_cache_end_to_end(tmp_path: Path, capsys: pytest.Captu
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     assert report["schema"] == "kvlens.compare/v1"
+    validate(report)
     assert report["arms"] == ["off", "cold", "warm"]
     assert all(int(r["cached_tokens"]) == 0 for r in records(tmp_path / "off.jsonl"))
     assert all(int(r["cached_tokens"]) == 4096 for r in records(tmp_path / "warm.jsonl"))
@@ -157,6 +162,19 @@ def test_experiment_prefix_cache_end_to_end(tmp_path: Path, capsys: pytest.Captu
     warm_ttft = group["arms"]["warm"]["ttft_seconds"]
     assert warm_ttft["p50"]["delta"] < 0, warm_ttft
     assert warm_ttft["p50"]["ci95"][1] < 0, warm_ttft  # the whole interval: faster, not noise
+    # the HTML report of the same run says so first, and lists each arm's records file
+    page = (tmp_path / "compare.html").read_text()
+    verdict = page[page.index('id="verdict"') : page.index('id="context"')]
+    assert f"warm vs off, {group['prompt_len']} tokens, miss in off (20 requests): faster" in verdict
+    assert all(f"<code>{tmp_path / arm}.jsonl</code>" in page for arm in ("off", "cold", "warm"))
+    warmup = tmp_path / "warm.warmup.jsonl"
+    assert report["warmup_recorded_apart"] == {"warm": {"file": str(warmup), "requests": 20}}
+    apart = (
+        f"warm: 0 requests kept out of the timed window; 20 replayed before it, recorded apart in {warmup}"
+    )
+    assert f"<li>{apart}</li>" in page
+    # a client sees no queue or prefill time: the page says so instead of dropping the charts
+    assert 'data-metric="queue_seconds"' in page and 'data-metric="prefill_seconds"' in page
 
 
 def test_an_endpoint_down_at_start_is_a_clear_error_before_any_arm(
@@ -406,6 +424,7 @@ def test_quantization_w4a16_holds_a_higher_rate_for_the_reason_the_model_gives(
     assert code == 0
     result = json.loads(capsys.readouterr().out)
     assert result["schema"] == "kvlens.quantization/v1"
+    validate(result)
     fixed = result["fixed_work"]
     assert set(fixed) == {"bf16", "w4a16"} and set(fixed["bf16"]) == {"short"}
     assert (
@@ -417,6 +436,76 @@ def test_quantization_w4a16_holds_a_higher_rate_for_the_reason_the_model_gives(
     (why,) = load["attribution"]
     assert why.startswith("w4a16 holds 4 req/s, bf16 0: faster steps")
     assert len(list(tmp_path.glob("rate-*.jsonl"))) == 4
+
+
+def test_quantization_rate_sweep_against_two_servers_and_its_plot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The sweep's wiring against real servers (its rules are tests/unit/test_rate_sweep.py):
+    at speed 2, BF16's mean inter-token gap (about 22 ms) misses a 12.5 ms target at every rate
+    and W4A16's (about 7 ms) meets it at the start, so the sweep doubles until its step limit;
+    every step runs on both endpoints with the same rates, and the plot draws them all."""
+    shape = ("--block-size", "16", "--capacity-blocks", "4000", "--speed", "2")
+    bf16 = simulated("--weight-bytes", "140GB", *shape)
+    w4a16 = simulated("--weight-bytes", "40GB", *shape)
+    plot = tmp_path / "attainment.svg"
+    try:
+        code = main(
+            [
+                "experiment",
+                "quantization",
+                "shared-prefix",
+                "--model",
+                "simulated",
+                "--endpoint",
+                f"bf16={bf16.url}",
+                "--endpoint",
+                f"w4a16={w4a16.url}",
+                "--out-dir",
+                str(tmp_path),
+                "--requests",
+                "8",
+                "--output-tokens",
+                "8",
+                "--concurrency",
+                "4",
+                "--prefix-tokens",
+                "256",
+                "--suffix-tokens",
+                "64",
+                "--rate-sweep",
+                "8",
+                "--sweep-doublings",
+                "1",
+                "--slo-itl",
+                "0.0125",
+                "--slo-attainment",
+                "0.8",
+                "--plot",
+                str(plot),
+                "--json",
+            ]
+        )
+    finally:
+        bf16.output()
+        w4a16.output()
+    assert code == 0
+    load = json.loads(capsys.readouterr().out)["rising_load"]
+    assert load["sweep"]["stopped"] == "the step limit (1 doubling) was reached at 16 req/s"
+    rates = {name: [step["rate"] for step in steps] for name, steps in load["steps"].items()}
+    assert rates == {"bf16": [8.0, 16.0], "w4a16": [8.0, 16.0]}
+    assert all(step["attainment"] < 0.8 for step in load["steps"]["bf16"])
+    assert load["steps"]["w4a16"][0]["attainment"] >= 0.8
+    assert load["highest_rate"]["bf16"] is None and load["highest_rate"]["w4a16"] in (8.0, 16.0)
+    assert sorted(p.name for p in tmp_path.glob("rate-*.jsonl")) == sorted(
+        f"rate-{rate}-{name}.jsonl" for rate in (8, 16) for name in ("bf16", "w4a16")
+    )
+    svg = plot.read_text()
+    for name, steps in load["steps"].items():
+        drawn = svg[svg.index(f'data-endpoint="{name}"') :].split("</g>")[0]
+        assert re.findall(r'data-rate="([^"]+)" data-attainment="([^"]+)"', drawn) == [
+            (f"{step['rate']:g}", f"{step['attainment']:g}") for step in steps
+        ]
 
 
 def test_the_engines_block_size_is_read_and_a_trace_that_does_not_fit_it_is_said(server: Running) -> None:

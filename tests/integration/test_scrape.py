@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import itertools
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -12,6 +16,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvlens.sources import vllm_metrics
+from kvlens.sources.encoding import DecodeLimits
 from tests.integration.conftest import Running, free_port, start_kvlens
 from tests.live import TextHandler
 
@@ -138,3 +144,50 @@ def test_scrape_reconciles_and_survives_every_kind_of_bad_upstream(engine: str) 
     finally:
         FakeEngine.stop.set()
         running.output()
+
+
+def test_a_scrape_cancelled_at_any_step_of_its_exchange_stops() -> None:
+    """A sidecar told to stop cancels its scrape loop; a scrape must never swallow that.
+
+    ``asyncio.wait_for`` before Python 3.12 returns the inner result when the cancellation lands
+    in the loop iteration where the read completes, and the scrape loop then went on for ever: a
+    SIGTERM-ed sidecar that scraped every 10 ms never exited (seen in CI). This cancels one scrape
+    at each step of a real exchange over loopback, from its first await to its end.
+    """
+    body = b"# TYPE vllm:prompt_tokens counter\nvllm:prompt_tokens_total 1\n"
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n" % len(body)
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            while await reader.readuntil(b"\r\n\r\n"):
+                writer.write(head + body)
+                await writer.drain()
+        writer.close()
+
+    async def cancel_at_every_step() -> tuple[int, int]:
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        target = vllm_metrics.ScrapeTarget.from_url(f"http://127.0.0.1:{port}/metrics")
+        limits = DecodeLimits(1 << 20, math.inf, 4)
+        swallowed = cancelled = 0
+        async with server, httpx.AsyncClient() as client:
+            for steps in itertools.chain.from_iterable(itertools.repeat(range(40), 4)):
+                scrape = asyncio.create_task(
+                    vllm_metrics.fetch(client, target, deadline_seconds=5, limits=limits)
+                )
+                for _ in range(steps):
+                    await asyncio.sleep(0)
+                if scrape.done():  # finished before this step: nothing to cancel
+                    await scrape
+                    continue
+                scrape.cancel()
+                try:
+                    await scrape
+                    swallowed += 1
+                except asyncio.CancelledError:
+                    cancelled += 1
+        return swallowed, cancelled
+
+    swallowed, cancelled = asyncio.run(cancel_at_every_step())
+    assert cancelled >= 40  # the sweep did cancel scrapes in flight
+    assert swallowed == 0

@@ -6,6 +6,7 @@ import gzip
 import math
 import socket
 import subprocess
+import sys
 import threading
 
 import httpx
@@ -16,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.article import article_records
 from tests.integration.conftest import Running, start_kvlens
+from tests.live import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -158,9 +160,54 @@ def test_demo_replays_the_bundled_trace_on_a_simulated_fleet() -> None:
         assert total(values, "kvlens_decode_context_tokens") > 0
         reuse = total(values, "kvlens_cached_tokens_total") / total(values, "kvlens_prompt_tokens_total")
         assert 0.02 < reuse < 0.7  # the Mooncake trace reuses; no fleet reuses more than it can reach (0.65)
+        # Why reuse is lost: the simulated fleet's KV events, in process; every stored block has a cause
+        recomputed = "kvlens_kv_recomputed_tokens_total"
+        stored = total(values, "kvlens_kv_blocks_stored_total", medium="GPU")
+        assert stored > 0 and total(values, recomputed) == 512 * stored
+        assert total(values, recomputed, cause="new") > 0
+        assert total(values, recomputed, cause="unknown") == 0  # no store left out: every parent known
+        assert total(values, "kvlens_kv_publisher_up") == 4
     finally:
         output = running.output()
     assert "Mooncake trace" in output and "request hit" in output
+    assert "\n  recomputed: new " in output
+
+
+# The README's first command installs `.[serve]`: no numba, so no compiled fleet index.
+WITHOUT_NUMBA = """
+import importlib.util, sys
+find_spec = importlib.util.find_spec
+importlib.util.find_spec = lambda name, package=None: None if name == "numba" else find_spec(name, package)
+sys.modules["numba"] = None  # importing it fails, as where it is not installed
+from kvlens.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_demo_runs_on_the_serve_extra_alone_and_says_what_shows_why_reuse_is_lost() -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            WITHOUT_NUMBA,
+            "demo",
+            "--duration",
+            "4",
+            "--every",
+            "1",
+            "--speed",
+            "40",
+            "--port",
+            str(free_port()),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    words = " ".join(done.stdout.split())  # the note is wrapped to the terminal's width
+    assert "needs the kv-events extra: pip install 'kvlens[kv-events]'" in words
+    assert " requests | hit " in done.stdout and "recomputed:" not in done.stdout
 
 
 def test_synthetic_demo_serves_article_shaped_numbers() -> None:

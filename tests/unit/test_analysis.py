@@ -13,7 +13,7 @@ import orjson
 import pytest
 import yaml
 
-from kvlens.analysis import calibration, compare, render
+from kvlens.analysis import calibration, compare, html_report, render
 from kvlens.analysis.analyze import analyze
 from kvlens.analysis.report import Derived
 from kvlens.cli import main
@@ -286,10 +286,10 @@ def test_compare_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
 
 def test_html_report_is_self_contained(tmp_path: Path) -> None:
     report, _ = analyze([str(write(tmp_path / "a.jsonl", article_records()))], load_settings())
-    page = render.html_page(report)
+    page = html_report.page(report, load_settings().cost_model_for)
     assert page.startswith("<!doctype html>") and "<svg" in page
     assert "<script" not in page and "http://" not in page and "https://" not in page
-    assert "90.00 %" in page and "measured vs modelled prefill" in page
+    assert "90.00 %" in page and "measured prefill (100 of 100 records) and the fitted curve" in page
 
 
 def test_missing_analyze_extra_is_named(

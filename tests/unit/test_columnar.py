@@ -80,6 +80,7 @@ def record(draw: st.DrawFn) -> dict[str, Any]:
         ("ttft_seconds", draw(seconds)),
         ("queue_seconds", draw(seconds)),
         ("prefill_seconds", draw(seconds)),
+        ("arrival_time", draw(st.one_of(st.none(), st.floats(1.7e9, 1.8e9)))),  # the report's time range
     ):
         if value is not None:
             out[name] = value
@@ -317,3 +318,68 @@ def test_a_corrupt_parquet_file_is_a_clear_error_naming_it(
     assert main(["analyze", str(corrupt), "--json"]) == 2
     error = capsys.readouterr().err
     assert error.startswith("kvlens: DuckDB: ") and str(corrupt) in error
+
+
+def test_order_statistics_narrowed_over_many_passes_are_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bins sized for 2 values and at most 3 fetched: the ranks go through the first pass, two
+    narrowing passes (skewed values, ties, several ranks in one bin) and fetches."""
+    rng = np.random.default_rng(11)
+    count = 3000
+    skewed = np.round(rng.lognormal(-3, 2, size=(count, 3)), 4)  # ties from the rounding
+    records = [
+        {
+            "model": f"m{i % 3}",
+            "prompt_tokens": int(n),
+            "cached_tokens": int(n) // 2 * (i % 2),
+            "ttft_seconds": float(skewed[i, 0] + skewed[i, 1] + skewed[i, 2]),
+            "queue_seconds": float(skewed[i, 1]),
+            "prefill_seconds": float(skewed[i, 2]),
+        }
+        for i, n in enumerate(rng.integers(0, 40_000, count))
+    ]
+    path = write_jsonl(tmp_path / "skewed.jsonl", records)
+    monkeypatch.setattr(columnar, "BIN_VALUES", 2)
+    monkeypatch.setattr(columnar, "FETCH_MAX", 3)
+    passes: list[str] = []
+    for name in ("_first_pass", "_narrow", "_fetch"):
+        original = getattr(columnar, name)
+
+        def counted(*args: Any, _name: str = name, _original: Any = original) -> None:
+            passes.append(_name)
+            _original(*args)
+
+        monkeypatch.setattr(columnar, name, counted)
+    chosen = load_settings()
+    engine = columnar.Engine()
+    loaded = columnar.load(engine, [str(path)])
+    summary = columnar.summarize(
+        engine, columnar.working_set(engine, loaded), chosen.prompt_length_edges, chosen.default_model
+    )
+    engine.close()
+    batch = reader.read([str(path)]).batch
+    derived = Derived.of(batch, chosen.prompt_length_edges, chosen.cost_model_for, chosen.default_model)
+    assert summary == summarize(derived)
+    assert passes == ["_first_pass", "_fetch", "_narrow", "_fetch", "_narrow", "_fetch"]
+
+
+def test_lines_split_across_reads_keep_their_numbers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reads of 37 bytes cut lines (and span a 160-byte one) anywhere: the same records, and the
+    skipped lines named by the same numbers, as one read of the whole file."""
+    good = [
+        orjson.dumps({"prompt_tokens": 100 + i, "cached_tokens": i, "model": "m" * (i * 12)})
+        for i in range(11)
+    ]
+    lines = [good[0], b"", good[1] + b"\r", b"{broken", good[2], b"   ", good[10], good[3], b"[1]", good[4]]
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(b"\n".join(lines))  # no newline after the last line
+    whole = reader.read([str(path)])
+    monkeypatch.setattr(reader, "CHUNK_BYTES", 37)
+    cut = reader.read([str(path)])
+    assert [e["line"] for e in whole.examples] == [4, 9]
+    assert cut.examples == whole.examples
+    assert cut.lines == whole.lines == 8
+    assert dict(cut.skipped) == dict(whole.skipped) == {"malformed_json": 1, "not_an_object": 1}
+    expected = [100, 101, 102, 110, 103, 104]
+    assert cut.batch.prompt_tokens.tolist() == whole.batch.prompt_tokens.tolist() == expected

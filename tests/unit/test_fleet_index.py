@@ -17,6 +17,7 @@ them in that case.
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 import pytest
@@ -26,8 +27,11 @@ from kvlens.fleet.index import (
     EVICTED_ELSEWHERE,
     EVICTED_HERE,
     HELD_ELSEWHERE,
+    HELD_ENTRY_BYTES,
     HELD_HERE,
+    MAX_REPLICAS,
     NEW,
+    REMEMBERED_ENTRY_BYTES,
     UNKNOWN,
     FleetIndex,
 )
@@ -274,3 +278,197 @@ def test_shards_split_the_counts_exactly(requests: list[TraceRequest]) -> None:
         summed.update(shard.recomputed)
     assert summed == whole.recomputed
     assert all(shard.recomputed != whole.recomputed for shard in shards)
+
+
+# --- the tables ---------------------------------------------------------------------------
+
+
+def test_engine_hashes_0_and_1_are_blocks_like_any_other() -> None:
+    """0 and 1 mark empty and deleted slots inside a table, so those two keys live apart."""
+    index = FleetIndex(hashes_alike=True)
+    index.stored("a", [0, 1, 2], None, tokens(1, 2, 3), 4)
+    index.stored("b", [0], None, tokens(1), 4)
+    index.removed("a", [0, 1])
+    index.stored("a", [1], None, tokens(2), 4)
+    assert (index.holders(0), index.holders(1), index.holders(2)) == (["b"], ["a"], ["a"])
+    assert (index.recomputed["b", HELD_ELSEWHERE], index.recomputed["a", EVICTED_HERE]) == (1, 1)
+    index.cleared("a")
+    assert (index.holders(1), index.snapshot().remembered_blocks) == ([], 3)
+
+
+class Reference:
+    """The rules of the module docstring for one tier and hashes alike, with Python dicts (as
+    the index kept them before its tables): what the compiled tables must give exactly."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.holders: dict[int, set[str]] = {}
+        self.remembered: dict[int, set[str]] = {}  # insertion order: oldest first
+        self.causes: Counter[tuple[str, str]] = Counter()
+        self.forgotten = 0
+
+    def stored(self, replica: str, key: int) -> None:
+        holders = self.holders.setdefault(key, set())
+        before = self.remembered.get(key, set())
+        cause = (
+            HELD_HERE
+            if replica in holders
+            else HELD_ELSEWHERE
+            if holders
+            else NEW
+            if key not in self.remembered
+            else EVICTED_HERE
+            if replica in before
+            else EVICTED_ELSEWHERE
+        )
+        self.causes[replica, cause] += 1
+        holders.add(replica)
+
+    def removed(self, replica: str, key: int) -> None:
+        holders = self.holders.get(key, set())
+        if replica not in holders:
+            return
+        holders.discard(replica)
+        if not holders:
+            del self.holders[key]
+        if key in self.remembered:
+            self.remembered[key].add(replica)
+            return
+        self.remembered[key] = {replica}
+        if len(self.remembered) > self.cap:
+            del self.remembered[next(iter(self.remembered))]
+            self.forgotten += 1
+
+
+def test_the_tables_agree_with_plain_dicts_through_growth_deletions_and_forgetting() -> None:
+    """Random stores and removals of 3 replicas over 20,000 blocks: the tables grow, fill with
+    deleted slots, are rebuilt and shrink, the remembered ring wraps, and every cause, holder
+    and count stays what the plain rules give."""
+    rng = random.Random(19)
+    index, reference = FleetIndex(hashes_alike=True, remember_blocks=5_000), Reference(5_000)
+    held: dict[str, set[int]] = {r: set() for r in "abc"}
+    for _ in range(3_000):
+        replica = rng.choice("abc")
+        if rng.random() < 0.55:
+            sample = rng.sample(range(20_000), rng.randrange(1, 40))
+            keys = [key for key in sample if key not in held[replica]]  # no extra copies here
+            index.stored(replica, keys, None, [0] * len(keys), 1)
+            for key in keys:
+                reference.stored(replica, key)
+            held[replica].update(keys)
+        elif held[replica]:
+            keys = rng.sample(sorted(held[replica]), min(len(held[replica]), rng.randrange(1, 60)))
+            index.removed(replica, keys)
+            for key in keys:
+                reference.removed(replica, key)
+            held[replica].difference_update(keys)
+    assert index.recomputed == reference.causes
+    snapshot = index.snapshot()
+    assert snapshot.distinct_blocks == len(reference.holders)
+    assert (snapshot.remembered_blocks, snapshot.forgotten_blocks) == (
+        len(reference.remembered),
+        reference.forgotten,
+    )
+    assert reference.forgotten > 0
+    for key in rng.sample(range(20_000), 500):
+        assert set(index.holders(key)) == reference.holders.get(key, set())
+
+
+def test_memory_stays_within_the_documented_bytes_per_entry() -> None:
+    """Measured after every event while 200,000 blocks are stored, then removed: the tables never
+    take more than the documented bytes per held (block, replica) at the most held, plus per
+    remembered block; once the held ones are gone, the remembered ones cost their bound alone."""
+    index = FleetIndex(hashes_alike=True)
+    worst_held = worst = 0.0
+    for first in range(0, 200_000, 50):
+        index.stored("a", list(range(first, first + 50)), None, [0] * 50, 1)
+        if first >= 20_000:
+            worst_held = max(worst_held, index.memory_bytes() / (first + 50))
+    for first in range(0, 200_000, 50):
+        index.removed("a", list(range(first, first + 50)))
+        remembered = first + 50
+        bound = HELD_ENTRY_BYTES * 200_000 + REMEMBERED_ENTRY_BYTES * remembered
+        worst = max(worst, index.memory_bytes() / bound)
+    assert (index.snapshot().remembered_blocks, index.snapshot().held) == (200_000, {("a", "GPU"): 0})
+    assert 40 < worst_held <= HELD_ENTRY_BYTES
+    assert 0.5 < worst <= 1
+    assert 25 < index.memory_bytes() / 200_000 <= REMEMBERED_ENTRY_BYTES
+
+
+@pytest.mark.parametrize("remember", [5_000, 1_500])
+def test_replicas_cycling_through_the_slots_are_classified_as_the_plain_rules_say(remember: int) -> None:
+    """200 replica names come and go, at most 20 at a time (a fleet rolled out again and again,
+    each pod a new address): a vanished one's blocks are cleared and its slot forgotten, and a
+    new replica on that slot inherits none of its past. The reference keeps every replica's
+    history by name, a name that comes back being a new replica (its past life's removals are
+    someone else's): the causes, holders and held counts stay exactly what it gives. With fewer
+    blocks remembered than the 3,000 used, the oldest are forgotten too: there the vanishing
+    replica's blocks are removed first, in the reference's order (a clear remembers them in its
+    table's order, which the reference does not model)."""
+    rng = random.Random(1919)
+    index, reference = FleetIndex(hashes_alike=True, remember_blocks=remember), Reference(remember)
+    live: dict[str, str] = {}  # name -> its identity in the reference (name#life)
+    lives: Counter[str] = Counter()
+    held: dict[str, set[int]] = {}
+    pool = [f"10.0.{i // 256}.{i % 256}:5557" for i in range(200)]
+    fresh = iter(pool)
+    for _ in range(4_000):
+        if len(live) < 20 and (len(live) < 5 or rng.random() < 0.05):
+            # mostly a new address; now and then one seen before comes back
+            gone = [name for name in pool if name not in live and lives[name]]
+            name = rng.choice(gone) if gone and rng.random() < 0.2 else next(fresh, None)
+            if name is None:
+                name = rng.choice(gone)
+            lives[name] += 1
+            live[name] = f"{name}#{lives[name]}"
+            held[name] = set()
+            continue
+        name = rng.choice(sorted(live))
+        if len(live) > 5 and rng.random() < 0.04:
+            if remember < 3_000:
+                index.removed(name, sorted(held[name]))
+            index.cleared(name)
+            index.forget_replica(name)
+            for key in sorted(held.pop(name)):
+                reference.removed(live[name], key)
+            del live[name]
+            continue
+        if rng.random() < 0.6:
+            sample = rng.sample(range(3_000), rng.randrange(1, 30))
+            keys = [key for key in sample if key not in held[name]]
+            index.stored(name, keys, None, [0] * len(keys), 1)
+            for key in keys:
+                reference.stored(live[name], key)
+            held[name].update(keys)
+        elif held[name]:
+            keys = rng.sample(sorted(held[name]), min(len(held[name]), rng.randrange(1, 40)))
+            index.removed(name, keys)
+            for key in keys:
+                reference.removed(live[name], key)
+            held[name].difference_update(keys)
+    by_name: Counter[tuple[str, str]] = Counter()
+    for (identity, cause), count in reference.causes.items():
+        by_name[identity.split("#")[0], cause] += count
+    assert sum(lives.values()) > 2 * MAX_REPLICAS and len(lives) > MAX_REPLICAS
+    assert any(n > 1 for n in lives.values())
+    assert index.recomputed == +by_name
+    assert sum(n for (_, cause), n in by_name.items() if cause == EVICTED_ELSEWHERE) > 0
+    snapshot = index.snapshot()
+    assert snapshot.distinct_blocks == len(reference.holders)
+    assert (snapshot.remembered_blocks, snapshot.forgotten_blocks) == (
+        len(reference.remembered),
+        reference.forgotten,
+    )
+    assert (reference.forgotten > 0) == (remember < 3_000)
+    assert {name for (name, _), n in snapshot.held.items() if n} == {name for name in live if held[name]}
+    for key in range(3_000):
+        assert {live[name] for name in index.holders(key)} == reference.holders.get(key, set())
+
+
+def test_more_replicas_than_the_masks_hold_is_an_error_naming_the_replica() -> None:
+    index = FleetIndex()
+    for number in range(MAX_REPLICAS):
+        index.stored(f"r{number}", [1], None, tokens(1), 4)
+    assert index.recomputed[f"r{MAX_REPLICAS - 1}", HELD_ELSEWHERE] == 1
+    with pytest.raises(ValueError, match="'r64': the index follows at most 64 replicas"):
+        index.stored("r64", [1], None, tokens(1), 4)

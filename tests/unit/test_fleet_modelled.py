@@ -52,3 +52,10 @@ def test_litellm_ids_and_their_partial_last_block() -> None:
     assert fleet.record("b", ids, 40) == 0
     assert fleet.index.recomputed["b", HELD_ELSEWHERE] == 2
     assert fleet.record("a", ids[:2], 32) == 16  # the last token's block is recomputed
+
+
+def test_an_index_keyed_by_content_is_refused() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="hashes_alike=True"):
+        ModelledFleet(FleetIndex(), 10, 16)

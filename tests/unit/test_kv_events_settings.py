@@ -32,6 +32,7 @@ def test_flags_become_publishers() -> None:
         (["=tcp://a:1"], None, "kv_events.0.name"),
         (["r0=tcp://a:1"], "2/2", "kv_events_shard"),
         (["r0=tcp://a:1"], "a/b", "kv_events_shard"),
+        ([f"r{i}=tcp://a:{i + 1}" for i in range(65)], None, "at most 64 KV events publishers"),
     ],
 )
 def test_bad_values_are_named(pairs: list[str], shard: str | None, message: str) -> None:
@@ -51,3 +52,16 @@ def test_without_pyzmq_serving_kv_events_is_a_clear_settings_error(monkeypatch: 
     )
     with pytest.raises(SettingsError, match=r"pip install 'kvlens\[kv-events\]'"):
         KVEvents([Publisher("r0", "tcp://a:1")], FleetIndex())
+
+
+def test_without_numba_the_fleet_index_is_a_clear_settings_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from kvlens.fleet.index import FleetIndex
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "numba" else real(name, *a)
+    )
+    with pytest.raises(SettingsError, match=r"pip install 'kvlens\[kv-events\]'"):
+        FleetIndex()

@@ -7,11 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlens.fleet.index import EVICTED_HERE, HELD_ELSEWHERE, NEW, FleetIndex
+from kvlens.fleet.index import EVICTED_HERE, HELD_ELSEWHERE, NEW, FleetIndex, token_array
 from kvlens.fleet.source import MAX_WAITING_BYTES, Consumer, Publisher
 from kvlens.fleet.wire import APPLIED, MALFORMED, MalformedPayload, apply, decode_batch
 from tests import vllm_kv_events as vllm
@@ -38,6 +39,12 @@ def batch(*events: Any, rank: int | None = 0) -> bytes:
     return vllm.encode(vllm.KVEventBatch(ts=TS, events=list(events), data_parallel_rank=rank))
 
 
+def tokens_of(event: Any) -> list[int]:
+    tokens = token_array(event.token_ids)
+    assert tokens is not None
+    return [int(t) for t in tokens.astype(np.int64)]
+
+
 def test_vllm_events_round_trip() -> None:
     payload = batch(
         stored([11, 12], None, FIRST + SECOND, extra_keys=[("cache_salt", "s"), None], group_idx=0),
@@ -48,7 +55,8 @@ def test_vllm_events_round_trip() -> None:
     decoded = decode_batch(payload)
     assert (decoded.ts, decoded.data_parallel_rank) == (TS, 0)
     first, second, third = decoded.events
-    assert (first.block_hashes, first.parent_block_hash, first.token_ids) == ([11, 12], None, FIRST + SECOND)
+    assert (first.block_hashes, first.parent_block_hash) == ([11, 12], None)
+    assert tokens_of(first) == FIRST + SECOND  # left as msgpack by the decoder, read by the index
     assert (first.medium, first.extra_keys, first.group_idx) == ("GPU", [["cache_salt", "s"], None], 0)
     assert (second.block_hashes, second.medium) == ([12], "GPU")
     assert type(third).__name__ == "_Cleared"
@@ -81,7 +89,7 @@ def test_the_map_envelope_and_sglangs_array_events_decode_alike() -> None:
     index = FleetIndex()
     events = decode_batch(sglang).events
     assert [type(e).__name__ for e in events] == ["_StoredArray", "_RemovedArray", "_ClearedArray"]
-    assert (events[0].block_hashes, events[0].token_ids, events[0].medium) == ([1], FIRST, None)
+    assert (events[0].block_hashes, tokens_of(events[0]), events[0].medium) == ([1], FIRST, None)
     for event in [*events, *decode_batch(as_map).events]:
         assert apply(index, "a", event) == APPLIED
     assert index.recomputed["a", NEW] == 1 and index.recomputed["a", EVICTED_HERE] == 1
@@ -357,3 +365,43 @@ def test_only_the_first_kv_cache_group_is_followed() -> None:
     assert c.index.recomputed == {("a", NEW): 1}
     assert c.index.snapshot().held == {("a", "GPU"): 1}
     assert c.status["a"].other_group_events == 2
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(-(2**63), 2**64 - 1), max_size=40))
+def test_token_ids_read_from_msgpack_equal_the_decoded_list(values: list[int]) -> None:
+    """Every msgpack integer form (fixint, negative fixint, uint8-64, int8-64; array16 past 15)
+    read in place gives what decoding to a list gives, negative ids in two's complement."""
+    raw = msgspec.Raw(msgspec.msgpack.encode(values))
+    from_raw, from_list = token_array(raw), token_array(values)
+    assert from_raw is not None and from_list is not None
+    assert from_raw.tolist() == from_list.tolist() == [v & (2**64 - 1) for v in values]
+
+
+@pytest.mark.parametrize(
+    "value",
+    [[1, "2"], [1.5], [[1]], [None], {"a": 1}, "1", 7, b"\x01"],
+    ids=["str", "float", "nested", "nil", "map", "string", "int", "bin"],
+)
+def test_token_ids_that_are_not_integers_make_the_event_malformed(value: Any) -> None:
+    raw = msgspec.Raw(msgspec.msgpack.encode(value))
+    assert token_array(raw) is None
+    event = decode_batch(batch(stored([1], None, FIRST))).events[0]
+    assert apply(FleetIndex(), "a", msgspec.structs.replace(event, token_ids=raw)) == MALFORMED
+
+
+def test_truncated_and_long_token_arrays_are_refused() -> None:
+    encoded = msgspec.msgpack.encode(list(range(100, 140)) + [70_000] * 20)  # array16, uint32s
+    assert encoded[0] == 0xDC
+    assert token_array(msgspec.Raw(encoded)) is not None
+    for cut in (1, 2, 3, 50, len(encoded) - 1):
+        assert token_array(msgspec.Raw(encoded[:cut])) is None
+    assert token_array(msgspec.Raw(encoded + b"\x01")) is None  # a byte past the array
+
+
+@pytest.mark.parametrize("size", [0, -4, 2**31 + 1, 2**64 + 4])
+def test_a_block_size_out_of_range_makes_the_event_malformed(size: int) -> None:
+    event = decode_batch(batch(stored([1], None, FIRST))).events[0]
+    index = FleetIndex()
+    assert apply(index, "a", msgspec.structs.replace(event, block_size=size)) == MALFORMED
+    assert index.recomputed == {}

@@ -49,7 +49,7 @@ def test_the_image_runs_the_python_ci_tests_on_and_checks_health_on_its_port_and
     for key in ("title", "version", "licenses", "source", "base.name"):
         assert f"org.opencontainers.image.{key}=" in text, key
     assert labels.startswith("LABEL org.opencontainers.image.title")
-    assert "'kvlens[serve]'" in text  # the bare wheel would be the plugin alone
+    assert "'kvlens[serve,kv-events]'" in text  # the bare wheel would be the plugin alone; kv-events: pyzmq
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +105,10 @@ def test_the_wheel_requires_nothing_without_an_extra(wheel: zipfile.ZipFile) -> 
         "[vllm.stat_logger_plugins]\nkvlens = kvlens.sources.vllm_plugin:KVLensStatLogger"
         in entry_points_text
     )
+
+
+def test_the_wheel_carries_the_json_schemas_of_the_outputs(wheel: zipfile.ZipFile) -> None:
+    shipped = sorted(name for name in wheel.namelist() if name.startswith("kvlens/schemas/"))
+    in_repo = sorted(f"kvlens/schemas/{p.name}" for p in (ROOT / "service/kvlens/schemas").glob("*.json"))
+    assert shipped == in_repo and len(shipped) == 6
+    assert all(wheel.read(name) == (ROOT / "service" / name).read_bytes() for name in shipped)

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from kvlens.experiment.stream import Exchange, Failed, StreamClient, _Connection
+from kvlens.experiment.stream import MAX_LINE_BYTES, Exchange, Failed, StreamClient, _Connection
 
 EVENTS = (
     b'data: {"choices":[{"index":0,"text":"a"}]}\n\n'
@@ -53,7 +53,7 @@ class _Transport(asyncio.Transport):
         return self.closing
 
 
-def drive(answer: bytes, pieces: list[int]) -> tuple[Exchange | str, bool]:
+def drive(answer: bytes, pieces: list[int], max_tokens: int | None = None) -> tuple[Exchange | str, bool]:
     """Feed ``answer`` to one connection cut at ``pieces``; the outcome and whether the
     connection went back to the idle stack."""
 
@@ -62,7 +62,7 @@ def drive(answer: bytes, pieces: list[int]) -> tuple[Exchange | str, bool]:
         connection = _Connection(client)
         connection.connection_made(_Transport())
         future = asyncio.get_running_loop().create_future()
-        connection.start(b"POST", Exchange(0.0), future)
+        connection.start(b"POST", Exchange(0.0, max_tokens), future)
         for start, end in zip([0, *pieces], [*pieces, len(answer)], strict=True):
             if not future.done():
                 connection.data_received(answer[start:end])
@@ -89,6 +89,21 @@ def test_every_cut_of_the_bytes_gives_the_same_answer(answer: bytes, reusable: b
     assert isinstance(got, Exchange) and (len(got.token_times), got.usage, kept) == (2, USAGE, reusable)
 
 
+def test_more_chunks_with_text_than_max_tokens_fail_and_exactly_max_tokens_do_not() -> None:
+    for answer in (CHUNKED, LENGTH, TO_CLOSE):
+        assert drive(answer, [], max_tokens=1) == ("too_many_tokens", False)
+        exact, _ = drive(answer, [], max_tokens=2)
+        assert isinstance(exact, Exchange) and len(exact.token_times) == 2
+
+
+def test_a_line_of_exactly_max_line_bytes_is_taken() -> None:
+    opening, closing = b'data: {"choices":[{"index":0,"text":"', b'"}]}'
+    line = opening + b"a" * (MAX_LINE_BYTES - len(opening) - len(closing)) + closing
+    assert len(line) == MAX_LINE_BYTES
+    got, _ = drive(sized(line + b"\n\n" + EVENTS), [7, len(line) // 2])
+    assert isinstance(got, Exchange) and len(got.token_times) == 3
+
+
 def test_a_body_to_the_close_ends_with_the_connection() -> None:
     got, kept = drive(TO_CLOSE, [50])
     assert isinstance(got, Exchange) and (len(got.token_times), got.usage, kept) == (2, USAGE, False)
@@ -106,6 +121,10 @@ def test_a_body_to_the_close_ends_with_the_connection() -> None:
         (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n", "transport_RemoteProtocolError"),
         (b"SSH-2.0-OpenSSH\r\n\r\n", "transport_RemoteProtocolError"),
         (CHUNKED[:-40], "transport_RemoteProtocolError"),  # the server closed mid-body
+        (b"HTTP/1.1 200 OK\r\nContent-Encoding: GZIP\r\ncontent-length: 3\r\n\r\nabc", "content_encoding"),
+        (b"HTTP/1.1 200 OK\r\ncontent-encoding: br\r\n\r\n" + EVENTS, "content_encoding"),
+        (TO_CLOSE[: -len(EVENTS)] + b"data: " + b"a" * MAX_LINE_BYTES, "line_too_long"),  # no newline
+        (sized(b"data: " + b"a" * MAX_LINE_BYTES + b"\n\n" + EVENTS), "line_too_long"),  # one read
     ],
 )
 def test_each_failure_has_its_reason(answer: bytes, reason: str) -> None:
@@ -218,3 +237,38 @@ def test_no_byte_within_the_timeout_fails_with_timeout_and_a_refused_connection_
         return slow.value.reason, refused.value.reason
 
     assert asyncio.run(run()) == ("timeout", "transport_ConnectError")
+
+
+def test_the_timeout_bounds_the_whole_request_not_each_silence() -> None:
+    trickled: list[int] = []
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        # a comment every 10 ms, each well within the timeout, for ten times the timeout; then a
+        # whole answer (a client that waits for it took an endless stream as fine)
+        for _ in range(200):
+            writer.write(b"e\r\n: keep-alive\n\n\r\n")  # one chunk of 14 bytes
+            try:
+                await writer.drain()
+            except ConnectionError:
+                return
+            trickled.append(1)
+            await asyncio.sleep(0.01)
+        writer.write(chunked(EVENTS, 37))
+        await writer.drain()
+
+    async def run() -> str:
+        server, url, _ = await serve(script)
+        client = StreamClient(url, timeout=0.2)
+        try:
+            await client.begin("/v1/completions", b"{}", 0.0)
+        except Failed as failure:
+            return failure.reason
+        finally:
+            await client.aclose()
+            server.close()
+        return "answered"
+
+    assert asyncio.run(run()) == "timeout"
+    assert 0 < len(trickled) < 200

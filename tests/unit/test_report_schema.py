@@ -24,7 +24,8 @@ PERCENTILES = {"count", "p50", "p95", "p99"}
 DECOMPOSITION = {"requests", "overlapped_requests", "queue_share", "prefill_share", "other_share"}
 SLOWEST = {"share", "threshold_seconds", "requests", "groups"}
 SLOWEST_GROUP = {"prompt_len", "cache", "requests", "share"}
-INPUT = {"files", "formats", "lines", "ignored", "records", "skipped_total", "skipped", "skipped_examples"}
+INPUT = {"files", "formats", "lines", "ignored", "records", "skipped_total", "skipped", "skipped_examples",
+         "time_range"}  # fmt: skip
 
 
 def report(
@@ -66,6 +67,8 @@ def test_every_documented_field_at_every_level(tmp_path: Path, capsys: pytest.Ca
     assert set(result["ttft_decomposition"]) == DECOMPOSITION
     assert result["ttft_decomposition"]["overlapped_requests"] == 0
     assert set(result["input"]) == INPUT
+    # no record of traffic() carries an arrival_time
+    assert result["input"]["time_range"] == {"first_arrival": None, "last_arrival": None, "records": 0}
     slowest = result["slowest"]
     assert set(slowest) == SLOWEST and slowest["share"] == 0.05
     assert slowest["threshold_seconds"] == 1.0 and slowest["requests"] == 3

@@ -110,3 +110,19 @@ def test_pushed_records_carry_the_durations_the_client_lived() -> None:
         "block_size": 16,
         "finish_reason": "length",
     }
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "abc",
+        "é漢字🙂",
+        "<|im_start|>user\nhi<|im_end|>\n",
+        "<|endoftext|><|endoftext|>x",
+        "<|im_start",
+        "a" * 50,
+    ],
+)
+def test_count_is_the_length_of_encode(text: str) -> None:
+    assert tokenizer.count(text) == len(tokenizer.encode(text))

@@ -18,6 +18,7 @@ import numpy as np
 from kvlens.analysis import calibration, diagnosis, reader, report
 from kvlens.config import Settings
 from kvlens.definitions import prompt_length_labels
+from kvlens.records import batch_from_objects
 
 ENGINES = ("numpy", "duckdb")
 CALIBRATION_MAX_POINTS = 200_000  # per model, duckdb engine: past it an even sample is fitted
@@ -46,8 +47,12 @@ def analyze(
         try:
             with columnar.engine_errors(store.memory_limit):
                 loaded = columnar.load(store, paths, format_name=format_name, model=model, progress=progress)
+                table = columnar.working_set(store, loaded)
                 summary = columnar.summarize(
-                    store, "records", settings.prompt_length_edges, settings.default_model
+                    store,
+                    table,
+                    settings.prompt_length_edges,
+                    settings.default_model,
                 )
                 read, records = loaded.read, sum(cell.requests for cell in summary.cells.values())
                 # one model's points at a time, fitted as they come
@@ -55,7 +60,8 @@ def analyze(
                     calibration.fit(*points)
                     for points in columnar.calibration_inputs(store, CALIBRATION_MAX_POINTS)
                 ]
-                result = _report(summary, settings, labels, read, records, paths, lambda: None)
+                span = time_range(*columnar.arrival_range(store, table))
+                result = _report(summary, settings, labels, read, records, paths, span, lambda: None)
         finally:
             store.close()
     else:
@@ -64,6 +70,12 @@ def analyze(
             read.batch, settings.prompt_length_edges, settings.cost_model_for, settings.default_model
         )
         summary = report.summarize(derived)
+        arrivals = read.batch.arrival_time[~np.isnan(read.batch.arrival_time)]
+        span = time_range(
+            float(arrivals.min()) if arrivals.size else None,
+            float(arrivals.max()) if arrivals.size else None,
+            int(arrivals.size),
+        )
         result = _report(
             summary,
             settings,
@@ -71,6 +83,7 @@ def analyze(
             read,
             len(read.batch),
             paths,
+            span,
             lambda: diagnosis.prefix_potential(derived),
         )
         fits = [
@@ -83,9 +96,44 @@ def analyze(
             for name in sorted(set(derived.model))
             if (rows := derived.model == name).any() and not np.isnan(read.batch.prefill_seconds[rows]).all()
         ]
-    fits += _point_fits(settings, prefill_points)
-    result["calibration"] = [{**fit.as_dict(), "residuals": fit.residuals} for fit in fits]
+    return _calibrated(result, fits, settings, prefill_points)
+
+
+def _calibrated(
+    result: dict[str, Any], fits: list[calibration.Fit], settings: Settings, prefill_points: Sequence[Path]
+) -> tuple[dict[str, Any], list[calibration.Fit]]:
+    """The report with the fits of the records and of the ``prefill_points`` tables."""
+    fits = [*fits, *_point_fits(settings, prefill_points)]
+    result["calibration"] = [
+        {**fit.as_dict(), "residuals": fit.residuals, "sample": fit.sample} for fit in fits
+    ]
     return result, fits
+
+
+def from_aggregates(
+    paths: Sequence[Path], settings: Settings, *, prefill_points: Sequence[Path] = ()
+) -> tuple[dict[str, Any], list[calibration.Fit]]:
+    """The report of a warehouse's results of the ``--print-sql`` statements (the same settings):
+    everything a direct analysis reports but the calibration from records, which needs each
+    request (``prefill_points`` still calibrate)."""
+    from kvlens.analysis import warehouse
+
+    summary = warehouse.summary_from(warehouse.read_aggregates(paths), paths)
+    records = sum(cell.requests for cell in summary.cells.values())
+    files = [str(path) for path in paths]
+    read = reader.ReadResult(
+        batch=batch_from_objects([]).batch, lines=records, formats=dict.fromkeys(files, "aggregates")
+    )
+    labels = prompt_length_labels(settings.prompt_length_edges)
+    span = time_range(None, None, 0)  # the statements carry no arrival times
+    result = _report(summary, settings, labels, read, records, files, span, lambda: None)
+    return _calibrated(result, [], settings, prefill_points)
+
+
+def time_range(first: float | None, last: float | None, records: int) -> dict[str, Any]:
+    """The first and last ``arrival_time`` (unix seconds) of the accepted records, and how many
+    carry one (the field is optional: the range may rest on a part of the records)."""
+    return {"first_arrival": first, "last_arrival": last, "records": records}
 
 
 def choose_engine(requested: str, paths: Sequence[str]) -> str:
@@ -113,6 +161,7 @@ def _report(
     read: reader.ReadResult,
     records: int,
     paths: list[str],
+    span: dict[str, Any],
     potential: Callable[[], dict[str, Any] | None],
 ) -> dict[str, Any]:
     result = report.build_from(summary, settings.cost_model_for, labels)
@@ -125,6 +174,7 @@ def _report(
         "skipped_total": read.skipped_total,
         "skipped": dict(sorted(read.skipped.items())),
         "skipped_examples": read.examples,
+        "time_range": span,
     }
     result["diagnosis"] = diagnosis.diagnose(summary, labels, result, potential)
     return result

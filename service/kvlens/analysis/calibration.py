@@ -89,6 +89,7 @@ class Fit:
     reason: str
     residuals: list[tuple[float, float]]  # (modelled, measured) for a sample
     source: str = "records"
+    sample: list[tuple[int, int, float]] = field(default_factory=list)  # (n, h, measured), same sample
     saved: list[SavedFraction] = field(default_factory=list)
     per_layer: bool = False  # times (and so a, b, c) are of one layer: the layer count is unknown
 
@@ -122,7 +123,7 @@ class Fit:
 
 def _fit_candidate(columns: tuple[FloatArray, ...], y: FloatArray) -> tuple[FloatArray, FloatArray]:
     """Coefficients (the constant last) minimising the squared relative error, and the modelled times."""
-    from scipy.optimize import nnls  # the "analyze" extra
+    from kvlens.nnls import nnls
 
     design = np.column_stack([*columns, np.ones_like(y)])
     weighted = design / y[:, None]
@@ -170,8 +171,10 @@ def fit(
     quality = qualities.pop(REMAINING)
     usable, reason = _judge(quality, qualities, a, b)
     pick = np.random.default_rng(0).choice(y.size, size=min(RESIDUAL_SAMPLE, y.size), replace=False)
-    residuals = [(float(modelled[i]), float(y[i])) for i in np.sort(pick)]
-    return Fit(model, int(y.size), a, b, c, quality, qualities, usable, reason, residuals, source)
+    picked = np.sort(pick)
+    residuals = [(float(modelled[i]), float(y[i])) for i in picked]
+    sample = [(int(n[i]), int(h[i]), float(y[i])) for i in picked]
+    return Fit(model, int(y.size), a, b, c, quality, qualities, usable, reason, residuals, source, sample)
 
 
 def _judge(quality: Quality, alternatives: dict[str, Quality], a: float, b: float) -> tuple[bool, str]:

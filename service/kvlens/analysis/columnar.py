@@ -2,19 +2,21 @@
 extra).
 
 The records never sit in Python: JSON lines go through the same reader and validator as the
-numpy path, one chunk at a time, into a DuckDB table (spilled to disk past ``memory_limit``);
+numpy path, one block at a time, into a DuckDB table (spilled to disk past ``memory_limit``);
 Parquet files are scanned where they lie, checked against the bounds
-:class:`kvlens.records.Record` declares. The per-record decisions of :func:`kvlens.reduce.reduce`
-become the table of :func:`reduced_sql` (materialized once); the engine computes a
+:class:`kvlens.records.Record` declares, and copied into memory once only when they fit in
+half the limit (:func:`working_set`). The per-record decisions of :func:`kvlens.reduce.reduce`
+are the view of :func:`reduced_sql`, derived as each scan reads; the engine computes a
 :class:`kvlens.analysis.report.Summary` (exact integer sums per model, length group and hit;
-exact order statistics; fixed-point TTFT sums) and the report is built from it by the same code
-as the numpy path's, so the two agree field by field (tests/unit/test_columnar.py draws random
-record sets to hold them to it).
+exact order statistics; fixed-point TTFT sums) in a few scans (:func:`summarize`) and the
+report is built from it by the same code as the numpy path's, so the two agree field by field
+(tests/unit/test_columnar.py draws random record sets to hold them to it).
 
 Exact order statistics in bounded memory: an engine's sort or its ``quantile`` aggregate either
 holds a group's values in memory or sorts all of them; instead each wanted rank is found by
-narrowing a value range with histograms (:data:`BINS` bins a pass, one scan of the data for all
-series at once) until the range holds one distinct value or few enough values to fetch.
+narrowing a value range with histograms (about :data:`BIN_VALUES` values a bin, one scan of
+the data for all series at once) until the range holds one distinct value or few enough values
+to fetch.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from kvlens.analysis import reader, report
 from kvlens.errors import InputError
 
 DEFAULT_MEMORY_LIMIT = "2GiB"
-BINS = 4096  # histogram bins a pass
+BINS = 65536  # histogram bins a pass, at most
+BIN_VALUES = 1024  # values a bin is sized for: a pass leaves ranges of about that many to fetch
 FETCH_MAX = 4096  # values in range fetched to pick the rank directly
 PARQUET_SUFFIXES = (".parquet", ".pq")
 _PARQUET_MAGIC = b"PAR1"
@@ -49,6 +52,7 @@ ANALYSIS_COLUMNS = (
     "queue_seconds",
     "prefill_seconds",
     "ttft_seconds",
+    "arrival_time",  # only its range is read (the report's time range)
 )
 SCALAR_COLUMNS = tuple(spec.name for spec in records.FIELDS if spec.kind is not list)
 _SQL_TYPE = {int: "BIGINT", float: "DOUBLE", str: "VARCHAR"}
@@ -74,6 +78,7 @@ class Engine:
     temp_directory: str | None = None  # default: a new directory, removed on close
     threads: int | None = None
     connection: Any = field(init=False)
+    prefill_counts: dict[str, int] = field(init=False, default_factory=dict)  # set by summarize
     _spill: tempfile.TemporaryDirectory[str] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
@@ -176,6 +181,11 @@ class Loaded:
 
     read: reader.ReadResult
     files: list[str]
+    parquet: bool = False  # some input is Parquet (scanned where it lies)
+
+    @property
+    def records(self) -> int:
+        return self.read.lines - self.read.skipped_total - self.read.ignored
 
 
 def load(
@@ -216,7 +226,7 @@ def load(
     if parquet:
         sources.append(_parquet_view(engine, parquet, columns, result))
     con.execute(f"CREATE OR REPLACE TEMP VIEW records AS {' UNION ALL '.join(sources)}")
-    return Loaded(read=result, files=files)
+    return Loaded(read=result, files=files, parquet=bool(parquet))
 
 
 def _columns_of(batch: records.RecordBatch, columns: Sequence[str]) -> dict[str, Any]:
@@ -370,28 +380,35 @@ def reduced_sql(source: str, edges: Sequence[int], default_model: str, keep: Seq
 FROM {source}"""
 
 
-def cells_sql(reduced: str) -> str:
-    """Exact sums per (model, length group, hit): DECIMAL(38,0) does not overflow where a
-    BIGINT sum of squares would (a billion 10M-token prompts), in any engine."""
-    return f"""SELECT model, length_group, hit,
-  COUNT(*) AS requests,
-  SUM(CAST(prompt_tokens AS DECIMAL(38,0))) AS prompt_tokens,
-  SUM(CAST(cached_tokens AS DECIMAL(38,0))) AS cached_tokens,
-  SUM(CAST(prompt_squares AS DECIMAL(38,0))) AS prompt_squares,
-  SUM(CAST(cached_squares AS DECIMAL(38,0))) AS cached_squares
-FROM ({reduced}) AS reduced_rows GROUP BY model, length_group, hit"""
-
-
 FIXED = float(definitions.FIXED_POINT_SECONDS)
 
 
-def decomposition_sql(reduced: str) -> str:
-    def fixed(column: str) -> str:
-        return f"SUM(CAST(CAST(FLOOR({column} * {FIXED!r}) AS BIGINT) AS DECIMAL(38,0)))"
+def _exact(column: str) -> str:
+    """An exact integer sum: DECIMAL(38,0) does not overflow where a BIGINT sum of squares
+    would (a billion 10M-token prompts), in any engine."""
+    return f"SUM(CAST({column} AS DECIMAL(38,0)))"
 
+
+def _fixed(column: str) -> str:
+    """A sum of durations in fixed point (:data:`FIXED`), exact in any engine."""
+    return f"SUM(CAST(CAST(FLOOR({column} * {FIXED!r}) AS BIGINT) AS DECIMAL(38,0)))"
+
+
+def cells_sql(reduced: str) -> str:
+    """Exact sums per (model, length group, hit)."""
+    return f"""SELECT model, length_group, hit,
+  COUNT(*) AS requests,
+  {_exact("prompt_tokens")} AS prompt_tokens,
+  {_exact("cached_tokens")} AS cached_tokens,
+  {_exact("prompt_squares")} AS prompt_squares,
+  {_exact("cached_squares")} AS cached_squares
+FROM ({reduced}) AS reduced_rows GROUP BY model, length_group, hit"""
+
+
+def decomposition_sql(reduced: str) -> str:
     return f"""SELECT COUNT(*) AS requests,
   SUM(CASE WHEN ttft_overlapped THEN 1 ELSE 0 END) AS overlapped,
-  {fixed("queue_seconds")} AS queue, {fixed("prefill_seconds")} AS prefill, {fixed("ttft_other")} AS other
+  {_fixed("queue_seconds")} AS queue, {_fixed("prefill_seconds")} AS prefill, {_fixed("ttft_other")} AS other
 FROM ({reduced}) AS reduced_rows WHERE ttft_complete"""
 
 
@@ -446,19 +463,39 @@ class _Target:
     high: float
     offset: int  # rank within [low, high]
     count: int  # values within [low, high]
+    first_bin: int = -1  # the bin of the first pass that holds it (-1: before the first pass)
     value: float | None = None
+
+
+def _bin(value: str, low: str, high: str, bins: str) -> str:
+    """The histogram bin of ``value`` in ``[low, high]`` (``low < high``) of ``bins``: monotone
+    in ``value`` (each step rounds monotonically), so bins are runs of the sorted values."""
+    return f"LEAST(CAST(FLOOR(({value} - {low}) / ({high} - {low}) * {bins}) AS BIGINT), {bins} - 1)"
+
+
+def _bins_for(count: int) -> int:
+    """Bins for ``count`` values: about :data:`BIN_VALUES` a bin (an even spread is left to
+    fetch after one pass; a histogram as fine as the values would cost a group a value)."""
+    return max(2, min(BINS, -(-count // BIN_VALUES)))
 
 
 def order_statistics(
     engine: Engine, series: str, wanted: dict[Part, list[int]], bounds: dict[Part, tuple[int, float, float]]
 ) -> dict[tuple[Part, int], float]:
     """The values at ``wanted`` ranks (0-based, ascending) of each part of ``series``;
-    ``bounds`` gives each part's count, min and max."""
+    ``bounds`` gives each part's count, min and max.
+
+    The first pass bins every part's values between its min and max and keeps, for each
+    target, the bin holding its rank (the pick is made in SQL, so a pass returns one row a
+    target, not one a bin). Every later pass looks only at the values of the targets' first
+    bins, found by an equality join on (part, first bin): a value meets at most the targets of
+    its own bin, never every target of its part."""
     targets = [
         _Target(part, rank, bounds[part][1], bounds[part][2], rank, bounds[part][0])
         for part, ranks in wanted.items()
         for rank in ranks
     ]
+    first = True
     while True:
         for target in targets:
             if target.value is None and target.low == target.high:
@@ -466,105 +503,258 @@ def order_statistics(
         open_targets = [t for t in targets if t.value is None]
         if not open_targets:
             break
+        if first:
+            _first_pass(engine, series, open_targets, bounds)
+            first = False
+            continue
         fetch = [t for t in open_targets if t.count <= FETCH_MAX]
         narrow = [t for t in open_targets if t.count > FETCH_MAX]
         if fetch:
-            _fetch(engine, series, fetch)
+            _fetch(engine, series, fetch, bounds)
         if narrow:
-            _narrow(engine, series, narrow)
+            _narrow(engine, series, narrow, bounds)
     return {(t.part, t.rank): float(t.value) for t in targets if t.value is not None}
 
 
-def _windows(targets: list[_Target]) -> tuple[dict[str, Any], list[int]]:
-    """The distinct value ranges the targets look in (several ranks of one part share theirs
-    until they part ways), as a table, and each target's range."""
-    index: dict[tuple[Part, float, float], int] = {}
-    of_target = [index.setdefault((t.part, t.low, t.high), len(index)) for t in targets]
-    windows = list(index)
+def _parts_table(targets: list[_Target], bounds: dict[Part, tuple[int, float, float]]) -> dict[str, Any]:
+    parts = sorted({t.part for t in targets}, key=_part_key)
     return {
-        "id": np.arange(len(windows), dtype=np.int64),
+        "k": np.array([_part_key(part) for part in parts], dtype=np.int64),
+        "lo": np.array([bounds[part][1] for part in parts], dtype=np.float64),
+        "hi": np.array([bounds[part][2] for part in parts], dtype=np.float64),
+        "nb": np.array([_bins_for(bounds[part][0]) for part in parts], dtype=np.int64),
+    }
+
+
+@contextlib.contextmanager
+def _registered(engine: Engine, tables: dict[str, dict[str, Any]]) -> Iterator[None]:
+    for name, table in tables.items():
+        engine.connection.register(name, table)
+    try:
+        yield
+    finally:
+        for name in tables:
+            engine.connection.unregister(name)
+
+
+def _picked(histogram: str, by: str) -> str:
+    """The bin of ``histogram`` (columns ``by``, ``bin``, ``c``, ``lo``, ``hi``) holding each
+    target's rank: ``targets`` has ``id``, ``by`` and ``offset``."""
+    return f"""WITH h AS ({histogram}),
+cum AS (SELECT *, CAST(SUM(c) OVER (PARTITION BY {by} ORDER BY bin) AS BIGINT) - c AS before FROM h)
+SELECT t.id, cum.bin, cum.c, cum.lo, cum.hi, cum.before FROM cum JOIN targets t
+  ON cum.{by} = t.{by} AND t.offset >= cum.before AND t.offset < cum.before + cum.c"""
+
+
+def _first_pass(
+    engine: Engine, series: str, targets: list[_Target], bounds: dict[Part, tuple[int, float, float]]
+) -> None:
+    table = {
+        "id": np.arange(len(targets), dtype=np.int64),
+        "k": np.array([_part_key(t.part) for t in targets], dtype=np.int64),
+        "offset": np.array([t.offset for t in targets], dtype=np.int64),
+    }
+    histogram = (
+        f"SELECT d.k, {_bin('d.v', 'p.lo', 'p.hi', 'p.nb')} AS bin, COUNT(*) AS c, MIN(d.v) AS lo, "
+        f"MAX(d.v) AS hi FROM ({series}) d JOIN parts p ON d.k = p.k GROUP BY 1, 2"
+    )
+    with _registered(engine, {"parts": _parts_table(targets, bounds), "targets": table}):
+        rows = engine.connection.execute(_picked(histogram, "k")).fetchall()
+    _apply(targets, rows, first=True)
+
+
+def _apply(targets: list[_Target], rows: list[tuple[Any, ...]], *, first: bool) -> None:
+    for index, bin_, count, low, high, before in rows:
+        target = targets[int(index)]
+        if first:
+            target.first_bin = int(bin_)
+        target.low, target.high = float(low), float(high)
+        target.count, target.offset = int(count), target.offset - int(before)
+
+
+def _in_windows(
+    engine: Engine, series: str, targets: list[_Target], bounds: dict[Part, tuple[int, float, float]]
+) -> tuple[str, dict[str, dict[str, Any]], list[int]]:
+    """The values in the targets' ranges (several ranks of one part share theirs until they
+    part ways) as SQL with the window ``w`` each falls in, the tables it reads, and each
+    target's window."""
+    index: dict[tuple[Part, int, float, float], int] = {}
+    of_target = [index.setdefault((t.part, t.first_bin, t.low, t.high), len(index)) for t in targets]
+    windows = list(index)
+    counts = [0] * len(windows)
+    for target, window in zip(targets, of_target, strict=True):
+        counts[window] = target.count  # the same for every target of a window
+    table = {
+        "w": np.arange(len(windows), dtype=np.int64),
         "k": np.array([_part_key(w[0]) for w in windows], dtype=np.int64),
-        "lo": np.array([w[1] for w in windows], dtype=np.float64),
-        "hi": np.array([w[2] for w in windows], dtype=np.float64),
-    }, of_target
+        "b": np.array([w[1] for w in windows], dtype=np.int64),
+        "lo": np.array([w[2] for w in windows], dtype=np.float64),
+        "hi": np.array([w[3] for w in windows], dtype=np.float64),
+        "nb": np.array([_bins_for(count) for count in counts], dtype=np.int64),
+    }
+    binned = (
+        f"SELECT d.k, d.v, {_bin('d.v', 'p.lo', 'p.hi', 'p.nb')} AS b "
+        f"FROM ({series}) d JOIN parts p ON d.k = p.k"
+    )
+    values = (
+        f"SELECT t.w, t.lo, t.hi, t.nb, d.v FROM ({binned}) d JOIN windows t ON d.k = t.k AND d.b = t.b "
+        "WHERE d.v >= t.lo AND d.v <= t.hi"
+    )
+    return values, {"parts": _parts_table(targets, bounds), "windows": table}, of_target
 
 
-_JOIN = "d.k = t.k AND d.v >= t.lo AND d.v <= t.hi"
-
-
-def _fetch(engine: Engine, series: str, targets: list[_Target]) -> None:
-    con = engine.connection
-    table, of_target = _windows(targets)
-    con.register("windows", table)
-    try:
-        rows = con.execute(
-            f"SELECT t.id, d.v FROM ({series}) d JOIN windows t ON {_JOIN} ORDER BY t.id, d.v"
-        ).fetchall()
-    finally:
-        con.unregister("windows")
-    values: dict[int, list[float]] = {}
+def _fetch(
+    engine: Engine, series: str, targets: list[_Target], bounds: dict[Part, tuple[int, float, float]]
+) -> None:
+    values, tables, of_target = _in_windows(engine, series, targets, bounds)
+    with _registered(engine, tables):
+        rows = engine.connection.execute(f"SELECT w, v FROM ({values}) ORDER BY w, v").fetchall()
+    found: dict[int, list[float]] = {}
     for window, value in rows:
-        values.setdefault(int(window), []).append(float(value))
+        found.setdefault(int(window), []).append(float(value))
     for target, window in zip(targets, of_target, strict=True):
-        target.value = values[window][target.offset]
+        target.value = found[window][target.offset]
 
 
-def _narrow(engine: Engine, series: str, targets: list[_Target]) -> None:
-    """One histogram pass: each target's range shrinks to the bin holding its rank. The bin of
-    ``v`` is monotone in ``v`` (each step rounds monotonically), so bins are runs of the sorted
-    values."""
-    con = engine.connection
-    table, of_target = _windows(targets)
-    con.register("windows", table)
-    try:
-        rows = con.execute(
-            "SELECT t.id, "
-            f"LEAST(CAST(FLOOR((d.v - t.lo) / (t.hi - t.lo) * {BINS}) AS BIGINT), {BINS - 1}) AS bin, "
-            f"COUNT(*), MIN(d.v), MAX(d.v) FROM ({series}) d JOIN windows t ON {_JOIN} "
-            "GROUP BY 1, 2 ORDER BY 1, 2"
-        ).fetchall()
-    finally:
-        con.unregister("windows")
-    bins: dict[int, list[tuple[int, float, float]]] = {}
-    for window, _, count, low, high in rows:
-        bins.setdefault(int(window), []).append((int(count), float(low), float(high)))
-    for target, window in zip(targets, of_target, strict=True):
-        before = 0
-        for count, low, high in bins[window]:
-            if target.offset < before + count:
-                target.low, target.high = low, high
-                target.count, target.offset = count, target.offset - before
-                break
-            before += count
+def _narrow(
+    engine: Engine, series: str, targets: list[_Target], bounds: dict[Part, tuple[int, float, float]]
+) -> None:
+    """One histogram pass within the targets' ranges: each shrinks to the bin holding its rank."""
+    values, tables, of_target = _in_windows(engine, series, targets, bounds)
+    tables["targets"] = {
+        "id": np.arange(len(targets), dtype=np.int64),
+        "w": np.array(of_target, dtype=np.int64),
+        "offset": np.array([t.offset for t in targets], dtype=np.int64),
+    }
+    histogram = (
+        f"SELECT w, {_bin('v', 'lo', 'hi', 'nb')} AS bin, COUNT(*) AS c, MIN(v) AS lo, MAX(v) AS hi "
+        f"FROM ({values}) GROUP BY 1, 2"
+    )
+    with _registered(engine, tables):
+        rows = engine.connection.execute(_picked(histogram, "w")).fetchall()
+    _apply(targets, rows, first=False)
 
 
 # ---------------------------------------------------------------------------------------------
 # The summary
 
 
-def summarize(engine: Engine, source: str, edges: Sequence[int], default_model: str) -> report.Summary:
-    """The :class:`kvlens.analysis.report.Summary` of the records in ``source``."""
+def totals_sql(reduced: str) -> str:
+    """Everything the summary sums, per (model, length group, hit), in one scan: the cells,
+    each series' count, min and max (the order statistics' bounds), the TTFT decomposition and
+    the prefill groups' sums. Per-model rows are added up in Python, exactly (integers; min and
+    max of floats)."""
+    series = ", ".join(f"COUNT({name}), MIN({name}), MAX({name})" for name in SERIES[:-1])
+    timed = "FILTER (WHERE prefill_seconds IS NOT NULL)"
+    complete = "FILTER (WHERE ttft_complete)"
+
+    # DuckDB sums BIGINT into HUGEINT (128 bits): exact, and faster than DECIMAL(38,0). The
+    # terms fit in BIGINT: n^2 <= 1e14 (records.MAX_TOKENS), 86,400 s * 2^40 < 2^63.
+    def _exact(column: str) -> str:
+        return f"SUM({column})"
+
+    def _fixed(column: str) -> str:
+        return f"SUM(CAST(FLOOR({column} * {FIXED!r}) AS BIGINT))"
+
+    return f"""SELECT model, length_group, hit, COUNT(*),
+  {_exact("prompt_tokens")}, {_exact("cached_tokens")},
+  {_exact("prompt_squares")}, {_exact("cached_squares")},
+  {series},
+  COUNT(*) {complete}, COUNT(*) FILTER (WHERE ttft_overlapped),
+  {_fixed("queue_seconds")} {complete}, {_fixed("prefill_seconds")} {complete},
+  {_fixed("ttft_other")} {complete},
+  {_exact("prompt_tokens")} {timed}, {_exact("cached_tokens")} {timed}
+FROM ({reduced}) AS reduced_rows GROUP BY model, length_group, hit"""
+
+
+MATERIALIZE_SHARE = 0.5  # of the memory limit: the records kept in memory when they fit in it
+RECORD_BYTES = 80  # a kept record (ANALYSIS_COLUMNS, src, row) in DuckDB, measured: about 77
+
+
+def working_set(engine: Engine, loaded: Loaded) -> str:
+    """The table or view the summary scans: the valid records copied into memory once when they
+    fit in :data:`MATERIALIZE_SHARE` of the memory limit (each of the half-dozen scans then
+    reads memory, not Parquet pages to decode and check again), else ``records`` where they lie
+    (a copy past the limit would spill to disk and every scan would read it back: slower than
+    decoding the Parquet again)."""
     con = engine.connection
-    # The records are materialized once, as they are (about 70 bytes each; past the memory
-    # limit in the temporary directory): every query below reads this table, not the files
-    # again, and the view derives the per-record decisions as it reads.
-    con.execute(f"CREATE OR REPLACE TEMP TABLE kept AS SELECT * FROM {source}")
-    reduced = reduced_sql("kept", edges, default_model, keep=("src", "row"))
-    con.execute(f"CREATE OR REPLACE TEMP VIEW reduced AS {reduced}")
+    ((limit,),) = con.execute("SELECT current_setting('memory_limit')").fetchall()
+    fits = loaded.records * RECORD_BYTES <= MATERIALIZE_SHARE * _bytes(str(limit))
+    if not loaded.parquet or not fits:
+        return "records"  # JSON lines are in a table already
+    con.execute("CREATE OR REPLACE TEMP TABLE kept AS SELECT * FROM records")
+    return "kept"
+
+
+_UNITS = {
+    "bytes": 1,
+    "KiB": 2**10,
+    "MiB": 2**20,
+    "GiB": 2**30,
+    "TiB": 2**40,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+}
+
+
+def _bytes(setting: str) -> float:
+    """DuckDB's ``memory_limit`` as it reports it (``'1.8 GiB'``) in bytes."""
+    number, _, unit = setting.partition(" ")
+    return float(number) * _UNITS.get(unit, 1)
+
+
+def _int(value: Any) -> int:
+    return 0 if value is None else int(value)
+
+
+def summarize(engine: Engine, source: str, edges: Sequence[int], default_model: str) -> report.Summary:
+    """The :class:`kvlens.analysis.report.Summary` of the records in ``source``: one scan for
+    the sums and bounds (:func:`totals_sql`), the order-statistics passes, one scan for the
+    slowest requests. Nothing is materialized: each scan reads ``source`` (a table of JSON-lines
+    records, or the Parquet files where they lie) and derives the decisions as it reads.
+    Records each model's count of timed requests in ``engine.prefill_counts`` for
+    :func:`calibration_inputs`."""
+    con = engine.connection
+    con.execute(
+        f"CREATE OR REPLACE TEMP VIEW reduced AS {reduced_sql(source, edges, default_model, ('src', 'row'))}"
+    )
     reduced = "SELECT * FROM reduced"
     cells: dict[report.Key, report.Cell] = {}
-    for model, group, hit, requests, n, h, n2, h2 in con.execute(cells_sql(reduced)).fetchall():
-        n, h, n2, h2 = int(n), int(h), int(n2), int(h2)
-        cells[(str(model), int(group), bool(hit))] = report.Cell(
-            int(requests), n, h, (n2 + n) // 2, (h2 + h) // 2
-        )
+    bounds: dict[Part, tuple[int, float, float]] = {}
+    decomposition = [0, 0, 0, 0, 0]
+    prefill_sums: dict[report.Group, tuple[int, int, int]] = {}
+    timed_by_model: dict[str, int] = {}
+
+    def widen(part: Part, count: int, low: float, high: float) -> None:
+        if part in bounds:
+            known = bounds[part]
+            count, low, high = known[0] + count, min(known[1], low), max(known[2], high)
+        bounds[part] = (count, low, high)
+
+    for row in con.execute(totals_sql(reduced)).fetchall():
+        model, g, hit = str(row[0]), int(row[1]), bool(row[2])
+        requests, n, h, n2, h2 = (int(value) for value in row[3:8])
+        cells[(model, g, hit)] = report.Cell(requests, n, h, (n2 + n) // 2, (h2 + h) // 2)
+        at = 8
+        for name in SERIES[:-1]:
+            count, low, high = row[at : at + 3]
+            at += 3
+            if count:
+                widen((name, g, hit), int(count), float(low), float(high))
+                if name == "ttft_seconds":
+                    widen(("all_ttft", -1, False), int(count), float(low), float(high))
+        for index, value in enumerate(row[at : at + 5]):
+            decomposition[index] += _int(value)
+        timed_n, timed_h = _int(row[at + 5]), _int(row[at + 6])
+        timed = _int(row[8 + 3 * SERIES.index("prefill_seconds")])
+        if timed:
+            before = prefill_sums.get((g, hit), (0, 0, 0))
+            prefill_sums[(g, hit)] = (before[0] + timed, before[1] + timed_n, before[2] + timed_h)
+            timed_by_model[model] = timed_by_model.get(model, 0) + timed
+    engine.prefill_counts = timed_by_model
     series = _series_sql(reduced)
-    bounds = {
-        _part_of(int(key)): (int(count), float(low), float(high))
-        for key, count, low, high in con.execute(
-            f"SELECT k, COUNT(*), MIN(v), MAX(v) FROM ({series}) GROUP BY k"
-        ).fetchall()
-    }
     fractions = {name: tuple(q / 100 for q in report.QUANTILES) for name in report.LATENCY_COLUMNS}
     fractions["prefill_per_computed_token"] = (0.5,)
     fractions["all_ttft"] = (1 - report.SLOWEST_SHARE,)
@@ -587,61 +777,71 @@ def summarize(engine: Engine, source: str, edges: Sequence[int], default_model: 
         group: {name: latency_of((name, *group)) for name in report.LATENCY_COLUMNS}
         for group in sorted(groups)
     }
-    ((requests, overlapped, queue, prefill, other),) = con.execute(decomposition_sql(reduced)).fetchall()
-    decomposition = report.Decomposition(
-        int(requests), int(overlapped or 0), int(queue or 0), int(prefill or 0), int(other or 0)
-    )
     threshold = None
     slowest: dict[report.Group, int] = {}
     if ("all_ttft", -1, False) in bounds:
         (threshold,) = quantiles_of(("all_ttft", -1, False), (1 - report.SLOWEST_SHARE,))
-        con.register("threshold", {"t": np.array([threshold], dtype=np.float64)})
         slowest = {
             (int(g), bool(hit)): int(count)
             for g, hit, count in con.execute(
-                "SELECT length_group, hit, COUNT(*) FROM reduced, threshold "
-                "WHERE ttft_seconds >= threshold.t GROUP BY ALL"
+                "SELECT length_group, hit, COUNT(*) FROM reduced WHERE ttft_seconds >= ? GROUP BY ALL",
+                [threshold],
             ).fetchall()
         }
-        con.unregister("threshold")
     prefill_groups: dict[report.Group, report.PrefillGroup] = {}
-    for g, hit, count, n, h in con.execute(
-        "SELECT length_group, hit, COUNT(*), SUM(CAST(prompt_tokens AS DECIMAL(38,0))), "
-        "SUM(CAST(cached_tokens AS DECIMAL(38,0))) FROM reduced "
-        "WHERE prefill_seconds IS NOT NULL GROUP BY ALL"
-    ).fetchall():
-        group = (int(g), bool(hit))
+    for group, (count, n, h) in sorted(prefill_sums.items()):
         (median,) = quantiles_of(("prefill_seconds", *group), (0.5,))
         (per_token,) = quantiles_of(("prefill_per_computed_token", *group), (0.5,))
-        prefill_groups[group] = report.PrefillGroup(int(count), int(n), int(h), median, per_token)
-    return report.Summary(cells, latency, decomposition, threshold, slowest, prefill_groups)
+        prefill_groups[group] = report.PrefillGroup(count, n, h, median, per_token)
+    return report.Summary(
+        cells, latency, report.Decomposition(*decomposition), threshold, slowest, prefill_groups
+    )
+
+
+def arrival_range(engine: Engine, table: str) -> tuple[float | None, float | None, int]:
+    """The first and last arrival time of the valid records in ``table`` (the
+    :func:`working_set`), and how many have one."""
+    first, last, count = engine.connection.execute(
+        f"SELECT min(arrival_time), max(arrival_time), count(arrival_time) FROM {table}"
+    ).fetchone() or (None, None, 0)
+    return (None if first is None else float(first), None if last is None else float(last), int(count))
 
 
 def calibration_inputs(engine: Engine, limit: int) -> Iterator[tuple[str, Any, Any, Any]]:
     """Per model (by name), ``n``, ``h`` and prefill seconds of its records with a prefill time,
     in input order; past ``limit`` records of a model, an even, deterministic sample of about
-    ``limit`` of them (a fit needs the shape of the cloud, not every point). One model at a
-    time, so Python holds at most about ``limit`` points."""
+    ``limit`` of them (a fit needs the shape of the cloud, not every point). One scan picks the
+    points of every model into a table (in DuckDB, spilled if need be); Python then holds one
+    model's at a time. Call after :func:`summarize` (it counts each model's timed records)."""
     con = engine.connection
-    counts = con.execute(
-        "SELECT model, COUNT(*) FROM reduced WHERE prefill_seconds IS NOT NULL GROUP BY ALL ORDER BY 1"
-    ).fetchall()
-    for name, count in counts:
-        sample = "" if count <= limit else f" AND hash(src, row) % {int(count)} < {int(limit)}"
-        con.register("wanted", {"m": np.array([name], dtype=object)})
-        try:
-            rows = con.execute(
-                "SELECT prompt_tokens, cached_tokens, prefill_seconds FROM reduced, wanted "
-                f"WHERE model = wanted.m AND prefill_seconds IS NOT NULL{sample} ORDER BY src, row"
-            ).fetchnumpy()
-        finally:
-            con.unregister("wanted")
-        yield (
-            str(name),
-            np.asarray(rows["prompt_tokens"], dtype=np.int64),
-            np.asarray(rows["cached_tokens"], dtype=np.int64),
-            np.asarray(rows["prefill_seconds"], dtype=np.float64),
+    counts = engine.prefill_counts
+    names = sorted(counts)
+    rates = {
+        "m": np.array(names, dtype=object),
+        "c": np.array([counts[name] for name in names], dtype=np.int64),
+    }
+    with _registered(engine, {"rates": rates}):
+        con.execute(
+            "CREATE OR REPLACE TEMP TABLE calibration_points AS SELECT model, prompt_tokens, cached_tokens, "
+            "prefill_seconds, src, row FROM reduced JOIN rates ON reduced.model = rates.m "
+            f"WHERE prefill_seconds IS NOT NULL "
+            f"AND (rates.c <= {int(limit)} OR hash(src, row) % rates.c < {int(limit)})"
         )
+    try:
+        for name in names:
+            rows = con.execute(
+                "SELECT prompt_tokens, cached_tokens, prefill_seconds FROM calibration_points "
+                "WHERE model = ? ORDER BY src, row",
+                [name],
+            ).fetchnumpy()
+            yield (
+                name,
+                np.asarray(rows["prompt_tokens"], dtype=np.int64),
+                np.asarray(rows["cached_tokens"], dtype=np.int64),
+                np.asarray(rows["prefill_seconds"], dtype=np.float64),
+            )
+    finally:
+        con.execute("DROP TABLE IF EXISTS calibration_points")
 
 
 def convert(

@@ -4,8 +4,10 @@ The arms (for example ``off``, ``cold``, ``warm``) must hold the same requests i
 order: same count, same prompt lengths position by position; otherwise the comparison is
 refused, naming the first difference. The first ``warmup`` requests (or those arriving before
 ``warmup_until``) are reported apart and kept out of the timed window. Per prompt-length x
-cache group of the baseline arm, each arm's p50 and p95 of TTFT and prefill are compared with
-the baseline's, with paired bootstrap 95 % intervals (the same resampled requests in both arms).
+cache group of the baseline arm, each arm's p50 and p95 of TTFT, queue and prefill are compared
+with the baseline's, with paired bootstrap 95 % intervals (the same resampled requests in both
+arms), beside each arm's token reuse and modelled compute saved in that group: reuse is not
+speedup, and the report puts the two side by side so that a reader does not take one for the other.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvlens.analysis.render import _md_table, _pct
 from kvlens.analysis.report import Derived
 from kvlens.config import Settings
 from kvlens.records import RecordBatch
@@ -23,7 +26,11 @@ from kvlens.records import RecordBatch
 SCHEMA = "kvlens.compare/v1"
 RESAMPLES = 1000
 QUANTILES = (50, 95)
-METRICS = ("ttft_seconds", "prefill_seconds")
+METRICS = ("ttft_seconds", "queue_seconds", "prefill_seconds")
+REUSE_IS_NOT_SPEEDUP = (
+    "Reuse is not speedup: cached tokens save prefill work, and TTFT falls only where prefill, "
+    "not queueing, was the wait."
+)
 
 
 class ArmsDiffer(ValueError):
@@ -47,13 +54,14 @@ def load_arm(
         if not len(batch):
             raise NoRecordsOfArm(f"{path} has no records of arm {name!r}")
     derived = Derived.of(batch, settings.prompt_length_edges, settings.cost_model_for, settings.default_model)
-    return Arm(name, derived)
+    return Arm(name, derived, path)
 
 
 @dataclass(frozen=True)
 class Arm:
     name: str
     derived: Derived
+    path: str | None = None  # the records file, named in the report's context
 
 
 def check_same_sequence(arms: list[Arm]) -> None:
@@ -108,6 +116,7 @@ def compare(
                         arm.name: {metric: _deltas(base, arm, metric, rows, rng) for metric in METRICS}
                         for arm in arms[1:]
                     },
+                    "reuse": {arm.name: _reuse(arm, rows) for arm in arms},
                 }
             )
     return {
@@ -115,6 +124,7 @@ def compare(
         "baseline": base.name,
         "arms": [arm.name for arm in arms],
         "requests": len(base.derived.batch),
+        "files": {arm.name: arm.path for arm in arms},
         "warmup": {arm.name: _warmup_summary(arm, warm) for arm in arms},
         "groups": groups,
         "not_benefiting": {arm.name: _not_benefiting(base, arm, timed) for arm in arms[1:]},
@@ -157,6 +167,15 @@ def _bootstrap(
     return [float(v) for v in np.percentile(np.concatenate(deltas), [2.5, 97.5])]
 
 
+def _reuse(arm: Arm, rows: npt.NDArray[np.int64]) -> dict[str, Any]:
+    """The arm's token reuse and modelled compute saved over the group's requests (null when the
+    models count work in several units)."""
+    mask = np.zeros(len(arm.derived.batch), bool)
+    mask[rows] = True
+    totals = arm.derived.totals(mask)
+    return {"token_reuse_ratio": totals.token_reuse_ratio, "compute_saved_ratio": totals.compute_saved_ratio}
+
+
 def _warmup_summary(arm: Arm, warm: npt.NDArray[np.bool_]) -> dict[str, Any]:
     totals = arm.derived.totals(warm)
     ttft = arm.derived.batch.ttft_seconds[warm]
@@ -193,32 +212,146 @@ def _not_benefiting(base: Arm, arm: Arm, timed: npt.NDArray[np.bool_]) -> dict[s
     }
 
 
-def markdown(result: dict[str, Any]) -> str:
-    lines = [f"# kvlens compare (baseline: {result['baseline']})", ""]
-    for name, summary in result["warmup"].items():
-        lines.append(f"- warm-up, {name}: {summary['requests']} requests (kept out of the timed window)")
-    header = ["prompt_len", "cache (baseline)", "requests", "arm", "metric"]
-    header += ["p50 delta ms [95 % CI]", "p95 delta ms [95 % CI]"]
-    lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+TABLE_HEADER = [
+    "prompt_len",
+    "cache (baseline)",
+    "requests",
+    "arm",
+    "metric",
+    "p50 delta ms [95 % CI]",
+    "p95 delta ms [95 % CI]",
+    "token reuse (arm)",
+    "compute saved (arm)",
+]
+
+
+def table_rows(result: dict[str, Any]) -> list[list[str]]:
+    """One row per group x arm x measured metric, the arm's reuse beside its deltas."""
+    rows = []
     for group in result["groups"]:
         for arm, metrics in group["arms"].items():
+            reuse = group.get("reuse", {}).get(arm, {})
             for metric, stats in metrics.items():
                 if not stats.get("count"):
                     continue
-                cells = [_delta_cell(stats[f"p{q}"]) for q in QUANTILES]
-                lines.append(
-                    f"| {group['prompt_len']} | {group['cache_in_baseline']} | {group['requests']} | {arm} | "
-                    f"{metric.removesuffix('_seconds')} | {cells[0]} | {cells[1]} |"
+                rows.append(
+                    [
+                        group["prompt_len"],
+                        group["cache_in_baseline"],
+                        str(group["requests"]),
+                        arm,
+                        metric.removesuffix("_seconds"),
+                        *(_delta_cell(stats[f"p{q}"]) for q in QUANTILES),
+                        _pct(reuse.get("token_reuse_ratio"), 1),
+                        _pct(reuse.get("compute_saved_ratio"), 2),
+                    ]
                 )
-    lines.append("")
+    return rows
+
+
+def verdict(result: dict[str, Any]) -> list[str]:
+    """Which arm is faster than the baseline for which groups (the median TTFT, its interval
+    decides: wholly below zero is faster, wholly above is slower, else no clear difference), then
+    how many requests did not benefit."""
+    base = result["baseline"]
+    lines = []
+    for group in result["groups"]:
+        for arm, metrics in group["arms"].items():
+            stats = metrics["ttft_seconds"]
+            where = f"{group['prompt_len']} tokens, {group['cache_in_baseline']} in {base}"
+            if not stats.get("count"):
+                lines.append(f"{arm} vs {base}, {where}: TTFT not measured")
+                continue
+            p50, reuse = stats["p50"], group.get("reuse", {}).get(arm, {})
+            lines.append(
+                f"{arm} vs {base}, {where} ({stats['count']} requests): "
+                f"{_direction(p50['delta'], p50['ci95'])}, median TTFT {_delta_cell(p50)} ms; "
+                f"{arm} reused {_pct(reuse.get('token_reuse_ratio'), 1)} of the prompt tokens, "
+                f"compute saved {_pct(reuse.get('compute_saved_ratio'), 2)}"
+            )
     for arm, info in result["not_benefiting"].items():
         share = "n/a" if info["share"] is None else f"{info['share']:.1%}"
         lines.append(
-            f"- {arm}: {info['requests']} timed requests ({share}) were not faster than "
-            f"{result['baseline']}; "
+            f"{arm}: {info['requests']} timed requests ({share}) were not faster than {base}; "
             f"{info['of_which_reused_nothing']} of them reused nothing"
         )
+    return lines
+
+
+def unmeasured(result: dict[str, Any]) -> list[str]:
+    """The metrics no timed request has in both arms: a replay client sees TTFT but neither the
+    queue nor the prefill; records from the sidecar or the engine carry them."""
+    return [
+        metric
+        for metric in METRICS
+        if result["groups"]
+        and not any(
+            stats[metric].get("count") for group in result["groups"] for stats in group["arms"].values()
+        )
+    ]
+
+
+UNMEASURED = "not in these records (a client sees only TTFT; the sidecar's or the engine's records carry it)"
+
+
+def warmup_lines(result: dict[str, Any]) -> list[str]:
+    """Per arm, the warm-up kept out of the timed window, and the one recorded in a file of its
+    own (``kvlens experiment prefix-cache``'s warm arm), which is never timed."""
+    apart = result.get("warmup_recorded_apart") or {}
+    lines = []
+    for name, summary in result["warmup"].items():
+        line = f"warm-up, {name}: {summary['requests']} requests kept out of the timed window"
+        if name in apart:
+            line += f"; {apart[name]['requests']} replayed before it, recorded apart in {apart[name]['file']}"
+        lines.append(line)
+    return lines
+
+
+def _direction(delta: float, ci: list[float] | None) -> str:
+    if ci is None:
+        return "faster (one request, no interval)" if delta < 0 else "not faster (one request, no interval)"
+    if ci[1] < 0:
+        return "faster"
+    if ci[0] > 0:
+        return "slower"
+    return "no clear difference (the interval spans 0)"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [f"# kvlens compare (baseline: {result['baseline']})", ""]
+    lines += [f"- {line}" for line in verdict(result)]
+    lines.append("")
+    lines += [f"- {line}" for line in warmup_lines(result)]
+    lines += ["", _md_table(TABLE_HEADER, table_rows(result)), ""]
+    lines += [f"- {metric.removesuffix('_seconds')}: {UNMEASURED}" for metric in unmeasured(result)]
+    lines += ["", REUSE_IS_NOT_SPEEDUP]
     return "\n".join(lines) + "\n"
+
+
+def terminal(result: dict[str, Any], console: Any = None) -> None:
+    """The comparison as tables (rich), one per compared arm, under the verdict (which carries
+    each arm's reuse): at 80 columns a delta and its interval wrap between their numbers, never
+    through one."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    console.print(f"kvlens compare (baseline: {result['baseline']})", markup=False)
+    for line in verdict(result) + warmup_lines(result):
+        console.print(line, markup=False)
+    rows = table_rows(result)
+    for arm in result["arms"][1:]:
+        table = Table(title=f"{arm} vs {result['baseline']}: change in ms [95 % CI]")
+        for column in ("prompt_len", "cache (baseline)", "requests", "metric", "p50", "p95"):
+            table.add_column(column, justify="right", overflow="fold")
+        for prompt_len, cache, requests, of, metric, p50, p95, *_ in rows:
+            if of == arm:  # the interval under its delta
+                deltas = [cell.replace(" [", "\n[", 1) for cell in (p50, p95)]
+                table.add_row(prompt_len, cache, f"{int(requests):,}", metric, *deltas)
+        console.print(table)
+    for metric in unmeasured(result):
+        console.print(f"{metric.removesuffix('_seconds')}: {UNMEASURED}", markup=False)
+    console.print(REUSE_IS_NOT_SPEEDUP, markup=False)
 
 
 def _delta_cell(stats: dict[str, Any]) -> str:

@@ -5,14 +5,14 @@ in the room."""
 from __future__ import annotations
 
 import argparse
-import logging
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
 from kvlens import __version__
 from kvlens.cli import analyze, bandwidth, compare, convert, demo, experiment, replay, serve, simulate
-from kvlens.config import ENV_PREFIX
+from kvlens.cli.common import Parser, configure_logging, examples, log_flags
 from kvlens.console import install_hint
 from kvlens.errors import InputError, SettingsError
 
@@ -21,19 +21,22 @@ COMMANDS = (serve, demo, analyze, convert, compare, simulate, replay, experiment
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    # `simulate`'s optional TRACE would take `serve` for a trace: the server has its own parser.
     serving = argv[:2] == ["simulate", "serve"]
-    parser = simulate.serve_parser() if serving else _parser()
-    args = parser.parse_args(argv[2:] if serving else argv)
-    logging.basicConfig(
-        level=os.environ.get(f"{ENV_PREFIX}LOG_LEVEL", "INFO"), format="%(levelname)s %(name)s: %(message)s"
-    )
-    # httpx logs every request's URL at INFO, and a scrape URL's query may hold a secret.
-    for noisy in ("httpx", "httpcore"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    args = parser_of(argv).parse_args(argv[2:] if serving else argv)
+    try:
+        configure_logging(args)
+    except SettingsError as error:
+        print(f"kvlens: {error}", file=sys.stderr)
+        return 2
     command: Callable[[argparse.Namespace], int] = args.run
     try:
         return command(args)
+    except KeyboardInterrupt:  # Ctrl-C is how demo, serve and a replay are stopped: not a defect
+        return 128 + signal.SIGINT
+    except BrokenPipeError:  # `kvlens analyze --json | head`: the reader has left; say no more
+        # Python flushes stdout again at exit and would print that error too: point it nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except (SettingsError, InputError) as error:
         print(f"kvlens: {error}", file=sys.stderr)
         return 2
@@ -45,16 +48,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvlens: {error.filename}: {error.strerror or error}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as error:
-        if (error.name or "").split(".")[0] not in ("rich", "scipy"):
+        if (error.name or "").split(".")[0] != "rich":
             raise
         print(f"kvlens: this command needs the analyze extra: {install_hint('analyze')}", file=sys.stderr)
         return 2
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvlens", description="Is your prefix cache actually paying off?")
-    parser.add_argument("--version", action="version", version=f"kvlens {__version__}")
-    commands = parser.add_subparsers(required=True, metavar="COMMAND")
-    for command in COMMANDS:
-        command.add_parser(commands)
+def parser_of(argv: Sequence[str]) -> argparse.ArgumentParser:
+    """``kvlens``'s parser, or ``simulate serve``'s: `simulate`'s optional TRACE would take
+    `serve` for a trace, so the server has its own parser (given ``simulate serve``'s argv)."""
+    if list(argv[:2]) == ["simulate", "serve"]:
+        parser = simulate.serve_parser()
+    else:
+        parser = Parser(
+            prog="kvlens",
+            description="Is your prefix cache actually paying off?",
+            epilog=examples("kvlens demo", "kvlens analyze records.jsonl", "kvlens COMMAND --help"),
+        )
+        parser.add_argument("--version", action="version", version=f"kvlens {__version__}")
+        commands = parser.add_subparsers(required=True, metavar="COMMAND")
+        for command in COMMANDS:
+            command.add_parser(commands)
+    _log_flags_on_each_command(parser)
     return parser
+
+
+def _log_flags_on_each_command(parser: argparse.ArgumentParser) -> None:
+    """On the commands themselves (a subcommand's defaults would overwrite its parent's flags)."""
+    subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subparsers:
+        log_flags(parser)
+        return
+    for sub in dict.fromkeys(subparsers[0].choices.values()):  # an alias maps to the same parser
+        _log_flags_on_each_command(sub)

@@ -10,12 +10,23 @@ from typing import Any
 
 import yaml
 
-from kvlens.cli.common import check_writable, input_flags, read_progress, scale_flags
+from kvlens.cli.common import check_writable, examples, input_flags, read_progress, scale_flags
 from kvlens.config import load_settings
 
 
 def add_parser(commands: Any) -> None:
-    analyze = commands.add_parser("analyze", help="report, diagnose and calibrate recorded traffic")
+    analyze = commands.add_parser(
+        "analyze",
+        help="report, diagnose and calibrate recorded traffic",
+        description="Report, diagnose and calibrate recorded traffic: a table at a terminal, "
+        "--markdown, --json (schema kvlens.analyze/v1) or --html.",
+        epilog=examples(
+            "kvlens analyze records.jsonl",
+            "kvlens analyze 'logs/*.jsonl.gz' --json > report.json",
+            "kvlens analyze records.jsonl --html report.html",
+            "kvlens analyze --prefill-points prefill_h200.csv --config shapes.yaml --calibrate costs.yaml",
+        ),
+    )
     analyze.add_argument(
         "files",
         nargs="*",
@@ -35,6 +46,13 @@ def add_parser(commands: Any) -> None:
         action="store_true",
         help="print the reducer as portable SQL (for a warehouse) and exit",
     )
+    analyze.add_argument(
+        "--from-aggregates",
+        type=Path,
+        nargs="+",
+        metavar="FILE",
+        help="the results of the --print-sql statements run in a warehouse (CSV or JSON lines) -> the report",
+    )
     analyze.add_argument("--html", type=Path, metavar="OUT", help="write a self-contained HTML report")
     analyze.add_argument(
         "--calibrate", type=Path, metavar="OUT", help="write fitted cost models in seconds (YAML settings)"
@@ -52,7 +70,7 @@ def add_parser(commands: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvlens.analysis import calibration, render
-    from kvlens.analysis.analyze import analyze, choose_engine
+    from kvlens.analysis.analyze import analyze, choose_engine, from_aggregates
 
     settings = load_settings(args.config)
     if args.print_sql:
@@ -60,21 +78,27 @@ def run(args: argparse.Namespace) -> int:
 
         print(warehouse.script(settings), end="")
         return 0
-    if not args.files and not args.prefill_points:
+    if args.from_aggregates and args.files:
+        print("kvlens analyze: give record files or --from-aggregates, not both", file=sys.stderr)
+        return 2
+    if not args.files and not args.prefill_points and not args.from_aggregates:
         print("kvlens analyze: give record files, --prefill-points CSV, or both", file=sys.stderr)
         return 2
     check_writable(args.html, args.calibrate)
-    with read_progress(args.files) as progress:
-        report, fits = analyze(
-            args.files,
-            settings,
-            format_name=args.input_format,
-            model=args.model,
-            progress=progress,
-            prefill_points=args.prefill_points,
-            engine=choose_engine(args.engine, args.files),
-            memory_limit=args.memory_limit or settings.analyze_memory_limit,
-        )
+    if args.from_aggregates:
+        report, fits = from_aggregates(args.from_aggregates, settings, prefill_points=args.prefill_points)
+    else:
+        with read_progress(args.files) as progress:
+            report, fits = analyze(
+                args.files,
+                settings,
+                format_name=args.input_format,
+                model=args.model,
+                progress=progress,
+                prefill_points=args.prefill_points,
+                engine=choose_engine(args.engine, args.files),
+                memory_limit=args.memory_limit or settings.analyze_memory_limit,
+            )
     accepted = report["input"]["records"]
     if not accepted and not args.prefill_points:
         skipped = report["input"]["skipped"]
@@ -84,7 +108,9 @@ def run(args: argparse.Namespace) -> int:
     if args.calibrate:
         args.calibrate.write_text(yaml.safe_dump(calibration.cost_model_file(fits), sort_keys=False))
     if args.html:
-        args.html.write_text(render.html_page(report))
+        from kvlens.analysis import html_report
+
+        args.html.write_text(html_report.page(report, settings.cost_model_for))
     if args.json:
         print(json.dumps(report, indent=2))
     elif args.markdown:

@@ -9,15 +9,27 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvlens import terminal
+from kvlens.cli.common import examples
+
 
 def add_parser(commands: Any) -> None:
-    decode = commands.add_parser("bandwidth", help="decode traffic model: would W4A16 speed up decode?")
+    decode = commands.add_parser(
+        "bandwidth",
+        help="decode traffic model: would W4A16 speed up decode?",
+        epilog=examples(
+            "kvlens bandwidth --params 8B --layers 32 --kv-heads 8 --head-dim 128 --bandwidth 4.8TB/s",
+            "kvlens bandwidth --weight-bytes 14GiB --quantized-weight-bytes 4GiB "
+            "--kv-bytes-per-sequence 1GiB --bandwidth 4.8TB/s --json",
+            "kvlens bandwidth --measured decode_h200.csv",
+        ),
+    )
     shape = decode.add_argument_group("model shape: a config.json, the numbers, or the KV bytes directly")
-    shape.add_argument("--config-json", type=Path, help="a Hugging Face config.json")
-    shape.add_argument("--layers", type=int)
-    shape.add_argument("--kv-heads", type=int)
-    shape.add_argument("--head-dim", type=int)
-    shape.add_argument("--kv-dtype-bytes", type=float, default=None, help="bytes per KV value (default 2)")
+    shape.add_argument("--config-json", type=Path, metavar="FILE", help="a Hugging Face config.json")
+    shape.add_argument("--layers", type=int, help="decoder layers")
+    shape.add_argument("--kv-heads", type=int, help="key-value heads per layer")
+    shape.add_argument("--head-dim", type=int, help="values per head")
+    shape.add_argument("--kv-dtype-bytes", type=float, default=None, help="bytes per KV value (default: 2)")
     shape.add_argument(
         "--kv-bytes-per-sequence", help="K: KV bytes one sequence holds at --context, e.g. 1GiB"
     )
@@ -28,13 +40,15 @@ def add_parser(commands: Any) -> None:
         "--quantized-weight-bytes",
         help="quantized weight bytes, e.g. 4GiB (instead of --bits, --group-size, --quantized-fraction)",
     )
-    decode.add_argument(
-        "--bits", type=int, default=4, choices=(4, 8), help="quantized weight bits (default 4)"
-    )
-    decode.add_argument("--group-size", type=int, default=128, help="weights per 16-bit scale (default 128)")
+    decode.add_argument("--bits", type=int, default=4, choices=(4, 8), help="quantized weight bits")
+    decode.add_argument("--group-size", type=int, default=128, help="weights per 16-bit scale")
     decode.add_argument("--quantized-fraction", type=float, default=0.9, help="share of weights quantized")
     decode.add_argument("--bandwidth", help="memory bandwidth, e.g. 4.8TB/s or 1TiB/s")
-    decode.add_argument("--batch", default=None, help="batch sizes, comma-separated (default 1,8,32)")
+    decode.add_argument(
+        "--batch",
+        default=None,
+        help="batch sizes, comma-separated (default: 1,8,32; with --measured: the CSV's)",
+    )
     decode.add_argument("--context", default="8192", help="context lengths in tokens, comma-separated")
     decode.add_argument("--compute-floor-ms", type=float, default=0.0, help="a compute-bound floor per step")
     decode.add_argument("--extra-ms", type=float, default=0.0, help="extra time per quantized step")
@@ -44,7 +58,9 @@ def add_parser(commands: Any) -> None:
         metavar="CSV",
         help="measured step times (columns of decode_h200.csv): fit t0 + bytes/BW per path instead",
     )
-    decode.add_argument("--json", action="store_true")
+    decode.add_argument(
+        "--json", action="store_true", help="print the result as JSON (schema kvlens.bandwidth/v1)"
+    )
     decode.set_defaults(run=run)
 
 
@@ -55,11 +71,40 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as error:  # bw.CannotFit and UnsupportedModel are ValueErrors
         print(f"kvlens bandwidth: {error}", file=sys.stderr)
         return 2
+    result = _rounded(result)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(_measured_text(result) if args.measured else _model_text(result, args.bits), end="")
+        columns = terminal.width()
+        print(
+            _measured_text(result, columns) if args.measured else _model_text(result, args.bits, columns),
+            end="",
+        )
     return 0
+
+
+MODEL_SCHEMA = "kvlens.bandwidth/v1"
+MEASURED_SCHEMA = "kvlens.bandwidth.measured/v1"
+# Quantities that count something (bytes, tokens, sequences, steps): whole numbers in the JSON.
+COUNTS = frozenset(
+    {"kv_bytes_per_token", "weight_bytes_16", "weight_bytes_quantized", "bandwidth_bytes_per_second",
+     "weight_bytes", "batch", "context_tokens", "measured_steps"}
+)  # fmt: skip
+SIGNIFICANT_DIGITS = 6  # the inputs (a bandwidth, a weight size) are rarely known better
+
+
+def _rounded(value: Any, key: str = "") -> Any:
+    """Counts as integers, other numbers to 6 significant digits: a byte model's 5312499999.999999
+    bytes are 5312500000, its 0.0011184810666666667 s are 0.00111848."""
+    if isinstance(value, dict):
+        return {k: _rounded(v, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v, key) for v in value]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return value
+    if key in COUNTS:
+        return round(value)
+    return float(f"{value:.{SIGNIFICANT_DIGITS}g}")
 
 
 def _batches(args: argparse.Namespace, default: str) -> list[int]:
@@ -111,6 +156,7 @@ def _bandwidth_model(args: argparse.Namespace) -> dict[str, Any]:
         for batch in _batches(args, "1,8,32")
     ]
     return {
+        "schema": MODEL_SCHEMA,
         "kv_bytes_per_token": kv_per_token,
         "weight_bytes_16": weights_16,
         "weight_bytes_quantized": weights_q,
@@ -136,25 +182,31 @@ def _bandwidth_model(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _model_text(result: dict[str, Any], bits: int) -> str:
+def _model_text(result: dict[str, Any], bits: int, columns: int) -> str:
     gib = 1024**3
-    lines = [
-        f"weights {result['weight_bytes_16'] / gib:.2f} GiB -> "
-        f"{result['weight_bytes_quantized'] / gib:.2f} GiB ({1 / result['weight_ratio']:.2f}x smaller), "
-        f"KV {result['kv_bytes_per_token'] / 1024:.0f} KiB/token; "
-        "quantization pays while its extra time per step is under "
-        f"{result['break_even_extra_seconds'] * 1000:.2f} ms",
-        "the byte model: an upper bound a bandwidth-bound kernel approaches (--measured CSV for yours)",
-        f"{'batch':>6} {'context':>8} {'16-bit ms':>10} {'W' + str(bits) + ' ms':>9} {'speedup':>8} "
-        f"{'tok/s 16-bit':>13} {'tok/s W' + str(bits):>10} {'weights share':>14}",
-    ]
+    lines = terminal.wrapped(
+        [
+            f"weights {result['weight_bytes_16'] / gib:.2f} GiB -> "
+            f"{result['weight_bytes_quantized'] / gib:.2f} GiB ({1 / result['weight_ratio']:.2f}x smaller), "
+            f"KV {result['kv_bytes_per_token'] / 1024:.0f} KiB/token; "
+            "quantization pays while its extra time per step is under "
+            f"{result['break_even_extra_seconds'] * 1000:.2f} ms",
+            "the byte model: an upper bound a bandwidth-bound kernel approaches (--measured CSV for yours)",
+        ],
+        columns,
+    )
+    lines.append(
+        f"{'batch':>5} {'context':>8} {'16-bit ms':>9} {'W' + str(bits) + ' ms':>8} {'speedup':>7} "
+        f"{'tok/s 16-bit':>12} {'tok/s W' + str(bits):>9} {'W share':>7}"
+    )
     lines += [
-        f"{row['batch']:>6.0f} {row['context_tokens']:>8.0f} {row['step_seconds_16'] * 1000:>10.2f} "
-        f"{row['step_seconds_quantized'] * 1000:>9.2f} {row['speedup']:>7.2f}x "
-        f"{row['tokens_per_second_16']:>13.1f} {row['tokens_per_second_quantized']:>10.1f} "
-        f"{row['weight_share_16']:>13.1%}"
+        f"{row['batch']:>5} {row['context_tokens']:>8} {row['step_seconds_16'] * 1000:>9.2f} "
+        f"{row['step_seconds_quantized'] * 1000:>8.2f} {row['speedup']:>6.2f}x "
+        f"{row['tokens_per_second_16']:>12.1f} {row['tokens_per_second_quantized']:>9.1f} "
+        f"{row['weight_share_16']:>7.1%}"
         for row in result["steps"]
     ]
+    lines.append("W share: the weights' share of a 16-bit step's bytes")
     return "\n".join(lines) + "\n"
 
 
@@ -163,10 +215,13 @@ def _bandwidth_measured(args: argparse.Namespace) -> dict[str, Any]:
     from kvlens import bandwidth as bw
 
     fits = bw.fit_paths(bw.read_measured(args.measured))
-    return bw.measured_comparison(fits, _batches(args, "") if args.batch else ())
+    return {
+        "schema": MEASURED_SCHEMA,
+        **bw.measured_comparison(fits, _batches(args, "") if args.batch else ()),
+    }
 
 
-def _measured_text(result: dict[str, Any]) -> str:
+def _measured_text(result: dict[str, Any], columns: int) -> str:
     lines = [
         f"path {p['path']}: step = {p['t0_seconds'] * 1000:.3f} ms + bytes / "
         f"{p['bandwidth_bytes_per_second'] / 1e12:.2f} TB/s ({p['measured_steps']} measured steps)"
@@ -196,4 +251,4 @@ def _measured_text(result: dict[str, Any]) -> str:
             lines.append(
                 f"{c['path']} moves its bytes about as fast as {result['baseline']}: the bytes decide"
             )
-    return "\n".join(lines) + "\n"
+    return "\n".join(terminal.wrapped(lines, columns)) + "\n"

@@ -7,28 +7,119 @@ import argparse
 import contextlib
 import errno
 import logging
+import logging.config
 import os
 import socket
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import uvicorn
-from prometheus_client import CollectorRegistry, ProcessCollector
-
+from kvlens import logs
 from kvlens.config import ENV_PREFIX, Settings, load_settings
 from kvlens.errors import SettingsError
-from kvlens.exporter import server
-from kvlens.exporter.aggregator import Aggregator
-from kvlens.exporter.app import create_app
+
+if TYPE_CHECKING:  # the server's modules load when a server is built: offline commands skip them
+    import uvicorn
+
+    from kvlens.exporter.aggregator import Aggregator
+    from kvlens.fleet.source import KVEvents
 
 log = logging.getLogger("kvlens")
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Each flag's help ends with its default (as ``ArgumentDefaultsHelpFormatter``), except where
+    there is none to tell (None, an off switch, an empty list) or the help already says it; the
+    examples (the epilog) keep their lines, as ``RawDescriptionHelpFormatter`` would."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith(EXAMPLES):
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help = action.help or ""
+        default = action.default
+        # `is`, not `in`: 0 and 0.0 equal False, and they are defaults worth telling
+        quiet = default is None or default is False or default == [] or default == argparse.SUPPRESS
+        quiet = quiet or "default:" in help
+        if quiet or not (action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE)):
+            return help
+        return f"{help} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """A command's parser: a flag it does not know is its error, shown with its own usage
+    (argparse hands a subcommand's unknown flags up to ``kvlens``, whose usage tells nothing)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+
+EXAMPLES = "examples:\n"
+
+
+def examples(*commands: str) -> str:
+    """An epilog of example command lines, each continued with a backslash (so it still pastes
+    into a shell) where it would pass 80 columns."""
+    lines = []
+    for command in commands:
+        line = " "
+        for word in command.split(" "):
+            if len(line) + 1 + len(word) > 77 and line.strip():
+                lines.append(line + " \\")
+                line = "     "
+            line += " " + word
+        lines.append(line)
+    return EXAMPLES + "\n".join(lines)
+
+
+def log_flags(parser: argparse.ArgumentParser) -> None:
+    """``--log-level`` and ``--log-format`` on every command (their defaults from the environment)."""
+    parser.add_argument(
+        "--log-level",
+        type=str.lower,
+        choices=logs.LEVELS,
+        metavar="LEVEL",
+        default=(os.environ.get(f"{ENV_PREFIX}LOG_LEVEL") or "info").lower(),  # empty: unset
+        help=f"the least severe log lines shown: {', '.join(logs.LEVELS)} (env {ENV_PREFIX}LOG_LEVEL)",
+    )
+    parser.add_argument(
+        "--log-format",
+        type=str.lower,
+        choices=logs.FORMATS,
+        metavar="FORMAT",
+        default=(os.environ.get(f"{ENV_PREFIX}LOG_FORMAT") or "text").lower(),
+        help=f"log lines on stderr: text, or one JSON object per line (env {ENV_PREFIX}LOG_FORMAT)",
+    )
+
+
+def configure_logging(args: argparse.Namespace) -> dict[str, Any]:
+    """Install the logging the flags (or their variables) ask for; the same dictionary is
+    uvicorn's ``log_config``. A value from the environment is not checked by argparse's choices."""
+    for name, allowed in (("log_level", logs.LEVELS), ("log_format", logs.FORMATS)):
+        value = getattr(args, name)
+        if value not in allowed:
+            variable = f"{ENV_PREFIX}{name.upper()}"
+            raise SettingsError(f"{variable}={os.environ.get(variable)!r} is not one of {', '.join(allowed)}")
+    config = logs.config(args.log_level, args.log_format)
+    logging.config.dictConfig(config)
+    return config
+
+
 def server_flags(sub: argparse.ArgumentParser) -> None:
-    sub.add_argument("--host", help=f"listen address (env {ENV_PREFIX}HOST; default 127.0.0.1)")
-    sub.add_argument("--port", type=int, help=f"listen port (env {ENV_PREFIX}PORT; default 9433)")
+    sub.add_argument("--host", help=f"listen address (env {ENV_PREFIX}HOST; default: 127.0.0.1)")
+    sub.add_argument("--port", type=int, help=f"listen port (env {ENV_PREFIX}PORT; default: 9433)")
     sub.add_argument(
         "--config",
         type=Path,
@@ -41,13 +132,19 @@ def input_flags(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--format", dest="input_format", help="kvlens, sglang or openai-usage (default: detect)")
     sub.add_argument("--model", help="model for records that carry none (SGLang)")
     sub.add_argument("--config", type=Path, help="YAML settings: prompt_length_edges, cost_models, ...")
-    sub.add_argument("--json", action="store_true", help="print the report as JSON (schema in the README)")
+    sub.add_argument(
+        "--json",
+        action="store_true",
+        help="print the report as JSON (its schema key names a file in kvlens/schemas)",
+    )
     sub.add_argument("--markdown", action="store_true", help="print the report as Markdown")
 
 
 def scale_flags(sub: argparse.ArgumentParser) -> None:
     sub.add_argument(
-        "--memory-limit", metavar="SIZE", help="DuckDB's memory before it spills, e.g. 2GiB (the default)"
+        "--memory-limit",
+        metavar="SIZE",
+        help="DuckDB's memory before it spills, e.g. 4GiB (default: analyze_memory_limit, 2GiB)",
     )
 
 
@@ -61,6 +158,7 @@ def settings_from(args: argparse.Namespace, **overrides: Any) -> Settings:
         scrape_username=getattr(args, "scrape_username", None),
         scrape_password_file=getattr(args, "scrape_password_file", None),
         kv_events=kv_events_from(getattr(args, "kv_events", None)),
+        kv_events_dns=getattr(args, "kv_events_dns", None),
         kv_events_shard=getattr(args, "kv_events_shard", None),
         tails=tails_from(
             getattr(args, "tail", None), getattr(args, "formats", None), getattr(args, "model", None)
@@ -98,11 +196,24 @@ def tails_from(
     ]
 
 
-def build_server(settings: Settings, aggregator: Aggregator, log_level: str) -> uvicorn.Server:
+def build_server(
+    settings: Settings,
+    aggregator: Aggregator,
+    args: argparse.Namespace,
+    quieter: str | None = None,
+    kv_events: KVEvents | None = None,
+) -> uvicorn.Server:
+    """``quieter``: a least level for uvicorn's lines when the command prints its own (demo);
+    ``kv_events``: an index fed in process (the demo) instead of from the settings' publishers."""
+    from prometheus_client import CollectorRegistry, ProcessCollector
+
+    from kvlens.exporter import server
+    from kvlens.exporter.app import create_app
+
     check_port_free(settings)
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)  # process_start_time_seconds shows restarts
-    app = create_app(settings, registry, aggregator)
+    app = create_app(settings, registry, aggregator, kv_events)
     sockets = server.raise_open_files_limit()
     server.return_large_buffers()  # a refused bomb's 16 MiB goes back to the kernel
     if sockets < settings.max_connections + 64:
@@ -122,7 +233,10 @@ def build_server(settings: Settings, aggregator: Aggregator, log_level: str) -> 
         log.info("%s", note)
     guard = app.state.sidecar.health.connections
     assert guard is not None
-    return server.build_server(settings, app, guard, log_level)
+    level = args.log_level
+    if quieter is not None and logs.LEVELS.index(quieter) > logs.LEVELS.index(level):
+        level = quieter
+    return server.build_server(settings, app, guard, level, logs.config(args.log_level, args.log_format))
 
 
 @contextlib.contextmanager

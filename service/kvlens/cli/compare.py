@@ -5,15 +5,24 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
-from kvlens.cli.common import input_flags
+from kvlens.cli.common import check_writable, examples, input_flags
 from kvlens.config import load_settings
 
 
 def add_parser(commands: Any) -> None:
     compare = commands.add_parser(
-        "compare", help="compare cache-off / cold / warm replays of one request sequence"
+        "compare",
+        help="compare cache-off / cold / warm replays of one request sequence",
+        description="Compare arms that replay one fixed request sequence (the first is the baseline): "
+        "a table at a terminal; Markdown with --markdown or when stdout is not a terminal; --json.",
+        epilog=examples(
+            "kvlens compare --arm off=off.jsonl --arm cold=cold.jsonl --arm warm=warm.jsonl",
+            "kvlens compare --arm cold=cold.jsonl --arm warm=warm.jsonl --warmup 200 --markdown",
+            "kvlens compare --arm round_robin=sim.jsonl --arm prefix_affinity=sim.jsonl --json",
+        ),
     )
     compare.add_argument(
         "--arm", action="append", required=True, metavar="NAME=FILE", help="an arm; the first is the baseline"
@@ -24,12 +33,14 @@ def add_parser(commands: Any) -> None:
     warm.add_argument(
         "--warmup-until", type=float, metavar="T", help="requests arriving before T are warm-up"
     )
+    compare.add_argument("--html", type=Path, metavar="OUT", help="also write the report as one HTML file")
     compare.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from kvlens.analysis import compare
 
+    check_writable(args.html)
     settings = load_settings(args.config)
     arms = []
     for spec in args.arm:
@@ -49,8 +60,14 @@ def run(args: argparse.Namespace) -> int:
     except compare.ArmsDiffer as error:
         print(f"kvlens compare: {error}", file=sys.stderr)
         return 2
-    print(
-        json.dumps(result, indent=2) if args.json else compare.markdown(result),
-        end="" if not args.json else "\n",
-    )
+    if args.html:
+        from kvlens.analysis import html_compare
+
+        html_compare.write(result, args.html)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    elif args.markdown or not sys.stdout.isatty():  # a file, a pipe, a CI step's summary
+        print(compare.markdown(result), end="")
+    else:
+        compare.terminal(result)
     return 0

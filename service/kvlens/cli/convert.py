@@ -7,13 +7,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvlens.cli.common import scale_flags
+from kvlens.cli.common import examples, scale_flags
 from kvlens.config import load_settings
 
 
 def add_parser(commands: Any) -> None:
     convert = commands.add_parser(
-        "convert", help="write records as Parquet (what the duckdb engine reads fastest)"
+        "convert",
+        help="write records as Parquet (what the duckdb engine reads fastest)",
+        epilog=examples(
+            "kvlens convert 'logs/*.jsonl.gz' --to parquet records.parquet",
+            "kvlens convert sglang.log --format sglang --model llama-8b --to parquet sglang.parquet",
+        ),
     )
     convert.add_argument(
         "files", nargs="+", metavar="RECORDS", help="JSON-lines or Parquet files, directories, globs"

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvlens.cli.common import check_writable, examples
 from kvlens.cli.replay import (
     endpoint,
     endpoint_flags,
@@ -28,7 +29,11 @@ from kvlens.experiment.protocol import ExperimentError
 
 
 def add_parser(commands: Any) -> None:
-    experiment = commands.add_parser("experiment", help="the articles' experiments against endpoints")
+    experiment = commands.add_parser(
+        "experiment",
+        help="the articles' experiments against endpoints",
+        epilog=examples("kvlens experiment prefix-cache --help", "kvlens experiment quantization --help"),
+    )
     kinds = experiment.add_subparsers(required=True, metavar="EXPERIMENT")
     prefix = kinds.add_parser(
         "prefix-cache",
@@ -36,8 +41,10 @@ def add_parser(commands: Any) -> None:
         description="Runs the off arm (when --off-endpoint is given), then cold (cache emptied) and "
         "warm (emptied, warmed by the traffic before --measure-from, timed apart) on --endpoint, "
         "one records file per arm in --out-dir, and prints the compare report.",
-        epilog="example: kvlens experiment prefix-cache shared-prefix --endpoint http://127.0.0.1:8000 "
-        "--off-endpoint http://127.0.0.1:8001 --model simulated --out-dir runs/",
+        epilog=examples(
+            "kvlens experiment prefix-cache shared-prefix --endpoint http://127.0.0.1:8000 "
+            "--off-endpoint http://127.0.0.1:8001 --model simulated --out-dir runs/",
+        ),
     )
     trace_flags(prefix)
     endpoint_flags(prefix)
@@ -45,6 +52,7 @@ def add_parser(commands: Any) -> None:
     prefix.add_argument("--out-dir", type=Path, required=True, help="where the arms' records go")
     prefix.add_argument("--config", type=Path, help="YAML settings (prompt-length groups, cost models)")
     prefix.add_argument("--json", action="store_true", help="print the compare result as JSON")
+    prefix.add_argument("--html", type=Path, metavar="OUT", help="also write the compare report as HTML")
     prefix.set_defaults(run=_prefix_cache)
 
     quant = kinds.add_parser(
@@ -54,8 +62,10 @@ def add_parser(commands: Any) -> None:
         "long contexts apart; TTFT, inter-token latency and e2e apart). Experiment 2 (--rates) replays "
         "the trace at each rate and reports attainment of --slo-ttft and --slo-itl, goodput, the "
         "highest rate each endpoint holds, and whether a gain came from faster steps or more KV.",
-        epilog="example: kvlens experiment quantization shared-prefix --endpoint bf16=http://127.0.0.1:8000 "
-        "--endpoint w4a16=http://127.0.0.1:8001 --model simulated --out-dir quant/ --rates 2,4,8",
+        epilog=examples(
+            "kvlens experiment quantization shared-prefix --endpoint bf16=http://127.0.0.1:8000 "
+            "--endpoint w4a16=http://127.0.0.1:8001 --model simulated --out-dir quant/ --rates 2,4,8",
+        ),
     )
     quant.add_argument("trace", metavar="TRACE", help=f"a trace file, or '{arms.SHARED_PREFIX}'")
     quant.add_argument(
@@ -67,16 +77,28 @@ def add_parser(commands: Any) -> None:
     )
     quant.add_argument("--model", required=True, help="the served model name (the same on every endpoint)")
     quant.add_argument("--api-key", help="bearer token for the endpoints")
-    quant.add_argument("--timeout", type=float, default=600, help="seconds one request may take (600)")
+    quant.add_argument("--timeout", type=float, default=600, help="seconds one request may take")
     quant.add_argument("--out-dir", type=Path, required=True, help="where each run's records go")
-    quant.add_argument("--concurrency", type=int, default=8, help="experiment 1: requests in flight (8)")
-    quant.add_argument("--rates", help="experiment 2: requests per second, comma-separated (none: skip)")
-    quant.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT target, seconds (2)")
-    quant.add_argument(
-        "--slo-itl", type=float, default=0.05, help="mean inter-token latency target, s (0.05)"
+    quant.add_argument("--concurrency", type=int, default=8, help="experiment 1: requests in flight")
+    load = quant.add_mutually_exclusive_group()
+    load.add_argument("--rates", help="experiment 2: requests per second, comma-separated (none: skip)")
+    load.add_argument(
+        "--rate-sweep",
+        type=float,
+        metavar="START",
+        help="experiment 2: START req/s, doubled until every endpoint falls under --slo-attainment, "
+        "then once halfway at each endpoint's limit",
     )
-    quant.add_argument("--slo-attainment", type=float, default=0.9, help="share that must meet both (0.9)")
-    quant.add_argument("--long-context", type=int, default=4096, help="prompts this long are long (4096)")
+    quant.add_argument(
+        "--sweep-doublings", type=int, default=6, metavar="N", help="--rate-sweep doubles at most N times"
+    )
+    quant.add_argument(
+        "--plot", type=Path, metavar="FILE", help="attainment against rate per endpoint (.svg, .png)"
+    )
+    quant.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT target, seconds")
+    quant.add_argument("--slo-itl", type=float, default=0.05, help="mean inter-token latency target, s")
+    quant.add_argument("--slo-attainment", type=float, default=0.9, help="share that must meet both")
+    quant.add_argument("--long-context", type=int, default=4096, help="prompts this long are long")
     quant.add_argument("--max-output-tokens", type=int, help="cap the trace's output lengths")
     quant.add_argument("--json", action="store_true", help="print the report as JSON")
     traffic_flags(quant)
@@ -86,6 +108,7 @@ def add_parser(commands: Any) -> None:
 def _prefix_cache(args: argparse.Namespace) -> int:
     from kvlens.analysis import compare
 
+    check_writable(args.html)  # before the arms run, not after
     window, prompts, schedule = setup(args, warms=True)
     settings = load_settings(args.config)
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -108,14 +131,17 @@ def _prefix_cache(args: argparse.Namespace) -> int:
     for warning in warnings:
         print(f"kvlens experiment: {warning}", file=sys.stderr)
     report = arms.compare_arms(results, settings)
+    if args.html:
+        from kvlens.analysis import html_compare
+
+        html_compare.write(report, args.html)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(compare.markdown(report), end="")
-        print(
-            "\nReuse is not speedup: a warm arm's cached tokens save prefill work, and TTFT falls only "
-            "where prefill, not queueing, was the wait."
-        )
+        if sys.stdout.isatty():  # as kvlens compare: a table at a terminal, Markdown into a file
+            compare.terminal(report)
+        else:
+            print(compare.markdown(report), end="")
     return 0
 
 
@@ -131,6 +157,14 @@ def _quantization(args: argparse.Namespace) -> int:
     if args.concurrency < 1:
         raise ExperimentError("--concurrency must be at least 1")
     rates = quantization.parse_rates(args.rates) if args.rates else None
+    quantization.check_sweep(args.rate_sweep, args.sweep_doublings)
+    if args.plot and not (rates or args.rate_sweep):
+        raise ExperimentError("--plot draws experiment 2: give --rates or --rate-sweep")
+    if args.plot:
+        from kvlens.experiment.plot import check_path
+
+        check_path(args.plot)
+        check_writable(args.plot)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     fixed = quantization.fixed_work(
         endpoints,
@@ -141,21 +175,31 @@ def _quantization(args: argparse.Namespace) -> int:
         targets=targets,
         max_output_tokens=args.max_output_tokens,
     )
-    load = (
-        quantization.rising_load(
-            endpoints,
-            requests,
-            prompts,
-            args.out_dir,
-            rates=rates,
-            targets=targets,
-            max_output_tokens=args.max_output_tokens,
-            seed=args.seed,
+    load = None
+    if rates or args.rate_sweep:
+        step = quantization.stepper(
+            endpoints, requests, prompts, args.out_dir, targets, args.max_output_tokens, args.seed
         )
-        if rates
-        else None
-    )
+        load = (
+            quantization.rate_sweep(
+                step,
+                list(endpoints),
+                start=args.rate_sweep,
+                targets=targets,
+                max_doublings=args.sweep_doublings,
+            )
+            if args.rate_sweep
+            else quantization.run_rates(step, list(endpoints), rates or [], targets)
+        )
     result = quantization.report(fixed, load, targets, next(iter(endpoints)))
+    if args.plot:
+        from kvlens.experiment.plot import write_plot
+
+        try:
+            write_plot(result, args.plot)
+        except ValueError as error:  # a PNG without matplotlib
+            print(f"kvlens experiment: {error}", file=sys.stderr)
+            return 2
     print(
         json.dumps(result, indent=2) if args.json else quantization.text(result),
         end="\n" if args.json else "",

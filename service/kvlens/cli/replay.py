@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from kvlens.cli.common import examples
 from kvlens.experiment import run as arms
 from kvlens.experiment.client import CHAT, COMPLETIONS, Endpoint, Progress
 from kvlens.experiment.prompts import DEFAULT_VOCAB_SIZE, PromptSynthesizer
@@ -28,8 +29,12 @@ def add_parser(commands: Any) -> None:
         help="replay a trace against an OpenAI-compatible endpoint as one arm; kvlens records out",
         description="Send a trace's requests (token-id prompts that keep its shared prefixes, its "
         "lengths and arrivals) to an endpoint, open loop, and write one kvlens record per request.",
-        epilog="example: kvlens replay shared-prefix --endpoint http://127.0.0.1:8000 "
-        "--model simulated --arm cold --reset --out cold.jsonl",
+        epilog=examples(
+            "kvlens replay shared-prefix --endpoint http://127.0.0.1:8000 --model simulated "
+            "--arm cold --reset --out cold.jsonl",
+            "kvlens replay trace.jsonl --endpoint http://127.0.0.1:8000 --model llama-8b --arm warm "
+            "--warm --measure-from 600 --out warm.jsonl",
+        ),
     )
     trace_flags(replay)
     endpoint_flags(replay)
@@ -48,7 +53,7 @@ def trace_flags(parser: argparse.ArgumentParser) -> None:
         metavar="TRACE",
         help=f"Mooncake, Bailian or kvlens-record JSONL, or '{arms.SHARED_PREFIX}' (built-in traffic)",
     )
-    parser.add_argument("--speed", type=float, default=1.0, help="play the trace this much faster (1)")
+    parser.add_argument("--speed", type=float, default=1.0, help="play the trace this much faster")
     parser.add_argument("--rate", type=float, help="requests per second instead of the trace's times")
     parser.add_argument("--burstiness", type=float, default=1.0, help="with --rate: 1 Poisson, <1 burstier")
     parser.add_argument("--max-output-tokens", type=int, help="cap the trace's output lengths")
@@ -60,30 +65,26 @@ def trace_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def traffic_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="token ids below it (32000)"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed of prompts and --rate arrivals (0)")
+    parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="token ids below it")
+    parser.add_argument("--seed", type=int, default=0, help="seed of prompts and --rate arrivals")
     parser.add_argument(
         "--requests",
         type=int,
         help=f"the first N requests of the trace (default: all; {arms.SHARED_PREFIX}: 200)",
     )
-    parser.add_argument("--groups", type=int, default=4, help=f"{arms.SHARED_PREFIX}: system prompts (4)")
-    parser.add_argument(
-        "--prefix-tokens", type=int, default=1024, help=f"{arms.SHARED_PREFIX}: shared (1024)"
-    )
-    parser.add_argument("--suffix-tokens", type=int, default=128, help=f"{arms.SHARED_PREFIX}: own (128)")
-    parser.add_argument("--output-tokens", type=int, default=32, help=f"{arms.SHARED_PREFIX}: output (32)")
-    parser.add_argument("--traffic-rate", type=float, default=4.0, help=f"{arms.SHARED_PREFIX}: per s (4)")
+    parser.add_argument("--groups", type=int, default=4, help=f"{arms.SHARED_PREFIX}: system prompts")
+    parser.add_argument("--prefix-tokens", type=int, default=1024, help=f"{arms.SHARED_PREFIX}: shared")
+    parser.add_argument("--suffix-tokens", type=int, default=128, help=f"{arms.SHARED_PREFIX}: own")
+    parser.add_argument("--output-tokens", type=int, default=32, help=f"{arms.SHARED_PREFIX}: output")
+    parser.add_argument("--traffic-rate", type=float, default=4.0, help=f"{arms.SHARED_PREFIX}: per s")
 
 
 def endpoint_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoint", required=True, metavar="URL", help="the server's base URL (no /v1)")
     parser.add_argument("--model", required=True, help="the served model name")
     parser.add_argument("--api-key", help="bearer token for the endpoint")
-    parser.add_argument("--max-concurrency", type=int, default=256, help="requests in flight at most (256)")
-    parser.add_argument("--timeout", type=float, default=600, help="seconds one request may take (600)")
+    parser.add_argument("--max-concurrency", type=int, default=256, help="requests in flight at most")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds one request may take")
     parser.add_argument("--assume-empty", action="store_true", help="call an arm cold without a reset")
     parser.add_argument(
         "--missing-cached-is-zero", action="store_true", help="a usage without cached_tokens means 0"

@@ -6,13 +6,22 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from kvlens.cli.common import build_server, server_flags, settings_from
+from kvlens.cli.common import build_server, examples, server_flags, settings_from
 from kvlens.config import ENV_PREFIX
 from kvlens.exporter.aggregator import Aggregator
 
 
 def add_parser(commands: Any) -> None:
-    serve = commands.add_parser("serve", help="run the sidecar: POST /v1/records, GET /metrics")
+    serve = commands.add_parser(
+        "serve",
+        help="run the sidecar: POST /v1/records, GET /metrics",
+        epilog=examples(
+            "kvlens serve",
+            "kvlens serve --host 0.0.0.0 --scrape http://vllm:8000/metrics",
+            "kvlens serve --tail '/logs/sglang-*.log' --format sglang --model llama-8b",
+            "kvlens serve --kv-events r0=tcp://10.0.0.5:5557 --log-format json",
+        ),
+    )
     server_flags(serve)
     serve.add_argument(
         "--tail",
@@ -51,6 +60,14 @@ def add_parser(commands: Any) -> None:
         help="a replica's KV event publisher, e.g. r0=tcp://10.0.0.5:5557 (repeatable; kvlens[kv-events])",
     )
     serve.add_argument(
+        "--kv-events-dns",
+        action="append",
+        metavar="HOST:PORT[/REPLAY_PORT]",
+        help="a headless Service whose addresses are the replicas' publishers, looked up every "
+        "kv_events_dns_interval_seconds (30) "
+        "(repeatable; kvlens[kv-events])",
+    )
+    serve.add_argument(
         "--kv-events-shard", metavar="i/N", help="keep only shard i of N of the fleet's blocks"
     )
     serve.set_defaults(run=run)
@@ -58,6 +75,6 @@ def add_parser(commands: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
-    server = build_server(settings, Aggregator(settings), "info")
+    server = build_server(settings, Aggregator(settings), args)
     server.run()
     return 0

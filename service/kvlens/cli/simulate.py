@@ -9,13 +9,22 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvlens.cli.common import run_progress
+from kvlens import terminal
+from kvlens.cli.common import Parser, examples, run_progress
 from kvlens.config import load_settings
 
 
 def add_parser(commands: Any) -> None:
     sim = commands.add_parser(
-        "simulate", help="replay a trace on a fleet: reachable vs delivered reuse per policy and capacity"
+        "simulate",
+        help="replay a trace on a fleet: reachable vs delivered reuse per policy and capacity",
+        epilog=examples(
+            "kvlens simulate",
+            "kvlens simulate --capacity-blocks 250,1000,4000,unbounded --plot reuse.svg",
+            "kvlens simulate trace.jsonl --replicas 8 --policy prefix_affinity --json",
+            "kvlens simulate --emit-records sim.jsonl",
+            "kvlens simulate serve --help",
+        ),
     )
     sim.add_argument(
         "trace",
@@ -24,29 +33,30 @@ def add_parser(commands: Any) -> None:
         help="Mooncake, Bailian or kvlens-record JSONL (default: bundled Mooncake); "
         "'kvlens simulate serve --help': the fleet behind the OpenAI API",
     )
-    sim.add_argument("--replicas", type=int, default=4, help="replicas in the fleet (default 4)")
+    sim.add_argument("--replicas", type=int, default=4, help="replicas in the fleet")
     sim.add_argument(
         "--capacity-blocks",
         default="1000",
         metavar="C[,C...]",
-        help="KV cache blocks per replica; several for a sweep; 'unbounded' allowed (default 1000)",
+        help="KV cache blocks per replica; several for a sweep; 'unbounded' allowed",
     )
     sim.add_argument(
         "--policy",
         action="append",
         choices=("round_robin", "least_queue", "prefix_affinity", "cost_aware"),
-        help="routing policy, repeatable (default: all four)",
+        metavar="POLICY",
+        help="round_robin, least_queue, prefix_affinity or cost_aware; repeatable (default: all four)",
     )
     sim.add_argument("--block-size", type=int, help="refuse a trace whose blocks are not this size")
     sim.add_argument(
         "--time-scale", type=float, default=1.0, help="multiply arrival times (0.5: twice the rate)"
     )
     sim.add_argument("--rate", type=float, help="requests per second on average (rescales arrival times)")
-    sim.add_argument("--max-running", type=int, default=256, help="requests holding KV per replica (256)")
+    sim.add_argument("--max-running", type=int, default=256, help="requests holding KV per replica")
     sim.add_argument("--no-chunked-prefill", action="store_true", help="a prefill pauses the running decodes")
     sim.add_argument("--no-guard", action="store_true", help="prefix_affinity without its load guard")
-    sim.add_argument("--balance-abs", type=int, default=64, help="load guard: outstanding gap (64)")
-    sim.add_argument("--balance-rel", type=float, default=1.5, help="load guard: busiest/idlest ratio (1.5)")
+    sim.add_argument("--balance-abs", type=int, default=64, help="load guard: outstanding gap")
+    sim.add_argument("--balance-rel", type=float, default=1.5, help="load guard: busiest/idlest ratio")
     sim.add_argument("--config", type=Path, help="YAML settings: a cost model in seconds under cost_models")
     sim.add_argument(
         "--model", help="whose cost model in seconds (from --config) times prefill (default: an H200, 8B)"
@@ -65,8 +75,13 @@ def serve_parser() -> argparse.ArgumentParser:
     """``kvlens simulate serve``: the simulated fleet behind vLLM's OpenAI API, in real time."""
     from kvlens.simulate.serve import main as serve
 
-    parser = argparse.ArgumentParser(
-        prog="kvlens simulate serve", description="a simulated vLLM fleet behind the OpenAI API, in real time"
+    parser = Parser(
+        prog="kvlens simulate serve",
+        description="a simulated vLLM fleet behind the OpenAI API, in real time",
+        epilog=examples(
+            "kvlens simulate serve --replicas 2 --policy prefix_affinity --port 8000",
+            "kvlens simulate serve --push http://127.0.0.1:9433 --kv-events tcp://127.0.0.1:5557",
+        ),
     )
     serve.add_arguments(parser)
     parser.set_defaults(run=serve.run)
@@ -121,5 +136,8 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as error:
             print(f"kvlens simulate: {error}", file=sys.stderr)
             return 2
-    print(json.dumps(result, indent=2) if args.json else render.text(result), end="\n" if args.json else "")
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(render.text(result, terminal.width()), end="")
     return 0

@@ -15,6 +15,12 @@ leaves ``cached_tokens`` out (vLLM without ``--enable-prompt-tokens-details``) i
 record then has no ``cached_tokens`` unless ``missing_cached_is_zero``. A request that fails (an
 HTTP status, a timeout, a reset, a malformed stream) is recorded with ``error`` and no timings,
 so it never enters a latency figure.
+
+A hostile endpoint cannot hold the run or its memory: ``timeout`` bounds each whole request
+(a stream that trickles forever is a ``timeout``), a line past MAX_LINE_BYTES is
+``line_too_long``, more chunks with text than the request's ``max_tokens`` is
+``too_many_tokens``, a compressed answer is ``content_encoding`` (never inflated), usage counts
+that cannot be are ``invalid_usage``, and an error status's body is not read (``http_STATUS``).
 """
 
 from __future__ import annotations
@@ -27,19 +33,26 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Any, Final
 
+import anyio
 import httpx
 import numpy as np
 import numpy.typing as npt
 import orjson
 
 from kvlens.definitions import quantiles
+from kvlens.errors import InputError
 from kvlens.experiment.prompts import PromptSynthesizer
-from kvlens.experiment.stream import Exchange, Failed, StreamClient
+from kvlens.experiment.stream import IDENTITY, Exchange, Failed, StreamClient
+from kvlens.experiment.stream import MAX_LINE_BYTES as MAX_LINE_BYTES  # the replay's limits, all here
 from kvlens.simulate.trace import TraceRequest
 
 log = logging.getLogger("kvlens.experiment")
+# A /detokenize answer at most (a 128k-token prompt as text is well under it).
+MAX_DETOKENIZE_BYTES: Final = 16 * 1024 * 1024
+# A usage count past this is no model's (records and their sums stay far from int64's end).
+MAX_USAGE_TOKENS: Final = 2**31
 
 WARMUP = "warmup"
 MEASURE = "measure"
@@ -91,6 +104,10 @@ class Endpoint:
     missing_cached_is_zero: bool = False
     late_after_seconds: float = 0.005  # a request sent this much after its time is counted late
     api: str = COMPLETIONS  # or CHAT: the prompt as text (from /detokenize) in one user message
+
+    def __post_init__(self) -> None:
+        if not self.timeout_seconds > 0:  # NaN too: asyncio takes no NaN deadline
+            raise InputError(f"--timeout must be a positive number of seconds, not {self.timeout_seconds:g}")
 
     @property
     def path(self) -> str:
@@ -160,7 +177,9 @@ async def replay(
             return False
         tokens = prompts.tokens(request.request)
         body = (
-            await _chat_body(detokenizer, endpoint.model, tokens, request.output_tokens)
+            await _chat_body(
+                detokenizer, endpoint.model, tokens, request.output_tokens, endpoint.timeout_seconds
+            )
             if detokenizer is not None
             else completions_body(endpoint.model, tokens, request.output_tokens)
         )
@@ -192,7 +211,7 @@ async def replay(
             if lag > endpoint.late_after_seconds:
                 progress.late += 1
             record = _record(endpoint, arm, request, lag, wall_start + (sent - start))
-            answer = client.begin(endpoint.path, body, sent)
+            answer = client.begin(endpoint.path, body, sent, request.output_tokens)
             pending.add(answer)
             answer.add_done_callback(
                 functools.partial(_ended, record=record, endpoint=endpoint, writer=writer, progress=progress)
@@ -238,22 +257,40 @@ def completions_body(model: str, prompt: npt.NDArray[np.uint64], output_tokens: 
 
 
 async def _chat_body(
-    client: httpx.AsyncClient, model: str, prompt: npt.NDArray[np.uint64], output_tokens: int
+    client: httpx.AsyncClient, model: str, prompt: npt.NDArray[np.uint64], output_tokens: int, timeout: float
 ) -> bytes:
     """The request for ``/v1/chat/completions``: the ids turned into text by the server's own
     ``/detokenize``, in one user message. The server tokenizes that text again and adds its chat
     template, so prompt lengths are approximate (the records carry the server's count); a
     detokenize that fails leaves the request to fail as a request."""
+    content = orjson.dumps({"model": model, "tokens": prompt}, option=orjson.OPT_SERIALIZE_NUMPY)
     try:
-        answer = await client.post(
-            "/detokenize",
-            content=orjson.dumps({"model": model, "tokens": prompt}, option=orjson.OPT_SERIALIZE_NUMPY),
-        )
-        text = answer.json()["prompt"] if answer.status_code == 200 else ""
-    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        # The whole call, not each read (a trickling answer ends too); not asyncio.wait_for: before
+        # Python 3.12 it can swallow a cancellation that lands as the call completes.
+        with anyio.fail_after(timeout):
+            raw = await _detokenize(client, content)
+        text = orjson.loads(raw)["prompt"] if raw is not None else ""
+    except (httpx.HTTPError, TimeoutError, ValueError, KeyError, TypeError):
         text = ""
     messages = [{"role": "user", "content": text if isinstance(text, str) else ""}]
     return orjson.dumps({"model": model, "messages": messages, **_generation(output_tokens)})
+
+
+_DETOKENIZE_HEADERS: Final = {"content-type": "application/json", "accept-encoding": "identity"}
+
+
+async def _detokenize(client: httpx.AsyncClient, content: bytes) -> bytes | None:
+    """The answer's body, or None: not a 200, compressed, or past MAX_DETOKENIZE_BYTES."""
+    async with client.stream("POST", "/detokenize", content=content, headers=_DETOKENIZE_HEADERS) as answer:
+        encoding = answer.headers.get("content-encoding", "identity").strip().lower()
+        if answer.status_code != 200 or encoding not in IDENTITY:
+            return None  # an error's body is not read (it may not end); a compressed one not inflated
+        body = bytearray()
+        async for piece in answer.aiter_raw():
+            body += piece
+            if len(body) > MAX_DETOKENIZE_BYTES:
+                return None
+        return bytes(body)
 
 
 def _record(endpoint: Endpoint, arm: str, request: Planned, lag: float, wall: float) -> dict[str, Any]:
@@ -282,6 +319,8 @@ def _ended(
     if answer.cancelled():
         return  # the run was interrupted: nothing was measured
     failure = answer.exception()
+    if failure is None and not _plausible(answer.result().usage, record["prompt_tokens"]):
+        failure = Failed("invalid_usage")
     if failure is not None:
         # Failed carries the reason; anything else is the client's own fault, recorded all the same.
         reason = failure.reason if isinstance(failure, Failed) else f"client_{type(failure).__name__}"
@@ -291,6 +330,24 @@ def _ended(
         _fill(record, answer.result(), endpoint, progress)
     progress.done += 1
     writer.write(record)
+
+
+def _count(value: Any) -> bool:
+    return type(value) is int and 0 <= value < MAX_USAGE_TOKENS
+
+
+def _plausible(usage: dict[str, Any] | None, sent_prompt_tokens: int) -> bool:
+    """Counts a record can carry: whole numbers (not true/false) from 0 up, cached tokens no more
+    than the prompt's (the server's count, else the one sent). A field left out is left out of the
+    record; one that cannot be is an error."""
+    if usage is None:
+        return True
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if any(value is not None and not _count(value) for value in (prompt, completion, cached)):
+        return False
+    return cached is None or cached <= (sent_prompt_tokens if prompt is None else prompt)
 
 
 def _fill(record: dict[str, Any], stream: Exchange, endpoint: Endpoint, progress: Progress) -> None:

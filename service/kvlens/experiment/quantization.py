@@ -36,11 +36,14 @@ from kvlens.experiment.prompts import PromptSynthesizer
 from kvlens.experiment.protocol import ExperimentError, check_reachable, reset_cache
 from kvlens.experiment.run import Schedule
 from kvlens.simulate.trace import TraceRequest
+from kvlens.terminal import NARROWEST, wrap, wrapped
 
 SCHEMA = "kvlens.quantization/v1"
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # 0.10+, 0.8/0.9
 QUERIES, HITS = "vllm:prefix_cache_queries", "vllm:prefix_cache_hits"
 NEAR_FULL = 0.9  # KV usage at which an engine starts to queue for memory, not for compute
+SWEEP_DOUBLINGS = 6  # --rate-sweep: at most 64 times the start rate, so a run stays bounded
+MAX_DOUBLINGS = 20  # --sweep-doublings: past a million times the start, a typo, not a plan
 
 
 @dataclass(frozen=True)
@@ -105,18 +108,120 @@ def rising_load(
 ) -> dict[str, Any]:
     """Experiment 2: the trace at each rate (Poisson arrivals) on each endpoint; attainment,
     goodput and the engine's KV usage and reuse per step; the highest rate that meets the target."""
+    step = stepper(endpoints, requests, prompts, out_dir, targets, max_output_tokens, seed, scrape_seconds)
+    return run_rates(step, list(endpoints), rates, targets)
+
+
+def run_rates(
+    step: Callable[[float], dict[str, dict[str, Any]]], names: list[str], rates: list[float], targets: Targets
+) -> dict[str, Any]:
+    """Experiment 2 at the rates given, each on every endpoint."""
+    steps: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for rate in rates:
+        for name, row in step(rate).items():
+            steps[name].append(row)
+    return load_result(steps, targets)
+
+
+def check_sweep(start: float | None, max_doublings: int) -> None:
+    if start is not None and not (math.isfinite(start) and start > 0):
+        raise ExperimentError("--rate-sweep takes a positive start rate (requests per second)")
+    if not 0 <= max_doublings <= MAX_DOUBLINGS:
+        raise ExperimentError(f"--sweep-doublings takes 0 to {MAX_DOUBLINGS}, not {max_doublings}")
+
+
+def rate_sweep(
+    step: Callable[[float], dict[str, dict[str, Any]]],
+    names: list[str],
+    *,
+    start: float,
+    targets: Targets,
+    max_doublings: int = SWEEP_DOUBLINGS,
+) -> dict[str, Any]:
+    """Experiment 2 without a list of rates: ``start``, then double while any endpoint still meets
+    the target attainment, at most ``max_doublings`` times; then once, for each endpoint that met
+    it at a rate ``r`` and fell under at ``2 r``, the rate halfway (``1.5 r``), run on every
+    endpoint so that each rate's arrivals are the same everywhere. At most ``max_doublings + 1 +
+    len(names)`` steps; ``sweep.stopped`` says why the doubling ended."""
+    steps: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    done: set[float] = set()
+
+    def run(rate: float) -> None:
+        done.add(rate)
+        for name, row in step(rate).items():
+            steps[name].append(row)
+
+    rate = start
+    for doubling in range(max_doublings + 1):
+        run(rate)
+        if not any(rows[-1]["attainment"] >= targets.attainment for rows in steps.values()):
+            stopped = f"every endpoint fell under {targets.attainment:.0%} at {rate:g} req/s"
+            break
+        if doubling == max_doublings:
+            plural = "" if max_doublings == 1 else "s"
+            stopped = f"the step limit ({max_doublings} doubling{plural}) was reached at {rate:g} req/s"
+            break
+        rate *= 2
+    middles = sorted(
+        {
+            1.5 * passing
+            for rows in list(steps.values())
+            if (passing := _highest_passing(rows, targets)) is not None
+            and any(row["rate"] == 2 * passing and row["attainment"] < targets.attainment for row in rows)
+        }
+        - done
+    )
+    for middle in middles:
+        run(middle)
+    for rows in steps.values():
+        rows.sort(key=lambda row: float(row["rate"]))
+    result = load_result(steps, targets)
+    result["sweep"] = {
+        "start": start,
+        "max_doublings": max_doublings,
+        "bisected": middles,
+        "stopped": stopped,
+        # met the target at every rate run: its highest rate is a lower bound, not its limit
+        "never_fell_under": [
+            name
+            for name, rows in steps.items()
+            if all(row["attainment"] >= targets.attainment for row in rows)
+        ],
+    }
+    return result
+
+
+def stepper(
+    endpoints: dict[str, Endpoint],
+    requests: list[TraceRequest],
+    prompts: PromptSynthesizer,
+    out_dir: Path,
+    targets: Targets,
+    max_output_tokens: int | None = None,
+    seed: int = 0,
+    scrape_seconds: float = 0.5,
+) -> Callable[[float], dict[str, dict[str, Any]]]:
+    """One step of experiment 2 at a rate: the same arrivals on each endpoint in turn (cache
+    emptied first), its records in ``out_dir/rate-R-NAME.jsonl``."""
     for endpoint in endpoints.values():
         check_reachable(endpoint.url, endpoint.api_key)
-    steps: dict[str, list[dict[str, Any]]] = {name: [] for name in endpoints}
-    for rate in rates:
+
+    def step(rate: float) -> dict[str, dict[str, Any]]:
         schedule = Schedule(rate=rate, max_output_tokens=max_output_tokens, seed=seed)
         planned = schedule.planned(requests, MEASURE)
+        rows = {}
         for name, endpoint in endpoints.items():
             reset_cache(endpoint.url, endpoint.api_key)
             path = out_dir / f"rate-{rate:g}-{name}.jsonl"
             with _engine_sampler(endpoint, scrape_seconds) as sample:
                 records = _run(path, f"{name}@{rate:g}", planned, endpoint, prompts)
-            steps[name].append(_step(rate, records, sample, targets))
+            rows[name] = _step(rate, records, sample, targets)
+        return rows
+
+    return step
+
+
+def load_result(steps: dict[str, list[dict[str, Any]]], targets: Targets) -> dict[str, Any]:
     best = {name: _highest_passing(rows, targets) for name, rows in steps.items()}
     return {"steps": steps, "highest_rate": best, "attribution": _attribution(steps, best, targets)}
 
@@ -357,9 +462,12 @@ def text(result: dict[str, Any]) -> str:
     load = result.get("rising_load")
     if load:
         targets = result["targets"]
-        lines += [
+        lines += wrap(
             f"Experiment 2, rising load (targets: TTFT <= {targets['ttft_seconds']:g} s, "
             f"ITL mean <= {targets['tpot_seconds'] * 1000:g} ms, {targets['attainment']:.0%} of requests)",
+            NARROWEST,
+        )
+        lines += [
             "",
             f"{'endpoint':<12}{'req/s':>7}{'attain':>8}{'goodput':>9}{'TTFT p50':>10}"
             f"{'KV max':>8}{'reuse':>8}",
@@ -373,9 +481,19 @@ def text(result: dict[str, Any]) -> str:
                     f"{'-' if reuse is None else f'{reuse:.0%}':>8}"
                 )
         lines.append("")
+        sweep = load.get("sweep")
+        if sweep:
+            middles = ", ".join(f"{rate:g}" for rate in sweep["bisected"]) or "none"
+            lines += [
+                f"Sweep from {sweep['start']:g} req/s: {sweep['stopped']}; halfway steps: {middles}",
+                "",
+            ]
+        unbounded = (sweep or {}).get("never_fell_under", [])
         for name, rate in load["highest_rate"].items():
-            lines.append(
+            lines += wrap(
                 f"{name}: highest rate meeting the targets: {'none' if rate is None else f'{rate:g} req/s'}"
+                + (" (never fell under: a lower bound)" if name in unbounded else ""),
+                NARROWEST,
             )
-        lines += load["attribution"]
+        lines += wrapped(load["attribution"], NARROWEST)
     return "\n".join(lines) + "\n"

@@ -251,7 +251,18 @@ def prefix_cache_experiment(
 def compare_arms(results: list[ArmResult], settings: Settings) -> dict[str, Any]:
     """``kvlens compare`` of the arms' measured windows, the first arm the baseline."""
     arms = [compare.load_arm(result.name, str(result.records), settings) for result in results]
-    return compare.compare(arms)
+    report = compare.compare(arms)
+    # the warm-up was replayed before the measured window and written to its own file: name it,
+    # so the report says what warmed the cache and that it was not timed
+    report["warmup_recorded_apart"] = {
+        result.name: {
+            "file": str(result.warmup_records),
+            "requests": sum(1 for line in result.warmup_records.read_bytes().splitlines() if line.strip()),
+        }
+        for result in results
+        if result.warmup_records is not None and result.warmup_records.exists()
+    }
+    return report
 
 
 def off_check(result: ArmResult) -> str | None:

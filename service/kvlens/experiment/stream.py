@@ -15,11 +15,15 @@ What it does not do, said so in the README: proxies from the environment (httpx'
 ``trust_env``), HTTP/2, redirects, compressed answers (``accept-encoding: identity`` is sent).
 httpx stays for the replay's few other calls (``/detokenize``, resets, checks).
 
-Failures carry the reasons the records used with httpx: ``http_STATUS``, ``timeout`` (no byte
-for ``timeout`` seconds, or no connection within ``connect_timeout``),
-``transport_ConnectError``, ``transport_RemoteProtocolError`` (the server closed the connection
-before the body ended), ``transport_ReadError`` (the connection was reset), and the stream's own:
-``malformed_stream``, ``stream_error``, ``stream_ended_early``, ``no_tokens``.
+Failures carry the reasons the records used with httpx: ``http_STATUS`` (its body is not
+read: it may never end), ``timeout`` (the whole request, connection and answer, took more than
+``timeout`` seconds, or no connection within ``connect_timeout``; a stream that trickles forever
+is a timeout too), ``transport_ConnectError``, ``transport_RemoteProtocolError`` (the server
+closed the connection before the body ended), ``transport_ReadError`` (the connection was reset),
+``content_encoding`` (a compressed answer: never inflated), and the stream's own:
+``malformed_stream``, ``stream_error``, ``stream_ended_early``, ``no_tokens``, ``line_too_long``
+(a line past MAX_LINE_BYTES), ``too_many_tokens`` (more chunks with text than ``max_tokens``).
+A hostile server so holds neither the run nor the client's memory.
 """
 
 from __future__ import annotations
@@ -29,13 +33,17 @@ import math
 import ssl
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 from urllib.parse import urlsplit
 
 import orjson
 
 _HEAD_LIMIT = 64 * 1024  # a response head longer than this is not an HTTP server we can time
-_LINE_LIMIT = 16 * 1024 * 1024  # one SSE line (one chunk) past this is a malformed stream
+# One line of an answer at most: vLLM's chunks are a few hundred bytes, its usage line smaller;
+# a line past this (a server that never sends a newline) fails the request, not the memory.
+MAX_LINE_BYTES: Final = 1024 * 1024
+IDENTITY: Final = ("identity", "")  # content-encoding values of an answer that is not compressed
+_IDENTITY_BYTES: Final = tuple(value.encode() for value in IDENTITY)
 
 
 class Failed(Exception):
@@ -51,6 +59,7 @@ class Exchange:
     """What one streamed completion produced, times on ``time.perf_counter``'s clock."""
 
     sent: float
+    max_tokens: int | None = None  # a chunk with text past this many fails the request
     token_times: list[float] = field(default_factory=list)  # arrival of each chunk carrying text
     usage: dict[str, Any] | None = None
     end: float = math.nan  # arrival of ``data: [DONE]``
@@ -84,7 +93,6 @@ class _Connection(asyncio.Protocol):
         self._received = False  # any byte of the current answer arrived
         self._request: bytes | None = None
         self.reused = False
-        self.last_activity = 0.0
         self.closed = False
 
     # asyncio.Protocol
@@ -95,7 +103,6 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         now = time.perf_counter()  # every chunk in this read arrived now
-        self.last_activity = now
         if self._future is None or self._future.done():
             self._close()  # bytes nobody waits for (or a cancelled request's): not reusable
             return
@@ -135,19 +142,17 @@ class _Connection(asyncio.Protocol):
         self._exchange, self._future, self._request = exchange, future, request
         self._state, self._buffer, self._lines = _HEAD, b"", b""
         self._done = self._received = False
-        self.last_activity = time.perf_counter()
+        future.add_done_callback(self._settled)
         assert self._transport is not None
         self._transport.write(request)
 
-    def fail_if_idle(self, timeout: float) -> float | None:
-        """Fail the exchange if nothing arrived for ``timeout`` seconds; else when to look again."""
-        if self._future is None or self._future.done():
-            return None
-        due = self.last_activity + timeout
-        if time.perf_counter() >= due:
-            self._fail("timeout")
-            return None
-        return due
+    def _settled(self, future: asyncio.Future[Exchange]) -> None:
+        """The request ended from outside (its deadline, or cancelled) while this connection still
+        serves it: the rest of the answer is not wanted, so the connection goes now (a silent
+        server would otherwise hold it until the run ends)."""
+        if self._future is future:
+            self._future = self._exchange = None
+            self._close()
 
     def _advance(self, now: float) -> None:
         while True:
@@ -225,7 +230,9 @@ class _Connection(asyncio.Protocol):
             name, _, value = line.partition(b":")
             headers[name.strip().lower()] = value.strip().lower()
         if status != 200:
-            raise Failed(f"http_{status}")  # the connection closes: no need to read the body
+            raise Failed(f"http_{status}")  # the connection closes: its body is not read
+        if headers.get(b"content-encoding", b"identity") not in _IDENTITY_BYTES:
+            raise Failed("content_encoding")  # identity was asked for: a bomb is never inflated
         connection = headers.get(b"connection", b"")
         self._keep_alive = (
             b"keep-alive" in connection if parts[0] == b"HTTP/1.0" else b"close" not in connection
@@ -250,10 +257,16 @@ class _Connection(asyncio.Protocol):
             return
         self._lines += data
         if b"\n" not in data:
-            if len(self._lines) > _LINE_LIMIT:
-                raise Failed("malformed_stream")
+            if len(self._lines) > MAX_LINE_BYTES:
+                raise Failed("line_too_long")
             return
+        held = len(self._lines)
         *lines, self._lines = self._lines.split(b"\n")
+        # Lines are measured only when what was held could hold a long one (a read is ~64 KiB).
+        if held > MAX_LINE_BYTES and (
+            len(self._lines) > MAX_LINE_BYTES or any(len(line) > MAX_LINE_BYTES for line in lines)
+        ):
+            raise Failed("line_too_long")
         exchange = self._exchange
         assert exchange is not None
         for line in lines:
@@ -274,6 +287,8 @@ class _Connection(asyncio.Protocol):
                 raise Failed("stream_error")
             choices = chunk.get("choices")
             if choices and any(carries_text(choice) for choice in choices):
+                if len(exchange.token_times) == exchange.max_tokens:
+                    raise Failed("too_many_tokens")  # not followed forever: token_times stays bounded
                 exchange.token_times.append(now)
             usage = chunk.get("usage")
             if isinstance(usage, dict):
@@ -322,6 +337,11 @@ class _Connection(asyncio.Protocol):
             self._transport.close()
 
 
+def _expire(future: asyncio.Future[Exchange]) -> None:
+    if not future.done():
+        future.set_exception(Failed("timeout"))
+
+
 class StreamClient:
     """POSTs JSON bodies to ``base_url`` and reads their SSE answers (see the module's note)."""
 
@@ -356,22 +376,28 @@ class StreamClient:
         self._open: set[_Connection] = set()
         self._connecting: set[asyncio.Task[None]] = set()
 
-    def begin(self, path: str, body: bytes, sent: float) -> asyncio.Future[Exchange]:
+    def begin(
+        self, path: str, body: bytes, sent: float, max_tokens: int | None = None
+    ) -> asyncio.Future[Exchange]:
         """Send now if a connection is idle (no task switch), else once one is open; the future
-        resolves when the answer's body has ended, or fails with ``Failed``."""
+        resolves when the answer's body has ended, or fails with ``Failed`` (``timeout`` once
+        ``timeout`` seconds have passed since this call, whatever the server is sending)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Exchange] = loop.create_future()
+        # One timer for the whole request, no task: on the loop's clock, from now.
+        deadline = loop.call_at(loop.time() + self._timeout, _expire, future)
+        future.add_done_callback(lambda _: deadline.cancel())
         request = (
             f"POST {self._prefix}{path} HTTP/1.1\r\ncontent-length: {len(body)}\r\n".encode("latin-1")
             + self._fixed
             + b"\r\n"
             + body
         )
-        exchange = Exchange(sent)
+        exchange = Exchange(sent, max_tokens)
         while self._idle:
             connection = self._idle.pop()
             if not connection.closed:
-                self._start(connection, request, exchange, future)
+                connection.start(request, exchange, future)
                 return future
         self._connect(request, exchange, future)
         return future
@@ -388,14 +414,11 @@ class StreamClient:
     ) -> None:
         loop = asyncio.get_running_loop()
         try:
-            _, connection = await asyncio.wait_for(
-                loop.create_connection(lambda: _Connection(self), self._host, self._port, ssl=self._ssl),
-                self._connect_timeout,
+            # Bounded by _connect's timer, which cancels this task (not asyncio.wait_for: before
+            # Python 3.12 it can swallow a cancellation).
+            _, connection = await loop.create_connection(
+                lambda: _Connection(self), self._host, self._port, ssl=self._ssl
             )
-        except (TimeoutError, asyncio.TimeoutError):
-            if not future.done():
-                future.set_exception(Failed("timeout"))
-            return
         except OSError:
             if not future.done():
                 future.set_exception(Failed("transport_ConnectError"))
@@ -404,29 +427,18 @@ class StreamClient:
         if future.done():  # cancelled while connecting
             connection._close()
             return
-        self._start(connection, request, exchange, future)
-
-    def _start(
-        self, connection: _Connection, request: bytes, exchange: Exchange, future: asyncio.Future[Exchange]
-    ) -> None:
         connection.start(request, exchange, future)
-        loop = future.get_loop()
-        handle = loop.call_at(loop.time() + self._timeout, self._watch, connection, future)
-        future.add_done_callback(lambda _: handle.cancel())
-
-    def _watch(self, connection: _Connection, future: asyncio.Future[Exchange]) -> None:
-        if future.done():
-            return
-        due = connection.fail_if_idle(self._timeout)
-        if due is not None:
-            loop = future.get_loop()
-            handle = loop.call_at(loop.time() + (due - time.perf_counter()), self._watch, connection, future)
-            future.add_done_callback(lambda _: handle.cancel())
 
     def _connect(self, request: bytes, exchange: Exchange, future: asyncio.Future[Exchange]) -> None:
-        task = future.get_loop().create_task(self._connect_and_start(request, exchange, future))
+        loop = future.get_loop()
+        task = loop.create_task(self._connect_and_start(request, exchange, future))
         self._connecting.add(task)  # held: the loop keeps only a weak reference to a task
         task.add_done_callback(self._connecting.discard)
+        # The request's end (its deadline, or cancelled) ends its connecting too; no connection
+        # within connect_timeout ends the request.
+        future.add_done_callback(lambda _: task.cancel())
+        slow = loop.call_at(loop.time() + self._connect_timeout, _expire, future)
+        task.add_done_callback(lambda _: slow.cancel())
 
     def _release(self, connection: _Connection) -> None:
         self._idle.append(connection)

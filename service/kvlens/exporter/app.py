@@ -46,6 +46,7 @@ from kvlens.exporter.ingest import (
     RecentRecords,
 )
 from kvlens.exporter.runtime import ConnectionGuard, ScrapeRenderer, ServiceHealth
+from kvlens.fleet.source import KVEvents
 from kvlens.records import Record, Rejections, Validated
 from kvlens.sources import encoding, otlp, push, vllm_plugin
 
@@ -150,15 +151,18 @@ class Sidecar:
                     validated.rejections + Rejections.single([-1] * duplicates, "duplicate"),
                     validated.unknown_fields,
                 )
-        self.aggregator.add(validated, source)
+        self.background.count(validated, source)
         return validated, duplicates
 
 
 def create_app(
-    settings: Settings, registry: CollectorRegistry, aggregator: Aggregator | None = None
+    settings: Settings,
+    registry: CollectorRegistry,
+    aggregator: Aggregator | None = None,
+    kv_events: KVEvents | None = None,
 ) -> FastAPI:
     aggregator = aggregator or Aggregator(settings)
-    background = BackgroundSources(settings, aggregator)
+    background = BackgroundSources(settings, aggregator, kv_events)
     sidecar = Sidecar(settings, aggregator, background, registry)
     registry.register(KVLensCollector(aggregator, background, sidecar.health))
 
@@ -281,7 +285,11 @@ async def ingest_records(request: Request) -> Response:
 
             def work() -> IngestResult:
                 text = encoding.decode(body, content_encoding, sidecar.decode_limits)  # off the loop
-                validated = push.read_records(text, settings.max_records_per_request)
+                validated = push.read_records(
+                    text,
+                    settings.max_records_per_request,
+                    keep_prefix_hashes=sidecar.background.modelled is not None,
+                )
                 counted, duplicates = sidecar.count(validated, source, dedupe)
                 return IngestResult(
                     accepted=len(counted.batch),

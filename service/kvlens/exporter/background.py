@@ -10,20 +10,38 @@ import threading
 
 import httpx
 
-from kvlens.config import Settings, TailSetting, parse_shard
+from kvlens.config import Settings, TailSetting, parse_dns_target, parse_shard
 from kvlens.errors import ScrapeError
 from kvlens.exporter.aggregator import Aggregator, ModelLabels
+from kvlens.exporter.modelled import ModelledCauses
 from kvlens.exporter.upstream import UpstreamState
 from kvlens.fleet.index import FleetIndex
-from kvlens.fleet.source import KVEvents, Publisher
+from kvlens.fleet.source import DnsTarget, KVEvents, Publisher
+from kvlens.records import Validated
 from kvlens.sources import tail, vllm_metrics
 from kvlens.sources.encoding import DecodeLimits
 
 log = logging.getLogger(__name__)
 
 
+def fleet_index(settings: Settings) -> FleetIndex:
+    """The KV events' block index as the settings size it."""
+    return FleetIndex(
+        hashes_alike=settings.kv_events_hashes_alike,
+        remember_blocks=settings.kv_events_remember_blocks,
+        max_held_blocks=settings.kv_events_max_held_blocks,
+        shard=parse_shard(settings.kv_events_shard),
+    )
+
+
+def dns_target(text: str) -> DnsTarget:
+    host, port, replay_port = parse_dns_target(text)
+    return DnsTarget(host, port, replay_port=replay_port)
+
+
 class BackgroundSources:
-    def __init__(self, settings: Settings, aggregator: Aggregator) -> None:
+    def __init__(self, settings: Settings, aggregator: Aggregator, kv_events: KVEvents | None = None) -> None:
+        """``kv_events``: one fed in process (the demo), instead of the settings' subscriptions."""
         self.settings = settings
         self.aggregator = aggregator
         self.targets = {target.name: target for target in settings.scrape_targets_parsed()}
@@ -37,23 +55,30 @@ class BackgroundSources:
             else None
         )
         self.tails = [tail.TailStatus(spec.path) for spec in settings.tails]
-        self.kv_events = (
-            KVEvents(
+        self.kv_events = kv_events
+        if kv_events is None and (settings.kv_events or settings.kv_events_dns):
+            self.kv_events = KVEvents(
                 [Publisher(p.name, p.endpoint, p.replay_endpoint, p.topic) for p in settings.kv_events],
-                FleetIndex(
-                    hashes_alike=settings.kv_events_hashes_alike,
-                    remember_blocks=settings.kv_events_remember_blocks,
-                    max_held_blocks=settings.kv_events_max_held_blocks,
-                    shard=parse_shard(settings.kv_events_shard),
-                ),
+                fleet_index(settings),
                 settings.kv_events_reorder_seconds,
+                dns=[dns_target(target) for target in settings.kv_events_dns],
+                dns_interval_seconds=settings.kv_events_dns_interval_seconds,
             )
-            if settings.kv_events
-            else None
+        self.modelled = (
+            None
+            if settings.modelled_capacity_blocks is None
+            else ModelledCauses(
+                settings.modelled_capacity_blocks,
+                settings.modelled_block_size,
+                max_replicas=settings.modelled_max_replicas,
+                partial_last_block=settings.modelled_partial_last_block,
+                remember_blocks=settings.kv_events_remember_blocks,
+            )
         )
         self._tasks: list[asyncio.Task[None]] = []
         self._threads: list[threading.Thread] = []
         self._stop_tails = threading.Event()
+        self._stopping = False
 
     async def start(self) -> None:
         if self.kv_events is not None:
@@ -64,6 +89,7 @@ class BackgroundSources:
         ]
 
     async def stop(self) -> None:
+        self._stopping = True  # a scrape loop that lost its cancellation still ends at its next turn
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -72,6 +98,12 @@ class BackgroundSources:
             await asyncio.to_thread(self.kv_events.stop)
         for thread in self._threads:  # each writes its last checkpoint as it ends
             await asyncio.to_thread(thread.join, 10)
+
+    def count(self, validated: Validated, source: str) -> None:
+        """Add records to the sums, and to the modelled caches when they are on."""
+        self.aggregator.add(validated, source)
+        if self.modelled is not None:
+            self.modelled.add(validated.batch)
 
     def problems(self) -> list[str]:
         """Why the sidecar cannot keep its promises now (readiness fails while there are any)."""
@@ -83,7 +115,7 @@ class BackgroundSources:
         # No ratio limit: the byte cap bounds memory, and a verbose engine may compress very well.
         limits = DecodeLimits(settings.scrape_max_bytes, math.inf, settings.max_gzip_members)
         async with httpx.AsyncClient(timeout=settings.scrape_timeout_seconds) as client:
-            while True:
+            while not self._stopping:
                 try:
                     text = await vllm_metrics.fetch(
                         client, scraped, deadline_seconds=settings.scrape_timeout_seconds, limits=limits
@@ -109,7 +141,7 @@ class BackgroundSources:
             args=(
                 tailer,
                 spec.converter(),
-                lambda validated: self.aggregator.add(validated, "tail"),
+                lambda validated: self.count(validated, "tail"),
                 self._stop_tails,
             ),
             kwargs={"poll_seconds": self.settings.tail_poll_seconds, "status": status},

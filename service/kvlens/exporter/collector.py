@@ -21,6 +21,7 @@ from kvlens.definitions import UNITS
 from kvlens.exporter import metrics
 from kvlens.exporter.aggregator import TTFT_COMPONENTS, Aggregator, Histograms, Snapshot
 from kvlens.exporter.background import BackgroundSources
+from kvlens.exporter.modelled import ModelledCauses
 from kvlens.exporter.runtime import LAG_BUCKETS, ServiceHealth
 from kvlens.exporter.upstream import UpstreamState
 from kvlens.fleet.index import CAUSES
@@ -42,6 +43,7 @@ class KVLensCollector(Collector):
         self.upstream = background.upstream if background is not None else None
         self.tails = background.tails if background is not None else []
         self.kv_events = background.kv_events if background is not None else None
+        self.modelled = background.modelled if background is not None else None
         self.health = health
         self.errors = 0
 
@@ -84,6 +86,8 @@ class KVLensCollector(Collector):
             yield from self._safely(_tail_families, self.tails)
         if self.kv_events is not None:
             yield from self._safely(_kv_families, self.kv_events)
+        if self.modelled is not None:
+            yield from self._safely(_modelled_families, self.modelled)
         if self.aggregator.settings.model_shapes:
             shapes = self.aggregator.settings.model_shapes
             yield from self._safely(lambda snap: _decode_families(snap, self.upstream, shapes), snapshot)
@@ -292,6 +296,7 @@ def _kv_families(kv_events: KVEvents) -> list[Metric]:
             ("unknown_event", status.unknown_events),
             ("unknown_field", status.unknown_fields),
             ("other_group", status.other_group_events),
+            ("replica_limit", status.refused_batches),
             ("error", status.errors),
         ):
             rejected.add_metric([replica, reason], count)
@@ -316,7 +321,24 @@ def _kv_families(kv_events: KVEvents) -> list[Metric]:
         family = _gauge(spec) if spec.kind == "gauge" else _counter(spec)
         family.add_metric([], value)
         singles.append(family)
-    return [recomputed, stored, removed, held, fleet, events, rejected, *per_publisher.values(), *singles]
+    dns_replicas, dns_failures = _gauge(metrics.KV_DNS_REPLICAS), _counter(metrics.KV_DNS_FAILURES)
+    for name, (replicas, failures) in sorted(snapshot.dns.items()):
+        dns_replicas.add_metric([name], replicas)
+        dns_failures.add_metric([name], failures)
+    families = [recomputed, stored, removed, held, fleet, events, rejected, *per_publisher.values(), *singles]
+    return families + ([dns_replicas, dns_failures] if snapshot.dns else [])
+
+
+def _modelled_families(modelled: ModelledCauses) -> list[Metric]:
+    snapshot = modelled.snapshot()
+    recomputed = _counter(metrics.KV_MODELLED_RECOMPUTED_TOKENS)
+    for replica in sorted(snapshot.replicas):  # every cause of every replica, 0 until it happens
+        for cause in CAUSES:
+            recomputed.add_metric([replica, cause], snapshot.index.recomputed_tokens.get((replica, cause), 0))
+    records = _counter(metrics.KV_MODELLED_RECORDS)
+    for outcome, count in snapshot.records.items():
+        records.add_metric([outcome], count)
+    return [recomputed, records]
 
 
 def _gauge(spec: metrics.MetricSpec) -> GaugeMetricFamily:

@@ -314,7 +314,8 @@ KV_REJECTED = MetricSpec(
     ("replica", "reason"),
     "KV event input not used whole: malformed_payload (batch dropped), malformed_event (event "
     "dropped), unknown_event (type skipped), unknown_field (field skipped, event used), "
-    "other_group (a KV cache group past the first: left out), error (a kvlens bug, logged).",
+    "other_group (a KV cache group past the first: left out), replica_limit (batch dropped: the "
+    "index's 64 replica slots all in use by live replicas), error (a kvlens bug, logged).",
 )
 KV_GAPS = MetricSpec(
     "kvlens_kv_sequence_gaps", "counter", ("replica",), "Jumps in a publisher's sequence numbers."
@@ -364,6 +365,18 @@ KV_UNKNOWN_REMOVED = MetricSpec(
     (),
     "Removed blocks whose store kvlens never saw (it started later, or a gap lost it).",
 )
+KV_DNS_REPLICAS = MetricSpec(
+    "kvlens_kv_dns_replicas",
+    "gauge",
+    ("service",),
+    "Addresses the KV events DNS name resolved to at its last successful lookup (replicas subscribed).",
+)
+KV_DNS_FAILURES = MetricSpec(
+    "kvlens_kv_dns_failures",
+    "counter",
+    ("service",),
+    "Lookups of a KV events DNS name that failed or found no address (the last set was kept).",
+)
 KV: Final = (
     KV_RECOMPUTED_TOKENS,
     KV_BLOCKS_STORED,
@@ -384,7 +397,24 @@ KV: Final = (
     KV_FORGOTTEN,
     KV_UNTRACKED,
     KV_UNKNOWN_REMOVED,
+    KV_DNS_REPLICAS,
+    KV_DNS_FAILURES,
 )  # with --kv-events
+KV_MODELLED_RECOMPUTED_TOKENS = MetricSpec(
+    "kvlens_kv_modelled_recomputed_tokens",
+    "counter",
+    ("replica", "cause"),
+    "As kvlens_kv_recomputed_tokens_total, modelled: records' prefix_hashes through one modelled cache of "
+    "modelled_capacity_blocks per replica (no KV events). Kept apart: never add it to the observed family.",
+)
+KV_MODELLED_RECORDS = MetricSpec(
+    "kvlens_kv_modelled_records",
+    "counter",
+    ("outcome",),
+    "Records with prefix_hashes: modelled, or left out: no_replica, block_size (not modelled_block_size), "
+    "replicas (past modelled_max_replicas).",
+)
+KV_MODELLED: Final = (KV_MODELLED_RECOMPUTED_TOKENS, KV_MODELLED_RECORDS)  # with modelled_capacity_blocks
 SCRAPE_ERRORS = MetricSpec(
     "kvlens_collector_errors", "counter", (), "Metric families that failed to render and were left out."
 )
@@ -413,6 +443,7 @@ ALL: Final = (
     *TAIL,
     *DECODE,
     *KV,
+    *KV_MODELLED,
     SCRAPE_ERRORS,
     BUILD_INFO,
 )

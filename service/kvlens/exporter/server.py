@@ -183,7 +183,15 @@ def _stamp(settings: Settings) -> tuple[Any, ...]:
     return tuple(stamps)
 
 
-def build_server(settings: Settings, app: Any, guard: ConnectionGuard, log_level: str) -> KVLensServer:
+def build_server(
+    settings: Settings,
+    app: Any,
+    guard: ConnectionGuard,
+    log_level: str,
+    log_config: dict[str, Any] | None = None,
+) -> KVLensServer:
+    """``log_config``: the command line's logging (``kvlens.logs``), so uvicorn's lines share its
+    format; None keeps uvicorn's own."""
     tls = tls_context(settings)
     protocol = type("GuardedH11Protocol", (GuardedH11Protocol,), {"guard": guard, "tls": tls})
     config = uvicorn.Config(
@@ -191,6 +199,7 @@ def build_server(settings: Settings, app: Any, guard: ConnectionGuard, log_level
         host=settings.host,
         port=settings.port,
         log_level=log_level,
+        log_config=uvicorn.config.LOGGING_CONFIG if log_config is None else log_config,
         access_log=False,
         workers=1,  # counters live in this process; more workers would split them
         http=protocol,

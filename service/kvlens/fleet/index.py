@@ -1,8 +1,9 @@
 """Which replica holds which block, by content, and why each stored block had to be computed.
 
 The fleet's engines announce every block they cache and evict (KV events). A block is known by a
-**content key**: a 64-bit hash of its parent's content key, its token ids and its extra keys
-(LoRA, multimodal, cache salt: whatever the engine folds into its own hash). The engines' own
+**content key**: a 60-bit hash of its parent's content key, its token ids and its extra keys
+(LoRA, multimodal, cache salt: whatever the engine folds into its own hash), the same in every
+process and on every machine (a collision among 10M blocks has a chance of about 4e-5). The engines' own
 hashes cannot serve across replicas in general (a different ``PYTHONHASHSEED``, xxhash's random
 seed or another ``--prefix-caching-hash-algo`` give other hashes for the same content), so each
 replica keeps a map from its engine hash to the content key, and a child's key is chained from its
@@ -26,9 +27,28 @@ Stores into other tiers (``CPU``, ``STORAGE``: offload copies) are counted, and 
 holder, but are not work and get no cause. ``AllBlocksCleared`` and a publisher restart remove
 every block the replica holds (it held them, and lost them: a later store is ``evicted_here``).
 
-Memory: the held blocks (one entry per block and replica and tier) and the blocks remembered to
-have been held; the remembered ones are capped (``remember_blocks``), the oldest forgotten first
-and counted, and held blocks past ``max_held_blocks`` are classified but not kept (counted). With
+Replicas: each one followed has a slot, its bit in the fleet's 64-bit masks, so at most
+:data:`MAX_REPLICAS` at once. A replica that left the fleet for good (a pod's address gone from
+the DNS answer) is forgotten (:meth:`FleetIndex.forget_replica`): its blocks are cleared, its bit
+taken off every held and remembered entry, and its slot given to the next new replica, which
+inherits nothing. A block that only forgotten replicas removed stays remembered, with no remover:
+"held before, by the fleet", so a later store is ``evicted_elsewhere`` (by any replica, one of
+the same name included: a name that comes back is a new replica); it is ``new`` only once the
+block itself is forgotten past ``remember_blocks``. A forgotten replica's counters are kept by
+name (a few hundred bytes each), so what is exported never goes back. Past
+:data:`MAX_REPLICAS` live replicas :meth:`FleetIndex.replica` raises and :meth:`FleetIndex.admit`
+says no (the caller drops that replica's events, counted).
+
+Memory (the tables are :class:`kvlens.fleet.kernels.Table`, 16 bytes a slot, 70-85 % full): per
+replica, a table of the blocks it holds (engine hash -> content key and the tiers holding it);
+for the fleet, a table of the blocks some replica holds (content key -> bits of the replicas
+holding it: at most :data:`MAX_REPLICAS` replicas) and one of the blocks remembered to have been
+held (content key -> bits of the replicas that removed it) with their keys in a ring, oldest
+first. A (block, replica) held costs at most :data:`HELD_ENTRY_BYTES`, a remembered block at
+most :data:`REMEMBERED_ENTRY_BYTES` (tested). The remembered ones
+are capped (``remember_blocks``), the oldest forgotten first and counted, and held blocks past
+``max_held_blocks`` are classified but not kept (counted). ``AllBlocksCleared`` remembers the
+replica's blocks in its table's order, not the order they were stored. With
 ``shard=(i, n)`` only blocks whose content key is ``i`` mod ``n`` are classified and kept in the
 fleet's tables, so ``n`` processes on the same events split the counts exactly; without
 ``hashes_alike`` each replica's engine-hash map is still kept whole (a child's key needs its
@@ -38,13 +58,21 @@ parent's, whatever the parent's shard).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import threading
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
+import numpy as np
+
+from kvlens.console import install_hint
+from kvlens.errors import SettingsError
+
+if TYPE_CHECKING:
+    from kvlens.fleet import kernels
 
 HELD_HERE: Final = "held_here"
 HELD_ELSEWHERE: Final = "held_elsewhere"
@@ -54,23 +82,56 @@ NEW: Final = "new"
 UNKNOWN: Final = "unknown"
 CAUSES: Final = (NEW, EVICTED_HERE, HELD_ELSEWHERE, EVICTED_ELSEWHERE, HELD_HERE, UNKNOWN)
 PRIMARY: Final = "GPU"
+TIERS: Final = ("GPU", "CPU", "STORAGE", "other")  # a tier's bit in a replica table's value
+MAX_REPLICAS: Final = 64  # one bit each in the fleet's 64-bit holder masks
+MAX_BLOCK_SIZE: Final = 1 << 31  # tokens a block: more is a malformed event
 MASK64: Final = (1 << 64) - 1
-# Default caps, for about 512 MiB each at the measured bytes per entry below (the issue asked for
-# 10M blocks in 512 MiB, which needs <= 48 bytes per block: these dict-based tables take about
-# twice that, so the caps are halved rather than the budget doubled).
-REMEMBER_BLOCKS: Final = 5_000_000
-MAX_HELD_BLOCKS: Final = 5_000_000
+# Default caps: 10M of each in 512 MiB (the most a table entry costs, below, times 10M).
+REMEMBER_BLOCKS: Final = 10_000_000
+MAX_HELD_BLOCKS: Final = 10_000_000
+# The most an entry costs, all tables counted (a table is rebuilt at 70 % full when 85 % full;
+# 16 bytes a slot: 23 bytes an entry at most): a (block, replica) held, with its share of the
+# fleet table when one replica holds it (more replicas share that), and a remembered block with
+# its place in the ring (8 bytes, the ring grown by a quarter); tested.
+HELD_ENTRY_BYTES: Final = 48
+REMEMBERED_ENTRY_BYTES: Final = 34
 
 EngineHash = int | bytes
 _encode = msgspec.msgpack.Encoder().encode
 
 
 def engine_key(block_hash: EngineHash) -> int:
-    """An engine hash as an int (vLLM sends the low 64 bits of its digest by default; raw
-    digest bytes with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``)."""
+    """An engine hash as a 64-bit unsigned int (vLLM sends the low 64 bits of its digest by
+    default; raw digest bytes with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``; SGLang may send a
+    negative int64)."""
     if isinstance(block_hash, int):
-        return block_hash
+        return block_hash & MASK64
     return int.from_bytes(block_hash[-8:], "big")
+
+
+def _hash_array(block_hashes: Sequence[EngineHash]) -> np.ndarray[Any, np.dtype[np.uint64]]:
+    try:
+        return np.array(block_hashes, dtype=np.uint64)
+    except (TypeError, OverflowError, ValueError):  # bytes, or negative ints
+        return np.array([engine_key(h) for h in block_hashes], dtype=np.uint64)
+
+
+def token_array(token_ids: Sequence[int] | msgspec.Raw) -> np.ndarray[Any, np.dtype[np.uint64]] | None:
+    """Token ids as uint64 (negative ones in two's complement), from a decoded list or straight
+    from the msgpack bytes (:mod:`kvlens.fleet.wire` leaves them raw: parsing them here is
+    cheaper than building a list of ints); None when they are not all integers."""
+    from kvlens.fleet import kernels
+
+    if isinstance(token_ids, msgspec.Raw):
+        ok, tokens = kernels.msgpack_ints(np.frombuffer(token_ids, dtype=np.uint8))
+        return tokens if ok else None
+    try:
+        return np.array(token_ids, dtype=np.int64).view(np.uint64)
+    except (TypeError, OverflowError, ValueError):
+        try:
+            return np.array([t & MASK64 for t in token_ids], dtype=np.uint64)
+        except TypeError:
+            return None
 
 
 def _extra_digest(lora_name: str | None, extra: Any) -> int:
@@ -82,39 +143,11 @@ def _extra_digest(lora_name: str | None, extra: Any) -> int:
     return int.from_bytes(hashlib.blake2b(material, digest_size=8).digest(), "big")
 
 
-def content_keys(
-    parent: int | None,
-    token_ids: Sequence[int],
-    block_size: int,
-    count: int,
-    extra_keys: Sequence[Any] | None = None,
-    lora_name: str | None = None,
-) -> list[int]:
-    """The content keys of ``count`` consecutive blocks after ``parent`` (None: the first block).
-    CPython's hash of a tuple of ints is the same in every process (only str and bytes are
-    salted). It reduces an int modulo 2**61 - 1 before mixing, so the chain carries about 61
-    bits: a collision among 10M blocks has a chance of about 4e-5."""
-    keys = []
-    key = 0 if parent is None else parent
-    if extra_keys is None and lora_name is None:  # the usual case: no digest to make per block
-        for start in range(0, count * block_size, block_size):
-            key = hash((key, tuple(token_ids[start : start + block_size]), 0)) & MASK64
-            keys.append(key)
-        return keys
-    for i in range(count):
-        extra = None if extra_keys is None else extra_keys[i]
-        digest = _extra_digest(lora_name, extra)
-        key = hash((key, tuple(token_ids[i * block_size : (i + 1) * block_size]), digest)) & MASK64
-        keys.append(key)
-    return keys
-
-
 @dataclass
 class _Replica:
     name: str
-    bit: int
-    # tier -> engine hash -> content key (the same int object when hashes are alike)
-    held: dict[str, dict[int, int]] = field(default_factory=dict)
+    number: int  # its bit in the fleet's masks, its row of counters
+    table: kernels.Table  # engine hash -> content key | the tiers holding it << 60
     copies: Counter[tuple[str, int]] = field(default_factory=Counter)  # extra copies of a hash
 
 
@@ -134,9 +167,24 @@ class IndexSnapshot:
     memory_bytes: int
 
 
+_TIER_NUMBERS: Final = {name: position for position, name in enumerate(TIERS)}
+_NO_TOKENS: Final = np.zeros(0, np.uint64)
+_NO_BYTES: Final = np.zeros(0, np.uint8)
+
+
+def _tier(name: str) -> tuple[str, int]:
+    number = _TIER_NUMBERS.get(name, len(TIERS) - 1)
+    return TIERS[number], number
+
+
+def compiled_loops_available() -> bool:
+    """Whether the index's compiled loops can run here (numba, of the ``kv-events`` extra)."""
+    return importlib.util.find_spec("numba") is not None
+
+
 class FleetIndex:
     """The index is fed from one thread at a time (its lock makes that so) and read at scrape
-    time through :meth:`snapshot`."""
+    time through :meth:`snapshot`. Needs numba (the ``kv-events`` extra)."""
 
     def __init__(
         self,
@@ -146,248 +194,302 @@ class FleetIndex:
         max_held_blocks: int = MAX_HELD_BLOCKS,
         shard: tuple[int, int] = (0, 1),
     ) -> None:
+        if not compiled_loops_available():  # before serving, not at the first event
+            raise SettingsError(f"the fleet index needs the kv-events extra: {install_hint('kv-events')}")
+        from kvlens.fleet import kernels  # numba: only where KV events are followed
+
+        kernels.warm()
         if remember_blocks < 0 or max_held_blocks < 0:
             raise ValueError("remember_blocks and max_held_blocks must be >= 0")
         index, count = shard
         if count < 1 or not 0 <= index < count:
             raise ValueError(f"shard {index}/{count}: need 0 <= i < N")
+        self._k = kernels
         self.hashes_alike = hashes_alike
         self.remember_cap = remember_blocks
         self.max_held = max_held_blocks
         self.shard_index, self.shard_count = shard
         self.lock = threading.Lock()
         self._replicas: dict[str, _Replica] = {}
-        self._holders: dict[int, int] = {}  # content key -> bits of the replicas holding it
-        self._remembered: dict[int, int] = {}  # content key -> bits of replicas that removed it
-        self._remember_order: deque[int] = deque()  # remembered keys, oldest first
-        self._held_entries = 0
-        self.duplicated = 0
-        self.forgotten = 0
-        self.untracked = 0
-        self.unknown_removed = 0
-        self.recomputed: Counter[tuple[str, str]] = Counter()  # (replica, cause) -> blocks
-        self.recomputed_tokens: Counter[tuple[str, str]] = Counter()
-        self.stored_blocks: Counter[tuple[str, str]] = Counter()  # (replica, medium)
-        self.removed_blocks: Counter[tuple[str, str]] = Counter()
-        self.held_count: Counter[tuple[str, str]] = Counter()  # (replica, medium) -> held now
+        self._fleet = kernels.Table()  # content key -> bits of the replicas holding it
+        self._remembered = kernels.Table()  # content key -> bits of replicas that removed it
+        self._ring = kernels.Ring(remember_blocks)  # remembered keys, oldest first
+        self._stats = np.zeros((MAX_REPLICAS, kernels.STATS), np.int64)  # a row per replica
+        self._counts = np.zeros(kernels.FLEET_COUNTS, np.int64)
+        self._params = np.zeros(kernels.PARAMS, np.uint64)
+        params = self._params
+        params[kernels.P_ALIKE] = hashes_alike
+        params[kernels.P_SHARDS], params[kernels.P_SHARD] = count, index
+        params[kernels.P_MAX_HELD], params[kernels.P_CAP] = max_held_blocks, remember_blocks
+        self._copies = np.zeros(64, np.uint8)
+        self._free = list(range(MAX_REPLICAS - 1, -1, -1))  # slots, the lowest taken first
+        # the counters of forgotten replicas, by name: exported counters never go back
+        self._retired: dict[str, np.ndarray[Any, np.dtype[np.int64]]] = {}
 
     # --- feeding ---------------------------------------------------------------------------
 
     def replica(self, name: str) -> _Replica:
         state = self._replicas.get(name)
         if state is None:
-            state = self._replicas[name] = _Replica(name, 1 << len(self._replicas))
+            if not self._free:
+                raise ValueError(f"replica {name!r}: the index follows at most {MAX_REPLICAS} replicas")
+            state = self._replicas[name] = _Replica(name, self._free.pop(), self._k.Table())
         return state
+
+    def admit(self, name: str) -> bool:
+        """Whether ``name`` has a slot, taking a free one: False when all :data:`MAX_REPLICAS`
+        are in use by other replicas (until one is forgotten)."""
+        if name not in self._replicas:
+            if not self._free:
+                return False
+            self.replica(name)
+        return True
+
+    def forget_replica(self, name: str) -> None:
+        """The replica left the fleet for good (its address left the DNS answer): its blocks are
+        cleared (counted removed, remembered as held before), its bit taken off every entry of the
+        fleet's tables in one compiled pass, and its slot freed for the next replica, which
+        inherits nothing. A block only it removed stays remembered, without a remover: stored
+        later by any replica, even one of the same name, it is ``evicted_elsewhere`` (the fleet
+        held it; nobody here did). Its counters stay, by name, added to by a replica of the same
+        name later: the exported counters never go back."""
+        state = self._replicas.get(name)
+        if state is None:
+            return
+        if state.table.live or state.copies:
+            self.cleared(name)
+        if self._k.forget(np.uint64(state.number), self._fleet.rows, self._remembered.rows, self._counts):
+            self._fleet.shrink()
+        row = self._stats[state.number]
+        earlier = self._retired.get(name)
+        self._retired[name] = row.copy() if earlier is None else earlier + row
+        row[:] = 0
+        del self._replicas[name]
+        self._free.append(state.number)
 
     def _mine(self, key: int) -> bool:
         return self.shard_count == 1 or key % self.shard_count == self.shard_index
 
-    def _parent_key(self, state: _Replica, parent: int, medium: str) -> int | None:
-        tier = state.held.get(medium)
-        key = None if tier is None else tier.get(parent)
-        if key is None:
-            for other in state.held.values():
-                key = other.get(parent)
-                if key is not None:
-                    break
-        return key
+    def _content_key(self, state: _Replica, engine_hash: int) -> int | None:
+        found, value = self._k.lookup(state.table.rows, np.uint64(engine_hash))
+        if not found:
+            return None
+        return engine_hash if self.hashes_alike else int(value) & int(self._k.MASK60)
+
+    def _set(self, state: _Replica, tier: int) -> np.ndarray[Any, np.dtype[np.uint64]]:
+        params = self._params
+        params[self._k.P_REPLICA] = state.number
+        params[self._k.P_TIER] = tier
+        return params
 
     def stored(
         self,
         replica: str,
         block_hashes: Sequence[EngineHash],
         parent_block_hash: EngineHash | None,
-        token_ids: Sequence[int],
+        token_ids: Sequence[int] | msgspec.Raw | np.ndarray[Any, np.dtype[np.uint64]],
         block_size: int,
         *,
         medium: str | None = None,
         extra_keys: Sequence[Any] | None = None,
         lora_name: str | None = None,
-    ) -> None:
-        """One ``BlockStored``: classify each block (primary tier) and hold it. The caller has
-        checked the shapes (``len(token_ids) == len(block_hashes) * block_size``)."""
-        state = self.replica(replica)
-        tier_name = medium or PRIMARY
-        hashes = [h if type(h) is int else engine_key(h) for h in block_hashes]
-        chained = True
-        if self.hashes_alike:
-            keys = hashes
+    ) -> bool:
+        """One ``BlockStored``: classify each block (primary tier) and hold it. False, and nothing
+        counted, when the token ids are not ``block_size`` integers for each block (``token_ids``
+        as msgpack bytes are parsed in the compiled loop: cheaper than a list of Python ints)."""
+        if not 1 <= block_size <= MAX_BLOCK_SIZE:
+            return False
+        state = self._replicas.get(replica) or self.replica(replica)
+        tier_name, tier = _tier(medium or PRIMARY)
+        hashes = _hash_array(block_hashes)
+        count = hashes.size
+        if isinstance(token_ids, msgspec.Raw):
+            raw, tokens = np.frombuffer(token_ids, dtype=np.uint8), _NO_TOKENS
         else:
-            parent = None
-            if parent_block_hash is not None:
-                parent = self._parent_key(state, engine_key(parent_block_hash), tier_name)
-                chained = parent is not None
-            keys = content_keys(parent, token_ids, block_size, len(hashes), extra_keys, lora_name)
-        classify = tier_name == PRIMARY
-        tier = state.held.setdefault(tier_name, {})
-        bit = state.bit
-        holders, remembered = self._holders, self._remembered
-        whole = self.shard_count == 1
-        alike = self.hashes_alike
-        room = self.max_held - self._held_entries
-        causes: dict[str, int] = {}
-        stored = held = added = duplicated = untracked = 0
-        # One pass per block, the cause inlined (the hot path: every block the fleet computes).
-        for engine_hash, key in zip(hashes, keys, strict=True):
-            mine = whole or key % self.shard_count == self.shard_index
-            mask = holders.get(key, 0) if mine else 0
-            if mine:
-                stored += 1
-                if classify:
-                    if not chained:
-                        cause = UNKNOWN
-                    elif mask & bit:
-                        cause = HELD_HERE
-                    elif mask:
-                        cause = HELD_ELSEWHERE
-                    else:
-                        before = remembered.get(key, 0)
-                        cause = NEW if not before else EVICTED_HERE if before & bit else EVICTED_ELSEWHERE
-                    causes[cause] = causes.get(cause, 0) + 1
-            if engine_hash in tier:
-                state.copies[tier_name, engine_hash] += 1
-                held += mine
-                continue
-            if not mine and alike:
-                continue  # nothing chains from it: out of this shard, it is not kept at all
-            if added >= room:
-                untracked += 1
-                continue
-            tier[engine_hash] = key
-            added += 1
-            if mine:
-                held += 1
-                if not mask & bit:
-                    duplicated += mask != 0
-                    holders[key] = mask | bit
-        self._held_entries += added
-        self.duplicated += duplicated
-        self.untracked += untracked
-        if stored:
-            self.stored_blocks[replica, tier_name] += stored
-        if held:
-            self.held_count[replica, tier_name] += held
-        for cause, count in causes.items():
-            self.recomputed[replica, cause] += count
-            self.recomputed_tokens[replica, cause] += count * block_size
+            raw = _NO_BYTES
+            given = token_ids if isinstance(token_ids, np.ndarray) else token_array(token_ids)
+            if given is None:
+                return False
+            tokens = given.astype(np.uint64, copy=False)
+        if extra_keys is None and lora_name is None:
+            extras = _NO_TOKENS
+        else:
+            extras = np.array(
+                [
+                    _extra_digest(lora_name, None if extra_keys is None else extra_keys[i])
+                    for i in range(count)
+                ],
+                dtype=np.uint64,
+            )
+        k = self._k
+        params = self._set(state, tier)
+        params[k.P_BLOCK_SIZE] = block_size
+        params[k.P_HAS_PARENT] = parent_block_hash is not None
+        params[k.P_PARENT] = 0 if parent_block_hash is None else engine_key(parent_block_hash)
+        if count > self._copies.size:
+            self._copies = np.zeros(2 * count, np.uint8)
+        copies = self._copies
+        while True:
+            copied = k.store(
+                hashes,
+                raw,
+                tokens,
+                extras,
+                params,
+                state.table.rows,
+                self._fleet.rows,
+                self._remembered.rows,
+                self._stats,
+                self._counts,
+                copies,
+            )
+            if copied != k.GROW:
+                break
+            state.table.reserve(count)
+            self._fleet.reserve(count)
+        if copied < 0:
+            return False
+        if copied:
+            for position in np.flatnonzero(copies[:count]).tolist():
+                state.copies[tier_name, int(hashes[position])] += 1
+        return True
 
     def removed(self, replica: str, block_hashes: Sequence[EngineHash], *, medium: str | None = None) -> None:
         """One ``BlockRemoved``."""
-        state = self.replica(replica)
-        tier_name = medium or PRIMARY
-        tier = state.held.get(tier_name) or {}
-        single = len(state.held) == 1 and not state.copies  # the usual case: the fast path below
-        whole = self.shard_count == 1
-        holders = self._holders
-        bit, clear = state.bit, ~state.bit
-        dropped = mine = 0
-        for block_hash in block_hashes:
-            engine_hash = block_hash if type(block_hash) is int else engine_key(block_hash)
-            key = tier.pop(engine_hash, None) if single else tier.get(engine_hash)
-            if key is None:
-                # its store was missed (or not kept); without hashes alike its shard is unknown,
-                # so shard 0 counts it
-                if self._mine(engine_hash) if self.hashes_alike else self.shard_index == 0:
-                    self.unknown_removed += 1
-                continue
-            if not single:
-                self._drop(state, tier_name, tier, engine_hash, key)
-                continue
-            dropped += 1
-            if not (whole or self._mine(key)):
-                continue
-            mine += 1
-            mask = holders.get(key, 0)
-            if mask & bit:
-                mask &= clear
-                if mask:
-                    holders[key] = mask
-                    self.duplicated -= 1
+        state = self._replicas.get(replica) or self.replica(replica)
+        tier_name, tier = _tier(medium or PRIMARY)
+        hashes = _hash_array(block_hashes)
+        k = self._k
+        if state.copies:  # an extra copy goes first: the block stays held
+            kept = []
+            row = self._stats[state.number]
+            for engine_hash in hashes.tolist():
+                extra = state.copies.get((tier_name, engine_hash))
+                if not extra:
+                    kept.append(engine_hash)
+                    continue
+                if extra == 1:
+                    del state.copies[tier_name, engine_hash]
                 else:
-                    del holders[key]
-            self._remember(key, bit)
-        self._held_entries -= dropped
-        if mine:
-            self.removed_blocks[replica, tier_name] += mine
-            self.held_count[replica, tier_name] -= mine
+                    state.copies[tier_name, engine_hash] = extra - 1
+                key = self._content_key(state, engine_hash)
+                if key is not None and self._mine(key):
+                    row[k.REMOVED + tier] += 1
+                    row[k.HELD + tier] -= 1
+            hashes = np.array(kept, dtype=np.uint64)
+        params = self._set(state, tier)
+        while True:
+            done = k.remove(
+                hashes,
+                params,
+                state.table.rows,
+                self._fleet.rows,
+                self._remembered.rows,
+                self._ring.keys,
+                self._stats,
+                self._counts,
+            )
+            if done != k.GROW:
+                break
+            self._remembered.reserve(hashes.size)
+            self._ring.reserve(hashes.size)
+        if done & k.SHRINK_REPLICA:
+            state.table.shrink()
+        if done & k.SHRINK_FLEET:
+            self._fleet.shrink()
 
     def cleared(self, replica: str) -> None:
         """``AllBlocksCleared``, or the publisher restarted: the replica holds nothing now."""
-        state = self.replica(replica)
+        state = self._replicas.get(replica)
+        if state is None:  # nothing stored (or refused a slot): nothing to clear
+            return
+        k = self._k
+        row = self._stats[state.number]
         for (tier_name, engine_hash), extra in state.copies.items():
-            if self._mine(state.held[tier_name][engine_hash]):
-                self.removed_blocks[replica, tier_name] += extra
-                self.held_count[replica, tier_name] -= extra
+            key = self._content_key(state, engine_hash)
+            if key is not None and self._mine(key):
+                tier = _tier(tier_name)[1]
+                row[k.REMOVED + tier] += extra
+                row[k.HELD + tier] -= extra
         state.copies.clear()
-        for tier_name, tier in state.held.items():
-            for engine_hash, key in list(tier.items()):
-                self._drop(state, tier_name, tier, engine_hash, key)
-
-    def _drop(
-        self, state: _Replica, tier_name: str, tier: dict[int, int], engine_hash: int, key: int
-    ) -> None:
-        mine = self._mine(key)
-        if mine:
-            self.removed_blocks[state.name, tier_name] += 1
-            self.held_count[state.name, tier_name] -= 1
-        copies = state.copies
-        extra = copies.get((tier_name, engine_hash))
-        if extra:
-            if extra == 1:
-                del copies[tier_name, engine_hash]
-            else:
-                copies[tier_name, engine_hash] = extra - 1
-            return
-        del tier[engine_hash]
-        self._held_entries -= 1
-        if not mine or any(engine_hash in other for other in state.held.values()):
-            return
-        bit = state.bit
-        mask = self._holders.get(key, 0)
-        if mask & bit:
-            mask &= ~bit
-            if mask:
-                self._holders[key] = mask
-                self.duplicated -= 1
-            else:
-                del self._holders[key]
-        self._remember(key, bit)
-
-    def _remember(self, key: int, bit: int) -> None:
-        remembered = self._remembered
-        before = remembered.get(key)
-        if before is not None:
-            remembered[key] = before | bit
-            return
-        if self.remember_cap == 0:
-            self.forgotten += 1
-            return
-        remembered[key] = bit
-        order = self._remember_order
-        order.append(key)
-        while len(order) > self.remember_cap:
-            del remembered[order.popleft()]
-            self.forgotten += 1
+        table = state.table
+        self._remembered.reserve(table.live)
+        self._ring.reserve(table.live)
+        k.clear(
+            self._set(state, 0),
+            table.rows,
+            self._fleet.rows,
+            self._remembered.rows,
+            self._ring.keys,
+            self._stats,
+            self._counts,
+        )
+        state.table = k.Table()
+        self._fleet.shrink()
 
     # --- reading ---------------------------------------------------------------------------
 
+    def _by_replica(self, first: int, names: Sequence[str], every: bool = False) -> Counter[tuple[str, str]]:
+        """A block of the counter rows as {(replica, name): value}: the non-zero values, or with
+        ``every`` each tier the replica stored into or removed from (a held count of 0 shows)."""
+        k = self._k
+        rows = dict(self._retired)
+        for state in self._replicas.values():
+            earlier = rows.get(state.name)
+            live = self._stats[state.number]
+            rows[state.name] = live if earlier is None else earlier + live
+        table: Counter[tuple[str, str]] = Counter()
+        for replica, counts in rows.items():
+            row = counts.tolist()
+            for offset, name in enumerate(names):
+                value = row[first + offset]
+                touched = row[k.STORED + offset] or row[k.REMOVED + offset] if every else value
+                if touched:
+                    table[replica, name] = value
+        return table
+
+    @property
+    def recomputed(self) -> Counter[tuple[str, str]]:
+        """(replica, cause) -> blocks."""
+        return self._by_replica(self._k.C_NEW, CAUSES)
+
+    @property
+    def recomputed_tokens(self) -> Counter[tuple[str, str]]:
+        return self._by_replica(self._k.TOKENS, CAUSES)
+
+    @property
+    def duplicated(self) -> int:
+        return int(self._counts[self._k.DUPLICATED])
+
+    @property
+    def forgotten(self) -> int:
+        return int(self._counts[self._k.FORGOTTEN])
+
+    @property
+    def untracked(self) -> int:
+        return int(self._counts[self._k.UNTRACKED])
+
+    @property
+    def unknown_removed(self) -> int:
+        return int(self._counts[self._k.UNKNOWN_REMOVED])
+
     def holders(self, key: int) -> list[str]:
         """The replicas that hold the block of content key ``key`` now."""
-        mask = self._holders.get(key, 0)
-        return [state.name for state in self._replicas.values() if mask & state.bit]
+        _, mask = self._k.lookup(self._fleet.rows, np.uint64(key))
+        return [state.name for state in self._replicas.values() if int(mask) >> state.number & 1]
 
     def snapshot(self) -> IndexSnapshot:
+        k = self._k
         with self.lock:
-            held = dict(self.held_count)
             return IndexSnapshot(
                 recomputed_blocks=dict(self.recomputed),
                 recomputed_tokens=dict(self.recomputed_tokens),
-                stored=dict(self.stored_blocks),
-                removed=dict(self.removed_blocks),
-                held=held,
-                distinct_blocks=len(self._holders),
+                stored=dict(self._by_replica(k.STORED, TIERS)),
+                removed=dict(self._by_replica(k.REMOVED, TIERS)),
+                held=dict(self._by_replica(k.HELD, TIERS, every=True)),
+                distinct_blocks=self._fleet.live,
                 duplicated_blocks=self.duplicated,
-                remembered_blocks=len(self._remembered),
+                remembered_blocks=self._remembered.live,
                 forgotten_blocks=self.forgotten,
                 untracked_blocks=self.untracked,
                 unknown_removed=self.unknown_removed,
@@ -395,18 +497,7 @@ class FleetIndex:
             )
 
     def memory_bytes(self) -> int:
-        """An estimate from the entry counts (measuring every object at scrape time would cost
-        as much as the scrape): bytes per entry as measured by ``bench/kv_events.py``."""
-        return (
-            self._held_entries * HELD_ENTRY_BYTES
-            + len(self._holders) * FLEET_ENTRY_BYTES
-            + len(self._remembered) * REMEMBERED_ENTRY_BYTES
-        )
-
-
-# Bytes per entry measured by bench/kv_events.py (tracemalloc, CPython on x86-64): a held
-# (block, replica, tier) entry with its 64-bit key, a fleet holders entry, and a remembered block
-# (dict entry, key and its place in the age queue). A block held by one replica costs about 105.
-HELD_ENTRY_BYTES: Final = 60
-FLEET_ENTRY_BYTES: Final = 45
-REMEMBERED_ENTRY_BYTES: Final = 93
+        """The tables' and counters' arrays, exactly (extra copies of a block, rare, are not)."""
+        tables = [self._fleet, self._remembered, *(state.table for state in self._replicas.values())]
+        retired = sum(row.nbytes for row in self._retired.values())
+        return sum(table.nbytes for table in tables) + self._ring.keys.nbytes + self._stats.nbytes + retired

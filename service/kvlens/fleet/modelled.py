@@ -20,9 +20,9 @@ from __future__ import annotations
 import hashlib
 import string
 from collections.abc import Sequence
+from typing import cast
 
 from kvlens.fleet.index import FleetIndex
-from kvlens.fleet.simulated import SimulatedEngine, into_index
 from kvlens.simulate.cache import PrefixCache
 
 _HEX = frozenset(string.hexdigits)
@@ -36,6 +36,25 @@ def prefix_key(prefix_id: int | str) -> int:
     return int.from_bytes(hashlib.blake2b(prefix_id.encode(), digest_size=8).digest(), "big")
 
 
+class _Replica:
+    """A modelled cache's events, straight into the index: the ids are the keys (hashes alike),
+    so a block's tokens are never read and zeros of the right length stand in for them (making
+    tokens from each key, as the simulated engines do, cost two thirds of the time)."""
+
+    def __init__(self, index: FleetIndex, name: str, block_size: int) -> None:
+        self.index = index
+        self.name = name
+        self.block_size = block_size
+
+    def stored(self, blocks: Sequence[object], parent: object | None) -> None:
+        hashes = cast("list[int]", list(blocks))
+        tokens = [0] * (len(hashes) * self.block_size)
+        self.index.stored(self.name, hashes, cast("int | None", parent), tokens, self.block_size)
+
+    def removed(self, blocks: Sequence[object]) -> None:
+        self.index.removed(self.name, cast("list[int]", list(blocks)))
+
+
 class ModelledFleet:
     def __init__(
         self,
@@ -45,11 +64,12 @@ class ModelledFleet:
         *,
         partial_last_block: bool = False,
     ) -> None:
+        if not index.hashes_alike:
+            raise ValueError("the modelled fleet's index keys blocks by their ids: give it hashes_alike=True")
         self.index = index
         self.capacity_blocks = capacity_blocks
         self.block_size = block_size
         self.partial_last_block = partial_last_block
-        self._emit = into_index(index)
         self._caches: dict[str, PrefixCache] = {}
 
     def record(self, replica: str, prefix_ids: Sequence[int | str], prompt_tokens: int) -> int:
@@ -60,8 +80,8 @@ class ModelledFleet:
             keys = keys[:-1]
         cache = self._caches.get(replica)
         if cache is None:
-            engine = SimulatedEngine(replica, self.block_size, self._emit)
-            cache = self._caches[replica] = PrefixCache(self.capacity_blocks, engine)
+            sink = _Replica(self.index, replica, self.block_size)
+            cache = self._caches[replica] = PrefixCache(self.capacity_blocks, sink)
         limit = (prompt_tokens - 1) // self.block_size  # the last token is always recomputed
         with self.index.lock:
             reused, held = cache.acquire(keys, limit)

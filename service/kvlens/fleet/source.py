@@ -20,7 +20,26 @@ away and is already past the old sequence looks like a gap (its old blocks stay 
 removals, which never come; ``AllBlocksCleared`` or kvlens's own restart clears them).
 
 A replay that does not answer within ``replay_timeout_seconds`` leaves the gap unrepaired (counted
-as such). Nothing here raises out of the thread: an unexpected error is logged and counted.
+as such), and that publisher's next gaps for ``REPLAY_QUIET_TIMEOUTS`` timeouts are not asked for;
+a gap wider than ``MAX_REPLAY_FRAMES`` is never asked for. Nothing here raises out of the thread:
+an unexpected error is logged and counted.
+
+**DNS discovery** (Kubernetes: a headless Service's name, ``HOST:PORT``, or
+``HOST:PORT/REPLAY_PORT`` when the publishers have a replay endpoint): a resolver thread looks
+the name up (``socket.getaddrinfo``, A and AAAA) at start and every ``interval`` seconds. Each
+address is a replica named ``ADDRESS:PORT`` (``[ADDRESS]:PORT`` for IPv6; no reverse lookup: a
+pod's PTR record names its address, not the pod). A new address is subscribed; a vanished one is
+unsubscribed, its blocks counted removed, as after ``AllBlocksCleared``, and its slot in the index
+freed (:meth:`~kvlens.fleet.index.FleetIndex.forget_replica`: a rollout gives every pod a new
+address, and the index has :data:`~kvlens.fleet.index.MAX_REPLICAS` slots). Its blocks stay
+remembered as held before by the fleet, not by any replica: a later store of one, even by an
+address that comes back (a new pod given an old IP), is ``evicted_elsewhere``. Its counters stay
+(a comeback adds to them), its ``up`` goes to 0. When all the slots are in use by live replicas, a
+further one's batches are dropped and counted (``kvlens_kv_events_rejected_total{reason=
+"replica_limit"}``), logged once, until a replica leaves and its slot takes the waiting one.
+A failed or empty answer keeps the last set (a fleet scaled to zero keeps its subscriptions,
+down), counted and logged once until a lookup succeeds again. At most :data:`MAX_DISCOVERED`
+addresses per name.
 """
 
 from __future__ import annotations
@@ -29,6 +48,7 @@ import heapq
 import importlib.util
 import logging
 import math
+import socket
 import threading
 import time
 from collections import Counter
@@ -37,19 +57,30 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 from kvlens.errors import SettingsError
-from kvlens.fleet.index import FleetIndex, IndexSnapshot
+from kvlens.fleet.index import MAX_REPLICAS, FleetIndex, IndexSnapshot
 from kvlens.fleet.wire import MALFORMED, OTHER_GROUP, MalformedPayload, apply, batch_ts, decode_batch
 
 log = logging.getLogger(__name__)
 END_SEQ: Final = -1
 MAX_REPLAY_FRAMES: Final = 100_000  # one replay answer at most (vLLM's buffer_steps is 10,000)
+# After a replay that repaired nothing, the publisher's gaps are missed without asking for this
+# many replay timeouts: one thread serves every publisher, and a publisher that skips a number in
+# every message with a dead replay endpoint would hold it replay_timeout_seconds a message.
+REPLAY_QUIET_TIMEOUTS: Final = 10
 # A message past this closes the connection (ZMQ_MAXMSGSIZE; ZeroMQ reconnects): a vLLM batch
 # is one engine step's events, well under a MiB.
 MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
+# Addresses kept per DNS name: a fleet-level kvlens follows one deployment's replicas, and each
+# costs a socket and its series.
+MAX_DISCOVERED: Final = 1024
 # Batches waiting for the reorder window (kept as received, read when applied) hold at most this
 # many bytes; past it the oldest are applied at once (a publisher whose timestamps do not move,
 # or a burst, cannot make kvlens hold more).
 MAX_WAITING_BYTES: Final = 8 * 1024 * 1024
+# What waits in the reorder queue in place of a payload: the replica's blocks are all gone (a
+# restart), or the replica left the fleet (its slot in the index is freed too).
+CLEARED: Final = "cleared"
+VANISHED: Final = "vanished"
 
 
 @dataclass(frozen=True)
@@ -77,6 +108,7 @@ class PublisherStatus:
     unknown_fields: int = 0
     other_group_events: int = 0  # events of KV cache groups past the first, left out
     errors: int = 0  # messages whose handling failed unexpectedly (a kvlens bug; logged)
+    refused_batches: int = 0  # dropped: every replica slot of the index in use by others
     last_message: float = 0.0
 
 
@@ -104,12 +136,45 @@ class Consumer:
         self.status = {p.name: PublisherStatus() for p in publishers}
         self.reorder_seconds = reorder_seconds
         self.clock = clock
-        # (ts, replica, arrival, received at, payload or None: the replica restarted, bytes)
-        self._waiting: list[tuple[float, str, int, float, bytes | None, int]] = []
+        # (ts, replica, arrival, received at, payload or CLEARED or VANISHED, bytes)
+        self._waiting: list[tuple[float, str, int, float, bytes | str, int]] = []
         self._waiting_bytes = 0
         self._arrival = 0
         self._newest = -math.inf
         self._last_ts: dict[str, float] = {}
+        self.following = {p.name: p for p in publishers}
+        self._refused: set[str] = set()  # replicas refused a slot, logged once each time
+
+    def follow(self, wanted: dict[str, Publisher]) -> tuple[list[str], list[Publisher]]:
+        """Follow the ``wanted`` publishers (a DNS answer's): the ones gone are :meth:`vanished`,
+        the new ones added. Returns (gone, new), for the caller's subscriptions."""
+        gone = [name for name in self.following if name not in wanted]
+        for name in gone:
+            self.vanished(name)
+        new = [publisher for name, publisher in wanted.items() if name not in self.following]
+        for publisher in new:
+            self.add(publisher)
+        return gone, new
+
+    def add(self, publisher: Publisher) -> None:
+        """A replica found after start (DNS discovery); one seen before keeps its counters."""
+        with self.index.lock:  # snapshots copy the statuses under it
+            self.status.setdefault(publisher.name, PublisherStatus())
+        self.following[publisher.name] = publisher
+
+    def vanished(self, replica: str) -> None:
+        """The replica left the fleet (its address left the DNS answer): its blocks are removed
+        and its slot in the index freed, in order with the batches still waiting; if it comes
+        back it starts a new sequence, as a new replica, its batches after the removal."""
+        status = self.status[replica]
+        status.up = 0
+        status.next_seq = None
+        self.following.pop(replica, None)
+        # not popped: a batch of its comeback stamped earlier must not pass the removal
+        self._last_ts[replica] = self._newest
+        now = self.clock()
+        self._wait(self._newest, replica, now, VANISHED, 0)
+        self.release(now, idle=False)
 
     def message(
         self, replica: str, seq: int, payload: bytes, replay: Callable[[int], list[tuple[int, bytes]]] | None
@@ -125,7 +190,8 @@ class Consumer:
         elif expected is not None and seq > expected:
             status.gaps += 1
             repaired = False
-            if replay is not None:
+            # a gap wider than any replay answer cannot be repaired: not asked, nor its numbers listed
+            if replay is not None and seq - expected <= MAX_REPLAY_FRAMES:
                 status.replays += 1
                 frames = [(s, p) for s, p in replay(expected) if expected <= s < seq]
                 if [number for number, _ in frames] == list(range(expected, seq)):
@@ -148,14 +214,14 @@ class Consumer:
             ts = max(stamp, self._last_ts.get(replica, -math.inf))
             self._last_ts[replica] = ts
             if restarted and position == len(payloads) - 1:
-                self._wait(ts, replica, now, None, 0)
+                self._wait(ts, replica, now, CLEARED, 0)
                 clear_queued = True
             self._wait(ts, replica, now, data, len(data))
         if restarted and not clear_queued:  # the restarting batch was malformed
-            self._wait(self._newest, replica, now, None, 0)
+            self._wait(self._newest, replica, now, CLEARED, 0)
         self.release(now, idle=False)
 
-    def _wait(self, ts: float, replica: str, now: float, payload: bytes | None, size: int) -> None:
+    def _wait(self, ts: float, replica: str, now: float, payload: bytes | str, size: int) -> None:
         heapq.heappush(self._waiting, (ts, replica, self._arrival, now, payload, size))
         self._arrival += 1
         self._waiting_bytes += size
@@ -178,14 +244,39 @@ class Consumer:
                 return
             heapq.heappop(waiting)
             self._waiting_bytes -= size
-            if payload is None:
-                with self.index.lock:
-                    self.index.cleared(replica)
-            else:
+            if isinstance(payload, bytes):
                 self._apply(replica, self.status[replica], payload)
+                continue
+            with self.index.lock:
+                self.index.cleared(replica)
+                if payload == VANISHED:
+                    self.index.forget_replica(replica)
+            if payload == VANISHED:  # a comeback refused again is logged again
+                self._refused.discard(replica)
+
+    def _admitted(self, replica: str, status: PublisherStatus) -> bool:
+        """Whether the index has a slot for ``replica``; else its batch is dropped and counted,
+        and the refusal logged once (not per batch) until a slot frees up and takes it."""
+        with self.index.lock:
+            admitted = self.index.admit(replica)
+        if admitted:
+            self._refused.discard(replica)
+            return True
+        status.refused_batches += 1
+        if replica not in self._refused:
+            self._refused.add(replica)
+            log.error(
+                "kvlens: KV events replica %s refused: the index follows at most %d replicas at once, "
+                "all in use; its events are dropped (counted) until a replica leaves",
+                replica,
+                MAX_REPLICAS,
+            )
+        return False
 
     def _apply(self, replica: str, status: PublisherStatus, payload: bytes) -> None:
         status.batches += 1
+        if not self._admitted(replica, status):
+            return
         try:
             decoded = decode_batch(payload)
         except MalformedPayload:  # its ts was readable, its events are not
@@ -204,14 +295,99 @@ class Consumer:
                     status.other_group_events += 1
 
 
+Resolver = Callable[[str, int], list[str]]
+
+
+def resolve_addresses(host: str, port: int) -> list[str]:
+    """The A and AAAA records of ``host`` (blocking: called on the resolver thread)."""
+    return sorted({str(info[4][0]) for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)})
+
+
+def address_name(address: str, port: int) -> str:
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
+@dataclass
+class DnsTarget:
+    """One DNS name whose addresses are replicas; :meth:`refresh` runs on the resolver thread."""
+
+    host: str
+    port: int
+    resolve: Resolver = resolve_addresses
+    replay_port: int | None = None  # each address's replay endpoint, to repair gaps
+    addresses: tuple[str, ...] = ()
+    lookups: int = 0
+    failures: int = 0  # lookups that failed or found nothing (the last set was kept)
+    failing: bool = False
+    too_many: int = 0  # addresses past MAX_DISCOVERED left out, at the last lookup
+
+    @property
+    def name(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def refresh(self) -> None:
+        self.lookups += 1
+        try:
+            found = sorted(set(self.resolve(self.host, self.port)))
+        except (OSError, UnicodeError, ValueError) as error:  # gaierror is an OSError
+            self._failed(str(error))
+            return
+        if not found:
+            self._failed("no address")
+            return
+        if self.failing:
+            log.info("kvlens: KV events DNS %s resolves again: %d addresses", self.name, len(found))
+        self.failing = False
+        self.too_many = max(0, len(found) - MAX_DISCOVERED)
+        self.addresses = tuple(found[:MAX_DISCOVERED])
+
+    def _failed(self, why: str) -> None:
+        self.failures += 1
+        if not self.failing:  # once per failing streak, not every interval
+            log.warning(
+                "kvlens: KV events DNS %s did not resolve (%s): keeping its %d replicas",
+                self.name,
+                why,
+                len(self.addresses),
+            )
+        self.failing = True
+
+    def publishers(self) -> list[Publisher]:
+        replay = self.replay_port
+        return [
+            Publisher(
+                address_name(address, self.port),
+                f"tcp://{address_name(address, self.port)}",
+                None if replay is None else f"tcp://{address_name(address, replay)}",
+            )
+            for address in self.addresses
+        ]
+
+
+def wanted_publishers(static: list[Publisher], targets: list[DnsTarget]) -> dict[str, Publisher]:
+    """The publishers to subscribe to now: the configured ones, then each name's addresses (a name
+    given twice, or an address a configured replica already has, is subscribed once: two
+    subscriptions to one publisher would count its blocks as held by two replicas)."""
+    wanted = {publisher.name: publisher for publisher in static}
+    endpoints = {publisher.endpoint for publisher in static}
+    for target in targets:
+        for publisher in target.publishers():
+            if publisher.endpoint not in endpoints:
+                wanted.setdefault(publisher.name, publisher)
+    return wanted
+
+
 class KVEventsSource:
-    """The subscriptions' thread. ``start`` / ``stop`` from the app's lifespan."""
+    """The subscriptions' thread (and, with DNS targets, the resolver's). ``start`` / ``stop``
+    from the app's lifespan."""
 
     def __init__(
         self,
         consumer: Consumer,
         publishers: list[Publisher],
         *,
+        dns: list[DnsTarget] | None = None,
+        dns_interval_seconds: float = 30.0,
         replay_timeout_seconds: float = 2.0,
         poll_milliseconds: int = 100,
         clock: Callable[[], float] = time.monotonic,
@@ -221,6 +397,8 @@ class KVEventsSource:
         self._zmq = zmq
         self.consumer = consumer
         self.publishers = publishers
+        self.dns = dns or []
+        self.dns_interval_seconds = dns_interval_seconds
         self.replay_timeout_seconds = replay_timeout_seconds
         self.poll_milliseconds = poll_milliseconds
         self.clock = clock
@@ -228,60 +406,119 @@ class KVEventsSource:
         self._context = zmq.Context()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.ready = threading.Event()  # set once every SUB socket is connected
+        self._resolver: threading.Thread | None = None
+        self._wake = threading.Event()  # look the names up now (stop, or resolve_now)
+        self._wanted_lock = threading.Lock()
+        self._wanted: dict[str, Publisher] | None = None  # a new set from the resolver, not yet applied
+        self.ready = threading.Event()  # set once every configured SUB socket is connected
+        self.resolved = threading.Event()  # set once every DNS target was looked up (tests wait on it)
+        self._poller: Any = None
+        self._subscribed: dict[str, tuple[Any, Any]] = {}  # replica -> (SUB socket, its monitor)
+        self._sockets: dict[Any, Publisher] = {}
+        self._monitors: dict[Any, Publisher] = {}
+        self._replay_quiet_until: dict[str, float] = {}  # publisher -> no replay asked before
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="kvlens-kv-events", daemon=True)
         self._thread.start()
+        if self.dns:
+            self._resolver = threading.Thread(target=self._resolve_forever, name="kvlens-kv-dns", daemon=True)
+            self._resolver.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._wake.set()
+        for thread in (self._resolver, self._thread):
+            if thread is not None:
+                thread.join(timeout)
         self._context.term()
+
+    def _resolve_forever(self) -> None:
+        while not self._stop.is_set():
+            for target in self.dns:
+                try:
+                    target.refresh()
+                except Exception:  # a bug must not end the discovery
+                    log.exception("kvlens: KV events DNS %s failed", target.name)
+                    self.errors += 1
+            with self._wanted_lock:
+                self._wanted = wanted_publishers(self.publishers, self.dns)
+            self.resolved.set()
+            self._wake.wait(self.dns_interval_seconds)
+            self._wake.clear()
+
+    def resolve_now(self) -> None:
+        """Look the DNS names up again without waiting for the interval."""
+        self.resolved.clear()
+        self._wake.set()
+
+    def _apply_wanted(self) -> None:
+        """Subscribe to new publishers and leave vanished ones (on the subscriptions' thread)."""
+        with self._wanted_lock:
+            wanted, self._wanted = self._wanted, None
+        if wanted is None:
+            return
+        gone, new = self.consumer.follow(wanted)
+        for name in gone:
+            self._unsubscribe(name)
+            log.info("kvlens: KV events replica %s left the DNS answer: unsubscribed", name)
+        for publisher in new:
+            self._subscribe(publisher)
+
+    def _subscribe(self, publisher: Publisher) -> None:
+        zmq = self._zmq
+        sub = self._context.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sub.setsockopt(zmq.IPV6, 1)  # a discovered AAAA address; harmless for IPv4
+        sub.setsockopt(zmq.SUBSCRIBE, publisher.topic.encode())
+        # PUB sends nothing while the engine is idle: the connection, not the traffic, says up;
+        # a finished ZMTP handshake, not the TCP connect (anything that accepts TCP does that)
+        monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        sub.connect(publisher.endpoint)
+        self._subscribed[publisher.name] = (sub, monitor)
+        self._sockets[sub] = publisher
+        self._monitors[monitor] = publisher
+        self._poller.register(sub, zmq.POLLIN)
+        self._poller.register(monitor, zmq.POLLIN)
+
+    def _unsubscribe(self, name: str) -> None:
+        sub, monitor = self._subscribed.pop(name)
+        for socket_ in (sub, monitor):
+            self._poller.unregister(socket_)
+        del self._sockets[sub], self._monitors[monitor]
+        sub.disable_monitor()
+        sub.close(0)
+        monitor.close(0)
 
     def _run(self) -> None:
         zmq = self._zmq
-        poller = zmq.Poller()
-        sockets: dict[Any, Publisher] = {}
-        monitors: dict[Any, Publisher] = {}
+        self._poller = zmq.Poller()
+        sockets, monitors = self._sockets, self._monitors
         for publisher in self.publishers:
-            sub = self._context.socket(zmq.SUB)
-            sub.setsockopt(zmq.LINGER, 0)
-            sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-            sub.setsockopt(zmq.SUBSCRIBE, publisher.topic.encode())
-            # PUB sends nothing while the engine is idle: the connection, not the traffic, says up;
-            # a finished ZMTP handshake, not the TCP connect (anything that accepts TCP does that)
-            monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-            sub.connect(publisher.endpoint)
-            sockets[sub] = publisher
-            monitors[monitor] = publisher
-            poller.register(sub, zmq.POLLIN)
-            poller.register(monitor, zmq.POLLIN)
+            self._subscribe(publisher)
         self.ready.set()
         try:
             while not self._stop.is_set():
-                ready = poller.poll(self.poll_milliseconds)
+                self._apply_wanted()
+                ready = self._poller.poll(self.poll_milliseconds)
                 if not ready:
                     self.consumer.release(idle=True)  # nothing older is on its way
-                for socket, _ in ready:
-                    publisher = sockets.get(socket) or monitors[socket]
+                for socket_, _ in ready:
+                    publisher = sockets.get(socket_) or monitors[socket_]
                     try:
-                        if socket in sockets:
-                            self._receive(socket, publisher)
+                        if socket_ in sockets:
+                            self._receive(socket_, publisher)
                         else:
-                            self._connection(socket, publisher)
+                            self._connection(socket_, publisher)
                     except Exception:  # a bug must not end the subscriptions
                         log.exception("kvlens: KV events from %s failed", publisher.name)
                         self.errors += 1
                         self.consumer.status[publisher.name].errors += 1
         finally:
             self.consumer.release(everything=True)
-            for sub in sockets:
-                sub.disable_monitor()
-                sub.close(0)
-            for monitor in monitors:
-                monitor.close(0)
+            for name in list(self._subscribed):
+                self._unsubscribe(name)
 
     def _connection(self, monitor: Any, publisher: Publisher) -> None:
         from zmq.utils.monitor import recv_monitor_message
@@ -303,7 +540,8 @@ class KVEventsSource:
                 status.malformed_payloads += 1
                 continue
             seq = int.from_bytes(frames[1], "big", signed=True)
-            replay = None if publisher.replay_endpoint is None else self._replayer(publisher)
+            quiet = self._replay_quiet_until.get(publisher.name, -math.inf) > status.last_message
+            replay = None if publisher.replay_endpoint is None or quiet else self._replayer(publisher)
             self.consumer.message(publisher.name, seq, frames[2], replay)
 
     def _replayer(self, publisher: Publisher) -> Callable[[int], list[tuple[int, bytes]]]:
@@ -313,6 +551,13 @@ class KVEventsSource:
         assert endpoint is not None
 
         def replay(first: int) -> list[tuple[int, bytes]]:
+            frames = ask(first)
+            if not frames:
+                quiet = REPLAY_QUIET_TIMEOUTS * self.replay_timeout_seconds
+                self._replay_quiet_until[publisher.name] = self.clock() + quiet
+            return frames
+
+        def ask(first: int) -> list[tuple[int, bytes]]:
             socket = self._context.socket(zmq.DEALER)
             socket.setsockopt(zmq.LINGER, 0)
             try:
@@ -344,22 +589,41 @@ class KVEventsSnapshot:
     index: IndexSnapshot
     publishers: dict[str, PublisherStatus]
     errors: int
+    dns: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (replicas, failed lookups)
 
 
 class KVEvents:
     """The index, the consumer and (once started) the subscriptions: what ``serve`` runs and what
     the collector reads."""
 
-    def __init__(self, publishers: list[Publisher], index: FleetIndex, reorder_seconds: float = 0.0) -> None:
-        if importlib.util.find_spec("zmq") is None:  # before serving, not when the lifespan starts
+    def __init__(
+        self,
+        publishers: list[Publisher],
+        index: FleetIndex,
+        reorder_seconds: float = 0.0,
+        *,
+        dns: list[DnsTarget] | None = None,
+        dns_interval_seconds: float = 30.0,
+        in_process: bool = False,
+    ) -> None:
+        """``in_process``: nothing is subscribed (no pyzmq needed); the events are applied to
+        ``index`` by the caller (the demo's simulated fleet)."""
+        self.in_process = in_process
+        if not in_process and importlib.util.find_spec("zmq") is None:  # before serving, not at start
             raise SettingsError("kv_events needs the kv-events extra: pip install 'kvlens[kv-events]'")
         self.publishers = publishers
         self.index = index
+        self.dns = dns or []
+        self.dns_interval_seconds = dns_interval_seconds
         self.consumer = Consumer(index, publishers, reorder_seconds=reorder_seconds)
         self.source: KVEventsSource | None = None
 
     def start(self) -> None:
-        self.source = KVEventsSource(self.consumer, self.publishers)
+        if self.in_process:
+            return
+        self.source = KVEventsSource(
+            self.consumer, self.publishers, dns=self.dns, dns_interval_seconds=self.dns_interval_seconds
+        )
         self.source.start()
 
     def stop(self) -> None:
@@ -373,4 +637,5 @@ class KVEvents:
                 name: replace(status, events=Counter(status.events))
                 for name, status in self.consumer.status.items()
             }
-        return KVEventsSnapshot(index, publishers, 0 if self.source is None else self.source.errors)
+        dns = {target.name: (len(target.addresses), target.failures) for target in self.dns}
+        return KVEventsSnapshot(index, publishers, 0 if self.source is None else self.source.errors, dns)

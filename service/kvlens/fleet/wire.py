@@ -20,12 +20,15 @@ and dropped, and a payload that is not an ``EventBatch`` at all is dropped whole
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 import msgspec
 
 from kvlens.fleet.index import FleetIndex
+
+_FLOAT64: Final = struct.Struct(">d")
 
 # --- vLLM 0.33's definitions (vllm/distributed/kv_events.py), for publishing ------------------
 # Field names, order, defaults and struct options as the engine declares them, so that encoding
@@ -85,7 +88,7 @@ class KVEventBatch(EventBatch):
 class _Stored(msgspec.Struct, tag="BlockStored", forbid_unknown_fields=True):
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None
-    token_ids: list[int]
+    token_ids: msgspec.Raw  # read by token_array(): cheaper than a list of ints
     block_size: int
     lora_id: int | None = None
     medium: str | None = None
@@ -129,7 +132,7 @@ class _ClearedLoose(_Cleared, tag="AllBlocksCleared", forbid_unknown_fields=Fals
 class _StoredArray(msgspec.Struct, tag="BlockStored", array_like=True):
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None
-    token_ids: list[int]
+    token_ids: msgspec.Raw
     block_size: int
     lora_id: int | None = None
     medium: str | None = None
@@ -144,6 +147,20 @@ class _RemovedArray(msgspec.Struct, tag="BlockRemoved", array_like=True):
 
 class _ClearedArray(msgspec.Struct, tag="AllBlocksCleared", array_like=True):
     pass
+
+
+# The usual payload in one decode: every event known, no unknown field (else the slow path
+# below takes the payload apart event by event, and counts what it skips).
+class _FastEnvelope(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[_Stored | _Removed | _Cleared]
+    data_parallel_rank: int | None = None
+
+
+class _FastArrayEnvelope(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[_StoredArray | _RemovedArray | _ClearedArray]
+    data_parallel_rank: int | None = None
 
 
 class _Envelope(msgspec.Struct, array_like=True):
@@ -177,10 +194,17 @@ _array = msgspec.msgpack.Decoder(_StoredArray | _RemovedArray | _ClearedArray)
 _envelope = msgspec.msgpack.Decoder(_Envelope)
 _map_envelope = msgspec.msgpack.Decoder(_MapEnvelope)
 _any = msgspec.msgpack.Decoder()
+_fast = msgspec.msgpack.Decoder(_FastEnvelope)
+_fast_array = msgspec.msgpack.Decoder(_FastArrayEnvelope)
 
 
 class MalformedPayload(ValueError):
     """A payload that is not an ``EventBatch``."""
+
+
+# msgspec raises RecursionError, not DecodeError, on msgpack nested past its depth (a few KB of
+# 0x91 bytes): that is bad input too, not a kvlens failure.
+_UNREADABLE: Final = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
 
 
 @dataclass
@@ -206,10 +230,15 @@ _map_stamp = msgspec.msgpack.Decoder(_MapStamp)
 
 
 def batch_ts(payload: bytes) -> float:
-    """A payload's ``ts`` alone (its events are read later); raises :class:`MalformedPayload`."""
+    """A payload's ``ts`` alone (its events are read later); raises :class:`MalformedPayload`
+    when it cannot be read (a payload whose events cannot is counted when they are read)."""
+    # the usual head, read in place: a 2- or 3-element array starting with a float64
+    if len(payload) >= 10 and payload[0] in (0x92, 0x93) and payload[1] == 0xCB:
+        ts: float = _FLOAT64.unpack_from(payload, 2)[0]
+        return ts
     try:
         return (_stamp.decode(payload) if _is_array(payload) else _map_stamp.decode(payload)).ts
-    except (msgspec.DecodeError, msgspec.ValidationError) as error:
+    except _UNREADABLE as error:
         raise MalformedPayload(str(error)) from None
 
 
@@ -220,11 +249,18 @@ def _is_array(raw: bytes | memoryview) -> bool:
 
 def decode_batch(payload: bytes) -> Decoded:
     """The events of one payload; raises :class:`MalformedPayload` when it is no ``EventBatch``."""
+    if _is_array(payload):
+        for fast in (_fast, _fast_array):
+            try:
+                whole = fast.decode(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+            return Decoded(whole.ts, whole.data_parallel_rank, list(whole.events))
     try:
         envelope: _Envelope | _MapEnvelope = (
             _envelope.decode(payload) if _is_array(payload) else _map_envelope.decode(payload)
         )
-    except (msgspec.DecodeError, msgspec.ValidationError) as error:
+    except _UNREADABLE as error:
         raise MalformedPayload(str(error)) from None
     out = Decoded(envelope.ts, envelope.data_parallel_rank)
     for raw in envelope.events:
@@ -240,18 +276,18 @@ def _decode_event(raw: bytes, out: Decoded) -> None:
         if "unknown field" in str(error):
             try:
                 loose = _loose.decode(raw)
-            except (msgspec.DecodeError, msgspec.ValidationError):
+            except _UNREADABLE:
                 out.malformed_events += 1
                 return
             out.unknown_fields += 1
             out.events.append(loose)  # a subclass of the strict one: apply() takes it alike
             return
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         out.malformed_events += 1
         return
     try:
         generic = _any.decode(raw)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         out.malformed_events += 1
         return
     if isinstance(generic, dict):
@@ -288,23 +324,20 @@ def apply(index: FleetIndex, replica: str, event: Event) -> str:
     if getattr(event, "group_idx", None) not in (None, 0):
         return OTHER_GROUP
     if isinstance(event, (_Stored, _StoredArray, BlockStored)):
-        count = len(event.block_hashes)
-        size = event.block_size
-        if size < 1 or len(event.token_ids) != count * size:
-            return MALFORMED
         extra = event.extra_keys
-        if extra is not None and len(extra) != count:
+        if extra is not None and len(extra) != len(event.block_hashes):
             return MALFORMED
-        index.stored(
+        if not index.stored(  # it checks the token ids (left as msgpack by the decoder)
             replica,
             event.block_hashes,
             event.parent_block_hash,
             event.token_ids,
-            size,
+            event.block_size,
             medium=medium_label(event.medium),
             extra_keys=extra,
             lora_name=event.lora_name,
-        )
+        ):
+            return MALFORMED
     elif isinstance(event, (_Removed, _RemovedArray, BlockRemoved)):
         index.removed(replica, event.block_hashes, medium=medium_label(event.medium))
     else:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlens.console import install_hint
+from kvlens.terminal import NARROWEST, wrapped
 
 BAR_WIDTH = 40
 COLORS = ("#3b7dd8", "#d8683b", "#3bb273", "#9b59b6", "#7f8c8d", "#c0392b")
@@ -22,23 +23,25 @@ def _capacity(value: int | None) -> str:
     return "unbounded" if value is None else f"{value:,}"
 
 
-def text(result: dict[str, Any]) -> str:
+WIDE_ROW = 105  # the one-line row per policy; narrower terminals get two short tables
+
+
+def text(result: dict[str, Any], columns: int = NARROWEST) -> str:
     trace, fleet, reachable = result["trace"], result["fleet"], result["reachable"]
     cost = fleet["prefill_cost_model"]
-    lines = [
-        f"trace {trace['path']} ({trace['format']}, {trace['block_size']}-token blocks): "
-        f"{trace['requests']:,} requests, {trace['prompt_tokens']:,} prompt tokens"
-        + (f", time x{trace['time_scale']:g}" if trace["time_scale"] != 1 else ""),
-        f"fleet {fleet['replicas']} replicas, at most {fleet['max_running']} running each, "
-        f"{'chunked' if fleet['chunked_prefill'] else 'unchunked'} prefill of "
-        f"{cost['a']:.3g} s/token + {cost['b']:.3g} s/pair",
-        f"reachable (one unbounded cache): token reuse {_pct(reachable['token_reuse_ratio'])}, "
-        f"request hit {_pct(reachable['request_hit_ratio'])}, "
-        f"compute saved {_pct(reachable['compute_saved_ratio'])}",
-    ]
-    header = (
-        f"{'policy':<16} {'req hit':>8} {'reuse':>8} {'saved':>8} {'TTFT p50/p95/p99 s':>22} "
-        f"{'queue':>6} {'imbal':>6} {'lost: capacity/routing':>23}"
+    lines = wrapped(
+        [
+            f"trace {trace['path']} ({trace['format']}, {trace['block_size']}-token blocks): "
+            f"{trace['requests']:,} requests, {trace['prompt_tokens']:,} prompt tokens"
+            + (f", time x{trace['time_scale']:g}" if trace["time_scale"] != 1 else ""),
+            f"fleet {fleet['replicas']} replicas, at most {fleet['max_running']} running each, "
+            f"{'chunked' if fleet['chunked_prefill'] else 'unchunked'} prefill of "
+            f"{cost['a']:.3g} s/token + {cost['b']:.3g} s/pair",
+            f"reachable (one unbounded cache): token reuse {_pct(reachable['token_reuse_ratio'])}, "
+            f"request hit {_pct(reachable['request_hit_ratio'])}, "
+            f"compute saved {_pct(reachable['compute_saved_ratio'])}",
+        ],
+        columns,
     )
     for block in result["capacities"]:
         pooled = block["pooled"]
@@ -46,21 +49,41 @@ def text(result: dict[str, Any]) -> str:
             "",
             f"capacity {_capacity(block['capacity_blocks'])} blocks per replica "
             f"(pooled: token reuse {_pct(pooled['token_reuse_ratio'])})",
-            header,
         ]
-        for run in block["policies"]:
-            ttft = run["ttft_seconds"]
-            gap = run.get("token_reuse_gap")
-            lost = "" if gap is None else f"{100 * gap['capacity']:.1f} / {100 * gap['routing']:.1f} pts"
-            lines.append(
-                f"{run['policy']:<16} {_pct(run['request_hit_ratio']):>8} "
-                f"{_pct(run['token_reuse_ratio']):>8} {_pct(run['compute_saved_ratio']):>8} "
-                f"{ttft['p50']:>6.2f} / {ttft['p95']:>6.2f} / {ttft['p99']:>6.2f} "
-                f"{_pct(run['queue_share_of_ttft'], 0):>6} {run['load_imbalance']:>6.2f} {lost:>23}"
-            )
+        lines += _policy_rows(block["policies"], wide=columns >= WIDE_ROW)
     if len(result["capacities"]) > 1:
         lines += ["", *curve(result)]
     return "\n".join(lines) + "\n"
+
+
+def _policy_rows(runs: list[dict[str, Any]], *, wide: bool) -> list[str]:
+    """Each policy's reuse, queueing and lost reuse, and its TTFT percentiles: on one row each
+    when ``wide``, else in two tables of at most 80 columns."""
+
+    def reuse(run: dict[str, Any]) -> str:
+        return (
+            f"{run['policy']:<16} {_pct(run['request_hit_ratio']):>8} "
+            f"{_pct(run['token_reuse_ratio']):>8} {_pct(run['compute_saved_ratio']):>8}"
+        )
+
+    def ttft(run: dict[str, Any]) -> list[str]:
+        return [f"{run['ttft_seconds'][p]:.2f}" for p in ("p50", "p95", "p99")]
+
+    def rest(run: dict[str, Any]) -> str:
+        gap = run.get("token_reuse_gap")
+        lost = "" if gap is None else f"{100 * gap['capacity']:.1f} / {100 * gap['routing']:.1f} pts"
+        return f"{_pct(run['queue_share_of_ttft'], 0):>6} {run['load_imbalance']:>6.2f} {lost:>22}"
+
+    head = f"{'policy':<16} {'req hit':>8} {'reuse':>8} {'saved':>8}"
+    tail = f"{'queue':>6} {'imbal':>6} {'lost: capacity/routing':>22}"
+    if wide:
+        lines = [f"{head} {'TTFT p50/p95/p99 s':>22} {tail}"]
+        lines += [f"{reuse(r)} {' / '.join(f'{t:>6}' for t in ttft(r))} {rest(r)}" for r in runs]
+        return lines
+    lines = [f"{head} {tail}", *(f"{reuse(r)} {rest(r)}" for r in runs)]
+    lines.append(f"{'':<16} {'TTFT p50 s':>10} {'p95 s':>9} {'p99 s':>9}")
+    lines += [f"{r['policy']:<16} {t[0]:>10} {t[1]:>9} {t[2]:>9}" for r in runs for t in [ttft(r)]]
+    return lines
 
 
 def _series(result: dict[str, Any]) -> dict[str, list[tuple[int | None, float]]]:

@@ -2,7 +2,8 @@
 
 - :class:`ReplayTraffic` (the default): the bundled Mooncake trace (a real public one) replayed
   by the simulator on a fleet of replicas with prefix caches and a cache-aware router, sped up
-  and looping, so the sidecar shows a realistic fleet with no setup;
+  and looping, so the sidecar shows a realistic fleet with no setup; with ``kv_events`` its caches'
+  KV events too (:class:`ReplayKVEvents` feeds them to the sidecar's block index in process);
 - :class:`DemoTraffic` (``--traffic synthetic``, and the benchmarks' record generator): the shape
   of the articles' fleet. Many short chat requests share a small template prefix (one or two
   16-token blocks) and hit; a few long prompts (documents, RAG) miss. The request hit ratio looks
@@ -12,13 +13,18 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from kvlens.definitions import DEFAULT_COST_MODEL, CostModel, reusable_full_block_tokens
+
+if TYPE_CHECKING:
+    from kvlens.fleet.source import KVEvents
+    from kvlens.simulate.trace import TraceRequest
 
 SOURCE = "demo"
 REPLAY_MODEL: Final = "llama-3.1-8b"
@@ -108,11 +114,17 @@ class DemoTraffic:
         return out
 
 
+# One cache event of the replay: (trace seconds, replica, stored (else removed), blocks, parent)
+CacheEvent = tuple[float, int, bool, tuple[object, ...], object | None]
+
+
 @dataclass
 class ReplayTraffic:
     """The bundled Mooncake trace (3,993 requests over 17 minutes) as the simulator plays it on
     ``replicas`` replicas under ``policy``, replayed ``speed`` times faster than recorded and
-    looping. Arrivals are sped up; each request's latencies are the simulated ones."""
+    looping. Arrivals are sped up; each request's latencies are the simulated ones. With
+    ``kv_events`` the replicas' cache events are kept too (:meth:`cache_events`), each timed at
+    the arrival the simulator was routing when it happened (events are in the simulator's order)."""
 
     speed: float = 4.0
     replicas: int = 4
@@ -120,9 +132,13 @@ class ReplayTraffic:
     policy: str = "prefix_affinity"
     model: str = REPLAY_MODEL
     origin: float = field(default_factory=time.time)  # the wall clock of the trace's start
+    kv_events: bool = False
+    block_size: int = field(init=False)
     _records: list[dict[str, Any]] = field(init=False, repr=False)
     _finish: npt.NDArray[np.float64] = field(init=False, repr=False)
     _span: float = field(init=False, repr=False)
+    _events: list[CacheEvent] = field(init=False, repr=False, default_factory=list)
+    _event_times: npt.NDArray[np.float64] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         from kvlens.simulate import run
@@ -131,21 +147,61 @@ class ReplayTraffic:
         if not self.speed > 0:
             raise ValueError("speed must be > 0")
         trace = open_trace(BUNDLED)
+        self.block_size = trace.block_size
         played: list[dict[str, Any]] = []
         fleet = run.Fleet(self.replicas, self.capacity_blocks, trace.block_size)
-        run.simulate(trace.requests(), fleet, self.policy, records=played.extend)
+        now = [0.0]
+        events = self._events
+
+        def arrivals(requests: Iterable[TraceRequest]) -> Iterator[TraceRequest]:
+            for request in requests:
+                now[0] = request.arrival
+                yield request
+
+        class Capture:
+            def __init__(self, replica: int) -> None:
+                self.replica = replica
+
+            def stored(self, blocks: Sequence[object], parent: object | None) -> None:
+                events.append((now[0], self.replica, True, tuple(blocks), parent))
+
+            def removed(self, blocks: Sequence[object]) -> None:
+                events.append((now[0], self.replica, False, tuple(blocks), None))
+
+        run.simulate(
+            arrivals(trace.requests()),
+            fleet,
+            self.policy,
+            records=played.extend,
+            events=Capture if self.kv_events else None,
+        )
         finish = np.array([r["arrival_time"] + r["e2e_seconds"] for r in played])
         order = np.argsort(finish, kind="stable")
         self._records = [played[i] for i in order]
         self._finish = finish[order]
         self._span = float(finish.max()) + 1.0  # trace seconds before it starts again
+        self._event_times = np.array([event[0] for event in events], dtype=np.float64)
 
-    def records(self, start: float, end: float) -> list[dict[str, Any]]:
+    @property
+    def loop_seconds(self) -> float:
+        """Trace seconds of one loop."""
+        return self._span
+
+    def _windows(
+        self, start: float, end: float, times: npt.NDArray[np.float64]
+    ) -> Iterator[tuple[int, int, int]]:
+        """(loop, first, last): the items of ``times`` (trace seconds, sorted) in each loop of the
+        wall-clock window [start, end)."""
         low, high = ((t - self.origin) * self.speed for t in (start, end))
-        out = []
         for loop in range(max(int(low // self._span), 0), int(high // self._span) + 1):
             offset = loop * self._span
-            first, last = np.searchsorted(self._finish, [low - offset, high - offset], side="left")
+            first, last = np.searchsorted(times, [low - offset, high - offset], side="left")
+            yield loop, int(first), int(last)
+
+    def records(self, start: float, end: float) -> list[dict[str, Any]]:
+        out = []
+        for loop, first, last in self._windows(start, end, self._finish):
+            offset = loop * self._span
             for played in self._records[first:last]:
                 record = {k: v for k, v in played.items() if k not in ("prefix_hashes", "arm")}
                 record["model"] = self.model
@@ -153,3 +209,65 @@ class ReplayTraffic:
                 record["arrival_time"] = self.origin + (played["arrival_time"] + offset) / self.speed
                 out.append(record)
         return out
+
+    def cache_events(self, start: float, end: float) -> list[tuple[int, CacheEvent]]:
+        """(loop, event) for the cache events of the wall-clock window [start, end)."""
+        return [
+            (loop, event)
+            for loop, first, last in self._windows(start, end, self._event_times)
+            for event in self._events[first:last]
+        ]
+
+
+class ReplayKVEvents:
+    """The replay's cache events as vLLM ``EventBatch`` messages into ``kv_events``'s consumer,
+    in process: the decoding, ordering and classifying of ``kvlens serve --kv-events``, without
+    the socket (so without pyzmq). Each loop of the trace is a new fleet: its replicas' blocks are
+    cleared (``AllBlocksCleared``) and its blocks are new content (keys salted by the loop), so
+    every loop shows the first loop's causes."""
+
+    def __init__(self, traffic: ReplayTraffic, kv_events: KVEvents) -> None:
+        import msgspec
+
+        from kvlens.fleet.simulated import SimulatedEngine
+
+        self.traffic = traffic
+        self.consumer = kv_events.consumer
+        self._encode = msgspec.msgpack.Encoder().encode
+        self.engines = [
+            SimulatedEngine(f"r{i}", traffic.block_size, self._emit) for i in range(traffic.replicas)
+        ]
+        self._seq = [0] * traffic.replicas
+        self.loop = 0
+
+    @staticmethod
+    def names(replicas: int) -> list[str]:
+        """The replicas' names: the ``replica`` the replay's records carry."""
+        return [f"r{i}" for i in range(replicas)]
+
+    def _emit(self, replica: str, event: Any) -> None:
+        from kvlens.fleet.wire import KVEventBatch
+
+        rank = int(replica[1:])
+        batch = KVEventBatch(ts=time.time(), events=[event], data_parallel_rank=rank)
+        self.consumer.message(replica, self._seq[rank], self._encode(batch), None)
+        self._seq[rank] += 1
+
+    def feed(self, start: float, end: float) -> None:
+        from kvlens.fleet.index import MASK64
+        from kvlens.fleet.wire import AllBlocksCleared
+
+        for loop, (_, replica, stored, blocks, parent) in self.traffic.cache_events(start, end):
+            if loop != self.loop:
+                for engine in self.engines:
+                    self._emit(engine.name, AllBlocksCleared())
+                self.loop = loop
+
+            engine = self.engines[replica]
+            keys = blocks if loop == 0 else [hash((loop, key)) & MASK64 for key in blocks]
+            if not stored:
+                engine.removed(keys)
+            elif parent is None or loop == 0:
+                engine.stored(keys, parent)
+            else:
+                engine.stored(keys, hash((loop, parent)) & MASK64)

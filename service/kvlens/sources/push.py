@@ -53,18 +53,20 @@ _RAW_RECORD: Final = msgspec.json.Decoder(_RawRecord)
 _SCALAR: Final = msgspec.json.Decoder(bool | int | float | str | None)
 
 
-def read_records(body: bytes, max_records: int) -> Validated:
+def read_records(body: bytes, max_records: int, *, keep_prefix_hashes: bool = False) -> Validated:
     """Every record of a payload, validated; rejections point at array indices or NDJSON lines
     (blank lines not counted). Raises :class:`~kvlens.errors.TooManyRecords` past
-    ``max_records`` and :class:`~kvlens.errors.PayloadUndecodable` when nothing decodes."""
+    ``max_records`` and :class:`~kvlens.errors.PayloadUndecodable` when nothing decodes.
+    ``prefix_hashes`` are checked, and kept only with ``keep_prefix_hashes`` (the modelled
+    caches read them; the sums do not)."""
     found = _NOT_WHITESPACE.search(body)
     if found is not None and found.group() == b"[":
-        return _read_array(body, max_records)
+        return _read_array(body, max_records, keep_prefix_hashes)
     if len(body) > max_records and _line_count(body) > max_records:
         raise _too_many(max_records)
     if found is None:
         return batch_from_objects([])
-    return _read_lines(body, max_records)
+    return _read_lines(body, max_records, keep_prefix_hashes)
 
 
 def _line_count(text: bytes) -> int:
@@ -83,9 +85,9 @@ def _too_many(max_records: int) -> TooManyRecords:
     return TooManyRecords(f"more than {max_records} records in one request; send smaller batches")
 
 
-def _read_array(text: bytes, max_records: int) -> Validated:
+def _read_array(text: bytes, max_records: int, keep_prefix_hashes: bool) -> Validated:
     if not _may_hold_more(text, max_records):
-        batch = batch_from_json_array(text, keep_prefix_hashes=False)
+        batch = batch_from_json_array(text, keep_prefix_hashes=keep_prefix_hashes)
         if batch is not None:
             return Validated(batch, Rejections(), 0)
     structure = jsonscan.scan(text, max_records - 1, stop_past_limit=True)
@@ -96,9 +98,9 @@ def _read_array(text: bytes, max_records: int) -> Validated:
     return _read_elements(jsonscan.array_elements(text, structure))
 
 
-def _read_lines(text: bytes, max_records: int) -> Validated:
+def _read_lines(text: bytes, max_records: int, keep_prefix_hashes: bool) -> Validated:
     if not _may_hold_more(text, max_records):
-        batch = batch_from_json_lines(text)
+        batch = batch_from_json_lines(text, keep_prefix_hashes=keep_prefix_hashes)
         if batch is not None:
             return Validated(batch, Rejections(), 0)
     text = text.strip(_WHITESPACE)
@@ -117,7 +119,8 @@ def _malformed(validated: Validated) -> int:
 
 
 def _read_elements(elements: list[bytes]) -> Validated:
-    """Decode, reduce and validate records one chunk at a time (memory: one chunk's objects)."""
+    """Decode, reduce and validate records one chunk at a time (memory: one chunk's objects);
+    valid ``prefix_hashes`` stay in the batch either way (one chunk's at a time)."""
     parts = []
     for start in range(0, len(elements), VALIDATE_CHUNK):
         objects: list[Any] = []

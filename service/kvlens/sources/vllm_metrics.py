@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
+import anyio
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -156,8 +157,11 @@ async def fetch(
             return body  # decoded as it is: a copy would cost up to scrape_max_bytes more
 
     try:
-        body = await asyncio.wait_for(read(), deadline_seconds)
-    except asyncio.TimeoutError:
+        # Not asyncio.wait_for: before Python 3.12 it returns the result when a cancellation lands
+        # as the read completes, and a stopping sidecar's scrape loop then never ends.
+        with anyio.fail_after(deadline_seconds):
+            body = await read()
+    except TimeoutError:
         raise ScrapeError("timeout", f"{name} did not finish within {deadline_seconds} s") from None
     except httpx.HTTPError as error:
         raise ScrapeError("connect", f"{name}: {type(error).__name__}") from None

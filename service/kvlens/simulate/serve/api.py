@@ -48,6 +48,10 @@ from kvlens.simulate.serve.metrics import FleetMetrics
 JSON: Final = "application/json"
 MAX_BODY_BYTES: Final = 16 * 1024 * 1024
 MAX_PROMPTS: Final = 1024  # prompts in one completions batch
+# A stream is written at most this many token events at a time (3 parts each), each write after
+# the last has drained (uvicorn waits for it): tokens that came due while nobody read wait as
+# counts, not as bytes, so an unread stream holds about a socket buffer (not its whole answer).
+PIECE_PARTS: Final = 3 * 64
 TOO_LARGE: Final = f"the request body is larger than {MAX_BODY_BYTES} bytes"
 Generated = bytes | AsyncGenerator[bytes, None]  # a JSON answer, or the events of a stream
 _JSON_HEADERS: Final = [(b"content-type", b"application/json")]
@@ -164,18 +168,11 @@ class Api:
                 request_id = value.decode("latin-1")
         client = Client()
         try:
-            raw = bytearray()
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return
-                raw += message.get("body", b"")
-                if len(raw) > MAX_BODY_BYTES:
-                    raise ApiError(TOO_LARGE, status=413)
-                if not message.get("more_body"):
-                    break
+            raw = await _read_body(receive)
         except ApiError as error:
             await _send(send, error.status, _error_body(error), _JSON_HEADERS)
+            return
+        if raw is None:
             return
         # The client's going away is heard through receive() (uvicorn answers http.disconnect
         # when the connection is lost): the answer wakes and stops, its prompts leave the fleet.
@@ -183,7 +180,7 @@ class Api:
         watcher.add_done_callback(client.leave)
         try:
             try:
-                answer: Generated = await handler(self._parse(bytes(raw)), request_id, client)
+                answer: Generated = await handler(self._parse(raw), request_id, client)
             except ApiError as error:
                 await _send(send, error.status, _error_body(error), _JSON_HEADERS)
                 return
@@ -326,7 +323,7 @@ class Api:
         return orjson.dumps(response)
 
     async def chat(self, body: dict[str, Any], request_id: str | None, client: Client) -> Generated:
-        ids = tokenizer.encode(self._chat_text(body))
+        ids = self._encode(self._chat_text(body), "messages")
         asked_name = (
             "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         )
@@ -366,9 +363,9 @@ class Api:
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
             raise ApiError(TOO_LARGE, status=413)
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise ApiError(TOO_LARGE, status=413)
+        raw = await _read_body(request.receive)
+        if raw is None:
+            raise ApiError("the client went away before its body ended")  # nobody reads this answer
         return self._parse(raw)
 
     def _parse(self, raw: bytes) -> dict[str, Any]:
@@ -410,12 +407,7 @@ class Api:
         limit = self.served.max_model_len
         outputs = []
         for ids in prompts:
-            if len(ids) >= limit:
-                raise ApiError(
-                    f"This model's maximum context length is {limit} tokens. However, your request has "
-                    f"{len(ids)} input tokens. Please reduce the length of the input messages.",
-                    "prompt" if prefix == "cmpl" else "messages",
-                )
+            self._fits(len(ids), "prompt" if prefix == "cmpl" else "messages")
             outputs.append(min(asked, limit - len(ids)) if asked is not None else limit - len(ids))
         minimum = _integer(body, "min_tokens", 0, low=0)
         if asked is not None and minimum > asked:
@@ -424,9 +416,23 @@ class Api:
             )
         return _Answer(prompts, outputs, stream, include_usage, f"{prefix}-{header or uuid.uuid4().hex}")
 
+    def _fits(self, tokens: int, param: str) -> None:
+        limit = self.served.max_model_len
+        if tokens >= limit:
+            raise ApiError(
+                f"This model's maximum context length is {limit} tokens. However, your request has "
+                f"{tokens} input tokens. Please reduce the length of the input messages.",
+                param,
+            )
+
+    def _encode(self, text: str, param: str) -> list[int]:
+        """The prompt's tokens; one past the context is refused before they are made."""
+        self._fits(tokenizer.count(text), param)
+        return tokenizer.encode(text)
+
     def _prompts(self, prompt: Any) -> list[list[int]]:
         if type(prompt) is str:
-            prompts = [tokenizer.encode(prompt)]
+            prompts = [self._encode(prompt, "prompt")]
         elif type(prompt) is list and prompt and all(type(p) is int for p in prompt):
             prompts = [self._token_ids(prompt, "prompt")]
         elif type(prompt) is list and prompt:
@@ -435,7 +441,7 @@ class Api:
             prompts = []
             for index, item in enumerate(prompt):
                 if type(item) is str:
-                    prompts.append(tokenizer.encode(item))
+                    prompts.append(self._encode(item, "prompt"))
                 elif type(item) is list:
                     prompts.append(self._token_ids(item, f"prompt[{index}]"))
                 else:
@@ -553,7 +559,11 @@ class Api:
                 prefix = opening + str(index).encode() + b',"text":'
                 for position in range(start, end):
                     out += (prefix, texts[position % len(texts)], ending if position == last - 1 else going)
-            yield b"".join(out)
+                    if len(out) >= PIECE_PARTS:
+                        yield b"".join(out)
+                        out.clear()
+            if out:
+                yield b"".join(out)
         if answer.include_usage:
             yield b"data: " + orjson.dumps({**head, "choices": [], "usage": _usage(tickets, first)}) + b"\n\n"
         yield b"data: [DONE]\n\n"
@@ -583,12 +593,31 @@ class Api:
                 last = ticket.job.output_tokens
                 for position in range(start, end):
                     out += (content, texts[position % len(texts)], ending if position == last - 1 else going)
-            yield b"".join(out)
+                    if len(out) >= PIECE_PARTS:
+                        yield b"".join(out)
+                        out.clear()
+            if out:
+                yield b"".join(out)
         if answer.include_usage:
             yield (
                 b"data: " + orjson.dumps({**head, "choices": [], "usage": _usage(tickets, ticket)}) + b"\n\n"
             )
         yield b"data: [DONE]\n\n"
+
+
+async def _read_body(receive: Receive) -> bytes | None:
+    """The request's body, refused (413) as soon as it passes MAX_BODY_BYTES: a chunked body
+    says no length up front, so the cap is kept while it arrives. None: the client went away."""
+    raw = bytearray()
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        raw += message.get("body", b"")
+        if len(raw) > MAX_BODY_BYTES:
+            raise ApiError(TOO_LARGE, status=413)
+        if not message.get("more_body"):
+            return bytes(raw)
 
 
 def _usage(tickets: Sequence[Ticket], cached_from: Ticket | None) -> dict[str, Any]:

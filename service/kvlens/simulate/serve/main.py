@@ -17,7 +17,7 @@ from typing import Any
 
 import uvicorn
 
-from kvlens import bandwidth
+from kvlens import bandwidth, logs
 from kvlens.config import load_settings
 from kvlens.simulate.cache import CacheEvents
 from kvlens.simulate.policies import POLICIES, Guard
@@ -34,23 +34,29 @@ PUSH_BATCH = 1000
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--replicas", type=int, default=1, help="replicas behind the endpoint (default 1)")
+    parser.add_argument("--replicas", type=int, default=1, help="replicas behind the endpoint")
     parser.add_argument(
         "--capacity-blocks",
         default="1000",
         metavar="C",
-        help="KV cache blocks per replica, or 'unbounded' (default 1000)",
+        help="KV cache blocks per replica, or 'unbounded'",
     )
-    parser.add_argument("--policy", choices=POLICIES, default="round_robin", help="routing (round_robin)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    parser.add_argument("--model", default="simulated", help="served model name (default 'simulated')")
-    parser.add_argument("--max-model-len", type=int, default=32_768, help="context length (default 32768)")
+    parser.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default="round_robin",
+        metavar="POLICY",
+        help=f"routing: {', '.join(POLICIES)}",
+    )
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--model", default="simulated", help="served model name")
+    parser.add_argument("--max-model-len", type=int, default=32_768, help="context length")
     parser.add_argument(
         "--vocab-size", type=int, default=tokenizer.DEFAULT_VOCAB_SIZE, help="token ids allowed in prompts"
     )
     parser.add_argument("--speed", type=float, default=1.0, help="2: twice as fast as the modelled GPU")
     parser.add_argument("--no-prefix-caching", action="store_true", help="nothing is ever served from cache")
-    parser.add_argument("--max-running", type=int, default=256, help="requests holding KV per replica (256)")
+    parser.add_argument("--max-running", type=int, default=256, help="requests holding KV per replica")
     parser.add_argument(
         "--no-chunked-prefill", action="store_true", help="a prefill pauses the running decodes"
     )
@@ -72,8 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="tcp://HOST:PORT",
         help="publish each replica's KV events as vLLM does, replica i on PORT+i (kvlens[kv-events])",
     )
-    parser.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="listen port (default 8000, as vLLM)")
+    parser.add_argument("--host", default="127.0.0.1", help="listen address")
+    parser.add_argument("--port", type=int, default=8000, help="listen port (as vLLM)")
 
 
 def service_model(args: argparse.Namespace) -> ServiceModel:
@@ -180,9 +186,15 @@ def run(args: argparse.Namespace) -> int:
     api = Api(
         served, make_engine, prefix_caching=not args.no_prefix_caching, on_record=push if shipper else None
     )
-    level = os.environ.get("KVLENS_LOG_LEVEL", "INFO").lower()
+    level = getattr(args, "log_level", None) or os.environ.get("KVLENS_LOG_LEVEL", "INFO").lower()
     config = uvicorn.Config(
-        api.app(), host=args.host, port=args.port, log_level=level, access_log=False, lifespan="on"
+        api.app(),
+        host=args.host,
+        port=args.port,
+        log_level=level,
+        log_config=logs.config(level, getattr(args, "log_format", "text")),
+        access_log=False,
+        lifespan="on",
     )
     try:
         uvicorn.Server(config).run()

@@ -49,6 +49,13 @@ def encode(text: str) -> list[int]:
     return ids
 
 
+def count(text: str) -> int:
+    """How many tokens :func:`encode` gives ``text``, without building them (8 bytes a token: a
+    16 MiB prompt far past any context would take 128 MiB just to be refused)."""
+    size = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+    return size - sum(len(special.group()) - 1 for special in _SPECIAL_PATTERN.finditer(text))
+
+
 def decode(ids: Sequence[int]) -> str:
     """Text of ``ids``; bytes that do not make whole UTF-8 characters become U+FFFD."""
     out: list[str] = []

@@ -1,0 +1,27 @@
+"""Plain-text output that fits the terminal: its width (``COLUMNS`` when set, as rich reads it;
+80 when stdout is no terminal) and lines wrapped between words, never through a number."""
+
+from __future__ import annotations
+
+import shutil
+import textwrap
+
+NARROWEST = 80  # what every text output is laid out to fit; wider terminals may show more
+
+
+def width() -> int:
+    return shutil.get_terminal_size((NARROWEST, 24)).columns
+
+
+def wrap(line: str, columns: int, indent: str = "  ") -> list[str]:
+    """``line`` in lines of at most ``columns``, continued with ``indent``; a word longer than
+    the width (a path) keeps its own line whole."""
+    if len(line) <= columns:
+        return [line]  # as laid out: its spaces may align columns
+    return textwrap.wrap(
+        line, columns, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False
+    ) or [""]
+
+
+def wrapped(lines: list[str], columns: int) -> list[str]:
+    return [part for line in lines for part in wrap(line, columns)]
