@@ -15,19 +15,27 @@ leaves ``cached_tokens`` out (vLLM without ``--enable-prompt-tokens-details``) i
 record then has no ``cached_tokens`` unless ``missing_cached_is_zero``. A request that fails (an
 HTTP status, a timeout, a reset, a malformed stream) is recorded with ``error`` and no timings,
 so it never enters a latency figure.
+
+A hostile endpoint cannot hold the run or its memory: ``timeout`` bounds each whole request
+(a stream that trickles forever is a ``timeout``), a line past MAX_LINE_BYTES is
+``line_too_long``, more chunks with text than the request's ``max_tokens`` is
+``too_many_tokens``, a compressed answer is ``content_encoding`` (never inflated), usage counts
+that cannot be are ``invalid_usage``, and an error status's body is not read (``http_STATUS``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import functools
 import itertools
 import logging
-import math
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import IO, Any, Final
 
+import anyio
 import httpx
 import numpy as np
 import numpy.typing as npt
@@ -36,12 +44,11 @@ import orjson
 from kvlens.definitions import quantiles
 from kvlens.errors import InputError
 from kvlens.experiment.prompts import PromptSynthesizer
+from kvlens.experiment.stream import IDENTITY, Exchange, Failed, StreamClient
+from kvlens.experiment.stream import MAX_LINE_BYTES as MAX_LINE_BYTES  # the replay's limits, all here
 from kvlens.simulate.trace import TraceRequest
 
 log = logging.getLogger("kvlens.experiment")
-# One line of an answer at most: vLLM's chunks are a few hundred bytes, its usage line smaller;
-# a line past this (a server that never sends a newline) fails the request, not the memory.
-MAX_LINE_BYTES: Final = 1024 * 1024
 # A /detokenize answer at most (a 128k-token prompt as text is well under it).
 MAX_DETOKENIZE_BYTES: Final = 16 * 1024 * 1024
 # A usage count past this is no model's (records and their sums stay far from int64's end).
@@ -55,8 +62,8 @@ COMPLETIONS, CHAT = "completions", "chat"
 @dataclass(frozen=True)
 class Planned:
     """One request of the replay: the trace's request, when to send it (seconds from the start of
-    the replay), how many tokens to generate, and its phase. Its token ids are drawn just before it
-    is sent (a trace's prompts held at once would not fit in memory)."""
+    the replay), how many tokens to generate, and its phase. Its token ids are drawn shortly before it
+    is sent, a bounded number ahead (a trace's prompts held at once would not fit in memory)."""
 
     request: TraceRequest
     due: float
@@ -124,6 +131,12 @@ class RecordWriter:
             self._push(record)
 
 
+LOOKAHEAD_REQUESTS = 64  # bodies prepared ahead of their send time, at most
+LOOKAHEAD_BYTES = 32 * 1024 * 1024  # and at most this many bytes of them
+_PREPARE_SLACK = 0.002  # another body is prepared ahead only with this much time before a send
+_COARSE = 0.001  # the event loop wakes within ~1 ms of a timer (epoll's resolution): spin the rest
+
+
 async def replay(
     planned: Iterable[Planned],
     prompts: PromptSynthesizer,
@@ -131,57 +144,99 @@ async def replay(
     arm: str,
     writer: RecordWriter,
     progress: Progress | None = None,
-    *,
-    transport: httpx.AsyncBaseTransport | None = None,
 ) -> Progress:
-    """Send every planned request at its time (open loop) and write its record as it ends."""
+    """Send every planned request at its time (open loop) and write its record as it ends.
+
+    The loop does as little as it can at a send: bodies (token ids drawn, orjson-encoded) are
+    prepared ahead of their time while there is slack, the wait ends with a short spin past the
+    loop's timer resolution, and the request is written on an idle connection in the same step
+    (``stream.StreamClient``); its record is written from the answer's completion callback."""
     progress = progress or Progress()
     slots = asyncio.Semaphore(endpoint.max_concurrency)
-    limits = httpx.Limits(
-        max_connections=endpoint.max_concurrency, max_keepalive_connections=endpoint.max_concurrency
-    )
     headers = {"authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
-    timeout = httpx.Timeout(endpoint.timeout_seconds, connect=min(10.0, endpoint.timeout_seconds))
-    tasks: set[asyncio.Task[None]] = set()
-    async with httpx.AsyncClient(
-        base_url=endpoint.url, limits=limits, headers=headers, timeout=timeout, transport=transport
-    ) as client:
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        wall_start = time.time()
-        for request in planned:
-            tokens = prompts.tokens(request.request)  # built while waiting for the request's time
-            body = (
-                await _chat_body(client, endpoint.model, tokens, request.output_tokens)
-                if endpoint.api == CHAT
-                else _body(endpoint.model, tokens, request.output_tokens)
+    client = StreamClient(
+        endpoint.url,
+        headers,
+        timeout=endpoint.timeout_seconds,
+        connect_timeout=min(10.0, endpoint.timeout_seconds),
+    )
+    detokenizer = (
+        httpx.AsyncClient(base_url=endpoint.url, headers=headers, timeout=endpoint.timeout_seconds)
+        if endpoint.api == CHAT
+        else None
+    )
+    pending: set[asyncio.Future[Exchange]] = set()
+    ready: collections.deque[tuple[Planned, bytes]] = collections.deque()
+    requests = iter(planned)
+    ready_bytes = 0
+
+    async def prepare() -> bool:
+        nonlocal ready_bytes
+        request = next(requests, None)
+        if request is None:
+            return False
+        tokens = prompts.tokens(request.request)
+        body = (
+            await _chat_body(
+                detokenizer, endpoint.model, tokens, request.output_tokens, endpoint.timeout_seconds
             )
-            delay = start + request.due - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
+            if detokenizer is not None
+            else completions_body(endpoint.model, tokens, request.output_tokens)
+        )
+        ready.append((request, body))
+        ready_bytes += len(body)
+        return True
+
+    try:
+        start = time.perf_counter()
+        wall_start = time.time()
+        while ready or await prepare():
+            request, body = ready.popleft()
+            ready_bytes -= len(body)
+            due = start + request.due
+            while (
+                len(ready) < LOOKAHEAD_REQUESTS
+                and ready_bytes < LOOKAHEAD_BYTES
+                and due - time.perf_counter() > _PREPARE_SLACK
+                and await prepare()
+            ):
+                pass
+            await _until(due)
             await slots.acquire()
-            sent = loop.time()
-            lag = max(0.0, sent - start - request.due)
+            sent = time.perf_counter()
+            lag = max(0.0, sent - due)
             progress.sent += 1
             progress.in_flight += 1
             progress.lags.append(lag)
             if lag > endpoint.late_after_seconds:
                 progress.late += 1
-            timing = _Timing(sent, lag, wall_start + (sent - start))
-            task = asyncio.create_task(_one(client, endpoint, arm, request, body, timing, writer, progress))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-            task.add_done_callback(lambda _: slots.release())
-        if tasks:
-            await asyncio.gather(*tasks)
+            record = _record(endpoint, arm, request, lag, wall_start + (sent - start))
+            answer = client.begin(endpoint.path, body, sent, request.output_tokens)
+            pending.add(answer)
+            answer.add_done_callback(
+                functools.partial(_ended, record=record, endpoint=endpoint, writer=writer, progress=progress)
+            )
+            answer.add_done_callback(pending.discard)
+            answer.add_done_callback(lambda _: slots.release())
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+    finally:
+        for answer in list(pending):  # interrupted: what was in flight is not measured, not an error
+            answer.cancel()
+        await client.aclose()
+        if detokenizer is not None:
+            await detokenizer.aclose()
     return progress
 
 
-@dataclass(frozen=True)
-class _Timing:
-    sent: float  # the loop's clock
-    lag: float
-    wall: float  # unix seconds, for the record's arrival_time
+async def _until(deadline: float) -> None:
+    """Sleep on the loop's timer to within ``_COARSE`` of the deadline, then yield to the loop
+    (which keeps serving the streams) until it passes: a timer alone wakes up to ~1 ms late."""
+    delay = deadline - time.perf_counter()
+    if delay > _COARSE:
+        await asyncio.sleep(delay - _COARSE)
+    while time.perf_counter() < deadline:
+        await asyncio.sleep(0)
 
 
 def _generation(output_tokens: int) -> dict[str, Any]:
@@ -194,7 +249,7 @@ def _generation(output_tokens: int) -> dict[str, Any]:
     }
 
 
-def _body(model: str, prompt: npt.NDArray[np.uint64], output_tokens: int) -> bytes:
+def completions_body(model: str, prompt: npt.NDArray[np.uint64], output_tokens: int) -> bytes:
     """The request as vLLM's ``/v1/completions`` takes it: token ids, exact lengths."""
     return orjson.dumps(
         {"model": model, "prompt": prompt, **_generation(output_tokens)}, option=orjson.OPT_SERIALIZE_NUMPY
@@ -202,7 +257,7 @@ def _body(model: str, prompt: npt.NDArray[np.uint64], output_tokens: int) -> byt
 
 
 async def _chat_body(
-    client: httpx.AsyncClient, model: str, prompt: npt.NDArray[np.uint64], output_tokens: int
+    client: httpx.AsyncClient, model: str, prompt: npt.NDArray[np.uint64], output_tokens: int, timeout: float
 ) -> bytes:
     """The request for ``/v1/chat/completions``: the ids turned into text by the server's own
     ``/detokenize``, in one user message. The server tokenizes that text again and adds its chat
@@ -210,19 +265,26 @@ async def _chat_body(
     detokenize that fails leaves the request to fail as a request."""
     content = orjson.dumps({"model": model, "tokens": prompt}, option=orjson.OPT_SERIALIZE_NUMPY)
     try:
-        raw = await asyncio.wait_for(_detokenize(client, content), client.timeout.read)
+        # The whole call, not each read (a trickling answer ends too); not asyncio.wait_for: before
+        # Python 3.12 it can swallow a cancellation that lands as the call completes.
+        with anyio.fail_after(timeout):
+            raw = await _detokenize(client, content)
         text = orjson.loads(raw)["prompt"] if raw is not None else ""
-    except (httpx.HTTPError, asyncio.TimeoutError, ValueError, KeyError, TypeError):
+    except (httpx.HTTPError, TimeoutError, ValueError, KeyError, TypeError):
         text = ""
     messages = [{"role": "user", "content": text if isinstance(text, str) else ""}]
     return orjson.dumps({"model": model, "messages": messages, **_generation(output_tokens)})
 
 
+_DETOKENIZE_HEADERS: Final = {"content-type": "application/json", "accept-encoding": "identity"}
+
+
 async def _detokenize(client: httpx.AsyncClient, content: bytes) -> bytes | None:
     """The answer's body, or None: not a 200, compressed, or past MAX_DETOKENIZE_BYTES."""
-    async with client.stream("POST", "/detokenize", content=content, headers=_HEADERS) as answer:
-        if answer.status_code != 200 or not _identity(answer):
-            return None
+    async with client.stream("POST", "/detokenize", content=content, headers=_DETOKENIZE_HEADERS) as answer:
+        encoding = answer.headers.get("content-encoding", "identity").strip().lower()
+        if answer.status_code != 200 or encoding not in IDENTITY:
+            return None  # an error's body is not read (it may not end); a compressed one not inflated
         body = bytearray()
         async for piece in answer.aiter_raw():
             body += piece
@@ -231,139 +293,55 @@ async def _detokenize(client: httpx.AsyncClient, content: bytes) -> bytes | None
         return bytes(body)
 
 
-async def _one(
-    client: httpx.AsyncClient,
-    endpoint: Endpoint,
-    arm: str,
-    request: Planned,
-    body: bytes,
-    timing: _Timing,
-    writer: RecordWriter,
-    progress: Progress,
-) -> None:
-    record: dict[str, Any] = {
+def _record(endpoint: Endpoint, arm: str, request: Planned, lag: float, wall: float) -> dict[str, Any]:
+    return {
         "request_id": f"trace-{request.index}",  # the same in every arm: compare pairs them
         "model": endpoint.model,
         "prompt_tokens": request.request.prompt_tokens,
-        "arrival_time": round(timing.wall, 6),
+        "arrival_time": round(wall, 6),
         "arm": arm,
         "phase": request.phase,
         "trace_index": request.index,
         "client_scheduled_seconds": request.due,
-        "client_send_lag_seconds": timing.lag,
+        "client_send_lag_seconds": lag,
     }
-    try:
-        try:
-            # the whole request, not each read: a server that trickles forever is a timeout too
-            stream = await asyncio.wait_for(
-                _stream(client, endpoint.path, body, timing.sent, request.output_tokens),
-                endpoint.timeout_seconds,
-            )
-        except asyncio.TimeoutError:
-            raise _Failed("timeout") from None
-        if stream.usage is not None and not _plausible(stream.usage, request.request.prompt_tokens):
-            raise _Failed("invalid_usage")
-    except _Failed as failure:
-        record["error"] = failure.reason
+
+
+def _ended(
+    answer: asyncio.Future[Exchange],
+    *,
+    record: dict[str, Any],
+    endpoint: Endpoint,
+    writer: RecordWriter,
+    progress: Progress,
+) -> None:
+    progress.in_flight -= 1
+    if answer.cancelled():
+        return  # the run was interrupted: nothing was measured
+    failure = answer.exception()
+    if failure is None and not _plausible(answer.result().usage, record["prompt_tokens"]):
+        failure = Failed("invalid_usage")
+    if failure is not None:
+        # Failed carries the reason; anything else is the client's own fault, recorded all the same.
+        reason = failure.reason if isinstance(failure, Failed) else f"client_{type(failure).__name__}"
+        record["error"] = reason
         progress.errors += 1
     else:
-        _fill(record, stream, endpoint, progress)
-    finally:
-        progress.in_flight -= 1
+        _fill(record, answer.result(), endpoint, progress)
     progress.done += 1
     writer.write(record)
-
-
-class _Failed(Exception):
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-@dataclass
-class _Stream:
-    token_times: list[float] = field(default_factory=list)  # loop-clock seconds after the send
-    usage: dict[str, Any] | None = None
-    end: float = math.nan
-
-
-_HEADERS: Final = {"content-type": "application/json", "accept-encoding": "identity"}
-
-
-async def _stream(
-    client: httpx.AsyncClient, path: str, body: bytes, sent: float, output_tokens: int
-) -> _Stream:
-    """The answer's stream, read line by line; :class:`_Failed` says why it is not one. It holds
-    at most a line (MAX_LINE_BYTES) and ``output_tokens`` token times: a stream that sends more
-    tokens than were asked is refused, not followed forever."""
-    loop = asyncio.get_running_loop()
-    result = _Stream()
-    try:
-        async with client.stream("POST", path, content=body, headers=_HEADERS) as response:
-            if response.status_code != 200:
-                raise _Failed(f"http_{response.status_code}")  # its body is not read: it may not end
-            if not _identity(response):
-                raise _Failed("content_encoding")  # asked for none: a bomb is not inflated
-            done = False
-            async for line in _lines(response):
-                if not line.startswith(b"data:"):
-                    continue  # blank separators, comments, event: lines
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    done = True
-                    break
-                try:
-                    chunk = orjson.loads(data)
-                except orjson.JSONDecodeError:
-                    raise _Failed("malformed_stream") from None
-                if not isinstance(chunk, dict):
-                    raise _Failed("malformed_stream")
-                if "error" in chunk:
-                    raise _Failed("stream_error")
-                if any(_carries_text(choice) for choice in chunk.get("choices") or ()):
-                    if len(result.token_times) == output_tokens:
-                        raise _Failed("too_many_tokens")
-                    result.token_times.append(loop.time() - sent)
-                if isinstance(chunk.get("usage"), dict):
-                    result.usage = chunk["usage"]
-            if not done:
-                raise _Failed("stream_ended_early")
-    except httpx.TimeoutException:
-        raise _Failed("timeout") from None
-    except httpx.TransportError as error:
-        raise _Failed(f"transport_{type(error).__name__}") from None
-    result.end = loop.time() - sent
-    if not result.token_times:
-        raise _Failed("no_tokens")
-    return result
-
-
-def _identity(response: httpx.Response) -> bool:
-    return response.headers.get("content-encoding", "identity").strip().lower() in ("identity", "")
-
-
-async def _lines(response: httpx.Response) -> AsyncIterator[bytes]:
-    """The answer's lines (``\n``-ended, a ``\r`` before it dropped), each at most MAX_LINE_BYTES."""
-    pending = b""
-    async for piece in response.aiter_raw():
-        lines = (pending + piece).split(b"\n")
-        pending = lines.pop()
-        if len(pending) > MAX_LINE_BYTES or any(len(line) > MAX_LINE_BYTES for line in lines):
-            raise _Failed("line_too_long")
-        for line in lines:
-            yield line.removesuffix(b"\r")
-    if pending:
-        yield pending
 
 
 def _count(value: Any) -> bool:
     return type(value) is int and 0 <= value < MAX_USAGE_TOKENS
 
 
-def _plausible(usage: dict[str, Any], sent_prompt_tokens: int) -> bool:
+def _plausible(usage: dict[str, Any] | None, sent_prompt_tokens: int) -> bool:
     """Counts a record can carry: whole numbers (not true/false) from 0 up, cached tokens no more
     than the prompt's (the server's count, else the one sent). A field left out is left out of the
     record; one that cannot be is an error."""
+    if usage is None:
+        return True
     prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
@@ -372,20 +350,12 @@ def _plausible(usage: dict[str, Any], sent_prompt_tokens: int) -> bool:
     return cached is None or cached <= (sent_prompt_tokens if prompt is None else prompt)
 
 
-def _carries_text(choice: Any) -> bool:
-    """A completion chunk's ``text``, or a chat chunk's ``delta.content``, is not empty."""
-    if not isinstance(choice, dict):
-        return False
-    delta = choice.get("delta")
-    return bool(choice.get("text") or (isinstance(delta, dict) and delta.get("content")))
-
-
-def _fill(record: dict[str, Any], stream: _Stream, endpoint: Endpoint, progress: Progress) -> None:
-    ttft = stream.token_times[0]
+def _fill(record: dict[str, Any], stream: Exchange, endpoint: Endpoint, progress: Progress) -> None:
+    times = [arrival - stream.sent for arrival in stream.token_times]
+    ttft, end = times[0], stream.end - stream.sent
     record["ttft_seconds"] = ttft
-    record["e2e_seconds"] = stream.end
-    record["decode_seconds"] = stream.end - ttft
-    times = stream.token_times
+    record["e2e_seconds"] = end
+    record["decode_seconds"] = end - ttft
     # Plain Python: a few dozen gaps; numpy's percentile costs ~100 us a call on the client's loop.
     gaps = sorted(later - earlier for earlier, later in itertools.pairwise(times))
     record["output_tokens"] = len(stream.token_times)

@@ -1,0 +1,447 @@
+"""A lean HTTP/1.1 client for the replay's streamed completions, on asyncio protocols.
+
+Why not httpx here: the replay's promise is to send on time and to time the first token as it
+arrives. Through httpx every SSE chunk wakes a coroutine through httpcore and anyio, and
+httpcore's pool scans every connection for every request (quadratic in the number in flight), so
+at a few hundred requests per second the client's own loop made the send lag and TTFT it was
+measuring (``bench/replay.py``). Here a connection's ``data_received`` does the whole work of a
+chunk as it arrives, with no task switch: it decodes the HTTP framing (``content-length``,
+``chunked``, or to the close), splits the SSE lines, stamps the arrival with ``time.perf_counter``
+and parses each ``data:`` line with orjson; the request's future resolves once, when the body
+ends. Idle keep-alive connections are kept on a stack (most recently used first, so one that the
+server closed for idleness is the rarest one taken) and a request finds one in O(1).
+
+What it does not do, said so in the README: proxies from the environment (httpx's
+``trust_env``), HTTP/2, redirects, compressed answers (``accept-encoding: identity`` is sent).
+httpx stays for the replay's few other calls (``/detokenize``, resets, checks).
+
+Failures carry the reasons the records used with httpx: ``http_STATUS`` (its body is not
+read: it may never end), ``timeout`` (the whole request, connection and answer, took more than
+``timeout`` seconds, or no connection within ``connect_timeout``; a stream that trickles forever
+is a timeout too), ``transport_ConnectError``, ``transport_RemoteProtocolError`` (the server
+closed the connection before the body ended), ``transport_ReadError`` (the connection was reset),
+``content_encoding`` (a compressed answer: never inflated), and the stream's own:
+``malformed_stream``, ``stream_error``, ``stream_ended_early``, ``no_tokens``, ``line_too_long``
+(a line past MAX_LINE_BYTES), ``too_many_tokens`` (more chunks with text than ``max_tokens``).
+A hostile server so holds neither the run nor the client's memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import ssl
+import time
+from dataclasses import dataclass, field
+from typing import Any, Final
+from urllib.parse import urlsplit
+
+import orjson
+
+_HEAD_LIMIT = 64 * 1024  # a response head longer than this is not an HTTP server we can time
+# One line of an answer at most: vLLM's chunks are a few hundred bytes, its usage line smaller;
+# a line past this (a server that never sends a newline) fails the request, not the memory.
+MAX_LINE_BYTES: Final = 1024 * 1024
+IDENTITY: Final = ("identity", "")  # content-encoding values of an answer that is not compressed
+_IDENTITY_BYTES: Final = tuple(value.encode() for value in IDENTITY)
+
+
+class Failed(Exception):
+    """A request that produced no timing; ``reason`` goes into the record's ``error``."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class Exchange:
+    """What one streamed completion produced, times on ``time.perf_counter``'s clock."""
+
+    sent: float
+    max_tokens: int | None = None  # a chunk with text past this many fails the request
+    token_times: list[float] = field(default_factory=list)  # arrival of each chunk carrying text
+    usage: dict[str, Any] | None = None
+    end: float = math.nan  # arrival of ``data: [DONE]``
+
+
+def carries_text(choice: Any) -> bool:
+    """A completion chunk's ``text``, or a chat chunk's ``delta.content``, is not empty."""
+    if not isinstance(choice, dict):
+        return False
+    delta = choice.get("delta")
+    return bool(choice.get("text") or (isinstance(delta, dict) and delta.get("content")))
+
+
+_HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILER, _TO_CLOSE, _IDLE = range(8)
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection; at most one exchange at a time."""
+
+    def __init__(self, client: StreamClient) -> None:
+        self._client = client
+        self._transport: asyncio.Transport | None = None
+        self._state = _IDLE
+        self._buffer = b""  # framing bytes not yet consumed
+        self._lines = b""  # body bytes not yet split into SSE lines
+        self._remaining = 0  # bytes left in the body (content-length) or in the current chunk
+        self._keep_alive = False
+        self._exchange: Exchange | None = None
+        self._future: asyncio.Future[Exchange] | None = None
+        self._done = False  # ``[DONE]`` seen
+        self._received = False  # any byte of the current answer arrived
+        self._request: bytes | None = None
+        self.reused = False
+        self.closed = False
+
+    # asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        now = time.perf_counter()  # every chunk in this read arrived now
+        if self._future is None or self._future.done():
+            self._close()  # bytes nobody waits for (or a cancelled request's): not reusable
+            return
+        self._received = True
+        self._buffer += data
+        try:
+            self._advance(now)
+        except Failed as failure:
+            self._fail(failure.reason)
+
+    def eof_received(self) -> bool | None:
+        return False  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._client._forget(self)
+        if self._future is None or self._future.done():
+            return
+        if self.reused and not self._received and self._request is not None:
+            # A kept-alive connection the server closed for idleness just as we sent on it: the
+            # request never reached an answer, so it goes once more on a fresh connection.
+            future, exchange, self._future, self._exchange = self._future, self._exchange, None, None
+            assert exchange is not None
+            self._client._connect(self._request, exchange, future)
+        elif self._state == _TO_CLOSE and exc is None:
+            self._feed(self._buffer, time.perf_counter())
+            self._buffer = b""
+            self._finish()
+        elif isinstance(exc, OSError):
+            self._fail("transport_ReadError")
+        else:
+            self._fail("transport_RemoteProtocolError")
+
+    # the exchange
+
+    def start(self, request: bytes, exchange: Exchange, future: asyncio.Future[Exchange]) -> None:
+        self._exchange, self._future, self._request = exchange, future, request
+        self._state, self._buffer, self._lines = _HEAD, b"", b""
+        self._done = self._received = False
+        future.add_done_callback(self._settled)
+        assert self._transport is not None
+        self._transport.write(request)
+
+    def _settled(self, future: asyncio.Future[Exchange]) -> None:
+        """The request ended from outside (its deadline, or cancelled) while this connection still
+        serves it: the rest of the answer is not wanted, so the connection goes now (a silent
+        server would otherwise hold it until the run ends)."""
+        if self._future is future:
+            self._future = self._exchange = None
+            self._close()
+
+    def _advance(self, now: float) -> None:
+        while True:
+            state = self._state
+            if state == _HEAD:
+                end = self._buffer.find(b"\r\n\r\n")
+                if end < 0:
+                    if len(self._buffer) > _HEAD_LIMIT:
+                        raise Failed("transport_RemoteProtocolError")
+                    return
+                head, self._buffer = self._buffer[:end], self._buffer[end + 4 :]
+                self._head(head)
+            elif state == _LENGTH:
+                take = self._buffer[: self._remaining]
+                self._buffer = self._buffer[len(take) :]
+                self._remaining -= len(take)
+                self._feed(take, now)
+                if self._remaining:
+                    return
+                self._finish()
+                return
+            elif state == _TO_CLOSE:
+                self._feed(self._buffer, now)
+                self._buffer = b""
+                return
+            elif state == _CHUNK_SIZE:
+                end = self._buffer.find(b"\r\n")
+                if end < 0:
+                    if len(self._buffer) > _HEAD_LIMIT:
+                        raise Failed("transport_RemoteProtocolError")
+                    return
+                size = self._buffer[:end].split(b";", 1)[0].strip()
+                self._buffer = self._buffer[end + 2 :]
+                try:
+                    self._remaining = int(size, 16)
+                except ValueError:
+                    raise Failed("transport_RemoteProtocolError") from None
+                self._state = _CHUNK_DATA if self._remaining else _TRAILER
+            elif state == _CHUNK_DATA:
+                take = self._buffer[: self._remaining]
+                self._buffer = self._buffer[len(take) :]
+                self._remaining -= len(take)
+                self._feed(take, now)
+                if self._remaining:
+                    return
+                self._state = _CHUNK_END
+            elif state == _CHUNK_END:
+                if len(self._buffer) < 2:
+                    return
+                if self._buffer[:2] != b"\r\n":
+                    raise Failed("transport_RemoteProtocolError")
+                self._buffer = self._buffer[2:]
+                self._state = _CHUNK_SIZE
+            elif state == _TRAILER:
+                end = self._buffer.find(b"\r\n")
+                if end < 0:
+                    return
+                line, self._buffer = self._buffer[:end], self._buffer[end + 2 :]
+                if not line:  # the empty line that ends the trailers
+                    self._finish()
+                    return
+            else:
+                raise Failed("transport_RemoteProtocolError")
+
+    def _head(self, head: bytes) -> None:
+        lines = head.split(b"\r\n")
+        parts = lines[0].split(b" ", 2)
+        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
+            raise Failed("transport_RemoteProtocolError")
+        status = int(parts[1])
+        if 100 <= status < 200:
+            return  # an interim answer (100 Continue): the real head follows
+        headers: dict[bytes, bytes] = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            headers[name.strip().lower()] = value.strip().lower()
+        if status != 200:
+            raise Failed(f"http_{status}")  # the connection closes: its body is not read
+        if headers.get(b"content-encoding", b"identity") not in _IDENTITY_BYTES:
+            raise Failed("content_encoding")  # identity was asked for: a bomb is never inflated
+        connection = headers.get(b"connection", b"")
+        self._keep_alive = (
+            b"keep-alive" in connection if parts[0] == b"HTTP/1.0" else b"close" not in connection
+        )
+        if b"chunked" in headers.get(b"transfer-encoding", b""):
+            self._state = _CHUNK_SIZE
+        elif b"content-length" in headers:
+            try:
+                self._remaining = int(headers[b"content-length"])
+            except ValueError:
+                raise Failed("transport_RemoteProtocolError") from None
+            self._state = _LENGTH
+            if self._remaining == 0:
+                self._finish()
+        else:
+            self._keep_alive = False
+            self._state = _TO_CLOSE
+
+    def _feed(self, data: bytes, now: float) -> None:
+        """Split body bytes into SSE lines and take each ``data:`` line in."""
+        if not data:
+            return
+        self._lines += data
+        if b"\n" not in data:
+            if len(self._lines) > MAX_LINE_BYTES:
+                raise Failed("line_too_long")
+            return
+        held = len(self._lines)
+        *lines, self._lines = self._lines.split(b"\n")
+        # Lines are measured only when what was held could hold a long one (a read is ~64 KiB).
+        if held > MAX_LINE_BYTES and (
+            len(self._lines) > MAX_LINE_BYTES or any(len(line) > MAX_LINE_BYTES for line in lines)
+        ):
+            raise Failed("line_too_long")
+        exchange = self._exchange
+        assert exchange is not None
+        for line in lines:
+            if not line.startswith(b"data:") or self._done:
+                continue  # blank separators, comments, event: lines; anything after [DONE]
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                self._done = True
+                exchange.end = now
+                continue
+            try:
+                chunk = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                raise Failed("malformed_stream") from None
+            if not isinstance(chunk, dict):
+                raise Failed("malformed_stream")
+            if "error" in chunk:
+                raise Failed("stream_error")
+            choices = chunk.get("choices")
+            if choices and any(carries_text(choice) for choice in choices):
+                if len(exchange.token_times) == exchange.max_tokens:
+                    raise Failed("too_many_tokens")  # not followed forever: token_times stays bounded
+                exchange.token_times.append(now)
+            usage = chunk.get("usage")
+            if isinstance(usage, dict):
+                exchange.usage = usage
+
+    def _finish(self) -> None:
+        """The body ended."""
+        if self._lines.strip():  # the last line had no newline: it is a line all the same
+            try:
+                self._feed(b"\n", time.perf_counter())
+            except Failed as failure:
+                self._fail(failure.reason)
+                return
+        future, exchange = self._future, self._exchange
+        self._future = self._exchange = None
+        self._state = _IDLE
+        assert future is not None and exchange is not None
+        if future.done():  # cancelled
+            self._close()
+            return
+        if not self._done:
+            self._close()
+            future.set_exception(Failed("stream_ended_early"))
+            return
+        if self._keep_alive and not self._buffer:
+            self.reused = True
+            self._client._release(self)
+        else:
+            self._close()
+        if not exchange.token_times:
+            future.set_exception(Failed("no_tokens"))
+        else:
+            future.set_result(exchange)
+
+    def _fail(self, reason: str) -> None:
+        future, self._future, self._exchange = self._future, None, None
+        self._close()
+        if future is not None and not future.done():
+            future.set_exception(Failed(reason))
+
+    def _close(self) -> None:
+        self._state = _IDLE
+        self.closed = True
+        self._client._forget(self)
+        if self._transport is not None:
+            self._transport.close()
+
+
+def _expire(future: asyncio.Future[Exchange]) -> None:
+    if not future.done():
+        future.set_exception(Failed("timeout"))
+
+
+class StreamClient:
+    """POSTs JSON bodies to ``base_url`` and reads their SSE answers (see the module's note)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        headers: dict[str, str] | None = None,
+        *,
+        timeout: float = 600.0,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{base_url!r} is not an http:// or https:// URL")
+        self._host = parts.hostname
+        self._port = parts.port or (443 if parts.scheme == "https" else 80)
+        self._ssl = ssl.create_default_context() if parts.scheme == "https" else None
+        self._prefix = parts.path.rstrip("/")
+        authority = parts.netloc.rpartition("@")[2]
+        fixed = {
+            "host": authority,
+            "user-agent": "kvlens-replay",
+            "accept": "text/event-stream",
+            "accept-encoding": "identity",
+            "content-type": "application/json",
+            **{name.lower(): value for name, value in (headers or {}).items()},
+        }
+        self._fixed = "".join(f"{name}: {value}\r\n" for name, value in fixed.items()).encode("latin-1")
+        self._timeout = timeout
+        self._connect_timeout = connect_timeout
+        self._idle: list[_Connection] = []
+        self._open: set[_Connection] = set()
+        self._connecting: set[asyncio.Task[None]] = set()
+
+    def begin(
+        self, path: str, body: bytes, sent: float, max_tokens: int | None = None
+    ) -> asyncio.Future[Exchange]:
+        """Send now if a connection is idle (no task switch), else once one is open; the future
+        resolves when the answer's body has ended, or fails with ``Failed`` (``timeout`` once
+        ``timeout`` seconds have passed since this call, whatever the server is sending)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Exchange] = loop.create_future()
+        # One timer for the whole request, no task: on the loop's clock, from now.
+        deadline = loop.call_at(loop.time() + self._timeout, _expire, future)
+        future.add_done_callback(lambda _: deadline.cancel())
+        request = (
+            f"POST {self._prefix}{path} HTTP/1.1\r\ncontent-length: {len(body)}\r\n".encode("latin-1")
+            + self._fixed
+            + b"\r\n"
+            + body
+        )
+        exchange = Exchange(sent, max_tokens)
+        while self._idle:
+            connection = self._idle.pop()
+            if not connection.closed:
+                connection.start(request, exchange, future)
+                return future
+        self._connect(request, exchange, future)
+        return future
+
+    async def aclose(self) -> None:
+        for task in list(self._connecting):
+            task.cancel()
+        for connection in list(self._open):
+            connection._close()
+        self._idle.clear()
+
+    async def _connect_and_start(
+        self, request: bytes, exchange: Exchange, future: asyncio.Future[Exchange]
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            # Bounded by _connect's timer, which cancels this task (not asyncio.wait_for: before
+            # Python 3.12 it can swallow a cancellation).
+            _, connection = await loop.create_connection(
+                lambda: _Connection(self), self._host, self._port, ssl=self._ssl
+            )
+        except OSError:
+            if not future.done():
+                future.set_exception(Failed("transport_ConnectError"))
+            return
+        self._open.add(connection)
+        if future.done():  # cancelled while connecting
+            connection._close()
+            return
+        connection.start(request, exchange, future)
+
+    def _connect(self, request: bytes, exchange: Exchange, future: asyncio.Future[Exchange]) -> None:
+        loop = future.get_loop()
+        task = loop.create_task(self._connect_and_start(request, exchange, future))
+        self._connecting.add(task)  # held: the loop keeps only a weak reference to a task
+        task.add_done_callback(self._connecting.discard)
+        # The request's end (its deadline, or cancelled) ends its connecting too; no connection
+        # within connect_timeout ends the request.
+        future.add_done_callback(lambda _: task.cancel())
+        slow = loop.call_at(loop.time() + self._connect_timeout, _expire, future)
+        task.add_done_callback(lambda _: slow.cancel())
+
+    def _release(self, connection: _Connection) -> None:
+        self._idle.append(connection)
+
+    def _forget(self, connection: _Connection) -> None:
+        self._open.discard(connection)

@@ -1,0 +1,274 @@
+"""The replay's HTTP/1.1 SSE client (``experiment/stream.py``): framing however the bytes are split,
+keep-alive reuse, and each failure with its reason; real sockets against a scripted asyncio
+server, the parser also driven byte by byte."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from kvlens.experiment.stream import MAX_LINE_BYTES, Exchange, Failed, StreamClient, _Connection
+
+EVENTS = (
+    b'data: {"choices":[{"index":0,"text":"a"}]}\n\n'
+    b": a comment\n\n"
+    b'data: {"choices":[{"index":0,"delta":{"content":"b"}}]}\r\n\r\n'
+    b'data: {"choices":[{"index":0,"text":""}]}\n\n'  # no text: not a token
+    b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":2}}\n\n'
+    b"data: [DONE]\n\n"
+)
+USAGE = {"prompt_tokens": 7, "completion_tokens": 2}
+
+
+def chunked(body: bytes, size: int) -> bytes:
+    pieces = [body[i : i + size] for i in range(0, len(body), size)]
+    framed = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(piece), piece) for piece in pieces)
+    return framed + b"0\r\ntrailer: x\r\n\r\n"
+
+
+def sized(body: bytes) -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+
+
+CHUNKED = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + chunked(EVENTS, 37)
+LENGTH = sized(EVENTS)
+TO_CLOSE = b"HTTP/1.0 200 OK\r\ncontent-type: text/event-stream\r\n\r\n" + EVENTS
+
+
+class _Transport(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = b""
+        self.closing = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written += bytes(data)
+
+    def close(self) -> None:
+        self.closing = True
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+
+def drive(answer: bytes, pieces: list[int], max_tokens: int | None = None) -> tuple[Exchange | str, bool]:
+    """Feed ``answer`` to one connection cut at ``pieces``; the outcome and whether the
+    connection went back to the idle stack."""
+
+    async def run() -> tuple[Exchange | str, bool]:
+        client = StreamClient("http://127.0.0.1:1")
+        connection = _Connection(client)
+        connection.connection_made(_Transport())
+        future = asyncio.get_running_loop().create_future()
+        connection.start(b"POST", Exchange(0.0, max_tokens), future)
+        for start, end in zip([0, *pieces], [*pieces, len(answer)], strict=True):
+            if not future.done():
+                connection.data_received(answer[start:end])
+        if not future.done():
+            connection.connection_lost(None)  # the server closes: the end of a body to the close
+        try:
+            return await future, connection in client._idle
+        except Failed as failure:
+            return failure.reason, connection in client._idle
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize(("answer", "reusable"), [(CHUNKED, True), (LENGTH, True)])
+def test_every_cut_of_the_bytes_gives_the_same_answer(answer: bytes, reusable: bool) -> None:
+    whole, kept = drive(answer, [])
+    assert isinstance(whole, Exchange) and kept is reusable
+    assert (len(whole.token_times), whole.usage) == (2, USAGE)
+    for cut in range(1, len(answer)):
+        got, kept = drive(answer, [cut])
+        assert isinstance(got, Exchange), (cut, got)
+        assert (len(got.token_times), got.usage, kept) == (2, USAGE, reusable), cut
+    got, kept = drive(answer, list(range(1, len(answer))))  # one byte per read
+    assert isinstance(got, Exchange) and (len(got.token_times), got.usage, kept) == (2, USAGE, reusable)
+
+
+def test_more_chunks_with_text_than_max_tokens_fail_and_exactly_max_tokens_do_not() -> None:
+    for answer in (CHUNKED, LENGTH, TO_CLOSE):
+        assert drive(answer, [], max_tokens=1) == ("too_many_tokens", False)
+        exact, _ = drive(answer, [], max_tokens=2)
+        assert isinstance(exact, Exchange) and len(exact.token_times) == 2
+
+
+def test_a_line_of_exactly_max_line_bytes_is_taken() -> None:
+    opening, closing = b'data: {"choices":[{"index":0,"text":"', b'"}]}'
+    line = opening + b"a" * (MAX_LINE_BYTES - len(opening) - len(closing)) + closing
+    assert len(line) == MAX_LINE_BYTES
+    got, _ = drive(sized(line + b"\n\n" + EVENTS), [7, len(line) // 2])
+    assert isinstance(got, Exchange) and len(got.token_times) == 3
+
+
+def test_a_body_to_the_close_ends_with_the_connection() -> None:
+    got, kept = drive(TO_CLOSE, [50])
+    assert isinstance(got, Exchange) and (len(got.token_times), got.usage, kept) == (2, USAGE, False)
+
+
+@pytest.mark.parametrize(
+    ("answer", "reason"),
+    [
+        (b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n", "http_503"),
+        (sized(b"data: {nope\n\n"), "malformed_stream"),
+        (sized(b"data: [1]\n\n"), "malformed_stream"),
+        (sized(b'data: {"error":{"x":1}}\n\n'), "stream_error"),
+        (sized(b"data: [DONE]\n\n"), "no_tokens"),
+        (sized(b'data: {"choices":[{"index":0,"text":"a"}]}\n\n'), "stream_ended_early"),
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n", "transport_RemoteProtocolError"),
+        (b"SSH-2.0-OpenSSH\r\n\r\n", "transport_RemoteProtocolError"),
+        (CHUNKED[:-40], "transport_RemoteProtocolError"),  # the server closed mid-body
+        (b"HTTP/1.1 200 OK\r\nContent-Encoding: GZIP\r\ncontent-length: 3\r\n\r\nabc", "content_encoding"),
+        (b"HTTP/1.1 200 OK\r\ncontent-encoding: br\r\n\r\n" + EVENTS, "content_encoding"),
+        (TO_CLOSE[: -len(EVENTS)] + b"data: " + b"a" * MAX_LINE_BYTES, "line_too_long"),  # no newline
+        (sized(b"data: " + b"a" * MAX_LINE_BYTES + b"\n\n" + EVENTS), "line_too_long"),  # one read
+    ],
+)
+def test_each_failure_has_its_reason(answer: bytes, reason: str) -> None:
+    async def run() -> str:
+        client = StreamClient("http://127.0.0.1:1")
+        connection = _Connection(client)
+        connection.connection_made(_Transport())
+        future = asyncio.get_running_loop().create_future()
+        connection.start(b"POST", Exchange(0.0), future)
+        connection.data_received(answer)
+        if not future.done():
+            connection.connection_lost(None)
+        with pytest.raises(Failed) as failure:
+            await future
+        return failure.value.reason
+
+    assert asyncio.run(run()) == reason
+
+
+Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
+
+
+async def serve(script: Script) -> tuple[asyncio.Server, str, list[int]]:
+    """A real server on a free port running ``script`` per connection (numbered from 0)."""
+    accepted: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(len(accepted))
+        try:
+            await script(reader, writer, accepted[-1])
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, f"http://127.0.0.1:{port}/base", accepted
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+    )
+    await reader.readexactly(length)
+    return head
+
+
+def test_keep_alive_sends_one_after_another_on_one_connection() -> None:
+    heads: list[bytes] = []
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        while not reader.at_eof():
+            try:
+                heads.append(await read_request(reader))
+            except asyncio.IncompleteReadError:
+                return
+            writer.write(CHUNKED)
+            await writer.drain()
+
+    async def run() -> list[int]:
+        server, url, accepted = await serve(script)
+        client = StreamClient(url, {"Authorization": "Bearer k"})
+        answers = [await client.begin("/v1/completions", b'{"a":1}', 0.0) for _ in range(3)]
+        assert [len(answer.token_times) for answer in answers] == [2, 2, 2]
+        await client.aclose()
+        server.close()
+        return accepted
+
+    assert asyncio.run(run()) == [0]
+    assert len(heads) == 3
+    assert heads[0].startswith(b"POST /base/v1/completions HTTP/1.1\r\n")
+    assert b"authorization: Bearer k\r\n" in heads[0] and b"content-length: 7\r\n" in heads[0]
+
+
+def test_a_kept_alive_connection_closed_unanswered_is_tried_once_more_on_a_new_one() -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int) -> None:
+        await read_request(reader)
+        writer.write(CHUNKED)
+        await writer.drain()
+        if number == 0:
+            await read_request(reader)  # the second request: closed without an answer
+
+    async def run() -> list[int]:
+        server, url, accepted = await serve(script)
+        client = StreamClient(url)
+        first = await client.begin("/v1/completions", b"{}", 0.0)
+        second = await client.begin("/v1/completions", b"{}", 0.0)
+        assert (len(first.token_times), len(second.token_times)) == (2, 2)
+        await client.aclose()
+        server.close()
+        return accepted
+
+    assert asyncio.run(run()) == [0, 1]
+
+
+def test_no_byte_within_the_timeout_fails_with_timeout_and_a_refused_connection_with_connect_error() -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        await reader.read()  # never answers; returns when the client gives up
+
+    async def run() -> tuple[str, str]:
+        server, url, _ = await serve(script)
+        client = StreamClient(url, timeout=0.05)
+        with pytest.raises(Failed) as slow:
+            await client.begin("/v1/completions", b"{}", 0.0)
+        server.close()
+        await server.wait_closed()
+        with pytest.raises(Failed) as refused:
+            await StreamClient(url).begin("/v1/completions", b"{}", 0.0)
+        return slow.value.reason, refused.value.reason
+
+    assert asyncio.run(run()) == ("timeout", "transport_ConnectError")
+
+
+def test_the_timeout_bounds_the_whole_request_not_each_silence() -> None:
+    trickled: list[int] = []
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        # a comment every 10 ms, each well within the timeout, for ten times the timeout; then a
+        # whole answer (a client that waits for it took an endless stream as fine)
+        for _ in range(200):
+            writer.write(b"e\r\n: keep-alive\n\n\r\n")  # one chunk of 14 bytes
+            try:
+                await writer.drain()
+            except ConnectionError:
+                return
+            trickled.append(1)
+            await asyncio.sleep(0.01)
+        writer.write(chunked(EVENTS, 37))
+        await writer.drain()
+
+    async def run() -> str:
+        server, url, _ = await serve(script)
+        client = StreamClient(url, timeout=0.2)
+        try:
+            await client.begin("/v1/completions", b"{}", 0.0)
+        except Failed as failure:
+            return failure.reason
+        finally:
+            await client.aclose()
+            server.close()
+        return "answered"
+
+    assert asyncio.run(run()) == "timeout"
+    assert 0 < len(trickled) < 200
