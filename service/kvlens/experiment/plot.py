@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from kvlens.analysis.html_report import Axis, Box, _tick
-from kvlens.console import install_hint
 from kvlens.experiment.protocol import ExperimentError
-from kvlens.simulate.render import COLORS
+from kvlens.simulate.render import COLORS, pyplot
 
 TITLE = "Attainment against request rate"
 BOX = Box(width=640, height=380, right=150)  # room right of the plot for the endpoints' names
@@ -96,13 +95,7 @@ def svg(result: dict[str, Any], box: Box = BOX) -> str:
 
 
 def _png(result: dict[str, Any], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ModuleNotFoundError:
-        raise ValueError(f"a PNG needs matplotlib: {install_hint('plot')} (or write .svg)") from None
+    plt = pyplot()
     points = series(result)
     figure, axes = plt.subplots(figsize=(7, 4))
     for name, line in points.items():

@@ -181,7 +181,8 @@ def svg(result: dict[str, Any], width: int = 640, height: int = 360) -> str:
     return "\n".join(parts) + "\n"
 
 
-def _png(result: dict[str, Any], path: Path) -> None:
+def pyplot() -> Any:
+    """matplotlib's pyplot drawing to files (no display), or a ValueError saying what to install."""
     try:
         import matplotlib
 
@@ -189,6 +190,11 @@ def _png(result: dict[str, Any], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ModuleNotFoundError:
         raise ValueError(f"a PNG needs matplotlib: {install_hint('plot')} (or write .svg)") from None
+    return plt
+
+
+def _png(result: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
     series = _series(result)
     finite = [c for c, _ in series["pooled"] if c is not None]
     figure, axes = plt.subplots(figsize=(7, 4))
