@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from kvlens.experiment.stream import MAX_LINE_BYTES, Exchange, Failed, StreamClient, _Connection
+from kvlens.experiment.stream import _HEAD_LIMIT, MAX_LINE_BYTES, Exchange, Failed, StreamClient, _Connection
 
 EVENTS = (
     b'data: {"choices":[{"index":0,"text":"a"}]}\n\n'
@@ -62,7 +62,7 @@ def drive(answer: bytes, pieces: list[int], max_tokens: int | None = None) -> tu
         connection = _Connection(client)
         connection.connection_made(_Transport())
         future = asyncio.get_running_loop().create_future()
-        connection.start(b"POST", Exchange(0.0, max_tokens), future)
+        connection.start(client.prepare("/v1/completions", b"{}"), Exchange(0.0, max_tokens), future)
         for start, end in zip([0, *pieces], [*pieces, len(answer)], strict=True):
             if not future.done():
                 connection.data_received(answer[start:end])
@@ -120,6 +120,7 @@ def test_a_body_to_the_close_ends_with_the_connection() -> None:
         (sized(b'data: {"choices":[{"index":0,"text":"a"}]}\n\n'), "stream_ended_early"),
         (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n", "transport_RemoteProtocolError"),
         (b"SSH-2.0-OpenSSH\r\n\r\n", "transport_RemoteProtocolError"),
+        (b"HTTP/1.1 200 OK\r\nx: " + b"a" * _HEAD_LIMIT, "transport_RemoteProtocolError"),  # head too long
         (CHUNKED[:-40], "transport_RemoteProtocolError"),  # the server closed mid-body
         (b"HTTP/1.1 200 OK\r\nContent-Encoding: GZIP\r\ncontent-length: 3\r\n\r\nabc", "content_encoding"),
         (b"HTTP/1.1 200 OK\r\ncontent-encoding: br\r\n\r\n" + EVENTS, "content_encoding"),
@@ -133,7 +134,7 @@ def test_each_failure_has_its_reason(answer: bytes, reason: str) -> None:
         connection = _Connection(client)
         connection.connection_made(_Transport())
         future = asyncio.get_running_loop().create_future()
-        connection.start(b"POST", Exchange(0.0), future)
+        connection.start(client.prepare("/v1/completions", b"{}"), Exchange(0.0), future)
         connection.data_received(answer)
         if not future.done():
             connection.connection_lost(None)

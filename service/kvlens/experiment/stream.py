@@ -5,11 +5,13 @@ arrives. Through httpx every SSE chunk wakes a coroutine through httpcore and an
 httpcore's pool scans every connection for every request (quadratic in the number in flight), so
 at a few hundred requests per second the client's own loop made the send lag and TTFT it was
 measuring (``bench/replay.py``). Here a connection's ``data_received`` does the whole work of a
-chunk as it arrives, with no task switch: it decodes the HTTP framing (``content-length``,
-``chunked``, or to the close), splits the SSE lines, stamps the arrival with ``time.perf_counter``
-and parses each ``data:`` line with orjson; the request's future resolves once, when the body
-ends. Idle keep-alive connections are kept on a stack (most recently used first, so one that the
-server closed for idleness is the rarest one taken) and a request finds one in O(1).
+chunk as it arrives, with no task switch: h11 (sans-IO, the parser under httpcore and uvicorn)
+decodes the HTTP/1.1 framing (``content-length``, ``chunked`` with extensions and trailers, or to
+the close) and says whether the connection may be kept; this module splits the SSE lines, stamps
+the arrival with ``time.perf_counter`` and parses each ``data:`` line with orjson; the request's
+future resolves once, when the body ends. Idle keep-alive connections are kept on a stack (most
+recently used first, so one that the server closed for idleness is the rarest one taken) and a
+request finds one in O(1).
 
 What it does not do, said so in the README: proxies from the environment (httpx's
 ``trust_env``), HTTP/2, redirects, compressed answers (``accept-encoding: identity`` is sent).
@@ -19,7 +21,8 @@ Failures carry the reasons the records used with httpx: ``http_STATUS`` (its bod
 read: it may never end), ``timeout`` (the whole request, connection and answer, took more than
 ``timeout`` seconds, or no connection within ``connect_timeout``; a stream that trickles forever
 is a timeout too), ``transport_ConnectError``, ``transport_RemoteProtocolError`` (the server
-closed the connection before the body ended), ``transport_ReadError`` (the connection was reset),
+closed the connection before the body ended, or h11 found the answer's framing broken, or a head
+past _HEAD_LIMIT bytes), ``transport_ReadError`` (the connection was reset),
 ``content_encoding`` (a compressed answer: never inflated), and the stream's own:
 ``malformed_stream``, ``stream_error``, ``stream_ended_early``, ``no_tokens``, ``line_too_long``
 (a line past MAX_LINE_BYTES), ``too_many_tokens`` (more chunks with text than ``max_tokens``).
@@ -36,9 +39,12 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 from urllib.parse import urlsplit
 
+import h11
 import orjson
 
-_HEAD_LIMIT = 64 * 1024  # a response head longer than this is not an HTTP server we can time
+# A response head (or a chunk-size line, or trailers) longer than this is not an HTTP server we can
+# time: h11 fails it instead of buffering it (its own default is 16 KiB).
+_HEAD_LIMIT = 64 * 1024
 # One line of an answer at most: vLLM's chunks are a few hundred bytes, its usage line smaller;
 # a line past this (a server that never sends a newline) fails the request, not the memory.
 MAX_LINE_BYTES: Final = 1024 * 1024
@@ -73,7 +79,9 @@ def carries_text(choice: Any) -> bool:
     return bool(choice.get("text") or (isinstance(delta, dict) and delta.get("content")))
 
 
-_HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILER, _TO_CLOSE, _IDLE = range(8)
+# A request prepared once: its head as h11 checks and writes it, and its body. Kept as such (not
+# as bytes) because h11 on each connection must see the request it sends to frame the answer.
+Request = tuple[h11.Request, bytes]
 
 
 class _Connection(asyncio.Protocol):
@@ -82,16 +90,13 @@ class _Connection(asyncio.Protocol):
     def __init__(self, client: StreamClient) -> None:
         self._client = client
         self._transport: asyncio.Transport | None = None
-        self._state = _IDLE
-        self._buffer = b""  # framing bytes not yet consumed
+        self._http = h11.Connection(h11.CLIENT, max_incomplete_event_size=_HEAD_LIMIT)
         self._lines = b""  # body bytes not yet split into SSE lines
-        self._remaining = 0  # bytes left in the body (content-length) or in the current chunk
-        self._keep_alive = False
         self._exchange: Exchange | None = None
         self._future: asyncio.Future[Exchange] | None = None
         self._done = False  # ``[DONE]`` seen
         self._received = False  # any byte of the current answer arrived
-        self._request: bytes | None = None
+        self._request: Request | None = None
         self.reused = False
         self.closed = False
 
@@ -107,7 +112,7 @@ class _Connection(asyncio.Protocol):
             self._close()  # bytes nobody waits for (or a cancelled request's): not reusable
             return
         self._received = True
-        self._buffer += data
+        self._http.receive_data(data)
         try:
             self._advance(now)
         except Failed as failure:
@@ -127,10 +132,14 @@ class _Connection(asyncio.Protocol):
             future, exchange, self._future, self._exchange = self._future, self._exchange, None, None
             assert exchange is not None
             self._client._connect(self._request, exchange, future)
-        elif self._state == _TO_CLOSE and exc is None:
-            self._feed(self._buffer, time.perf_counter())
-            self._buffer = b""
-            self._finish()
+        elif exc is None:
+            # h11 ends a body to the close here, and fails a body cut short (or no answer at all).
+            self._http.receive_data(b"")
+            try:
+                self._advance(time.perf_counter())
+            except Failed as failure:
+                self._fail(failure.reason)
+            self._fail("transport_RemoteProtocolError")  # a no-op once the future is settled
         elif isinstance(exc, OSError):
             self._fail("transport_ReadError")
         else:
@@ -138,13 +147,20 @@ class _Connection(asyncio.Protocol):
 
     # the exchange
 
-    def start(self, request: bytes, exchange: Exchange, future: asyncio.Future[Exchange]) -> None:
+    def start(self, request: Request, exchange: Exchange, future: asyncio.Future[Exchange]) -> None:
         self._exchange, self._future, self._request = exchange, future, request
-        self._state, self._buffer, self._lines = _HEAD, b"", b""
+        self._lines = b""
         self._done = self._received = False
         future.add_done_callback(self._settled)
         assert self._transport is not None
-        self._transport.write(request)
+        head, body = request
+        http = self._http
+        # One write, so one send on the socket; send() returns None only for ConnectionClosed.
+        self._transport.write(
+            (http.send(head) or b"")
+            + (http.send(h11.Data(data=body)) or b"")
+            + (http.send(h11.EndOfMessage()) or b"")
+        )
 
     def _settled(self, future: asyncio.Future[Exchange]) -> None:
         """The request ended from outside (its deadline, or cancelled) while this connection still
@@ -155,101 +171,32 @@ class _Connection(asyncio.Protocol):
             self._close()
 
     def _advance(self, now: float) -> None:
+        """Take every event h11 can make of the bytes received so far."""
+        http = self._http
         while True:
-            state = self._state
-            if state == _HEAD:
-                end = self._buffer.find(b"\r\n\r\n")
-                if end < 0:
-                    if len(self._buffer) > _HEAD_LIMIT:
-                        raise Failed("transport_RemoteProtocolError")
-                    return
-                head, self._buffer = self._buffer[:end], self._buffer[end + 4 :]
-                self._head(head)
-            elif state == _LENGTH:
-                take = self._buffer[: self._remaining]
-                self._buffer = self._buffer[len(take) :]
-                self._remaining -= len(take)
-                self._feed(take, now)
-                if self._remaining:
-                    return
-                self._finish()
-                return
-            elif state == _TO_CLOSE:
-                self._feed(self._buffer, now)
-                self._buffer = b""
-                return
-            elif state == _CHUNK_SIZE:
-                end = self._buffer.find(b"\r\n")
-                if end < 0:
-                    if len(self._buffer) > _HEAD_LIMIT:
-                        raise Failed("transport_RemoteProtocolError")
-                    return
-                size = self._buffer[:end].split(b";", 1)[0].strip()
-                self._buffer = self._buffer[end + 2 :]
-                try:
-                    self._remaining = int(size, 16)
-                except ValueError:
-                    raise Failed("transport_RemoteProtocolError") from None
-                self._state = _CHUNK_DATA if self._remaining else _TRAILER
-            elif state == _CHUNK_DATA:
-                take = self._buffer[: self._remaining]
-                self._buffer = self._buffer[len(take) :]
-                self._remaining -= len(take)
-                self._feed(take, now)
-                if self._remaining:
-                    return
-                self._state = _CHUNK_END
-            elif state == _CHUNK_END:
-                if len(self._buffer) < 2:
-                    return
-                if self._buffer[:2] != b"\r\n":
-                    raise Failed("transport_RemoteProtocolError")
-                self._buffer = self._buffer[2:]
-                self._state = _CHUNK_SIZE
-            elif state == _TRAILER:
-                end = self._buffer.find(b"\r\n")
-                if end < 0:
-                    return
-                line, self._buffer = self._buffer[:end], self._buffer[end + 2 :]
-                if not line:  # the empty line that ends the trailers
-                    self._finish()
-                    return
-            else:
-                raise Failed("transport_RemoteProtocolError")
-
-    def _head(self, head: bytes) -> None:
-        lines = head.split(b"\r\n")
-        parts = lines[0].split(b" ", 2)
-        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
-            raise Failed("transport_RemoteProtocolError")
-        status = int(parts[1])
-        if 100 <= status < 200:
-            return  # an interim answer (100 Continue): the real head follows
-        headers: dict[bytes, bytes] = {}
-        for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            headers[name.strip().lower()] = value.strip().lower()
-        if status != 200:
-            raise Failed(f"http_{status}")  # the connection closes: its body is not read
-        if headers.get(b"content-encoding", b"identity") not in _IDENTITY_BYTES:
-            raise Failed("content_encoding")  # identity was asked for: a bomb is never inflated
-        connection = headers.get(b"connection", b"")
-        self._keep_alive = (
-            b"keep-alive" in connection if parts[0] == b"HTTP/1.0" else b"close" not in connection
-        )
-        if b"chunked" in headers.get(b"transfer-encoding", b""):
-            self._state = _CHUNK_SIZE
-        elif b"content-length" in headers:
             try:
-                self._remaining = int(headers[b"content-length"])
-            except ValueError:
+                event = http.next_event()
+            except h11.RemoteProtocolError:
                 raise Failed("transport_RemoteProtocolError") from None
-            self._state = _LENGTH
-            if self._remaining == 0:
+            kind = type(event)
+            if kind is h11.Data:
+                self._feed(event.data, now)  # type: ignore[union-attr]
+            elif event is h11.NEED_DATA:
+                return
+            elif kind is h11.Response:
+                self._head(event)  # type: ignore[arg-type]
+            elif kind is h11.EndOfMessage:
                 self._finish()
-        else:
-            self._keep_alive = False
-            self._state = _TO_CLOSE
+                return
+            elif kind is not h11.InformationalResponse:  # 100 Continue: the real head follows
+                raise Failed("transport_RemoteProtocolError")  # closed before any answer
+
+    def _head(self, response: h11.Response) -> None:
+        if response.status_code != 200:
+            raise Failed(f"http_{response.status_code}")  # the connection closes: its body is not read
+        for name, value in response.headers:
+            if name == b"content-encoding" and value.lower() not in _IDENTITY_BYTES:
+                raise Failed("content_encoding")  # identity was asked for: a bomb is never inflated
 
     def _feed(self, data: bytes, now: float) -> None:
         """Split body bytes into SSE lines and take each ``data:`` line in."""
@@ -304,7 +251,6 @@ class _Connection(asyncio.Protocol):
                 return
         future, exchange = self._future, self._exchange
         self._future = self._exchange = None
-        self._state = _IDLE
         assert future is not None and exchange is not None
         if future.done():  # cancelled
             self._close()
@@ -313,7 +259,16 @@ class _Connection(asyncio.Protocol):
             self._close()
             future.set_exception(Failed("stream_ended_early"))
             return
-        if self._keep_alive and not self._buffer:
+        http = self._http
+        # Kept only when both sides may go on (h11 reads connection: close and HTTP/1.0) and the
+        # server sent nothing past this answer.
+        if (
+            not self.closed
+            and http.our_state is h11.DONE
+            and http.their_state is h11.DONE
+            and not http.trailing_data[0]
+        ):
+            http.start_next_cycle()
             self.reused = True
             self._client._release(self)
         else:
@@ -330,7 +285,6 @@ class _Connection(asyncio.Protocol):
             future.set_exception(Failed(reason))
 
     def _close(self) -> None:
-        self._state = _IDLE
         self.closed = True
         self._client._forget(self)
         if self._transport is not None:
@@ -369,7 +323,7 @@ class StreamClient:
             "content-type": "application/json",
             **{name.lower(): value for name, value in (headers or {}).items()},
         }
-        self._fixed = "".join(f"{name}: {value}\r\n" for name, value in fixed.items()).encode("latin-1")
+        self._fixed = [(name.encode("latin-1"), value.encode("latin-1")) for name, value in fixed.items()]
         self._timeout = timeout
         self._connect_timeout = connect_timeout
         self._idle: list[_Connection] = []
@@ -387,12 +341,7 @@ class StreamClient:
         # One timer for the whole request, no task: on the loop's clock, from now.
         deadline = loop.call_at(loop.time() + self._timeout, _expire, future)
         future.add_done_callback(lambda _: deadline.cancel())
-        request = (
-            f"POST {self._prefix}{path} HTTP/1.1\r\ncontent-length: {len(body)}\r\n".encode("latin-1")
-            + self._fixed
-            + b"\r\n"
-            + body
-        )
+        request = self.prepare(path, body)
         exchange = Exchange(sent, max_tokens)
         while self._idle:
             connection = self._idle.pop()
@@ -402,6 +351,15 @@ class StreamClient:
         self._connect(request, exchange, future)
         return future
 
+    def prepare(self, path: str, body: bytes) -> Request:
+        """The POST of ``body`` to ``path`` (h11 checks its head once, here)."""
+        head = h11.Request(
+            method=b"POST",
+            target=f"{self._prefix}{path}".encode("latin-1"),
+            headers=[(b"content-length", b"%d" % len(body)), *self._fixed],
+        )
+        return head, body
+
     async def aclose(self) -> None:
         for task in list(self._connecting):
             task.cancel()
@@ -410,7 +368,7 @@ class StreamClient:
         self._idle.clear()
 
     async def _connect_and_start(
-        self, request: bytes, exchange: Exchange, future: asyncio.Future[Exchange]
+        self, request: Request, exchange: Exchange, future: asyncio.Future[Exchange]
     ) -> None:
         loop = asyncio.get_running_loop()
         try:
@@ -429,7 +387,7 @@ class StreamClient:
             return
         connection.start(request, exchange, future)
 
-    def _connect(self, request: bytes, exchange: Exchange, future: asyncio.Future[Exchange]) -> None:
+    def _connect(self, request: Request, exchange: Exchange, future: asyncio.Future[Exchange]) -> None:
         loop = future.get_loop()
         task = loop.create_task(self._connect_and_start(request, exchange, future))
         self._connecting.add(task)  # held: the loop keeps only a weak reference to a task
