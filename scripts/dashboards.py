@@ -308,6 +308,9 @@ def base(uid: str, title: str, description: str, with_model: bool) -> dash.Dashb
 # ----------------------------------------------------------------------------- overview ---------
 
 RECOMPUTED = "kvlens_kv_recomputed_tokens_total"
+# Without KV events: records' prefix_hashes through one modelled cache per replica. Its own
+# panels, titled modelled, never summed with the observed family.
+MODELLED_RECOMPUTED = "kvlens_kv_modelled_recomputed_tokens_total"
 LOST = 'cause=~"held_elsewhere|evicted_here|evicted_elsewhere"'  # reuse lost to routing or capacity
 LOST_OR_NEW = 'cause=~"new|held_elsewhere|evicted_here|evicted_elsewhere"'
 # The KV-event metrics come from the kvlens that subscribes to the replicas (--kv-events), not
@@ -316,7 +319,7 @@ NS = 'cluster=~"$cluster", namespace=~"$namespace"'
 
 
 def why_reuse_is_lost(board: dash.Dashboard) -> dash.Dashboard:
-    board = board.with_row(dash.Row("Why reuse is lost (KV events)"))
+    board = board.with_row(dash.Row("Why reuse is lost (KV events, or modelled)"))
     board = board.with_panel(
         series(
             "Recomputed prefill by cause",
@@ -452,6 +455,61 @@ def why_reuse_is_lost(board: dash.Dashboard) -> dash.Dashboard:
             "bytes",
             [query(f"sum by ({SIDECAR}) (kvlens_kv_index_memory_bytes{{{SEL}}})", "{{instance}}")],
             width=12,
+        )
+    )
+    return modelled_causes(board)
+
+
+def modelled_causes(board: dash.Dashboard) -> dash.Dashboard:
+    """The same causes without KV events (modelled_capacity_blocks): a model, so apart."""
+    board = board.with_panel(
+        series(
+            "Recomputed prefill by cause (modelled)",
+            "MODELLED, not observed: records' prefix_hashes (a gateway's, with replica) through one "
+            "modelled cache of modelled_capacity_blocks per replica, stacked by cause as above. "
+            "For fleets without KV events; never add it to the observed panels. Per second.",
+            "short",
+            [
+                query(
+                    f"sum by (cause) (rate({MODELLED_RECOMPUTED}{{{SEL}, {LOST_OR_NEW}}}[{RATE}]))",
+                    "{{cause}} (modelled)",
+                )
+            ],
+            width=8,
+        )
+        .stacking(common_builders.StackingConfig().mode(common.StackingMode.NORMAL))
+        .fill_opacity(40)
+    )
+    board = board.with_panel(
+        series(
+            "Reuse lost to routing and capacity, per replica (modelled)",
+            "MODELLED, not observed: the tokens each replica's modelled cache recomputed although "
+            "another modelled replica held them (held_elsewhere: routing) or they had been evicted "
+            "(evicted_here, evicted_elsewhere: capacity). Per second.",
+            "short",
+            [
+                query(
+                    f"sum by (replica, cause) (rate({MODELLED_RECOMPUTED}{{{SEL}, {LOST}}}[{RATE}]))",
+                    "{{replica}} {{cause}} (modelled)",
+                )
+            ],
+            width=8,
+        )
+    )
+    board = board.with_panel(
+        series(
+            "Records modelled and left out (modelled)",
+            "Records with prefix_hashes that fed the modelled caches, and those left out: no "
+            "replica, another block_size than modelled_block_size, a replica past "
+            "modelled_max_replicas. Left-out records make the modelled causes partial. Per second.",
+            "reqps",
+            [
+                query(
+                    f"sum by (outcome) (rate(kvlens_kv_modelled_records_total{{{SEL}}}[{RATE}]))",
+                    "{{outcome}}",
+                )
+            ],
+            width=8,
         )
     )
     return board

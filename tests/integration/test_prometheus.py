@@ -84,6 +84,9 @@ def prometheus(
                     }
                 ).decode(),
                 "KVLENS_COST_MODELS": '{"seconds-model": {"a": 7.3e-5, "b": 5.3e-9, "unit": "seconds"}}',
+                # Records' prefix_hashes through modelled caches of 2 blocks (the modelled causes).
+                "KVLENS_MODELLED_CAPACITY_BLOCKS": "2",
+                "KVLENS_MODELLED_BLOCK_SIZE": "4",
                 "KVLENS_KV_EVENTS": orjson.dumps(
                     [{"name": f"r{i}", "endpoint": p.endpoint} for i, p in enumerate(kv_publishers)]
                 ).decode(),
@@ -186,13 +189,23 @@ def test_rules_and_every_dashboard_query_on_a_real_prometheus(
     # With timings (end-to-end too): the latency histograms exist.
     records = [{**record, "e2e_seconds": record["ttft_seconds"] + 2.0} for record in article_records()]
     short, long = records[0], records[-1]
+    # Five of the measured requests carry a gateway's prefix_hashes and replica: through the
+    # modelled caches of 2 blocks, r0 computes 1 and 2 (new), r1 computes 1 while r0 holds it
+    # (held_elsewhere), r0 computes 3 and 4 (new, evicting 1 and 2), then 2 again (evicted_here,
+    # evicting the leaf 4, not its parent 3), and r1 computes 4, which only r0 had held
+    # (evicted_elsewhere).
+    modelled = [("r0", [1, 2]), ("r1", [1]), ("r0", [3, 4]), ("r0", [2]), ("r1", [4])]
+    measured = [
+        {**record, "replica": replica, "prefix_hashes": ids}
+        for record, (replica, ids) in zip(records, modelled, strict=False)
+    ] + records[len(modelled) :]
     # The same requests, as two other models, give the FLOPs and seconds families data.
     other_units = [
         {**record, "model": model} for model in ("flops-model", "seconds-model") for record in (short, long)
     ]
     post([short, long] * 1000 + other_units * 100)
     wait(lambda: scalar(url, "sum(kvlens_requests_total)") == 2400)
-    post(records + other_units)
+    post(measured + other_units)
     FakeEngine.exposition = FIXTURE.replace("} 1008.0", "} 2016.0").replace("} 2048.0", "} 4096.0")
     wait(lambda: scalar(url, "sum(kvlens_requests_total)") == 2504)
     # Until the rules have been evaluated on a scrape that saw those requests, the ratios are
@@ -253,6 +266,20 @@ def test_rules_and_every_dashboard_query_on_a_real_prometheus(
     assert {(row["prompt_len"], row["length_from"]) for row in rows} == {
         ("0-511", "0"),
         ("8192-32767", "8192"),
+    }
+
+    # The modelled causes reach Prometheus apart from the observed ones, 4 tokens a block.
+    wait(lambda: scalar(url, "sum(kvlens_kv_modelled_records_total)") == 5)
+    assert {
+        result["metric"]["cause"]: float(result["value"][1])
+        for result in query(url, "sum by (cause) (kvlens_kv_modelled_recomputed_tokens_total)")
+    } == {
+        "new": 16,
+        "held_elsewhere": 4,
+        "evicted_here": 4,
+        "evicted_elsewhere": 4,
+        "held_here": 0,
+        "unknown": 0,
     }
 
     rules = httpx.get(f"{url}/api/v1/rules").json()["data"]["groups"]

@@ -212,3 +212,47 @@ def test_one_unit_per_axis() -> None:
         assert panel["fieldConfig"]["defaults"]["unit"] != "none", panel["title"]
         for override in panel["fieldConfig"]["overrides"]:
             assert all(p["id"] != "unit" for p in override["properties"]), panel["title"]
+
+
+def row_panels(dashboard: dict[str, Any], row: str) -> list[dict[str, Any]]:
+    """The panels under the row titled ``row``, up to the next row."""
+    found: list[dict[str, Any]] | None = None
+    for panel in dashboard["panels"]:
+        if panel["type"] == "row":
+            if found is not None:
+                break
+            if panel["title"] == row:
+                found = []
+        elif found is not None:
+            found.append(panel)
+    assert found is not None, row
+    return found
+
+
+def test_modelled_causes_are_on_the_why_row_marked_and_apart() -> None:
+    """The causes without KV events (records' prefix_hashes through modelled caches) sit on the
+    "Why reuse is lost" row, every panel that reads them says modelled in its title and
+    description, and no query mixes them with the observed family (a model is not a measure)."""
+    overview = load(ROOT / "dashboards" / "kvlens-overview.json")
+    row = row_panels(overview, "Why reuse is lost (KV events, or modelled)")
+    modelled = {spec.exposed_name for spec in metrics.KV_MODELLED}
+    shown: set[str] = set()
+    for panel in row:
+        exprs = [target["expr"] for target in panel["targets"]]
+        used = set().union(*(used_metrics(expr) for expr in exprs))
+        if used & modelled:
+            assert "(modelled" in panel["title"], panel["title"]
+            assert "modelled" in panel["description"].lower(), panel["title"]
+            assert not any("kvlens_kv_recomputed_tokens_total" in expr for expr in exprs), panel["title"]
+            shown |= used & modelled
+        else:
+            assert "modelled" not in panel["title"], panel["title"]
+    assert shown == modelled
+    # Nowhere else: the modelled family appears on this row only.
+    elsewhere = [
+        title
+        for path in DASHBOARDS
+        for title, expr, _ in queries(load(path))
+        if used_metrics(expr) & modelled and title not in {panel["title"] for panel in row}
+    ]
+    assert elsewhere == []
