@@ -382,6 +382,14 @@ class Settings(BaseSettings):
     kv_events_dns_interval_seconds: float = Field(
         30.0, gt=0, le=3600, description="Seconds between lookups of the kv_events_dns names."
     )
+    kv_events_vanished_retention_seconds: float = Field(
+        900.0,  # kvlens.fleet.source.VANISHED_RETENTION_SECONDS (tested)
+        ge=0,
+        le=7 * 24 * 3600,
+        description="A replica gone from the kv_events_dns answer keeps its series this long (so a "
+        "scrape sees its last counts), then they are dropped; at most 1024 gone replicas kept, oldest "
+        "dropped first.",
+    )
     kv_events_hashes_alike: bool = Field(
         False, description="Every replica hashes blocks alike (same algorithm and seed): key by engine hash."
     )

@@ -14,11 +14,16 @@ import pytest
 
 from kvlens.config import load_settings, parse_dns_target
 from kvlens.errors import SettingsError
-from kvlens.fleet import wire
+from kvlens.exporter.aggregator import Aggregator
+from kvlens.exporter.background import BackgroundSources
+from kvlens.exporter.collector import _kv_families
+from kvlens.fleet import kernels, wire
 from kvlens.fleet.index import EVICTED_ELSEWHERE, HELD_ELSEWHERE, NEW, FleetIndex
 from kvlens.fleet.publisher import EventPublisher
 from kvlens.fleet.source import (
     MAX_DISCOVERED,
+    MAX_VANISHED,
+    VANISHED_RETENTION_SECONDS,
     Consumer,
     DnsTarget,
     KVEvents,
@@ -295,3 +300,116 @@ def test_a_replica_past_the_slots_in_use_is_refused_once_and_counted(
     assert index.recomputed[last, HELD_ELSEWHERE] == 1
     assert index.recomputed[last, NEW] == 1
     assert consumer.status[last].refused_batches == 2
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def exported_replicas(events: KVEvents) -> set[str]:
+    """The replicas any KV-event series on /metrics names."""
+    return {
+        sample.labels["replica"]
+        for family in _kv_families(events)
+        for sample in family.samples
+        if "replica" in sample.labels
+    }
+
+
+def test_a_vanished_replica_s_series_go_after_the_retention_and_a_comeback_keeps_them() -> None:
+    """Every rollout gives each pod a new address: the vanished ones' series (about 30 each) go
+    once they have been exported for kv_events_vanished_retention_seconds, so that a scrape saw
+    their last counts (Prometheus's rate() and increase() keep the samples of a series that
+    stops; what they cannot take is a counter that goes back within a series). A name that
+    comes back within the retention keeps adding to its counters; one that comes back after
+    starts again from zero, a new series."""
+    clock = Clock()
+    events = KVEvents(
+        [], FleetIndex(hashes_alike=True), in_process=True, vanished_retention_seconds=600, clock=clock
+    )
+    consumer, index = events.consumer, events.index
+    a, b, c = "10.0.0.1:5557", "10.0.0.2:5557", "10.0.0.3:5557"
+    target = DnsTarget(
+        "fleet", 5557, Answers(["10.0.0.1", "10.0.0.2"], ["10.0.0.3"], ["10.0.0.2", "10.0.0.3"])
+    )
+    target.refresh()
+    follow(consumer, target)
+    consumer.message(a, 0, shared_and_own(11), None)
+    consumer.message(b, 0, shared_and_own(12), None)
+    consumer.release(everything=True)
+    assert exported_replicas(events) == {a, b}
+    clock.now = 100.0
+    target.refresh()  # a rollout: a and b leave, c comes
+    follow(consumer, target)
+    consumer.message(c, 0, shared_and_own(13), None)
+    consumer.release(everything=True)
+    assert exported_replicas(events) == {a, b, c}
+    assert index.snapshot().removed[a, "GPU"] == 2  # its last counts, exported for a while
+    clock.now = 300.0
+    target.refresh()  # b comes back (a new pod given b's address) within the retention
+    follow(consumer, target)
+    consumer.message(b, 0, shared_and_own(14), None)
+    consumer.release(everything=True)
+    clock.now = 699.9
+    consumer.release()
+    assert exported_replicas(events) == {a, b, c}
+    memory = index.memory_bytes()
+    clock.now = 700.0
+    consumer.release()
+    assert exported_replicas(events) == {b, c}
+    assert memory - index.memory_bytes() == kernels.STATS * 8  # a's counter row, no more
+    assert set(consumer.status) == {b, c}
+    snapshot = index.snapshot()
+    assert {replica for replica, _ in snapshot.stored} == {b, c}
+    assert snapshot.stored[b, "GPU"] == 4  # the comeback added to b's counters
+    assert snapshot.recomputed_tokens[b, HELD_ELSEWHERE] == 8  # shared block twice, 4 tokens
+    clock.now = 800.0
+    target.resolve = Answers(["10.0.0.3"])
+    target.refresh()  # b leaves again: its retention starts now
+    follow(consumer, target)
+    clock.now = 1399.9
+    consumer.release()
+    assert exported_replicas(events) == {b, c}
+    clock.now = 1400.0
+    consumer.release()
+    assert exported_replicas(events) == {c}
+    target.resolve = Answers(["10.0.0.2", "10.0.0.3"])
+    target.refresh()  # b back after its series went: a new series from zero
+    follow(consumer, target)
+    consumer.message(b, 0, shared_and_own(15), None)
+    consumer.release(everything=True)
+    after = index.snapshot()
+    assert after.stored[b, "GPU"] == 2
+    assert consumer.status[b].batches == 1
+
+
+def test_vanished_replicas_past_the_cap_go_oldest_first() -> None:
+    """At most max_vanished vanished names are kept, however fast the pods churn."""
+    clock = Clock()
+    index = FleetIndex(hashes_alike=True)
+    consumer = Consumer(index, [], clock=clock, vanished_retention_seconds=600, max_vanished=2)
+    answers = rollouts(4, 1)
+    target = DnsTarget("fleet", 5557, Answers(*answers))
+    for r in range(4):
+        clock.now = float(r)
+        target.refresh()
+        follow(consumer, target)
+        consumer.message(f"10.1.{r}.1:5557", 0, shared_and_own(100 + r), None)
+        consumer.release(everything=True)
+    # rollout 3 is live; 1 and 2 are the two newest vanished; 0 went first
+    assert set(consumer.status) == {f"10.1.{r}.1:5557" for r in (1, 2, 3)}
+    assert {replica for replica, _ in index.snapshot().stored} == set(consumer.status)
+
+
+def test_the_retention_is_a_setting() -> None:
+    settings = load_settings(None, kv_events_dns=["a:1"], kv_events_vanished_retention_seconds=120)
+    kv_events = BackgroundSources(settings, Aggregator(settings)).kv_events
+    assert kv_events is not None and kv_events.consumer.vanished_retention_seconds == 120
+    assert load_settings(None).kv_events_vanished_retention_seconds == VANISHED_RETENTION_SECONDS == 900
+    assert MAX_VANISHED == 1024  # the setting's description says so
+    with pytest.raises(SettingsError, match="kv_events_vanished_retention_seconds"):
+        load_settings(None, kv_events_vanished_retention_seconds=-1)

@@ -63,6 +63,7 @@ class BackgroundSources:
                 settings.kv_events_reorder_seconds,
                 dns=[dns_target(target) for target in settings.kv_events_dns],
                 dns_interval_seconds=settings.kv_events_dns_interval_seconds,
+                vanished_retention_seconds=settings.kv_events_vanished_retention_seconds,
             )
         self.modelled = (
             None

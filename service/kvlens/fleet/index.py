@@ -35,7 +35,9 @@ inherits nothing. A block that only forgotten replicas removed stays remembered,
 "held before, by the fleet", so a later store is ``evicted_elsewhere`` (by any replica, one of
 the same name included: a name that comes back is a new replica); it is ``new`` only once the
 block itself is forgotten past ``remember_blocks``. A forgotten replica's counters are kept by
-name (a few hundred bytes each), so what is exported never goes back. Past
+name (a few hundred bytes each), so what is exported never goes back, until the caller drops them
+(:meth:`FleetIndex.drop_forgotten`: the series go, and a name that comes back later counts from
+zero, a new series). Past
 :data:`MAX_REPLICAS` live replicas :meth:`FleetIndex.replica` raises and :meth:`FleetIndex.admit`
 says no (the caller drops that replica's events, counted).
 
@@ -266,6 +268,11 @@ class FleetIndex:
         row[:] = 0
         del self._replicas[name]
         self._free.append(state.number)
+
+    def drop_forgotten(self, name: str) -> None:
+        """Drop the counters kept for ``name``, a forgotten replica (not one followed now)."""
+        if name not in self._replicas:
+            self._retired.pop(name, None)
 
     def _mine(self, key: int) -> bool:
         return self.shard_count == 1 or key % self.shard_count == self.shard_index

@@ -33,8 +33,14 @@ unsubscribed, its blocks counted removed, as after ``AllBlocksCleared``, and its
 freed (:meth:`~kvlens.fleet.index.FleetIndex.forget_replica`: a rollout gives every pod a new
 address, and the index has :data:`~kvlens.fleet.index.MAX_REPLICAS` slots). Its blocks stay
 remembered as held before by the fleet, not by any replica: a later store of one, even by an
-address that comes back (a new pod given an old IP), is ``evicted_elsewhere``. Its counters stay
-(a comeback adds to them), its ``up`` goes to 0. When all the slots are in use by live replicas, a
+address that comes back (a new pod given an old IP), is ``evicted_elsewhere``. Its ``up`` goes to
+0; its counters stay, exported, for ``vanished_retention_seconds`` (a comeback within it adds to
+them and ends the wait), then they are dropped, series and all: every rollout gives each pod a new
+address, and each name has some 30 series. Prometheus keeps what it scraped of a series that stops
+(``rate()`` and ``increase()`` over a window use its samples), so dropping loses nothing once a
+scrape has seen the last counts; a name that comes back after its drop starts a new series from
+zero, which ``rate()`` reads as a reset, rightly. At most :data:`MAX_VANISHED` vanished names are
+kept, the oldest dropped first past it. When all the slots are in use by live replicas, a
 further one's batches are dropped and counted (``kvlens_kv_events_rejected_total{reason=
 "replica_limit"}``), logged once, until a replica leaves and its slot takes the waiting one.
 A failed or empty answer keeps the last set (a fleet scaled to zero keeps its subscriptions,
@@ -73,6 +79,11 @@ MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
 # Addresses kept per DNS name: a fleet-level kvlens follows one deployment's replicas, and each
 # costs a socket and its series.
 MAX_DISCOVERED: Final = 1024
+# A vanished replica's series are exported this long before they are dropped: well past any
+# scrape interval, so that Prometheus saw its last counts (its blocks removed when it left).
+VANISHED_RETENTION_SECONDS: Final = 900.0
+# Vanished names kept at most (oldest dropped first), whatever the churn within the retention.
+MAX_VANISHED: Final = 1024
 # Batches waiting for the reorder window (kept as received, read when applied) hold at most this
 # many bytes; past it the oldest are applied at once (a publisher whose timestamps do not move,
 # or a burst, cannot make kvlens hold more).
@@ -131,6 +142,8 @@ class Consumer:
         *,
         reorder_seconds: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
+        vanished_retention_seconds: float = VANISHED_RETENTION_SECONDS,
+        max_vanished: int = MAX_VANISHED,
     ) -> None:
         self.index = index
         self.status = {p.name: PublisherStatus() for p in publishers}
@@ -144,6 +157,9 @@ class Consumer:
         self._last_ts: dict[str, float] = {}
         self.following = {p.name: p for p in publishers}
         self._refused: set[str] = set()  # replicas refused a slot, logged once each time
+        self.vanished_retention_seconds = vanished_retention_seconds
+        self.max_vanished = max_vanished
+        self._vanished: dict[str, float] = {}  # forgotten replica -> when, oldest first
 
     def follow(self, wanted: dict[str, Publisher]) -> tuple[list[str], list[Publisher]]:
         """Follow the ``wanted`` publishers (a DNS answer's): the ones gone are :meth:`vanished`,
@@ -161,6 +177,7 @@ class Consumer:
         with self.index.lock:  # snapshots copy the statuses under it
             self.status.setdefault(publisher.name, PublisherStatus())
         self.following[publisher.name] = publisher
+        self._vanished.pop(publisher.name, None)  # back within the retention: its series stay
 
     def vanished(self, replica: str) -> None:
         """The replica left the fleet (its address left the DNS answer): its blocks are removed
@@ -241,7 +258,7 @@ class Consumer:
                 or (idle and received <= now - window)
                 or self._waiting_bytes > MAX_WAITING_BYTES
             ):
-                return
+                break
             heapq.heappop(waiting)
             self._waiting_bytes -= size
             if isinstance(payload, bytes):
@@ -253,6 +270,24 @@ class Consumer:
                     self.index.forget_replica(replica)
             if payload == VANISHED:  # a comeback refused again is logged again
                 self._refused.discard(replica)
+                if replica not in self.following:  # not back already: its series' wait starts
+                    self._vanished.pop(replica, None)  # kept in order of time
+                    self._vanished[replica] = now
+        self._drop_vanished(now)
+
+    def _drop_vanished(self, now: float) -> None:
+        """Drop the status and counters of the replicas gone for the retention, and of the
+        oldest past :attr:`max_vanished` (cheap when none is due: the oldest is looked at)."""
+        vanished = self._vanished
+        while vanished:
+            name, since = next(iter(vanished.items()))
+            if len(vanished) <= self.max_vanished and now < since + self.vanished_retention_seconds:
+                return
+            del vanished[name]
+            with self.index.lock:  # snapshots copy the statuses under it
+                self.status.pop(name, None)
+                self.index.drop_forgotten(name)
+            self._last_ts.pop(name, None)
 
     def _admitted(self, replica: str, status: PublisherStatus) -> bool:
         """Whether the index has a slot for ``replica``; else its batch is dropped and counted,
@@ -605,6 +640,8 @@ class KVEvents:
         dns: list[DnsTarget] | None = None,
         dns_interval_seconds: float = 30.0,
         in_process: bool = False,
+        vanished_retention_seconds: float = VANISHED_RETENTION_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``in_process``: nothing is subscribed (no pyzmq needed); the events are applied to
         ``index`` by the caller (the demo's simulated fleet)."""
@@ -615,7 +652,13 @@ class KVEvents:
         self.index = index
         self.dns = dns or []
         self.dns_interval_seconds = dns_interval_seconds
-        self.consumer = Consumer(index, publishers, reorder_seconds=reorder_seconds)
+        self.consumer = Consumer(
+            index,
+            publishers,
+            reorder_seconds=reorder_seconds,
+            clock=clock,
+            vanished_retention_seconds=vanished_retention_seconds,
+        )
         self.source: KVEventsSource | None = None
 
     def start(self) -> None:
