@@ -127,12 +127,23 @@ def test_goldens_through_every_input_form(tmp_path: Path, capsys: pytest.Capture
         [str(tmp_path / "hive" / "**" / "*.parquet")],
     ]
     forms.append([str(tmp_path / "2026-11-30.jsonl"), str(hive / "day=2026-12-01" / "model=m" / "0.parquet")])
+    reference: dict[str, Any] | None = None
     for form in forms:
         for engine in ("numpy", "duckdb"):
             if engine == "numpy" and any("parquet" in path or "hive" in path for path in form):
                 continue
             assert main(["analyze", *form, "--engine", engine, "--json"]) == 0
-            overall = json.loads(capsys.readouterr().out)["overall"]
+            report = json.loads(capsys.readouterr().out)
+            # every form and engine gives the whole report of the plain file (groups,
+            # percentiles, findings), not only the headline numbers
+            reference = reference or report
+            assert without_paths(report) == without_paths(reference), (form, engine)
+            overall = report["overall"]
+            # the article's work: C(128) = 136.0625, C(16) = 16.1328125, C(8192) = 40964 (a = 1, b = 1/1024)
+            assert (overall["prompt_work_units"], overall["reused_work_units"]) == (
+                90 * 136.0625 + 10 * 40964,
+                90 * 16.1328125,
+            )
             assert (overall["requests"], overall["prompt_tokens"], overall["cached_tokens"]) == (
                 100,
                 93_440,
