@@ -9,6 +9,14 @@ engines send; kvlens's decoder must read it).
   :class:`MapEventBatch`.
 - SGLang (``python/sglang/srt/disaggregation/kv_events.py``, sgl-project/sglang at 006d053f18):
   every struct array-like, ``BlockStored`` without ``medium``.
+- SGLang 0.5.18 and later (the same file in 2026; ``BlockStoredWithMetadata`` is
+  sgl-project/sglang#30827): ``medium`` on ``BlockStored`` and ``BlockRemoved`` (``GPU``,
+  ``CPU_PINNED``, ``DISK``, ``EXTERNAL``), the envelope without ``omit_defaults`` (its
+  ``attn_dp_rank`` always sent), and a store of a salted request (``cache_salt``) sent as the
+  same array plus a metadata map where vLLM's array has ``lora_name``: :class:`SGLangSaltedStored`.
+- SGLang after sgl-project/sglang#37482 (September 2026) sends events as tagged maps with
+  ``cache_salt`` (and ``session_id``) on ``BlockStored``, as its thread describes it (its code
+  was not at hand): :class:`SGLangMapStored`.
 """
 
 from __future__ import annotations
@@ -91,6 +99,49 @@ class SGLangBlockRemoved(SGLangKVCacheEvent, tag="BlockRemoved"):
 
 class SGLangAllBlocksCleared(SGLangKVCacheEvent, tag="AllBlocksCleared"):
     pass
+
+
+class SGLang2EventBatch(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
+    ts: float
+    events: list[Any]
+    attn_dp_rank: int | None = None
+
+
+class SGLang2KVCacheEvent(msgspec.Struct, array_like=True, gc=False, tag=True):  # type: ignore[call-arg]
+    pass
+
+
+class SGLangBlockStoredMetadata(msgspec.Struct, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+    cache_salt: str
+
+
+class SGLang2BlockStored(SGLang2KVCacheEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+
+
+class SGLangSaltedStored(SGLang2BlockStored, tag="BlockStored", kw_only=True):
+    metadata: SGLangBlockStoredMetadata
+
+
+class SGLang2BlockRemoved(SGLang2KVCacheEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class SGLangMapStored(msgspec.Struct, omit_defaults=True, gc=False, tag="BlockStored"):  # type: ignore[call-arg]
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    cache_salt: str | None = None
+    session_id: str | None = None
 
 
 encode = msgspec.msgpack.Encoder().encode

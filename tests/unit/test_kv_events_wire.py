@@ -95,6 +95,59 @@ def test_the_map_envelope_and_sglangs_array_events_decode_alike() -> None:
     assert index.recomputed["a", NEW] == 1 and index.recomputed["a", EVICTED_HERE] == 1
 
 
+def test_sglang_0_5_18_salted_stores_decode_and_the_salt_keeps_blocks_apart() -> None:
+    """SGLang 0.5.18 sends a salted request's store with a metadata map where vLLM's array has
+    lora_name: read, not dropped as malformed, and the salt is part of the block's content (two
+    tenants' equal prompts are not one block: the second tenant's store is new, not routing)."""
+    unsalted = vllm.SGLang2BlockStored([1], None, FIRST, 4, None, "GPU")
+    salted = vllm.SGLangSaltedStored(
+        [1], None, FIRST, 4, None, "GPU", metadata=vllm.SGLangBlockStoredMetadata(cache_salt="tenant-b")
+    )
+    payloads = [
+        vllm.encode(vllm.SGLang2EventBatch(TS, [unsalted], 0)),
+        vllm.encode(vllm.SGLang2EventBatch(TS, [salted], 0)),
+    ]
+    index = FleetIndex()
+    for replica, payload in zip("ab", payloads, strict=True):
+        decoded = decode_batch(payload)
+        assert (decoded.malformed_events, decoded.unknown_fields, decoded.data_parallel_rank) == (0, 0, 0)
+        for event in decoded.events:
+            assert apply(index, replica, event) == APPLIED
+    assert index.recomputed == {("a", NEW): 1, ("b", NEW): 1}
+    # the same salted store on a third replica is held elsewhere (by b), as content should be
+    for event in decode_batch(payloads[1]).events:
+        apply(index, "c", event)
+    assert index.recomputed["c", HELD_ELSEWHERE] == 1
+    # SGLang's host memory and disk tiers are the CPU and STORAGE tiers
+    tiers = [
+        vllm.SGLang2BlockStored([7], None, SECOND, 4, None, "CPU_PINNED"),
+        vllm.SGLang2BlockStored([8], None, SECOND, 4, None, "DISK"),
+        vllm.SGLang2BlockRemoved([7], "CPU_PINNED"),
+    ]
+    for event in decode_batch(vllm.encode(vllm.SGLang2EventBatch(TS, tiers, 0))).events:
+        assert apply(index, "d", event) == APPLIED
+    snapshot = index.snapshot()
+    assert {key: n for key, n in snapshot.stored.items() if key[0] == "d"} == {
+        ("d", "CPU"): 1,
+        ("d", "STORAGE"): 1,
+    }
+    assert {key: n for key, n in snapshot.removed.items() if key[0] == "d"} == {("d", "CPU"): 1}
+
+
+def test_sglang_map_events_carry_the_salt_as_a_field() -> None:
+    """After sgl-project/sglang#37482: tagged maps with cache_salt and session_id; both known
+    (not counted as unknown fields), the salt part of the content."""
+    plain = vllm.SGLangMapStored([1], None, FIRST, 4, medium="GPU")
+    salted = vllm.SGLangMapStored([1], None, FIRST, 4, medium="GPU", cache_salt="tenant-b", session_id="s1")
+    index = FleetIndex()
+    for replica, event in (("a", plain), ("b", salted)):
+        decoded = decode_batch(vllm.encode(vllm.SGLang2EventBatch(TS, [event], 0)))
+        assert (decoded.malformed_events, decoded.unknown_fields) == (0, 0)
+        for read in decoded.events:
+            assert apply(index, replica, read) == APPLIED
+    assert index.recomputed == {("a", NEW): 1, ("b", NEW): 1}
+
+
 class FutureStored(vllm.KVCacheEvent, tag="BlockStored"):
     block_hashes: list[int]
     parent_block_hash: int | None

@@ -9,7 +9,12 @@ struct, told apart by its type name:
   first few have defaults and are left out when they hold them (``omit_defaults=True``);
 - SGLang (``sglang/srt/disaggregation/kv_events.py``) and vLLM up to 0.10: events are arrays
   ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, ...]``
-  (``array_like=True``), without ``medium`` in SGLang's.
+  (``array_like=True``), without ``medium`` in SGLang's before 2026. SGLang 0.5.18 and later
+  sends ``medium`` (``GPU``, ``CPU_PINNED``, ``DISK``, ``EXTERNAL``), and a salted request's
+  store with a metadata map ``{"cache_salt": ...}`` where vLLM's array has ``lora_name``;
+  after sgl-project/sglang#37482 its events are tagged maps with ``cache_salt`` and
+  ``session_id`` fields. The salt is part of a block's content (two tenants' equal prompts are
+  two blocks, as in the engine's cache), as vLLM's ``extra_keys`` carry it.
 
 The envelope is also read as a map (``{"ts": ..., "events": [...]}``), as some vLLM builds send it.
 :func:`decode_batch` takes a payload apart event by event so that one event it cannot read costs
@@ -101,6 +106,7 @@ class _Stored(msgspec.Struct, tag="BlockStored", forbid_unknown_fields=True):
     ownership: str | None = None
     session_id: str | None = None
     lookahead_token_ids: list[int] | None = None
+    cache_salt: str | None = None  # SGLang's maps (sglang#37482)
 
 
 class _Removed(msgspec.Struct, tag="BlockRemoved", forbid_unknown_fields=True):
@@ -136,7 +142,7 @@ class _StoredArray(msgspec.Struct, tag="BlockStored", array_like=True):
     block_size: int
     lora_id: int | None = None
     medium: str | None = None
-    lora_name: str | None = None
+    lora_name: str | dict[str, Any] | None = None  # SGLang 0.5.18+: {"cache_salt": ...} here
     extra_keys: list[Any] | None = None
 
 
@@ -302,12 +308,27 @@ def _decode_event(raw: bytes, out: Decoded) -> None:
 
 # `medium` becomes a label: a closed set (vLLM's tiers), anything else is "other".
 MEDIA: Final = frozenset({"GPU", "CPU", "STORAGE"})
+# SGLang's names of the same tiers (its host memory and its disk; a shared pool stays "other")
+_SGLANG_MEDIA: Final = {"CPU_PINNED": "CPU", "DISK": "STORAGE"}
 
 
 def medium_label(medium: str | None) -> str:
     if medium is None:
         return "GPU"  # vLLM before 0.10 sends none: its cache is the GPU's
-    return medium if medium in MEDIA else "other"
+    return medium if medium in MEDIA else _SGLANG_MEDIA.get(medium, "other")
+
+
+def _keys(event: _Stored | _StoredArray | BlockStored) -> tuple[list[Any] | None, str | None]:
+    """(extra keys, LoRA name) of a store as the index takes them: SGLang's cache salt (a field
+    of its maps, or the metadata map its arrays send where vLLM's have ``lora_name``) folded
+    into each block's extra keys, as vLLM's salt is in its own."""
+    extra, lora_name = event.extra_keys, event.lora_name
+    salt = getattr(event, "cache_salt", None)
+    if isinstance(lora_name, dict):
+        salt, lora_name = lora_name.get("cache_salt"), None
+    if salt is None:
+        return extra, lora_name
+    return [[key, "cache_salt", salt] for key in extra or [None] * len(event.block_hashes)], lora_name
 
 
 APPLIED: Final = "applied"
@@ -327,6 +348,7 @@ def apply(index: FleetIndex, replica: str, event: Event) -> str:
         extra = event.extra_keys
         if extra is not None and len(extra) != len(event.block_hashes):
             return MALFORMED
+        extra, lora_name = _keys(event)
         if not index.stored(  # it checks the token ids (left as msgpack by the decoder)
             replica,
             event.block_hashes,
@@ -335,7 +357,7 @@ def apply(index: FleetIndex, replica: str, event: Event) -> str:
             event.block_size,
             medium=medium_label(event.medium),
             extra_keys=extra,
-            lora_name=event.lora_name,
+            lora_name=lora_name,
         ):
             return MALFORMED
     elif isinstance(event, (_Removed, _RemovedArray, BlockRemoved)):
