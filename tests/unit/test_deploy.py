@@ -3,7 +3,10 @@ rule files (one source)."""
 
 from __future__ import annotations
 
+import json
 import runpy
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -11,10 +14,12 @@ import pytest
 import yaml
 
 from kvlens import __version__
+from kvlens.config import load_settings, parse_dns_target
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 DEPLOY = ROOT / "deploy"
 YAML_FILES = sorted([*DEPLOY.rglob("*.yaml"), *DEPLOY.rglob("*.yml")])
+OVERLAY = DEPLOY / "kubernetes-kv-events"  # the base plus KV events and one fleet-level kvlens
 
 
 def documents() -> dict[str, dict[str, Any]]:
@@ -149,8 +154,10 @@ def test_vllm_image_has_a_healthcheck() -> None:
 def skipped_checks() -> dict[str, str]:
     """checkov.io/skipN annotations of every Kubernetes object: check id -> reason."""
     out = {}
-    for path in (DEPLOY / "kubernetes").glob("*.yaml"):
+    for path in [*(DEPLOY / "kubernetes").glob("*.yaml"), *OVERLAY.glob("*.yaml")]:
         for doc in yaml.safe_load_all(path.read_text()):
+            if not isinstance(doc, dict):  # a JSON patch
+                continue
             for key, value in doc.get("metadata", {}).get("annotations", {}).items():
                 if key.startswith("checkov.io/skip"):
                     check, _, reason = value.partition("=")
@@ -176,3 +183,95 @@ def test_every_skipped_check_has_a_reason_and_is_in_the_policy() -> None:
     for key, reason in skipped.items():
         assert len(reason.split()) >= 5, key  # a sentence, not a placeholder
         assert key.split()[1] in policy, key
+
+
+def overlay() -> dict[tuple[str, str], Any]:
+    """The KV-events overlay's objects by (kind, name), and its patch as ("Patch", file)."""
+    out: dict[tuple[str, str], Any] = {}
+    for path in OVERLAY.glob("*.yaml"):
+        if path.name == "kustomization.yaml":
+            continue
+        for doc in yaml.safe_load_all(path.read_text()):
+            key = ("Patch", path.name) if isinstance(doc, list) else (doc["kind"], doc["metadata"]["name"])
+            out[key] = doc
+    return out
+
+
+def test_kv_events_overlay_wires_every_vllm_pod_to_one_fleet_kvlens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The names and ports the pieces share agree: vLLM's publisher and replay ports, the headless
+    Service's, the DNS target kvlens looks up (parsed by kvlens's own settings), the NetworkPolicy
+    that lets only the fleet kvlens reach them; one kvlens, restricted, with the ingest token."""
+    objects = overlay()
+    vllm_labels = documents()["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    # vLLM: --kv-events-config with the publisher on 5557 and the replay endpoint on 5558
+    patch = objects["Patch", "vllm-kv-events.yaml"]
+    args = [op["value"] for op in patch if op["path"].endswith("/args/-")]
+    assert args[0] == "--kv-events-config"
+    config = json.loads(args[1])
+    assert (config["enable_kv_cache_events"], config["publisher"]) == (True, "zmq")
+    assert (config["endpoint"], config["replay_endpoint"]) == ("tcp://*:5557", "tcp://*:5558")
+    ports = {
+        op["value"]["name"]: op["value"]["containerPort"] for op in patch if op["path"].endswith("/ports/-")
+    }
+    assert ports == {"kv-events": 5557, "kv-replay": 5558}
+    # the headless Service lists every vLLM pod, ready or not, on those ports
+    service = objects["Service", "vllm-kv-events"]["spec"]
+    assert (service["clusterIP"], service["publishNotReadyAddresses"]) == ("None", True)
+    assert service["selector"].items() <= vllm_labels.items()
+    assert {p["targetPort"]: p["port"] for p in service["ports"]} == ports
+    # the fleet kvlens looks that name up (its settings parse it), one replica, restricted
+    fleet = objects["Deployment", "kvlens-fleet"]
+    assert fleet["spec"]["replicas"] == 1
+    pod = fleet["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    for name, value in env.items():
+        if "value" in value:
+            monkeypatch.setenv(name, value["value"])
+    settings = load_settings(None)
+    assert [parse_dns_target(target) for target in settings.kv_events_dns] == [("vllm-kv-events", 5557, 5558)]
+    sidecar_env = {e["name"]: e for e in containers()["kvlens"]["env"]}
+    assert env["KVLENS_INGEST_TOKEN"] == sidecar_env["KVLENS_INGEST_TOKEN"]
+    assert container["securityContext"] == containers()["kvlens"]["securityContext"]
+    assert container["image"] == f"kvlens:{__version__}"
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    assert (
+        container["readinessProbe"]["httpGet"]["path"],
+        container["livenessProbe"]["httpGet"]["path"],
+    ) == (
+        "/readyz",
+        "/healthz",
+    )
+    assert set(container["resources"]["limits"]) == {"cpu", "memory"}
+    # only the fleet kvlens reaches the events; Prometheus scrapes it through its Service
+    policy = objects["NetworkPolicy", "vllm-kv-events"]["spec"]
+    assert policy["podSelector"]["matchLabels"].items() <= vllm_labels.items()
+    (rule,) = policy["ingress"]
+    assert rule["from"][0]["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert sorted(p["port"] for p in rule["ports"]) == [5557, 5558]
+    scraped = objects["Service", "kvlens-fleet"]
+    assert scraped["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    monitor = objects["ServiceMonitor", "kvlens-fleet"]["spec"]
+    assert monitor["selector"]["matchLabels"].items() <= scraped["metadata"]["labels"].items()
+    # the base ServiceMonitor does not pick up the headless Service (it has no metrics port)
+    base_monitor = documents()["ServiceMonitor"]["spec"]["selector"]["matchLabels"]
+    assert not base_monitor.items() <= objects["Service", "vllm-kv-events"]["metadata"]["labels"].items()
+    listed = yaml.safe_load((OVERLAY / "kustomization.yaml").read_text())
+    assert all((OVERLAY / name).exists() for name in listed["resources"])
+    assert all((OVERLAY / p["path"]).is_file() for p in listed["patches"])
+
+
+def test_kv_events_overlay_renders_with_kustomize() -> None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: the overlay's pieces are checked one by one above")
+    rendered = subprocess.run(
+        [kubectl, "kustomize", str(OVERLAY)], capture_output=True, text=True, check=True
+    )
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(rendered.stdout)}
+    vllm = next(
+        c for c in docs["Deployment", "vllm"]["spec"]["template"]["spec"]["containers"] if c["name"] == "vllm"
+    )
+    assert vllm["args"][-2] == "--kv-events-config"
+    assert {"name": "kv-events", "containerPort": 5557} in vllm["ports"]
+    assert ("Deployment", "kvlens-fleet") in docs and ("PrometheusRule", "kvlens") in docs
