@@ -12,6 +12,7 @@ speedup, and the report puts the two side by side so that a reader does not take
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -20,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvlens import definitions
+from kvlens.analysis import report
 from kvlens.analysis.render import _md_table, _pct
 from kvlens.analysis.report import Derived, cells_of, totals_of
 from kvlens.config import Settings
@@ -329,9 +331,7 @@ class InMemory:
         for arm in self.arms:
             ttft = arm.derived.batch.ttft_seconds[self.warm]
             present = ttft[~np.isnan(ttft)]
-            median = median_of(
-                present.size, lambda ranks: [float(v) for v in np.partition(present, ranks)[ranks]]
-            )
+            median = median_of(present.size, functools.partial(report._order_statistics, present))
             out.append((totals_of(cells_of(arm.derived, self.warm), arm.derived.cost_for), median))
         return out
 
