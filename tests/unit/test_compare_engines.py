@@ -131,15 +131,18 @@ def test_duckdb_and_numpy_comparisons_are_identical(
 
 
 def replay(prefill: float, cached: int, count: int = 60) -> list[dict[str, Any]]:
-    """tests/unit/test_analysis.py's replay."""
-    from tests.unit.test_analysis import replay as of
-
-    return of(prefill, cached, count)
+    return [
+        {"request_id": f"r{i}", "prompt_tokens": 1024, "cached_tokens": cached if i >= 10 else 0,
+         "prefill_seconds": prefill * (1 + 0.01 * (i % 7)), "queue_seconds": 0.01,
+         "ttft_seconds": 0.01 + prefill * (1 + 0.01 * (i % 7)), "arrival_time": 1_800_000_000 + i}
+        for i in range(count)
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("run", ENGINES)
 def test_goldens_through_both_engines(tmp_path: Path, run: Callable[..., dict[str, Any]]) -> None:
-    """tests/unit/test_analysis.py's compare cases, from files, by each engine."""
+    """Deltas with intervals, the warm-up apart, the requests that did not benefit, arms that
+    replay different sequences refused naming the first difference: from files, by each engine."""
     chosen = load_settings()
     off = str(write_jsonl(tmp_path / "off.jsonl", replay(0.2, 0)))
     warm = str(write_jsonl(tmp_path / "warm.jsonl", replay(0.05, 768)))
@@ -158,6 +161,7 @@ def test_goldens_through_both_engines(tmp_path: Path, run: Callable[..., dict[st
     low, high = ttft["p50"]["ci95"]
     assert low <= ttft["p50"]["delta"] <= high < 0
     assert group["reuse"]["warm"]["token_reuse_ratio"] == 0.75
+    assert "| 512-2047 | miss | 50 | warm | ttft |" in compare.markdown(result)
     assert result["not_benefiting"]["warm"] == {
         "requests": 0,
         "share": 0.0,
@@ -221,6 +225,21 @@ def test_every_input_form_compares_the_same(tmp_path: Path) -> None:
         got = duckdb_engine(list(form.items()), chosen, warmup=10)
         assert got["files"] == form
         assert {**got, "files": expected["files"]} == expected
+
+
+@pytest.mark.parametrize("engine", ["numpy", "duckdb"])
+def test_compare_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str], engine: str) -> None:
+    off, warm = (
+        write_jsonl(tmp_path / "off.jsonl", replay(0.2, 0)),
+        write_jsonl(tmp_path / "warm.jsonl", replay(0.05, 768)),
+    )
+    arms = ["--arm", f"off={off}", "--arm", f"warm={warm}", "--engine", engine]
+    assert main(["compare", *arms, "--warmup-until", "1800000010", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["schema"] == "kvlens.compare/v1" and result["warmup"]["off"]["requests"] == 10
+    short = write_jsonl(tmp_path / "short.jsonl", replay(0.05, 768)[:-1])
+    assert main(["compare", "--arm", f"off={off}", "--arm", f"warm={short}", "--engine", engine]) == 2
+    assert capsys.readouterr().err == "kvlens compare: arm warm has 59 requests, off has 60\n"
 
 
 @pytest.mark.parametrize("run", ENGINES)
