@@ -24,7 +24,7 @@ from kvlens.definitions import prompt_length_labels
 from kvlens.errors import InputError
 from tests.unit.test_columnar import config_file, models, seconds, tokens, write_jsonl
 
-pytest.importorskip("duckdb")
+duckdb = pytest.importorskip("duckdb")
 
 Specs = list[tuple[str, str]]
 
@@ -214,7 +214,19 @@ def test_every_input_form_compares_the_same(tmp_path: Path) -> None:
             hive.mkdir(parents=True)
             rows = off[part] if name == "off" else warm[part]
             columnar.convert([str(write_jsonl(tmp_path / f"{name}-{day}.jsonl", rows))], hive / "0.parquet")
+        # a row the reader rejects (cached above prompt) among them: the records after it move up
+        rows = off if name == "off" else warm
+        rejected = write_jsonl(
+            tmp_path / f"{name}-rejected.jsonl", [*rows[:20], {**rows[20], "cached_tokens": 5000}, *rows[20:]]
+        )
+        connection = duckdb.connect()
+        connection.execute(
+            "COPY (SELECT * REPLACE (CAST(arrival_time AS DOUBLE) AS arrival_time) "
+            f"FROM read_json('{rejected}')) TO '{tmp_path / name}-rejected.parquet' (FORMAT parquet)"
+        )
+        connection.close()
     forms = [
+        {"off": f"{tmp_path / 'off'}.parquet", "warm": f"{tmp_path / 'warm'}-rejected.parquet"},
         {name: f"{tmp_path / name}.jsonl.gz" for name in plain},
         {name: f"{tmp_path / name}.parquet" for name in plain},
         {name: str(tmp_path / "hive" / name) for name in plain},  # a directory of days

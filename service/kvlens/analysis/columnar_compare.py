@@ -67,14 +67,30 @@ def _load_arm(
     """Table ``arm_<index>``: the valid records of ``path`` (of arm ``name`` only when some
     record names an arm), ``pos`` numbering them from 0 in input order."""
     con = engine.connection
-    columnar.load(engine, [path], columns=COLUMNS, format_name=format_name, model=model)
+    loaded = columnar.load(engine, [path], columns=COLUMNS, format_name=format_name, model=model)
     ((named,),) = con.execute("SELECT count(arm) FROM records").fetchall()
-    where = "WHERE arm = $name" if named else ""
-    con.execute(
-        f"CREATE OR REPLACE TEMP TABLE arm_{index} AS SELECT row_number() OVER (ORDER BY src, row) - 1 "
-        f"AS pos, {', '.join(COLUMNS)} FROM records {where}",
-        {"name": name} if named else {},
-    )
+    columns = ", ".join(COLUMNS)
+    if named or (loaded.parquet and loaded.read.skipped_total):
+        # gaps in `row` (other arms' records, rejected Parquet rows): number the records anew
+        con.execute(
+            f"CREATE OR REPLACE TEMP TABLE arm_{index} AS SELECT row_number() OVER (ORDER BY src, row) - 1 "
+            f"AS pos, {columns} FROM records {'WHERE arm = $name' if named else ''}",
+            {"name": name} if named else {},
+        )
+    else:
+        # `row` counts each file's valid records from 0: a file's offset is the records before
+        # it (a join with a table of one row a file, where a window would sort the records)
+        counts = con.execute("SELECT src, count(*) FROM records GROUP BY src ORDER BY src").fetchall()
+        offsets = np.cumsum([0, *(int(count) for _, count in counts)])[:-1]
+        table = {"s": np.array([src for src, _ in counts], dtype=np.int64), "o": offsets.astype(np.int64)}
+        con.register("offsets", table)
+        try:
+            con.execute(
+                f"CREATE OR REPLACE TEMP TABLE arm_{index} AS SELECT offsets.o + row AS pos, {columns} "
+                "FROM records JOIN offsets ON records.src = offsets.s"
+            )
+        finally:
+            con.unregister("offsets")
     if named:
         ((kept,),) = con.execute(f"SELECT count(*) FROM arm_{index}").fetchall()
         if not kept:
