@@ -183,7 +183,8 @@ def test_goldens_through_both_engines(tmp_path: Path, run: Callable[..., dict[st
             "ttft_arm": 5.0,
         }
     ]
-    changes = [
+    Rows = list[dict[str, Any]]
+    changes: list[tuple[Callable[[Rows], Rows], str]] = [
         (lambda rs: rs[:-1], "arm warm has 59 requests, off has 60"),
         (
             lambda rs: [*rs[:5], {**rs[5], "prompt_tokens": 2048}, *rs[6:]],
