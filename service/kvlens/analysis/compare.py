@@ -8,6 +8,11 @@ cache group of the baseline arm, each arm's p50 and p95 of TTFT, queue and prefi
 with the baseline's, with paired bootstrap 95 % intervals (the same resampled requests in both
 arms), beside each arm's token reuse and modelled compute saved in that group: reuse is not
 speedup, and the report puts the two side by side so that a reader does not take one for the other.
+
+Two engines answer what :func:`build` asks (:class:`Paired`): ``numpy`` holds every arm in
+memory (:class:`InMemory`); ``duckdb`` (the ``scale`` extra) reads the arms into DuckDB and
+streams one group's values at a time (:mod:`kvlens.analysis.columnar_compare`). A group of more
+than :data:`MAX_GROUP_REQUESTS` timed requests is refused by both.
 """
 
 from __future__ import annotations
