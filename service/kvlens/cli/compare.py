@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -66,7 +68,16 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvlens: --arm takes NAME=FILE, not {spec!r}", file=sys.stderr)
             return 2
         specs.append((name, path))
-    engine = choose_engine(args.engine, sorted({path for _, path in specs}))
+    paths = sorted({path for _, path in specs})
+    for path in paths:  # a missing arm is refused before any arm is read, whichever engine reads
+        if (
+            path != "-"
+            and not any(char in path for char in "*?[")
+            and "://" not in path
+            and not os.path.exists(path)
+        ):
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+    engine = choose_engine(args.engine, paths)
     try:
         if engine == "duckdb":
             from kvlens.analysis import columnar_compare
