@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvlens.cli.common import check_writable, examples, input_flags, scale_flags
+from kvlens.cli.common import check_writable, engine_flag, examples, input_flags, scale_flags
 from kvlens.config import load_settings
 
 
@@ -31,12 +31,7 @@ def add_parser(commands: Any) -> None:
     )
     input_flags(compare)
     scale_flags(compare)
-    compare.add_argument(
-        "--engine",
-        choices=("auto", "numpy", "duckdb"),
-        default="auto",
-        help="duckdb: out of core (the scale extra); auto: duckdb for Parquet or large input (as analyze)",
-    )
+    engine_flag(compare)
     warm = compare.add_mutually_exclusive_group()
     warm.add_argument(
         "--warmup", type=_count, default=0, metavar="N", help="the first N requests are warm-up"
