@@ -1,5 +1,5 @@
-"""kvlens analyze and compare: the article's golden numbers, bad and mixed input, groups,
-diagnosis in the troubleshooting order, calibration, and experiment comparison."""
+"""kvlens analyze: the article's golden numbers, bad and mixed input, groups, diagnosis in the
+troubleshooting order, calibration (compare: tests/unit/test_compare_engines.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import orjson
 import pytest
 import yaml
 
-from kvlens.analysis import calibration, compare, html_report, render
+from kvlens.analysis import calibration, html_report, render
 from kvlens.analysis.analyze import analyze
 from kvlens.analysis.report import Derived
 from kvlens.cli import main
@@ -204,84 +204,6 @@ def test_calibrate_writes_a_file_the_sidecar_accepts(
         3e-9 / 2e-5, rel=0.1
     )
     assert yaml.safe_load(out.read_text())["cost_models"]["llama"]["a"] > 0
-
-
-def arm(name: str, records: list[dict[str, Any]]) -> compare.Arm:
-    return compare.Arm(name, derived_of(records))
-
-
-def replay(prefill: float, cached: int, count: int = 60) -> list[dict[str, Any]]:
-    return [
-        {"request_id": f"r{i}", "prompt_tokens": 1024, "cached_tokens": cached if i >= 10 else 0,
-         "prefill_seconds": prefill * (1 + 0.01 * (i % 7)), "queue_seconds": 0.01,
-         "ttft_seconds": 0.01 + prefill * (1 + 0.01 * (i % 7)), "arrival_time": 1_800_000_000 + i}
-        for i in range(count)
-    ]  # fmt: skip
-
-
-def test_compare_reports_deltas_with_intervals_and_keeps_warmup_apart() -> None:
-    result = compare.compare([arm("off", replay(0.2, 0)), arm("warm", replay(0.05, 768))], warmup=10)
-    assert result["warmup"]["warm"]["requests"] == 10
-    (group,) = result["groups"]
-    assert group["requests"] == 50
-    ttft = group["arms"]["warm"]["ttft_seconds"]["p50"]
-    assert ttft["delta"] == pytest.approx(-0.15, rel=0.05)
-    low, high = ttft["ci95"]
-    assert low <= ttft["delta"] <= high < 0
-    assert result["not_benefiting"]["warm"]["requests"] == 0
-    assert "warm" in compare.markdown(result)
-
-
-def test_compare_names_requests_that_did_not_benefit() -> None:
-    slower = replay(0.05, 768)
-    slower[20] = {**slower[20], "ttft_seconds": 5.0, "cached_tokens": 0}
-    result = compare.compare([arm("off", replay(0.2, 0)), arm("cold", slower)], warmup=10)
-    info = result["not_benefiting"]["cold"]
-    assert info["requests"] == 1 and info["of_which_reused_nothing"] == 1
-    assert info["examples"][0]["request_id"] == "r20"
-
-
-@pytest.mark.parametrize(
-    ("change", "message"),
-    [
-        (lambda rs: rs[:-1], "has 59 requests, off has 60"),
-        (
-            lambda rs: [*rs[:5], {**rs[5], "prompt_tokens": 2048}, *rs[6:]],
-            "at request 6: prompt_tokens 2048 vs 1024",
-        ),
-        (lambda rs: [rs[1], rs[0], *rs[2:]], "request_id 'r1' vs 'r0'"),
-    ],
-)
-def test_compare_refuses_arms_that_replay_different_sequences(change: Any, message: str) -> None:
-    with pytest.raises(compare.ArmsDiffer, match=message):
-        compare.compare([arm("off", replay(0.2, 0)), arm("warm", change(replay(0.05, 768)))])
-
-
-def test_compare_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    off, warm = (
-        write(tmp_path / "off.jsonl", replay(0.2, 0)),
-        write(tmp_path / "warm.jsonl", replay(0.05, 768)),
-    )
-    assert (
-        main(
-            [
-                "compare",
-                "--arm",
-                f"off={off}",
-                "--arm",
-                f"warm={warm}",
-                "--warmup-until",
-                "1800000010",
-                "--json",
-            ]
-        )
-        == 0
-    )
-    result = json.loads(capsys.readouterr().out)
-    assert result["schema"] == "kvlens.compare/v1" and result["warmup"]["off"]["requests"] == 10
-    short = write(tmp_path / "short.jsonl", replay(0.05, 768)[:-1])
-    assert main(["compare", "--arm", f"off={off}", "--arm", f"warm={short}"]) == 2
-    assert "has 59 requests" in capsys.readouterr().err
 
 
 def test_html_report_is_self_contained(tmp_path: Path) -> None:

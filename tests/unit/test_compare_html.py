@@ -51,16 +51,19 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("compare")
 
 
-@pytest.fixture(scope="module")
-def run(folder: Path) -> tuple[dict[str, Any], str, Node]:
-    """One run of the command for every test here (the bootstrap takes a while)."""
-    tmp_path = folder
+@pytest.fixture(scope="module", params=["numpy", "duckdb"])
+def run(folder: Path, request: pytest.FixtureRequest) -> tuple[dict[str, Any], str, Node]:
+    """One run of the command by each engine for every test here (the bootstrap takes a while)."""
+    if request.param == "duckdb":
+        pytest.importorskip("duckdb")
+    tmp_path = folder  # the same files for both (the page names them)
     off = arm_records([40.0, 160.0], [0, 0], 0.010)
     warm = arm_records([15.0, 30.0], [768, 3584], 0.010)
     warm[21] = {**warm[21], "ttft_seconds": 0.5, "cached_tokens": 0}  # one that did not benefit
     files = [f"off={write(tmp_path / 'off.jsonl', off)}", f"warm={write(tmp_path / 'warm.jsonl', warm)}"]
     out = tmp_path / "compare.html"
     args = ["compare", "--arm", files[0], "--arm", files[1], "--warmup", "8", "--html", str(out), "--json"]
+    args += ["--engine", request.param]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         assert main(args) == 0

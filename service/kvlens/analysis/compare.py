@@ -8,25 +8,41 @@ cache group of the baseline arm, each arm's p50 and p95 of TTFT, queue and prefi
 with the baseline's, with paired bootstrap 95 % intervals (the same resampled requests in both
 arms), beside each arm's token reuse and modelled compute saved in that group: reuse is not
 speedup, and the report puts the two side by side so that a reader does not take one for the other.
+
+Two engines answer what :func:`build` asks (:class:`Paired`): ``numpy`` holds every arm in
+memory (:class:`InMemory`); ``duckdb`` (the ``scale`` extra) reads the arms into DuckDB and
+streams one group's values at a time (:mod:`kvlens.analysis.columnar_compare`). A group of more
+than :data:`MAX_GROUP_REQUESTS` timed requests is refused by both.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
+from kvlens import definitions
+from kvlens.analysis import report
 from kvlens.analysis.render import _md_table, _pct
-from kvlens.analysis.report import Derived
+from kvlens.analysis.report import Derived, cells_of, totals_of
 from kvlens.config import Settings
+from kvlens.definitions import Totals
 from kvlens.records import RecordBatch
 
 SCHEMA = "kvlens.compare/v1"
 RESAMPLES = 1000
 QUANTILES = (50, 95)
 METRICS = ("ttft_seconds", "queue_seconds", "prefill_seconds")
+# Timed requests of one group (prompt length x cache in the baseline) compared at most: the
+# bootstrap resamples each group 1,000 times per arm, metric and quantile (at 5M requests, hours
+# of CPU), and the duckdb engine holds one group's values of one metric of two arms in Python
+# (16 bytes a request) beside the bootstrap's chunk (about 160 MB).
+MAX_GROUP_REQUESTS = 5_000_000
+FloatArray = npt.NDArray[np.float64]
 REUSE_IS_NOT_SPEEDUP = (
     "Reuse is not speedup: cached tokens save prefill work, and TTFT falls only where prefill, "
     "not queueing, was the wait."
@@ -41,6 +57,10 @@ class NoRecordsOfArm(ValueError):
     """A file of several arms holds none of the arm asked for."""
 
 
+class GroupTooLarge(ValueError):
+    """A group holds more timed requests than :data:`MAX_GROUP_REQUESTS`."""
+
+
 def load_arm(
     name: str, path: str, settings: Settings, *, format_name: str | None = None, model: str | None = None
 ) -> Arm:
@@ -52,9 +72,13 @@ def load_arm(
     if any(arm is not None for arm in batch.arm):
         batch = batch.select(np.array([arm == name for arm in batch.arm], dtype=bool))
         if not len(batch):
-            raise NoRecordsOfArm(f"{path} has no records of arm {name!r}")
+            raise NoRecordsOfArm(no_records_of(path, name))
     derived = Derived.of(batch, settings.prompt_length_edges, settings.cost_model_for, settings.default_model)
     return Arm(name, derived, path)
+
+
+def no_records_of(path: str, name: str) -> str:
+    return f"{path} has no records of arm {name!r}"
 
 
 @dataclass(frozen=True)
@@ -64,23 +88,194 @@ class Arm:
     path: str | None = None  # the records file, named in the report's context
 
 
-def check_same_sequence(arms: list[Arm]) -> None:
+# ---------------------------------------------------------------------------------------------
+# What an engine answers (numpy here, SQL in kvlens.analysis.columnar_compare); the report is
+# built from these answers alone, by :func:`build`, so both engines share every step after them.
+
+
+class Paired(Protocol):
+    """Arms checked to replay one sequence, with the warm-up marked (:func:`warmup_mask`)."""
+
+    def requests(self) -> int:
+        """Requests of each arm."""
+        ...
+
+    def groups(self) -> list[tuple[int, bool, int]]:
+        """(prompt-length group, hit in the baseline, timed requests) of each group that has
+        timed requests, groups in ascending order, hits first."""
+        ...
+
+    def values(self, length: int, hit: bool, arm: int, metric: str) -> tuple[FloatArray, FloatArray]:
+        """The baseline's and arm ``arm``'s ``metric`` (NaN where absent) over the group's timed
+        requests, in request order."""
+        ...
+
+    def reuse(self, length: int, hit: bool) -> list[Totals]:
+        """Each arm's totals over the group's timed requests."""
+        ...
+
+    def warmup(self) -> list[tuple[Totals, float | None]]:
+        """Each arm's totals over the warm-up, and the median of its present TTFTs there."""
+        ...
+
+    def not_benefiting(self, arm: int) -> tuple[int, int, int, list[dict[str, Any]]]:
+        """Of the timed requests with TTFT in both, those whose TTFT in arm ``arm`` is not below
+        the baseline's, those compared, those of the first that reused nothing, and the first
+        ten of them (:func:`example`)."""
+        ...
+
+
+def build(
+    paired: Paired, names: list[str], files: list[str | None], labels: list[str], seed: int
+) -> dict[str, Any]:
+    """The comparison's report. Groups come one at a time and each metric of each arm is
+    fetched alone, so an engine that streams them holds one group's pair of columns."""
+    rng = np.random.default_rng(seed)
+    base = names[0]
+    groups = []
+    for length, hit, count in paired.groups():
+        where = f"{labels[length]} tokens, {'hit' if hit else 'miss'} in {base}"
+        if count > MAX_GROUP_REQUESTS:
+            raise GroupTooLarge(
+                f"the group {where} has {count:,} timed requests; compare takes at most "
+                f"{MAX_GROUP_REQUESTS:,} a group (the bootstrap resamples each 1,000 times): split it "
+                "with finer prompt_length_edges in --config, or compare a part of the replay"
+            )
+        deltas = {
+            name: {metric: _deltas(*paired.values(length, hit, index, metric), rng) for metric in METRICS}
+            for index, name in enumerate(names[1:], start=1)
+        }
+        groups.append(
+            {
+                "prompt_len": labels[length],
+                "cache_in_baseline": "hit" if hit else "miss",
+                "requests": count,
+                "arms": deltas,
+                "reuse": {
+                    name: {
+                        "token_reuse_ratio": totals.token_reuse_ratio,
+                        "compute_saved_ratio": totals.compute_saved_ratio,
+                    }
+                    for name, totals in zip(names, paired.reuse(length, hit), strict=True)
+                },
+            }
+        )
+    return {
+        "schema": SCHEMA,
+        "baseline": base,
+        "arms": names,
+        "requests": paired.requests(),
+        "files": dict(zip(names, files, strict=True)),
+        "warmup": {
+            name: {
+                "requests": totals.requests,
+                "token_reuse_ratio": totals.token_reuse_ratio,
+                "ttft_p50": p50,
+            }
+            for name, (totals, p50) in zip(names, paired.warmup(), strict=True)
+        },
+        "groups": groups,
+        "not_benefiting": {
+            name: _not_benefiting(*paired.not_benefiting(index))
+            for index, name in enumerate(names[1:], start=1)
+        },
+    }
+
+
+def median_of(count: int, pick: Callable[[list[int]], list[float]]) -> float | None:
+    """The median of ``count`` values whose order statistics ``pick`` returns (any engine's),
+    as ``np.percentile`` gives it."""
+    return definitions.quantiles(count, (0.5,), pick)[0] if count else None
+
+
+def example(
+    position: int, request_id: str | None, prompt: int, cached: int, before: float, after: float
+) -> dict[str, Any]:
+    """A request that did not benefit; ``position`` counts from 0."""
+    return {
+        "request": position + 1,
+        "request_id": request_id,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "ttft_baseline": before,
+        "ttft_arm": after,
+    }
+
+
+def _not_benefiting(
+    worse: int, comparable: int, reused_nothing: int, examples: list[dict[str, Any]]
+) -> dict[str, Any]:
+    return {
+        "requests": worse,
+        "share": worse / comparable if comparable else None,
+        "of_which_reused_nothing": reused_nothing,
+        "examples": examples,
+    }
+
+
+def _deltas(before: FloatArray, after: FloatArray, rng: np.random.Generator) -> dict[str, Any]:
+    present = ~(np.isnan(before) | np.isnan(after))
+    if not present.any():
+        return {"count": 0}
+    before, after = before[present], after[present]
+    out: dict[str, Any] = {"count": int(before.size)}
+    for q in QUANTILES:
+        low, high = float(np.percentile(before, q)), float(np.percentile(after, q))
+        out[f"p{q}"] = {
+            "baseline": low,
+            "arm": high,
+            "delta": float(np.percentile(after, q) - np.percentile(before, q)),
+            "ci95": _bootstrap(before, after, q, rng) if before.size > 1 else None,
+        }
+    return out
+
+
+def _bootstrap(before: FloatArray, after: FloatArray, q: int, rng: np.random.Generator) -> list[float]:
+    """95 % interval of the paired difference of the q-th percentiles (the same resampled
+    requests in both arms), resampled in chunks to bound memory."""
+    size = before.size
+    per_chunk = max(1, 4_000_000 // size)
+    deltas = []
+    for start in range(0, RESAMPLES, per_chunk):
+        picks = rng.integers(0, size, size=(min(per_chunk, RESAMPLES - start), size))
+        deltas.append(np.percentile(after[picks], q, axis=1) - np.percentile(before[picks], q, axis=1))
+    return [float(v) for v in np.percentile(np.concatenate(deltas), [2.5, 97.5])]
+
+
+# ---------------------------------------------------------------------------------------------
+# The numpy engine: every arm in memory.
+
+
+def check_same_sequence(arms: Sequence[Arm]) -> None:
     base = arms[0]
     for arm in arms[1:]:
         a, b = base.derived.batch, arm.derived.batch
         if len(a) != len(b):
-            raise ArmsDiffer(f"arm {arm.name} has {len(b)} requests, {base.name} has {len(a)}")
+            raise ArmsDiffer(count_differs(arm.name, len(b), base.name, len(a)))
         different = np.flatnonzero(a.prompt_tokens != b.prompt_tokens)
         if different.size:
             i = int(different[0])
             raise ArmsDiffer(
-                f"arm {arm.name} differs from {base.name} at request {i + 1}: prompt_tokens "
-                f"{int(b.prompt_tokens[i])} vs {int(a.prompt_tokens[i])} "
-                "(the arms must replay the same requests in the same order)"
+                prompt_differs(arm.name, base.name, i, int(b.prompt_tokens[i]), int(a.prompt_tokens[i]))
             )
         for left, right in zip(a.request_id, b.request_id, strict=True):
             if left is not None and right is not None and left != right:
-                raise ArmsDiffer(f"arm {arm.name} differs from {base.name}: request_id {right!r} vs {left!r}")
+                raise ArmsDiffer(id_differs(arm.name, base.name, right, left))
+
+
+def count_differs(arm: str, count: int, base: str, base_count: int) -> str:
+    return f"arm {arm} has {count} requests, {base} has {base_count}"
+
+
+def prompt_differs(arm: str, base: str, position: int, prompt: int, base_prompt: int) -> str:
+    return (
+        f"arm {arm} differs from {base} at request {position + 1}: prompt_tokens "
+        f"{prompt} vs {base_prompt} (the arms must replay the same requests in the same order)"
+    )
+
+
+def id_differs(arm: str, base: str, request_id: str, base_id: str) -> str:
+    return f"arm {arm} differs from {base}: request_id {request_id!r} vs {base_id!r}"
 
 
 def warmup_mask(batch: RecordBatch, warmup: int, warmup_until: float | None) -> npt.NDArray[np.bool_]:
@@ -95,121 +290,74 @@ def compare(
     arms: list[Arm], *, warmup: int = 0, warmup_until: float | None = None, seed: int = 0
 ) -> dict[str, Any]:
     check_same_sequence(arms)
-    base = arms[0]
-    warm = warmup_mask(base.derived.batch, warmup, warmup_until)
+    warm = warmup_mask(arms[0].derived.batch, warmup, warmup_until)
     for arm in arms[1:]:
         warm |= warmup_mask(arm.derived.batch, warmup, warmup_until)
-    timed = ~warm
-    rng = np.random.default_rng(seed)
-    groups = []
-    for length, label in enumerate(base.derived.length_labels):
-        for cache, hit in (("hit", True), ("miss", False)):
-            rows = np.flatnonzero(timed & (base.derived.length_group == length) & (base.derived.hit == hit))
-            if rows.size == 0:
-                continue
-            groups.append(
-                {
-                    "prompt_len": label,
-                    "cache_in_baseline": cache,
-                    "requests": int(rows.size),
-                    "arms": {
-                        arm.name: {metric: _deltas(base, arm, metric, rows, rng) for metric in METRICS}
-                        for arm in arms[1:]
-                    },
-                    "reuse": {arm.name: _reuse(arm, rows) for arm in arms},
-                }
+    paired = InMemory(arms, warm)
+    return build(
+        paired, [arm.name for arm in arms], [arm.path for arm in arms], arms[0].derived.length_labels, seed
+    )
+
+
+class InMemory:
+    """:class:`Paired` of arms held in memory."""
+
+    def __init__(self, arms: Sequence[Arm], warm: npt.NDArray[np.bool_]) -> None:
+        self.arms, self.warm = arms, warm
+        self.rows: dict[tuple[int, bool], npt.NDArray[np.bool_]] = {}
+
+    def requests(self) -> int:
+        return len(self.arms[0].derived.batch)
+
+    def groups(self) -> list[tuple[int, bool, int]]:
+        base = self.arms[0].derived
+        out = []
+        for length in range(len(base.length_labels)):
+            for hit in (True, False):
+                rows = ~self.warm & (base.length_group == length) & (base.hit == hit)
+                if rows.any():
+                    self.rows[(length, hit)] = rows
+                    out.append((length, hit, int(rows.sum())))
+        return out
+
+    def values(self, length: int, hit: bool, arm: int, metric: str) -> tuple[FloatArray, FloatArray]:
+        rows = self.rows[(length, hit)]
+        return (
+            getattr(self.arms[0].derived.batch, metric)[rows],
+            getattr(self.arms[arm].derived.batch, metric)[rows],
+        )
+
+    def reuse(self, length: int, hit: bool) -> list[Totals]:
+        rows = self.rows[(length, hit)]
+        return [totals_of(cells_of(arm.derived, rows), arm.derived.cost_for) for arm in self.arms]
+
+    def warmup(self) -> list[tuple[Totals, float | None]]:
+        out = []
+        for arm in self.arms:
+            ttft = arm.derived.batch.ttft_seconds[self.warm]
+            present = ttft[~np.isnan(ttft)]
+            median = median_of(present.size, functools.partial(report._order_statistics, present))
+            out.append((totals_of(cells_of(arm.derived, self.warm), arm.derived.cost_for), median))
+        return out
+
+    def not_benefiting(self, arm: int) -> tuple[int, int, int, list[dict[str, Any]]]:
+        base, batch = self.arms[0].derived.batch, self.arms[arm].derived.batch
+        before, after = base.ttft_seconds, batch.ttft_seconds
+        comparable = ~self.warm & ~(np.isnan(before) | np.isnan(after))
+        worse = comparable & (after >= before)
+        reused = batch.cached_tokens > 0
+        examples = [
+            example(
+                int(i),
+                batch.request_id[i],
+                int(batch.prompt_tokens[i]),
+                int(batch.cached_tokens[i]),
+                float(before[i]),
+                float(after[i]),
             )
-    return {
-        "schema": SCHEMA,
-        "baseline": base.name,
-        "arms": [arm.name for arm in arms],
-        "requests": len(base.derived.batch),
-        "files": {arm.name: arm.path for arm in arms},
-        "warmup": {arm.name: _warmup_summary(arm, warm) for arm in arms},
-        "groups": groups,
-        "not_benefiting": {arm.name: _not_benefiting(base, arm, timed) for arm in arms[1:]},
-    }
-
-
-def _deltas(
-    base: Arm, arm: Arm, metric: str, rows: npt.NDArray[np.int64], rng: np.random.Generator
-) -> dict[str, Any]:
-    before = getattr(base.derived.batch, metric)[rows]
-    after = getattr(arm.derived.batch, metric)[rows]
-    present = ~(np.isnan(before) | np.isnan(after))
-    if not present.any():
-        return {"count": 0}
-    out: dict[str, Any] = {"count": int(present.sum())}
-    for q in QUANTILES:
-        delta = float(np.percentile(after[present], q) - np.percentile(before[present], q))
-        pairs = int(present.sum())
-        interval = _bootstrap(before[present], after[present], q, rng) if pairs > 1 else None
-        out[f"p{q}"] = {
-            "baseline": float(np.percentile(before[present], q)),
-            "arm": float(np.percentile(after[present], q)),
-            "delta": delta,
-            "ci95": interval,
-        }
-    return out
-
-
-def _bootstrap(
-    before: npt.NDArray[np.float64], after: npt.NDArray[np.float64], q: int, rng: np.random.Generator
-) -> list[float]:
-    """95 % interval of the paired difference of the q-th percentiles (the same resampled
-    requests in both arms), resampled in chunks to bound memory."""
-    size = before.size
-    per_chunk = max(1, 4_000_000 // size)
-    deltas = []
-    for start in range(0, RESAMPLES, per_chunk):
-        picks = rng.integers(0, size, size=(min(per_chunk, RESAMPLES - start), size))
-        deltas.append(np.percentile(after[picks], q, axis=1) - np.percentile(before[picks], q, axis=1))
-    return [float(v) for v in np.percentile(np.concatenate(deltas), [2.5, 97.5])]
-
-
-def _reuse(arm: Arm, rows: npt.NDArray[np.int64]) -> dict[str, Any]:
-    """The arm's token reuse and modelled compute saved over the group's requests (null when the
-    models count work in several units)."""
-    mask = np.zeros(len(arm.derived.batch), bool)
-    mask[rows] = True
-    totals = arm.derived.totals(mask)
-    return {"token_reuse_ratio": totals.token_reuse_ratio, "compute_saved_ratio": totals.compute_saved_ratio}
-
-
-def _warmup_summary(arm: Arm, warm: npt.NDArray[np.bool_]) -> dict[str, Any]:
-    totals = arm.derived.totals(warm)
-    ttft = arm.derived.batch.ttft_seconds[warm]
-    present = ttft[~np.isnan(ttft)]
-    return {
-        "requests": totals.requests,
-        "token_reuse_ratio": totals.token_reuse_ratio,
-        "ttft_p50": float(np.percentile(present, 50)) if present.size else None,
-    }
-
-
-def _not_benefiting(base: Arm, arm: Arm, timed: npt.NDArray[np.bool_]) -> dict[str, Any]:
-    """Timed requests whose TTFT in this arm is not below the baseline's."""
-    before, after = base.derived.batch.ttft_seconds, arm.derived.batch.ttft_seconds
-    comparable = timed & ~(np.isnan(before) | np.isnan(after))
-    worse = comparable & (after >= before)
-    reused = arm.derived.batch.cached_tokens > 0
-    examples = [
-        {
-            "request": int(i) + 1,
-            "request_id": arm.derived.batch.request_id[i],
-            "prompt_tokens": int(arm.derived.batch.prompt_tokens[i]),
-            "cached_tokens": int(arm.derived.batch.cached_tokens[i]),
-            "ttft_baseline": float(before[i]),
-            "ttft_arm": float(after[i]),
-        }
-        for i in np.flatnonzero(worse)[:10]
-    ]
-    return {
-        "requests": int(worse.sum()),
-        "share": float(worse.sum() / comparable.sum()) if comparable.any() else None,
-        "of_which_reused_nothing": int((worse & ~reused).sum()),
-        "examples": examples,
-    }
+            for i in np.flatnonzero(worse)[:10]
+        ]
+        return int(worse.sum()), int(comparable.sum()), int((worse & ~reused).sum()), examples
 
 
 TABLE_HEADER = [

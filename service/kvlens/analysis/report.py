@@ -184,13 +184,15 @@ def totals_of(cells: dict[Key, Cell], cost_for: Callable[[str], CostModel]) -> T
     )
 
 
-def summarize(derived: Derived) -> Summary:
-    """The numpy engine: the :class:`Summary` of records held in memory."""
-    batch, reduced = derived.batch, derived.reduced
+def cells_of(derived: Derived, rows: npt.NDArray[np.bool_] | None = None) -> dict[Key, Cell]:
+    """The exact sums of the records in ``rows`` (all by default), per :data:`Key`."""
+    reduced = derived.reduced
     groups = len(derived.length_labels)
     code = (reduced.model_codes.astype(np.int64) * groups + reduced.length_group) * 2 + reduced.hit
+    n, h = derived.batch.prompt_tokens, derived.batch.cached_tokens
+    if rows is not None:
+        code, n, h = code[rows], n[rows], h[rows]
     keys, inverse = np.unique(code, return_inverse=True)
-    n, h = batch.prompt_tokens, batch.cached_tokens
     sums = [
         _exact_sums(inverse, len(keys), column)
         for column in (np.ones_like(n), n, h, n * (n + 1) // 2, h * (h + 1) // 2)
@@ -200,6 +202,15 @@ def summarize(derived: Derived) -> Summary:
         rest, hit = divmod(value, 2)
         model, group = divmod(rest, groups)
         cells[(reduced.model_names[model], group, bool(hit))] = Cell(*(column[i] for column in sums))
+    return cells
+
+
+def summarize(derived: Derived) -> Summary:
+    """The numpy engine: the :class:`Summary` of records held in memory."""
+    batch, reduced = derived.batch, derived.reduced
+    groups = len(derived.length_labels)
+    n, h = batch.prompt_tokens, batch.cached_tokens
+    cells = cells_of(derived)
     present = [(g, hit) for g in range(groups) for hit in (True, False)]
     rows_of = {group: (reduced.length_group == group[0]) & (reduced.hit == group[1]) for group in present}
     latency = {

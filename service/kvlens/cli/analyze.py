@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from kvlens.cli.common import check_writable, examples, input_flags, read_progress, scale_flags
+from kvlens.cli.common import check_writable, engine_flag, examples, input_flags, read_progress, scale_flags
 from kvlens.config import load_settings
 
 
@@ -35,12 +35,7 @@ def add_parser(commands: Any) -> None:
     )
     input_flags(analyze)
     scale_flags(analyze)
-    analyze.add_argument(
-        "--engine",
-        choices=("auto", "numpy", "duckdb"),
-        default="auto",
-        help="duckdb: out of core (the scale extra); auto: duckdb for Parquet or large input",
-    )
+    engine_flag(analyze)
     analyze.add_argument(
         "--print-sql",
         action="store_true",

@@ -148,6 +148,16 @@ def scale_flags(sub: argparse.ArgumentParser) -> None:
     )
 
 
+def engine_flag(sub: argparse.ArgumentParser) -> None:
+    """``--engine`` of the commands that read records (chosen by ``analyze.choose_engine``)."""
+    sub.add_argument(
+        "--engine",
+        choices=("auto", "numpy", "duckdb"),
+        default="auto",
+        help="duckdb: out of core (the scale extra); auto: duckdb for Parquet or large input",
+    )
+
+
 def settings_from(args: argparse.Namespace, **overrides: Any) -> Settings:
     return load_settings(
         args.config,

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from kvlens.cli.common import check_writable, examples, input_flags
+from kvlens.cli.common import check_writable, engine_flag, examples, input_flags, scale_flags
 from kvlens.config import load_settings
 
 
@@ -28,8 +30,12 @@ def add_parser(commands: Any) -> None:
         "--arm", action="append", required=True, metavar="NAME=FILE", help="an arm; the first is the baseline"
     )
     input_flags(compare)
+    scale_flags(compare)
+    engine_flag(compare)
     warm = compare.add_mutually_exclusive_group()
-    warm.add_argument("--warmup", type=int, default=0, metavar="N", help="the first N requests are warm-up")
+    warm.add_argument(
+        "--warmup", type=_count, default=0, metavar="N", help="the first N requests are warm-up"
+    )
     warm.add_argument(
         "--warmup-until", type=float, metavar="T", help="requests arriving before T are warm-up"
     )
@@ -37,27 +43,56 @@ def add_parser(commands: Any) -> None:
     compare.set_defaults(run=run)
 
 
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a count of requests is 0 or more, not {value}")
+    return value
+
+
 def run(args: argparse.Namespace) -> int:
     from kvlens.analysis import compare
+    from kvlens.analysis.analyze import choose_engine
 
     check_writable(args.html)
     settings = load_settings(args.config)
-    arms = []
+    specs = []
     for spec in args.arm:
         name, separator, path = spec.partition("=")
         if not separator or not name or not path:
             print(f"kvlens: --arm takes NAME=FILE, not {spec!r}", file=sys.stderr)
             return 2
-        try:
-            arms.append(
-                compare.load_arm(name, path, settings, format_name=args.input_format, model=args.model)
-            )
-        except compare.NoRecordsOfArm as error:
-            print(f"kvlens compare: {error}", file=sys.stderr)
-            return 2
+        specs.append((name, path))
+    paths = sorted({path for _, path in specs})
+    for path in paths:  # a missing arm is refused before any arm is read, whichever engine reads
+        if (
+            path != "-"
+            and not any(char in path for char in "*?[")
+            and "://" not in path
+            and not os.path.exists(path)
+        ):
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+    engine = choose_engine(args.engine, paths)
     try:
-        result = compare.compare(arms, warmup=args.warmup, warmup_until=args.warmup_until)
-    except compare.ArmsDiffer as error:
+        if engine == "duckdb":
+            from kvlens.analysis import columnar_compare
+
+            result = columnar_compare.compare_files(
+                specs,
+                settings,
+                format_name=args.input_format,
+                model=args.model,
+                warmup=args.warmup,
+                warmup_until=args.warmup_until,
+                memory_limit=args.memory_limit or settings.analyze_memory_limit,
+            )
+        else:
+            arms = [
+                compare.load_arm(name, path, settings, format_name=args.input_format, model=args.model)
+                for name, path in specs
+            ]
+            result = compare.compare(arms, warmup=args.warmup, warmup_until=args.warmup_until)
+    except (compare.NoRecordsOfArm, compare.ArmsDiffer, compare.GroupTooLarge) as error:
         print(f"kvlens compare: {error}", file=sys.stderr)
         return 2
     if args.html:
