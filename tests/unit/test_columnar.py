@@ -394,32 +394,3 @@ def test_lines_split_across_reads_keep_their_numbers(tmp_path: Path, monkeypatch
     assert dict(cut.skipped) == dict(whole.skipped) == {"malformed_json": 1, "not_an_object": 1}
     expected = [100, 101, 102, 110, 103, 104]
     assert cut.batch.prompt_tokens.tolist() == whole.batch.prompt_tokens.tolist() == expected
-
-
-def test_calibrate_writes_the_same_cost_models_from_either_engine_and_parquet(tmp_path: Path) -> None:
-    """``--calibrate`` through DuckDB (JSON lines and Parquet) writes the numpy engine's file to
-    the byte: the fit rests on the same points, taken in the same order."""
-    from tests.unit.test_analysis import synthetic_prefill
-
-    records = []
-    for model, (a, b) in (("llama", (2.0e-5, 3.0e-9)), ("qwen", (1.1e-5, 1.7e-9))):
-        n, h, prefill = synthetic_prefill(a, b, 0.005, noise=0.01, count=300)
-        records += [
-            {"model": model, "prompt_tokens": int(x), "cached_tokens": int(y), "prefill_seconds": float(p)}
-            for x, y, p in zip(n, h, prefill, strict=True)
-        ]
-    plain = write_jsonl(tmp_path / "c.jsonl", records)
-    parquet = tmp_path / "c.parquet"
-    columnar.convert([str(plain)], parquet)
-    written = {}
-    for name, path, engine in (
-        ("numpy", plain, "numpy"),
-        ("duckdb", plain, "duckdb"),
-        ("parquet", parquet, "duckdb"),
-    ):
-        out = tmp_path / f"{name}.yaml"
-        assert main(["analyze", str(path), "--engine", engine, "--calibrate", str(out), "--json"]) == 0
-        written[name] = out.read_text()
-    assert sorted(yaml.safe_load(written["numpy"])["cost_models"]) == ["llama", "qwen"]
-    assert written["duckdb"] == written["numpy"]
-    assert written["parquet"] == written["numpy"]
