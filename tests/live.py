@@ -72,10 +72,11 @@ def start_kvlens(
     scheme: str = "http",
     wait: bool = True,
     ready: str = "/healthz",
+    start_seconds: float = 20,
 ) -> Running:
     """Start ``kvlens ARGS --port P`` and, unless ``wait`` is False, wait until ``ready`` answers
     200 (``kvlens simulate serve`` answers on vLLM's ``/health``; a test that counts connections
-    may want no probe of its own to have been one)."""
+    may want no probe of its own to have been one), at most ``start_seconds``."""
     port = port or free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "kvlens.cli", *args, "--port", str(port)],
@@ -87,10 +88,10 @@ def start_kvlens(
     url = f"{scheme}://127.0.0.1:{port}"
     if not wait:
         return Running(process, url)
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + start_seconds
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"kvlens exited early:\n{process.stdout.read() if process.stdout else ''}")
+            raise RuntimeError(f"kvlens exited early:\n{process.communicate()[0]}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=1):
                 pass
@@ -98,8 +99,10 @@ def start_kvlens(
                 return Running(process, url)
         except (OSError, httpx.TransportError):
             time.sleep(0.05)  # waiting for a process to bind, not for time to pass
+    # Reaped here: a process left running would fail the next test too (its ResourceWarning).
     process.kill()
-    raise RuntimeError("kvlens did not start within 20 s")
+    out, _ = process.communicate()
+    raise RuntimeError(f"kvlens did not start within {start_seconds:g} s:\n{out}")
 
 
 def parse_samples(text: str) -> Samples:

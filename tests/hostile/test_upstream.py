@@ -87,8 +87,9 @@ def test_series_that_change_every_scrape_keep_memory_flat(
     assert upstream.wait_for_scrapes(20) >= 20
     memory = sidecar.memory()
     before = memory.rss_mib()
-    assert upstream.wait_for_scrapes(220, timeout=60) >= 220
-    assert memory.rss_mib() - before < 20  # 400,000 series came and went
+    # 120,000 series come and go; kept, even 35 bytes each would show (measured: +0.02 MiB).
+    assert upstream.wait_for_scrapes(80, timeout=60) >= 80
+    assert memory.rss_mib() - before < 4
     assert sidecar.value("kvlens_upstream_samples_rejected_total", reason="series_overflow") > 0  # cap 1,000
 
 
