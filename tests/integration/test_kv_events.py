@@ -171,12 +171,10 @@ def test_shards_sum_to_the_whole_over_real_processes() -> None:
     simulate(requests, Fleet(4, 1500, 512), "round_robin", events=lambda i: engines[i])
     publishers = [TestPublisher(free_port()) for _ in range(4)]
     flags = [arg for i, p in enumerate(publishers) for arg in ("--kv-events", f"r{i}={p.endpoint}")]
-    processes = [
-        start_kvlens("serve", *flags),
-        start_kvlens("serve", *flags, "--kv-events-shard", "0/2"),
-        start_kvlens("serve", *flags, "--kv-events-shard", "1/2"),
-    ]
+    processes = []
     try:
+        for shard in ((), ("--kv-events-shard", "0/2"), ("--kv-events-shard", "1/2")):
+            processes.append(start_kvlens("serve", *flags, *shard))
         for publisher in publishers:
             for _ in processes:
                 publisher.wait_subscribed()
@@ -264,22 +262,21 @@ def test_serve_finds_its_publishers_by_dns() -> None:
     127.0.0.1 (this machine's localhost), a replica named by its address, whose gap is repaired
     from the replay port; its events are classified as any."""
     port, replay_port = free_port(), free_port()
-    publisher = TestPublisher(port, replay_port=replay_port)
-    kvlens = start_kvlens("serve", "--kv-events-dns", f"localhost:{port}/{replay_port}")
-    try:
-        publisher.wait_subscribed()
-        replica = f"127.0.0.1:{port}"
-        assert kvlens.wait_for("kvlens_kv_publisher_up", 1, replica=replica) == 1
-        publisher.publish(stored([101], None, FIRST))  # seq 0
-        assert kvlens.wait_for("kvlens_kv_event_batches_total", 1, replica=replica) == 1
-        publisher.drop(stored([102], 101, SECOND))  # seq 1 lost on the way
-        publisher.publish(stored([103], 102, [9, 9, 9, 9]))  # seq 2: the gap is repaired first
-        assert kvlens.wait_for("kvlens_kv_event_batches_total", 3, replica=replica) == 3
-        assert kvlens.value("kvlens_kv_recomputed_tokens_total", replica=replica, cause=NEW) == 12
-        assert kvlens.value("kvlens_kv_replayed_batches_total", replica=replica) == 1
-        assert kvlens.value("kvlens_kv_dns_replicas", service=f"localhost:{port}") == 1
-        assert kvlens.value("kvlens_kv_dns_failures_total", service=f"localhost:{port}") == 0
-    finally:
-        out = kvlens.output()
-        publisher.close()
+    with TestPublisher(port, replay_port=replay_port) as publisher:
+        kvlens = start_kvlens("serve", "--kv-events-dns", f"localhost:{port}/{replay_port}")
+        try:
+            publisher.wait_subscribed()
+            replica = f"127.0.0.1:{port}"
+            assert kvlens.wait_for("kvlens_kv_publisher_up", 1, replica=replica) == 1
+            publisher.publish(stored([101], None, FIRST))  # seq 0
+            assert kvlens.wait_for("kvlens_kv_event_batches_total", 1, replica=replica) == 1
+            publisher.drop(stored([102], 101, SECOND))  # seq 1 lost on the way
+            publisher.publish(stored([103], 102, [9, 9, 9, 9]))  # seq 2: the gap is repaired first
+            assert kvlens.wait_for("kvlens_kv_event_batches_total", 3, replica=replica) == 3
+            assert kvlens.value("kvlens_kv_recomputed_tokens_total", replica=replica, cause=NEW) == 12
+            assert kvlens.value("kvlens_kv_replayed_batches_total", replica=replica) == 1
+            assert kvlens.value("kvlens_kv_dns_replicas", service=f"localhost:{port}") == 1
+            assert kvlens.value("kvlens_kv_dns_failures_total", service=f"localhost:{port}") == 0
+        finally:
+            out = kvlens.output()
     assert "Traceback" not in out

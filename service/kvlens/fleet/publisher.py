@@ -101,9 +101,15 @@ class EventPublisher:
             self.router.send_multipart([client, b"", END_SEQ, b""])
 
     def close(self) -> None:
+        """Stop the replay thread, then close every socket without lingering: ``destroy``, not
+        ``term``, which waits for ever on a socket left open (a test that failed half-way)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5)
-            self.router.close(0)
-        self.pub.close(0)
-        self.context.term()
+        self.context.destroy(linger=0)
+
+    def __enter__(self) -> EventPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
