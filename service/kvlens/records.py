@@ -526,14 +526,14 @@ def _wire_batch(records: list[Any], keep_prefix_hashes: bool) -> RecordBatch | N
     return _assemble(columns)
 
 
-def strict_records(data: bytes) -> int | None:
-    """How many records the JSON array ``data`` holds when the decoder of
-    :func:`batch_from_json_array` accepts each (kinds and bounds, known fields only), without
-    building them; None when it does not. Two checks are left to the caller, as
-    :func:`batch_from_json_array` makes them after decoding: ``cached_tokens <= prompt_tokens``
+def strict_records(lines: bytes) -> int | None:
+    """How many records the JSON lines ``lines`` hold when the decoder of
+    :func:`batch_from_json_lines` (keeping prefix_hashes) accepts each (kinds and bounds, known
+    fields only), without building them; None when it does not. Two checks are left to the
+    caller, as the batch functions make them after decoding: ``cached_tokens <= prompt_tokens``
     and :func:`labels_valid` over :data:`LABEL_FIELDS`."""
     try:
-        return len(jsonscan.decode(_WIRE_DECODER.decode, data))
+        return len(jsonscan.decode(_LINE_DECODER.decode_lines, lines))
     except msgspec.DecodeError:
         return None
 

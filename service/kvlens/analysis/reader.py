@@ -108,9 +108,8 @@ def parsed_of(
     :func:`batches_of` reads it, so the records, skips and line numbers are the same."""
     for path, first_line, chunk, file_format in _file_chunks(paths, result, format_name, progress):
         try_fast = True
-        if file_format == "kvlens" and model is None and (array := _as_array(chunk)) is not None:
-            data, lines = array
-            try_fast = strict_records(data) == lines  # one record a line, each valid
+        if file_format == "kvlens" and model is None and (lines := _record_lines(chunk)):
+            try_fast = strict_records(chunk) == lines
             if try_fast and (parsed := parse(chunk, lines)) is not None:
                 result.lines += lines
                 yield parsed
@@ -189,6 +188,17 @@ def _as_array(chunk: bytes) -> tuple[bytes, int] | None:
     if not chunk or b"\r" in chunk or b"\n\n" in chunk or chunk.startswith(b"\n"):
         return None
     return b"[" + chunk.replace(b"\n", b",") + b"]", chunk.count(b"\n") + 1
+
+
+def _record_lines(chunk: bytes) -> int:
+    """The number of lines of the chunk when each starts with ``{`` (no blank line, no indent)
+    and none ends with a carriage return, else 0. Then each line holds at least one value, and
+    none spans lines (a line inside a record would start a nested object, which no field
+    holds): as many records as lines means one a line."""
+    if not chunk.startswith(b"{") or b"\r" in chunk:
+        return 0
+    lines = chunk.count(b"\n") + 1
+    return lines if chunk.count(b"\n{") == lines - 1 else 0
 
 
 def _read_chunk(
