@@ -240,3 +240,21 @@ def test_any_lines_load_as_the_python_validator_reads_them(
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(reader, "CHUNK_BYTES", chunk_bytes)
         assert_same(path)
+
+
+def test_labels_past_ascii_are_checked_exactly_and_with_the_counts(tmp_path: Path) -> None:
+    """A label past printable ASCII leaves the one-statement insert for the staged table and the
+    Python label check, which must still refuse a count above its prompt in the same chunk."""
+    accented = VALID.replace(b'"model":"m"', '"model":"é"'.encode())
+    over = VALID.replace(b'"prompt_tokens":500', b'"prompt_tokens":100')
+    unprintable = VALID.replace(b'"model":"m"', b'"model":"\\t"')
+    for lines, parsed in (
+        ([accented, VALID], [2]),
+        ([accented, over], [None]),
+        ([accented, *[VALID] * 3000, over], [None]),  # the count past DuckDB's first vector
+        ([over, accented], [None]),
+        ([VALID, unprintable], [None]),
+    ):
+        path = tmp_path / "r.jsonl"
+        path.write_bytes(b"\n".join(lines) + b"\n")
+        assert assert_same(path) == parsed

@@ -50,8 +50,7 @@ def load_file(
     (from 0, in the file's order). Lines, skips and formats go to ``result``."""
     names = ", ".join(columns)
     with tempfile.TemporaryDirectory(prefix="kvlens-lines-") as directory:
-        parse = _Parser(connection, columns, Path(directory))
-        offset = 0
+        parse = _Parser(connection, table, columns, src, Path(directory))
         for item in reader.parsed_of(
             [path], result, parse, format_name=format_name, model=model, progress=progress
         ):
@@ -60,34 +59,40 @@ def load_file(
                     continue
                 chunk = _columns_of(item, columns)
                 chunk["src"] = np.full(len(item), src, np.int32)
-                chunk["row"] = np.arange(offset, offset + len(item), dtype=np.int64)
+                chunk["row"] = np.arange(parse.offset, parse.offset + len(item), dtype=np.int64)
                 connection.register("chunk", chunk)
                 connection.execute(f"INSERT INTO {table} SELECT {names}, src, row FROM chunk")
                 connection.unregister("chunk")
-                offset += len(item)
-            else:
-                connection.execute(
-                    f"INSERT INTO {table} SELECT {names}, {int(src)}, {offset} + ordinality - 1 FROM {STAGED}"
-                )
-                offset += item
+                parse.offset += len(item)
     connection.execute(f"DROP TABLE IF EXISTS {STAGED}")
 
 
 class _Parser:
-    """``parse`` for :func:`kvlens.analysis.reader.parsed_of`: the chunk's lines into the temp
-    table :data:`STAGED` (the wanted columns, those the checks read, and each line's ordinal);
-    their number, or None when a check fails or DuckDB refuses the text."""
+    """``parse`` for :func:`kvlens.analysis.reader.parsed_of`: inserts the chunk's records into
+    the table (rows from :attr:`offset` on, which it advances) and returns their number, or
+    None when a check fails or DuckDB refuses the text (nothing inserted).
 
-    def __init__(self, connection: Any, columns: Mapping[str, str], directory: Path) -> None:
+    One statement parses, checks and inserts; a check that fails raises inside it, so DuckDB
+    rolls the whole insert back. Labels are checked there only as printable ASCII of at most
+    :data:`~kvlens.records.MAX_LABEL_BYTES`; a chunk with another label is parsed into the temp
+    table :data:`STAGED` instead, where :func:`kvlens.records.labels_valid` checks the distinct
+    labels, then inserted from it."""
+
+    def __init__(
+        self, connection: Any, table: str, columns: Mapping[str, str], src: int, directory: Path
+    ) -> None:
         import duckdb
 
         self.connection = connection
+        self.table = table
+        self.columns = columns
+        self.src = int(src)
         self.directory = directory
+        self.offset = 0  # the file's valid records inserted so far
         self.refused = (duckdb.InvalidInputException, duckdb.ConversionException)
         self.too_small = duckdb.OutOfMemoryException
         self.enabled = True
         self.files = 0
-        self.columns = {**columns, "prompt_tokens": "BIGINT", "cached_tokens": "BIGINT"}
 
     def __call__(self, chunk: bytes, lines: int) -> int | None:
         if not self.enabled:
@@ -96,40 +101,82 @@ class _Parser:
         # spelled with escapes needs a backslash).
         escaped = b"\\" in chunk
         labels = [name for name in records.LABEL_FIELDS if escaped or name.encode() in chunk]
-        wanted = {**self.columns, **dict.fromkeys(labels, "VARCHAR")}
-        typed = "{" + ", ".join(f"{name}: '{sql}'" for name, sql in wanted.items()) + "}"
-        # an empty string is an absent value, as in a batch
-        selected = ", ".join(
-            f"NULLIF({name}, '') AS {name}" if _KINDS[name] is str else name for name in wanted
-        )
         # a new name each time: DuckDB may cache a file's contents by name
         file = self.directory / f"{self.files}.jsonl"
         self.files += 1
         file.write_bytes(chunk)
-        quoted = str(file).replace("'", "''")
         try:
-            # ordinality: the line's place in the file (checked with 4 threads on 190 MB files;
-            # a chunk is smaller than one of read_json's 32 MiB buffers anyway)
-            self.connection.execute(
-                f"CREATE OR REPLACE TEMP TABLE {STAGED} AS SELECT {selected}, ordinality "
-                f"FROM read_json('{quoted}', format = 'newline_delimited', records = true, "
-                f"columns = {typed}) WITH ORDINALITY"
-            )
-        except self.refused:
-            return None
+            count = self._insert(self._read(file, labels), labels, lines)
         except self.too_small:  # read_json's buffers (32 MiB) do not fit: the validator reads
             self.enabled = False
             return None
         finally:
             file.unlink()
-        checks = ["count(*)", "count(*) FILTER (WHERE cached_tokens > prompt_tokens)"]
-        checks += [f"list(DISTINCT {name})" for name in labels]
-        ((count, cached_over, *distinct),) = self.connection.execute(
-            f"SELECT {', '.join(checks)} FROM {STAGED}"
-        ).fetchall()
-        if count != lines or cached_over or not all(map(records.labels_valid, distinct)):
+        if count is not None:
+            self.offset += count
+        return count
+
+    def _read(self, file: Path, labels: list[str]) -> str:
+        """The chunk's lines as a query: the wanted columns, those the checks read, ordinality."""
+        wanted = {**self.columns, "prompt_tokens": "BIGINT", "cached_tokens": "BIGINT"}
+        wanted.update(dict.fromkeys(labels, "VARCHAR"))
+        typed = "{" + ", ".join(f"{name}: '{sql}'" for name, sql in wanted.items()) + "}"
+        # an empty string is an absent value, as in a batch
+        selected = ", ".join(
+            f"NULLIF({name}, '') AS {name}" if _KINDS[name] is str else name for name in wanted
+        )
+        quoted = str(file).replace("'", "''")
+        # ordinality: the line's place in the file (checked with 4 threads on 190 MB files; a
+        # chunk is smaller than one of read_json's 32 MiB buffers anyway)
+        return (
+            f"SELECT {selected}, ordinality FROM read_json('{quoted}', format = 'newline_delimited', "
+            f"records = true, columns = {typed}) WITH ORDINALITY"
+        )
+
+    def _insert(self, lines_query: str, labels: list[str], lines: int) -> int | None:
+        insert = (
+            f"INSERT INTO {self.table} SELECT {', '.join(self.columns)}, {self.src}, "
+            f"{self.offset} + ordinality - 1 FROM "
+        )
+        ascii_labels = " AND ".join(
+            f"({name} IS NULL OR regexp_full_match({name}, '[ -~]{{0,{records.MAX_LABEL_BYTES}}}'))"
+            for name in labels
+        )
+        try:
+            ((count,),) = self.connection.execute(
+                f"{insert} ({lines_query}) WHERE CASE "
+                "WHEN cached_tokens > prompt_tokens THEN error('kvlens: cached_tokens') "
+                f"WHEN NOT ({ascii_labels or 'true'}) THEN error('kvlens: labels') ELSE true END"
+            ).fetchall()
+        except self.refused as error:
+            if "kvlens: labels" not in str(error):
+                return None  # cached_tokens above prompt_tokens, or text DuckDB refuses
+            count = self._staged(lines_query, labels)
+            if count is None:
+                return None
+            self.connection.execute(f"{insert} {STAGED}")
+        if count != lines:  # never seen: DuckDB read other lines than the decoder
+            self.connection.execute(
+                f"DELETE FROM {self.table} WHERE src = {self.src} AND row >= {self.offset}"
+            )
             return None
         return int(count)
+
+    def _staged(self, lines_query: str, labels: list[str]) -> int | None:
+        """The chunk's number of lines, parsed into :data:`STAGED`, when both checks pass (the
+        insert may have stopped at a label before reaching a count above its prompt)."""
+        try:
+            self.connection.execute(f"CREATE OR REPLACE TEMP TABLE {STAGED} AS {lines_query}")
+        except self.refused:
+            return None
+        checks = ", ".join(
+            ["count(*)", "count(*) FILTER (WHERE cached_tokens > prompt_tokens)"]
+            + [f"list(DISTINCT {name})" for name in labels]
+        )
+        ((count, cached_over, *values),) = self.connection.execute(
+            f"SELECT {checks} FROM {STAGED}"
+        ).fetchall()
+        return int(count) if not cached_over and all(map(records.labels_valid, values)) else None
 
 
 def _columns_of(batch: records.RecordBatch, columns: Mapping[str, str]) -> dict[str, Any]:
