@@ -7,14 +7,16 @@ and a column from them cost several times the decoding (``records._wire_batch``)
 text again in DuckDB a fraction of it. The values are the decoder's: every line is strict JSON
 with each field of its kind (a count is a JSON integer, a duration a finite number, a label a
 string), so DuckDB's leniencies (``5.0`` or ``"5"`` read into an integer column, NaN, trailing
-commas) never meet the text. The two checks the decoder leaves are made here on the parsed
-columns, as :func:`kvlens.records.batch_from_json_array` makes them: ``cached_tokens <=
-prompt_tokens`` and valid labels. A chunk that fails one, or that DuckDB refuses (it refuses a
+commas) never meet the text. The two checks the decoder leaves, as
+:func:`kvlens.records.batch_from_json_array` makes them (``cached_tokens <= prompt_tokens``,
+valid labels), are made in the statement that inserts the rows. A chunk that fails one, or
+that DuckDB refuses (it refuses a
 duplicate key, where the decoder keeps the last value), is read by the Python validator as
 before; so is every chunk holding a bad line, a blank line or another format, and every chunk
 once read_json's buffers (32 MiB) do not fit in the memory limit. Either way the records, the
 skipped lines' counts, reasons and line numbers, and the rows' order are the same
-(tests/unit/test_jsonl_load.py draws tricky lines to hold them to it).
+(tests/unit/test_jsonl_load.py draws tricky lines to hold them to it). The temporary file, one
+chunk (about 8 MiB) at a time, is in the system's temporary directory (``TMPDIR``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import numpy as np
 from kvlens import records
 from kvlens.analysis import reader
 
-STAGED = "kvlens_parsed_lines"  # the temp table a parsed chunk waits in before its checks
+STAGED = "kvlens_parsed_lines"  # a chunk with labels past ASCII waits here for the Python label check
 _KINDS = {spec.name: spec.kind for spec in records.FIELDS}
 
 
