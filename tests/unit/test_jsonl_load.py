@@ -258,3 +258,16 @@ def test_labels_past_ascii_are_checked_exactly_and_with_the_counts(tmp_path: Pat
         path = tmp_path / "r.jsonl"
         path.write_bytes(b"\n".join(lines) + b"\n")
         assert assert_same(path) == parsed
+
+
+def test_a_full_temporary_directory_leaves_the_lines_to_the_validator(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(self: Path, data: bytes) -> int:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(reader, "CHUNK_BYTES", 2 * (len(VALID) + 1))
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b"\n".join([VALID] * 5) + b"\n")
+    monkeypatch.setattr(jsonl_load.Path, "write_bytes", full)
+    assert assert_same(path) == [None, None, None]  # tried once, then not again

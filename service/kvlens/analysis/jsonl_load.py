@@ -106,7 +106,12 @@ class _Parser:
         # a new name each time: DuckDB may cache a file's contents by name
         file = self.directory / f"{self.files}.jsonl"
         self.files += 1
-        file.write_bytes(chunk)
+        try:
+            file.write_bytes(chunk)
+        except OSError:  # the temporary directory is full or gone: the validator reads, as before
+            file.unlink(missing_ok=True)
+            self.enabled = False
+            return None
         try:
             count = self._insert(self._read(file, labels), labels, lines)
         except self.too_small:  # read_json's buffers (32 MiB) do not fit: the validator reads
