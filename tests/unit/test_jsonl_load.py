@@ -269,5 +269,5 @@ def test_a_full_temporary_directory_leaves_the_lines_to_the_validator(
     monkeypatch.setattr(reader, "CHUNK_BYTES", 2 * (len(VALID) + 1))
     path = tmp_path / "r.jsonl"
     path.write_bytes(b"\n".join([VALID] * 5) + b"\n")
-    monkeypatch.setattr(jsonl_load.Path, "write_bytes", full)
+    monkeypatch.setattr(Path, "write_bytes", full)
     assert assert_same(path) == [None, None, None]  # tried once, then not again
