@@ -160,7 +160,7 @@ def _chunks(stream: IO[bytes], progress: Callable[[int], None] | None) -> Iterat
         if cut < 0:
             pieces.append(block)
             continue
-        whole = b"".join((*pieces, block[:cut]))
+        whole = b"".join((*pieces, memoryview(block)[:cut]))  # one copy, not two
         pieces = [block[cut + 1 :]]
         if progress is not None:
             progress(len(whole) + 1)
