@@ -4,6 +4,12 @@ lines (nothing else), and DuckDB's bare ``count(*)``/``sum()`` scan of the Parqu
 
     .venv/bin/python bench/analyze.py [--records 1000000,10000000] [--memory-limit 2GiB]
     .venv/bin/python bench/analyze.py --records 100000000 --skip-json   # about 3 GB of Parquet
+    .venv/bin/python bench/analyze.py --records 1000000 --only jsonl_load_duckdb --repeat 3
+
+``jsonl_load_duckdb`` is the read phase of the JSON lines alone (read, validate, load into
+DuckDB: what ``analyze`` does before its summary), beside the same baseline as the whole
+analysis. ``--only`` runs the cases named (and their baselines); ``--repeat`` runs each case that
+many times, one process each, and prints the medians.
 
 Every measurement runs in its own process, so each peak RSS is that case's alone; its CPU
 seconds (all threads) are printed beside the wall time, since other processes share the cores. The numpy
@@ -19,6 +25,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -77,6 +84,12 @@ def run_case(case: str, path: str, memory_limit: str) -> dict[str, Any]:
         ((count, *_),) = connection.execute(
             f"SELECT count(*), sum(prompt_tokens), sum(cached_tokens), sum(ttft_seconds) FROM '{path}'"
         ).fetchall()
+    elif case == "jsonl_load_duckdb":  # the read phase alone: read, validate, load into DuckDB
+        from kvlens.analysis import columnar
+
+        store = columnar.Engine(memory_limit=memory_limit)
+        count = columnar.load(store, [path]).records
+        store.close()
     else:
         from kvlens.analysis.analyze import analyze
         from kvlens.config import load_settings
@@ -96,14 +109,23 @@ def run_case(case: str, path: str, memory_limit: str) -> dict[str, Any]:
     }
 
 
-def measure(case: str, path: Path, memory_limit: str) -> dict[str, Any]:
-    out = subprocess.run(
-        [sys.executable, __file__, "--case", case, "--path", str(path), "--memory-limit", memory_limit],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    return json.loads(out.strip().splitlines()[-1])  # type: ignore[no-any-return]
+def measure(case: str, path: Path, memory_limit: str, repeat: int) -> dict[str, Any]:
+    """The case run ``repeat`` times, one process each: the medians of its wall and CPU seconds."""
+    runs = []
+    for _ in range(repeat):
+        out = subprocess.run(
+            [sys.executable, __file__, "--case", case, "--path", str(path), "--memory-limit", memory_limit],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        runs.append(json.loads(out.strip().splitlines()[-1]))
+    return {
+        **runs[0],
+        "seconds": statistics.median(run["seconds"] for run in runs),
+        "cpu_seconds": statistics.median(run["cpu_seconds"] for run in runs),
+        "peak_rss": max(run["peak_rss"] for run in runs),
+    }
 
 
 def main() -> None:
@@ -113,6 +135,8 @@ def main() -> None:
     parser.add_argument("--numpy-max", type=int, default=1_000_000, help="largest size the numpy engine runs")
     parser.add_argument("--skip-json", action="store_true", help="Parquet only (the 100M case)")
     parser.add_argument("--directory", type=Path, help="where to generate (default: a temporary directory)")
+    parser.add_argument("--only", help="comma-separated cases to run (default: all); see CASES")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each case; medians are printed")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -134,12 +158,23 @@ def main() -> None:
                 ("parquet_analyze_duckdb", parquet, "duckdb_scan"),
             ]
             if jsonl is not None:
-                cases += [("orjson_parse", jsonl, None), ("jsonl_analyze_duckdb", jsonl, "orjson_parse")]
+                cases += [
+                    ("orjson_parse", jsonl, None),
+                    ("jsonl_load_duckdb", jsonl, "orjson_parse"),
+                    ("jsonl_analyze_duckdb", jsonl, "orjson_parse"),
+                ]
                 if count <= args.numpy_max:
                     cases.append(("jsonl_analyze_numpy", jsonl, "orjson_parse"))
+            if args.only:
+                wanted = set(args.only.split(","))
+                cases = [
+                    case
+                    for case in cases
+                    if case[0] in wanted or case[0] in {c[2] for c in cases if c[0] in wanted}
+                ]
             results: dict[str, dict[str, Any]] = {}
             for case, path, baseline in cases:
-                result = results[case] = measure(case, path, args.memory_limit)
+                result = results[case] = measure(case, path, args.memory_limit, args.repeat)
                 assert result["records"] == count, result
                 ratio = (
                     f"{result['seconds'] / results[baseline]['seconds']:.2f}x "

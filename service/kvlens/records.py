@@ -13,7 +13,7 @@ import itertools
 import math
 import operator
 import typing
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Final
 
@@ -197,6 +197,7 @@ FIELDS: Final = _field_specs()
 FIELD_NAMES: Final = tuple(spec.name for spec in FIELDS)
 _FIELD_INDEX: Final = {spec.name: i for i, spec in enumerate(FIELDS)}
 _KNOWN: Final = frozenset(FIELD_NAMES)
+LABEL_FIELDS: Final = tuple(spec.name for spec in FIELDS if spec.is_label)
 
 
 def reason_message(field_name: str | None, reason: str) -> str:
@@ -508,7 +509,7 @@ def _wire_batch(records: list[Any], keep_prefix_hashes: bool) -> RecordBatch | N
         elif spec.kind is str:
             if "" in raw:
                 raw = [v or None for v in raw]
-            if spec.is_label and not all(map(valid_label, set(raw) - {None})):
+            if spec.is_label and not labels_valid(raw):
                 return None
             columns[spec.name] = raw
         elif keep_prefix_hashes:
@@ -523,6 +524,23 @@ def _wire_batch(records: list[Any], keep_prefix_hashes: bool) -> RecordBatch | N
     if (columns["cached_tokens"] > columns["prompt_tokens"]).any():
         return None
     return _assemble(columns)
+
+
+def strict_records(lines: bytes) -> int | None:
+    """How many records the JSON lines ``lines`` hold when the decoder of
+    :func:`batch_from_json_lines` (keeping prefix_hashes) accepts each (kinds and bounds, known
+    fields only), without building them; None when it does not. Two checks are left to the
+    caller, as the batch functions make them after decoding: ``cached_tokens <= prompt_tokens``
+    and :func:`labels_valid` over :data:`LABEL_FIELDS`."""
+    try:
+        return len(jsonscan.decode(_LINE_DECODER.decode_lines, lines))
+    except msgspec.DecodeError:
+        return None
+
+
+def labels_valid(labels: Iterable[str | None]) -> bool:
+    """Whether every one of ``labels`` is a valid label; None and "" are absent ones."""
+    return all(valid_label(label) for label in set(labels) if label)
 
 
 def decode_prefix_hashes(raw: bytes | msgspec.Raw) -> list[int | str] | None:

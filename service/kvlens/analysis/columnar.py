@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from kvlens import definitions, records
-from kvlens.analysis import reader, report
+from kvlens.analysis import jsonl_load, reader, report
 from kvlens.errors import InputError
 
 DEFAULT_MEMORY_LIMIT = "2GiB"
@@ -207,43 +207,23 @@ def load(
     parquet = [(index, path) for index, path in enumerate(files) if is_parquet(path)]
     scanned = {index for index, _ in parquet}
     for index, path in enumerate(files):
-        if index in scanned:
-            continue
-        offset = 0
-        for batch in reader.batches_of(
-            [path], result, format_name=format_name, model=model, progress=progress
-        ):
-            if not len(batch):
-                continue
-            chunk = _columns_of(batch, columns)
-            chunk["src"] = np.full(len(batch), index, np.int32)
-            chunk["row"] = np.arange(offset, offset + len(batch), dtype=np.int64)
-            offset += len(batch)
-            con.register("chunk", chunk)
-            con.execute(f"INSERT INTO jsonl_records SELECT {', '.join((*columns, 'src', 'row'))} FROM chunk")
-            con.unregister("chunk")
+        if index not in scanned:
+            jsonl_load.load_file(
+                con,
+                "jsonl_records",
+                {name: _SQL_TYPE[_SPEC[name].kind] for name in columns},
+                index,
+                path,
+                result,
+                format_name=format_name,
+                model=model,
+                progress=progress,
+            )
     sources = ["SELECT * FROM jsonl_records"]
     if parquet:
         sources.append(_parquet_view(engine, parquet, columns, result))
     con.execute(f"CREATE OR REPLACE TEMP VIEW records AS {' UNION ALL '.join(sources)}")
     return Loaded(read=result, files=files, parquet=bool(parquet))
-
-
-def _columns_of(batch: records.RecordBatch, columns: Sequence[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name in columns:
-        if name == "model":
-            names = np.array([*batch.model_names, None], dtype=object)
-            out[name] = names[batch.model_codes]  # -1 (none) picks the trailing None
-        else:
-            values = getattr(batch, name)
-            if isinstance(values, np.ndarray):
-                # absent counts are -1 in a batch; NaN becomes NULL in DuckDB's scan
-                absent = values.dtype.kind == "i" and bool((values < 0).any())
-                out[name] = np.where(values < 0, np.nan, values) if absent else values
-            else:
-                out[name] = np.array(values, dtype=object)
-    return out
 
 
 def _parquet_view(

@@ -1,0 +1,273 @@
+"""JSON lines into DuckDB (``analysis/jsonl_load.py``): chunks the strict decoder accepts are
+parsed by DuckDB's ``read_json``, the others read by the Python validator. Whatever the lines
+hold, the table must equal what the Python validator alone makes of the file (``reader.read``),
+value for value (the sign of a zero included), row for row, with the same lines, skips, reasons
+and example line numbers."""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvlens.analysis import columnar, jsonl_load, reader
+
+pytest.importorskip("duckdb")
+
+COLUMNS = columnar.SCALAR_COLUMNS  # every field but prefix_hashes: what `kvlens convert` keeps
+
+
+def expected(path: Path) -> tuple[reader.ReadResult, list[str]]:
+    """The Python validator's reading of ``path``, as the rows the table must hold."""
+    read = reader.read([str(path)])
+    batch = read.batch
+    rows = []
+    for i in range(len(batch)):
+        row: list[Any] = []
+        for name in COLUMNS:
+            if name == "model":
+                code = int(batch.model_codes[i])
+                row.append(batch.model_names[code] if code >= 0 else None)
+                continue
+            value = getattr(batch, name)[i]
+            if isinstance(value, np.integer):
+                row.append(None if value < 0 else int(value))
+            elif isinstance(value, np.floating):
+                row.append(None if math.isnan(value) else float(value))
+            else:
+                row.append(value)
+        rows.append(repr((*row, 0, i)))  # repr: -0.0 and 0.0 differ
+    return read, rows
+
+
+def loaded(path: Path, threads: int = 2) -> tuple[reader.ReadResult, list[str], list[int | None]]:
+    """The table ``columnar.load`` makes of ``path``, and what each DuckDB parse returned."""
+    engine = columnar.Engine(threads=threads)
+    parses: list[int | None] = []
+    parse = jsonl_load._Parser.__call__
+
+    def counted(self: jsonl_load._Parser, chunk: bytes, lines: int) -> int | None:
+        parses.append(parse(self, chunk, lines))
+        return parses[-1]
+
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(jsonl_load._Parser, "__call__", counted)
+            result = columnar.load(engine, [str(path)], columns=COLUMNS).read
+        rows = engine.connection.execute(
+            f"SELECT {', '.join(COLUMNS)}, src, row FROM jsonl_records ORDER BY row"
+        ).fetchall()
+    finally:
+        engine.close()
+    return result, [repr(row) for row in rows], parses
+
+
+def assert_same(path: Path) -> list[int | None]:
+    want, want_rows = expected(path)
+    got, got_rows, parses = loaded(path)
+    assert got_rows == want_rows
+    assert (got.lines, got.ignored, dict(got.skipped), got.examples, got.formats) == (
+        want.lines,
+        want.ignored,
+        dict(want.skipped),
+        want.examples,
+        want.formats,
+    )
+    return parses
+
+
+VALID = (
+    b'{"model":"m","prompt_tokens":500,"cached_tokens":140,"queue_seconds":0.1,'
+    b'"prefill_seconds":0.25,"ttft_seconds":0.5,"arrival_time":1764547200.5}'
+)
+
+
+def test_clean_chunks_are_parsed_by_duckdb_and_a_bad_line_sends_only_its_chunk_to_the_validator(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(reader, "CHUNK_BYTES", 10 * (len(VALID) + 1))  # 10 lines a chunk
+    lines = [VALID] * 95
+    lines[42] = VALID.replace(b'"prompt_tokens":500', b'"prompt_tokens":100')  # cached > prompt
+    lines[77] = b"{broken".ljust(len(VALID))
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    parses = assert_same(path)
+    # 10 chunks (the last of 5 lines): the one with line 43 is parsed, then its check fails;
+    # the one with line 78 never reaches DuckDB (the strict decoder refuses it)
+    assert len(parses) == 9
+    assert parses.count(None) == 1
+    assert sum(count for count in parses if count) == 95 - 10 - 10
+
+
+def test_a_duplicate_key_duckdb_refuses_is_read_by_the_validator(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(VALID[:-1] + b',"model":"last"}\n' + VALID + b"\n")
+    parses = assert_same(path)
+    assert parses == [None]
+    assert expected(path)[1][0].startswith("(None, 'last', ")  # request_id, model: the last wins
+
+
+def test_rows_keep_the_file_order_when_duckdb_reads_a_chunk_in_parallel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    generator = random.Random(7)
+    lines = [
+        b'{"prompt_tokens":%d,"cached_tokens":0,"ttft_seconds":%r}' % (i, generator.random())
+        for i in range(20_000)
+    ]
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    want = expected(path)[1]
+    _, rows, parses = loaded(path, threads=4)
+    assert parses == [20_000]
+    assert rows == want
+
+
+# Tricky text for each kind of field: what the strict decoder and DuckDB read differently, or
+# what only one of them accepts.
+COUNTS = [b"0", b"5", b"-0", b"-1", b"5.0", b"1e2", b'"5"', b"true", b"null", b"10000000", b"10000001",
+          b"18446744073709551616", b"[1]", b"{}", b"NaN"]  # fmt: skip
+DURATIONS = [b"0.1", b"-0.0", b"-0", b"0", b"1e-7", b"1E5", b"0.30000000000000004441", b"86400",
+             b"86400.0000000001", b"NaN", b"Infinity", b"-Infinity", b"1e400", b'"1.5"', b"false",
+             b"null", b"2.2250738585072011e-308", b"5e-324", b"123456789.123456789123"]  # fmt: skip
+TIMES = [b"1764547200.5", b"1764547200", b"4102444800.1", b"-1", b"1.7645472000000001e9"]
+LABELS = [b'"m"', b'""', b'"\\u00e9t\\u00e9"', b'"\xc3\xa9t\xc3\xa9"', b'"a\\u0000"', b'"\\ud800"',
+          b'"\\ud83d\\ude00"', b'"' + b"x" * 128 + b'"', b'"' + b"x" * 129 + b'"',
+          b'"' + "é".encode() * 64 + b'"', b'"' + "é".encode() * 65 + b'"', b'"\\t"', b'"a\\/b"', b"5",
+          b"null", b"[]"]  # fmt: skip
+TEXTS = [b'"r1"', b'""', b'"' + b"r" * 32 + b'"', b'"' + b"r" * 33 + b'"', b'"' + b"r" * 256 + b'"',
+         b'"' + b"r" * 257 + b'"', b'"\\u00e9"', b"7", b"null"]  # fmt: skip
+HASHES = [b"[]", b'[1,"a"]', b"[1.5]", b"[[1]]", b"null", b'"x"', b"[true]", b"[18446744073709551616]"]
+FIELDS = {
+    "prompt_tokens": COUNTS, "cached_tokens": COUNTS, "output_tokens": COUNTS, "block_size": COUNTS,
+    "queue_seconds": DURATIONS, "prefill_seconds": DURATIONS, "ttft_seconds": DURATIONS,
+    "decode_seconds": DURATIONS, "e2e_seconds": DURATIONS, "arrival_time": TIMES,
+    "model": LABELS, "replica": LABELS, "tenant": LABELS,
+    "request_id": TEXTS, "finish_reason": TEXTS, "arm": TEXTS, "prefix_hashes": HASHES,
+}  # fmt: skip
+# keys beside the record's: unknown ones, and those that make a line another format's
+OTHERS = [b'"extra":1', b'"extra":[1,{"a":NaN}]', b'"usage":null', b'"usage":{}', b'"input_tokens":1',
+          b'"request_parameters":null', b'"completion_tokens":null,"e2e_latency":null',
+          b'"\\u006dodel":"esc"', b'"model":"again"', b'"extra":nan', b'"extra":inf']  # fmt: skip
+# whole lines the decoders may disagree on
+ODD_LINES = [b"", b"   ", b"{broken", b"[1]", b"5", b"null", b"{}", b'{"prompt_tokens":1,"cached_tokens":0,}',
+             b'{"prompt_tokens":1,"cached_tokens":0} {"prompt_tokens":2,"cached_tokens":0}',
+             b'{"prompt_tokens":1,"cached_tokens":0}\r', b'\xef\xbb\xbf{"prompt_tokens":1,"cached_tokens":0}',
+             b'{"prompt_tokens":1,"cached_tokens":0}//c', b'{"prompt_tokens":1 /*c*/,"cached_tokens":0}',
+             b"{'prompt_tokens':1,'cached_tokens':0}",
+             b'{"prompt_tokens":1,"cached_tokens":0,"x":1e99999}']  # fmt: skip
+
+
+def durations() -> st.SearchStrategy[bytes]:
+    return st.floats(0, 86_400).flatmap(
+        lambda value: st.sampled_from([repr(value), f"{value:.17g}", f"{value:.3e}", f"{value:.20f}"]).map(
+            str.encode
+        )
+    )
+
+
+@st.composite
+def valid_fields(draw: st.DrawFn) -> dict[str, bytes]:
+    prompt = draw(st.integers(0, 40_000))
+    fields = {
+        "prompt_tokens": str(prompt).encode(),
+        "cached_tokens": str(draw(st.integers(0, prompt))).encode(),
+    }
+    for name in ("queue_seconds", "prefill_seconds", "ttft_seconds", "e2e_seconds"):
+        if draw(st.booleans()):
+            fields[name] = draw(durations())
+    for name in ("model", "replica", "tenant"):
+        if draw(st.booleans()):
+            fields[name] = draw(st.sampled_from([b'"m"', b'"model-2"', b'""', b'"\xc3\xa9"', b'"\\u00e9"']))
+    if draw(st.booleans()):
+        fields["arrival_time"] = draw(st.sampled_from(TIMES[:2]))
+    return fields
+
+
+def line(fields: dict[str, bytes], *others: bytes) -> bytes:
+    pairs = [b'"%s":%s' % (name.encode(), value) for name, value in fields.items()]
+    return b"{" + b",".join([*pairs, *others]) + b"}"
+
+
+@st.composite
+def tricky_line(draw: st.DrawFn) -> bytes:
+    """A record with one or two fields set to tricky text, perhaps a key beside them; or an odd
+    line."""
+    fields = draw(valid_fields())
+    for name in draw(st.lists(st.sampled_from(sorted(FIELDS)), min_size=1, max_size=2)):
+        fields[name] = draw(st.sampled_from(FIELDS[name]))
+    others = draw(st.lists(st.sampled_from(OTHERS), max_size=1))
+    return draw(st.one_of(st.just(line(fields, *others)), st.sampled_from(ODD_LINES)))
+
+
+@st.composite
+def unchecked_line(draw: st.DrawFn) -> bytes:
+    """A record the strict decoder accepts and a check after it refuses: cached_tokens above
+    prompt_tokens, or a label that is not printable."""
+    fields = draw(valid_fields())
+    if draw(st.booleans()):
+        fields["cached_tokens"] = str(int(fields["prompt_tokens"]) + draw(st.integers(1, 9))).encode()
+    else:
+        fields[draw(st.sampled_from(["model", "replica", "tenant"]))] = draw(
+            st.sampled_from([b'"\\t"', b'"a\\u0000"'])
+        )
+    return line(fields)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.lists(
+        st.one_of(valid_fields().map(line), valid_fields().map(line), tricky_line(), unchecked_line()),
+        min_size=1,
+        max_size=40,
+    ),
+    st.integers(40, 2_000),
+    st.booleans(),
+)
+def test_any_lines_load_as_the_python_validator_reads_them(
+    tmp_path_factory: pytest.TempPathFactory, lines: list[bytes], chunk_bytes: int, final_newline: bool
+) -> None:
+    path = tmp_path_factory.mktemp("lines") / "r.jsonl"
+    path.write_bytes(b"\n".join(lines) + (b"\n" if final_newline else b""))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(reader, "CHUNK_BYTES", chunk_bytes)
+        assert_same(path)
+
+
+def test_labels_past_ascii_are_checked_exactly_and_with_the_counts(tmp_path: Path) -> None:
+    """A label past printable ASCII leaves the one-statement insert for the staged table and the
+    Python label check, which must still refuse a count above its prompt in the same chunk."""
+    accented = VALID.replace(b'"model":"m"', '"model":"é"'.encode())
+    over = VALID.replace(b'"prompt_tokens":500', b'"prompt_tokens":100')
+    unprintable = VALID.replace(b'"model":"m"', b'"model":"\\t"')
+    for lines, parsed in (
+        ([accented, VALID], [2]),
+        ([accented, over], [None]),
+        ([accented, *[VALID] * 3000, over], [None]),  # the count past DuckDB's first vector
+        ([over, accented], [None]),
+        ([VALID, unprintable], [None]),
+    ):
+        path = tmp_path / "r.jsonl"
+        path.write_bytes(b"\n".join(lines) + b"\n")
+        assert assert_same(path) == parsed
+
+
+def test_a_full_temporary_directory_leaves_the_lines_to_the_validator(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(self: Path, data: bytes) -> int:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(reader, "CHUNK_BYTES", 2 * (len(VALID) + 1))
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b"\n".join([VALID] * 5) + b"\n")
+    monkeypatch.setattr(Path, "write_bytes", full)
+    assert assert_same(path) == [None, None, None]  # tried once, then not again
