@@ -48,6 +48,7 @@ import heapq
 import importlib.util
 import logging
 import math
+import resource
 import socket
 import threading
 import time
@@ -73,6 +74,16 @@ MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
 # Addresses kept per DNS name: a fleet-level kvlens follows one deployment's replicas, and each
 # costs a socket and its series.
 MAX_DISCOVERED: Final = 1024
+# ZeroMQ sockets a subscription takes (the SUB, its monitor's PAIR, and the PAIR libzmq's monitor
+# writes to), and four files (those three's mailboxes and the TCP connection). ZeroMQ allows
+# 1,023 sockets a context by default: 341 subscriptions, far under MAX_DISCOVERED.
+SOCKETS_PER_SUBSCRIPTION: Final = 3
+FILES_PER_SUBSCRIPTION: Final = 4
+# Open files the discovered subscriptions leave to the rest of the process (HTTP connections,
+# the checkpoint, numba's cache): past them a further address is not subscribed (counted as an
+# error of that replica, logged, tried again at the next lookup), so a big answer cannot starve
+# /metrics of sockets. `kvlens serve` raises the soft limit to the hard one at start.
+FILES_KEPT_FREE: Final = 1024
 # Batches waiting for the reorder window (kept as received, read when applied) hold at most this
 # many bytes; past it the oldest are applied at once (a publisher whose timestamps do not move,
 # or a burst, cannot make kvlens hold more).
@@ -404,6 +415,15 @@ class KVEventsSource:
         self.clock = clock
         self.errors = 0
         self._context = zmq.Context()
+        # set before any socket is made; the replays' DEALERs (one at a time) and room to spare
+        most = len(publishers) + MAX_DISCOVERED * len(self.dns)
+        self._context.set(zmq.MAX_SOCKETS, SOCKETS_PER_SUBSCRIPTION * most + 16)
+        self._files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self._most_subscribed = (
+            most
+            if self._files == resource.RLIM_INFINITY
+            else (self._files - FILES_KEPT_FREE) // FILES_PER_SUBSCRIPTION
+        )
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._resolver: threading.Thread | None = None
@@ -462,20 +482,49 @@ class KVEventsSource:
         for name in gone:
             self._unsubscribe(name)
             log.info("kvlens: KV events replica %s left the DNS answer: unsubscribed", name)
+        failed: list[str] = []
         for publisher in new:
-            self._subscribe(publisher)
+            why = None
+            if len(self._subscribed) >= self._most_subscribed:
+                why = f"{self._files} open files allowed, {FILES_KEPT_FREE} kept free"
+            else:
+                try:
+                    self._subscribe(publisher)
+                except self._zmq.ZMQError as error:  # out of files all the same: the others go on
+                    why = str(error)
+            if why is not None:
+                failed.append(f"{publisher.name} ({why})")
+                # not followed, so the next lookup's answer, still naming it, tries again
+                self.consumer.following.pop(publisher.name, None)
+                self.consumer.status[publisher.name].errors += 1
+                self.errors += 1
+        if failed:
+            log.error(
+                "kvlens: KV events: %d replicas could not be subscribed, tried again at the next "
+                "lookup (raise the open-files limit): %s",
+                len(failed),
+                ", ".join(failed[:3]) + (", ..." if len(failed) > 3 else ""),
+            )
 
     def _subscribe(self, publisher: Publisher) -> None:
         zmq = self._zmq
         sub = self._context.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        sub.setsockopt(zmq.IPV6, 1)  # a discovered AAAA address; harmless for IPv4
-        sub.setsockopt(zmq.SUBSCRIBE, publisher.topic.encode())
-        # PUB sends nothing while the engine is idle: the connection, not the traffic, says up;
-        # a finished ZMTP handshake, not the TCP connect (anything that accepts TCP does that)
-        monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-        sub.connect(publisher.endpoint)
+        monitor = None
+        try:
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            sub.setsockopt(zmq.IPV6, 1)  # a discovered AAAA address; harmless for IPv4
+            sub.setsockopt(zmq.SUBSCRIBE, publisher.topic.encode())
+            # PUB sends nothing while the engine is idle: the connection, not the traffic, says up;
+            # a finished ZMTP handshake, not the TCP connect (anything that accepts TCP does that)
+            monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+            sub.connect(publisher.endpoint)
+        except zmq.ZMQError:  # no socket left half made
+            if monitor is not None:
+                sub.disable_monitor()
+                monitor.close(0)
+            sub.close(0)
+            raise
         self._subscribed[publisher.name] = (sub, monitor)
         self._sockets[sub] = publisher
         self._monitors[monitor] = publisher
@@ -500,7 +549,11 @@ class KVEventsSource:
         self.ready.set()
         try:
             while not self._stop.is_set():
-                self._apply_wanted()
+                try:
+                    self._apply_wanted()
+                except Exception:  # a bug must not end the subscriptions
+                    log.exception("kvlens: KV events: following the DNS answer failed")
+                    self.errors += 1
                 ready = self._poller.poll(self.poll_milliseconds)
                 if not ready:
                     self.consumer.release(idle=True)  # nothing older is on its way
