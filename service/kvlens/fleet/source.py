@@ -69,8 +69,14 @@ MAX_REPLAY_FRAMES: Final = 100_000  # one replay answer at most (vLLM's buffer_s
 # every message with a dead replay endpoint would hold it replay_timeout_seconds a message.
 REPLAY_QUIET_TIMEOUTS: Final = 10
 # A message past this closes the connection (ZMQ_MAXMSGSIZE; ZeroMQ reconnects): a vLLM batch
-# is one engine step's events, well under a MiB.
-MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
+# is one engine step's events, well under a MiB (16 MiB: some 2.5M tokens stored in one step).
+MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
+# Messages libzmq reads ahead per socket (ZMQ_RCVHWM; its default is 1,000, up to 1,000 x
+# MAX_MESSAGE_BYTES held while the thread is busy). Past it libzmq stops reading, TCP pushes back
+# and the publisher holds the rest (vLLM's PUB keeps 100,000 messages before it drops, a gap).
+KV_RECEIVE_HWM: Final = 8
+# One replay answer's payloads at most; a longer one is given up (the gap counted missed).
+MAX_REPLAY_BYTES: Final = 64 * 1024 * 1024
 # Addresses kept per DNS name: a fleet-level kvlens follows one deployment's replicas, and each
 # costs a socket and its series.
 MAX_DISCOVERED: Final = 1024
@@ -513,6 +519,7 @@ class KVEventsSource:
         try:
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            sub.setsockopt(zmq.RCVHWM, KV_RECEIVE_HWM)
             sub.setsockopt(zmq.IPV6, 1)  # a discovered AAAA address; harmless for IPv4
             sub.setsockopt(zmq.SUBSCRIBE, publisher.topic.encode())
             # PUB sends nothing while the engine is idle: the connection, not the traffic, says up;
@@ -613,13 +620,16 @@ class KVEventsSource:
         def ask(first: int) -> list[tuple[int, bytes]]:
             socket = self._context.socket(zmq.DEALER)
             socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            socket.setsockopt(zmq.RCVHWM, KV_RECEIVE_HWM)
             try:
                 socket.connect(endpoint)
                 # A ROUTER sees [identity, empty, start] from a REQ; a DEALER adds the empty frame.
                 socket.send_multipart([b"", first.to_bytes(8, "big")])
                 frames: list[tuple[int, bytes]] = []
+                held = 0
                 deadline = self.clock() + self.replay_timeout_seconds
-                while len(frames) < MAX_REPLAY_FRAMES:
+                while len(frames) < MAX_REPLAY_FRAMES and held <= MAX_REPLAY_BYTES:
                     left = deadline - self.clock()
                     if left <= 0 or not socket.poll(max(1, int(left * 1000))):
                         return []  # no full answer: the gap stays unrepaired
@@ -630,6 +640,7 @@ class KVEventsSource:
                     if seq == END_SEQ:
                         return frames
                     frames.append((seq, parts[2]))
+                    held += len(parts[2])
                 return []
             finally:
                 socket.close(0)
