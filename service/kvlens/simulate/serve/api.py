@@ -40,6 +40,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from kvlens.errors import ClientDisconnected, InputError, PayloadTooLarge
+from kvlens.exporter.ingest import ArrivingBodies, BodyLimits, BodyReader
 from kvlens.simulate.replica import INF
 from kvlens.simulate.serve import tokenizer
 from kvlens.simulate.serve.engine import RealTimeFleet, Ticket
@@ -121,8 +123,14 @@ class Api:
         *,
         prefix_caching: bool,
         on_record: Callable[[Ticket, RealTimeFleet], None] | None = None,
+        body_limits: BodyLimits,
+        arriving: ArrivingBodies,
     ) -> None:
+        """``body_limits`` and ``arriving``: what a request body may cost, as ``kvlens serve``'s
+        (its settings' deadline, pause and pace; MAX_BODY_BYTES here)."""
         self.served = served
+        self._body_limits = body_limits
+        self._arriving = arriving
         self._make_engine = make_engine
         self._prefix_caching = prefix_caching
         self._on_record = on_record
@@ -168,7 +176,7 @@ class Api:
                 request_id = value.decode("latin-1")
         client = Client()
         try:
-            raw = await _read_body(receive)
+            raw = await self._read_body(scope, receive)
         except ApiError as error:
             await _send(send, error.status, _error_body(error), _JSON_HEADERS)
             return
@@ -360,13 +368,27 @@ class Api:
     # --- checking requests ------------------------------------------------------------------
 
     async def _body(self, request: Request) -> dict[str, Any]:
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            raise ApiError(TOO_LARGE, status=413)
-        raw = await _read_body(request.receive)
+        raw = await self._read_body(request.scope, request.receive)
         if raw is None:
             raise ApiError("the client went away before its body ended")  # nobody reads this answer
         return self._parse(raw)
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
+        """The request's body under ``kvlens serve``'s rules for one (:class:`BodyReader`: refused
+        413 as soon as it passes MAX_BODY_BYTES, chunked or not; 408 past the deadline, a pause or
+        too slow a pace; 503 while too many bodies or bytes are arriving). None: the client went
+        away."""
+        with self._arriving.admit() as admitted:
+            if not admitted:
+                raise ApiError("too many request bodies arriving; retry", status=503)
+            try:
+                return await BodyReader(Request(scope, receive), self._body_limits, self._arriving).body()
+            except ClientDisconnected:
+                return None
+            except PayloadTooLarge:
+                raise ApiError(TOO_LARGE, status=413) from None
+            except InputError as error:
+                raise ApiError(str(error), status=error.status) from None
 
     def _parse(self, raw: bytes) -> dict[str, Any]:
         try:
@@ -603,21 +625,6 @@ class Api:
                 b"data: " + orjson.dumps({**head, "choices": [], "usage": _usage(tickets, ticket)}) + b"\n\n"
             )
         yield b"data: [DONE]\n\n"
-
-
-async def _read_body(receive: Receive) -> bytes | None:
-    """The request's body, refused (413) as soon as it passes MAX_BODY_BYTES: a chunked body
-    says no length up front, so the cap is kept while it arrives. None: the client went away."""
-    raw = bytearray()
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        raw += message.get("body", b"")
-        if len(raw) > MAX_BODY_BYTES:
-            raise ApiError(TOO_LARGE, status=413)
-        if not message.get("more_body"):
-            return bytes(raw)
 
 
 def _usage(tickets: Sequence[Ticket], cached_from: Ticket | None) -> dict[str, Any]:
