@@ -26,6 +26,8 @@ from kvlens.fleet.source import (
     DnsTarget,
     KVEvents,
 )
+from tests import vllm_kv_events as vllm
+from tests.kv_publisher import TestPublisher
 from tests.live import free_port
 
 pytestmark = pytest.mark.integration
@@ -143,3 +145,37 @@ def test_running_out_of_open_files_leaves_the_subscriptions_running() -> None:
     assert result["refused"] == result["errors"] == MAX_DISCOVERED - subscribed
     assert done.stderr.count("could not be subscribed") == 1, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
+
+
+def test_an_ipv6_replica_s_gap_is_repaired_from_its_replay_endpoint() -> None:
+    """A name resolving to an IPv6 address, with a replay port: a batch the publisher drops is
+    replayed. Before: the replay's DEALER socket was not IPv6-enabled, so libzmq never connected
+    it to ``tcp://[::1]:PORT``; every gap waited out the 2 s replay timeout and was counted missed
+    (the SUB socket had IPv6 on, so the batches themselves came)."""
+    port, replay_port = free_port(), free_port()
+    publisher = TestPublisher(port, replay_port, host="[::1]")
+    events = KVEvents(
+        [],
+        FleetIndex(hashes_alike=True),
+        dns=[DnsTarget("fleet", port, lambda *_: ["::1"], replay_port=replay_port)],
+    )
+    status = events.consumer.status
+    name = f"[::1]:{port}"
+    events.start()
+    try:
+        publisher.wait_subscribed()
+        until(lambda: name in status and status[name].up == 1)
+        publisher.publish_events([stored(1)])
+        until(lambda: status[name].batches == 1)
+        publisher.drop(publisher._encode(vllm.KVEventBatch(ts=2.0, events=[])))
+        publisher.publish_events([stored(3)])
+        until(lambda: status[name].batches == 3 or status[name].missed > 0)
+        assert (status[name].gaps, status[name].replays, status[name].replayed, status[name].missed) == (
+            1,
+            1,
+            1,
+            0,
+        )
+    finally:
+        events.stop()
+        publisher.close()

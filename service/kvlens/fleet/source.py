@@ -620,6 +620,7 @@ class KVEventsSource:
         def ask(first: int) -> list[tuple[int, bytes]]:
             socket = self._context.socket(zmq.DEALER)
             socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.IPV6, 1)  # as the SUB: else libzmq never connects to [ADDRESS]
             socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             socket.setsockopt(zmq.RCVHWM, KV_RECEIVE_HWM)
             try:
