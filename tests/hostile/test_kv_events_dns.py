@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import pytest
 
+from kvlens.config import parse_dns_target
 from kvlens.exporter.server import raise_open_files_limit
 from kvlens.fleet import wire
 from kvlens.fleet.index import FleetIndex
@@ -148,17 +149,15 @@ def test_running_out_of_open_files_leaves_the_subscriptions_running() -> None:
 
 
 def test_an_ipv6_replica_s_gap_is_repaired_from_its_replay_endpoint() -> None:
-    """A name resolving to an IPv6 address, with a replay port: a batch the publisher drops is
-    replayed. Before: the replay's DEALER socket was not IPv6-enabled, so libzmq never connected
-    it to ``tcp://[::1]:PORT``; every gap waited out the 2 s replay timeout and was counted missed
-    (the SUB socket had IPv6 on, so the batches themselves came)."""
+    """``--kv-events-dns [::1]:PORT/REPLAY_PORT``: a batch the publisher drops is replayed.
+    Before: the brackets stayed in the name, which never resolved (counted as failed lookups for
+    good); and the replay's DEALER socket was not IPv6-enabled, so libzmq never connected it to
+    ``tcp://[::1]:PORT``: every gap waited out the 2 s replay timeout and was counted missed."""
     port, replay_port = free_port(), free_port()
     publisher = TestPublisher(port, replay_port, host="[::1]")
-    events = KVEvents(
-        [],
-        FleetIndex(hashes_alike=True),
-        dns=[DnsTarget("fleet", port, lambda *_: ["::1"], replay_port=replay_port)],
-    )
+    # as an operator writes it, and looked up by the real resolver
+    host, _, replay = parse_dns_target(f"[::1]:{port}/{replay_port}")
+    events = KVEvents([], FleetIndex(hashes_alike=True), dns=[DnsTarget(host, port, replay_port=replay)])
     status = events.consumer.status
     name = f"[::1]:{port}"
     events.start()

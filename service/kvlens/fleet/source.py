@@ -340,7 +340,7 @@ class DnsTarget:
 
     @property
     def name(self) -> str:
-        return f"{self.host}:{self.port}"
+        return address_name(self.host, self.port)  # as written: [fd00::1]:5557 for an IPv6 literal
 
     def refresh(self) -> None:
         self.lookups += 1
