@@ -21,7 +21,9 @@ removals, which never come; ``AllBlocksCleared`` or kvlens's own restart clears 
 
 A replay that does not answer within ``replay_timeout_seconds`` leaves the gap unrepaired (counted
 as such), and that publisher's next gaps for ``REPLAY_QUIET_TIMEOUTS`` timeouts are not asked for;
-a gap wider than ``MAX_REPLAY_FRAMES`` is never asked for. Nothing here raises out of the thread:
+a gap wider than ``MAX_REPLAY_FRAMES`` is never asked for, an answer past ``MAX_REPLAY_BYTES`` is
+given up. libzmq reads at most ``KV_RECEIVE_HWM`` messages of at most ``MAX_MESSAGE_BYTES`` ahead
+per socket (past them TCP pushes back to the publisher). Nothing here raises out of the thread:
 an unexpected error is logged and counted.
 
 **DNS discovery** (Kubernetes: a headless Service's name, ``HOST:PORT``, or
@@ -39,7 +41,8 @@ further one's batches are dropped and counted (``kvlens_kv_events_rejected_total
 "replica_limit"}``), logged once, until a replica leaves and its slot takes the waiting one.
 A failed or empty answer keeps the last set (a fleet scaled to zero keeps its subscriptions,
 down), counted and logged once until a lookup succeeds again. At most :data:`MAX_DISCOVERED`
-addresses per name.
+addresses per name, and as many subscriptions as the open files allow (:data:`FILES_KEPT_FREE`);
+one that cannot be made is counted as an error of its replica and tried again at the next lookup.
 """
 
 from __future__ import annotations
