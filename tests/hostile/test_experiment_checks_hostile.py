@@ -95,10 +95,11 @@ def endpoint(request: pytest.FixtureRequest) -> Iterator[Endpoint]:
     server.listener.close()
 
 
-# kvlens replay, printing its peak resident size (MiB) last on stderr
+# kvlens replay, printing its peak resident size (MiB) last on stderr: VmHWM, this process's own
+# (getrusage's ru_maxrss keeps the parent's peak across fork and exec: pytest's, after other tests)
 PEAK = (
-    "import atexit, resource, sys; from kvlens.cli import main; atexit.register(lambda: print("
-    "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024, file=sys.stderr)); "
+    "import atexit, sys; from kvlens.cli import main; atexit.register(lambda: print(next(int(line.split()[1])"
+    " // 1024 for line in open('/proc/self/status') if line.startswith('VmHWM')), file=sys.stderr)); "
     "sys.exit(main(sys.argv[1:]))"
 )
 
