@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from collections.abc import Iterator
 
 import pytest
 import zmq
 
-from kvlens.fleet.source import KV_RECEIVE_HWM, MAX_REPLAY_BYTES
+from kvlens.fleet.source import KV_RECEIVE_HWM, MAX_MESSAGE_BYTES, MAX_REPLAY_BYTES
 from tests import vllm_kv_events as vllm
 from tests.hostile.conftest import Serve
 from tests.kv_publisher import TestPublisher
@@ -115,3 +116,25 @@ def test_a_replay_answer_without_end_is_given_up_at_its_byte_cap(
     assert sidecar.value("kvlens_kv_replayed_batches_total") == 0
     bound = MAX_REPLAY_BYTES // MIB + (KV_RECEIVE_HWM + 1) * 4 + 64
     assert memory.peak_growth_mib() < bound
+
+
+def test_a_message_over_the_cap_costs_that_message_not_the_subscription(
+    serve: Serve, publisher: TestPublisher
+) -> None:
+    """One message past MAX_MESSAGE_BYTES: libzmq closes the connection (a protocol error) and,
+    unlike after a network error, never connects again. Before: that publisher's events were lost
+    for good, ``up`` 0, until kvlens restarted; now the subscription is made afresh and the
+    sequence gap counts what was lost."""
+    sidecar = serve(KVLENS_KV_EVENTS=json.dumps([{"name": "r0", "endpoint": publisher.endpoint}]))
+    publisher.wait_subscribed()
+    empty = vllm.encode(vllm.KVEventBatch(ts=1.0, events=[]))
+    publisher.publish(empty)
+    assert sidecar.wait_for("kvlens_kv_event_batches_total", 1) == 1
+    publisher.publish(b"x" * (MAX_MESSAGE_BYTES + 1))
+    deadline = time.monotonic() + 20
+    while sidecar.value("kvlens_kv_event_batches_total") < 2 and time.monotonic() < deadline:
+        publisher.publish(empty)  # lost at the publisher while nobody is connected: a gap
+        sidecar.wait_for("kvlens_kv_event_batches_total", 2, timeout=0.3)
+    assert sidecar.value("kvlens_kv_event_batches_total") == 2
+    assert sidecar.value("kvlens_kv_missed_batches_total") == publisher.seq - 2
+    assert sidecar.value("kvlens_kv_publisher_up") == 1

@@ -446,6 +446,7 @@ class KVEventsSource:
         self._sockets: dict[Any, Publisher] = {}
         self._monitors: dict[Any, Publisher] = {}
         self._replay_quiet_until: dict[str, float] = {}  # publisher -> no replay asked before
+        self._renew: set[str] = set()  # subscriptions to make afresh (their connection closed)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="kvlens-kv-events", daemon=True)
@@ -578,6 +579,8 @@ class KVEventsSource:
                         log.exception("kvlens: KV events from %s failed", publisher.name)
                         self.errors += 1
                         self.consumer.status[publisher.name].errors += 1
+                if self._renew:
+                    self._renew_subscriptions()
         finally:
             self.consumer.release(everything=True)
             for name in list(self._subscribed):
@@ -589,6 +592,33 @@ class KVEventsSource:
         event = recv_monitor_message(monitor)["event"]
         status = self.consumer.status[publisher.name]
         status.up = 1 if event == self._zmq.EVENT_HANDSHAKE_SUCCEEDED else 0
+        if event == self._zmq.EVENT_DISCONNECTED:
+            self._renew.add(publisher.name)
+
+    def _renew_subscriptions(self) -> None:
+        """Make the subscriptions whose connection closed afresh, after reading what they hold.
+        libzmq reconnects after a network error, but never after a protocol error, and a
+        message past MAX_MESSAGE_BYTES is one: that publisher would be lost for good."""
+        renew, self._renew = self._renew, set()
+        for name in renew:
+            if name not in self._subscribed:  # left the DNS answer meanwhile
+                continue
+            sub, _ = self._subscribed[name]
+            publisher = self._sockets[sub]
+            try:
+                self._receive(sub, publisher)  # at most KV_RECEIVE_HWM wait: one call reads them
+            except Exception:  # a bug must not end the subscriptions
+                log.exception("kvlens: KV events from %s failed", name)
+                self.errors += 1
+                self.consumer.status[name].errors += 1
+            self._unsubscribe(name)
+            try:
+                self._subscribe(publisher)
+            except self._zmq.ZMQError:  # out of files: counted, and the next DNS lookup tries again
+                log.exception("kvlens: KV events: subscribing to %s again failed", name)
+                self.errors += 1
+                self.consumer.status[name].errors += 1
+                self.consumer.following.pop(name, None)
 
     def _receive(self, sub: Any, publisher: Publisher) -> None:
         zmq = self._zmq
