@@ -71,7 +71,7 @@ MAX_REPLAY_FRAMES: Final = 100_000  # one replay answer at most (vLLM's buffer_s
 # many replay timeouts: one thread serves every publisher, and a publisher that skips a number in
 # every message with a dead replay endpoint would hold it replay_timeout_seconds a message.
 REPLAY_QUIET_TIMEOUTS: Final = 10
-# A message past this closes the connection (ZMQ_MAXMSGSIZE; ZeroMQ reconnects): a vLLM batch
+# A message past this closes the connection (ZMQ_MAXMSGSIZE; subscribed afresh, see _renew): a vLLM batch
 # is one engine step's events, well under a MiB (16 MiB: some 2.5M tokens stored in one step).
 MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
 # Messages libzmq reads ahead per socket (ZMQ_RCVHWM; its default is 1,000, up to 1,000 x
