@@ -10,10 +10,13 @@ from kvlens.fleet.publisher import EventPublisher
 class TestPublisher(EventPublisher):
     __test__ = False
 
-    def __init__(self, port: int, replay_port: int | None = None, topic: str = "") -> None:
+    def __init__(
+        self, port: int, replay_port: int | None = None, topic: str = "", host: str = "127.0.0.1"
+    ) -> None:
+        """``host``: an address as it goes in a tcp:// endpoint (``[::1]`` for IPv6)."""
         super().__init__(
-            f"tcp://127.0.0.1:{port}",
-            None if replay_port is None else f"tcp://127.0.0.1:{replay_port}",
+            f"tcp://{host}:{port}",
+            None if replay_port is None else f"tcp://{host}:{replay_port}",
             topic=topic,
         )
         self.pub.setsockopt(self._zmq.SNDHWM, 0)  # never drop on this side: counts stay exact

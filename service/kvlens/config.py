@@ -739,9 +739,12 @@ def _compact(value: Any) -> str:
 
 
 def parse_dns_target(text: str) -> tuple[str, int, int | None]:
-    """``HOST:PORT`` or ``HOST:PORT/REPLAY_PORT`` -> (host, port, replay port or None)."""
+    """``HOST:PORT`` or ``HOST:PORT/REPLAY_PORT`` -> (host, port, replay port or None); an IPv6
+    HOST in brackets (``[fd00::1]:5557``) is looked up without them."""
     address, slash, replay = text.partition("/")
     host, _, port = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
     ports = [port, replay] if slash else [port]
     if not host or not all(p.isdigit() and 0 < int(p) < 65536 for p in ports) or "://" in host:
         raise ValueError(

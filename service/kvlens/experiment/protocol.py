@@ -18,19 +18,25 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Final
 
 import httpx
+import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvlens.errors import InputError
 from kvlens.experiment.client import MEASURE, Planned
+from kvlens.experiment.stream import IDENTITY
 from kvlens.simulate.trace import TraceRequest
 
 log = logging.getLogger("kvlens.experiment")
 
 RESET_PATHS = ("/reset_prefix_cache", "/flush_cache")  # vLLM (dev mode), SGLang
+# One check's answer at most (a vLLM /metrics is well under a MiB; kvlens serve's scrape cap)
+MAX_CHECK_BYTES: Final = 16 * 1024 * 1024
 
 
 class ExperimentError(InputError):
@@ -87,13 +93,13 @@ def check_reachable(url: str, api_key: str | None = None) -> list[str]:
     """The endpoint's served model names; a clear error when it is down, before any arm runs."""
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        answer = httpx.get(f"{url}/v1/models", headers=headers, timeout=10)
+        status, body = _call("GET", f"{url}/v1/models", headers, 10)
     except httpx.HTTPError as error:
         raise ExperimentError(f"{url} does not answer ({type(error).__name__}: {error})") from None
-    if answer.status_code != 200:
-        raise ExperimentError(f"{url}/v1/models answered {answer.status_code}")
+    if status != 200:
+        raise ExperimentError(f"{url}/v1/models answered {status}")
     try:
-        return [str(model["id"]) for model in answer.json()["data"]]
+        return [str(model["id"]) for model in orjson.loads(body)["data"]]
     except (ValueError, KeyError, TypeError):
         raise ExperimentError(f"{url}/v1/models is not an OpenAI model list") from None
 
@@ -103,12 +109,36 @@ def reset_cache(url: str, api_key: str | None = None) -> str | None:
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     for path in RESET_PATHS:
         try:
-            answer = httpx.post(f"{url}{path}", headers=headers, timeout=30)
+            status, _ = _call("POST", f"{url}{path}", headers, 30)
         except httpx.HTTPError:
             continue
-        if answer.status_code == 200:
+        if status == 200:
             return path
     return None
+
+
+def _call(method: str, url: str, headers: dict[str, str], seconds: float) -> tuple[int, bytes]:
+    """The answer's status and body (not read unless 200). Bounded as a whole, not per read as
+    httpx's timeout is (a byte now and then would hold the run for good): past ``seconds`` (give
+    or take one read's wait) httpx.ReadTimeout, past MAX_CHECK_BYTES or compressed (identity is
+    asked for: a bomb is never inflated) httpx.DecodingError."""
+    deadline = time.monotonic() + seconds
+    with (
+        httpx.Client(timeout=seconds) as client,
+        client.stream(method, url, headers={**headers, "accept-encoding": "identity"}) as answer,
+    ):
+        if answer.status_code != 200:
+            return answer.status_code, b""
+        if answer.headers.get("content-encoding", "identity").strip().lower() not in IDENTITY:
+            raise httpx.DecodingError("a compressed answer")
+        body = bytearray()
+        for piece in answer.iter_raw():
+            body += piece
+            if len(body) > MAX_CHECK_BYTES:
+                raise httpx.DecodingError(f"an answer over {MAX_CHECK_BYTES} bytes")
+            if time.monotonic() > deadline:
+                raise httpx.ReadTimeout(f"no whole answer within {seconds:g} s")
+        return 200, bytes(body)
 
 
 def measured_window(
@@ -129,8 +159,9 @@ def engine_block_size(url: str, api_key: str | None = None) -> int | None:
     None when it does not say."""
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        answer = httpx.get(f"{url}/metrics", headers=headers, timeout=10)
-        families = list(text_string_to_metric_families(answer.text)) if answer.status_code == 200 else []
+        status, body = _call("GET", f"{url}/metrics", headers, 10)
+        text = body.decode("utf-8", "replace")
+        families = list(text_string_to_metric_families(text)) if status == 200 else []
     except (httpx.HTTPError, ValueError):
         return None
     for family in families:

@@ -91,7 +91,9 @@ class _Connection(asyncio.Protocol):
         self._client = client
         self._transport: asyncio.Transport | None = None
         self._http = h11.Connection(h11.CLIENT, max_incomplete_event_size=_HEAD_LIMIT)
-        self._lines = b""  # body bytes not yet split into SSE lines
+        # body bytes not yet split into SSE lines: grown in place (a line sent a byte per chunk
+        # would be copied whole for every byte as bytes)
+        self._lines = bytearray()
         self._exchange: Exchange | None = None
         self._future: asyncio.Future[Exchange] | None = None
         self._done = False  # ``[DONE]`` seen
@@ -149,7 +151,7 @@ class _Connection(asyncio.Protocol):
 
     def start(self, request: Request, exchange: Exchange, future: asyncio.Future[Exchange]) -> None:
         self._exchange, self._future, self._request = exchange, future, request
-        self._lines = b""
+        self._lines = bytearray()
         self._done = self._received = False
         future.add_done_callback(self._settled)
         assert self._transport is not None
@@ -219,13 +221,13 @@ class _Connection(asyncio.Protocol):
         for line in lines:
             if not line.startswith(b"data:") or self._done:
                 continue  # blank separators, comments, event: lines; anything after [DONE]
-            data = line[5:].strip()
-            if data == b"[DONE]":
+            event = line[5:].strip()
+            if event == b"[DONE]":
                 self._done = True
                 exchange.end = now
                 continue
             try:
-                chunk = orjson.loads(data)
+                chunk = orjson.loads(event)
             except orjson.JSONDecodeError:
                 raise Failed("malformed_stream") from None
             if not isinstance(chunk, dict):

@@ -183,6 +183,13 @@ def _stamp(settings: Settings) -> tuple[Any, ...]:
     return tuple(stamps)
 
 
+def guarded_protocol(guard: ConnectionGuard, tls: ssl.SSLContext | None = None) -> type[GuardedH11Protocol]:
+    """The protocol class for ``uvicorn.Config(http=...)``: :class:`GuardedH11Protocol` bound to
+    ``guard`` (and terminating TLS with ``tls``); uvicorn's own keep-alive and concurrency settings
+    go with it as :func:`build_server` sets them."""
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"guard": guard, "tls": tls})
+
+
 def build_server(
     settings: Settings,
     app: Any,
@@ -193,7 +200,7 @@ def build_server(
     """``log_config``: the command line's logging (``kvlens.logs``), so uvicorn's lines share its
     format; None keeps uvicorn's own."""
     tls = tls_context(settings)
-    protocol = type("GuardedH11Protocol", (GuardedH11Protocol,), {"guard": guard, "tls": tls})
+    protocol = guarded_protocol(guard, tls)
     config = uvicorn.Config(
         app,
         host=settings.host,

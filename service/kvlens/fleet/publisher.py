@@ -43,6 +43,7 @@ class EventPublisher:
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.SNDHWM, 100_000)  # vLLM's default hwm
         self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscriber's subscription, not the first only
+        self.pub.setsockopt(zmq.IPV6, 1)  # tcp://[::]:5557 binds; harmless for IPv4
         self.pub.bind(endpoint)
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
@@ -58,6 +59,7 @@ class EventPublisher:
         if replay_endpoint is not None:
             self.router = self.context.socket(zmq.ROUTER)
             self.router.setsockopt(zmq.LINGER, 0)
+            self.router.setsockopt(zmq.IPV6, 1)
             self.router.bind(replay_endpoint)
             self._thread = threading.Thread(target=self._serve_replays, name="kvlens-kv-replay", daemon=True)
             self._thread.start()

@@ -21,7 +21,9 @@ removals, which never come; ``AllBlocksCleared`` or kvlens's own restart clears 
 
 A replay that does not answer within ``replay_timeout_seconds`` leaves the gap unrepaired (counted
 as such), and that publisher's next gaps for ``REPLAY_QUIET_TIMEOUTS`` timeouts are not asked for;
-a gap wider than ``MAX_REPLAY_FRAMES`` is never asked for. Nothing here raises out of the thread:
+a gap wider than ``MAX_REPLAY_FRAMES`` is never asked for, an answer past ``MAX_REPLAY_BYTES`` is
+given up. libzmq reads at most ``KV_RECEIVE_HWM`` messages of at most ``MAX_MESSAGE_BYTES`` ahead
+per socket (past them TCP pushes back to the publisher). Nothing here raises out of the thread:
 an unexpected error is logged and counted.
 
 **DNS discovery** (Kubernetes: a headless Service's name, ``HOST:PORT``, or
@@ -45,7 +47,8 @@ further one's batches are dropped and counted (``kvlens_kv_events_rejected_total
 "replica_limit"}``), logged once, until a replica leaves and its slot takes the waiting one.
 A failed or empty answer keeps the last set (a fleet scaled to zero keeps its subscriptions,
 down), counted and logged once until a lookup succeeds again. At most :data:`MAX_DISCOVERED`
-addresses per name.
+addresses per name, and as many subscriptions as the open files allow (:data:`FILES_KEPT_FREE`);
+one that cannot be made is counted as an error of its replica and tried again at the next lookup.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ import heapq
 import importlib.util
 import logging
 import math
+import resource
 import socket
 import threading
 import time
@@ -73,9 +77,15 @@ MAX_REPLAY_FRAMES: Final = 100_000  # one replay answer at most (vLLM's buffer_s
 # many replay timeouts: one thread serves every publisher, and a publisher that skips a number in
 # every message with a dead replay endpoint would hold it replay_timeout_seconds a message.
 REPLAY_QUIET_TIMEOUTS: Final = 10
-# A message past this closes the connection (ZMQ_MAXMSGSIZE; ZeroMQ reconnects): a vLLM batch
-# is one engine step's events, well under a MiB.
-MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
+# A message past this closes the connection (ZMQ_MAXMSGSIZE; subscribed afresh, see _renew): a vLLM batch
+# is one engine step's events, well under a MiB (16 MiB: some 2.5M tokens stored in one step).
+MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
+# Messages libzmq reads ahead per socket (ZMQ_RCVHWM; its default is 1,000, up to 1,000 x
+# MAX_MESSAGE_BYTES held while the thread is busy). Past it libzmq stops reading, TCP pushes back
+# and the publisher holds the rest (vLLM's PUB keeps 100,000 messages before it drops, a gap).
+KV_RECEIVE_HWM: Final = 8
+# One replay answer's payloads at most; a longer one is given up (the gap counted missed).
+MAX_REPLAY_BYTES: Final = 64 * 1024 * 1024
 # Addresses kept per DNS name: a fleet-level kvlens follows one deployment's replicas, and each
 # costs a socket and its series.
 MAX_DISCOVERED: Final = 1024
@@ -84,6 +94,16 @@ MAX_DISCOVERED: Final = 1024
 VANISHED_RETENTION_SECONDS: Final = 900.0
 # Vanished names kept at most (oldest dropped first), whatever the churn within the retention.
 MAX_VANISHED: Final = 1024
+# ZeroMQ sockets a subscription takes (the SUB, its monitor's PAIR, and the PAIR libzmq's monitor
+# writes to), and four files (those three's mailboxes and the TCP connection). ZeroMQ allows
+# 1,023 sockets a context by default: 341 subscriptions, far under MAX_DISCOVERED.
+SOCKETS_PER_SUBSCRIPTION: Final = 3
+FILES_PER_SUBSCRIPTION: Final = 4
+# Open files the discovered subscriptions leave to the rest of the process (HTTP connections,
+# the checkpoint, numba's cache): past them a further address is not subscribed (counted as an
+# error of that replica, logged, tried again at the next lookup), so a big answer cannot starve
+# /metrics of sockets. `kvlens serve` raises the soft limit to the hard one at start.
+FILES_KEPT_FREE: Final = 1024
 # Batches waiting for the reorder window (kept as received, read when applied) hold at most this
 # many bytes; past it the oldest are applied at once (a publisher whose timestamps do not move,
 # or a burst, cannot make kvlens hold more).
@@ -358,7 +378,7 @@ class DnsTarget:
 
     @property
     def name(self) -> str:
-        return f"{self.host}:{self.port}"
+        return address_name(self.host, self.port)  # as written: [fd00::1]:5557 for an IPv6 literal
 
     def refresh(self) -> None:
         self.lookups += 1
@@ -439,6 +459,15 @@ class KVEventsSource:
         self.clock = clock
         self.errors = 0
         self._context = zmq.Context()
+        # set before any socket is made; the replays' DEALERs (one at a time) and room to spare
+        most = len(publishers) + MAX_DISCOVERED * len(self.dns)
+        self._context.set(zmq.MAX_SOCKETS, SOCKETS_PER_SUBSCRIPTION * most + 16)
+        self._files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self._most_subscribed = (
+            most
+            if self._files == resource.RLIM_INFINITY
+            else (self._files - FILES_KEPT_FREE) // FILES_PER_SUBSCRIPTION
+        )
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._resolver: threading.Thread | None = None
@@ -452,6 +481,7 @@ class KVEventsSource:
         self._sockets: dict[Any, Publisher] = {}
         self._monitors: dict[Any, Publisher] = {}
         self._replay_quiet_until: dict[str, float] = {}  # publisher -> no replay asked before
+        self._renew: set[str] = set()  # subscriptions to make afresh (their connection closed)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="kvlens-kv-events", daemon=True)
@@ -497,20 +527,50 @@ class KVEventsSource:
         for name in gone:
             self._unsubscribe(name)
             log.info("kvlens: KV events replica %s left the DNS answer: unsubscribed", name)
+        failed: list[str] = []
         for publisher in new:
-            self._subscribe(publisher)
+            why = None
+            if len(self._subscribed) >= self._most_subscribed:
+                why = f"{self._files} open files allowed, {FILES_KEPT_FREE} kept free"
+            else:
+                try:
+                    self._subscribe(publisher)
+                except self._zmq.ZMQError as error:  # out of files all the same: the others go on
+                    why = str(error)
+            if why is not None:
+                failed.append(f"{publisher.name} ({why})")
+                # not followed, so the next lookup's answer, still naming it, tries again
+                self.consumer.following.pop(publisher.name, None)
+                self.consumer.status[publisher.name].errors += 1
+                self.errors += 1
+        if failed:
+            log.error(
+                "kvlens: KV events: %d replicas could not be subscribed, tried again at the next "
+                "lookup (raise the open-files limit): %s",
+                len(failed),
+                ", ".join(failed[:3]) + (", ..." if len(failed) > 3 else ""),
+            )
 
     def _subscribe(self, publisher: Publisher) -> None:
         zmq = self._zmq
         sub = self._context.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        sub.setsockopt(zmq.IPV6, 1)  # a discovered AAAA address; harmless for IPv4
-        sub.setsockopt(zmq.SUBSCRIBE, publisher.topic.encode())
-        # PUB sends nothing while the engine is idle: the connection, not the traffic, says up;
-        # a finished ZMTP handshake, not the TCP connect (anything that accepts TCP does that)
-        monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-        sub.connect(publisher.endpoint)
+        monitor = None
+        try:
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            sub.setsockopt(zmq.RCVHWM, KV_RECEIVE_HWM)
+            sub.setsockopt(zmq.IPV6, 1)  # a discovered AAAA address; harmless for IPv4
+            sub.setsockopt(zmq.SUBSCRIBE, publisher.topic.encode())
+            # PUB sends nothing while the engine is idle: the connection, not the traffic, says up;
+            # a finished ZMTP handshake, not the TCP connect (anything that accepts TCP does that)
+            monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+            sub.connect(publisher.endpoint)
+        except zmq.ZMQError:  # no socket left half made
+            if monitor is not None:
+                sub.disable_monitor()
+                monitor.close(0)
+            sub.close(0)
+            raise
         self._subscribed[publisher.name] = (sub, monitor)
         self._sockets[sub] = publisher
         self._monitors[monitor] = publisher
@@ -535,7 +595,11 @@ class KVEventsSource:
         self.ready.set()
         try:
             while not self._stop.is_set():
-                self._apply_wanted()
+                try:
+                    self._apply_wanted()
+                except Exception:  # a bug must not end the subscriptions
+                    log.exception("kvlens: KV events: following the DNS answer failed")
+                    self.errors += 1
                 ready = self._poller.poll(self.poll_milliseconds)
                 if not ready:
                     self.consumer.release(idle=True)  # nothing older is on its way
@@ -550,6 +614,8 @@ class KVEventsSource:
                         log.exception("kvlens: KV events from %s failed", publisher.name)
                         self.errors += 1
                         self.consumer.status[publisher.name].errors += 1
+                if self._renew:
+                    self._renew_subscriptions()
         finally:
             self.consumer.release(everything=True)
             for name in list(self._subscribed):
@@ -561,6 +627,33 @@ class KVEventsSource:
         event = recv_monitor_message(monitor)["event"]
         status = self.consumer.status[publisher.name]
         status.up = 1 if event == self._zmq.EVENT_HANDSHAKE_SUCCEEDED else 0
+        if event == self._zmq.EVENT_DISCONNECTED:
+            self._renew.add(publisher.name)
+
+    def _renew_subscriptions(self) -> None:
+        """Make the subscriptions whose connection closed afresh, after reading what they hold.
+        libzmq reconnects after a network error, but never after a protocol error, and a
+        message past MAX_MESSAGE_BYTES is one: that publisher would be lost for good."""
+        renew, self._renew = self._renew, set()
+        for name in renew:
+            if name not in self._subscribed:  # left the DNS answer meanwhile
+                continue
+            sub, _ = self._subscribed[name]
+            publisher = self._sockets[sub]
+            try:
+                self._receive(sub, publisher)  # at most KV_RECEIVE_HWM wait: one call reads them
+            except Exception:  # a bug must not end the subscriptions
+                log.exception("kvlens: KV events from %s failed", name)
+                self.errors += 1
+                self.consumer.status[name].errors += 1
+            self._unsubscribe(name)
+            try:
+                self._subscribe(publisher)
+            except self._zmq.ZMQError:  # out of files: counted, and the next DNS lookup tries again
+                log.exception("kvlens: KV events: subscribing to %s again failed", name)
+                self.errors += 1
+                self.consumer.status[name].errors += 1
+                self.consumer.following.pop(name, None)
 
     def _receive(self, sub: Any, publisher: Publisher) -> None:
         zmq = self._zmq
@@ -595,13 +688,17 @@ class KVEventsSource:
         def ask(first: int) -> list[tuple[int, bytes]]:
             socket = self._context.socket(zmq.DEALER)
             socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.IPV6, 1)  # as the SUB: else libzmq never connects to [ADDRESS]
+            socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            socket.setsockopt(zmq.RCVHWM, KV_RECEIVE_HWM)
             try:
                 socket.connect(endpoint)
                 # A ROUTER sees [identity, empty, start] from a REQ; a DEALER adds the empty frame.
                 socket.send_multipart([b"", first.to_bytes(8, "big")])
                 frames: list[tuple[int, bytes]] = []
+                held = 0
                 deadline = self.clock() + self.replay_timeout_seconds
-                while len(frames) < MAX_REPLAY_FRAMES:
+                while len(frames) < MAX_REPLAY_FRAMES and held <= MAX_REPLAY_BYTES:
                     left = deadline - self.clock()
                     if left <= 0 or not socket.poll(max(1, int(left * 1000))):
                         return []  # no full answer: the gap stays unrepaired
@@ -612,6 +709,7 @@ class KVEventsSource:
                     if seq == END_SEQ:
                         return frames
                     frames.append((seq, parts[2]))
+                    held += len(parts[2])
                 return []
             finally:
                 socket.close(0)

@@ -18,14 +18,18 @@ from typing import Any
 import uvicorn
 
 from kvlens import bandwidth, logs
-from kvlens.config import load_settings
+from kvlens.config import Settings, load_settings
+from kvlens.errors import SettingsError
+from kvlens.exporter import server
+from kvlens.exporter.ingest import ArrivingBodies, BodyLimits
+from kvlens.exporter.runtime import ConnectionGuard
 from kvlens.simulate.cache import CacheEvents
 from kvlens.simulate.policies import POLICIES, Guard
 from kvlens.simulate.replica import DEFAULT_SERVICE, ServiceModel
 from kvlens.simulate.run import Fleet
 from kvlens.simulate.run import record as simulated_record
 from kvlens.simulate.serve import tokenizer
-from kvlens.simulate.serve.api import Api, Served
+from kvlens.simulate.serve.api import MAX_BODY_BYTES, Api, Served
 from kvlens.simulate.serve.engine import RealTimeFleet, Ticket
 
 log = logging.getLogger("kvlens.simulate.serve")
@@ -141,10 +145,23 @@ def record(ticket: Ticket, engine: RealTimeFleet, model: str, started_epoch: flo
     }
 
 
+def body_limits(settings: Settings) -> BodyLimits:
+    """``kvlens serve``'s rules for a request body (its settings), with this server's size cap."""
+    return BodyLimits(
+        MAX_BODY_BYTES,
+        settings.body_timeout_seconds,
+        settings.header_timeout_seconds,
+        settings.body_min_bytes_per_second,
+        settings.body_rate_window_seconds,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         fleet, served = _checked(args)
-    except ValueError as error:
+        # the connection and body rules of kvlens serve, from the same settings (KVLENS_*)
+        settings = load_settings(args.config)
+    except (ValueError, SettingsError) as error:
         print(f"kvlens simulate serve: {error}", file=sys.stderr)
         return 2
     shipper = None
@@ -184,8 +201,19 @@ def run(args: argparse.Namespace) -> int:
         shipper.offer(record(ticket, engine, served.model, started_epoch))  # never blocks
 
     api = Api(
-        served, make_engine, prefix_caching=not args.no_prefix_caching, on_record=push if shipper else None
+        served,
+        make_engine,
+        prefix_caching=not args.no_prefix_caching,
+        on_record=push if shipper else None,
+        body_limits=body_limits(settings),
+        arriving=ArrivingBodies(settings.max_arriving_bodies, settings.max_arriving_body_bytes),
     )
+    # uvicorn alone arms no timer before a request head and caps no connections: kvlens serve's
+    # protocol does both (a silent socket closed past header_timeout_seconds, the oldest idle
+    # one closed past max_connections)
+    guard = ConnectionGuard(settings.max_connections, settings.header_timeout_seconds)
+    if server.raise_open_files_limit() < settings.max_connections + 64:
+        log.warning("the open-files limit is under max_connections (%d): raise it", settings.max_connections)
     level = getattr(args, "log_level", None) or os.environ.get("KVLENS_LOG_LEVEL", "INFO").lower()
     config = uvicorn.Config(
         api.app(),
@@ -195,6 +223,9 @@ def run(args: argparse.Namespace) -> int:
         log_config=logs.config(level, getattr(args, "log_format", "text")),
         access_log=False,
         lifespan="on",
+        http=server.guarded_protocol(guard),
+        timeout_keep_alive=server.KEEP_ALIVE_SECONDS,
+        limit_concurrency=None,  # idle sockets must not count: the guard closes them
     )
     try:
         uvicorn.Server(config).run()
