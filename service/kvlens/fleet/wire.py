@@ -187,7 +187,8 @@ Event = (
     | BlockRemoved
     | AllBlocksCleared
 )
-KNOWN_TYPES: Final = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
+EVENT_TYPES: Final = ("BlockStored", "BlockRemoved", "AllBlocksCleared")  # kernels.EVENT_TYPES: its order
+KNOWN_TYPES: Final = frozenset(EVENT_TYPES)
 _strict = msgspec.msgpack.Decoder(_Stored | _Removed | _Cleared)
 _loose = msgspec.msgpack.Decoder(_StoredLoose | _RemovedLoose | _ClearedLoose)
 _array = msgspec.msgpack.Decoder(_StoredArray | _RemovedArray | _ClearedArray)
