@@ -384,6 +384,7 @@ class FleetIndex:
         state = self._replicas.get(replica) or self.replica(replica)
         params = self._set(state, 0)
         position = 0
+        malformed = 0  # by earlier calls (each call reads the payload anew)
         while True:
             position, stop, value, *tally = k.apply_payload(
                 buf,
@@ -399,7 +400,9 @@ class FleetIndex:
                 bool(state.copies),
             )
             if stop == k.DONE:
+                tally[k.T_MALFORMED] += malformed
                 return tally
+            malformed += tally[k.T_MALFORMED]
             if stop == k.UNREAD:
                 return None
             if stop == k.STOP_COPIES_ROOM:

@@ -1001,8 +1001,8 @@ def _apply_events(
             )
             if copied == GROW:
                 return e, STOP_GROW, 0
-            if copied < 0:  # the token ids do not fill its blocks
-                row[E_OUTCOME] = MALFORMED_EVENT
+            if copied < 0:  # the token ids do not fill its blocks (counted now: a call after a
+                tally[T_MALFORMED] += 1  # stop reads the payload anew)
             elif copied:
                 return e + 1, STOP_COPIES, 0
         elif kind == REMOVED_EVENT and not has_copies:
@@ -1062,7 +1062,7 @@ def apply_payload(
     if hashes.size > copies.size:
         return start, STOP_COPIES_ROOM, hashes.size, 0, 0, 0, 0, 0
     tally = np.zeros(TALLY, np.int64)
-    position, stop, value = _apply_events(
+    position, stop, value = _apply_events(  # the tally: events malformed in this call, all at DONE
         start,
         events,
         parents,

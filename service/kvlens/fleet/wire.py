@@ -115,6 +115,11 @@ class _Cleared(msgspec.Struct, tag="AllBlocksCleared", forbid_unknown_fields=Tru
     pass
 
 
+# the compiled reader's field tables (kernels.STORED_FIELDS, REMOVED_FIELDS) must be these (tested)
+STORED_FIELDS: Final = _Stored.__struct_fields__
+REMOVED_FIELDS: Final = _Removed.__struct_fields__
+
+
 class _StoredLoose(_Stored, tag="BlockStored", forbid_unknown_fields=False):
     pass
 
