@@ -380,14 +380,14 @@ class FleetIndex:
         became of the events (events of each type, malformed, of other KV cache groups: left out),
         or None, nothing changed, for a payload the loop leaves to msgspec."""
         k = self._k
-        buf = payload
         state = self._replicas.get(replica) or self.replica(replica)
-        params = self._set(state, 0)
+        params = self._params
+        params[k.P_REPLICA] = state.number  # the loop sets the rest an event
         position = 0
         malformed = 0  # by earlier calls (each call reads the payload anew)
         while True:
             position, stop, value, *tally = k.apply_payload(
-                buf,
+                payload,
                 position,
                 params,
                 state.table.rows,
@@ -401,14 +401,14 @@ class FleetIndex:
             )
             if stop == k.DONE:
                 tally[k.T_MALFORMED] += malformed
-                return tally
+                return [int(n) for n in tally]
             malformed += tally[k.T_MALFORMED]
             if stop == k.UNREAD:
                 return None
             if stop == k.STOP_COPIES_ROOM:
                 self._copies = np.zeros(2 * value, np.uint8)
                 continue
-            _, events, _, hashes, _ = k.read_batch(buf)  # the event it stopped at (rare)
+            _, events, _, hashes, _ = k.read_batch(payload)  # the event it stopped at (rare)
             row = events[position - 1 if stop in (k.STOP_COPIES, k.STOP_SHRINK) else position]
             event_hashes = hashes[row[k.E_HASHES] : row[k.E_HASHES_END]]
             if stop == k.STOP_GROW:
@@ -425,7 +425,7 @@ class FleetIndex:
                     self.removed(replica, event_hashes, medium=TIERS[row[k.E_TIER]])
                 else:
                     self.cleared(replica)
-                self._set(state, 0)
+                params[k.P_REPLICA] = state.number
                 position += 1
 
     def removed(self, replica: str, block_hashes: Sequence[EngineHash], *, medium: str | None = None) -> None:

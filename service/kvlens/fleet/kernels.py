@@ -57,7 +57,8 @@ FLEET_COUNTS = 5
 P_BLOCK_SIZE, P_PARENT, P_HAS_PARENT, P_ALIKE, P_TIER, P_REPLICA, P_SHARDS, P_SHARD, P_MAX_HELD, P_CAP = (
     range(10)
 )
-PARAMS = 10
+P_TOUCHED = 10  # where _touch's loads go (so that the compiler keeps them)
+PARAMS = 11
 # what store() and remove() answer besides their counts
 GROW = -2  # a table needs room first (nothing was changed)
 SHRINK_REPLICA, SHRINK_FLEET = 1, 2
@@ -94,6 +95,15 @@ def _find(table: Any, key: Any) -> tuple[int, bool]:
         pos += 1
         if pos == size:
             pos = 0
+
+
+@njit(cache=True, nogil=True)
+def _touch(table: Any, key: Any) -> Any:
+    """The first slot ``key``'s probe reads (its value is nothing): the loops read these for
+    every block of an event first, so that the cache misses of a large table overlap (independent
+    loads) instead of each waiting alone in the loop that uses them."""
+    size = table.shape[0] - 3
+    return table[np.int64((((key * _GOLDEN) >> _S32) * np.uint64(size)) >> _S32), 0]
 
 
 @njit(cache=True, nogil=True)
@@ -437,6 +447,10 @@ def _store(
                 parent = replica[row, 1] & MASK60
         keys = np.empty(count, np.uint64)
         content_keys(tokens, block_size, parent, extras if extras.size else np.zeros(count, np.uint64), keys)
+    touched = np.uint64(0)
+    for b in range(count):
+        touched ^= _touch(replica, hashes[b]) ^ _touch(fleet, keys[b]) ^ _touch(remembered, keys[b])
+    params[P_TOUCHED] = touched
     added = 0
     held = 0
     copied = 0
@@ -538,6 +552,15 @@ def _remove(
     shards, shard = params[P_SHARDS], params[P_SHARD]
     whole = shards == np.uint64(1)
     tier_bits = np.uint64(1) << (np.uint64(tier) + TIER_SHIFT)
+    touched = np.uint64(0)
+    for b in range(hashes.size):
+        touched ^= _touch(replica, hashes[b])
+    for b in range(hashes.size):  # then the fleet's lines of the blocks held
+        row, found = _find(replica, hashes[b])
+        if found:
+            key = hashes[b] if alike else replica[row, 1] & MASK60
+            touched ^= _touch(fleet, key) ^ _touch(remembered, key)
+    params[P_TOUCHED] = touched
     for b in range(hashes.size):
         engine_hash = hashes[b]
         row, found = _find(replica, engine_hash)
