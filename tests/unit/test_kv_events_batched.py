@@ -278,3 +278,25 @@ def test_the_bundled_trace_grows_shrinks_and_forgets_alike_on_both_paths(alike: 
         3000,
         0,
     )
+
+
+def test_a_payload_past_the_readers_size_is_left_to_msgspec() -> None:
+    """The compiled reader allocates arrays as large as the payload (every integer could be a
+    byte): past MAX_READ_BYTES (a vLLM step's batch is well under it) msgspec reads it, so that a
+    publisher's 64 MiB message costs what it did, not 16 times its size."""
+    many = [vllm.BlockStored([n], None, [1, 2], BLOCK, None, "GPU", None) for n in range(1, 12_000)]
+    payload = vllm.encode(vllm.KVEventBatch(TS, many, 0))
+    assert kernels.MAX_READ_BYTES < len(payload) < 2 * kernels.MAX_READ_BYTES
+    index = Counting()
+    assert index.apply_payload("a", payload) is None
+    assert index.apply_payload("a", vllm.encode(vllm.KVEventBatch(TS, many[:6_000], 0))) == [
+        6_000,
+        0,
+        0,
+        0,
+        0,
+    ]
+    consumer = Consumer(Counting(), [Publisher("a", "tcp://a:1")])
+    consumer.message("a", 0, payload, None)
+    assert consumer.status["a"].events == {"BlockStored": 11_999}
+    assert sum(consumer.index.recomputed.values()) == 11_999

@@ -675,6 +675,9 @@ T_MALFORMED, T_OTHER_GROUP = 3, 4
 # to count, an event it applies itself) before calling again from the position it answered
 DONE, STOP_GROW, STOP_COPIES, STOP_SHRINK, STOP_CALLER, STOP_COPIES_ROOM, UNREAD = range(7)
 
+# The reader's arrays are as large as the payload (an integer takes a byte at least): a larger
+# payload is left to msgspec (a vLLM step's batch is well under it; source.MAX_MESSAGE_BYTES is 64)
+MAX_READ_BYTES: Final = 1 << 20
 EVENT_TYPES: Final = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
 # BlockStored's fields in vLLM's order (the first eight are also SGLang's array order), then the tag
 STORED_FIELDS: Final = (
@@ -949,7 +952,7 @@ def read_batch(buf: Any) -> tuple[bool, Any, Any, Any, Any]:
     hashes = np.zeros(0, np.uint64)
     tokens = np.zeros(0, np.uint64)
     count, pos = _array_head(buf, 0, end)
-    if (count != 2 and count != 3) or pos >= end:
+    if (count != 2 and count != 3) or pos >= end or end > MAX_READ_BYTES:
         return False, events, parents, hashes, tokens
     if buf[pos] == 0xCB:  # ts: float64 (vLLM) or float32
         pos += 9
