@@ -63,7 +63,7 @@ import threading
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import msgspec
 import numpy as np
@@ -401,7 +401,7 @@ class FleetIndex:
             )
             if stop == k.DONE:
                 tally[k.T_MALFORMED] += malformed
-                return [int(n) for n in tally]
+                return cast("list[int]", tally)  # numba answers ints
             malformed += tally[k.T_MALFORMED]
             if stop == k.UNREAD:
                 return None
