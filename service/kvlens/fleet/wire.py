@@ -16,6 +16,12 @@ The envelope is also read as a map (``{"ts": ..., "events": [...]}``), as some v
 that event only: an unknown event type or an unknown field is counted and skipped (the known
 fields of the event still count), an event whose known fields are wrong is counted as malformed
 and dropped, and a payload that is not an ``EventBatch`` at all is dropped whole.
+
+The consumer first hands a payload to :meth:`kvlens.fleet.index.FleetIndex.apply_payload`, whose
+compiled reader (``kernels.read_batch``) takes the usual one (integer hashes, ASCII texts, no LoRA
+name nor extra keys, every event and field known, at most ``kernels.MAX_READ_BYTES``) and applies
+it in one call, with this module's rules (:func:`apply`'s order of outcomes, :func:`medium_label`'s
+tiers); every other payload comes here. A property test holds both paths equal.
 """
 
 from __future__ import annotations
