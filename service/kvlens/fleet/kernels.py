@@ -678,6 +678,7 @@ DONE, STOP_GROW, STOP_COPIES, STOP_SHRINK, STOP_CALLER, STOP_COPIES_ROOM, UNREAD
 # The reader's arrays are as large as the payload (an integer takes a byte at least): a larger
 # payload is left to msgspec (a vLLM step's batch is well under it; source.MAX_MESSAGE_BYTES is 64)
 MAX_READ_BYTES: Final = 1 << 20
+_MIN_EVENT_BYTES = 13  # the shortest event read: ["BlockStored", ...] (fixarray, fixstr tag)
 EVENT_TYPES: Final = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
 # BlockStored's fields in vLLM's order (the first eight are also SGLang's array order), then the tag
 STORED_FIELDS: Final = (
@@ -961,7 +962,7 @@ def read_batch(buf: Any) -> tuple[bool, Any, Any, Any, Any]:
     else:
         return False, events, parents, hashes, tokens
     n, pos = _array_head(buf, pos, end)
-    if n < 0 or n > end - pos:
+    if n < 0 or n * _MIN_EVENT_BYTES > end - pos:  # a row an event: not more than can be read
         return False, events, parents, hashes, tokens
     events = np.zeros((n, EVENT_FIELDS), np.int64)
     parents = np.zeros(n, np.uint64)
