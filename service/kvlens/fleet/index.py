@@ -65,7 +65,7 @@ import threading
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import msgspec
 import numpy as np
@@ -352,14 +352,88 @@ class FleetIndex:
             )
             if copied != k.GROW:
                 break
-            state.table.reserve(count)
-            self._fleet.reserve(count)
+            self._room_to_store(state, count)
         if copied < 0:
             return False
         if copied:
-            for position in np.flatnonzero(copies[:count]).tolist():
-                state.copies[tier_name, int(hashes[position])] += 1
+            self._count_copies(state, tier_name, hashes)
         return True
+
+    def _room_to_store(self, state: _Replica, count: int) -> None:
+        state.table.reserve(count)
+        self._fleet.reserve(count)
+
+    def _room_to_remove(self, count: int) -> None:
+        self._remembered.reserve(count)
+        self._ring.reserve(count)
+
+    def _count_copies(self, state: _Replica, tier: str, hashes: np.ndarray[Any, np.dtype[np.uint64]]) -> None:
+        """The blocks of a store the tier held already (marked in ``_copies`` by the loop)."""
+        for position in np.flatnonzero(self._copies[: hashes.size]).tolist():
+            state.copies[tier, int(hashes[position])] += 1
+
+    def _shrink(self, state: _Replica, flags: int) -> None:
+        if flags & self._k.SHRINK_REPLICA:
+            state.table.shrink()
+        if flags & self._k.SHRINK_FLEET:
+            self._fleet.shrink()
+
+    def apply_payload(self, replica: str, payload: bytes) -> list[int] | None:
+        """Every event of a payload, read and applied in one compiled call (the usual payload:
+        :func:`kvlens.fleet.kernels.read_batch` says which), as
+        :func:`kvlens.fleet.wire.decode_batch` then :meth:`stored`, :meth:`removed` and
+        :meth:`cleared` event by event would (tested); the loop hands back what it leaves to this
+        class (growing and shrinking tables, extra copies, ``AllBlocksCleared``). Returns what
+        became of the events (events of each type, malformed, of other KV cache groups: left out),
+        or None, nothing changed, for a payload the loop leaves to msgspec."""
+        k = self._k
+        state = self._replicas.get(replica) or self.replica(replica)
+        params = self._params
+        params[k.P_REPLICA] = state.number  # the loop sets the rest an event
+        position = 0
+        malformed = 0  # by earlier calls (each call reads the payload anew)
+        while True:
+            position, stop, value, *tally = k.apply_payload(
+                payload,
+                position,
+                params,
+                state.table.rows,
+                self._fleet.rows,
+                self._remembered.rows,
+                self._ring.keys,
+                self._stats,
+                self._counts,
+                self._copies,
+                bool(state.copies),
+            )
+            if stop == k.DONE:
+                tally[k.T_MALFORMED] += malformed
+                return cast("list[int]", tally)  # numba answers ints
+            malformed += tally[k.T_MALFORMED]
+            if stop == k.UNREAD:
+                return None
+            if stop == k.STOP_COPIES_ROOM:
+                self._copies = np.zeros(2 * value, np.uint8)
+                continue
+            _, events, _, hashes, _ = k.read_batch(payload)  # the event it stopped at (rare)
+            row = events[position - 1 if stop in (k.STOP_COPIES, k.STOP_SHRINK) else position]
+            event_hashes = hashes[row[k.E_HASHES] : row[k.E_HASHES_END]]
+            if stop == k.STOP_GROW:
+                if row[k.E_TYPE] == k.STORED_EVENT:
+                    self._room_to_store(state, event_hashes.size)
+                else:
+                    self._room_to_remove(event_hashes.size)
+            elif stop == k.STOP_COPIES:
+                self._count_copies(state, TIERS[row[k.E_TIER]], event_hashes)
+            elif stop == k.STOP_SHRINK:
+                self._shrink(state, value)
+            else:  # STOP_CALLER
+                if row[k.E_TYPE] == k.REMOVED_EVENT:
+                    self.removed(replica, event_hashes, medium=TIERS[row[k.E_TIER]])
+                else:
+                    self.cleared(replica)
+                params[k.P_REPLICA] = state.number
+                position += 1
 
     def removed(self, replica: str, block_hashes: Sequence[EngineHash], *, medium: str | None = None) -> None:
         """One ``BlockRemoved``."""
@@ -398,12 +472,8 @@ class FleetIndex:
             )
             if done != k.GROW:
                 break
-            self._remembered.reserve(hashes.size)
-            self._ring.reserve(hashes.size)
-        if done & k.SHRINK_REPLICA:
-            state.table.shrink()
-        if done & k.SHRINK_FLEET:
-            self._fleet.shrink()
+            self._room_to_remove(hashes.size)
+        self._shrink(state, done)
 
     def cleared(self, replica: str) -> None:
         """``AllBlocksCleared``, or the publisher restarted: the replica holds nothing now."""

@@ -25,6 +25,8 @@ from typing import Any, Final
 import numpy as np
 from numba import njit
 
+from kvlens.fleet.index import MAX_BLOCK_SIZE
+
 EMPTY: Final = np.uint64(0)
 TOMB: Final = np.uint64(1)
 PRESENT: Final = np.uint64(2)
@@ -55,7 +57,8 @@ FLEET_COUNTS = 5
 P_BLOCK_SIZE, P_PARENT, P_HAS_PARENT, P_ALIKE, P_TIER, P_REPLICA, P_SHARDS, P_SHARD, P_MAX_HELD, P_CAP = (
     range(10)
 )
-PARAMS = 10
+P_TOUCHED = 10  # where _touch's loads go (so that the compiler keeps them)
+PARAMS = 11
 # what store() and remove() answer besides their counts
 GROW = -2  # a table needs room first (nothing was changed)
 SHRINK_REPLICA, SHRINK_FLEET = 1, 2
@@ -92,6 +95,15 @@ def _find(table: Any, key: Any) -> tuple[int, bool]:
         pos += 1
         if pos == size:
             pos = 0
+
+
+@njit(cache=True, nogil=True)
+def _touch(table: Any, key: Any) -> Any:
+    """The first slot ``key``'s probe reads (its value is nothing): the loops read these for
+    every block of an event first, so that the cache misses of a large table overlap (independent
+    loads) instead of each waiting alone in the loop that uses them."""
+    size = table.shape[0] - 3
+    return table[np.int64((((key * _GOLDEN) >> _S32) * np.uint64(size)) >> _S32), 0]
 
 
 @njit(cache=True, nogil=True)
@@ -228,62 +240,107 @@ def content_keys(tokens: Any, block_size: int, parent: Any, extras: Any, out: An
 
 
 @njit(cache=True, nogil=True)
+def _array_head(buf: Any, pos: int, end: int) -> tuple[int, int]:
+    """(element count, position after the head) of a msgpack array at ``pos``; count -1 when
+    there is none (another type, or cut short)."""
+    if pos >= end:
+        return -1, pos
+    first = buf[pos]
+    if 0x90 <= first <= 0x9F:
+        return np.int64(first & 0x0F), pos + 1
+    if first == 0xDC and pos + 3 <= end:
+        return (np.int64(buf[pos + 1]) << 8) | np.int64(buf[pos + 2]), pos + 3
+    if first == 0xDD and pos + 5 <= end:
+        count = (
+            (np.int64(buf[pos + 1]) << 24)
+            | (np.int64(buf[pos + 2]) << 16)
+            | (np.int64(buf[pos + 3]) << 8)
+            | np.int64(buf[pos + 4])
+        )
+        return count, pos + 5
+    return -1, pos
+
+
+@njit(cache=True, nogil=True)
+def _read_int(buf: Any, pos: int, end: int) -> tuple[int, Any, int]:
+    """A msgpack integer at ``pos``: (1 when >= 0, 2 when negative, 0 when no integer), its
+    value as uint64 (two's complement), the position after it."""
+    if pos >= end:
+        return 0, np.uint64(0), pos
+    tag = buf[pos]
+    if tag <= 0x7F:
+        return 1, np.uint64(tag), pos + 1
+    if tag >= 0xE0:  # negative fixint
+        return 2, np.uint64(np.int64(tag) - 256), pos + 1
+    if 0xCC <= tag <= 0xCF:
+        width = 1 << (tag - 0xCC)
+        signed = False
+    elif 0xD0 <= tag <= 0xD3:
+        width = 1 << (tag - 0xD0)
+        signed = True
+    else:
+        return 0, np.uint64(0), pos
+    if pos + 1 + width > end:
+        return 0, np.uint64(0), pos
+    value = np.uint64(0)
+    for k in range(width):
+        value = (value << np.uint64(8)) | np.uint64(buf[pos + 1 + k])
+    negative = signed and value >> np.uint64(8 * width - 1) != 0
+    if negative and width < 8:
+        value -= np.uint64(1) << np.uint64(8 * width)  # sign-extend, wrapping
+    return 2 if negative else 1, value, pos + 1 + width
+
+
+@njit(cache=True, nogil=True)
+def _read_ints(buf: Any, pos: int, end: int, out: Any, at: int) -> tuple[int, int]:
+    """A msgpack array of integers at ``pos`` into ``out[at:]`` (room checked by the caller: an
+    integer takes a byte at least): (how many, the position after), how many -1 when it is
+    anything else."""
+    count, pos = _array_head(buf, pos, end)
+    if count < 0 or count > end - pos:
+        return -1, pos
+    for i in range(count):
+        # the usual forms first (token ids: fixint, uint16, uint32; vLLM's hashes: uint64),
+        # each a few instructions; the rest through _read_int
+        tag = buf[pos] if pos < end else 0xC1
+        if tag <= 0x7F:
+            out[at + i] = tag
+            pos += 1
+            continue
+        if tag == 0xCD and pos + 3 <= end:
+            out[at + i] = (np.uint64(buf[pos + 1]) << np.uint64(8)) | np.uint64(buf[pos + 2])
+            pos += 3
+            continue
+        if tag == 0xCE and pos + 5 <= end:
+            value = np.uint64(0)
+            for k in range(1, 5):
+                value = (value << np.uint64(8)) | np.uint64(buf[pos + k])
+            out[at + i] = value
+            pos += 5
+            continue
+        if tag == 0xCF and pos + 9 <= end:
+            value = np.uint64(0)
+            for k in range(1, 9):
+                value = (value << np.uint64(8)) | np.uint64(buf[pos + k])
+            out[at + i] = value
+            pos += 9
+            continue
+        kind, value, pos = _read_int(buf, pos, end)
+        if kind == 0:
+            return -1, pos
+        out[at + i] = value
+    return count, pos
+
+
+@njit(cache=True, nogil=True)
 def msgpack_ints(buf: Any) -> tuple[bool, Any]:
     """A msgpack array of integers (as ``token_ids`` arrive) as uint64, negative ones in two's
     complement: (True, the array), or (False, nothing) when ``buf`` is anything else."""
-    nothing = np.empty(0, np.uint64)
-    end = buf.size
-    if end == 0:
-        return False, nothing
-    first = buf[0]
-    if 0x90 <= first <= 0x9F:
-        count = np.int64(first & 0x0F)
-        pos = 1
-    elif first == 0xDC and end >= 3:
-        count = (np.int64(buf[1]) << 8) | np.int64(buf[2])
-        pos = 3
-    elif first == 0xDD and end >= 5:
-        count = (
-            (np.int64(buf[1]) << 24) | (np.int64(buf[2]) << 16) | (np.int64(buf[3]) << 8) | np.int64(buf[4])
-        )
-        pos = 5
-    else:
-        return False, nothing
-    if count > end - pos:  # every integer takes a byte at least
-        return False, nothing
-    out = np.empty(count, np.uint64)
-    for i in range(count):
-        if pos >= end:
-            return False, nothing
-        tag = buf[pos]
-        if tag <= 0x7F:
-            out[i] = np.uint64(tag)
-            pos += 1
-            continue
-        if tag >= 0xE0:  # negative fixint
-            out[i] = np.uint64(np.int64(tag) - 256)
-            pos += 1
-            continue
-        if 0xCC <= tag <= 0xCF:
-            width = 1 << (tag - 0xCC)
-            signed = False
-        elif 0xD0 <= tag <= 0xD3:
-            width = 1 << (tag - 0xD0)
-            signed = True
-        else:
-            return False, nothing
-        if pos + 1 + width > end:
-            return False, nothing
-        value = np.uint64(0)
-        for k in range(width):
-            value = (value << np.uint64(8)) | np.uint64(buf[pos + 1 + k])
-        if signed and width < 8 and value >> np.uint64(8 * width - 1):
-            value -= np.uint64(1) << np.uint64(8 * width)  # sign-extend, wrapping
-        out[i] = value
-        pos += 1 + width
-    if pos != end:
-        return False, nothing
-    return True, out
+    out = np.empty(buf.size, np.uint64)
+    count, pos = _read_ints(buf, 0, buf.size, out, 0)
+    if count < 0 or pos != buf.size:
+        return False, np.empty(0, np.uint64)
+    return True, out[:count]
 
 
 @njit(cache=True, nogil=True)
@@ -344,12 +401,28 @@ def store(
     ``tokens``; -1 (and nothing changed) when they are not ``block_size`` integers a block. Else
     the number of blocks the tier held already, marked in ``copies`` (the caller counts them);
     ``extras`` is empty or a digest a block."""
-    count = hashes.size
-    block_size = np.int64(params[P_BLOCK_SIZE])
     if raw.size:
         ok, tokens = msgpack_ints(raw)
         if not ok:
             return -1
+    return _store(hashes, tokens, extras, params, replica, fleet, remembered, stats, fleet_counts, copies)
+
+
+@njit(cache=True, nogil=True)
+def _store(
+    hashes: Any,
+    tokens: Any,
+    extras: Any,
+    params: Any,
+    replica: Any,
+    fleet: Any,
+    remembered: Any,
+    stats: Any,
+    fleet_counts: Any,
+    copies: Any,
+) -> int:
+    count = hashes.size
+    block_size = np.int64(params[P_BLOCK_SIZE])
     if block_size < 1 or tokens.size != count * block_size:
         return -1
     if not (_room(replica, count) and _room(fleet, count)):
@@ -374,6 +447,10 @@ def store(
                 parent = replica[row, 1] & MASK60
         keys = np.empty(count, np.uint64)
         content_keys(tokens, block_size, parent, extras if extras.size else np.zeros(count, np.uint64), keys)
+    touched = np.uint64(0)
+    for b in range(count):
+        touched ^= _touch(replica, hashes[b]) ^ _touch(fleet, keys[b]) ^ _touch(remembered, keys[b])
+    params[P_TOUCHED] = touched
     added = 0
     held = 0
     copied = 0
@@ -451,6 +528,20 @@ def remove(
     """One ``BlockRemoved`` (its blocks held as extra copies already taken off by the caller).
     :data:`GROW` (nothing changed) when the remembered table or ring needs room first; else
     :data:`SHRINK_REPLICA` and :data:`SHRINK_FLEET` set for the tables now mostly empty."""
+    return _remove(hashes, params, replica, fleet, remembered, ring, stats, fleet_counts)
+
+
+@njit(cache=True, nogil=True)
+def _remove(
+    hashes: Any,
+    params: Any,
+    replica: Any,
+    fleet: Any,
+    remembered: Any,
+    ring: Any,
+    stats: Any,
+    fleet_counts: Any,
+) -> int:
     cap = np.int64(params[P_CAP])
     if not (_room(remembered, hashes.size) and ring.size - 2 >= min(cap, np.int64(ring[1]) + hashes.size)):
         return GROW
@@ -461,6 +552,15 @@ def remove(
     shards, shard = params[P_SHARDS], params[P_SHARD]
     whole = shards == np.uint64(1)
     tier_bits = np.uint64(1) << (np.uint64(tier) + TIER_SHIFT)
+    touched = np.uint64(0)
+    for b in range(hashes.size):
+        touched ^= _touch(replica, hashes[b])
+    for b in range(hashes.size):  # then the fleet's lines of the blocks held
+        row, found = _find(replica, hashes[b])
+        if found:
+            key = hashes[b] if alike else replica[row, 1] & MASK60
+            touched ^= _touch(fleet, key) ^ _touch(remembered, key)
+    params[P_TOUCHED] = touched
     for b in range(hashes.size):
         engine_hash = hashes[b]
         row, found = _find(replica, engine_hash)
@@ -556,6 +656,459 @@ def forget(number: Any, fleet: Any, remembered: Any, fleet_counts: Any) -> bool:
     return _sparse(fleet)
 
 
+# --- a whole EventBatch read in place (read_batch), then applied in one call (apply_events) -----
+# What kvlens.fleet.wire.decode_batch and wire.apply decide, for the usual payloads only: any
+# payload this reader is not sure of (another msgpack type where one is expected, bytes hashes,
+# lora_name or extra keys, a text that is not ASCII, an unknown field or event type, a field
+# twice, the tag not first) is left to them (read_batch answers False), so that the two paths
+# count alike; a test holds them equal on random batches.
+E_TYPE, E_OUTCOME, E_TIER, E_BLOCK_SIZE, E_HAS_PARENT = range(5)
+E_HASHES, E_HASHES_END, E_TOKENS, E_TOKENS_END = range(5, 9)  # its slices of hashes and tokens
+E_EXTRA, E_GROUP = 9, 10  # the extra keys given (-1: none), a KV cache group past the first
+EVENT_FIELDS = 11
+STORED_EVENT, REMOVED_EVENT, CLEARED_EVENT = range(3)  # E_TYPE
+APPLY, MALFORMED_EVENT, OTHER_GROUP_EVENT = range(3)  # E_OUTCOME
+# apply_events' tally: events of each type, then events malformed and of other groups
+TALLY = 5
+T_MALFORMED, T_OTHER_GROUP = 3, 4
+# why apply_events stopped: done, or the caller's turn (tables to grow or shrink, extra copies
+# to count, an event it applies itself) before calling again from the position it answered
+DONE, STOP_GROW, STOP_COPIES, STOP_SHRINK, STOP_CALLER, STOP_COPIES_ROOM, UNREAD = range(7)
+
+# The reader's arrays are as large as the payload (an integer takes a byte at least): a larger
+# payload is left to msgspec (a vLLM step's batch is well under it; source.MAX_MESSAGE_BYTES is 64)
+MAX_READ_BYTES: Final = 1 << 20
+_MIN_EVENT_BYTES = 13  # the shortest event read: ["BlockStored", ...] (fixarray, fixstr tag)
+EVENT_TYPES: Final = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+# BlockStored's fields in vLLM's order (the first eight are also SGLang's array order), then the tag
+STORED_FIELDS: Final = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+    "locality",
+    "ownership",
+    "session_id",
+    "lookahead_token_ids",
+)
+REMOVED_FIELDS: Final = ("block_hashes", "medium", "group_idx", "locality", "ownership")
+(
+    F_HASHES,
+    F_PARENT,
+    F_TOKENS,
+    F_SIZE,
+    F_LORA_ID,
+    F_MEDIUM,
+    F_LORA_NAME,
+    F_EXTRA,
+    F_GROUP,
+    F_SPEC_KIND,
+    F_WINDOW,
+    F_LOCALITY,
+    F_OWNERSHIP,
+    F_SESSION,
+    F_LOOKAHEAD,
+) = range(15)
+_STORED_REQUIRED = (1 << F_HASHES) | (1 << F_PARENT) | (1 << F_TOKENS) | (1 << F_SIZE)
+_REMOVED_ALLOWED = sum(1 << STORED_FIELDS.index(name) for name in REMOVED_FIELDS)
+
+
+def _strings(names: tuple[str, ...]) -> tuple[Any, Any]:
+    """Names as one byte array and their end offsets (constants in the compiled loops)."""
+    encoded = [name.encode() for name in names]
+    ends = np.cumsum([len(name) for name in encoded]).astype(np.int64)
+    return np.frombuffer(b"".join(encoded), np.uint8).copy(), ends
+
+
+_FIELD_BYTES, _FIELD_ENDS = _strings(STORED_FIELDS)
+_TYPE_BYTES, _TYPE_ENDS = _strings(EVENT_TYPES)
+_MEDIUM_BYTES, _MEDIUM_ENDS = _strings(("GPU", "CPU", "STORAGE"))  # tiers 0-2, anything else 3
+_TAG_BYTES, _TAG_ENDS = _strings(("type",))
+
+
+@njit(cache=True, nogil=True)
+def _read_str(buf: Any, pos: int, end: int) -> tuple[int, int, int]:
+    """(start, length, position after) of a msgpack str at ``pos``; start -1 when none."""
+    if pos >= end:
+        return -1, 0, pos
+    tag = buf[pos]
+    if 0xA0 <= tag <= 0xBF:
+        length, start = np.int64(tag & 0x1F), pos + 1
+    elif tag == 0xD9 and pos + 2 <= end:
+        length, start = np.int64(buf[pos + 1]), pos + 2
+    elif tag == 0xDA and pos + 3 <= end:
+        length, start = (np.int64(buf[pos + 1]) << 8) | np.int64(buf[pos + 2]), pos + 3
+    elif tag == 0xDB and pos + 5 <= end:
+        length = (
+            (np.int64(buf[pos + 1]) << 24)
+            | (np.int64(buf[pos + 2]) << 16)
+            | (np.int64(buf[pos + 3]) << 8)
+            | np.int64(buf[pos + 4])
+        )
+        start = pos + 5
+    else:
+        return -1, 0, pos
+    if start + length > end:
+        return -1, 0, pos
+    return start, length, start + length
+
+
+@njit(cache=True, nogil=True)
+def _name(buf: Any, start: int, length: int, names: Any, ends: Any) -> int:
+    """Which of ``names`` the bytes are, or -1."""
+    begin = 0
+    for i in range(ends.size):
+        if ends[i] - begin == length:
+            same = True
+            for j in range(length):
+                if buf[start + j] != names[begin + j]:
+                    same = False
+                    break
+            if same:
+                return i
+        begin = ends[i]
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def _ascii(buf: Any, start: int, length: int) -> bool:
+    """ASCII is valid UTF-8 (msgspec checks str): other texts are left to msgspec."""
+    for j in range(length):  # noqa: SIM110 - a loop numba compiles, not a generator
+        if buf[start + j] >= 0x80:
+            return False
+    return True
+
+
+@njit(cache=True, nogil=True)
+def _text_or_nil(buf: Any, pos: int, end: int) -> tuple[int, int]:
+    """A ``str | None`` field: (-2 for nil, -1 when unsure, else its tier: 0-2 one of vLLM's, 3
+    another text), the position after."""
+    if pos < end and buf[pos] == 0xC0:
+        return -2, pos + 1
+    start, length, after = _read_str(buf, pos, end)
+    if start < 0 or not _ascii(buf, start, length):
+        return -1, pos
+    found = _name(buf, start, length, _MEDIUM_BYTES, _MEDIUM_ENDS)
+    return (3 if found < 0 else found), after
+
+
+@njit(cache=True, nogil=True)
+def _int_or_nil(buf: Any, pos: int, end: int) -> tuple[int, Any, int]:
+    """An ``int | None`` field: (0 none read, 1 >= 0, 2 negative, 3 nil), value, position after."""
+    if pos < end and buf[pos] == 0xC0:
+        return 3, np.uint64(0), pos + 1
+    return _read_int(buf, pos, end)
+
+
+@njit(cache=True, nogil=True)
+def _field(
+    field: int,
+    buf: Any,
+    pos: int,
+    end: int,
+    row: Any,
+    parents: Any,
+    e: int,
+    hashes: Any,
+    tokens: Any,
+    nh: int,
+    nt: int,
+) -> tuple[bool, int, int, int]:
+    """One field's value into the event's row: (read, position after, hashes used, tokens used)."""
+    if field == F_HASHES:
+        count, pos = _read_ints(buf, pos, end, hashes, nh)
+        if count < 0:
+            return False, pos, nh, nt
+        row[E_HASHES], row[E_HASHES_END] = nh, nh + count
+        return True, pos, nh + count, nt
+    if field == F_TOKENS:
+        count, pos = _read_ints(buf, pos, end, tokens, nt)
+        if count < 0:
+            return False, pos, nh, nt
+        row[E_TOKENS], row[E_TOKENS_END] = nt, nt + count
+        return True, pos, nh, nt + count
+    if field == F_LOOKAHEAD:  # read to check it, not kept (written where tokens go next)
+        if pos < end and buf[pos] == 0xC0:
+            return True, pos + 1, nh, nt
+        count, pos = _read_ints(buf, pos, end, tokens, nt)
+        return count >= 0, pos, nh, nt
+    if field == F_PARENT or field == F_SIZE or field == F_LORA_ID or field == F_GROUP or field == F_WINDOW:  # noqa: SIM109
+        kind, value, pos = _int_or_nil(buf, pos, end)
+        if kind == 0 or (kind == 3 and field == F_SIZE):
+            return False, pos, nh, nt
+        if field == F_PARENT:
+            row[E_HAS_PARENT] = kind != 3
+            parents[e] = value
+        elif field == F_SIZE:  # out of range: 0, a malformed event
+            in_range = kind == 1 and value >= np.uint64(1) and value <= np.uint64(MAX_BLOCK_SIZE)
+            row[E_BLOCK_SIZE] = np.int64(value) if in_range else 0
+        elif field == F_GROUP:
+            row[E_GROUP] = kind != 3 and value != np.uint64(0)
+        return True, pos, nh, nt
+    if field == F_EXTRA:  # nil, or no extra key for any block (a digest of 0, as none)
+        if pos < end and buf[pos] == 0xC0:
+            return True, pos + 1, nh, nt
+        count, pos = _array_head(buf, pos, end)
+        if count < 0 or count > end - pos:
+            return False, pos, nh, nt
+        for _ in range(count):
+            if buf[pos] != 0xC0:
+                return False, pos, nh, nt
+            pos += 1
+        row[E_EXTRA] = count
+        return True, pos, nh, nt
+    if field == F_LORA_NAME:
+        if pos < end and buf[pos] == 0xC0:
+            return True, pos + 1, nh, nt
+        return False, pos, nh, nt
+    tier, pos = _text_or_nil(buf, pos, end)  # medium and the other texts
+    if tier == -1:
+        return False, pos, nh, nt
+    if field == F_MEDIUM:
+        row[E_TIER] = 0 if tier == -2 else tier
+    return True, pos, nh, nt
+
+
+@njit(cache=True, nogil=True)
+def _event(
+    buf: Any, pos: int, end: int, row: Any, parents: Any, e: int, hashes: Any, tokens: Any, nh: int, nt: int
+) -> tuple[bool, int, int, int]:
+    """One event, a map (vLLM) or an array (SGLang, vLLM up to 0.10), into ``row``."""
+    row[E_EXTRA] = -1
+    if pos >= end:
+        return False, pos, nh, nt
+    first = buf[pos]
+    as_map = 0x80 <= first <= 0x8F or first == 0xDE
+    if as_map:
+        if first == 0xDE:
+            if pos + 3 > end:
+                return False, pos, nh, nt
+            fields, pos = (np.int64(buf[pos + 1]) << 8) | np.int64(buf[pos + 2]), pos + 3
+        else:
+            fields, pos = np.int64(first & 0x0F), pos + 1
+        start, length, pos = _read_str(buf, pos, end)
+        if fields < 1 or start < 0 or _name(buf, start, length, _TAG_BYTES, _TAG_ENDS) != 0:
+            return False, pos, nh, nt
+        fields -= 1
+    else:
+        fields, pos = _array_head(buf, pos, end)
+        if fields < 1:
+            return False, pos, nh, nt
+        fields -= 1
+    start, length, pos = _read_str(buf, pos, end)
+    kind = -1 if start < 0 else _name(buf, start, length, _TYPE_BYTES, _TYPE_ENDS)
+    if kind < 0:
+        return False, pos, nh, nt
+    row[E_TYPE] = kind
+    if not as_map:  # positional: BlockStored's first eight fields, BlockRemoved's hashes and medium
+        most = 8 if kind == STORED_EVENT else 2 if kind == REMOVED_EVENT else 0
+        least = 4 if kind == STORED_EVENT else 1 if kind == REMOVED_EVENT else 0
+        if not least <= fields <= most:
+            return False, pos, nh, nt
+    seen = 0
+    for i in range(fields):
+        if as_map:
+            start, length, pos = _read_str(buf, pos, end)
+            field = -1 if start < 0 else _name(buf, start, length, _FIELD_BYTES, _FIELD_ENDS)
+        else:
+            field = i if kind == STORED_EVENT else F_HASHES if i == 0 else F_MEDIUM
+        if field < 0 or seen >> field & 1:
+            return False, pos, nh, nt
+        if kind == CLEARED_EVENT or (kind == REMOVED_EVENT and not _REMOVED_ALLOWED >> field & 1):
+            return False, pos, nh, nt
+        seen |= 1 << field
+        ok, pos, nh, nt = _field(field, buf, pos, end, row, parents, e, hashes, tokens, nh, nt)
+        if not ok:
+            return False, pos, nh, nt
+    if kind == STORED_EVENT and seen & _STORED_REQUIRED != _STORED_REQUIRED:
+        return False, pos, nh, nt
+    if kind == REMOVED_EVENT and not seen & 1:
+        return False, pos, nh, nt
+    # wire.apply's order: another group first, then what makes a BlockStored malformed
+    if row[E_GROUP]:
+        row[E_OUTCOME] = OTHER_GROUP_EVENT
+    elif kind == STORED_EVENT and (
+        row[E_BLOCK_SIZE] == 0 or (row[E_EXTRA] >= 0 and row[E_EXTRA] != row[E_HASHES_END] - row[E_HASHES])
+    ):
+        row[E_OUTCOME] = MALFORMED_EVENT
+    return True, pos, nh, nt
+
+
+@njit(cache=True, nogil=True)
+def read_batch(buf: Any) -> tuple[bool, Any, Any, Any, Any]:
+    """An ``EventBatch`` payload ``[ts, events(, data_parallel_rank)]``: (True, a row a event
+    (``E_*``), each BlockStored's parent hash, every event's block hashes, every BlockStored's
+    token ids), or (False, ...) for anything it is not sure of (then msgspec reads it). ``buf``:
+    the payload's bytes (or an array of them)."""
+    end = len(buf)
+    events = np.zeros((0, EVENT_FIELDS), np.int64)
+    parents = np.zeros(0, np.uint64)
+    hashes = np.zeros(0, np.uint64)
+    tokens = np.zeros(0, np.uint64)
+    count, pos = _array_head(buf, 0, end)
+    if (count != 2 and count != 3) or pos >= end or end > MAX_READ_BYTES:
+        return False, events, parents, hashes, tokens
+    if buf[pos] == 0xCB:  # ts: float64 (vLLM) or float32
+        pos += 9
+    elif buf[pos] == 0xCA:
+        pos += 5
+    else:
+        return False, events, parents, hashes, tokens
+    n, pos = _array_head(buf, pos, end)
+    if n < 0 or n * _MIN_EVENT_BYTES > end - pos:  # a row an event: not more than can be read
+        return False, events, parents, hashes, tokens
+    events = np.zeros((n, EVENT_FIELDS), np.int64)
+    parents = np.zeros(n, np.uint64)
+    hashes = np.empty(end, np.uint64)  # an integer takes a byte at least
+    tokens = np.empty(end, np.uint64)
+    nh = nt = 0
+    for e in range(n):
+        ok, pos, nh, nt = _event(buf, pos, end, events[e], parents, e, hashes, tokens, nh, nt)
+        if not ok:
+            return False, events, parents, hashes, tokens
+    if count == 3:
+        kind, _, pos = _int_or_nil(buf, pos, end)
+        if kind == 0:
+            return False, events, parents, hashes, tokens
+    if pos != end:
+        return False, events, parents, hashes, tokens
+    return True, events, parents, hashes[:nh], tokens[:nt]
+
+
+@njit(cache=True, nogil=True)
+def _apply_events(
+    start: int,
+    events: Any,
+    parents: Any,
+    hashes: Any,
+    tokens: Any,
+    params: Any,
+    replica: Any,
+    fleet: Any,
+    remembered: Any,
+    ring: Any,
+    stats: Any,
+    fleet_counts: Any,
+    copies: Any,
+    has_copies: bool,
+    tally: Any,
+) -> tuple[int, int, int]:
+    """The events :func:`read_batch` read, from ``start``, as :func:`store` and :func:`remove` one
+    by one would (see :func:`apply_payload`)."""
+    no_extras = np.zeros(0, np.uint64)
+    n = events.shape[0]
+    for e in range(start, n):
+        row = events[e]
+        if row[E_OUTCOME] != APPLY:
+            continue
+        params[P_TIER] = row[E_TIER]
+        kind = row[E_TYPE]
+        if kind == STORED_EVENT:
+            params[P_BLOCK_SIZE] = row[E_BLOCK_SIZE]
+            params[P_HAS_PARENT] = row[E_HAS_PARENT]
+            params[P_PARENT] = parents[e]
+            copied = _store(
+                hashes[row[E_HASHES] : row[E_HASHES_END]],
+                tokens[row[E_TOKENS] : row[E_TOKENS_END]],
+                no_extras,
+                params,
+                replica,
+                fleet,
+                remembered,
+                stats,
+                fleet_counts,
+                copies,
+            )
+            if copied == GROW:
+                return e, STOP_GROW, 0
+            if copied < 0:  # the token ids do not fill its blocks (counted now: a call after a
+                tally[T_MALFORMED] += 1  # stop reads the payload anew)
+            elif copied:
+                return e + 1, STOP_COPIES, 0
+        elif kind == REMOVED_EVENT and not has_copies:
+            done = _remove(
+                hashes[row[E_HASHES] : row[E_HASHES_END]],
+                params,
+                replica,
+                fleet,
+                remembered,
+                ring,
+                stats,
+                fleet_counts,
+            )
+            if done == GROW:
+                return e, STOP_GROW, 0
+            if done:
+                return e + 1, STOP_SHRINK, done
+        else:
+            return e, STOP_CALLER, 0
+    for e in range(n):
+        outcome = events[e, E_OUTCOME]
+        tally[events[e, E_TYPE]] += 1
+        if outcome == MALFORMED_EVENT:
+            tally[T_MALFORMED] += 1
+        elif outcome == OTHER_GROUP_EVENT:
+            tally[T_OTHER_GROUP] += 1
+    return n, DONE, 0
+
+
+@njit(cache=True, nogil=True)
+def apply_payload(
+    buf: Any,
+    start: int,
+    params: Any,
+    replica: Any,
+    fleet: Any,
+    remembered: Any,
+    ring: Any,
+    stats: Any,
+    fleet_counts: Any,
+    copies: Any,
+    has_copies: bool,
+) -> tuple[int, int, int, int, int, int, int, int]:
+    """A payload's events, from event ``start``, into ``replica``'s table (``params``' replica):
+    read (:func:`read_batch`, :data:`UNREAD` when it is not sure of the payload: nothing changed),
+    then applied as :func:`store` and :func:`remove` one by one would. Answers (position, why it
+    stopped, a value, then the tally: events of each type, malformed, of other groups). Done:
+    (events, :data:`DONE`, 0, tally). Else it is the caller's turn, then call again from the
+    position: :data:`STOP_COPIES_ROOM` (``copies`` must hold the value), :data:`STOP_GROW` (grow
+    the tables for the event at the position), :data:`STOP_COPIES` (the event before it held
+    some blocks already: ``copies``), :data:`STOP_SHRINK` (the event before it left tables
+    mostly empty: the value's flags), :data:`STOP_CALLER` (the caller applies the event at the
+    position: an ``AllBlocksCleared``, or a removal while the replica holds extra copies)."""
+    ok, events, parents, hashes, tokens = read_batch(buf)
+    if not ok:
+        return 0, UNREAD, 0, 0, 0, 0, 0, 0
+    if hashes.size > copies.size:
+        return start, STOP_COPIES_ROOM, hashes.size, 0, 0, 0, 0, 0
+    tally = np.zeros(TALLY, np.int64)
+    position, stop, value = _apply_events(  # the tally: events malformed in this call, all at DONE
+        start,
+        events,
+        parents,
+        hashes,
+        tokens,
+        params,
+        replica,
+        fleet,
+        remembered,
+        ring,
+        stats,
+        fleet_counts,
+        copies,
+        has_copies,
+        tally,
+    )
+    return position, stop, value, tally[0], tally[1], tally[2], tally[3], tally[4]
+
+
 _warm = False
 
 
@@ -570,6 +1123,8 @@ def warm() -> None:
     params = np.zeros(PARAMS, np.uint64)
     params[P_SHARDS], params[P_BLOCK_SIZE], params[P_MAX_HELD] = 1, 1, 1
     hashes, tokens = np.ones(1, np.uint64), np.ones(1, np.uint64)
+    raw = np.frombuffer(b"\x91\x01", np.uint8)  # token ids left as msgpack: a read-only array
+    store(hashes, raw, tokens, tokens, params, table, table, table, stats, counts, np.zeros(1, np.uint8))
     store(
         hashes,
         np.zeros(0, np.uint8),
@@ -587,6 +1142,10 @@ def warm() -> None:
     clear(params, table, table, table, ring.keys, stats, counts)
     forget(np.uint64(0), table, table, counts)
     lookup(table, hashes[0])
+    payload = b"\x92\xcb" + bytes(8) + b"\x91\x81\xa4type\xb0AllBlocksCleared"
+    read_batch(payload)
+    copies = np.zeros(1, np.uint8)
+    apply_payload(payload, 0, params, table, table, table, ring.keys, stats, counts, copies, False)
     msgpack_ints(np.zeros(1, np.uint8))
     _rebuild(table, MIN_SLOTS)
     _room(table, 1)

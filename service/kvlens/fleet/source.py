@@ -68,7 +68,15 @@ from typing import Any, Final
 
 from kvlens.errors import SettingsError
 from kvlens.fleet.index import MAX_REPLICAS, FleetIndex, IndexSnapshot
-from kvlens.fleet.wire import MALFORMED, OTHER_GROUP, MalformedPayload, apply, batch_ts, decode_batch
+from kvlens.fleet.wire import (
+    EVENT_TYPES,
+    MALFORMED,
+    OTHER_GROUP,
+    MalformedPayload,
+    apply,
+    batch_ts,
+    decode_batch,
+)
 
 log = logging.getLogger(__name__)
 END_SEQ: Final = -1
@@ -112,6 +120,7 @@ MAX_WAITING_BYTES: Final = 8 * 1024 * 1024
 # restart), or the replica left the fleet (its slot in the index is freed too).
 CLEARED: Final = "cleared"
 VANISHED: Final = "vanished"
+STORED, REMOVED, CLEARED_EVENT = EVENT_TYPES  # the keys of PublisherStatus.events
 
 
 @dataclass(frozen=True)
@@ -219,6 +228,25 @@ class Consumer:
         """One message from ``replica``'s publisher; ``replay(first)`` fetches what a gap lost."""
         status = self.status[replica]
         expected = status.next_seq
+        if seq == expected and not self.reorder_seconds and not self._waiting:
+            # the usual message (the next one, no window, nothing queued): applied now, as the
+            # queue would at once, without its cost
+            status.next_seq = seq + 1
+            try:
+                stamp = batch_ts(payload)
+            except MalformedPayload:
+                status.batches += 1
+                status.malformed_payloads += 1
+                return
+            ts = max(stamp, self._last_ts.get(replica, -math.inf))
+            if ts == ts:  # NaN is never released by the window (ts <= newest is False): queued
+                self._last_ts[replica] = ts
+                if ts > self._newest:
+                    self._newest = ts
+                self._arrival += 1
+                self._apply(replica, status, payload)
+                return
+            status.next_seq = expected
         payloads = [payload]
         restarted = expected is not None and seq < expected
         if restarted:
@@ -310,11 +338,10 @@ class Consumer:
             self._last_ts.pop(name, None)
 
     def _admitted(self, replica: str, status: PublisherStatus) -> bool:
-        """Whether the index has a slot for ``replica``; else its batch is dropped and counted,
-        and the refusal logged once (not per batch) until a slot frees up and takes it."""
-        with self.index.lock:
-            admitted = self.index.admit(replica)
-        if admitted:
+        """Whether the index has a slot for ``replica`` (called under the index's lock); else its
+        batch is dropped and counted, and the refusal logged once (not per batch) until a slot
+        frees up and takes it."""
+        if self.index.admit(replica):
             self._refused.discard(replica)
             return True
         status.refused_batches += 1
@@ -330,8 +357,23 @@ class Consumer:
 
     def _apply(self, replica: str, status: PublisherStatus, payload: bytes) -> None:
         status.batches += 1
-        if not self._admitted(replica, status):
-            return
+        with self.index.lock:
+            if not self._admitted(replica, status):
+                return
+            # the usual payload: read and applied in one compiled call
+            tally = self.index.apply_payload(replica, payload)
+            if tally is not None:
+                stored, removed, cleared, malformed, other_group = tally
+                events = status.events
+                if stored:
+                    events[STORED] += stored
+                if removed:
+                    events[REMOVED] += removed
+                if cleared:
+                    events[CLEARED_EVENT] += cleared
+                status.malformed_events += malformed
+                status.other_group_events += other_group
+                return
         try:
             decoded = decode_batch(payload)
         except MalformedPayload:  # its ts was readable, its events are not

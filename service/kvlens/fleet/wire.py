@@ -21,6 +21,12 @@ The envelope is also read as a map (``{"ts": ..., "events": [...]}``), as some v
 that event only: an unknown event type or an unknown field is counted and skipped (the known
 fields of the event still count), an event whose known fields are wrong is counted as malformed
 and dropped, and a payload that is not an ``EventBatch`` at all is dropped whole.
+
+The consumer first hands a payload to :meth:`kvlens.fleet.index.FleetIndex.apply_payload`, whose
+compiled reader (``kernels.read_batch``) takes the usual one (integer hashes, ASCII texts, no LoRA
+name nor extra keys, every event and field known, at most ``kernels.MAX_READ_BYTES``) and applies
+it in one call, with this module's rules (:func:`apply`'s order of outcomes, :func:`medium_label`'s
+tiers); every other payload comes here. A property test holds both paths equal.
 """
 
 from __future__ import annotations
@@ -121,6 +127,11 @@ class _Cleared(msgspec.Struct, tag="AllBlocksCleared", forbid_unknown_fields=Tru
     pass
 
 
+# the compiled reader's field tables (kernels.STORED_FIELDS, REMOVED_FIELDS) must be these (tested)
+STORED_FIELDS: Final = _Stored.__struct_fields__
+REMOVED_FIELDS: Final = _Removed.__struct_fields__
+
+
 class _StoredLoose(_Stored, tag="BlockStored", forbid_unknown_fields=False):
     pass
 
@@ -193,7 +204,8 @@ Event = (
     | BlockRemoved
     | AllBlocksCleared
 )
-KNOWN_TYPES: Final = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
+EVENT_TYPES: Final = ("BlockStored", "BlockRemoved", "AllBlocksCleared")  # kernels.EVENT_TYPES: its order
+KNOWN_TYPES: Final = frozenset(EVENT_TYPES)
 _strict = msgspec.msgpack.Decoder(_Stored | _Removed | _Cleared)
 _loose = msgspec.msgpack.Decoder(_StoredLoose | _RemovedLoose | _ClearedLoose)
 _array = msgspec.msgpack.Decoder(_StoredArray | _RemovedArray | _ClearedArray)
