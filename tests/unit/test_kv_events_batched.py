@@ -198,6 +198,11 @@ def test_the_usual_payloads_take_the_compiled_path_and_the_rest_msgspec() -> Non
     unusual = [
         vllm.BlockStored([b"\x01" * 32], None, tokens[:2], BLOCK, None, "GPU", None),  # bytes hashes
         vllm.BlockStored([5], None, tokens[:2], BLOCK, None, "GPU", "adapter"),  # a LoRA name
+        # a salt, as SGLang sends it: a map field (sglang#37482), or a map in lora_name's place
+        vllm.SGLangMapStored([5], None, tokens[:2], BLOCK, medium="GPU", cache_salt="tenant-b"),
+        vllm.SGLangSaltedStored(
+            [5], None, tokens[:2], BLOCK, None, "GPU", metadata=vllm.SGLangBlockStoredMetadata(cache_salt="b")
+        ),
         vllm.BlockStored([5], None, tokens[:2], BLOCK, None, "GPU", None, [["lora", "x"]]),
         vllm.BlockStored([5], None, tokens[:2], BLOCK, None, "GPÜ", None),  # not ASCII
         {"block_hashes": [5], "type": "BlockRemoved"},  # the tag not first

@@ -697,6 +697,7 @@ STORED_FIELDS: Final = (
     "ownership",
     "session_id",
     "lookahead_token_ids",
+    "cache_salt",
 )
 REMOVED_FIELDS: Final = ("block_hashes", "medium", "group_idx", "locality", "ownership")
 (
@@ -715,7 +716,8 @@ REMOVED_FIELDS: Final = ("block_hashes", "medium", "group_idx", "locality", "own
     F_OWNERSHIP,
     F_SESSION,
     F_LOOKAHEAD,
-) = range(15)
+    F_CACHE_SALT,
+) = range(16)
 _STORED_REQUIRED = (1 << F_HASHES) | (1 << F_PARENT) | (1 << F_TOKENS) | (1 << F_SIZE)
 _REMOVED_ALLOWED = sum(1 << STORED_FIELDS.index(name) for name in REMOVED_FIELDS)
 
@@ -864,7 +866,7 @@ def _field(
             pos += 1
         row[E_EXTRA] = count
         return True, pos, nh, nt
-    if field == F_LORA_NAME:
+    if field == F_LORA_NAME or field == F_CACHE_SALT:  # noqa: SIM109 (as above: numba) a name or salt: msgspec's path
         if pos < end and buf[pos] == 0xC0:
             return True, pos + 1, nh, nt
         return False, pos, nh, nt
