@@ -33,11 +33,13 @@ def reduce(design: npt.ArrayLike, target: npt.ArrayLike) -> tuple[FloatArray, Fl
     b = np.asarray(target, dtype=np.float64)
     if a.shape[0] <= a.shape[1] + 1:
         return a, b
-    r = np.linalg.qr(np.column_stack([a, b]), mode="r")
+    r = np.asarray(np.linalg.qr(np.column_stack([a, b]), mode="r"), dtype=np.float64)  # mode "r": R alone
     return r[:, :-1], r[:, -1]
 
 
-def nnls(design: npt.ArrayLike, target: npt.ArrayLike, *, rows: int | None = None) -> tuple[FloatArray, float]:
+def nnls(
+    design: npt.ArrayLike, target: npt.ArrayLike, *, rows: int | None = None
+) -> tuple[FloatArray, float]:
     """``x >= 0`` minimising ``||design @ x - target||`` and that norm (as scipy's ``nnls``).
     ``rows``: the row count of the problem ``design`` was reduced from (:func:`reduce`), which
     sets the rank cut-off of each subset's solve, as numpy's ``lstsq`` sets it from the rows."""
