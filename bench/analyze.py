@@ -88,6 +88,19 @@ def run_case(case: str, path: str, memory_limit: str) -> dict[str, Any]:
         ((count, *_),) = connection.execute(
             f"SELECT count(*), sum(prompt_tokens), sum(cached_tokens), sum(ttft_seconds) FROM '{path}'"
         ).fetchall()
+    elif case == "parquet_cli_duckdb":
+        # the command as run (its imports included): kvlens analyze FILE --engine duckdb --json
+        import contextlib
+        import io
+
+        from kvlens.cli import main as kvlens
+
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert (
+                kvlens(["analyze", path, "--engine", "duckdb", "--json", "--memory-limit", memory_limit]) == 0
+            )
+        count = json.loads(out.getvalue())["overall"]["requests"]
     else:
         from kvlens.analysis.analyze import analyze
         from kvlens.config import load_settings
@@ -161,10 +174,14 @@ def main() -> None:
         for count in (int(size) for size in args.records.split(",")):
             start = time.perf_counter()
             parquet, jsonl = generate(directory, count, not args.skip_json)
-            print(f"{count:>12,} generated in {time.perf_counter() - start:.1f} s", flush=True)
+            print(
+                f"{count:>12,} records ready (generated or reused) in {time.perf_counter() - start:.1f} s",
+                flush=True,
+            )
             cases: list[tuple[str, Path, str | None]] = [
                 ("duckdb_scan", parquet, None),
                 ("parquet_analyze_duckdb", parquet, "duckdb_scan"),
+                ("parquet_cli_duckdb", parquet, "duckdb_scan"),
             ]
             if jsonl is not None:
                 cases += [("orjson_parse", jsonl, None), ("jsonl_analyze_duckdb", jsonl, "orjson_parse")]
