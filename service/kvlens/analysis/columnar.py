@@ -38,7 +38,7 @@ from kvlens.errors import InputError
 
 DEFAULT_MEMORY_LIMIT = "2GiB"
 BINS = 1 << 18  # histogram bins of a part a pass, at most (a 100M-record part: ~400 values a bin)
-BIN_VALUES = 512  # values a bin is sized for: a pass leaves ranges of about that many to fetch
+BIN_VALUES = 1024  # values a bin is sized for: a pass leaves ranges of about that many to fetch
 FETCH_MAX = 16384  # values in range fetched to pick the rank directly
 PARQUET_SUFFIXES = (".parquet", ".pq")
 _PARQUET_MAGIC = b"PAR1"
