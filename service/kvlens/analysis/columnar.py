@@ -37,7 +37,7 @@ from kvlens.analysis import reader, report
 from kvlens.errors import InputError
 
 DEFAULT_MEMORY_LIMIT = "2GiB"
-BINS = 1 << 18  # histogram bins of a part a pass, at most (a 100M-record part: ~400 values a bin)
+BINS = 1 << 18  # histogram bins of a part a pass, at most (a part past 268M values gets fuller bins)
 BIN_VALUES = 1024  # values a bin is sized for: a pass leaves ranges of about that many to fetch
 FETCH_MAX = 16384  # values in range fetched to pick the rank directly
 PARQUET_SUFFIXES = (".parquet", ".pq")
