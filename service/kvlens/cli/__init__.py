@@ -23,7 +23,7 @@ COMMANDS = ("serve", "demo", "analyze", "convert", "compare", "simulate", "repla
 
 def command_modules(argv: Sequence[str]) -> list[ModuleType]:
     """The modules of the commands the parser needs: only the one ``argv`` runs (the others
-    import the server, HTTP clients and the terminal UI: a second of CPU at every start of an
+    import the server, HTTP clients and the terminal UI: half a CPU second at every start of an
     offline command), or all of them for the top-level help or a name that is no command."""
     named = [name for name in COMMANDS if list(argv[:1]) == [name]]
     return [importlib.import_module(f"kvlens.cli.{name}") for name in named or COMMANDS]
