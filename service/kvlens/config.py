@@ -9,7 +9,7 @@ import json
 import math
 import urllib.parse
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -33,7 +33,10 @@ from kvlens import bandwidth, shapes
 from kvlens.definitions import CostModel
 from kvlens.errors import SettingsError
 from kvlens.records import valid_label
-from kvlens.sources import formats, vllm_metrics
+from kvlens.sources import formats
+
+if TYPE_CHECKING:
+    from kvlens.sources import vllm_metrics
 
 ENV_PREFIX = "KVLENS_"
 _SECRETS = ("ingest_token", "metrics_token", "metrics_password")
@@ -532,6 +535,8 @@ class Settings(BaseSettings):
     @classmethod
     def _http_urls(cls, urls: list[str]) -> list[str]:
         # the messages never quote a URL: it may hold a password
+        from kvlens.sources import vllm_metrics  # httpx: imported when scraping is configured
+
         try:
             parts = [urllib.parse.urlsplit(url) for url in urls]
             names = [vllm_metrics.target_name(url) for url in urls]
@@ -549,6 +554,8 @@ class Settings(BaseSettings):
     @classmethod
     def _readable_password(cls, path: Path | None) -> Path | None:
         if path is not None:
+            from kvlens.sources import vllm_metrics
+
             try:
                 vllm_metrics.read_password(path)
             except OSError as error:
@@ -609,6 +616,8 @@ class Settings(BaseSettings):
 
     def scrape_targets_parsed(self) -> list[vllm_metrics.ScrapeTarget]:
         """Each scrape URL taken apart: its name, the URL to fetch, its credentials."""
+        from kvlens.sources import vllm_metrics
+
         return [
             vllm_metrics.ScrapeTarget.from_url(url, self.scrape_username, self.scrape_password_file)
             for url in self.scrape_targets

@@ -394,3 +394,35 @@ def test_lines_split_across_reads_keep_their_numbers(tmp_path: Path, monkeypatch
     assert dict(cut.skipped) == dict(whole.skipped) == {"malformed_json": 1, "not_an_object": 1}
     expected = [100, 101, 102, 110, 103, 104]
     assert cut.batch.prompt_tokens.tolist() == whole.batch.prompt_tokens.tolist() == expected
+
+
+@pytest.mark.parametrize(("batch", "fetches"), [(10**9, 1), (1, 3)])
+def test_calibration_points_in_one_fetch_or_in_batches_fit_as_numpy_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batch: int, fetches: int
+) -> None:
+    """Every model's points fetched at once, or one model a batch from a table of them: the same
+    points in the same order, so the same fits as the numpy engine's to the last bit."""
+    rng = np.random.default_rng(5)
+    records = []
+    for i, n in enumerate(rng.integers(1, 30_000, 600)):
+        h = int(n * rng.random()) * (i % 2)
+        record = {"model": f"m{i % 3}", "prompt_tokens": int(n), "cached_tokens": h}
+        if i % 7:  # some records have no prefill time
+            record["prefill_seconds"] = float(1e-3 + 2e-5 * (n - h) + 1e-9 * (n - h) * (n + h) * rng.random())
+        records.append(record)
+    path = write_jsonl(tmp_path / "r.jsonl", records)
+    monkeypatch.setattr(columnar, "CALIBRATION_BATCH", batch)
+    registered = columnar._registered
+    calls: list[str] = []
+
+    def counted(engine: columnar.Engine, tables: dict[str, Any]) -> Any:
+        calls.extend(tables)
+        return registered(engine, tables)
+
+    monkeypatch.setattr(columnar, "_registered", counted)
+    expected, _ = analyze([str(path)], load_settings())
+    got, _ = analyze([str(path)], load_settings(), engine="duckdb")
+    assert [fit["model"] for fit in got["calibration"]] == ["m0", "m1", "m2"]
+    assert got["calibration"] == expected["calibration"]
+    # the fetches of the points (plus the table they are picked into, when in batches)
+    assert calls.count("rates") == fetches + (fetches > 1)

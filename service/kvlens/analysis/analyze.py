@@ -60,7 +60,7 @@ def analyze(
                     calibration.fit(*points)
                     for points in columnar.calibration_inputs(store, CALIBRATION_MAX_POINTS)
                 ]
-                span = time_range(*columnar.arrival_range(store, table))
+                span = time_range(*store.arrivals)
                 result = _report(summary, settings, labels, read, records, paths, span, lambda: None)
         finally:
             store.close()

@@ -121,17 +121,43 @@ class Fit:
         return CostModel(a=self.a, b=self.b, unit=SECONDS)
 
 
-def _fit_candidate(columns: tuple[FloatArray, ...], y: FloatArray) -> tuple[FloatArray, FloatArray]:
-    """Coefficients (the constant last) minimising the squared relative error, and the modelled times."""
-    from kvlens.nnls import nnls
+def _fit_candidates(n: FloatArray, h: FloatArray, y: FloatArray) -> dict[str, tuple[FloatArray, FloatArray]]:
+    """Each candidate's coefficients (the constant last) minimising the squared relative error,
+    and its modelled times. The candidates share columns (the new tokens, the constant), so the
+    weighted columns of all of them are reduced to one small R factor in one pass over the
+    requests (:func:`kvlens.nnls.reduce`), and each candidate is solved on its columns of it."""
+    from kvlens.nnls import nnls, reduce
 
-    design = np.column_stack([*columns, np.ones_like(y)])
-    weighted = design / y[:, None]
+    unique: list[FloatArray] = []  # every distinct column, the constant last
+
+    def place(column: FloatArray) -> int:
+        found = next((i for i, seen in enumerate(unique) if np.array_equal(seen, column)), None)
+        if found is None:
+            unique.append(column)
+            return len(unique) - 1
+        return found
+
+    terms = {name: terms_of(n, h) for name, terms_of in CANDIDATES.items()}
+    places = {name: [place(column) for column in columns] for name, columns in terms.items()}
+    constant = len(unique)
+    weighted = np.empty((y.size, constant + 1), order="F")  # column-major: what the QR reads
+    for i, column in enumerate(unique):
+        np.divide(column, y, out=weighted[:, i])
+    np.divide(1.0, y, out=weighted[:, constant])
     scale = weighted.max(axis=0)
     scale[scale <= 0] = 1.0  # a column of zeros (no new tokens anywhere) stays zero
-    coefficients, _ = nnls(weighted / scale, np.ones_like(y))
-    coefficients = coefficients / scale
-    return coefficients, design @ coefficients
+    weighted /= scale
+    small, target = reduce(weighted, np.ones_like(y))
+    fitted = {}
+    for name, columns in terms.items():
+        chosen = [*places[name], constant]
+        coefficients, _ = nnls(small[:, chosen], target, rows=y.size)
+        coefficients = coefficients / scale[chosen]
+        modelled = np.full_like(y, coefficients[-1])
+        for column, coefficient in zip(columns, coefficients[:-1], strict=True):
+            modelled += coefficient * column
+        fitted[name] = (coefficients, modelled)
+    return fitted
 
 
 def _quality(y: FloatArray, modelled: FloatArray) -> Quality:
@@ -164,7 +190,7 @@ def fit(
         reason = f"{y.size} timed requests, fewer than {min_requests}: not used"
         return Fit(model, int(y.size), 0.0, 0.0, 0.0, nothing, {}, False, reason, [], source)
 
-    fitted = {name: _fit_candidate(terms(n, h), y) for name, terms in CANDIDATES.items()}
+    fitted = _fit_candidates(n, h, y)
     qualities = {name: _quality(y, modelled) for name, (_, modelled) in fitted.items()}
     coefficients, modelled = fitted[REMAINING]
     a, b, c = coefficients.tolist()

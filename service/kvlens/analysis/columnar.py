@@ -37,9 +37,9 @@ from kvlens.analysis import jsonl_load, reader, report
 from kvlens.errors import InputError
 
 DEFAULT_MEMORY_LIMIT = "2GiB"
-BINS = 65536  # histogram bins a pass, at most
+BINS = 1 << 18  # histogram bins of a part a pass, at most (a part past 268M values gets fuller bins)
 BIN_VALUES = 1024  # values a bin is sized for: a pass leaves ranges of about that many to fetch
-FETCH_MAX = 4096  # values in range fetched to pick the rank directly
+FETCH_MAX = 16384  # values in range fetched to pick the rank directly
 PARQUET_SUFFIXES = (".parquet", ".pq")
 _PARQUET_MAGIC = b"PAR1"
 
@@ -79,6 +79,8 @@ class Engine:
     threads: int | None = None
     connection: Any = field(init=False)
     prefill_counts: dict[str, int] = field(init=False, default_factory=dict)  # set by summarize
+    # first and last arrival time and how many records have one: set by summarize
+    arrivals: tuple[float | None, float | None, int] = field(init=False, default=(None, None, 0))
     _spill: tempfile.TemporaryDirectory[str] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
@@ -181,7 +183,8 @@ class Loaded:
 
     read: reader.ReadResult
     files: list[str]
-    parquet: bool = False  # some input is Parquet (scanned where it lies)
+    parquet: bool = False  # some input is Parquet
+    in_memory: bool = True  # every record is in a DuckDB table (else Parquet is scanned where it lies)
 
     @property
     def records(self) -> int:
@@ -220,17 +223,38 @@ def load(
                 progress=progress,
             )
     sources = ["SELECT * FROM jsonl_records"]
+    in_memory = True
     if parquet:
-        sources.append(_parquet_view(engine, parquet, columns, result))
+        in_memory = _fits_in_memory(engine, [path for _, path in parquet], columns)
+        sources.append(_parquet_view(engine, parquet, columns, result, in_memory))
     con.execute(f"CREATE OR REPLACE TEMP VIEW records AS {' UNION ALL '.join(sources)}")
-    return Loaded(read=result, files=files, parquet=bool(parquet))
+    return Loaded(read=result, files=files, parquet=bool(parquet), in_memory=in_memory)
+
+
+def _fits_in_memory(engine: Engine, paths: list[str], columns: Sequence[str]) -> bool:
+    """Whether the rows of the Parquet files (their footers' count) fit in
+    :data:`MATERIALIZE_SHARE` of the memory limit, at :data:`COLUMN_BYTES` a column."""
+    listed = ", ".join(f"'{_quoted(path)}'" for path in paths)
+    ((rows,),) = engine.connection.execute(
+        f"SELECT COALESCE(SUM(num_rows), 0) FROM parquet_file_metadata([{listed}])"
+    ).fetchall()
+    ((limit,),) = engine.connection.execute("SELECT current_setting('memory_limit')").fetchall()
+    return int(rows) * COLUMN_BYTES * (len(columns) + 3) <= MATERIALIZE_SHARE * _bytes(str(limit))
 
 
 def _parquet_view(
-    engine: Engine, parquet: list[tuple[int, str]], columns: Sequence[str], result: reader.ReadResult
+    engine: Engine,
+    parquet: list[tuple[int, str]],
+    columns: Sequence[str],
+    result: reader.ReadResult,
+    in_memory: bool,
 ) -> str:
     """The valid rows of the Parquet files as SQL; rejected rows are counted by reason in
-    ``result`` (with the first few named by file and row), as the validator does for lines."""
+    ``result`` (with the first few named by file and row), as the validator does for lines.
+    ``in_memory``: the rows are checked and copied into a table in one scan, and every later
+    scan reads that table (not Parquet pages to decode and check again); else each scan reads
+    and checks the files where they lie (a copy past the memory limit would spill to disk
+    and every scan would read it back: slower than decoding the Parquet again)."""
     present = _check_parquet_schema(engine, [path for _, path in parquet], columns)
     listed = ", ".join(f"'{_quoted(path)}'" for _, path in parquet)
     src = " ".join(f"WHEN '{_quoted(path)}' THEN {index}" for index, path in parquet)
@@ -238,11 +262,15 @@ def _parquet_view(
         f"SELECT *, CASE filename {src} END AS src, file_row_number AS row FROM read_parquet([{listed}], "
         "union_by_name = true, filename = true, file_row_number = true, hive_partitioning = false)"
     )
+    path_of = dict(parquet)
     selected = ", ".join(
         name if name in present else f"CAST(NULL AS {_SQL_TYPE[_SPEC[name].kind]}) AS {name}"
         for name in columns
     )
-    checked = f"SELECT {selected}, src, row, filename, {rejection_sql(present)} AS rejection FROM ({scan})"
+    checked = f"SELECT {selected}, src, row, {rejection_sql(present)} AS rejection FROM ({scan})"
+    if in_memory:
+        engine.connection.execute(f"CREATE OR REPLACE TEMP TABLE parquet_records AS {checked}")
+        checked = "SELECT * FROM parquet_records"
     rejected = 0
     for reason_field, count in engine.connection.execute(
         f"SELECT rejection, count(*) FROM ({checked}) GROUP BY ALL"
@@ -253,14 +281,14 @@ def _parquet_view(
             rejected += int(count)
     room = reader.MAX_EXAMPLES - len(result.examples)
     if room > 0 and rejected:
-        for rejection, filename, row in engine.connection.execute(
-            f"SELECT rejection, filename, row FROM ({checked}) WHERE rejection IS NOT NULL "
+        for rejection, src_index, row in engine.connection.execute(
+            f"SELECT rejection, src, row FROM ({checked}) WHERE rejection IS NOT NULL "
             f"ORDER BY src, row LIMIT {room}"
         ).fetchall():
             field_name, reason = rejection.split(":")
             result.examples.append(
                 {
-                    "file": filename,
+                    "file": path_of[int(src_index)],
                     "row": int(row),
                     "field": field_name or None,
                     "reason": reason,
@@ -453,6 +481,52 @@ def _bin(value: str, low: str, high: str, bins: str) -> str:
     return f"LEAST(CAST(FLOOR(({value} - {low}) / ({high} - {low}) * {bins}) AS BIGINT), {bins} - 1)"
 
 
+def _root(value: str) -> str:
+    """``value ** (1/16)`` by four square roots: nearly a logarithm over the few decades
+    latencies span, and monotone to the last bit (IEEE square roots are correctly rounded,
+    which ``ln`` or ``pow`` are not promised to be), defined at 0."""
+    return f"sqrt(sqrt(sqrt(sqrt({value}))))"
+
+
+def _first_bin(value: str) -> str:
+    """The first pass's bin of ``value`` (a part's row of the ``parts`` table ``p``): linear
+    between the part's min and max, or on the :func:`_root` scale for a part whose values crowd
+    near its min (a long tail: linear bins would hold nearly all values in the first few).
+    Either way monotone, so the bins stay runs of the sorted values; clamped at 0 in case
+    numpy's root of the min (``p.lo``) is not DuckDB's to the last bit."""
+    scaled = f"(CASE WHEN p.root THEN {_root(value)} ELSE {value} END)"
+    return f"GREATEST({_bin(scaled, 'p.lo', 'p.hi', 'p.nb')}, 0)"
+
+
+ROOT_BELOW = 0.25  # a part whose mean lies in the lowest quarter of [min, max] is binned on the root scale
+
+
+@dataclass(frozen=True)
+class _Scale:
+    """How the first pass bins a part: ``[lo, hi]`` in the scale's units, ``nb`` bins."""
+
+    lo: float
+    hi: float
+    nb: int
+    root: bool
+
+
+def _scales(bounds: dict[Part, tuple[int, float, float]], means: dict[Part, float]) -> dict[Part, _Scale]:
+    """Each part's first-pass scale: the root scale when its mean is low in its range (a long
+    tail; the mean only chooses the bins, never a value) and the root separates min and max."""
+    out = {}
+    for part, (count, low, high) in bounds.items():
+        nb = _bins_for(count)
+        mean = means.get(part)
+        if mean is not None and high > low and (mean - low) / (high - low) < ROOT_BELOW:
+            root_low, root_high = (float(np.sqrt(np.sqrt(np.sqrt(np.sqrt(x))))) for x in (low, high))
+            if root_high > root_low:
+                out[part] = _Scale(root_low, root_high, nb, True)
+                continue
+        out[part] = _Scale(low, high, nb, False)
+    return out
+
+
 def _bins_for(count: int) -> int:
     """Bins for ``count`` values: about :data:`BIN_VALUES` a bin (an even spread is left to
     fetch after one pass; a histogram as fine as the values would cost a group a value)."""
@@ -460,10 +534,15 @@ def _bins_for(count: int) -> int:
 
 
 def order_statistics(
-    engine: Engine, series: str, wanted: dict[Part, list[int]], bounds: dict[Part, tuple[int, float, float]]
+    engine: Engine,
+    series: str,
+    wanted: dict[Part, list[int]],
+    bounds: dict[Part, tuple[int, float, float]],
+    means: dict[Part, float] | None = None,
 ) -> dict[tuple[Part, int], float]:
     """The values at ``wanted`` ranks (0-based, ascending) of each part of ``series``;
-    ``bounds`` gives each part's count, min and max.
+    ``bounds`` gives each part's count, min and max; ``means`` (optional) each part's mean,
+    which picks the first pass's bin scale (:func:`_scales`).
 
     The first pass bins every part's values between its min and max and keeps, for each
     target, the bin holding its rank (the pick is made in SQL, so a pass returns one row a
@@ -475,6 +554,7 @@ def order_statistics(
         for part, ranks in wanted.items()
         for rank in ranks
     ]
+    scales = _scales(bounds, means or {})
     first = True
     while True:
         for target in targets:
@@ -484,25 +564,26 @@ def order_statistics(
         if not open_targets:
             break
         if first:
-            _first_pass(engine, series, open_targets, bounds)
+            _first_pass(engine, series, open_targets, scales)
             first = False
             continue
         fetch = [t for t in open_targets if t.count <= FETCH_MAX]
         narrow = [t for t in open_targets if t.count > FETCH_MAX]
         if fetch:
-            _fetch(engine, series, fetch, bounds)
+            _fetch(engine, series, fetch, scales)
         if narrow:
-            _narrow(engine, series, narrow, bounds)
+            _narrow(engine, series, narrow, scales)
     return {(t.part, t.rank): float(t.value) for t in targets if t.value is not None}
 
 
-def _parts_table(targets: list[_Target], bounds: dict[Part, tuple[int, float, float]]) -> dict[str, Any]:
+def _parts_table(targets: list[_Target], scales: dict[Part, _Scale]) -> dict[str, Any]:
     parts = sorted({t.part for t in targets}, key=_part_key)
     return {
         "k": np.array([_part_key(part) for part in parts], dtype=np.int64),
-        "lo": np.array([bounds[part][1] for part in parts], dtype=np.float64),
-        "hi": np.array([bounds[part][2] for part in parts], dtype=np.float64),
-        "nb": np.array([_bins_for(bounds[part][0]) for part in parts], dtype=np.int64),
+        "lo": np.array([scales[part].lo for part in parts], dtype=np.float64),
+        "hi": np.array([scales[part].hi for part in parts], dtype=np.float64),
+        "nb": np.array([scales[part].nb for part in parts], dtype=np.int64),
+        "root": np.array([scales[part].root for part in parts], dtype=np.bool_),
     }
 
 
@@ -526,19 +607,17 @@ SELECT t.id, cum.bin, cum.c, cum.lo, cum.hi, cum.before FROM cum JOIN targets t
   ON cum.{by} = t.{by} AND t.offset >= cum.before AND t.offset < cum.before + cum.c"""
 
 
-def _first_pass(
-    engine: Engine, series: str, targets: list[_Target], bounds: dict[Part, tuple[int, float, float]]
-) -> None:
+def _first_pass(engine: Engine, series: str, targets: list[_Target], scales: dict[Part, _Scale]) -> None:
     table = {
         "id": np.arange(len(targets), dtype=np.int64),
         "k": np.array([_part_key(t.part) for t in targets], dtype=np.int64),
         "offset": np.array([t.offset for t in targets], dtype=np.int64),
     }
     histogram = (
-        f"SELECT d.k, {_bin('d.v', 'p.lo', 'p.hi', 'p.nb')} AS bin, COUNT(*) AS c, MIN(d.v) AS lo, "
+        f"SELECT d.k, {_first_bin('d.v')} AS bin, COUNT(*) AS c, MIN(d.v) AS lo, "
         f"MAX(d.v) AS hi FROM ({series}) d JOIN parts p ON d.k = p.k GROUP BY 1, 2"
     )
-    with _registered(engine, {"parts": _parts_table(targets, bounds), "targets": table}):
+    with _registered(engine, {"parts": _parts_table(targets, scales), "targets": table}):
         rows = engine.connection.execute(_picked(histogram, "k")).fetchall()
     _apply(targets, rows, first=True)
 
@@ -553,7 +632,7 @@ def _apply(targets: list[_Target], rows: list[tuple[Any, ...]], *, first: bool) 
 
 
 def _in_windows(
-    engine: Engine, series: str, targets: list[_Target], bounds: dict[Part, tuple[int, float, float]]
+    engine: Engine, series: str, targets: list[_Target], scales: dict[Part, _Scale]
 ) -> tuple[str, dict[str, dict[str, Any]], list[int]]:
     """The values in the targets' ranges (several ranks of one part share theirs until they
     part ways) as SQL with the window ``w`` each falls in, the tables it reads, and each
@@ -572,21 +651,16 @@ def _in_windows(
         "hi": np.array([w[3] for w in windows], dtype=np.float64),
         "nb": np.array([_bins_for(count) for count in counts], dtype=np.int64),
     }
-    binned = (
-        f"SELECT d.k, d.v, {_bin('d.v', 'p.lo', 'p.hi', 'p.nb')} AS b "
-        f"FROM ({series}) d JOIN parts p ON d.k = p.k"
-    )
+    binned = f"SELECT d.k, d.v, {_first_bin('d.v')} AS b FROM ({series}) d JOIN parts p ON d.k = p.k"
     values = (
         f"SELECT t.w, t.lo, t.hi, t.nb, d.v FROM ({binned}) d JOIN windows t ON d.k = t.k AND d.b = t.b "
         "WHERE d.v >= t.lo AND d.v <= t.hi"
     )
-    return values, {"parts": _parts_table(targets, bounds), "windows": table}, of_target
+    return values, {"parts": _parts_table(targets, scales), "windows": table}, of_target
 
 
-def _fetch(
-    engine: Engine, series: str, targets: list[_Target], bounds: dict[Part, tuple[int, float, float]]
-) -> None:
-    values, tables, of_target = _in_windows(engine, series, targets, bounds)
+def _fetch(engine: Engine, series: str, targets: list[_Target], scales: dict[Part, _Scale]) -> None:
+    values, tables, of_target = _in_windows(engine, series, targets, scales)
     with _registered(engine, tables):
         rows = engine.connection.execute(f"SELECT w, v FROM ({values}) ORDER BY w, v").fetchall()
     found: dict[int, list[float]] = {}
@@ -596,11 +670,9 @@ def _fetch(
         target.value = found[window][target.offset]
 
 
-def _narrow(
-    engine: Engine, series: str, targets: list[_Target], bounds: dict[Part, tuple[int, float, float]]
-) -> None:
+def _narrow(engine: Engine, series: str, targets: list[_Target], scales: dict[Part, _Scale]) -> None:
     """One histogram pass within the targets' ranges: each shrinks to the bin holding its rank."""
-    values, tables, of_target = _in_windows(engine, series, targets, bounds)
+    values, tables, of_target = _in_windows(engine, series, targets, scales)
     tables["targets"] = {
         "id": np.arange(len(targets), dtype=np.int64),
         "w": np.array(of_target, dtype=np.int64),
@@ -621,10 +693,10 @@ def _narrow(
 
 def totals_sql(reduced: str) -> str:
     """Everything the summary sums, per (model, length group, hit), in one scan: the cells,
-    each series' count, min and max (the order statistics' bounds), the TTFT decomposition and
-    the prefill groups' sums. Per-model rows are added up in Python, exactly (integers; min and
-    max of floats)."""
-    series = ", ".join(f"COUNT({name}), MIN({name}), MAX({name})" for name in SERIES[:-1])
+    each series' count, min, max and sum (the order statistics' bounds and scale), the TTFT
+    decomposition, the prefill groups' sums and the arrival times' range. Per-model rows are
+    added up in Python, exactly (integers; min and max of floats)."""
+    series = ", ".join(f"COUNT({name}), MIN({name}), MAX({name}), SUM({name})" for name in SERIES[:-1])
     timed = "FILTER (WHERE prefill_seconds IS NOT NULL)"
     complete = "FILTER (WHERE ttft_complete)"
 
@@ -643,27 +715,20 @@ def totals_sql(reduced: str) -> str:
   COUNT(*) {complete}, COUNT(*) FILTER (WHERE ttft_overlapped),
   {_fixed("queue_seconds")} {complete}, {_fixed("prefill_seconds")} {complete},
   {_fixed("ttft_other")} {complete},
-  {_exact("prompt_tokens")} {timed}, {_exact("cached_tokens")} {timed}
+  {_exact("prompt_tokens")} {timed}, {_exact("cached_tokens")} {timed},
+  MIN(arrival_time), MAX(arrival_time), COUNT(arrival_time)
 FROM ({reduced}) AS reduced_rows GROUP BY model, length_group, hit"""
 
 
-MATERIALIZE_SHARE = 0.5  # of the memory limit: the records kept in memory when they fit in it
-RECORD_BYTES = 80  # a kept record (ANALYSIS_COLUMNS, src, row) in DuckDB, measured: about 77
+MATERIALIZE_SHARE = 0.5  # of the memory limit: Parquet rows are copied into memory when they fit in it
+COLUMN_BYTES = 10  # a column of a row in a DuckDB table, measured: 91 MB for 1M rows of 10 columns
 
 
 def working_set(engine: Engine, loaded: Loaded) -> str:
-    """The table or view the summary scans: the valid records copied into memory once when they
-    fit in :data:`MATERIALIZE_SHARE` of the memory limit (each of the half-dozen scans then
-    reads memory, not Parquet pages to decode and check again), else ``records`` where they lie
-    (a copy past the limit would spill to disk and every scan would read it back: slower than
-    decoding the Parquet again)."""
-    con = engine.connection
-    ((limit,),) = con.execute("SELECT current_setting('memory_limit')").fetchall()
-    fits = loaded.records * RECORD_BYTES <= MATERIALIZE_SHARE * _bytes(str(limit))
-    if not loaded.parquet or not fits:
-        return "records"  # JSON lines are in a table already
-    con.execute("CREATE OR REPLACE TEMP TABLE kept AS SELECT * FROM records")
-    return "kept"
+    """The table or view the summary scans: ``records``, which :func:`load` has put in memory
+    when it fits (:attr:`Loaded.in_memory`)."""
+    del engine, loaded  # load decides; kept as the step between load and summarize
+    return "records"
 
 
 _UNITS = {
@@ -689,25 +754,28 @@ def _int(value: Any) -> int:
     return 0 if value is None else int(value)
 
 
+KEPT = ("src", "row", "arrival_time")  # columns of the records the reduced view keeps as they are
+
+
 def summarize(engine: Engine, source: str, edges: Sequence[int], default_model: str) -> report.Summary:
     """The :class:`kvlens.analysis.report.Summary` of the records in ``source``: one scan for
     the sums and bounds (:func:`totals_sql`), the order-statistics passes, one scan for the
     slowest requests. Nothing is materialized: each scan reads ``source`` (a table of JSON-lines
     records, or the Parquet files where they lie) and derives the decisions as it reads.
     Records each model's count of timed requests in ``engine.prefill_counts`` for
-    :func:`calibration_inputs`."""
+    :func:`calibration_inputs`, and the arrival times' range in ``engine.arrivals``."""
     con = engine.connection
-    con.execute(
-        f"CREATE OR REPLACE TEMP VIEW reduced AS {reduced_sql(source, edges, default_model, ('src', 'row'))}"
-    )
+    con.execute(f"CREATE OR REPLACE TEMP VIEW reduced AS {reduced_sql(source, edges, default_model, KEPT)}")
     reduced = "SELECT * FROM reduced"
     cells: dict[report.Key, report.Cell] = {}
     bounds: dict[Part, tuple[int, float, float]] = {}
+    sums: dict[Part, float] = {}  # of each part's values: only the first pass's bin scale reads them
     decomposition = [0, 0, 0, 0, 0]
     prefill_sums: dict[report.Group, tuple[int, int, int]] = {}
     timed_by_model: dict[str, int] = {}
 
-    def widen(part: Part, count: int, low: float, high: float) -> None:
+    def widen(part: Part, count: int, low: float, high: float, total: float) -> None:
+        sums[part] = sums.get(part, 0.0) + total
         if part in bounds:
             known = bounds[part]
             count, low, high = known[0] + count, min(known[1], low), max(known[2], high)
@@ -719,20 +787,28 @@ def summarize(engine: Engine, source: str, edges: Sequence[int], default_model: 
         cells[(model, g, hit)] = report.Cell(requests, n, h, (n2 + n) // 2, (h2 + h) // 2)
         at = 8
         for name in SERIES[:-1]:
-            count, low, high = row[at : at + 3]
-            at += 3
+            count, low, high, total = row[at : at + 4]
+            at += 4
             if count:
-                widen((name, g, hit), int(count), float(low), float(high))
+                widen((name, g, hit), int(count), float(low), float(high), float(total))
                 if name == "ttft_seconds":
-                    widen(("all_ttft", -1, False), int(count), float(low), float(high))
+                    widen(("all_ttft", -1, False), int(count), float(low), float(high), float(total))
         for index, value in enumerate(row[at : at + 5]):
             decomposition[index] += _int(value)
         timed_n, timed_h = _int(row[at + 5]), _int(row[at + 6])
-        timed = _int(row[8 + 3 * SERIES.index("prefill_seconds")])
+        timed = _int(row[8 + 4 * SERIES.index("prefill_seconds")])
         if timed:
             before = prefill_sums.get((g, hit), (0, 0, 0))
             prefill_sums[(g, hit)] = (before[0] + timed, before[1] + timed_n, before[2] + timed_h)
             timed_by_model[model] = timed_by_model.get(model, 0) + timed
+        first, last, arrivals = row[at + 7 : at + 10]
+        if arrivals:
+            known = engine.arrivals
+            engine.arrivals = (
+                float(first) if known[0] is None else min(known[0], float(first)),
+                float(last) if known[1] is None else max(known[1], float(last)),
+                known[2] + int(arrivals),
+            )
     engine.prefill_counts = timed_by_model
     series = _series_sql(reduced)
     fractions = {name: tuple(q / 100 for q in report.QUANTILES) for name in report.LATENCY_COLUMNS}
@@ -742,7 +818,8 @@ def summarize(engine: Engine, source: str, edges: Sequence[int], default_model: 
     for part, (count, _, _) in bounds.items():
         ranks = [definitions.quantile_ranks(count, fraction) for fraction in fractions[part[0]]]
         wanted[part] = sorted({rank for low, high, _ in ranks for rank in (low, high)})
-    found = order_statistics(engine, series, wanted, bounds)
+    means = {part: sums[part] / bounds[part][0] for part in bounds}
+    found = order_statistics(engine, series, wanted, bounds, means)
 
     def quantiles_of(part: Part, fractions: tuple[float, ...]) -> list[float]:
         count = bounds[part][0]
@@ -787,39 +864,60 @@ def arrival_range(engine: Engine, table: str) -> tuple[float | None, float | Non
     return (None if first is None else float(first), None if last is None else float(last), int(count))
 
 
+CALIBRATION_BATCH = 2_000_000  # points fetched into Python at once, about 32 bytes each
+
+
 def calibration_inputs(engine: Engine, limit: int) -> Iterator[tuple[str, Any, Any, Any]]:
     """Per model (by name), ``n``, ``h`` and prefill seconds of its records with a prefill time,
     in input order; past ``limit`` records of a model, an even, deterministic sample of about
-    ``limit`` of them (a fit needs the shape of the cloud, not every point). One scan picks the
-    points of every model into a table (in DuckDB, spilled if need be); Python then holds one
-    model's at a time. Call after :func:`summarize` (it counts each model's timed records)."""
+    ``limit`` of them (a fit needs the shape of the cloud, not every point). The models' points
+    come in batches of about :data:`CALIBRATION_BATCH` (one batch: a single scan and fetch;
+    more: one scan picks every model's points into a table, in DuckDB and spilled if need be,
+    then each batch is read from it). Call after :func:`summarize` (it counts each model's
+    timed records)."""
     con = engine.connection
     counts = engine.prefill_counts
     names = sorted(counts)
+    batches: list[list[int]] = []
+    size = 0
+    for index, name in enumerate(names):
+        expected = min(counts[name], limit)  # a sample is about limit: a batch may pass the size a little
+        if not batches or size + expected > CALIBRATION_BATCH:
+            batches.append([])
+            size = 0
+        batches[-1].append(index)
+        size += expected
     rates = {
+        "i": np.arange(len(names), dtype=np.int64),
         "m": np.array(names, dtype=object),
         "c": np.array([counts[name] for name in names], dtype=np.int64),
     }
-    with _registered(engine, {"rates": rates}):
-        con.execute(
-            "CREATE OR REPLACE TEMP TABLE calibration_points AS SELECT model, prompt_tokens, cached_tokens, "
-            "prefill_seconds, src, row FROM reduced JOIN rates ON reduced.model = rates.m "
-            f"WHERE prefill_seconds IS NOT NULL "
-            f"AND (rates.c <= {int(limit)} OR hash(src, row) % rates.c < {int(limit)})"
-        )
+    picked = (
+        "SELECT rates.i, prompt_tokens, cached_tokens, prefill_seconds, src, row FROM reduced "
+        "JOIN rates ON reduced.model = rates.m WHERE prefill_seconds IS NOT NULL "
+        f"AND (rates.c <= {int(limit)} OR hash(src, row) % rates.c < {int(limit)})"
+    )
+    source = f"({picked})"
+    if len(batches) > 1:
+        with _registered(engine, {"rates": rates}):
+            con.execute(f"CREATE OR REPLACE TEMP TABLE calibration_points AS {picked}")
+        source = "calibration_points"
     try:
-        for name in names:
-            rows = con.execute(
-                "SELECT prompt_tokens, cached_tokens, prefill_seconds FROM calibration_points "
-                "WHERE model = ? ORDER BY src, row",
-                [name],
-            ).fetchnumpy()
-            yield (
-                name,
-                np.asarray(rows["prompt_tokens"], dtype=np.int64),
-                np.asarray(rows["cached_tokens"], dtype=np.int64),
-                np.asarray(rows["prefill_seconds"], dtype=np.float64),
-            )
+        for batch in batches:
+            with _registered(engine, {"rates": rates}):
+                rows = con.execute(
+                    f"SELECT i, prompt_tokens, cached_tokens, prefill_seconds FROM {source} "
+                    f"WHERE i BETWEEN {batch[0]} AND {batch[-1]} ORDER BY i, src, row"
+                ).fetchnumpy()
+            models = np.asarray(rows["i"], dtype=np.int64)
+            edges = np.searchsorted(models, np.arange(batch[0], batch[-1] + 2))
+            for index, low, high in zip(batch, edges[:-1], edges[1:], strict=True):
+                yield (
+                    names[index],
+                    np.asarray(rows["prompt_tokens"][low:high], dtype=np.int64),
+                    np.asarray(rows["cached_tokens"][low:high], dtype=np.int64),
+                    np.asarray(rows["prefill_seconds"][low:high], dtype=np.float64),
+                )
     finally:
         con.execute("DROP TABLE IF EXISTS calibration_points")
 

@@ -5,18 +5,28 @@ in the room."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from types import ModuleType
 
 from kvlens import __version__
-from kvlens.cli import analyze, bandwidth, compare, convert, demo, experiment, replay, serve, simulate
 from kvlens.cli.common import Parser, configure_logging, examples, log_flags
 from kvlens.console import install_hint
 from kvlens.errors import InputError, SettingsError
 
-COMMANDS = (serve, demo, analyze, convert, compare, simulate, replay, experiment, bandwidth)
+# Each the name of its module in kvlens.cli.
+COMMANDS = ("serve", "demo", "analyze", "convert", "compare", "simulate", "replay", "experiment", "bandwidth")
+
+
+def command_modules(argv: Sequence[str]) -> list[ModuleType]:
+    """The modules of the commands the parser needs: only the one ``argv`` runs (the others
+    import the server, HTTP clients and the terminal UI: half a CPU second at every start of an
+    offline command), or all of them for the top-level help or a name that is no command."""
+    named = [name for name in COMMANDS if list(argv[:1]) == [name]]
+    return [importlib.import_module(f"kvlens.cli.{name}") for name in named or COMMANDS]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -58,7 +68,8 @@ def parser_of(argv: Sequence[str]) -> argparse.ArgumentParser:
     """``kvlens``'s parser, or ``simulate serve``'s: `simulate`'s optional TRACE would take
     `serve` for a trace, so the server has its own parser (given ``simulate serve``'s argv)."""
     if list(argv[:2]) == ["simulate", "serve"]:
-        parser = simulate.serve_parser()
+        (simulate,) = command_modules(["simulate"])
+        parser: argparse.ArgumentParser = simulate.serve_parser()
     else:
         parser = Parser(
             prog="kvlens",
@@ -67,7 +78,7 @@ def parser_of(argv: Sequence[str]) -> argparse.ArgumentParser:
         )
         parser.add_argument("--version", action="version", version=f"kvlens {__version__}")
         commands = parser.add_subparsers(required=True, metavar="COMMAND")
-        for command in COMMANDS:
+        for command in command_modules(argv):
             command.add_parser(commands)
     _log_flags_on_each_command(parser)
     return parser
