@@ -17,7 +17,6 @@ import pytest
 
 from kvlens.config import parse_dns_target
 from kvlens.exporter.server import raise_open_files_limit
-from kvlens.fleet import wire
 from kvlens.fleet.index import FleetIndex
 from kvlens.fleet.publisher import EventPublisher
 from kvlens.fleet.source import (
@@ -30,6 +29,7 @@ from kvlens.fleet.source import (
 from tests import vllm_kv_events as vllm
 from tests.kv_publisher import TestPublisher
 from tests.live import free_port
+from tests.unit.test_kv_events_dns import stored
 
 pytestmark = pytest.mark.integration
 
@@ -45,18 +45,6 @@ def until(condition: Callable[[], bool], timeout: float = 30) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError("the condition did not come true")
         time.sleep(0.02)
-
-
-def stored(block: int) -> wire.BlockStored:
-    return wire.BlockStored(
-        block_hashes=[block],
-        parent_block_hash=None,
-        token_ids=[block] * 4,
-        block_size=4,
-        lora_id=None,
-        medium="GPU",
-        lora_name=None,
-    )
 
 
 def test_an_answer_of_the_most_addresses_allowed_is_followed_whole() -> None:
