@@ -204,3 +204,12 @@ def in_thread(target: Callable[[], object]) -> threading.Thread:
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
     return thread
+
+
+def until(condition: Callable[[], bool], timeout: float = 20) -> None:
+    """Poll ``condition`` (an in-process state another thread changes) until it holds, or fail."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the condition did not come true")
+        time.sleep(0.01)

@@ -10,8 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 
 import pytest
 
@@ -28,7 +26,7 @@ from kvlens.fleet.source import (
 )
 from tests import vllm_kv_events as vllm
 from tests.kv_publisher import TestPublisher
-from tests.live import free_port
+from tests.live import free_port, until
 from tests.unit.test_kv_events_dns import stored
 
 pytestmark = pytest.mark.integration
@@ -37,14 +35,6 @@ pytestmark = pytest.mark.integration
 def loopback(count: int) -> list[str]:
     """``count`` loopback addresses, 127.0.0.1 first (nothing listens on the others)."""
     return [f"127.0.{i // 250}.{i % 250 + 1}" for i in range(count)]
-
-
-def until(condition: Callable[[], bool], timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError("the condition did not come true")
-        time.sleep(0.02)
 
 
 def test_an_answer_of_the_most_addresses_allowed_is_followed_whole() -> None:
@@ -63,9 +53,9 @@ def test_an_answer_of_the_most_addresses_allowed_is_followed_whole() -> None:
     first = f"127.0.0.1:{port}"
     try:
         publisher.wait_subscribed()
-        until(lambda: first in status and status[first].up == 1)
+        until(lambda: first in status and status[first].up == 1, timeout=30)
         publisher.publish_events([stored(1)])
-        until(lambda: status[first].batches == 1)
+        until(lambda: status[first].batches == 1, timeout=30)
         assert events.snapshot().dns == {f"fleet:{port}": (MAX_DISCOVERED, 0)}
         assert len(status) == MAX_DISCOVERED
         assert source.errors == 0
@@ -151,12 +141,12 @@ def test_an_ipv6_replica_s_gap_is_repaired_from_its_replay_endpoint() -> None:
     events.start()
     try:
         publisher.wait_subscribed()
-        until(lambda: name in status and status[name].up == 1)
+        until(lambda: name in status and status[name].up == 1, timeout=30)
         publisher.publish_events([stored(1)])
-        until(lambda: status[name].batches == 1)
+        until(lambda: status[name].batches == 1, timeout=30)
         publisher.drop(publisher._encode(vllm.KVEventBatch(ts=2.0, events=[])))
         publisher.publish_events([stored(3)])
-        until(lambda: status[name].batches == 3 or status[name].missed > 0)
+        until(lambda: status[name].batches == 3 or status[name].missed > 0, timeout=30)
         assert (status[name].gaps, status[name].replays, status[name].replayed, status[name].missed) == (
             1,
             1,

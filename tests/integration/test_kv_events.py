@@ -6,8 +6,7 @@ from its /metrics."""
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -22,7 +21,7 @@ from kvlens.simulate.run import Fleet, simulate
 from kvlens.simulate.trace import BUNDLED, MOONCAKE, Trace
 from tests import vllm_kv_events as vllm
 from tests.kv_publisher import TestPublisher
-from tests.live import free_port, start_kvlens, total
+from tests.live import free_port, start_kvlens, total, until
 
 pytestmark = pytest.mark.integration
 FIRST, SECOND = [1, 2, 3, 4], [5, 6, 7, 8]
@@ -37,14 +36,6 @@ def removed(hashes: list[int]) -> bytes:
     return vllm.encode(
         vllm.KVEventBatch(ts=1.0, events=[vllm.BlockRemoved(hashes, "GPU")], data_parallel_rank=0)
     )
-
-
-def until(condition: Callable[[], bool], timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError("the condition did not come true")
-        time.sleep(0.01)
 
 
 @pytest.fixture

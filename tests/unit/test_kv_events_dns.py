@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import time
-from collections.abc import Callable
 
 import pytest
 
@@ -32,7 +30,7 @@ from kvlens.fleet.source import (
     wanted_publishers,
 )
 from tests import vllm_kv_events as vllm
-from tests.live import free_port
+from tests.live import free_port, until
 
 TOKENS = [1, 2, 3, 4]
 
@@ -171,14 +169,6 @@ def stored(block: int) -> wire.BlockStored:
         medium="GPU",
         lora_name=None,
     )
-
-
-def until(condition: Callable[[], bool], timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError("the condition did not come true")
-        time.sleep(0.01)
 
 
 def test_subscriptions_follow_the_answers_over_real_sockets() -> None:

@@ -232,11 +232,8 @@ class Consumer:
             # the usual message (the next one, no window, nothing queued): applied now, as the
             # queue would at once, without its cost
             status.next_seq = seq + 1
-            try:
-                stamp = batch_ts(payload)
-            except MalformedPayload:
-                status.batches += 1
-                status.malformed_payloads += 1
+            stamp = _stamp(status, payload)
+            if stamp is None:
                 return
             ts = max(stamp, self._last_ts.get(replica, -math.inf))
             if ts == ts:  # NaN is never released by the window (ts <= newest is False): queued
@@ -269,11 +266,8 @@ class Consumer:
         now = self.clock()
         clear_queued = False
         for position, data in enumerate(payloads):
-            try:
-                stamp = batch_ts(data)
-            except MalformedPayload:
-                status.batches += 1
-                status.malformed_payloads += 1
+            stamp = _stamp(status, data)
+            if stamp is None:
                 continue
             # a replica's batches keep their order even if its clock steps back
             ts = max(stamp, self._last_ts.get(replica, -math.inf))
@@ -393,6 +387,16 @@ class Consumer:
 
 
 Resolver = Callable[[str, int], list[str]]
+
+
+def _stamp(status: PublisherStatus, payload: bytes) -> float | None:
+    """The batch's timestamp, or None for a payload too broken to have one (counted, dropped)."""
+    try:
+        return batch_ts(payload)
+    except MalformedPayload:
+        status.batches += 1
+        status.malformed_payloads += 1
+        return None
 
 
 def resolve_addresses(host: str, port: int) -> list[str]:
