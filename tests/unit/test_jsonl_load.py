@@ -324,3 +324,20 @@ def test_the_next_chunk_is_decoded_while_duckdb_parses_this_one(
 )
 def test_record_lines_counts_lines_that_each_start_a_record(chunk: bytes, lines: int) -> None:
     assert reader._record_lines(chunk) == lines
+
+
+def test_a_chunk_duckdb_refuses_within_a_transaction_keeps_the_chunks_before_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks are inserted in transactions (``COMMIT_CHUNKS`` a commit); a duplicate key, which
+    DuckDB refuses where msgspec keeps the last value, aborts the transaction: the chunks before
+    it in the transaction must be inserted again, that one read by the validator."""
+    duplicate = VALID[:-1] + b',"model":"last"}'
+    monkeypatch.setattr(reader, "CHUNK_BYTES", 2 * (len(duplicate) + 1))  # 2 lines a chunk
+    lines = [VALID.ljust(len(duplicate))] * 20  # trailing spaces: all lines as long
+    lines[8] = duplicate  # the 5th chunk, the 2nd of the second transaction
+    lines[13] = duplicate  # the 7th, the 1st of the third (the one after the refusal)
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    monkeypatch.setattr(jsonl_load, "COMMIT_CHUNKS", 3)
+    assert assert_same(path) == [2, 2, 2, 2, None, 2, None, 2, 2, 2]
