@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -271,3 +272,72 @@ def test_a_full_temporary_directory_leaves_the_lines_to_the_validator(
     path.write_bytes(b"\n".join([VALID] * 5) + b"\n")
     monkeypatch.setattr(Path, "write_bytes", full)
     assert assert_same(path) == [None, None, None]  # tried once, then not again
+
+
+def test_the_next_chunk_is_decoded_while_duckdb_parses_this_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The strict decode of chunk k+1 runs while ``parse`` handles chunk k: ``parse`` waits for
+    the next chunk's decode to finish, which it never would if the two ran one after the other
+    (then the wait runs out and the chunk counts as not overlapped)."""
+    monkeypatch.setattr(reader, "CHUNK_BYTES", 3 * (len(VALID) + 1))  # 3 lines a chunk
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b"\n".join([VALID] * 9) + b"\n")
+    decoded = [threading.Event() for _ in range(3)]
+    strict = reader.strict_records
+    started: list[str] = []
+
+    def decode(chunk: bytes) -> int | None:
+        started.append(threading.current_thread().name)
+        count = strict(chunk)
+        decoded[len(started) - 1].set()
+        return count
+
+    overlapped: list[bool] = []
+
+    def parse(chunk: bytes, lines: int) -> int:
+        following = len(overlapped) + 1
+        overlapped.append(following == len(decoded) or decoded[following].wait(timeout=20))
+        return lines
+
+    monkeypatch.setattr(reader, "strict_records", decode)
+    result = reader.ReadResult(batch=reader.read([]).batch)
+    assert list(reader.parsed_of([str(path)], result, parse)) == [3, 3, 3]
+    assert overlapped == [True, True, True]
+    assert result.lines == 9
+    assert all(name.startswith("kvlens-decode") for name in started)
+
+
+@pytest.mark.parametrize(
+    ("chunk", "lines"),
+    [
+        (b"{}", 1),
+        (b"{}\n{}", 2),
+        (b"{}\n", 0),  # a blank line at the end of a block: the chunk ends with its newline
+        (b"{}\n{}\n", 0),
+        (b"{}\n\n{}", 0),
+        (b"{}\n {}", 0),
+        (b" {}", 0),
+        (b"{}\r\n{}", 0),
+        (b"", 0),
+    ],
+)
+def test_record_lines_counts_lines_that_each_start_a_record(chunk: bytes, lines: int) -> None:
+    assert reader._record_lines(chunk) == lines
+
+
+def test_a_chunk_duckdb_refuses_within_a_transaction_keeps_the_chunks_before_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks are inserted in transactions (``COMMIT_CHUNKS`` a commit); a duplicate key, which
+    DuckDB refuses where msgspec keeps the last value, aborts the transaction: the chunks before
+    it in the transaction must be inserted again, that one read by the validator."""
+    duplicate = VALID[:-1] + b',"model":"last"}'
+    monkeypatch.setattr(reader, "CHUNK_BYTES", 2 * (len(duplicate) + 1))  # 2 lines a chunk
+    lines = [VALID.ljust(len(duplicate))] * 20  # trailing spaces: all lines as long
+    lines[8] = duplicate  # the 5th chunk, the 2nd of the second transaction
+    lines[13] = duplicate  # the 7th, the 1st of the third (the one after the refusal)
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    monkeypatch.setattr(jsonl_load, "COMMIT_CHUNKS", 3)
+    assert assert_same(path) == [2, 2, 2, 2, None, 2, None, 2, 2, 2]
