@@ -22,8 +22,12 @@ to fetch.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
+import functools
 import glob
 import os
+import re
+import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -133,6 +137,22 @@ def _quoted(text: str) -> str:
     return text.replace("'", "''")
 
 
+def scanned_name(path: str) -> str:
+    """The name DuckDB gives a local file it reads by :func:`literal_path` (its ``filename``
+    column, ``parquet_schema``'s ``file_name``): absolute; a URL as it is."""
+    return path if "://" in path else os.path.abspath(path)
+
+
+def literal_path(path: str) -> str:
+    """``path`` as SQL text DuckDB reads as that one file: absolute (DuckDB expands a leading
+    ``~``) with each of ``*?[`` in brackets (DuckDB reads them as a pattern: a file named
+    ``x*.parquet`` would read ``x1.parquet`` beside it too). A URL is left as it is: its
+    wildcards are meant."""
+    if "://" in path:
+        return f"'{_quoted(path)}'"
+    return "'" + _quoted(re.sub(r"([*?\[])", r"[\1]", scanned_name(path))) + "'"
+
+
 # ---------------------------------------------------------------------------------------------
 # Inputs
 
@@ -141,31 +161,88 @@ def expand(paths: Sequence[str]) -> list[str]:
     """Files named by ``paths``: files, directories (every file below, hidden ones aside, in
     name order: a hive layout such as ``day=2026-11-30/model=x/part-0.parquet`` works) and
     globs (``**`` spans directories). A path that names nothing is an error, not an empty
-    input. Object-storage URLs of Parquet files (``s3://.../x.parquet``, globs allowed) go to
-    DuckDB as they are; it reads them where its httpfs extension is installed."""
+    input. A file reached by several names (a symbolic link, a glob that overlaps a directory,
+    a link back up the tree) is read once, under the first. Object-storage URLs of Parquet
+    files (``s3://.../x.parquet``, globs allowed) go to DuckDB as they are; it reads them where
+    its httpfs extension is installed."""
     out: list[str] = []
+    seen: set[tuple[int, int]] = set()
+
+    def add(found: list[str]) -> None:
+        for name in found:
+            status = os.stat(name)
+            if (status.st_dev, status.st_ino) not in seen:
+                seen.add((status.st_dev, status.st_ino))
+                out.append(name)
+
     for path in paths:
         if "://" in path and not path.endswith(PARQUET_SUFFIXES):
             raise InputError(f"{path}: only Parquet is read from a URL (name it .parquet)")
         if path == "-" or "://" in path:
             out.append(path)
         elif os.path.isdir(path):
-            found = sorted(
-                str(p)
-                for p in Path(path).rglob("*")
-                if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+            add(
+                sorted(
+                    str(p)
+                    for p in Path(path).rglob("*")
+                    if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+                )
             )
-            out.extend(found)
         elif any(char in path for char in "*?["):
-            matched = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+            matched = sorted(p for p in _glob(path) if os.path.isfile(p))
             if not matched:
                 raise InputError(f"{path}: the pattern matches no file")
-            out.extend(matched)
+            add(matched)
         elif os.path.isfile(path):
-            out.append(path)
+            add([path])
         else:
             raise InputError(f"{path}: no such file or directory")
     return out
+
+
+def _glob(pattern: str) -> list[str]:
+    """``glob.glob(pattern, recursive=True)``, but ``**`` enters each directory once: glob
+    follows every link to a directory, so a link back up the tree (``up -> ..``) repeats the
+    files below it some 40 times, and two such links 2^40 times."""
+    if "**" not in pattern:
+        return glob.glob(pattern)
+    parts = pattern.split(os.sep)
+    first = next(i for i, part in enumerate(parts) if any(char in part for char in "*?["))
+    base = os.sep.join(parts[:first]) or (os.sep if pattern.startswith(os.sep) else ".")
+    wanted = parts[first:]
+    found: list[str] = []
+    entered: set[tuple[int, int]] = set()
+    for directory, subdirectories, names in os.walk(base, followlinks=True):
+        status = os.stat(directory)
+        if (status.st_dev, status.st_ino) in entered:
+            subdirectories.clear()
+            continue
+        entered.add((status.st_dev, status.st_ino))
+        relative = os.path.relpath(directory, base)
+        above = [] if relative == "." else relative.split(os.sep)
+        for name in names:
+            if _matches([*above, name], wanted):
+                found.append(os.path.join(directory, name))
+    return found if parts[:first] else [os.path.relpath(name) for name in found]  # no "./", as glob
+
+
+def _matches(names: list[str], parts: list[str]) -> bool:
+    """Whether the path ``names`` matches the glob ``parts`` (``**``: any number of
+    directories; a wildcard never matches a leading dot, as in glob)."""
+    if not parts:
+        return not names
+    if parts[0] == "**":
+        return any(
+            _matches(names[skip:], parts[1:])
+            for skip in range(len(names) + 1)
+            if not any(name.startswith(".") for name in names[:skip])
+        )
+    if not names:
+        return False
+    name, part = names[0], parts[0]
+    if name.startswith(".") and not part.startswith("."):
+        return False
+    return fnmatch.fnmatchcase(name, part) and _matches(names[1:], parts[1:])
 
 
 def is_parquet(path: str) -> bool:
@@ -234,7 +311,7 @@ def load(
 def _fits_in_memory(engine: Engine, paths: list[str], columns: Sequence[str]) -> bool:
     """Whether the rows of the Parquet files (their footers' count) fit in
     :data:`MATERIALIZE_SHARE` of the memory limit, at :data:`COLUMN_BYTES` a column."""
-    listed = ", ".join(f"'{_quoted(path)}'" for path in paths)
+    listed = ", ".join(literal_path(path) for path in paths)
     ((rows,),) = engine.connection.execute(
         f"SELECT COALESCE(SUM(num_rows), 0) FROM parquet_file_metadata([{listed}])"
     ).fetchall()
@@ -256,13 +333,14 @@ def _parquet_view(
     and checks the files where they lie (a copy past the memory limit would spill to disk
     and every scan would read it back: slower than decoding the Parquet again)."""
     present = _check_parquet_schema(engine, [path for _, path in parquet], columns)
-    listed = ", ".join(f"'{_quoted(path)}'" for _, path in parquet)
-    src = " ".join(f"WHEN '{_quoted(path)}' THEN {index}" for index, path in parquet)
+    listed = ", ".join(literal_path(path) for _, path in parquet)
+    src = " ".join(f"WHEN '{_quoted(scanned_name(path))}' THEN {index}" for index, path in parquet)
     scan = (
         f"SELECT *, CASE filename {src} END AS src, file_row_number AS row FROM read_parquet([{listed}], "
         "union_by_name = true, filename = true, file_row_number = true, hive_partitioning = false)"
     )
     path_of = dict(parquet)
+    # DuckDB binds a name without case: `model` reads a file's Model (checked as model)
     selected = ", ".join(
         name if name in present else f"CAST(NULL AS {_SQL_TYPE[_SPEC[name].kind]}) AS {name}"
         for name in columns
@@ -302,32 +380,95 @@ def _parquet_view(
 
 def _check_parquet_schema(engine: Engine, paths: list[str], columns: Sequence[str]) -> set[str]:
     """The wanted columns some file has; an error naming the file and column when a file lacks
-    a required column or stores one in a type that is not the record's."""
-    listed = ", ".join(f"'{_quoted(path)}'" for path in paths)
+    a required column, stores one in a type that is not the record's (a DECIMAL or TIMESTAMP is
+    an integer underneath, a BLOB a byte array: DuckDB would read 1.50 tokens as 1), nests it,
+    or has two columns that DuckDB would both read as it (it binds names without case).
+
+    Only top-level columns count: a struct's child named ``prompt_tokens`` is not the record's.
+    ``parquet_schema`` lists each file's schema tree depth first, each group with its number
+    of children, from which the top level is read."""
+    listed = ", ".join(literal_path(path) for path in paths)
     rows = engine.connection.execute(
-        f"SELECT file_name, name, type FROM parquet_schema([{listed}]) "
-        "WHERE num_children IS NULL OR num_children = 0"
+        "SELECT file_name, name, type, repetition_type, num_children, converted_type, logical_type "
+        f"FROM parquet_schema([{listed}])"
     ).fetchall()
-    by_file: dict[str, dict[str, str]] = {}
-    for file_name, name, kind in rows:
-        by_file.setdefault(file_name, {})[name] = kind
+    trees: dict[str, list[tuple[Any, ...]]] = {}
+    for row in rows:
+        trees.setdefault(row[0], []).append(row[1:])
     present: set[str] = set()
     for path in paths:
-        schema = by_file.get(path, {})
+        top = _top_level(trees.get(scanned_name(path), []))
         for name in columns:
             spec = _SPEC[name]
-            kind = schema.get(name)
-            if kind is None:
+            named = [column for column in top if column[0].lower() == name]
+            if len(named) > 1:
+                raise InputError(
+                    f"{path}: columns {named[0][0]!r} and {named[1][0]!r} both name the record's {name} "
+                    "(names are read without case)"
+                )
+            if not named:
                 if spec.required:
                     raise InputError(f"{path}: the Parquet file has no column {name!r} (required)")
                 continue
-            if kind not in _PARQUET_TYPES[spec.kind]:
-                wanted = " or ".join(sorted(_PARQUET_TYPES[spec.kind]))
+            column, physical, repetition, children, converted, logical = named[0]
+            if children or repetition == "REPEATED" or not _fits(spec.kind, physical, converted, logical):
                 raise InputError(
-                    f"{path}: column {name!r} is {kind} in the Parquet file; a record's {name} is {wanted}"
+                    f"{path}: column {column!r} is {_described(physical, repetition, children, converted)} "
+                    f"in the Parquet file; a record's {name} is {_WANTED[spec.kind]}"
                 )
             present.add(name)
     return present
+
+
+def _top_level(tree: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """The root's children of a depth-first schema tree (rows of name, type, repetition,
+    number of children, converted type, logical type; the root first)."""
+    if not tree:
+        return []
+    top = []
+    left = [int(tree[0][3] or 0)]  # children still to come at each open level, the root's first
+    for node in tree[1:]:
+        if len(left) == 1:
+            top.append(node)
+        left[-1] -= 1
+        if node[3]:
+            left.append(int(node[3]))
+        while len(left) > 1 and left[-1] == 0:
+            left.pop()
+    return top
+
+
+_INTEGER_ANNOTATIONS = {None, *(f"{sign}INT_{bits}" for sign in ("", "U") for bits in (8, 16, 32, 64))}
+_TEXT_ANNOTATIONS = {"UTF8", "ENUM", "JSON"}
+_WANTED = {
+    int: "an integer (INT32 or INT64)",
+    float: "a number (FLOAT or DOUBLE)",
+    str: "text (UTF-8 BYTE_ARRAY)",
+}
+
+
+def _fits(kind: type, physical: str | None, converted: str | None, logical: str | None) -> bool:
+    """Whether DuckDB reads a Parquet leaf of these types as a value of the record's ``kind``."""
+    if kind is int:
+        return (
+            physical in ("INT32", "INT64")
+            and converted in _INTEGER_ANNOTATIONS
+            and (logical is None or logical.startswith("IntType"))
+        )
+    if kind is float:
+        return physical in ("FLOAT", "DOUBLE") and converted is None and logical is None
+    return physical == "BYTE_ARRAY" and (
+        converted in _TEXT_ANNOTATIONS or (logical or "").startswith(("StringType", "EnumType", "JsonType"))
+    )
+
+
+def _described(
+    physical: str | None, repetition: str | None, children: int | None, converted: str | None
+) -> str:
+    if children:
+        return f"a nested column ({converted or 'STRUCT'})"
+    annotated = physical if converted in _INTEGER_ANNOTATIONS else f"{physical} ({converted})"
+    return f"a repeated {annotated}" if repetition == "REPEATED" else str(annotated)
 
 
 def rejection_sql(columns: set[str] | Sequence[str]) -> str:
@@ -349,13 +490,40 @@ def rejection_sql(columns: set[str] | Sequence[str]) -> str:
         if spec.kind in (int, float) and spec.high is not None:
             rules.append((f"{name} > {spec.high!r}", name, "out_of_range"))
         if spec.kind is str and spec.is_label:
-            rules.append((f"octet_length(encode({name})) > {records.MAX_LABEL_BYTES}", name, "invalid_label"))
+            rules.append(
+                (
+                    f"(octet_length(encode({name})) > {records.MAX_LABEL_BYTES} "
+                    f"OR NOT regexp_full_match({name}, '{_printable_pattern()}'))",
+                    name,
+                    "invalid_label",
+                )
+            )
         elif spec.kind is str and spec.max_length is not None:
             rules.append((f"length({name}) > {spec.max_length}", name, "too_long"))
         if name == "cached_tokens":
             rules.append(("cached_tokens > prompt_tokens", name, "cached_exceeds_prompt"))
     cases = " ".join(f"WHEN {condition} THEN '{name}:{reason}'" for condition, name, reason in rules)
     return f"CASE {cases} END"
+
+
+@functools.cache
+def _printable_pattern() -> str:
+    """A regular expression (RE2, DuckDB's) of the strings :func:`kvlens.records.valid_label`
+    calls printable, built from Python's own ``str.isprintable`` code point by code point:
+    RE2's Unicode classes are of another Unicode version (they know thousands of characters
+    Python 3.11 does not, which a JSON line would then have refused and Parquet kept)."""
+    ranges, start = [], None
+    for point in range(sys.maxunicode + 1):
+        printable = chr(point).isprintable() and not 0xD800 <= point <= 0xDFFF
+        if not printable and start is None:
+            start = point
+        elif printable and start is not None:
+            ranges.append((start, point - 1))
+            start = None
+    if start is not None:
+        ranges.append((start, sys.maxunicode))
+    excluded = "".join(f"\\x{{{low:x}}}-\\x{{{high:x}}}" for low, high in ranges)
+    return f"[^{excluded}]*"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -940,7 +1108,7 @@ def convert(
             loaded = load(engine, paths, columns=SCALAR_COLUMNS, format_name=format_name, model=model)
             ((count,),) = engine.connection.execute(
                 f"COPY (SELECT {', '.join(SCALAR_COLUMNS)} FROM records ORDER BY src, row) "
-                f"TO '{_quoted(str(out))}' (FORMAT parquet, COMPRESSION zstd)"
+                f"TO '{_quoted(scanned_name(str(out)))}' (FORMAT parquet, COMPRESSION zstd)"
             ).fetchall()
         return loaded, int(count)
     finally:
