@@ -205,3 +205,21 @@ def test_a_file_named_twice_is_read_once(tmp_path: Path) -> None:
     path = tmp_path / "r.jsonl"
     path.write_text('{"prompt_tokens": 100, "cached_tokens": 50}\n')
     assert columnar.expand([str(path), str(tmp_path / "*.jsonl"), str(tmp_path)]) == [str(path)]
+
+
+def test_a_full_spill_directory_is_named_not_taken_for_too_little_memory(tmp_path: Path) -> None:
+    # DuckDB's cap on its temporary files is the free space of their disk: a cap reached is a
+    # full disk, which raising the memory limit is not the first cure of
+    engine = columnar.Engine(memory_limit="20MB", temp_directory=str(tmp_path))
+    try:
+        engine.connection.execute("SET max_temp_directory_size = '256KiB'")
+        with pytest.raises(InputError) as caught, columnar.engine_errors(engine.memory_limit, tmp_path):
+            engine.connection.execute(
+                "CREATE TABLE spilled AS SELECT range AS i, random() AS v FROM range(3000000) ORDER BY v"
+            )
+    finally:
+        engine.close()
+    assert str(caught.value) == (
+        f"DuckDB's temporary directory {tmp_path} is full (it spills there past the memory limit "
+        "20MB): free space there, set TMPDIR to a larger disk, or raise --memory-limit"
+    )

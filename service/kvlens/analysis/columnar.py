@@ -89,9 +89,15 @@ class Engine:
 
     def __post_init__(self) -> None:
         duckdb = _duckdb()
-        self.connection = duckdb.connect(":memory:")
         if self.temp_directory is None:
-            self._spill = tempfile.TemporaryDirectory(prefix="kvlens-duckdb-")
+            try:
+                self._spill = tempfile.TemporaryDirectory(prefix="kvlens-duckdb-")
+            except OSError as error:  # CPython names no file when no candidate is writable
+                raise InputError(
+                    f"no temporary directory for DuckDB to spill to ({error.strerror or error}): "
+                    "set TMPDIR to a writable directory"
+                ) from error
+        self.connection = duckdb.connect(":memory:")
         spill = self.temp_directory or self._spill.name  # type: ignore[union-attr]
         try:
             self.connection.execute(f"SET memory_limit = '{_quoted(self.memory_limit)}'")
@@ -102,6 +108,11 @@ class Engine:
         self.connection.execute("SET enable_progress_bar = false")
         if self.threads:
             self.connection.execute(f"SET threads = {int(self.threads)}")
+
+    @property
+    def spill_directory(self) -> str:
+        """Where DuckDB writes what passes the memory limit."""
+        return self.temp_directory or self._spill.name  # type: ignore[union-attr]
 
     def spilled(self) -> int:
         """Bytes DuckDB holds in temporary files now (past the memory limit)."""
@@ -117,14 +128,22 @@ class Engine:
 
 
 @contextlib.contextmanager
-def engine_errors(memory_limit: str) -> Iterator[None]:
+def engine_errors(memory_limit: str, spill: str | os.PathLike[str] | None = None) -> Iterator[None]:
     """DuckDB's errors as :class:`InputError` (a clear message and exit 2, never a trace):
-    running out of memory names the limit to raise; the rest (a corrupt file, an unreadable URL)
-    carry DuckDB's own first line, which names the file."""
+    running out of memory names the limit to raise, or the temporary directory ``spill`` when
+    that is what ran out (DuckDB caps its temporary files at the free space of their disk);
+    the rest (a corrupt file, an unreadable URL) carry DuckDB's own first line, which names
+    the file."""
     duckdb = _duckdb()
     try:
         yield
     except duckdb.OutOfMemoryException as error:
+        if "max_temp_directory_size" in str(error):
+            raise InputError(
+                f"DuckDB's temporary directory {spill or 'TMPDIR'} is full (it spills there past the "
+                f"memory limit {memory_limit}): free space there, set TMPDIR to a larger disk, or "
+                "raise --memory-limit"
+            ) from error
         raise InputError(
             f"DuckDB needed more than the memory limit {memory_limit} (it spills what it can to "
             "disk, but some steps need a minimum): raise --memory-limit or analyze_memory_limit"
@@ -1104,7 +1123,7 @@ def convert(
     input read and how many records were written."""
     engine = Engine(memory_limit=memory_limit)
     try:
-        with engine_errors(memory_limit):
+        with engine_errors(memory_limit, engine.spill_directory):
             loaded = load(engine, paths, columns=SCALAR_COLUMNS, format_name=format_name, model=model)
             ((count,),) = engine.connection.execute(
                 f"COPY (SELECT {', '.join(SCALAR_COLUMNS)} FROM records ORDER BY src, row) "
