@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import gzip
 import io
+import logging
 import sys
+import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -29,6 +31,7 @@ from kvlens.sources import formats
 from kvlens.sources.jsonlines import UNDECODABLE, loads
 
 CHUNK_BYTES = 8 * 1024 * 1024  # read at a time: whole lines of about this much are one batch
+log = logging.getLogger("kvlens")
 _GZIP = b"\x1f\x8b"
 MAX_EXAMPLES = 20
 T = TypeVar("T")
@@ -128,7 +131,7 @@ def _file_chunks(
     for path in paths:
         with _open(path) as stream:
             file_format = format_name
-            for first_line, chunk in _chunks(stream, progress):
+            for first_line, chunk in _chunks(stream, progress, path):
                 if file_format is None:
                     file_format = _first_format(chunk) or "kvlens"
                     result.formats[path] = file_format
@@ -149,13 +152,16 @@ def _open(path: str) -> IO[bytes]:
     return open(path, "rb")
 
 
-def _chunks(stream: IO[bytes], progress: Callable[[int], None] | None) -> Iterator[tuple[int, bytes]]:
+def _chunks(
+    stream: IO[bytes], progress: Callable[[int], None] | None, path: str = "-"
+) -> Iterator[tuple[int, bytes]]:
     """(number of the chunk's first line, whole lines of about :data:`CHUNK_BYTES` joined by
     ``\n``, without the last newline). A block is read and split in C calls: reading line by line
     costs several Python steps a line, more than decoding it."""
     line_number = 1
     pieces: list[bytes] = []  # a line longer than a block spans several reads
-    while block := stream.read(CHUNK_BYTES):
+    blocks = _Blocks(stream)
+    for block in blocks:
         cut = block.rfind(b"\n")
         if cut < 0:
             pieces.append(block)
@@ -171,6 +177,36 @@ def _chunks(stream: IO[bytes], progress: Callable[[int], None] | None) -> Iterat
         if progress is not None:
             progress(len(rest))
         yield line_number, rest
+        line_number += rest.count(b"\n") + 1
+    if blocks.broken:
+        log.warning("%s: %s: the %s lines before it are read", path, blocks.broken, f"{line_number - 1:,}")
+
+
+class _Blocks:
+    """The stream's blocks of up to :data:`CHUNK_BYTES`, gathered from ``read1`` calls, so that
+    a gzip stream that breaks (cut short: ``EOFError``; corrupt: ``zlib.error``) has given every
+    byte before the break (one ``read`` of a block would lose the whole block); ``broken`` then
+    says why, and the blocks end there."""
+
+    def __init__(self, stream: IO[bytes]) -> None:
+        self.stream = stream
+        self.broken = ""
+
+    def __iter__(self) -> Iterator[bytes]:
+        read1 = getattr(self.stream, "read1", self.stream.read)
+        while not self.broken:
+            parts, size = [], 0
+            try:
+                while size < CHUNK_BYTES and (part := read1(CHUNK_BYTES - size)):
+                    parts.append(part)
+                    size += len(part)
+            except EOFError:
+                self.broken = "the gzip stream ends before its end (the file was cut short)"
+            except (zlib.error, gzip.BadGzipFile):
+                self.broken = "the gzip stream is corrupt here"
+            if not parts:
+                return
+            yield b"".join(parts)
 
 
 def _first_format(chunk: bytes) -> str | None:
