@@ -181,7 +181,9 @@ def expand(paths: Sequence[str]) -> list[str]:
     name order: a hive layout such as ``day=2026-11-30/model=x/part-0.parquet`` works) and
     globs (``**`` spans directories). A path that names nothing is an error, not an empty
     input. A file reached by several names (a symbolic link, a glob that overlaps a directory,
-    a link back up the tree) is read once, under the first. Object-storage URLs of Parquet
+    a link back up the tree) is read once, under the first. A pipe named as a file (a FIFO,
+    ``<(zcat ...)``) is read as a stream of JSON lines; one found by a walk or a glob is left
+    out (nothing may ever write to it: reading would wait for ever). Object-storage URLs of Parquet
     files (``s3://.../x.parquet``, globs allowed) go to DuckDB as they are; it reads them where
     its httpfs extension is installed."""
     out: list[str] = []
@@ -214,6 +216,8 @@ def expand(paths: Sequence[str]) -> list[str]:
             add(matched)
         elif os.path.isfile(path):
             add([path])
+        elif os.path.exists(path):  # named, not found: a pipe (a FIFO, <(zcat ...)) read as a stream
+            out.append(path)
         else:
             raise InputError(f"{path}: no such file or directory")
     return out
@@ -267,7 +271,7 @@ def _matches(names: list[str], parts: list[str]) -> bool:
 def is_parquet(path: str) -> bool:
     if path.endswith(PARQUET_SUFFIXES):
         return True
-    if path == "-" or "://" in path:
+    if path == "-" or "://" in path or not os.path.isfile(path):  # a pipe is read once, as lines
         return False
     with open(path, "rb") as probe:
         return probe.read(4) == _PARQUET_MAGIC

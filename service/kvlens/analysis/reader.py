@@ -10,6 +10,7 @@ line number and skipped; the lines beside it still count.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
 import logging
@@ -139,17 +140,23 @@ def _file_chunks(
             result.formats.setdefault(path, file_format or "kvlens")
 
 
-def _open(path: str) -> IO[bytes]:
-    """The file (or stdin for ``-``), decompressed when gzip by name or by magic bytes."""
-    if path == "-":
-        stdin = sys.stdin.buffer
-        head = stdin.peek(2)[:2] if isinstance(stdin, io.BufferedReader) else b""
-        return gzip.GzipFile(fileobj=stdin) if head == _GZIP else stdin  # type: ignore[return-value]
-    with open(path, "rb") as probe:
-        head = probe.read(2)
-    if path.endswith(".gz") or head == _GZIP:
-        return gzip.open(path, "rb")  # type: ignore[return-value]
-    return open(path, "rb")
+@contextlib.contextmanager
+def _open(path: str) -> Iterator[IO[bytes]]:
+    """The file (or stdin for ``-``), decompressed when gzip by name or by magic bytes, opened
+    once: the magic bytes are peeked, not read, so a pipe named as a file (a FIFO, a shell's
+    ``<(zcat ...)``) gives its bytes from the first (reopening it lost a buffer's worth, or
+    waited for a writer that never came)."""
+    raw: IO[bytes] = sys.stdin.buffer if path == "-" else open(path, "rb")  # noqa: SIM115
+    try:
+        head = raw.peek(2)[:2] if isinstance(raw, io.BufferedReader) else b""
+        if path.endswith(".gz") or head == _GZIP:
+            with gzip.GzipFile(fileobj=raw) as unpacked:
+                yield unpacked  # type: ignore[misc]
+        else:
+            yield raw
+    finally:
+        if path != "-":
+            raw.close()
 
 
 def _chunks(
