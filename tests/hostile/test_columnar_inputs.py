@@ -223,3 +223,20 @@ def test_a_full_spill_directory_is_named_not_taken_for_too_little_memory(tmp_pat
         f"DuckDB's temporary directory {tmp_path} is full (it spills there past the memory limit "
         "20MB): free space there, set TMPDIR to a larger disk, or raise --memory-limit"
     )
+
+
+def test_a_url_glob_of_parquet_files_is_read_file_by_file(tmp_path: Path) -> None:
+    # DuckDB names the objects of a URL glob (file:// here, s3:// alike) by their own names:
+    # the schema check looked the URL up among them, found nothing, and refused every URL
+    first = _write(tmp_path / "u1.parquet", {"prompt_tokens": _tokens(10, 5), "cached_tokens": _tokens(4, 9)})
+    _write(tmp_path / "u2.parquet", {"prompt_tokens": _tokens(10), "cached_tokens": _tokens(4)})
+    report, _ = analyze([f"file://{tmp_path}/u*.parquet"], load_settings(), engine="duckdb")
+    read = report["input"]
+    assert (read["records"], read["lines"], read["skipped"]) == (2, 3, {"cached_exceeds_prompt": 1})
+    example = read["skipped_examples"][0]
+    assert (example["file"], example["row"], example["field"]) == (str(first), 1, "cached_tokens")
+    single, _ = analyze([f"file://{first}"], load_settings(), engine="duckdb")
+    assert single["input"]["records"] == 1
+    with pytest.raises(InputError) as caught:
+        analyze([f"file://{tmp_path}/none*.parquet"], load_settings(), engine="duckdb")
+    assert str(caught.value) == f"file://{tmp_path}/none*.parquet: the URL names no Parquet object"

@@ -302,7 +302,7 @@ def load(
 ) -> Loaded:
     """Create the view ``records`` (``columns`` plus ``src`` and ``row``) of the valid records
     of ``paths``, counting skipped lines and rows in the result as the numpy path does."""
-    files = expand(paths)
+    files = _objects(engine, expand(paths))
     result = reader.ReadResult(batch=records.batch_from_objects([]).batch)
     con = engine.connection
     typed = ", ".join(f"{name} {_SQL_TYPE[_SPEC[name].kind]}" for name in columns)
@@ -329,6 +329,22 @@ def load(
         sources.append(_parquet_view(engine, parquet, columns, result, in_memory))
     con.execute(f"CREATE OR REPLACE TEMP VIEW records AS {' UNION ALL '.join(sources)}")
     return Loaded(read=result, files=files, parquet=bool(parquet), in_memory=in_memory)
+
+
+def _objects(engine: Engine, files: list[str]) -> list[str]:
+    """``files`` with each URL replaced by the objects DuckDB lists for it (a glob's, in name
+    order), named as DuckDB names them: the schema check and each row's file are keyed by the
+    names it reports (``file://`` gives local paths, ``s3://`` its keys), never by the pattern."""
+    out: list[str] = []
+    for path in files:
+        if "://" not in path:
+            out.append(path)
+            continue
+        found = engine.connection.execute("SELECT file FROM glob(?) ORDER BY file", [path]).fetchall()
+        if not found:
+            raise InputError(f"{path}: the URL names no Parquet object")
+        out.extend(str(name) for (name,) in found)
+    return out
 
 
 def _fits_in_memory(engine: Engine, paths: list[str], columns: Sequence[str]) -> bool:
