@@ -204,7 +204,13 @@ def test_a_symlink_loop_under_a_glob_reads_each_file_once(tmp_path: Path) -> Non
 def test_a_file_named_twice_is_read_once(tmp_path: Path) -> None:
     path = tmp_path / "r.jsonl"
     path.write_text('{"prompt_tokens": 100, "cached_tokens": 50}\n')
+    (tmp_path / "link.jsonl").symlink_to(path)
     assert columnar.expand([str(path), str(tmp_path / "*.jsonl"), str(tmp_path)]) == [str(path)]
+    for engine in ("numpy", "duckdb"):  # the numpy engine reads named files only: the same rule
+        report, _ = analyze(
+            [str(path), str(tmp_path / "link.jsonl"), str(path)], load_settings(), engine=engine
+        )
+        assert report["overall"]["requests"] == 1
 
 
 def test_a_full_spill_directory_is_named_not_taken_for_too_little_memory(tmp_path: Path) -> None:

@@ -187,22 +187,13 @@ def expand(paths: Sequence[str]) -> list[str]:
     files (``s3://.../x.parquet``, globs allowed) go to DuckDB as they are; it reads them where
     its httpfs extension is installed."""
     out: list[str] = []
-    seen: set[tuple[int, int]] = set()
-
-    def add(found: list[str]) -> None:
-        for name in found:
-            status = os.stat(name)
-            if (status.st_dev, status.st_ino) not in seen:
-                seen.add((status.st_dev, status.st_ino))
-                out.append(name)
-
     for path in paths:
         if "://" in path and not path.endswith(PARQUET_SUFFIXES):
             raise InputError(f"{path}: only Parquet is read from a URL (name it .parquet)")
         if path == "-" or "://" in path:
             out.append(path)
         elif os.path.isdir(path):
-            add(
+            out.extend(
                 sorted(
                     str(p)
                     for p in Path(path).rglob("*")
@@ -213,14 +204,12 @@ def expand(paths: Sequence[str]) -> list[str]:
             matched = sorted(p for p in _glob(path) if os.path.isfile(p))
             if not matched:
                 raise InputError(f"{path}: the pattern matches no file")
-            add(matched)
-        elif os.path.isfile(path):
-            add([path])
-        elif os.path.exists(path):  # named, not found: a pipe (a FIFO, <(zcat ...)) read as a stream
+            out.extend(matched)
+        elif os.path.exists(path):  # a file, or a pipe (a FIFO, <(zcat ...)) read as a stream
             out.append(path)
         else:
             raise InputError(f"{path}: no such file or directory")
-    return out
+    return reader.distinct(out)
 
 
 def _glob(pattern: str) -> list[str]:

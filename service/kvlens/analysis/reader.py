@@ -14,6 +14,8 @@ import contextlib
 import gzip
 import io
 import logging
+import os
+import stat
 import sys
 import zlib
 from collections import Counter
@@ -74,10 +76,31 @@ def read(
 ) -> ReadResult:
     """All records of ``paths``; ``progress`` is told how many bytes were read as reading goes."""
     result = ReadResult(batch=batch_from_objects([]).batch)
-    batches = list(batches_of(paths, result, format_name=format_name, model=model, progress=progress))
+    batches = list(
+        batches_of(distinct(paths), result, format_name=format_name, model=model, progress=progress)
+    )
     if batches:
         result.batch = RecordBatch.concat(batches)
     return result
+
+
+def distinct(paths: list[str]) -> list[str]:
+    """``paths`` with each regular file once, under the first name that reaches it (a file named
+    twice, a link to it, a glob overlapping a directory): its records are counted once. Streams
+    (``-``, pipes), URLs and names that reach nothing (the open says why) are kept as given."""
+    out: list[str] = []
+    seen: set[tuple[int, int]] = set()
+    for path in paths:
+        try:
+            status = None if path == "-" or "://" in path else os.stat(path)
+        except OSError:
+            status = None
+        if status is not None and stat.S_ISREG(status.st_mode):
+            if (status.st_dev, status.st_ino) in seen:
+                continue
+            seen.add((status.st_dev, status.st_ino))
+        out.append(path)
+    return out
 
 
 def batches_of(
