@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kvlens.analysis import columnar
+from kvlens.analysis import columnar, columnar_compare, compare
 from kvlens.analysis.analyze import analyze
 from kvlens.config import load_settings
 from kvlens.errors import InputError
@@ -246,3 +246,22 @@ def test_a_url_glob_of_parquet_files_is_read_file_by_file(tmp_path: Path) -> Non
     with pytest.raises(InputError) as caught:
         analyze([f"file://{tmp_path}/none*.parquet"], load_settings(), engine="duckdb")
     assert str(caught.value) == f"file://{tmp_path}/none*.parquet: the URL names no Parquet object"
+
+
+def test_arm_names_that_look_like_sql_select_their_own_records(tmp_path: Path) -> None:
+    # an arm's name goes to DuckDB as a bound parameter: quotes, $name, ? and comments are text
+    names = ["base", "x' OR 'a'<>'b", 'q"; DROP TABLE records; --', "$name", "?"]
+    path = tmp_path / "arms.jsonl"
+    with path.open("w") as out:
+        for i in range(40):
+            for k, name in enumerate(names):
+                record = {"request_id": f"r{i}", "prompt_tokens": 100 + i, "cached_tokens": (i * k) % 100}
+                out.write(json.dumps({**record, "ttft_seconds": 0.1 * (k + 1) + i / 100, "arm": name}) + "\n")
+        other = {"request_id": "other", "prompt_tokens": 5, "cached_tokens": 0, "arm": "z"}
+        out.write(json.dumps(other) + "\n")
+    specs = [(name, str(path)) for name in names]
+    settings = load_settings()
+    in_duckdb = columnar_compare.compare_files(specs, settings)
+    in_numpy = compare.compare([compare.load_arm(name, str(path), settings) for name, _ in specs])
+    assert in_duckdb == in_numpy
+    assert (in_duckdb["arms"], in_duckdb["requests"]) == (names, 40)
