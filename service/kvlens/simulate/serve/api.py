@@ -316,7 +316,8 @@ class Api:
         tickets = self._submit(answer, client)
         if answer.stream:
             return self._completion_stream(answer, tickets, client)
-        await self._all_finished(tickets, client)
+        if not await self._all_finished(tickets, client):
+            return b""  # its client went away
         choices = [
             {
                 "index": i,
@@ -348,7 +349,8 @@ class Api:
         tickets = self._submit(answer, client)
         if answer.stream:
             return self._chat_stream(answer, tickets, client)
-        await self._all_finished(tickets, client)
+        if not await self._all_finished(tickets, client):
+            return b""  # its client went away
         ticket = tickets[0]
         response = {
             "id": answer.request_id,
@@ -540,8 +542,9 @@ class Api:
             for i, (ids, out) in enumerate(zip(answer.prompts, answer.outputs, strict=True))
         ]
 
-    async def _all_finished(self, tickets: list[Ticket], client: Client) -> None:
-        """Until every prompt finished; a client that leaves takes them out of the fleet."""
+    async def _all_finished(self, tickets: list[Ticket], client: Client) -> bool:
+        """Until every prompt finished (True); a client that leaves takes them out of the fleet
+        (False: nobody reads an answer, which is then not built: a batch's is up to 33 MB)."""
         engine = self.engine
         assert engine is not None
         wake = tickets[0].wake
@@ -550,8 +553,9 @@ class Api:
             if client.left:
                 for ticket in tickets:
                     engine.abort(ticket)
-                return
+                return False
             await wake.wait()
+        return not client.left
 
     # --- streaming --------------------------------------------------------------------------
 
