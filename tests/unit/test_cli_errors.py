@@ -143,3 +143,16 @@ def test_no_usable_temporary_directory_is_one_line(
         "kvlens: no temporary directory for DuckDB to spill to (No usable temporary directory found "
         "in ['/tmp', '/var/tmp']): set TMPDIR to a writable directory"
     )
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_a_warm_up_time_that_is_no_time_is_refused(
+    value: str, records: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # NaN compared false with every arrival time: no request was warm-up, silently
+    with pytest.raises(SystemExit) as exited:
+        main(["compare", "--arm", f"a={records}", "--arm", f"b={records}", f"--warmup-until={value}"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"kvlens compare: error: argument --warmup-until: a time is a finite number of seconds, not {value!r}"
+    )
