@@ -60,9 +60,6 @@ ANALYSIS_COLUMNS = (
 )
 SCALAR_COLUMNS = tuple(spec.name for spec in records.FIELDS if spec.kind is not list)
 _SQL_TYPE = {int: "BIGINT", float: "DOUBLE", str: "VARCHAR"}
-# Parquet physical types accepted for each kind (a duration stored as an integer is refused:
-# its unit is unknown).
-_PARQUET_TYPES = {int: {"INT32", "INT64"}, float: {"FLOAT", "DOUBLE"}, str: {"BYTE_ARRAY"}}
 _SPEC = {spec.name: spec for spec in records.FIELDS}
 
 
@@ -476,7 +473,8 @@ _WANTED = {
 
 
 def _fits(kind: type, physical: str | None, converted: str | None, logical: str | None) -> bool:
-    """Whether DuckDB reads a Parquet leaf of these types as a value of the record's ``kind``."""
+    """Whether DuckDB reads a Parquet leaf of these types as a value of the record's ``kind`` (a
+    duration stored as an integer is refused: its unit is unknown)."""
     if kind is int:
         return (
             physical in ("INT32", "INT64")
