@@ -145,3 +145,24 @@ class SGLangMapStored(msgspec.Struct, omit_defaults=True, gc=False, tag="BlockSt
 
 
 encode = msgspec.msgpack.Encoder().encode
+
+
+# SGLang with a ``snapshot_endpoint`` (python/sglang/srt/disaggregation/kv_events.py, 2026): the
+# live topic carries the publisher's lifecycle (a fresh uuid4 hex at each start, sequences from
+# 0 again), and a snapshot's barrier is an empty batch on the same PUB socket at the next
+# sequence number (kept in the replay buffer like any batch), its topic also naming the barrier.
+SGLANG_EPOCH_MARKER = b"\x00sgl-kv-epoch="
+SGLANG_BARRIER_MARKER = b"\x00sgl-kv-snapshot="
+
+
+def sglang_live_topic(topic: bytes, epoch: str) -> bytes:
+    return topic + SGLANG_EPOCH_MARKER + epoch.encode("utf-8")
+
+
+def sglang_barrier_topic(topic: bytes, epoch: str, barrier_id: str) -> bytes:
+    return sglang_live_topic(topic, epoch) + SGLANG_BARRIER_MARKER + barrier_id.encode("utf-8")
+
+
+def sglang_barrier(ts: float, rank: int = 0) -> bytes:
+    """A barrier's payload: ``KVEventBatch(ts=time.time(), events=[], attn_dp_rank=rank)``."""
+    return encode(SGLang2EventBatch(ts=ts, events=[], attn_dp_rank=rank))

@@ -3,7 +3,9 @@ and exit 2; never a traceback."""
 
 from __future__ import annotations
 
+import errno
 import socket
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -120,3 +122,37 @@ def test_progress_goes_to_stderr_and_json_stays_clean(tmp_path: Path) -> None:
     assert done.returncode == 0
     assert done.stdout.startswith(b"{")
     assert json.loads(done.stdout)["schema"] == "kvlens.simulate/v1"
+
+
+def test_no_usable_temporary_directory_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # what CPython raises when TMPDIR, /tmp, /var/tmp, /usr/tmp and the working directory are
+    # all read-only (a container with a read-only root): an OSError without a file name
+    pytest.importorskip("duckdb")
+    records = tmp_path / "r.jsonl"
+    records.write_text('{"prompt_tokens": 10, "cached_tokens": 2}\n')
+
+    def no_directory() -> str:
+        raise FileNotFoundError(errno.ENOENT, "No usable temporary directory found in ['/tmp', '/var/tmp']")
+
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    monkeypatch.setattr(tempfile, "gettempdir", no_directory)
+    assert main(["analyze", "--engine", "duckdb", str(records)]) == 2
+    assert one_line(capsys) == (
+        "kvlens: no temporary directory for DuckDB to spill to (No usable temporary directory found "
+        "in ['/tmp', '/var/tmp']): set TMPDIR to a writable directory"
+    )
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_a_warm_up_time_that_is_no_time_is_refused(
+    value: str, records: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # NaN compared false with every arrival time: no request was warm-up, silently
+    with pytest.raises(SystemExit) as exited:
+        main(["compare", "--arm", f"a={records}", "--arm", f"b={records}", f"--warmup-until={value}"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"kvlens compare: error: argument --warmup-until: a time is a finite number of seconds, not {value!r}"
+    )

@@ -196,8 +196,8 @@ def test_a_parquet_schema_mismatch_names_the_file_and_the_column(tmp_path: Path)
     with pytest.raises(InputError) as caught:
         analyze([str(good), str(wrong)], load_settings(), engine="duckdb")
     assert str(caught.value) == (
-        f"{wrong}: column 'ttft_seconds' is BYTE_ARRAY in the Parquet file; "
-        "a record's ttft_seconds is DOUBLE or FLOAT"
+        f"{wrong}: column 'ttft_seconds' is BYTE_ARRAY (UTF8) in the Parquet file; "
+        "a record's ttft_seconds is a number (FLOAT or DOUBLE)"
     )
     with pytest.raises(InputError) as caught:
         analyze([str(lacking)], load_settings(), engine="duckdb")

@@ -14,7 +14,15 @@ from hypothesis import strategies as st
 
 from kvlens.fleet.index import EVICTED_HERE, HELD_ELSEWHERE, NEW, FleetIndex, token_array
 from kvlens.fleet.source import MAX_WAITING_BYTES, Consumer, Publisher
-from kvlens.fleet.wire import APPLIED, MALFORMED, MalformedPayload, apply, decode_batch
+from kvlens.fleet.wire import (
+    APPLIED,
+    MALFORMED,
+    MAX_EPOCH_BYTES,
+    MalformedPayload,
+    apply,
+    decode_batch,
+    sglang_epoch,
+)
 from tests import vllm_kv_events as vllm
 
 TS = 1764600000.25
@@ -458,3 +466,49 @@ def test_a_block_size_out_of_range_makes_the_event_malformed(size: int) -> None:
     index = FleetIndex()
     assert apply(index, "a", msgspec.structs.replace(event, block_size=size)) == MALFORMED
     assert index.recomputed == {}
+
+
+# --- SGLang's lifecycles (epochs) and snapshot barriers --------------------------------------
+
+
+def test_sglangs_epoch_is_read_from_live_and_barrier_topics() -> None:
+    assert sglang_epoch(vllm.sglang_live_topic(b"kv", "e1")) == b"e1"
+    assert sglang_epoch(vllm.sglang_barrier_topic(b"kv", "e1", "b7")) == b"e1"
+    assert sglang_epoch(b"kv") is None
+    assert sglang_epoch(vllm.sglang_live_topic(b"", "")) is None
+    assert sglang_epoch(vllm.sglang_live_topic(b"", "x" * MAX_EPOCH_BYTES)) == b"x" * MAX_EPOCH_BYTES
+    assert sglang_epoch(vllm.sglang_live_topic(b"", "x" * (MAX_EPOCH_BYTES + 1))) is None
+
+
+def test_a_barrier_is_an_empty_batch_in_the_sequence() -> None:
+    c = consumer()
+    c.message("a", 0, batch(stored([1], None, FIRST)), None, b"e1")
+    c.message("a", 1, vllm.sglang_barrier(TS), None, b"e1")
+    c.message("a", 2, batch(vllm.BlockRemoved([1], "GPU")), None, b"e1")
+    status = c.status["a"]
+    assert (status.batches, status.gaps, status.restarts, status.malformed_payloads) == (3, 0, 0, 0)
+    assert c.index.snapshot().held[("a", "GPU")] == 0
+
+
+def test_a_new_epoch_is_a_restart_however_its_sequence_runs() -> None:
+    c = consumer()
+    c.message("a", 0, batch(stored([1], None, FIRST)), None, b"e1")
+    c.message("b", 0, batch(stored([9], None, FIRST)), None, b"f1")
+    c.message("a", 1, batch(), None, b"e2")  # the next number, but of a new lifecycle: 0 was lost
+    status = c.status["a"]
+    assert (status.restarts, status.gaps, status.missed) == (1, 1, 1)
+    assert c.index.snapshot().held == {("a", "GPU"): 0, ("b", "GPU"): 1}
+    c.message("a", 0, batch(), None, b"e3")  # a new lifecycle whose sequence also went back: one restart
+    assert (status.restarts, status.gaps) == (2, 1)
+    c.message("a", 1, batch(), None, None)  # a topic without an epoch keeps the last one known
+    c.message("a", 2, batch(), None, b"e3")
+    assert (status.restarts, status.gaps, status.batches) == (2, 1, 5)
+
+
+def test_the_first_epoch_seen_and_a_comeback_after_vanishing_are_no_restart() -> None:
+    c = consumer()
+    c.message("a", 7, batch(), None, b"e1")  # kvlens started after the publisher
+    c.vanished("a")
+    c.add(Publisher("a", "tcp://a:5557"))
+    c.message("a", 0, batch(), None, b"e2")
+    assert (c.status["a"].restarts, c.status["a"].gaps) == (0, 0)

@@ -70,3 +70,39 @@ def test_drop_free_keeps_held_blocks() -> None:
     cache.acquire(("c",), 1)
     assert cache.drop_free() == 2
     assert "a" not in cache and "c" in cache and cache.held_blocks == 1
+
+
+def test_departures_from_a_long_line_keep_the_others_order_and_counts() -> None:
+    # a departure marks its job and the line drops it when it comes to the front (or when most
+    # of the line has gone): no scan of the line per departure
+    done: list[Job] = []
+    replica = Replica(0, None, BLOCK, ServiceModel(prefill=LINEAR.prefill, max_running=1), done)
+    jobs = [job(i, (f"b{i}",), output=1) for i in range(10)]
+    for each in jobs:
+        each.estimate = 0.04
+        replica.enqueue(each, 0.0)
+    assert (replica.queued, replica.outstanding) == (9, 10)  # job 0 is prefilling
+    for leaving in (9, 5, 3, 6):
+        replica.abort(jobs[leaving], 0.01)
+    assert (replica.queued, replica.outstanding) == (5, 6)
+    assert replica.expected_wait(0.01) == pytest.approx(0.07 + 5 * 0.04)  # 2000 tokens: 80 ms
+    replica.advance(10.0)
+    served = [j.order for j in done if j.order not in (9, 5, 3, 6)]
+    assert served == [0, 1, 2, 4, 7, 8]  # first come, first served, the departed skipped
+    assert [j.order for j in done[:4]] == [9, 5, 3, 6]  # the departed finished as they left
+    assert all(jobs[i].start == jobs[i].finish == 0.01 for i in (9, 5, 3, 6))
+    assert (replica.queued, replica.outstanding, len(replica.waiting)) == (0, 0, 0)
+
+
+def test_a_line_mostly_departed_is_rebuilt_to_its_size() -> None:
+    done: list[Job] = []
+    replica = Replica(0, None, BLOCK, ServiceModel(prefill=LINEAR.prefill, max_running=1), done)
+    jobs = [job(i, (f"b{i}",)) for i in range(9)]  # job 0 runs, eight wait
+    for each in jobs:
+        replica.enqueue(each, 0.0)
+    for leaving in jobs[1:5]:
+        replica.abort(leaving, 0.01)
+    assert len(replica.waiting) == 8  # half the line departed: kept, marked
+    replica.abort(jobs[5], 0.01)
+    assert [j.order for j in replica.waiting] == [6, 7, 8]
+    assert replica.queued == 3

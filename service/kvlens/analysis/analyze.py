@@ -45,7 +45,7 @@ def analyze(
 
         store = columnar.Engine(memory_limit=memory_limit or columnar.DEFAULT_MEMORY_LIMIT)
         try:
-            with columnar.engine_errors(store.memory_limit):
+            with columnar.engine_errors(store.memory_limit, store.spill_directory):
                 loaded = columnar.load(store, paths, format_name=format_name, model=model, progress=progress)
                 table = columnar.working_set(store, loaded)
                 summary = columnar.summarize(

@@ -22,8 +22,12 @@ to fetch.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
+import functools
 import glob
 import os
+import re
+import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -56,9 +60,6 @@ ANALYSIS_COLUMNS = (
 )
 SCALAR_COLUMNS = tuple(spec.name for spec in records.FIELDS if spec.kind is not list)
 _SQL_TYPE = {int: "BIGINT", float: "DOUBLE", str: "VARCHAR"}
-# Parquet physical types accepted for each kind (a duration stored as an integer is refused:
-# its unit is unknown).
-_PARQUET_TYPES = {int: {"INT32", "INT64"}, float: {"FLOAT", "DOUBLE"}, str: {"BYTE_ARRAY"}}
 _SPEC = {spec.name: spec for spec in records.FIELDS}
 
 
@@ -85,9 +86,15 @@ class Engine:
 
     def __post_init__(self) -> None:
         duckdb = _duckdb()
-        self.connection = duckdb.connect(":memory:")
         if self.temp_directory is None:
-            self._spill = tempfile.TemporaryDirectory(prefix="kvlens-duckdb-")
+            try:
+                self._spill = tempfile.TemporaryDirectory(prefix="kvlens-duckdb-")
+            except OSError as error:  # CPython names no file when no candidate is writable
+                raise InputError(
+                    f"no temporary directory for DuckDB to spill to ({error.strerror or error}): "
+                    "set TMPDIR to a writable directory"
+                ) from error
+        self.connection = duckdb.connect(":memory:")
         spill = self.temp_directory or self._spill.name  # type: ignore[union-attr]
         try:
             self.connection.execute(f"SET memory_limit = '{_quoted(self.memory_limit)}'")
@@ -98,6 +105,11 @@ class Engine:
         self.connection.execute("SET enable_progress_bar = false")
         if self.threads:
             self.connection.execute(f"SET threads = {int(self.threads)}")
+
+    @property
+    def spill_directory(self) -> str:
+        """Where DuckDB writes what passes the memory limit."""
+        return self.temp_directory or self._spill.name  # type: ignore[union-attr]
 
     def spilled(self) -> int:
         """Bytes DuckDB holds in temporary files now (past the memory limit)."""
@@ -113,14 +125,22 @@ class Engine:
 
 
 @contextlib.contextmanager
-def engine_errors(memory_limit: str) -> Iterator[None]:
+def engine_errors(memory_limit: str, spill: str | os.PathLike[str] | None = None) -> Iterator[None]:
     """DuckDB's errors as :class:`InputError` (a clear message and exit 2, never a trace):
-    running out of memory names the limit to raise; the rest (a corrupt file, an unreadable URL)
-    carry DuckDB's own first line, which names the file."""
+    running out of memory names the limit to raise, or the temporary directory ``spill`` when
+    that is what ran out (DuckDB caps its temporary files at the free space of their disk);
+    the rest (a corrupt file, an unreadable URL) carry DuckDB's own first line, which names
+    the file."""
     duckdb = _duckdb()
     try:
         yield
     except duckdb.OutOfMemoryException as error:
+        if "max_temp_directory_size" in str(error):
+            raise InputError(
+                f"DuckDB's temporary directory {spill or 'TMPDIR'} is full (it spills there past the "
+                f"memory limit {memory_limit}): free space there, set TMPDIR to a larger disk, or "
+                "raise --memory-limit"
+            ) from error
         raise InputError(
             f"DuckDB needed more than the memory limit {memory_limit} (it spills what it can to "
             "disk, but some steps need a minimum): raise --memory-limit or analyze_memory_limit"
@@ -133,6 +153,22 @@ def _quoted(text: str) -> str:
     return text.replace("'", "''")
 
 
+def scanned_name(path: str) -> str:
+    """The name DuckDB gives a local file it reads by :func:`literal_path` (its ``filename``
+    column, ``parquet_schema``'s ``file_name``): absolute; a URL as it is."""
+    return path if "://" in path else os.path.abspath(path)
+
+
+def literal_path(path: str) -> str:
+    """``path`` as SQL text DuckDB reads as that one file: absolute (DuckDB expands a leading
+    ``~``) with each of ``*?[`` in brackets (DuckDB reads them as a pattern: a file named
+    ``x*.parquet`` would read ``x1.parquet`` beside it too). A URL is left as it is: its
+    wildcards are meant."""
+    if "://" in path:
+        return f"'{_quoted(path)}'"
+    return "'" + _quoted(re.sub(r"([*?\[])", r"[\1]", scanned_name(path))) + "'"
+
+
 # ---------------------------------------------------------------------------------------------
 # Inputs
 
@@ -141,8 +177,12 @@ def expand(paths: Sequence[str]) -> list[str]:
     """Files named by ``paths``: files, directories (every file below, hidden ones aside, in
     name order: a hive layout such as ``day=2026-11-30/model=x/part-0.parquet`` works) and
     globs (``**`` spans directories). A path that names nothing is an error, not an empty
-    input. Object-storage URLs of Parquet files (``s3://.../x.parquet``, globs allowed) go to
-    DuckDB as they are; it reads them where its httpfs extension is installed."""
+    input. A file reached by several names (a symbolic link, a glob that overlaps a directory,
+    a link back up the tree) is read once, under the first. A pipe named as a file (a FIFO,
+    ``<(zcat ...)``) is read as a stream of JSON lines; one found by a walk or a glob is left
+    out (nothing may ever write to it: reading would wait for ever). Object-storage URLs of Parquet
+    files (``s3://.../x.parquet``, globs allowed) go to DuckDB as they are; it reads them where
+    its httpfs extension is installed."""
     out: list[str] = []
     for path in paths:
         if "://" in path and not path.endswith(PARQUET_SUFFIXES):
@@ -150,28 +190,74 @@ def expand(paths: Sequence[str]) -> list[str]:
         if path == "-" or "://" in path:
             out.append(path)
         elif os.path.isdir(path):
-            found = sorted(
-                str(p)
-                for p in Path(path).rglob("*")
-                if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+            out.extend(
+                sorted(
+                    str(p)
+                    for p in Path(path).rglob("*")
+                    if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+                )
             )
-            out.extend(found)
         elif any(char in path for char in "*?["):
-            matched = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+            matched = sorted(p for p in _glob(path) if os.path.isfile(p))
             if not matched:
                 raise InputError(f"{path}: the pattern matches no file")
             out.extend(matched)
-        elif os.path.isfile(path):
+        elif os.path.exists(path):  # a file, or a pipe (a FIFO, <(zcat ...)) read as a stream
             out.append(path)
         else:
             raise InputError(f"{path}: no such file or directory")
-    return out
+    return reader.distinct(out)
+
+
+def _glob(pattern: str) -> list[str]:
+    """``glob.glob(pattern, recursive=True)``, but ``**`` enters each directory once: glob
+    follows every link to a directory, so a link back up the tree (``up -> ..``) repeats the
+    files below it some 40 times, and two such links 2^40 times."""
+    if "**" not in pattern:
+        return glob.glob(pattern)
+    parts = pattern.split(os.sep)
+    first = next(i for i, part in enumerate(parts) if any(char in part for char in "*?["))
+    base = os.sep.join(parts[:first]) or (os.sep if pattern.startswith(os.sep) else ".")
+    wanted = parts[first:]
+    found: list[str] = []
+    entered: set[tuple[int, int]] = set()
+    for directory, subdirectories, names in os.walk(base, followlinks=True):
+        status = os.stat(directory)
+        if (status.st_dev, status.st_ino) in entered:
+            subdirectories.clear()
+            continue
+        entered.add((status.st_dev, status.st_ino))
+        relative = os.path.relpath(directory, base)
+        above = [] if relative == "." else relative.split(os.sep)
+        for name in names:
+            if _matches([*above, name], wanted):
+                found.append(os.path.join(directory, name))
+    return found if parts[:first] else [os.path.relpath(name) for name in found]  # no "./", as glob
+
+
+def _matches(names: list[str], parts: list[str]) -> bool:
+    """Whether the path ``names`` matches the glob ``parts`` (``**``: any number of
+    directories; a wildcard never matches a leading dot, as in glob)."""
+    if not parts:
+        return not names
+    if parts[0] == "**":
+        return any(
+            _matches(names[skip:], parts[1:])
+            for skip in range(len(names) + 1)
+            if not any(name.startswith(".") for name in names[:skip])
+        )
+    if not names:
+        return False
+    name, part = names[0], parts[0]
+    if name.startswith(".") and not part.startswith("."):
+        return False
+    return fnmatch.fnmatchcase(name, part) and _matches(names[1:], parts[1:])
 
 
 def is_parquet(path: str) -> bool:
     if path.endswith(PARQUET_SUFFIXES):
         return True
-    if path == "-" or "://" in path:
+    if path == "-" or "://" in path or not os.path.isfile(path):  # a pipe is read once, as lines
         return False
     with open(path, "rb") as probe:
         return probe.read(4) == _PARQUET_MAGIC
@@ -202,7 +288,7 @@ def load(
 ) -> Loaded:
     """Create the view ``records`` (``columns`` plus ``src`` and ``row``) of the valid records
     of ``paths``, counting skipped lines and rows in the result as the numpy path does."""
-    files = expand(paths)
+    files = _objects(engine, expand(paths))
     result = reader.ReadResult(batch=records.batch_from_objects([]).batch)
     con = engine.connection
     typed = ", ".join(f"{name} {_SQL_TYPE[_SPEC[name].kind]}" for name in columns)
@@ -231,10 +317,26 @@ def load(
     return Loaded(read=result, files=files, parquet=bool(parquet), in_memory=in_memory)
 
 
+def _objects(engine: Engine, files: list[str]) -> list[str]:
+    """``files`` with each URL replaced by the objects DuckDB lists for it (a glob's, in name
+    order), named as DuckDB names them: the schema check and each row's file are keyed by the
+    names it reports (``file://`` gives local paths, ``s3://`` its keys), never by the pattern."""
+    out: list[str] = []
+    for path in files:
+        if "://" not in path:
+            out.append(path)
+            continue
+        found = engine.connection.execute("SELECT file FROM glob(?) ORDER BY file", [path]).fetchall()
+        if not found:
+            raise InputError(f"{path}: the URL names no Parquet object")
+        out.extend(str(name) for (name,) in found)
+    return out
+
+
 def _fits_in_memory(engine: Engine, paths: list[str], columns: Sequence[str]) -> bool:
     """Whether the rows of the Parquet files (their footers' count) fit in
     :data:`MATERIALIZE_SHARE` of the memory limit, at :data:`COLUMN_BYTES` a column."""
-    listed = ", ".join(f"'{_quoted(path)}'" for path in paths)
+    listed = ", ".join(literal_path(path) for path in paths)
     ((rows,),) = engine.connection.execute(
         f"SELECT COALESCE(SUM(num_rows), 0) FROM parquet_file_metadata([{listed}])"
     ).fetchall()
@@ -256,13 +358,14 @@ def _parquet_view(
     and checks the files where they lie (a copy past the memory limit would spill to disk
     and every scan would read it back: slower than decoding the Parquet again)."""
     present = _check_parquet_schema(engine, [path for _, path in parquet], columns)
-    listed = ", ".join(f"'{_quoted(path)}'" for _, path in parquet)
-    src = " ".join(f"WHEN '{_quoted(path)}' THEN {index}" for index, path in parquet)
+    listed = ", ".join(literal_path(path) for _, path in parquet)
+    src = " ".join(f"WHEN '{_quoted(scanned_name(path))}' THEN {index}" for index, path in parquet)
     scan = (
         f"SELECT *, CASE filename {src} END AS src, file_row_number AS row FROM read_parquet([{listed}], "
         "union_by_name = true, filename = true, file_row_number = true, hive_partitioning = false)"
     )
     path_of = dict(parquet)
+    # DuckDB binds a name without case: `model` reads a file's Model (checked as model)
     selected = ", ".join(
         name if name in present else f"CAST(NULL AS {_SQL_TYPE[_SPEC[name].kind]}) AS {name}"
         for name in columns
@@ -302,32 +405,96 @@ def _parquet_view(
 
 def _check_parquet_schema(engine: Engine, paths: list[str], columns: Sequence[str]) -> set[str]:
     """The wanted columns some file has; an error naming the file and column when a file lacks
-    a required column or stores one in a type that is not the record's."""
-    listed = ", ".join(f"'{_quoted(path)}'" for path in paths)
+    a required column, stores one in a type that is not the record's (a DECIMAL or TIMESTAMP is
+    an integer underneath, a BLOB a byte array: DuckDB would read 1.50 tokens as 1), nests it,
+    or has two columns that DuckDB would both read as it (it binds names without case).
+
+    Only top-level columns count: a struct's child named ``prompt_tokens`` is not the record's.
+    ``parquet_schema`` lists each file's schema tree depth first, each group with its number
+    of children, from which the top level is read."""
+    listed = ", ".join(literal_path(path) for path in paths)
     rows = engine.connection.execute(
-        f"SELECT file_name, name, type FROM parquet_schema([{listed}]) "
-        "WHERE num_children IS NULL OR num_children = 0"
+        "SELECT file_name, name, type, repetition_type, num_children, converted_type, logical_type "
+        f"FROM parquet_schema([{listed}])"
     ).fetchall()
-    by_file: dict[str, dict[str, str]] = {}
-    for file_name, name, kind in rows:
-        by_file.setdefault(file_name, {})[name] = kind
+    trees: dict[str, list[tuple[Any, ...]]] = {}
+    for row in rows:
+        trees.setdefault(row[0], []).append(row[1:])
     present: set[str] = set()
     for path in paths:
-        schema = by_file.get(path, {})
+        top = _top_level(trees.get(scanned_name(path), []))
         for name in columns:
             spec = _SPEC[name]
-            kind = schema.get(name)
-            if kind is None:
+            named = [column for column in top if column[0].lower() == name]
+            if len(named) > 1:
+                raise InputError(
+                    f"{path}: columns {named[0][0]!r} and {named[1][0]!r} both name the record's {name} "
+                    "(names are read without case)"
+                )
+            if not named:
                 if spec.required:
                     raise InputError(f"{path}: the Parquet file has no column {name!r} (required)")
                 continue
-            if kind not in _PARQUET_TYPES[spec.kind]:
-                wanted = " or ".join(sorted(_PARQUET_TYPES[spec.kind]))
+            column, physical, repetition, children, converted, logical = named[0]
+            if children or repetition == "REPEATED" or not _fits(spec.kind, physical, converted, logical):
                 raise InputError(
-                    f"{path}: column {name!r} is {kind} in the Parquet file; a record's {name} is {wanted}"
+                    f"{path}: column {column!r} is {_described(physical, repetition, children, converted)} "
+                    f"in the Parquet file; a record's {name} is {_WANTED[spec.kind]}"
                 )
             present.add(name)
     return present
+
+
+def _top_level(tree: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """The root's children of a depth-first schema tree (rows of name, type, repetition,
+    number of children, converted type, logical type; the root first)."""
+    if not tree:
+        return []
+    top = []
+    left = [int(tree[0][3] or 0)]  # children still to come at each open level, the root's first
+    for node in tree[1:]:
+        if len(left) == 1:
+            top.append(node)
+        left[-1] -= 1
+        if node[3]:
+            left.append(int(node[3]))
+        while len(left) > 1 and left[-1] == 0:
+            left.pop()
+    return top
+
+
+_INTEGER_ANNOTATIONS = {None, *(f"{sign}INT_{bits}" for sign in ("", "U") for bits in (8, 16, 32, 64))}
+_TEXT_ANNOTATIONS = {"UTF8", "ENUM", "JSON"}
+_WANTED = {
+    int: "an integer (INT32 or INT64)",
+    float: "a number (FLOAT or DOUBLE)",
+    str: "text (UTF-8 BYTE_ARRAY)",
+}
+
+
+def _fits(kind: type, physical: str | None, converted: str | None, logical: str | None) -> bool:
+    """Whether DuckDB reads a Parquet leaf of these types as a value of the record's ``kind`` (a
+    duration stored as an integer is refused: its unit is unknown)."""
+    if kind is int:
+        return (
+            physical in ("INT32", "INT64")
+            and converted in _INTEGER_ANNOTATIONS
+            and (logical is None or logical.startswith("IntType"))
+        )
+    if kind is float:
+        return physical in ("FLOAT", "DOUBLE") and converted is None and logical is None
+    return physical == "BYTE_ARRAY" and (
+        converted in _TEXT_ANNOTATIONS or (logical or "").startswith(("StringType", "EnumType", "JsonType"))
+    )
+
+
+def _described(
+    physical: str | None, repetition: str | None, children: int | None, converted: str | None
+) -> str:
+    if children:
+        return f"a nested column ({converted or 'STRUCT'})"
+    annotated = physical if converted in _INTEGER_ANNOTATIONS else f"{physical} ({converted})"
+    return f"a repeated {annotated}" if repetition == "REPEATED" else str(annotated)
 
 
 def rejection_sql(columns: set[str] | Sequence[str]) -> str:
@@ -349,13 +516,40 @@ def rejection_sql(columns: set[str] | Sequence[str]) -> str:
         if spec.kind in (int, float) and spec.high is not None:
             rules.append((f"{name} > {spec.high!r}", name, "out_of_range"))
         if spec.kind is str and spec.is_label:
-            rules.append((f"octet_length(encode({name})) > {records.MAX_LABEL_BYTES}", name, "invalid_label"))
+            rules.append(
+                (
+                    f"(octet_length(encode({name})) > {records.MAX_LABEL_BYTES} "
+                    f"OR NOT regexp_full_match({name}, '{_printable_pattern()}'))",
+                    name,
+                    "invalid_label",
+                )
+            )
         elif spec.kind is str and spec.max_length is not None:
             rules.append((f"length({name}) > {spec.max_length}", name, "too_long"))
         if name == "cached_tokens":
             rules.append(("cached_tokens > prompt_tokens", name, "cached_exceeds_prompt"))
     cases = " ".join(f"WHEN {condition} THEN '{name}:{reason}'" for condition, name, reason in rules)
     return f"CASE {cases} END"
+
+
+@functools.cache
+def _printable_pattern() -> str:
+    """A regular expression (RE2, DuckDB's) of the strings :func:`kvlens.records.valid_label`
+    calls printable, built from Python's own ``str.isprintable`` code point by code point:
+    RE2's Unicode classes are of another Unicode version (they know thousands of characters
+    Python 3.11 does not, which a JSON line would then have refused and Parquet kept)."""
+    ranges, start = [], None
+    for point in range(sys.maxunicode + 1):
+        printable = chr(point).isprintable() and not 0xD800 <= point <= 0xDFFF
+        if not printable and start is None:
+            start = point
+        elif printable and start is not None:
+            ranges.append((start, point - 1))
+            start = None
+    if start is not None:
+        ranges.append((start, sys.maxunicode))
+    excluded = "".join(f"\\x{{{low:x}}}-\\x{{{high:x}}}" for low, high in ranges)
+    return f"[^{excluded}]*"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -936,11 +1130,11 @@ def convert(
     input read and how many records were written."""
     engine = Engine(memory_limit=memory_limit)
     try:
-        with engine_errors(memory_limit):
+        with engine_errors(memory_limit, engine.spill_directory):
             loaded = load(engine, paths, columns=SCALAR_COLUMNS, format_name=format_name, model=model)
             ((count,),) = engine.connection.execute(
                 f"COPY (SELECT {', '.join(SCALAR_COLUMNS)} FROM records ORDER BY src, row) "
-                f"TO '{_quoted(str(out))}' (FORMAT parquet, COMPRESSION zstd)"
+                f"TO '{_quoted(scanned_name(str(out)))}' (FORMAT parquet, COMPRESSION zstd)"
             ).fetchall()
         return loaded, int(count)
     finally:

@@ -49,7 +49,7 @@ def compare_files(
     :func:`kvlens.analysis.compare.compare` makes of the same records."""
     engine = columnar.Engine(memory_limit=memory_limit or columnar.DEFAULT_MEMORY_LIMIT)
     try:
-        with columnar.engine_errors(engine.memory_limit):
+        with columnar.engine_errors(engine.memory_limit, engine.spill_directory):
             for index, (name, path) in enumerate(arms):
                 _load_arm(engine, index, name, path, format_name, model)
             names = [name for name, _ in arms]

@@ -10,9 +10,14 @@ line number and skipped; the lines beside it still count.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
+import logging
+import os
+import stat
 import sys
+import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,6 +37,7 @@ from kvlens.sources import formats
 from kvlens.sources.jsonlines import UNDECODABLE, loads
 
 CHUNK_BYTES = 8 * 1024 * 1024  # read at a time: whole lines of about this much are one batch
+log = logging.getLogger("kvlens")
 _GZIP = b"\x1f\x8b"
 _NEWLINE, _BRACE = ord("\n"), ord("{")
 MAX_EXAMPLES = 20
@@ -74,10 +80,31 @@ def read(
 ) -> ReadResult:
     """All records of ``paths``; ``progress`` is told how many bytes were read as reading goes."""
     result = ReadResult(batch=batch_from_objects([]).batch)
-    batches = list(batches_of(paths, result, format_name=format_name, model=model, progress=progress))
+    batches = list(
+        batches_of(distinct(paths), result, format_name=format_name, model=model, progress=progress)
+    )
     if batches:
         result.batch = RecordBatch.concat(batches)
     return result
+
+
+def distinct(paths: list[str]) -> list[str]:
+    """``paths`` with each regular file once, under the first name that reaches it (a file named
+    twice, a link to it, a glob overlapping a directory): its records are counted once. Streams
+    (``-``, pipes), URLs and names that reach nothing (the open says why) are kept as given."""
+    out: list[str] = []
+    seen: set[tuple[int, int]] = set()
+    for path in paths:
+        try:
+            status = None if path == "-" or "://" in path else os.stat(path)
+        except OSError:
+            status = None
+        if status is not None and stat.S_ISREG(status.st_mode):
+            if (status.st_dev, status.st_ino) in seen:
+                continue
+            seen.add((status.st_dev, status.st_ino))
+        out.append(path)
+    return out
 
 
 def batches_of(
@@ -155,7 +182,7 @@ def _file_chunks(
     for path in paths:
         with _open(path) as stream:
             file_format = format_name
-            for first_line, chunk in _chunks(stream, progress):
+            for first_line, chunk in _chunks(stream, progress, path):
                 if file_format is None:
                     file_format = _first_format(chunk) or "kvlens"
                     result.formats[path] = file_format
@@ -163,26 +190,35 @@ def _file_chunks(
             result.formats.setdefault(path, file_format or "kvlens")
 
 
-def _open(path: str) -> IO[bytes]:
-    """The file (or stdin for ``-``), decompressed when gzip by name or by magic bytes."""
-    if path == "-":
-        stdin = sys.stdin.buffer
-        head = stdin.peek(2)[:2] if isinstance(stdin, io.BufferedReader) else b""
-        return gzip.GzipFile(fileobj=stdin) if head == _GZIP else stdin  # type: ignore[return-value]
-    with open(path, "rb") as probe:
-        head = probe.read(2)
-    if path.endswith(".gz") or head == _GZIP:
-        return gzip.open(path, "rb")  # type: ignore[return-value]
-    return open(path, "rb")
+@contextlib.contextmanager
+def _open(path: str) -> Iterator[IO[bytes]]:
+    """The file (or stdin for ``-``), decompressed when gzip by name or by magic bytes, opened
+    once: the magic bytes are peeked, not read, so a pipe named as a file (a FIFO, a shell's
+    ``<(zcat ...)``) gives its bytes from the first (reopening it lost a buffer's worth, or
+    waited for a writer that never came)."""
+    raw: IO[bytes] = sys.stdin.buffer if path == "-" else open(path, "rb")  # noqa: SIM115
+    try:
+        head = raw.peek(2)[:2] if isinstance(raw, io.BufferedReader) else b""
+        if path.endswith(".gz") or head == _GZIP:
+            with gzip.GzipFile(fileobj=raw) as unpacked:
+                yield unpacked  # type: ignore[misc]
+        else:
+            yield raw
+    finally:
+        if path != "-":
+            raw.close()
 
 
-def _chunks(stream: IO[bytes], progress: Callable[[int], None] | None) -> Iterator[tuple[int, bytes]]:
+def _chunks(
+    stream: IO[bytes], progress: Callable[[int], None] | None, path: str = "-"
+) -> Iterator[tuple[int, bytes]]:
     """(number of the chunk's first line, whole lines of about :data:`CHUNK_BYTES` joined by
     ``\n``, without the last newline). A block is read and split in C calls: reading line by line
     costs several Python steps a line, more than decoding it."""
     line_number = 1
     pieces: list[bytes] = []  # a line longer than a block spans several reads
-    while block := stream.read(CHUNK_BYTES):
+    blocks = _Blocks(stream)
+    for block in blocks:
         cut = block.rfind(b"\n")
         if cut < 0:
             pieces.append(block)
@@ -198,6 +234,36 @@ def _chunks(stream: IO[bytes], progress: Callable[[int], None] | None) -> Iterat
         if progress is not None:
             progress(len(rest))
         yield line_number, rest
+        line_number += rest.count(b"\n") + 1
+    if blocks.broken:
+        log.warning("%s: %s: the %s lines before it are read", path, blocks.broken, f"{line_number - 1:,}")
+
+
+class _Blocks:
+    """The stream's blocks of up to :data:`CHUNK_BYTES`, gathered from ``read1`` calls, so that
+    a gzip stream that breaks (cut short: ``EOFError``; corrupt: ``zlib.error``) has given every
+    byte before the break (one ``read`` of a block would lose the whole block); ``broken`` then
+    says why, and the blocks end there."""
+
+    def __init__(self, stream: IO[bytes]) -> None:
+        self.stream = stream
+        self.broken = ""
+
+    def __iter__(self) -> Iterator[bytes]:
+        read1 = getattr(self.stream, "read1", self.stream.read)
+        while not self.broken:
+            parts, size = [], 0
+            try:
+                while size < CHUNK_BYTES and (part := read1(CHUNK_BYTES - size)):
+                    parts.append(part)
+                    size += len(part)
+            except EOFError:
+                self.broken = "the gzip stream ends before its end (the file was cut short)"
+            except (zlib.error, gzip.BadGzipFile):
+                self.broken = "the gzip stream is corrupt here"
+            if not parts:
+                return
+            yield b"".join(parts)
 
 
 def _first_format(chunk: bytes) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -37,7 +38,7 @@ def add_parser(commands: Any) -> None:
         "--warmup", type=_count, default=0, metavar="N", help="the first N requests are warm-up"
     )
     warm.add_argument(
-        "--warmup-until", type=float, metavar="T", help="requests arriving before T are warm-up"
+        "--warmup-until", type=_time, metavar="T", help="requests arriving before T are warm-up"
     )
     compare.add_argument("--html", type=Path, metavar="OUT", help="also write the report as one HTML file")
     compare.set_defaults(run=run)
@@ -47,6 +48,13 @@ def _count(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"a count of requests is 0 or more, not {value}")
+    return value
+
+
+def _time(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # NaN is before no arrival time: no warm-up, silently
+        raise argparse.ArgumentTypeError(f"a time is a finite number of seconds, not {text!r}")
     return value
 
 

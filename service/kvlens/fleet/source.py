@@ -15,9 +15,14 @@ One thread runs every subscription: a ZeroMQ ``SUB`` socket per publisher (vLLM'
 - batches of different publishers are applied in timestamp order after a reorder window
   (:class:`Consumer`), so that every process (shard) sees one order.
 
-A restart is seen only when the sequence goes back: a publisher that restarted while kvlens was
-away and is already past the old sequence looks like a gap (its old blocks stay held until their
-removals, which never come; ``AllBlocksCleared`` or kvlens's own restart clears them).
+A restart is seen when the sequence goes back, or when the topic names another lifecycle of the
+publisher than before (SGLang with a ``snapshot_endpoint``: ``\x00sgl-kv-epoch=<uuid>``, a new
+one at each start; :func:`kvlens.fleet.wire.sglang_epoch`): that lifecycle's sequence began at
+0, so the batches before the first one kvlens gets are a gap, asked of the replay endpoint. A
+vLLM publisher (no epoch) that restarted while kvlens was away and is already past the old
+sequence looks like a gap (its old blocks stay held until their removals, which never come;
+``AllBlocksCleared`` or kvlens's own restart clears them). SGLang's snapshot barriers (an empty
+batch at the next sequence number, on the same socket) are applied as the empty batches they are.
 
 A replay that does not answer within ``replay_timeout_seconds`` leaves the gap unrepaired (counted
 as such), and that publisher's next gaps for ``REPLAY_QUIET_TIMEOUTS`` timeouts are not asked for;
@@ -76,6 +81,7 @@ from kvlens.fleet.wire import (
     apply,
     batch_ts,
     decode_batch,
+    sglang_epoch,
 )
 
 log = logging.getLogger(__name__)
@@ -150,6 +156,7 @@ class PublisherStatus:
     errors: int = 0  # messages whose handling failed unexpectedly (a kvlens bug; logged)
     refused_batches: int = 0  # dropped: every replica slot of the index in use by others
     last_message: float = 0.0
+    epoch: bytes | None = None  # the publisher's lifecycle, when its topic names one (SGLang)
 
 
 class Consumer:
@@ -215,6 +222,7 @@ class Consumer:
         status = self.status[replica]
         status.up = 0
         status.next_seq = None
+        status.epoch = None
         self.following.pop(replica, None)
         # not popped: a batch of its comeback stamped earlier must not pass the removal
         self._last_ts[replica] = self._newest
@@ -223,12 +231,24 @@ class Consumer:
         self.release(now, idle=False)
 
     def message(
-        self, replica: str, seq: int, payload: bytes, replay: Callable[[int], list[tuple[int, bytes]]] | None
+        self,
+        replica: str,
+        seq: int,
+        payload: bytes,
+        replay: Callable[[int], list[tuple[int, bytes]]] | None,
+        epoch: bytes | None = None,
     ) -> None:
-        """One message from ``replica``'s publisher; ``replay(first)`` fetches what a gap lost."""
+        """One message from ``replica``'s publisher; ``replay(first)`` fetches what a gap lost.
+        ``epoch``: the publisher's lifecycle, when its topic names one (SGLang); another than
+        the last is a restart whatever the sequence, and the new lifecycle's sequence began at
+        0, so what comes before ``seq`` is a gap."""
         status = self.status[replica]
         expected = status.next_seq
-        if seq == expected and not self.reorder_seconds and not self._waiting:
+        new_lifecycle = False
+        if epoch is not None:
+            new_lifecycle = expected is not None and status.epoch is not None and epoch != status.epoch
+            status.epoch = epoch
+        if seq == expected and not new_lifecycle and not self.reorder_seconds and not self._waiting:
             # the usual message (the next one, no window, nothing queued): applied now, as the
             # queue would at once, without its cost
             status.next_seq = seq + 1
@@ -245,11 +265,12 @@ class Consumer:
                 return
             status.next_seq = expected
         payloads = [payload]
-        restarted = expected is not None and seq < expected
+        restarted = expected is not None and (seq < expected or new_lifecycle)
         if restarted:
             status.restarts += 1
             self._last_ts.pop(replica, None)
-        elif expected is not None and seq > expected:
+            expected = 0 if new_lifecycle else None
+        if expected is not None and seq > expected:
             status.gaps += 1
             repaired = False
             # a gap wider than any replay answer cannot be repaired: not asked, nor its numbers listed
@@ -265,14 +286,14 @@ class Consumer:
         status.next_seq = seq + 1
         now = self.clock()
         clear_queued = False
-        for position, data in enumerate(payloads):
+        for data in payloads:
             stamp = _stamp(status, data)
             if stamp is None:
                 continue
             # a replica's batches keep their order even if its clock steps back
             ts = max(stamp, self._last_ts.get(replica, -math.inf))
             self._last_ts[replica] = ts
-            if restarted and position == len(payloads) - 1:
+            if restarted and not clear_queued:  # before the first batch of the new sequence
                 self._wait(ts, replica, now, CLEARED, 0)
                 clear_queued = True
             self._wait(ts, replica, now, data, len(data))
@@ -716,7 +737,7 @@ class KVEventsSource:
             seq = int.from_bytes(frames[1], "big", signed=True)
             quiet = self._replay_quiet_until.get(publisher.name, -math.inf) > status.last_message
             replay = None if publisher.replay_endpoint is None or quiet else self._replayer(publisher)
-            self.consumer.message(publisher.name, seq, frames[2], replay)
+            self.consumer.message(publisher.name, seq, frames[2], replay, sglang_epoch(frames[0]))
 
     def _replayer(self, publisher: Publisher) -> Callable[[int], list[tuple[int, bytes]]]:
         zmq = self._zmq

@@ -247,6 +247,27 @@ _stamp = msgspec.msgpack.Decoder(_Stamp)
 _map_stamp = msgspec.msgpack.Decoder(_MapStamp)
 
 
+# SGLang with a ``snapshot_endpoint`` appends its publisher's lifecycle to the live topic
+# (``topic + b"\x00sgl-kv-epoch=" + uuid4 hex``, a new one at each start, sequences from 0
+# again) and publishes each snapshot's barrier, an empty batch at the next sequence number, on
+# the same socket with ``b"\x00sgl-kv-snapshot=" + barrier id`` after it
+# (``python/sglang/srt/disaggregation/kv_events.py``, 2026). A barrier is applied as the empty
+# batch it is; the epoch tells a restart that no sequence going back shows.
+SGLANG_EPOCH_MARKER: Final = b"\x00sgl-kv-epoch="
+SGLANG_BARRIER_MARKER: Final = b"\x00sgl-kv-snapshot="
+MAX_EPOCH_BYTES: Final = 256  # SGLang's own router refuses longer ones
+
+
+def sglang_epoch(topic: bytes) -> bytes | None:
+    """The publisher's lifecycle named in an SGLang live topic, or None (no epoch, or one past
+    :data:`MAX_EPOCH_BYTES`, read as none)."""
+    at = topic.find(SGLANG_EPOCH_MARKER)
+    if at < 0:
+        return None
+    epoch = topic[at + len(SGLANG_EPOCH_MARKER) :].split(SGLANG_BARRIER_MARKER, 1)[0]
+    return epoch if 0 < len(epoch) <= MAX_EPOCH_BYTES else None
+
+
 def batch_ts(payload: bytes) -> float:
     """A payload's ``ts`` alone (its events are read later); raises :class:`MalformedPayload`
     when it cannot be read (a payload whose events cannot is counted when they are read)."""

@@ -108,6 +108,7 @@ class Job:
 class Replica:
     __slots__ = (
         "_decoding",
+        "_left",
         "backlog",
         "block_size",
         "busy_seconds",
@@ -138,7 +139,11 @@ class Replica:
         self.block_size = block_size
         self.model = model
         self.done = done  # finished jobs go here
+        # FIFO; a job that left while waiting stays in it, marked by its start, until it comes
+        # to the front (removing it at once cost a scan of the line: a crowd of clients leaving
+        # a long line took time quadratic in its length, and the server stalled for it)
         self.waiting: deque[Job] = deque()
+        self._left = 0  # jobs in ``waiting`` that left it
         self.prefilling: Job | None = None
         self.prefill_end = INF
         self.due = INF  # no event before this time: advance() has nothing to do until then
@@ -156,9 +161,14 @@ class Replica:
         return len(self._decoding) + (self.prefilling is not None)
 
     @property
+    def queued(self) -> int:
+        """Requests waiting for their prefill to start."""
+        return len(self.waiting) - self._left
+
+    @property
     def outstanding(self) -> int:
         """Requests routed here and not finished: waiting and running."""
-        return len(self.waiting) + self.running
+        return self.queued + self.running
 
     def expected_wait(self, now: float) -> float:
         """Seconds until a request routed here now would start its prefill, as a router can know
@@ -204,9 +214,12 @@ class Replica:
         if job.finish <= now or job.replica != self.index:
             return
         if job.start == INF:
-            self.waiting.remove(job)
-            self.backlog = max(self.backlog - job.estimate, 0.0) if self.waiting else 0.0
-            job.start = job.first_token = job.finish = now
+            job.start = job.first_token = job.finish = now  # marked: _start drops it from the line
+            self._left += 1
+            if self._left * 2 > len(self.waiting):  # mostly the departed: keep the line to its size
+                self.waiting = deque(waiting for waiting in self.waiting if waiting.start == INF)
+                self._left = 0
+            self.backlog = max(self.backlog - job.estimate, 0.0) if self.queued else 0.0
             self.done.append(job)
             return
         if job is self.prefilling:
@@ -226,10 +239,18 @@ class Replica:
         self.due = min(self.due, self._decoding[0][0] if self._decoding else INF, self.prefill_end)
 
     def _start(self, now: float) -> None:
-        if self.prefilling is not None or not self.waiting or self.running >= self.model.max_running:
+        if self.prefilling is not None or self.running >= self.model.max_running:
             return
-        job = self.waiting.popleft()
-        self.backlog = self.backlog - job.estimate if self.waiting else 0.0
+        waiting = self.waiting
+        if not self.queued:
+            waiting.clear()  # whoever is left in it has departed
+            self._left = 0
+            return
+        while waiting[0].start != INF:  # left while waiting
+            waiting.popleft()
+            self._left -= 1
+        job = waiting.popleft()
+        self.backlog = self.backlog - job.estimate if self.queued else 0.0
         reused, job.held = self.cache.acquire(job.blocks, job.limit)
         job.cached_tokens = reused * self.block_size
         job.start = now

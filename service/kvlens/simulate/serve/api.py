@@ -49,6 +49,12 @@ from kvlens.simulate.serve.metrics import FleetMetrics
 JSON: Final = "application/json"
 MAX_BODY_BYTES: Final = 16 * 1024 * 1024
 MAX_PROMPTS: Final = 1024  # prompts in one completions batch
+# Prompts in flight in the whole fleet (waiting or running), by default: a real engine queues
+# without end, but each prompt here holds its token ids and about half a KiB in the server, and
+# max_connections clients of MAX_PROMPTS prompts each would be four million of them. Past it a
+# request is refused whole, 503, until prompts finish. Far above what a replica runs at once
+# (--max-running, 256), so an experiment that overloads the fleet still sees it queue.
+MAX_IN_FLIGHT: Final = 65_536
 # A stream is written at most this many token events at a time (3 parts each), each write after
 # the last has drained (uvicorn waits for it): tokens that came due while nobody read wait as
 # counts, not as bytes, so an unread stream holds about a socket buffer (not its whole answer).
@@ -124,10 +130,13 @@ class Api:
         on_record: Callable[[Ticket, RealTimeFleet], None] | None = None,
         body_limits: BodyLimits,
         arriving: ArrivingBodies,
+        max_in_flight: int = MAX_IN_FLIGHT,
     ) -> None:
         """``body_limits`` and ``arriving``: what a request body may cost, as ``kvlens serve``'s
-        (its settings' deadline, pause and pace; MAX_BODY_BYTES here)."""
+        (its settings' deadline, pause and pace; MAX_BODY_BYTES here). ``max_in_flight``: the
+        prompts the fleet holds at most (:data:`MAX_IN_FLIGHT`)."""
         self.served = served
+        self.max_in_flight = max_in_flight
         self._body_limits = body_limits
         self._arriving = arriving
         self._make_engine = make_engine
@@ -307,7 +316,8 @@ class Api:
         tickets = self._submit(answer, client)
         if answer.stream:
             return self._completion_stream(answer, tickets, client)
-        await self._all_finished(tickets, client)
+        if not await self._all_finished(tickets, client):
+            return b""  # its client went away
         choices = [
             {
                 "index": i,
@@ -339,7 +349,8 @@ class Api:
         tickets = self._submit(answer, client)
         if answer.stream:
             return self._chat_stream(answer, tickets, client)
-        await self._all_finished(tickets, client)
+        if not await self._all_finished(tickets, client):
+            return b""  # its client went away
         ticket = tickets[0]
         response = {
             "id": answer.request_id,
@@ -518,6 +529,12 @@ class Api:
     def _submit(self, answer: _Answer, client: Client) -> list[Ticket]:
         engine = self.engine
         assert engine is not None
+        if engine.in_flight + len(answer.prompts) > self.max_in_flight:
+            raise ApiError(
+                f"the simulated fleet holds {engine.in_flight} prompts in flight and takes at most "
+                f"{self.max_in_flight} (--max-in-flight); this request has {len(answer.prompts)}: retry",
+                status=503,
+            )
         wake = client.wake = asyncio.Event()
         many = len(answer.prompts) > 1
         return [
@@ -525,8 +542,9 @@ class Api:
             for i, (ids, out) in enumerate(zip(answer.prompts, answer.outputs, strict=True))
         ]
 
-    async def _all_finished(self, tickets: list[Ticket], client: Client) -> None:
-        """Until every prompt finished; a client that leaves takes them out of the fleet."""
+    async def _all_finished(self, tickets: list[Ticket], client: Client) -> bool:
+        """Until every prompt finished (True); a client that leaves takes them out of the fleet
+        (False: nobody reads an answer, which is then not built: a batch's is up to 33 MB)."""
         engine = self.engine
         assert engine is not None
         wake = tickets[0].wake
@@ -535,8 +553,9 @@ class Api:
             if client.left:
                 for ticket in tickets:
                     engine.abort(ticket)
-                return
+                return False
             await wake.wait()
+        return not client.left
 
     # --- streaming --------------------------------------------------------------------------
 

@@ -110,6 +110,11 @@ class RealTimeFleet:
         self._timer_at = INF
         self._on_finish = on_finish
 
+    @property
+    def in_flight(self) -> int:
+        """Prompts submitted and not finished (waiting or running, in any replica)."""
+        return len(self._tickets)
+
     def now(self) -> float:
         return (self._loop.time() - self._start_wall) * self.speed
 

@@ -29,7 +29,7 @@ from kvlens.simulate.replica import DEFAULT_SERVICE, ServiceModel
 from kvlens.simulate.run import Fleet
 from kvlens.simulate.run import record as simulated_record
 from kvlens.simulate.serve import tokenizer
-from kvlens.simulate.serve.api import MAX_BODY_BYTES, Api, Served
+from kvlens.simulate.serve.api import MAX_BODY_BYTES, MAX_IN_FLIGHT, Api, Served
 from kvlens.simulate.serve.engine import RealTimeFleet, Ticket
 
 log = logging.getLogger("kvlens.simulate.serve")
@@ -61,6 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speed", type=float, default=1.0, help="2: twice as fast as the modelled GPU")
     parser.add_argument("--no-prefix-caching", action="store_true", help="nothing is ever served from cache")
     parser.add_argument("--max-running", type=int, default=256, help="requests holding KV per replica")
+    parser.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=MAX_IN_FLIGHT,
+        metavar="N",
+        help="prompts waiting or running in the fleet at most; past it a request gets 503",
+    )
     parser.add_argument(
         "--no-chunked-prefill", action="store_true", help="a prefill pauses the running decodes"
     )
@@ -124,6 +131,8 @@ def _checked(args: argparse.Namespace) -> tuple[Fleet, Served]:
         raise ValueError(f"--vocab-size must be >= {tokenizer.FIRST_PLAIN_ID} (bytes and special tokens)")
     if not (math.isfinite(args.speed) and args.speed > 0):
         raise ValueError("--speed must be a positive number")
+    if args.max_in_flight < 1:
+        raise ValueError("--max-in-flight must be >= 1")
     fleet = Fleet(args.replicas, capacity, args.block_size, service_model(args), Guard())
     return fleet, Served(args.model, args.max_model_len, args.vocab_size)
 
@@ -207,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
         on_record=push if shipper else None,
         body_limits=body_limits(settings),
         arriving=ArrivingBodies(settings.max_arriving_bodies, settings.max_arriving_body_bytes),
+        max_in_flight=args.max_in_flight,
     )
     # uvicorn alone arms no timer before a request head and caps no connections: kvlens serve's
     # protocol does both (a silent socket closed past header_timeout_seconds, the oldest idle

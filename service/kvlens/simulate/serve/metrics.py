@@ -193,7 +193,7 @@ class _Gauges(Collector):
         for replica in self.replicas:
             labels = [self.model, str(replica.index)]
             running.add_metric(labels, replica.running)
-            waiting.add_metric(labels, len(replica.waiting))
+            waiting.add_metric(labels, replica.queued)
             capacity = replica.cache.capacity
             # vLLM counts cached blocks nobody holds as free: usage is the held share.
             usage.add_metric(labels, replica.cache.held_blocks / capacity if capacity else 0.0)
