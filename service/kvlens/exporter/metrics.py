@@ -333,7 +333,8 @@ KV_RESTARTS = MetricSpec(
     "kvlens_kv_publisher_restarts",
     "counter",
     ("replica",),
-    "Sequences that went back (the engine restarted): the replica's blocks counted removed.",
+    "Publisher restarts seen (a sequence that went back, or a new SGLang epoch): the replica's blocks"
+    " counted removed.",
 )
 KV_PUBLISHER_UP = MetricSpec(
     "kvlens_kv_publisher_up", "gauge", ("replica",), "1 while kvlens is connected to the replica's publisher."
