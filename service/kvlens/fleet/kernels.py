@@ -1,10 +1,13 @@
 """The fleet index's inner loops, compiled (numba; the ``kv-events`` extra).
 
 Every table is an open-addressing hash table of 64-bit keys and 64-bit values in one numpy array
-of rows ``[key, value]`` (16 bytes a slot), linear probing from a multiplicative hash, deleted
-slots left as tombstones that inserts reuse. Keys 0 and 1 mark empty and deleted slots, so those
-two keys live in two extra rows after the ``size`` probed ones (``[PRESENT, value]`` when held);
-the last row is ``[live entries, used slots]`` (used: live or tombstone, in the probed part). The
+of rows ``[key, value]`` (16 bytes a slot), linear probing from a multiplicative hash. A
+replica's table leaves deleted slots as tombstones that inserts reuse (no key moves: its slot
+order is the order a clear remembers its blocks in); the fleet's two tables shift the keys after a
+deleted one back instead (:func:`_unlink`), so they hold no tombstones. Keys 0 and 1 mark empty
+and deleted slots, so those two keys live in two extra rows after the ``size`` probed ones
+(``[PRESENT, value]`` when held); the last row is ``[live entries, used slots]`` (used: live or
+tombstone, in the probed part). The
 caller keeps ``used`` under :data:`MAX_LOAD` of the slots (:class:`Table`), so a probe always
 ends. One array a table, and the counters in arrays the loops add to, because a compiled call
 costs about 0.3 microseconds an argument.
@@ -76,13 +79,20 @@ def _mix(h: Any) -> Any:
 
 
 @njit(cache=True, nogil=True)
+def _home(key: Any, size: int) -> int:
+    """The slot a key's probe starts at: Lemire's range reduction of a multiplicative hash (so
+    monotone in the hash: a table's keys are nearly in the order of their hashes)."""
+    return np.int64((((key * _GOLDEN) >> _S32) * np.uint64(size)) >> _S32)
+
+
+@njit(cache=True, nogil=True)
 def _find(table: Any, key: Any) -> tuple[int, bool]:
     """(row of ``key``, True), or (where to insert it, False)."""
     size = table.shape[0] - 3
     if key < PRESENT:
         spare = size + np.int64(key)
         return spare, table[spare, 0] == PRESENT
-    pos = np.int64((((key * _GOLDEN) >> _S32) * np.uint64(size)) >> _S32)
+    pos = _home(key, size)
     tomb = -1
     while True:
         found = table[pos, 0]
@@ -102,8 +112,7 @@ def _touch(table: Any, key: Any) -> Any:
     """The first slot ``key``'s probe reads (its value is nothing): the loops read these for
     every block of an event first, so that the cache misses of a large table overlap (independent
     loads) instead of each waiting alone in the loop that uses them."""
-    size = table.shape[0] - 3
-    return table[np.int64((((key * _GOLDEN) >> _S32) * np.uint64(size)) >> _S32), 0]
+    return table[_home(key, table.shape[0] - 3), 0]
 
 
 @njit(cache=True, nogil=True)
@@ -121,10 +130,46 @@ def _insert(table: Any, row: int, key: Any, val: Any) -> None:
 
 @njit(cache=True, nogil=True)
 def _delete(table: Any, row: int) -> None:
+    """Leaves a tombstone: no live key moves (a replica's table: its slot order is the order
+    ``AllBlocksCleared`` remembers its blocks in, and rebuilds keep that order as it was)."""
     last = table.shape[0] - 1
     table[row, 0] = EMPTY if row >= last - 2 else TOMB
     table[row, 1] = 0
     table[last, 0] -= np.uint64(1)
+
+
+@njit(cache=True, nogil=True)
+def _unlink(table: Any, row: int) -> None:
+    """Deletes without a tombstone (the fleet's tables): the keys after ``row`` in its run that
+    may move back do (backward shift), so the table holds no tombstones, a probe for an absent
+    key stops at the first empty slot of a table as full as its live keys (not as its live keys
+    and tombstones), and churn never forces a rebuild. Keys move: a loop that deletes while
+    walking the table looks at ``row`` again (:func:`_drop_bit`)."""
+    last = table.shape[0] - 1
+    size = last - 2
+    table[last, 0] -= np.uint64(1)
+    if row >= size:  # a spare row
+        table[row, 0] = EMPTY
+        table[row, 1] = 0
+        return
+    hole = row
+    pos = row
+    while True:
+        pos += 1
+        if pos == size:
+            pos = 0
+        key = table[pos, 0]
+        if key == EMPTY:
+            break
+        # the key at pos may fill the hole unless its home lies after the hole, up to pos
+        home = _home(key, size)
+        if (home <= hole or home > pos) if hole <= pos else (home <= hole and home > pos):
+            table[hole, 0] = key
+            table[hole, 1] = table[pos, 1]
+            hole = pos
+    table[hole, 0] = EMPTY
+    table[hole, 1] = 0
+    table[last, 1] -= np.uint64(1)
 
 
 @njit(cache=True, nogil=True)
@@ -151,16 +196,30 @@ def lookup(table: Any, key: Any) -> tuple[bool, Any]:
 
 @njit(cache=True, nogil=True)
 def _rebuild(table: Any, slots: int) -> Any:
+    """The live keys in a new table of ``slots`` slots, inserted in the old table's slot order
+    (each at the first empty slot from its home: the new table has no tombstones, and each key
+    is there once), the counters set once at the end."""
     new = np.zeros((slots + 3, 2), np.uint64)
     size = table.shape[0] - 3
+    live = 0
     for i in range(size):
         key = table[i, 0]
         if key > TOMB:
-            row, _ = _find(new, key)
-            _insert(new, row, key, table[i, 1])
+            pos = _home(key, slots)
+            while new[pos, 0] != EMPTY:
+                pos += 1
+                if pos == slots:
+                    pos = 0
+            new[pos, 0] = key
+            new[pos, 1] = table[i, 1]
+            live += 1
+    new[slots + 2, 1] = live
     for spare in range(2):
         if table[size + spare, 0] == PRESENT:
-            _insert(new, slots + spare, np.uint64(spare), table[size + spare, 1])
+            new[slots + spare, 0] = PRESENT
+            new[slots + spare, 1] = table[size + spare, 1]
+            live += 1
+    new[slots + 2, 0] = live
     return new
 
 
@@ -356,7 +415,7 @@ def _remember(key: Any, bit: Any, cap: int, remembered: Any, ring: Any, fleet_co
     head, count = np.int64(ring[0]), np.int64(ring[1])
     if count == cap:  # the oldest goes first: the same state as adding, then forgetting
         old, _ = _find(remembered, ring[2 + head])
-        _delete(remembered, old)
+        _unlink(remembered, old)
         head = (head + 1) % size
         count -= 1
         fleet_counts[FORGOTTEN] += 1
@@ -378,7 +437,7 @@ def _release(key: Any, bit: Any, cap: int, fleet: Any, remembered: Any, ring: An
             fleet[row, 1] = mask
             fleet_counts[DUPLICATED] -= 1
         else:
-            _delete(fleet, row)
+            _unlink(fleet, row)
     _remember(key, bit, cap, remembered, ring, fleet_counts)
 
 
@@ -626,20 +685,23 @@ def clear(
 @njit(cache=True, nogil=True)
 def _drop_bit(table: Any, bit: Any, holders: bool, fleet_counts: Any) -> None:
     size = table.shape[0] - 3
-    for row in range(size + 2):
+    row = 0
+    while row < size + 2:
         key = table[row, 0]
-        if (key <= TOMB) if row < size else (key != PRESENT):
-            continue
         mask = table[row, 1]
-        if not mask & bit:
+        if ((key <= TOMB) if row < size else (key != PRESENT)) or not mask & bit:
+            row += 1
             continue
         mask &= ~bit
         if mask or not holders:
             table[row, 1] = mask
             if holders:
                 fleet_counts[DUPLICATED] -= 1
+            row += 1
         else:
-            _delete(table, row)
+            # a key after it may move into this row (looked at again); one moved from the
+            # table's start to its end was seen already, and has the bit off
+            _unlink(table, row)
 
 
 @njit(cache=True, nogil=True)
