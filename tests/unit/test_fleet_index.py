@@ -477,16 +477,16 @@ def slot_order(index: FleetIndex, replica: str) -> list[int]:
     return probed + [spare for spare in (0, 1) if rows[size + spare, 0] == 2]
 
 
-def well_formed(rows: np.ndarray, tombstones: bool) -> None:
-    """A table's counters are what it holds, and every key is reachable from its home slot: no
-    empty slot lies between the two (else a probe for it stops short). ``tombstones``: whether
-    deleted slots may be left (a replica's table) or not (the fleet's)."""
+def well_formed(rows: np.ndarray) -> None:
+    """A table's counters are what it holds, it holds no tombstone (key 1 in a probed slot: the
+    deleted slots of earlier tables), and every key is reachable from its home slot: no empty
+    slot lies between the two (else a probe for it stops short)."""
     size = rows.shape[0] - 3
     keys = rows[:size, 0]
     occupied = keys != 0
     live = int((keys > 1).sum()) + int((rows[size : size + 2, 0] == 2).sum())
     assert (int(rows[-1, 0]), int(rows[-1, 1])) == (live, int(occupied.sum()))
-    assert tombstones or not (keys == 1).any()
+    assert not (keys == 1).any()
     slots = np.flatnonzero(keys > 1)
     hashed = (keys[slots] * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(32)  # kernels._home's
     homes = ((hashed * np.uint64(size)) >> np.uint64(32)).astype(np.int64)
@@ -500,11 +500,10 @@ def well_formed(rows: np.ndarray, tombstones: bool) -> None:
 @given(st.integers(0, 2**32))
 def test_the_tables_keep_the_plain_rules_through_clears_lost_replicas_and_growth(seed: int) -> None:
     """Random stores, removals (some of blocks never stored), clears and replicas lost for good,
-    a name coming back now and then, with few blocks remembered or many: the fleet's tables
-    (keys shifted back on deletion, no tombstones) and the replicas' (tombstones) stay well
-    formed after every event, grow and shrink, and the causes, holders and counts are what the
-    plain rules give. A clear (and a lost replica's) removes the replica's blocks in its table's
-    slot order, read before it."""
+    a name coming back now and then, with few blocks remembered or many: every table (keys
+    shifted back on deletion) stays well formed after every event, grows and shrinks, and the
+    causes, holders and counts are what the plain rules give. A clear (and a lost replica's)
+    removes the replica's blocks in its table's slot order, read before it."""
     rng = random.Random(seed)  # a seed a case: hypothesis's own draws would be thousands
     cap = rng.choice([30, 400, 10_000])
     index, reference = FleetIndex(hashes_alike=True, remember_blocks=cap), Reference(cap)
@@ -545,10 +544,8 @@ def test_the_tables_keep_the_plain_rules_through_clears_lost_replicas_and_growth
             for key in keys:
                 reference.removed(live[name], key)
             held[name].difference_update(keys)
-        well_formed(index._fleet.rows, tombstones=False)
-        well_formed(index._remembered.rows, tombstones=False)
-        for state in index._replicas.values():
-            well_formed(state.table.rows, tombstones=True)
+        for table in (index._fleet, index._remembered, *(state.table for state in index._replicas.values())):
+            well_formed(table.rows)
     by_name: Counter[tuple[str, str]] = Counter()
     for (identity, cause), count in reference.causes.items():
         by_name[identity.split("#")[0], cause] += count
@@ -582,7 +579,7 @@ def test_dropping_a_replicas_bit_while_walking_the_fleet_table_sees_every_key(se
     counts[kernels.DUPLICATED] = sum(mask == 0b11 for mask in masks.values())
     kernels.forget(np.uint64(0), fleet.rows, remembered.rows, counts)
     left = {key: mask & ~1 for key, mask in masks.items() if mask & ~1}
-    well_formed(fleet.rows, tombstones=False)
+    well_formed(fleet.rows)
     assert fleet.live == len(left)
     assert counts[kernels.DUPLICATED] == 0
     for key in masks:

@@ -1,13 +1,12 @@
 """The fleet index's inner loops, compiled (numba; the ``kv-events`` extra).
 
 Every table is an open-addressing hash table of 64-bit keys and 64-bit values in one numpy array
-of rows ``[key, value]`` (16 bytes a slot), linear probing from a multiplicative hash. A
-replica's table leaves deleted slots as tombstones that inserts reuse (no key moves: its slot
-order is the order a clear remembers its blocks in); the fleet's two tables shift the keys after a
-deleted one back instead (:func:`_unlink`), so they hold no tombstones. Keys 0 and 1 mark empty
-and deleted slots, so those two keys live in two extra rows after the ``size`` probed ones
-(``[PRESENT, value]`` when held); the last row is ``[live entries, used slots]`` (used: live or
-tombstone, in the probed part). The
+of rows ``[key, value]`` (16 bytes a slot), linear probing from a multiplicative hash; a
+deletion shifts the keys after it back (:func:`_unlink`), so no table holds tombstones: a probe
+for an absent key stops at the first empty slot of a table only as full as its live keys, and
+churn never forces a rebuild. Key 0 marks an empty slot, so keys 0 and 1 (1 also marked deleted
+slots once) live in two extra rows after the ``size`` probed ones (``[PRESENT, value]`` when
+held); the last row is ``[live entries, used slots]`` (used: occupied, in the probed part). The
 caller keeps ``used`` under :data:`MAX_LOAD` of the slots (:class:`Table`), so a probe always
 ends. One array a table, and the counters in arrays the loops add to, because a compiled call
 costs about 0.3 microseconds an argument.
@@ -31,7 +30,6 @@ from numba import njit
 from kvlens.fleet.index import MAX_BLOCK_SIZE
 
 EMPTY: Final = np.uint64(0)
-TOMB: Final = np.uint64(1)
 PRESENT: Final = np.uint64(2)
 TIER_SHIFT: Final = np.uint64(60)
 MASK60: Final = np.uint64((1 << 60) - 1)
@@ -42,11 +40,14 @@ _TOKEN: Final = np.uint64(0x100000001B3)  # FNV-1a's 64-bit prime
 _SEED: Final = np.uint64(0xCBF29CE484222325)
 _S33: Final = np.uint64(33)
 _S32: Final = np.uint64(32)
-# A table grows (or is rebuilt without its tombstones) when used slots would pass MAX_LOAD, to
-# FILL: between rebuilds each entry costs 16 / 0.85 to 16 / 0.70 bytes (19 to 23).
+# A table grows when used slots would pass MAX_LOAD, to FILL: between rebuilds each entry costs
+# 16 / 0.85 to 16 / 0.70 bytes (19 to 23). Below SMALL_SLOTS (256 KiB) a table at least doubles
+# instead: a new replica's table or an empty index reaches a few thousand entries in a few
+# rebuilds, not twenty (a rebuild reads every slot).
 MAX_LOAD: Final = 0.85
 FILL: Final = 0.70
 MIN_SLOTS: Final = 256
+SMALL_SLOTS: Final = 1 << 14
 
 # A replica's row of counters (``stats[replica]``): blocks per cause (kvlens.fleet.index.CAUSES's
 # order), tokens per cause, then per tier (GPU, CPU, STORAGE, other) blocks stored, removed, held.
@@ -93,15 +94,12 @@ def _find(table: Any, key: Any) -> tuple[int, bool]:
         spare = size + np.int64(key)
         return spare, table[spare, 0] == PRESENT
     pos = _home(key, size)
-    tomb = -1
     while True:
         found = table[pos, 0]
         if found == key:
             return pos, True
         if found == EMPTY:
-            return (tomb if tomb >= 0 else pos), False
-        if found == TOMB and tomb < 0:
-            tomb = pos
+            return pos, False
         pos += 1
         if pos == size:
             pos = 0
@@ -129,22 +127,10 @@ def _insert(table: Any, row: int, key: Any, val: Any) -> None:
 
 
 @njit(cache=True, nogil=True)
-def _delete(table: Any, row: int) -> None:
-    """Leaves a tombstone: no live key moves (a replica's table: its slot order is the order
-    ``AllBlocksCleared`` remembers its blocks in, and rebuilds keep that order as it was)."""
-    last = table.shape[0] - 1
-    table[row, 0] = EMPTY if row >= last - 2 else TOMB
-    table[row, 1] = 0
-    table[last, 0] -= np.uint64(1)
-
-
-@njit(cache=True, nogil=True)
 def _unlink(table: Any, row: int) -> None:
-    """Deletes without a tombstone (the fleet's tables): the keys after ``row`` in its run that
-    may move back do (backward shift), so the table holds no tombstones, a probe for an absent
-    key stops at the first empty slot of a table as full as its live keys (not as its live keys
-    and tombstones), and churn never forces a rebuild. Keys move: a loop that deletes while
-    walking the table looks at ``row`` again (:func:`_drop_bit`)."""
+    """Deletes ``row``'s key: the keys after it in its run that may move back do (backward
+    shift), no tombstone left. Keys move: a loop that deletes while walking the table looks at
+    ``row`` again (:func:`_drop_bit`)."""
     last = table.shape[0] - 1
     size = last - 2
     table[last, 0] -= np.uint64(1)
@@ -197,14 +183,14 @@ def lookup(table: Any, key: Any) -> tuple[bool, Any]:
 @njit(cache=True, nogil=True)
 def _rebuild(table: Any, slots: int) -> Any:
     """The live keys in a new table of ``slots`` slots, inserted in the old table's slot order
-    (each at the first empty slot from its home: the new table has no tombstones, and each key
-    is there once), the counters set once at the end."""
+    (each at the first empty slot from its home: each key is there once), the counters set once
+    at the end."""
     new = np.zeros((slots + 3, 2), np.uint64)
     size = table.shape[0] - 3
     live = 0
     for i in range(size):
         key = table[i, 0]
-        if key > TOMB:
+        if key != EMPTY:
             pos = _home(key, slots)
             while new[pos, 0] != EMPTY:
                 pos += 1
@@ -244,18 +230,23 @@ class Table:
         return int(self.rows.nbytes)
 
     def reserve(self, inserts: int) -> None:
-        """Room for ``inserts`` more keys under :data:`MAX_LOAD` (rebuilt at :data:`FILL`)."""
+        """Room for ``inserts`` more keys under :data:`MAX_LOAD` (rebuilt at :data:`FILL`, or
+        at least doubled below :data:`SMALL_SLOTS`)."""
         if not _room(self.rows, inserts):
-            self._rebuild(self.live + inserts)
+            slots = self.rows.shape[0] - 3
+            self._rebuild(max(_slots(self.live + inserts), min(2 * slots, SMALL_SLOTS)))
 
     def shrink(self) -> None:
         """Give memory back once most entries are gone (a replica cleared, a cap lowered)."""
         if _sparse(self.rows):
-            self._rebuild(self.live)
+            self._rebuild(_slots(self.live))
 
-    def _rebuild(self, entries: int) -> None:
-        slots = max(MIN_SLOTS, math.ceil(entries / FILL))
+    def _rebuild(self, slots: int) -> None:
         self.rows = _rebuild(self.rows, slots)
+
+
+def _slots(entries: int) -> int:
+    return max(MIN_SLOTS, math.ceil(entries / FILL))
 
 
 class Ring:
@@ -640,7 +631,7 @@ def _remove(
         if left >> TIER_SHIFT:
             replica[row, 1] = left  # still held in another tier: still a holder
             continue
-        _delete(replica, row)
+        _unlink(replica, row)
         if mine:
             _release(key, bit, cap, fleet, remembered, ring, fleet_counts)
     return (SHRINK_REPLICA if _sparse(replica) else 0) | (SHRINK_FLEET if _sparse(fleet) else 0)
@@ -661,7 +652,7 @@ def clear(
     for row in range(size + 2):
         stored_key = replica[row, 0]
         if row < size:
-            if stored_key <= TOMB:
+            if stored_key == EMPTY:
                 continue
             engine_hash = stored_key
         else:
@@ -689,7 +680,7 @@ def _drop_bit(table: Any, bit: Any, holders: bool, fleet_counts: Any) -> None:
     while row < size + 2:
         key = table[row, 0]
         mask = table[row, 1]
-        if ((key <= TOMB) if row < size else (key != PRESENT)) or not mask & bit:
+        if ((key == EMPTY) if row < size else (key != PRESENT)) or not mask & bit:
             row += 1
             continue
         mask &= ~bit
