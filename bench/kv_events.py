@@ -225,6 +225,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
 
+    FleetIndex()  # numba's loops loaded (or compiled) once, before any round is timed
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     for framing, per_request in (("one event a batch", False), ("a request a batch", True)):
         payloads, blocks = messages(args.replicas, args.capacity, args.block_tokens, per_request)
