@@ -222,7 +222,7 @@ def main() -> None:
     parser.add_argument("--capacity", type=int, default=5000, help="trace blocks per replica")
     parser.add_argument("--block-tokens", type=int, default=16)
     parser.add_argument("--held", type=int, default=1_000_000, help="blocks held for the memory figure")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=7, help="rounds (each case just after a bare decode)")
     args = parser.parse_args()
 
     FleetIndex()  # numba's loops loaded (or compiled) once, before any round is timed
