@@ -1,12 +1,10 @@
 """The fleet index's inner loops, compiled (numba; the ``kv-events`` extra).
 
 Every table is an open-addressing hash table of 64-bit keys and 64-bit values in one numpy array
-of rows ``[key, value]`` (16 bytes a slot), linear probing from a multiplicative hash; a
-deletion shifts the keys after it back (:func:`_unlink`), so no table holds tombstones: a probe
-for an absent key stops at the first empty slot of a table only as full as its live keys, and
-churn never forces a rebuild. Key 0 marks an empty slot, so keys 0 and 1 (1 also marked deleted
-slots once) live in two extra rows after the ``size`` probed ones (``[PRESENT, value]`` when
-held); the last row is ``[live entries, used slots]`` (used: occupied, in the probed part). The
+of rows ``[key, value]`` (16 bytes a slot), linear probing from a multiplicative hash, deleted
+slots left as tombstones that inserts reuse. Keys 0 and 1 mark empty and deleted slots, so those
+two keys live in two extra rows after the ``size`` probed ones (``[PRESENT, value]`` when held);
+the last row is ``[live entries, used slots]`` (used: live or tombstone, in the probed part). The
 caller keeps ``used`` under :data:`MAX_LOAD` of the slots (:class:`Table`), so a probe always
 ends. One array a table, and the counters in arrays the loops add to, because a compiled call
 costs about 0.3 microseconds an argument.
@@ -30,6 +28,7 @@ from numba import njit
 from kvlens.fleet.index import MAX_BLOCK_SIZE
 
 EMPTY: Final = np.uint64(0)
+TOMB: Final = np.uint64(1)
 PRESENT: Final = np.uint64(2)
 TIER_SHIFT: Final = np.uint64(60)
 MASK60: Final = np.uint64((1 << 60) - 1)
@@ -40,10 +39,11 @@ _TOKEN: Final = np.uint64(0x100000001B3)  # FNV-1a's 64-bit prime
 _SEED: Final = np.uint64(0xCBF29CE484222325)
 _S33: Final = np.uint64(33)
 _S32: Final = np.uint64(32)
-# A table grows when used slots would pass MAX_LOAD, to FILL: between rebuilds each entry costs
-# 16 / 0.85 to 16 / 0.70 bytes (19 to 23). Below SMALL_SLOTS (256 KiB) a table at least doubles
-# instead: a new replica's table or an empty index reaches a few thousand entries in a few
-# rebuilds, not twenty (a rebuild reads every slot).
+# A table grows (or is rebuilt without its tombstones) when used slots would pass MAX_LOAD, to
+# FILL: between rebuilds each entry costs 16 / 0.85 to 16 / 0.70 bytes (19 to 23). Below
+# SMALL_SLOTS (256 KiB) a growing table at least doubles instead: a new replica's table or an
+# empty index reaches a few thousand entries in a few rebuilds, not twenty (a rebuild reads
+# every slot).
 MAX_LOAD: Final = 0.85
 FILL: Final = 0.70
 MIN_SLOTS: Final = 256
@@ -81,8 +81,7 @@ def _mix(h: Any) -> Any:
 
 @njit(cache=True, nogil=True)
 def _home(key: Any, size: int) -> int:
-    """The slot a key's probe starts at: Lemire's range reduction of a multiplicative hash (so
-    monotone in the hash: a table's keys are nearly in the order of their hashes)."""
+    """The slot a key's probe starts at: Lemire's range reduction of a multiplicative hash."""
     return np.int64((((key * _GOLDEN) >> _S32) * np.uint64(size)) >> _S32)
 
 
@@ -94,12 +93,15 @@ def _find(table: Any, key: Any) -> tuple[int, bool]:
         spare = size + np.int64(key)
         return spare, table[spare, 0] == PRESENT
     pos = _home(key, size)
+    tomb = -1
     while True:
         found = table[pos, 0]
         if found == key:
             return pos, True
         if found == EMPTY:
-            return pos, False
+            return (tomb if tomb >= 0 else pos), False
+        if found == TOMB and tomb < 0:
+            tomb = pos
         pos += 1
         if pos == size:
             pos = 0
@@ -127,35 +129,28 @@ def _insert(table: Any, row: int, key: Any, val: Any) -> None:
 
 
 @njit(cache=True, nogil=True)
-def _unlink(table: Any, row: int) -> None:
-    """Deletes ``row``'s key: the keys after it in its run that may move back do (backward
-    shift), no tombstone left. Keys move: a loop that deletes while walking the table looks at
-    ``row`` again (:func:`_drop_bit`)."""
+def _delete(table: Any, row: int) -> None:
+    """Leaves a tombstone (no key moves: shifting the keys after it back costs a scan of the
+    rest of its run, several times a tombstone on a large table), except where the slot after it
+    is empty: no probe passes an empty slot, so that slot and the tombstones just before it end
+    no probe's path and are emptied (fewer rebuilds to clear tombstones)."""
     last = table.shape[0] - 1
     size = last - 2
+    table[row, 1] = 0
     table[last, 0] -= np.uint64(1)
-    if row >= size:  # a spare row
+    if row >= size:
         table[row, 0] = EMPTY
-        table[row, 1] = 0
         return
-    hole = row
-    pos = row
-    while True:
-        pos += 1
-        if pos == size:
-            pos = 0
-        key = table[pos, 0]
-        if key == EMPTY:
-            break
-        # the key at pos may fill the hole unless its home lies after the hole, up to pos
-        home = _home(key, size)
-        if (home <= hole or home > pos) if hole <= pos else (home <= hole and home > pos):
-            table[hole, 0] = key
-            table[hole, 1] = table[pos, 1]
-            hole = pos
-    table[hole, 0] = EMPTY
-    table[hole, 1] = 0
+    if table[row + 1 if row + 1 < size else 0, 0] != EMPTY:
+        table[row, 0] = TOMB
+        return
+    table[row, 0] = EMPTY
     table[last, 1] -= np.uint64(1)
+    before = row - 1 if row > 0 else size - 1
+    while table[before, 0] == TOMB:
+        table[before, 0] = EMPTY
+        table[last, 1] -= np.uint64(1)
+        before = before - 1 if before > 0 else size - 1
 
 
 @njit(cache=True, nogil=True)
@@ -182,15 +177,15 @@ def lookup(table: Any, key: Any) -> tuple[bool, Any]:
 
 @njit(cache=True, nogil=True)
 def _rebuild(table: Any, slots: int) -> Any:
-    """The live keys in a new table of ``slots`` slots, inserted in the old table's slot order
-    (each at the first empty slot from its home: each key is there once), the counters set once
-    at the end."""
+    """The live keys in a new table of ``slots`` slots, inserted in the old table's slot order,
+    each at the first empty slot from its home (what :func:`_find` answers in a table without
+    tombstones for a key not in it: each key is there once), the counters set once at the end."""
     new = np.zeros((slots + 3, 2), np.uint64)
     size = table.shape[0] - 3
     live = 0
     for i in range(size):
         key = table[i, 0]
-        if key != EMPTY:
+        if key > TOMB:
             pos = _home(key, slots)
             while new[pos, 0] != EMPTY:
                 pos += 1
@@ -230,11 +225,12 @@ class Table:
         return int(self.rows.nbytes)
 
     def reserve(self, inserts: int) -> None:
-        """Room for ``inserts`` more keys under :data:`MAX_LOAD` (rebuilt at :data:`FILL`, or
-        at least doubled below :data:`SMALL_SLOTS`)."""
+        """Room for ``inserts`` more keys under :data:`MAX_LOAD`: rebuilt at :data:`FILL` (the
+        same size when tombstones took the room), or at least doubled when it grows below
+        :data:`SMALL_SLOTS`."""
         if not _room(self.rows, inserts):
-            slots = self.rows.shape[0] - 3
-            self._rebuild(max(_slots(self.live + inserts), min(2 * slots, SMALL_SLOTS)))
+            slots, need = self.rows.shape[0] - 3, _slots(self.live + inserts)
+            self._rebuild(max(need, min(2 * slots, SMALL_SLOTS)) if need > slots else need)
 
     def shrink(self) -> None:
         """Give memory back once most entries are gone (a replica cleared, a cap lowered)."""
@@ -406,7 +402,7 @@ def _remember(key: Any, bit: Any, cap: int, remembered: Any, ring: Any, fleet_co
     head, count = np.int64(ring[0]), np.int64(ring[1])
     if count == cap:  # the oldest goes first: the same state as adding, then forgetting
         old, _ = _find(remembered, ring[2 + head])
-        _unlink(remembered, old)
+        _delete(remembered, old)
         head = (head + 1) % size
         count -= 1
         fleet_counts[FORGOTTEN] += 1
@@ -428,7 +424,7 @@ def _release(key: Any, bit: Any, cap: int, fleet: Any, remembered: Any, ring: An
             fleet[row, 1] = mask
             fleet_counts[DUPLICATED] -= 1
         else:
-            _unlink(fleet, row)
+            _delete(fleet, row)
     _remember(key, bit, cap, remembered, ring, fleet_counts)
 
 
@@ -631,7 +627,7 @@ def _remove(
         if left >> TIER_SHIFT:
             replica[row, 1] = left  # still held in another tier: still a holder
             continue
-        _unlink(replica, row)
+        _delete(replica, row)
         if mine:
             _release(key, bit, cap, fleet, remembered, ring, fleet_counts)
     return (SHRINK_REPLICA if _sparse(replica) else 0) | (SHRINK_FLEET if _sparse(fleet) else 0)
@@ -652,7 +648,7 @@ def clear(
     for row in range(size + 2):
         stored_key = replica[row, 0]
         if row < size:
-            if stored_key == EMPTY:
+            if stored_key <= TOMB:
                 continue
             engine_hash = stored_key
         else:
@@ -676,23 +672,20 @@ def clear(
 @njit(cache=True, nogil=True)
 def _drop_bit(table: Any, bit: Any, holders: bool, fleet_counts: Any) -> None:
     size = table.shape[0] - 3
-    row = 0
-    while row < size + 2:
+    for row in range(size + 2):
         key = table[row, 0]
+        if (key <= TOMB) if row < size else (key != PRESENT):
+            continue
         mask = table[row, 1]
-        if ((key == EMPTY) if row < size else (key != PRESENT)) or not mask & bit:
-            row += 1
+        if not mask & bit:
             continue
         mask &= ~bit
         if mask or not holders:
             table[row, 1] = mask
             if holders:
                 fleet_counts[DUPLICATED] -= 1
-            row += 1
         else:
-            # a key after it may move into this row (looked at again); one moved from the
-            # table's start to its end was seen already, and has the bit off
-            _unlink(table, row)
+            _delete(table, row)
 
 
 @njit(cache=True, nogil=True)
