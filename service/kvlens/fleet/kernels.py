@@ -80,7 +80,7 @@ def _mix(h: Any) -> Any:
 
 
 @njit(cache=True, nogil=True)
-def _home(key: Any, size: int) -> int:
+def _home(key: Any, size: int) -> Any:
     """The slot a key's probe starts at: Lemire's range reduction of a multiplicative hash."""
     return np.int64((((key * _GOLDEN) >> _S32) * np.uint64(size)) >> _S32)
 
