@@ -12,7 +12,9 @@ its caches publishing vLLM-format events, each trace block announced as a block 
   events of every request in it, so real batches are this size or larger.
 
 Figures (medians of ``--repeat`` interleaved rounds; these machines are noisy, so read the
-ratios; CPU seconds are the process's, all threads):
+ratios: each round times every case just after a bare decode of the same messages, and a
+case's share of the bare decode's rate is the median of its rounds' ratios (bare decode's time
+over the case's), with their spread; CPU seconds are the process's, all threads):
 - the baseline: ``msgspec.msgpack.Decoder(KVEventBatch)`` over every payload, the vLLM structs
   typed (what any consumer must at least do): blocks per second;
 - kvlens: the consumer (sequence check, decode, classification, holding) over the same payloads,
@@ -84,17 +86,45 @@ def messages(replicas: int, capacity: int, block_tokens: int, per_request: bool)
     return out, blocks
 
 
-def interleaved(cases: dict[str, Callable[[], None]], repeat: int) -> dict[str, tuple[float, float]]:
-    """Each case run once a round, ``repeat`` rounds: the median (wall, CPU) seconds of each."""
+Figures = dict[str, tuple[float, float, list[tuple[float, float]]]]
+
+
+def _shares(ratios: list[tuple[float, float]]) -> str:
+    wall, cpu = [r for r, _ in ratios], [r for _, r in ratios]
+    return (
+        f"{statistics.median(wall):.2f} of the bare decode's rate (median of {len(ratios)} rounds' ratios;"
+        f" {min(wall):.2f}-{max(wall):.2f}; by CPU seconds {statistics.median(cpu):.2f},"
+        f" {min(cpu):.2f}-{max(cpu):.2f})"
+    )
+
+
+def _clocked(run: Callable[[], None]) -> tuple[float, float]:
+    gc.collect()
+    start, cpu = time.perf_counter(), time.process_time()
+    run()
+    return time.perf_counter() - start, time.process_time() - cpu
+
+
+def interleaved(baseline: str, cases: dict[str, Callable[[], None]], repeat: int) -> Figures:
+    """Each case run once a round, ``repeat`` rounds, each run just after a run of the baseline
+    (``cases[baseline]``): the median (wall, CPU) seconds of each case, and each round's ratio of
+    the baseline's time to the case's (wall, CPU). The pair runs back to back on the same messages, so a
+    ratio compares runs made under the same load: the bare decode's own time moves by half from
+    one round or run to the next on a shared machine, and a ratio of medians taken apart carries
+    that."""
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in cases}
+    ratios: dict[str, list[tuple[float, float]]] = {name: [] for name in cases}
     for _ in range(repeat):
         for name, run in cases.items():
-            gc.collect()
-            start, cpu = time.perf_counter(), time.process_time()
-            run()
-            times[name].append((time.perf_counter() - start, time.process_time() - cpu))
+            if name == baseline:
+                continue
+            base = _clocked(cases[baseline])
+            times[baseline].append(base)
+            took = _clocked(run)
+            times[name].append(took)
+            ratios[name].append((base[0] / took[0], base[1] / took[1]))
     return {
-        name: (statistics.median(w for w, _ in runs), statistics.median(c for _, c in runs))
+        name: (statistics.median(w for w, _ in runs), statistics.median(c for _, c in runs), ratios[name])
         for name, runs in times.items()
     }
 
@@ -192,23 +222,24 @@ def main() -> None:
     parser.add_argument("--capacity", type=int, default=5000, help="trace blocks per replica")
     parser.add_argument("--block-tokens", type=int, default=16)
     parser.add_argument("--held", type=int, default=1_000_000, help="blocks held for the memory figure")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=7, help="rounds (each case just after a bare decode)")
     args = parser.parse_args()
 
+    FleetIndex()  # numba's loops loaded (or compiled) once, before any round is timed
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     for framing, per_request in (("one event a batch", False), ("a request a batch", True)):
         payloads, blocks = messages(args.replicas, args.capacity, args.block_tokens, per_request)
         size = sum(len(p) for _, _, p in payloads)
         print(f"\n{framing}: {len(payloads):,} messages, {blocks:,} blocks, {size / 1e6:.1f} MB of payload")
-        cases = {"bare msgspec decode (typed KVEventBatch)": bare_decode(payloads)}
+        bare = "bare msgspec decode (typed KVEventBatch)"
+        cases = {bare: bare_decode(payloads)}
         for alike in (False, True):
             label = "engine hash as key (hashes_alike)" if alike else "content keys"
             cases[f"kvlens consumer, {label}"] = kvlens(payloads, args.replicas, alike)
             cases[f"  msgspec event-by-event path, {label}"] = index_only(payloads, args.replicas, alike)
-        figures = interleaved(cases, args.repeat)
-        baseline = next(iter(figures.values()))[0]
-        for name, (wall, cpu) in figures.items():
-            share = "" if wall == baseline else f", {baseline / wall:.2f} of the bare decode's rate"
+        figures = interleaved(bare, cases, args.repeat)
+        for name, (wall, cpu, ratios) in figures.items():
+            share = "" if name == bare else ", " + _shares(ratios)
             print(f"{name}: {blocks / wall:,.0f} blocks/s ({wall:.3f} s wall, {cpu:.3f} s CPU){share}")
         print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print()

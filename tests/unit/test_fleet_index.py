@@ -20,7 +20,10 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvlens.fleet.index import (
     CAUSES,
@@ -463,6 +466,123 @@ def test_replicas_cycling_through_the_slots_are_classified_as_the_plain_rules_sa
     assert {name for (name, _), n in snapshot.held.items() if n} == {name for name in live if held[name]}
     for key in range(3_000):
         assert {live[name] for name in index.holders(key)} == reference.holders.get(key, set())
+
+
+def slot_order(index: FleetIndex, replica: str) -> list[int]:
+    """The keys of a replica's table in slot order, the two spare rows (keys 0 and 1) last: the
+    order a clear removes them in (hashes alike: the key is the engine hash)."""
+    rows = index._replicas[replica].table.rows
+    size = rows.shape[0] - 3
+    probed = [int(key) for key in rows[:size, 0] if key > 1]
+    return probed + [spare for spare in (0, 1) if rows[size + spare, 0] == 2]
+
+
+def well_formed(rows: np.ndarray) -> None:
+    """A table's counters are what it holds (used: live keys and tombstones, key 1 in a probed
+    slot), and every key is reachable from its home slot: no empty slot lies between the two
+    (else a probe for it stops short)."""
+    size = rows.shape[0] - 3
+    keys = rows[:size, 0]
+    occupied = keys != 0
+    live = int((keys > 1).sum()) + int((rows[size : size + 2, 0] == 2).sum())
+    assert (int(rows[-1, 0]), int(rows[-1, 1])) == (live, int(occupied.sum()))
+    slots = np.flatnonzero(keys > 1)
+    hashed = (keys[slots] * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(32)  # kernels._home's
+    homes = ((hashed * np.uint64(size)) >> np.uint64(32)).astype(np.int64)
+    empty = np.flatnonzero(~occupied)  # at least one: a table is never full
+    before = empty[np.searchsorted(empty, slots) - 1]  # the last empty slot before each (cyclic)
+    assert ((homes - before) % size <= (slots - before) % size).all()
+    assert ((homes - before) % size > 0).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**32))
+def test_the_tables_keep_the_plain_rules_through_clears_lost_replicas_and_growth(seed: int) -> None:
+    """Random stores, removals (some of blocks never stored), clears and replicas lost for good,
+    a name coming back now and then, with few blocks remembered or many: every table stays well
+    formed after every event, grows (doubling while small), is rebuilt and shrinks, and the
+    causes, holders and counts are what the plain rules give. A clear (and a lost replica's)
+    removes the replica's blocks in its table's slot order, read before it."""
+    rng = random.Random(seed)  # a seed a case: hypothesis's own draws would be thousands
+    cap = rng.choice([30, 400, 10_000])
+    index, reference = FleetIndex(hashes_alike=True, remember_blocks=cap), Reference(cap)
+    live: dict[str, str] = {}  # name -> its identity in the reference (name#life)
+    lives: Counter[str] = Counter()
+    held: dict[str, set[int]] = {}
+    universe = rng.choice([300, 1_500])
+    for _ in range(150):
+        if len(live) < 2 or (len(live) < 6 and rng.random() < 0.05):
+            name = rng.choice([n for n in "abcdefg" if n not in live])
+            lives[name] += 1
+            live[name], held[name] = f"{name}#{lives[name]}", set()
+            continue
+        name = rng.choice(sorted(live))
+        roll = rng.random()
+        if roll < 0.08:  # AllBlocksCleared, or the replica is gone for good
+            order = slot_order(index, name) if name in index._replicas else []
+            if roll < 0.04:
+                index.cleared(name)
+            else:
+                index.forget_replica(name)
+            for key in order:
+                reference.removed(live[name], key)
+            held[name] = set()
+            if roll >= 0.04:
+                del live[name]
+        elif roll < 0.6:
+            sample = rng.sample(range(universe), rng.randrange(1, 90))
+            keys = [key for key in sample if key not in held[name]]  # no extra copies here
+            index.stored(name, keys, None, [0] * len(keys), 1)
+            for key in keys:
+                reference.stored(live[name], key)
+            held[name].update(keys)
+        else:
+            mine = rng.sample(sorted(held[name]), min(len(held[name]), rng.randrange(0, 90)))
+            keys = mine + [key for key in rng.sample(range(universe), 3) if key not in held[name]]
+            index.removed(name, keys)
+            for key in keys:
+                reference.removed(live[name], key)
+            held[name].difference_update(keys)
+        for table in (index._fleet, index._remembered, *(state.table for state in index._replicas.values())):
+            well_formed(table.rows)
+    by_name: Counter[tuple[str, str]] = Counter()
+    for (identity, cause), count in reference.causes.items():
+        by_name[identity.split("#")[0], cause] += count
+    assert index.recomputed == +by_name
+    snapshot = index.snapshot()
+    assert snapshot.distinct_blocks == len(reference.holders)
+    assert (snapshot.remembered_blocks, snapshot.forgotten_blocks) == (
+        len(reference.remembered),
+        reference.forgotten,
+    )
+    for key in range(universe):
+        assert {live[name] for name in index.holders(key)} == reference.holders.get(key, set())
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**32))
+def test_forgetting_a_replica_drops_its_bit_from_every_key_of_the_fleet_table(seed: int) -> None:
+    """``forget`` walks the fleet table and deletes the keys whose last holder it drops: each
+    key has the bit dropped, the ones left with no holder are gone, the rest findable, and the
+    table's counters are what it holds."""
+    from kvlens.fleet import kernels
+
+    rng = random.Random(seed)
+    fleet, remembered = kernels.Table(), kernels.Table()
+    counts = np.zeros(kernels.FLEET_COUNTS, np.int64)
+    masks: dict[int, int] = {}
+    for key in [*rng.sample(range(2**40), rng.randrange(150, 217)), 0, 1]:  # up to 85 % full
+        masks[key] = rng.choice([0b01, 0b10, 0b11])
+        row, _ = kernels._find(fleet.rows, np.uint64(key))
+        kernels._insert(fleet.rows, row, np.uint64(key), np.uint64(masks[key]))
+    counts[kernels.DUPLICATED] = sum(mask == 0b11 for mask in masks.values())
+    kernels.forget(np.uint64(0), fleet.rows, remembered.rows, counts)
+    left = {key: mask & ~1 for key, mask in masks.items() if mask & ~1}
+    well_formed(fleet.rows)
+    assert fleet.live == len(left)
+    assert counts[kernels.DUPLICATED] == 0
+    for key in masks:
+        assert kernels.lookup(fleet.rows, np.uint64(key)) == (key in left, left.get(key, 0))
 
 
 def test_more_replicas_than_the_masks_hold_is_an_error_naming_the_replica() -> None:

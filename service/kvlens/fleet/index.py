@@ -41,7 +41,8 @@ zero, a new series). Past
 :data:`MAX_REPLICAS` live replicas :meth:`FleetIndex.replica` raises and :meth:`FleetIndex.admit`
 says no (the caller drops that replica's events, counted).
 
-Memory (the tables are :class:`kvlens.fleet.kernels.Table`, 16 bytes a slot, 70-85 % full): per
+Memory (the tables are :class:`kvlens.fleet.kernels.Table`, 16 bytes a slot, 70-85 % full past
+16,384 slots; a smaller one, at most 256 KiB, doubles when it grows): per
 replica, a table of the blocks it holds (engine hash -> content key and the tiers holding it);
 for the fleet, a table of the blocks some replica holds (content key -> bits of the replicas
 holding it: at most :data:`MAX_REPLICAS` replicas) and one of the blocks remembered to have been
@@ -91,8 +92,8 @@ MASK64: Final = (1 << 64) - 1
 # Default caps: 10M of each in 512 MiB (the most a table entry costs, below, times 10M).
 REMEMBER_BLOCKS: Final = 10_000_000
 MAX_HELD_BLOCKS: Final = 10_000_000
-# The most an entry costs, all tables counted (a table is rebuilt at 70 % full when 85 % full;
-# 16 bytes a slot: 23 bytes an entry at most): a (block, replica) held, with its share of the
+# The most an entry costs, all tables counted (a table past 16,384 slots is rebuilt at 70 % full
+# when 85 % full; 16 bytes a slot: 23 bytes an entry at most): a (block, replica) held, with its share of the
 # fleet table when one replica holds it (more replicas share that), and a remembered block with
 # its place in the ring (8 bytes, the ring grown by a quarter); tested.
 HELD_ENTRY_BYTES: Final = 48

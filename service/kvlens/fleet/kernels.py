@@ -40,10 +40,14 @@ _SEED: Final = np.uint64(0xCBF29CE484222325)
 _S33: Final = np.uint64(33)
 _S32: Final = np.uint64(32)
 # A table grows (or is rebuilt without its tombstones) when used slots would pass MAX_LOAD, to
-# FILL: between rebuilds each entry costs 16 / 0.85 to 16 / 0.70 bytes (19 to 23).
+# FILL: between rebuilds each entry costs 16 / 0.85 to 16 / 0.70 bytes (19 to 23). Below
+# SMALL_SLOTS (256 KiB) a growing table at least doubles instead: a new replica's table or an
+# empty index reaches a few thousand entries in a few rebuilds, not twenty (a rebuild reads
+# every slot).
 MAX_LOAD: Final = 0.85
 FILL: Final = 0.70
 MIN_SLOTS: Final = 256
+SMALL_SLOTS: Final = 1 << 14
 
 # A replica's row of counters (``stats[replica]``): blocks per cause (kvlens.fleet.index.CAUSES's
 # order), tokens per cause, then per tier (GPU, CPU, STORAGE, other) blocks stored, removed, held.
@@ -76,13 +80,19 @@ def _mix(h: Any) -> Any:
 
 
 @njit(cache=True, nogil=True)
+def _home(key: Any, size: int) -> Any:
+    """The slot a key's probe starts at: Lemire's range reduction of a multiplicative hash."""
+    return np.int64((((key * _GOLDEN) >> _S32) * np.uint64(size)) >> _S32)
+
+
+@njit(cache=True, nogil=True)
 def _find(table: Any, key: Any) -> tuple[int, bool]:
     """(row of ``key``, True), or (where to insert it, False)."""
     size = table.shape[0] - 3
     if key < PRESENT:
         spare = size + np.int64(key)
         return spare, table[spare, 0] == PRESENT
-    pos = np.int64((((key * _GOLDEN) >> _S32) * np.uint64(size)) >> _S32)
+    pos = _home(key, size)
     tomb = -1
     while True:
         found = table[pos, 0]
@@ -102,8 +112,7 @@ def _touch(table: Any, key: Any) -> Any:
     """The first slot ``key``'s probe reads (its value is nothing): the loops read these for
     every block of an event first, so that the cache misses of a large table overlap (independent
     loads) instead of each waiting alone in the loop that uses them."""
-    size = table.shape[0] - 3
-    return table[np.int64((((key * _GOLDEN) >> _S32) * np.uint64(size)) >> _S32), 0]
+    return table[_home(key, table.shape[0] - 3), 0]
 
 
 @njit(cache=True, nogil=True)
@@ -121,10 +130,27 @@ def _insert(table: Any, row: int, key: Any, val: Any) -> None:
 
 @njit(cache=True, nogil=True)
 def _delete(table: Any, row: int) -> None:
+    """Leaves a tombstone (no key moves: shifting the keys after it back costs a scan of the
+    rest of its run, several times a tombstone on a large table), except where the slot after it
+    is empty: no probe passes an empty slot, so that slot and the tombstones just before it end
+    no probe's path and are emptied (fewer rebuilds to clear tombstones)."""
     last = table.shape[0] - 1
-    table[row, 0] = EMPTY if row >= last - 2 else TOMB
+    size = last - 2
     table[row, 1] = 0
     table[last, 0] -= np.uint64(1)
+    if row >= size:
+        table[row, 0] = EMPTY
+        return
+    if table[row + 1 if row + 1 < size else 0, 0] != EMPTY:
+        table[row, 0] = TOMB
+        return
+    table[row, 0] = EMPTY
+    table[last, 1] -= np.uint64(1)
+    before = row - 1 if row > 0 else size - 1
+    while table[before, 0] == TOMB:
+        table[before, 0] = EMPTY
+        table[last, 1] -= np.uint64(1)
+        before = before - 1 if before > 0 else size - 1
 
 
 @njit(cache=True, nogil=True)
@@ -151,16 +177,30 @@ def lookup(table: Any, key: Any) -> tuple[bool, Any]:
 
 @njit(cache=True, nogil=True)
 def _rebuild(table: Any, slots: int) -> Any:
+    """The live keys in a new table of ``slots`` slots, inserted in the old table's slot order,
+    each at the first empty slot from its home (what :func:`_find` answers in a table without
+    tombstones for a key not in it: each key is there once), the counters set once at the end."""
     new = np.zeros((slots + 3, 2), np.uint64)
     size = table.shape[0] - 3
+    live = 0
     for i in range(size):
         key = table[i, 0]
         if key > TOMB:
-            row, _ = _find(new, key)
-            _insert(new, row, key, table[i, 1])
+            pos = _home(key, slots)
+            while new[pos, 0] != EMPTY:
+                pos += 1
+                if pos == slots:
+                    pos = 0
+            new[pos, 0] = key
+            new[pos, 1] = table[i, 1]
+            live += 1
+    new[slots + 2, 1] = live
     for spare in range(2):
         if table[size + spare, 0] == PRESENT:
-            _insert(new, slots + spare, np.uint64(spare), table[size + spare, 1])
+            new[slots + spare, 0] = PRESENT
+            new[slots + spare, 1] = table[size + spare, 1]
+            live += 1
+    new[slots + 2, 0] = live
     return new
 
 
@@ -185,18 +225,24 @@ class Table:
         return int(self.rows.nbytes)
 
     def reserve(self, inserts: int) -> None:
-        """Room for ``inserts`` more keys under :data:`MAX_LOAD` (rebuilt at :data:`FILL`)."""
+        """Room for ``inserts`` more keys under :data:`MAX_LOAD`: rebuilt at :data:`FILL` (the
+        same size when tombstones took the room), or at least doubled when it grows below
+        :data:`SMALL_SLOTS`."""
         if not _room(self.rows, inserts):
-            self._rebuild(self.live + inserts)
+            slots, need = self.rows.shape[0] - 3, _slots(self.live + inserts)
+            self._rebuild(max(need, min(2 * slots, SMALL_SLOTS)) if need > slots else need)
 
     def shrink(self) -> None:
         """Give memory back once most entries are gone (a replica cleared, a cap lowered)."""
         if _sparse(self.rows):
-            self._rebuild(self.live)
+            self._rebuild(_slots(self.live))
 
-    def _rebuild(self, entries: int) -> None:
-        slots = max(MIN_SLOTS, math.ceil(entries / FILL))
+    def _rebuild(self, slots: int) -> None:
         self.rows = _rebuild(self.rows, slots)
+
+
+def _slots(entries: int) -> int:
+    return max(MIN_SLOTS, math.ceil(entries / FILL))
 
 
 class Ring:
