@@ -257,16 +257,31 @@ def hundred_thousand(path: Path) -> Path:
     return path
 
 
-def test_a_tiny_memory_limit_spills_and_the_answer_does_not_change(tmp_path: Path) -> None:
+def test_a_tiny_memory_limit_spills_and_the_answer_does_not_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The records spill past the limit, and the order statistics read them in 15 chunks of
+    row numbers (the chunks cover every record once: the same percentiles)."""
     path = hundred_thousand(tmp_path / "100k.jsonl")
     chosen = load_settings()
     read = reader.read([str(path)])
     derived = Derived.of(read.batch, chosen.prompt_length_edges, chosen.cost_model_for, chosen.default_model)
-    engine = columnar.Engine(memory_limit="16MiB", threads=1)
+    monkeypatch.setattr(columnar, "CHUNK_ROWS", 7_000)
+    chunks: list[tuple[str, ...]] = []
+    split = columnar.row_chunks
+
+    def counted(records: int, last_row: int) -> tuple[str, ...]:
+        chunks.append(split(records, last_row))
+        return chunks[-1]
+
+    monkeypatch.setattr(columnar, "row_chunks", counted)
+    engine = columnar.Engine(memory_limit="8MiB", threads=1)
     columnar.load(engine, [str(path)])
     summary = columnar.summarize(engine, "records", chosen.prompt_length_edges, chosen.default_model)
-    assert engine.spilled() > 0  # the 100k records (about 7.7 MB) and the queries' state did not fit
+    assert engine.spilled() > 0  # the 100k records (about 7.7 MB) did not fit
     engine.close()
+    assert [len(chunk) for chunk in chunks] == [15]
+    assert chunks[0][0] == "row >= 0 AND row < 6667" and chunks[0][-1] == "row >= 93338 AND row < 100005"
     assert summary == summarize(derived)
 
 
@@ -334,8 +349,10 @@ def test_a_corrupt_parquet_file_is_a_clear_error_naming_it(
 def test_order_statistics_narrowed_over_many_passes_are_exact(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Bins sized for 2 values and at most 3 fetched: the ranks go through the first pass, two
-    narrowing passes (skewed values, ties, several ranks in one bin) and fetches."""
+    """Bins sized for 2 values and at most 3 kept: the ranks go through the first pass, then
+    passes that keep small windows whole and count larger ones in finer bins, first within
+    their first bin (its bounds unknown), then between a finer bin's min and max (skewed
+    values, ties, several ranks in one window)."""
     rng = np.random.default_rng(11)
     count = 3000
     skewed = np.round(rng.lognormal(-3, 2, size=(count, 3)), 4)  # ties from the rounding
@@ -354,14 +371,16 @@ def test_order_statistics_narrowed_over_many_passes_are_exact(
     monkeypatch.setattr(columnar, "BIN_VALUES", 2)
     monkeypatch.setattr(columnar, "FETCH_MAX", 3)
     passes: list[str] = []
-    for name in ("_first_pass", "_narrow", "_fetch"):
-        original = getattr(columnar, name)
+    original = columnar._next_pass
 
-        def counted(*args: Any, _name: str = name, _original: Any = original) -> None:
-            passes.append(_name)
-            _original(*args)
+    def counted(*args: Any) -> None:
+        targets = args[-1]
+        kept = sum(t.count <= 3 for t in targets)
+        bounded = sum(t.count > 3 and np.isfinite(t.low) for t in targets)
+        passes.append(f"{len(targets)} open: {kept} kept, {bounded} counted between bounds")
+        original(*args)
 
-        monkeypatch.setattr(columnar, name, counted)
+    monkeypatch.setattr(columnar, "_next_pass", counted)
     chosen = load_settings()
     engine = columnar.Engine()
     loaded = columnar.load(engine, [str(path)])
@@ -372,7 +391,11 @@ def test_order_statistics_narrowed_over_many_passes_are_exact(
     batch = reader.read([str(path)]).batch
     derived = Derived.of(batch, chosen.prompt_length_edges, chosen.cost_model_for, chosen.default_model)
     assert summary == summarize(derived)
-    assert passes == ["_first_pass", "_fetch", "_narrow", "_fetch", "_narrow", "_fetch"]
+    assert passes == [
+        "190 open: 130 kept, 0 counted between bounds",  # 60 counted within their first bin
+        "45 open: 35 kept, 10 counted between bounds",  # 15 were a single value (ties)
+        "9 open: 9 kept, 0 counted between bounds",
+    ]
 
 
 def test_lines_split_across_reads_keep_their_numbers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

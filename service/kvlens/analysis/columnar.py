@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from kvlens import definitions, records
 from kvlens.analysis import jsonl_load, reader, report
@@ -449,53 +450,64 @@ def _part_of(key: int) -> Part:
     return SERIES[series], group - 1, bool(hit)
 
 
-def _series_sql(reduced: str) -> str:
-    """Each latency value once per series it is ranked in (per group; TTFT also over all),
-    keyed by its part (:func:`_part_key`: one integer joins faster than three columns), from
-    one scan of the records (a UNION ALL would read them once per series)."""
+CHUNK_ROWS = 1 << 21  # records read into numpy at once by the order statistics: ~100 MB of arrays
+
+
+@dataclass(frozen=True)
+class Series:
+    """Values to rank, read a chunk at a time: ``sql(where)`` selects, of the rows matching
+    ``where`` (one of ``chunks``, which together cover every row once), an integer column ``g``
+    and value columns ``v0, v1, ...``. Value ``i`` of a row belongs to the part keyed
+    ``keys[i] + g`` when ``grouped[i]``, else ``keys[i]`` (:func:`_part_key`). NULLs are not
+    ranked."""
+
+    sql: Callable[[str], str]
+    keys: tuple[int, ...]
+    grouped: tuple[bool, ...]
+    chunks: tuple[str, ...] = ("TRUE",)
+
+
+def _series(chunks: tuple[str, ...]) -> Series:
+    """Each latency value of the ``reduced`` view once per series it is ranked in (per group;
+    TTFT also over all records): one read of a record serves every series."""
     group = "(length_group + 1) * 2 + CAST(hit AS INTEGER)"
-    keys = [f"{index * _PART_STRIDE} + {group}" for index in range(len(SERIES) - 1)]
-    keys.append(str(_part_key(("all_ttft", -1, False))))
     values = [*SERIES[:-1], "ttft_seconds"]
-    return (
-        f"SELECT k, v FROM (SELECT UNNEST([{', '.join(keys)}]) AS k, UNNEST([{', '.join(values)}]) AS v "
-        f"FROM ({reduced}) AS records_once) AS series WHERE v IS NOT NULL"
+    selected = ", ".join(f"{name} AS v{index}" for index, name in enumerate(values))
+    return Series(
+        sql=lambda where: f"SELECT {group} AS g, {selected} FROM reduced WHERE {where}",
+        keys=(*(index * _PART_STRIDE for index in range(len(SERIES) - 1)), _part_key(("all_ttft", -1, False))),
+        grouped=(*(True for _ in SERIES[:-1]), False),
+        chunks=chunks,
     )
+
+
+def row_chunks(records: int, last_row: int) -> tuple[str, ...]:
+    """Predicates on ``row`` (a record's line or row in its file) that split ``records`` into
+    reads of about :data:`CHUNK_ROWS`: ranges of row numbers (of every file at once), which
+    DuckDB prunes to the Parquet row groups and table row groups that hold them."""
+    count = -(-records // CHUNK_ROWS)
+    if count <= 1:
+        return ("TRUE",)
+    width = -(-(last_row + 1) // count)
+    return tuple(f"row >= {start} AND row < {start + width}" for start in range(0, last_row + 1, width))
 
 
 @dataclass
 class _Target:
     part: Part
     rank: int
-    low: float
+    low: float  # the values of the target's window lie in [low, high] (infinite: not known yet)
     high: float
-    offset: int  # rank within [low, high]
-    count: int  # values within [low, high]
+    offset: int  # rank within the window
+    count: int  # values within the window
     first_bin: int = -1  # the bin of the first pass that holds it (-1: before the first pass)
     value: float | None = None
 
 
-def _bin(value: str, low: str, high: str, bins: str) -> str:
-    """The histogram bin of ``value`` in ``[low, high]`` (``low < high``) of ``bins``: monotone
-    in ``value`` (each step rounds monotonically), so bins are runs of the sorted values."""
-    return f"LEAST(CAST(FLOOR(({value} - {low}) / ({high} - {low}) * {bins}) AS BIGINT), {bins} - 1)"
-
-
-def _root(value: str) -> str:
-    """``value ** (1/16)`` by four square roots: nearly a logarithm over the few decades
-    latencies span, and monotone to the last bit (IEEE square roots are correctly rounded,
-    which ``ln`` or ``pow`` are not promised to be), defined at 0."""
-    return f"sqrt(sqrt(sqrt(sqrt({value}))))"
-
-
-def _first_bin(value: str) -> str:
-    """The first pass's bin of ``value`` (a part's row of the ``parts`` table ``p``): linear
-    between the part's min and max, or on the :func:`_root` scale for a part whose values crowd
-    near its min (a long tail: linear bins would hold nearly all values in the first few).
-    Either way monotone, so the bins stay runs of the sorted values; clamped at 0 in case
-    numpy's root of the min (``p.lo``) is not DuckDB's to the last bit."""
-    scaled = f"(CASE WHEN p.root THEN {_root(value)} ELSE {value} END)"
-    return f"GREATEST({_bin(scaled, 'p.lo', 'p.hi', 'p.nb')}, 0)"
+def _root(values: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+    """``values ** (1/16)`` by four square roots: nearly a logarithm over the few decades
+    latencies span, and monotone (IEEE square roots are correctly rounded), defined at 0."""
+    return np.sqrt(np.sqrt(np.sqrt(np.sqrt(values))))
 
 
 ROOT_BELOW = 0.25  # a part whose mean lies in the lowest quarter of [min, max] is binned on the root scale
@@ -513,13 +525,14 @@ class _Scale:
 
 def _scales(bounds: dict[Part, tuple[int, float, float]], means: dict[Part, float]) -> dict[Part, _Scale]:
     """Each part's first-pass scale: the root scale when its mean is low in its range (a long
-    tail; the mean only chooses the bins, never a value) and the root separates min and max."""
+    tail: linear bins would hold nearly all values in the first few; the mean only chooses the
+    bins, never a value), its values are not negative and the root separates min and max."""
     out = {}
     for part, (count, low, high) in bounds.items():
         nb = _bins_for(count)
         mean = means.get(part)
-        if mean is not None and high > low and (mean - low) / (high - low) < ROOT_BELOW:
-            root_low, root_high = (float(np.sqrt(np.sqrt(np.sqrt(np.sqrt(x))))) for x in (low, high))
+        if mean is not None and high > low >= 0 and (mean - low) / (high - low) < ROOT_BELOW:
+            root_low, root_high = (float(_root(np.float64(x))) for x in (low, high))
             if root_high > root_low:
                 out[part] = _Scale(root_low, root_high, nb, True)
                 continue
@@ -529,13 +542,84 @@ def _scales(bounds: dict[Part, tuple[int, float, float]], means: dict[Part, floa
 
 def _bins_for(count: int) -> int:
     """Bins for ``count`` values: about :data:`BIN_VALUES` a bin (an even spread is left to
-    fetch after one pass; a histogram as fine as the values would cost a group a value)."""
+    fetch after one pass)."""
     return max(2, min(BINS, -(-count // BIN_VALUES)))
+
+
+class _Layout:
+    """The first pass's bins of every part laid end to end: a value's bin is one index into
+    one array of counts. Its position ``(x - lo) / (hi - lo) * nb`` (``x`` the value or its
+    :func:`_root`) is monotone in the value, and so is the bin (its floor, clipped), so each bin
+    holds a run of the part's sorted values; every pass computes it by the same numpy code."""
+
+    def __init__(self, parts: list[Part], scales: dict[Part, _Scale]) -> None:
+        self.parts = parts
+        self.index = {_part_key(part): i for i, part in enumerate(parts)}
+        self.lo = np.array([scales[p].lo for p in parts], dtype=np.float64)
+        self.span = np.array([scales[p].hi - scales[p].lo for p in parts], dtype=np.float64)
+        self.nb = np.array([scales[p].nb for p in parts], dtype=np.int64)
+        self.root = np.array([scales[p].root for p in parts], dtype=np.bool_)
+        self.offset = np.concatenate(([0], np.cumsum(self.nb)))
+        self.total = int(self.offset[-1])
+
+    def parts_of(self, g: npt.NDArray[np.int64], key: int, grouped: bool) -> npt.NDArray[np.int64] | int:
+        """The part index of each value of a column (-1: no target in its part)."""
+        if not grouped:
+            return self.index.get(key, -1)
+        if not g.size:
+            return np.zeros(0, dtype=np.int64)
+        low, high = int(g.min()), int(g.max())
+        if high - low < 1 << 16:
+            table = np.array([self.index.get(key + low + i, -1) for i in range(high - low + 1)], dtype=np.int64)
+            return table[g - low]
+        keys = np.array(sorted(self.index), dtype=np.int64)
+        found = np.searchsorted(keys, g + key).clip(0, len(keys) - 1)
+        hit = keys[found] == g + key
+        return np.where(hit, np.array([self.index[int(k)] for k in keys], dtype=np.int64)[found], -1)
+
+    def positions(
+        self, values: npt.NDArray[np.float64], part: npt.NDArray[np.int64] | int
+    ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
+        """Each value's position in its part's scale and its bin's index in the layout."""
+        root = self.root[part]
+        if np.any(root):
+            x = values.copy()
+            x[root] = _root(values[root]) if np.ndim(root) else _root(values)
+        else:
+            x = values
+        nb = self.nb[part]
+        position = (x - self.lo[part]) / self.span[part] * nb
+        bins = np.clip(np.floor(position), 0, nb - 1).astype(np.int64)
+        return position, bins + self.offset[part]
+
+
+def _read(
+    engine: Engine, series: Series, layout: _Layout
+) -> Iterator[tuple[npt.NDArray[np.int64], npt.NDArray[np.float64], npt.NDArray[np.float64]]]:
+    """Per chunk and value column: the layout index of each value's bin, its position and the
+    value, of the values of parts that have a target."""
+    for where in series.chunks:
+        got = engine.connection.execute(series.sql(where)).fetchnumpy()
+        g = np.ma.getdata(got["g"]).astype(np.int64, copy=False)
+        for index, (key, grouped) in enumerate(zip(series.keys, series.grouped, strict=True)):
+            column = got[f"v{index}"]
+            values = np.ma.getdata(column).astype(np.float64, copy=False)
+            keep = ~np.ma.getmaskarray(column)
+            part = layout.parts_of(g, key, grouped)
+            if np.ndim(part):
+                keep &= part >= 0  # type: ignore[operator]
+            elif part < 0:  # type: ignore[operator]
+                continue
+            if not keep.all():
+                values = values[keep]
+                part = part[keep] if np.ndim(part) else part  # type: ignore[index]
+            position, bins = layout.positions(values, part)
+            yield bins, position, values
 
 
 def order_statistics(
     engine: Engine,
-    series: str,
+    series: Series,
     wanted: dict[Part, list[int]],
     bounds: dict[Part, tuple[int, float, float]],
     means: dict[Part, float] | None = None,
@@ -544,147 +628,119 @@ def order_statistics(
     ``bounds`` gives each part's count, min and max; ``means`` (optional) each part's mean,
     which picks the first pass's bin scale (:func:`_scales`).
 
-    The first pass bins every part's values between its min and max and keeps, for each
-    target, the bin holding its rank (the pick is made in SQL, so a pass returns one row a
-    target, not one a bin). Every later pass looks only at the values of the targets' first
-    bins, found by an equality join on (part, first bin): a value meets at most the targets of
-    its own bin, never every target of its part."""
+    The values are read into numpy a chunk at a time (an engine's hash aggregate over every
+    value cost several times more). The first pass counts every part's values in bins (about
+    :data:`BIN_VALUES` each) and keeps, for each target, the bin holding its rank. Each later
+    pass reads the values again and keeps only those in the targets' windows: a window of at
+    most :data:`FETCH_MAX` values is kept whole and sorted; a larger one (ties, a crowded bin)
+    is counted in finer bins and shrinks to the one holding the rank, with its min and max."""
     targets = [
         _Target(part, rank, bounds[part][1], bounds[part][2], rank, bounds[part][0])
         for part, ranks in wanted.items()
         for rank in ranks
     ]
-    scales = _scales(bounds, means or {})
-    first = True
-    while True:
-        for target in targets:
-            if target.value is None and target.low == target.high:
-                target.value = target.low
-        open_targets = [t for t in targets if t.value is None]
-        if not open_targets:
-            break
-        if first:
-            _first_pass(engine, series, open_targets, scales)
-            first = False
-            continue
-        fetch = [t for t in open_targets if t.count <= FETCH_MAX]
-        narrow = [t for t in open_targets if t.count > FETCH_MAX]
-        if fetch:
-            _fetch(engine, series, fetch, scales)
-        if narrow:
-            _narrow(engine, series, narrow, scales)
+    for target in targets:
+        if target.low == target.high:
+            target.value = target.low
+    open_targets = [t for t in targets if t.value is None]
+    if open_targets:
+        parts = sorted({t.part for t in open_targets}, key=_part_key)
+        layout = _Layout(parts, _scales({part: bounds[part] for part in parts}, means or {}))
+        _first_pass(engine, series, layout, open_targets)
+        while open_targets := [t for t in targets if t.value is None]:
+            _next_pass(engine, series, layout, open_targets)
     return {(t.part, t.rank): float(t.value) for t in targets if t.value is not None}
 
 
-def _parts_table(targets: list[_Target], scales: dict[Part, _Scale]) -> dict[str, Any]:
-    parts = sorted({t.part for t in targets}, key=_part_key)
-    return {
-        "k": np.array([_part_key(part) for part in parts], dtype=np.int64),
-        "lo": np.array([scales[part].lo for part in parts], dtype=np.float64),
-        "hi": np.array([scales[part].hi for part in parts], dtype=np.float64),
-        "nb": np.array([scales[part].nb for part in parts], dtype=np.int64),
-        "root": np.array([scales[part].root for part in parts], dtype=np.bool_),
-    }
+def _first_pass(engine: Engine, series: Series, layout: _Layout, targets: list[_Target]) -> None:
+    counts = np.zeros(layout.total, dtype=np.int64)
+    for bins, _, _ in _read(engine, series, layout):
+        counts += np.bincount(bins, minlength=layout.total)
+    for target in targets:
+        part = layout.parts.index(target.part)
+        own = counts[layout.offset[part] : layout.offset[part + 1]]
+        before = np.cumsum(own)
+        found = int(np.searchsorted(before, target.offset, side="right"))
+        target.first_bin = int(layout.offset[part]) + found
+        target.count = int(own[found])
+        target.offset -= int(before[found]) - target.count
+        target.low, target.high = -np.inf, np.inf
 
 
-@contextlib.contextmanager
-def _registered(engine: Engine, tables: dict[str, dict[str, Any]]) -> Iterator[None]:
-    for name, table in tables.items():
-        engine.connection.register(name, table)
-    try:
-        yield
-    finally:
-        for name in tables:
-            engine.connection.unregister(name)
+@dataclass
+class _Window:
+    """Values of one layout bin within [low, high]: kept whole, or counted in ``nb`` finer bins
+    (linear between ``low`` and ``high`` when both are known, else in the bin's own position)."""
+
+    first_bin: int
+    low: float
+    high: float
+    nb: int = 0  # 0: keep the values
+    kept: list[npt.NDArray[np.float64]] = field(default_factory=list)
+    counts: npt.NDArray[np.int64] | None = None
+    mins: npt.NDArray[np.float64] | None = None
+    maxs: npt.NDArray[np.float64] | None = None
+
+    def take(self, values: npt.NDArray[np.float64], position: npt.NDArray[np.float64]) -> None:
+        if not self.nb:
+            self.kept.append(values)
+            return
+        if np.isfinite(self.low):
+            fine = (values - self.low) / (self.high - self.low) * self.nb
+        else:
+            fine = (position - (self.first_bin - self.base)) * self.nb
+        sub = np.clip(np.floor(fine), 0, self.nb - 1).astype(np.int64)
+        assert self.counts is not None and self.mins is not None and self.maxs is not None
+        self.counts += np.bincount(sub, minlength=self.nb)
+        np.minimum.at(self.mins, sub, values)
+        np.maximum.at(self.maxs, sub, values)
+
+    base: int = 0  # the layout offset of the bin's part (the bin within its part: first_bin - base)
 
 
-def _picked(histogram: str, by: str) -> str:
-    """The bin of ``histogram`` (columns ``by``, ``bin``, ``c``, ``lo``, ``hi``) holding each
-    target's rank: ``targets`` has ``id``, ``by`` and ``offset``."""
-    return f"""WITH h AS ({histogram}),
-cum AS (SELECT *, CAST(SUM(c) OVER (PARTITION BY {by} ORDER BY bin) AS BIGINT) - c AS before FROM h)
-SELECT t.id, cum.bin, cum.c, cum.lo, cum.hi, cum.before FROM cum JOIN targets t
-  ON cum.{by} = t.{by} AND t.offset >= cum.before AND t.offset < cum.before + cum.c"""
-
-
-def _first_pass(engine: Engine, series: str, targets: list[_Target], scales: dict[Part, _Scale]) -> None:
-    table = {
-        "id": np.arange(len(targets), dtype=np.int64),
-        "k": np.array([_part_key(t.part) for t in targets], dtype=np.int64),
-        "offset": np.array([t.offset for t in targets], dtype=np.int64),
-    }
-    histogram = (
-        f"SELECT d.k, {_first_bin('d.v')} AS bin, COUNT(*) AS c, MIN(d.v) AS lo, "
-        f"MAX(d.v) AS hi FROM ({series}) d JOIN parts p ON d.k = p.k GROUP BY 1, 2"
-    )
-    with _registered(engine, {"parts": _parts_table(targets, scales), "targets": table}):
-        rows = engine.connection.execute(_picked(histogram, "k")).fetchall()
-    _apply(targets, rows, first=True)
-
-
-def _apply(targets: list[_Target], rows: list[tuple[Any, ...]], *, first: bool) -> None:
-    for index, bin_, count, low, high, before in rows:
-        target = targets[int(index)]
-        if first:
-            target.first_bin = int(bin_)
-        target.low, target.high = float(low), float(high)
-        target.count, target.offset = int(count), target.offset - int(before)
-
-
-def _in_windows(
-    engine: Engine, series: str, targets: list[_Target], scales: dict[Part, _Scale]
-) -> tuple[str, dict[str, dict[str, Any]], list[int]]:
-    """The values in the targets' ranges (several ranks of one part share theirs until they
-    part ways) as SQL with the window ``w`` each falls in, the tables it reads, and each
-    target's window."""
-    index: dict[tuple[Part, int, float, float], int] = {}
-    of_target = [index.setdefault((t.part, t.first_bin, t.low, t.high), len(index)) for t in targets]
-    windows = list(index)
-    counts = [0] * len(windows)
-    for target, window in zip(targets, of_target, strict=True):
-        counts[window] = target.count  # the same for every target of a window
-    table = {
-        "w": np.arange(len(windows), dtype=np.int64),
-        "k": np.array([_part_key(w[0]) for w in windows], dtype=np.int64),
-        "b": np.array([w[1] for w in windows], dtype=np.int64),
-        "lo": np.array([w[2] for w in windows], dtype=np.float64),
-        "hi": np.array([w[3] for w in windows], dtype=np.float64),
-        "nb": np.array([_bins_for(count) for count in counts], dtype=np.int64),
-    }
-    binned = f"SELECT d.k, d.v, {_first_bin('d.v')} AS b FROM ({series}) d JOIN parts p ON d.k = p.k"
-    values = (
-        f"SELECT t.w, t.lo, t.hi, t.nb, d.v FROM ({binned}) d JOIN windows t ON d.k = t.k AND d.b = t.b "
-        "WHERE d.v >= t.lo AND d.v <= t.hi"
-    )
-    return values, {"parts": _parts_table(targets, scales), "windows": table}, of_target
-
-
-def _fetch(engine: Engine, series: str, targets: list[_Target], scales: dict[Part, _Scale]) -> None:
-    values, tables, of_target = _in_windows(engine, series, targets, scales)
-    with _registered(engine, tables):
-        rows = engine.connection.execute(f"SELECT w, v FROM ({values}) ORDER BY w, v").fetchall()
-    found: dict[int, list[float]] = {}
-    for window, value in rows:
-        found.setdefault(int(window), []).append(float(value))
-    for target, window in zip(targets, of_target, strict=True):
-        target.value = found[window][target.offset]
-
-
-def _narrow(engine: Engine, series: str, targets: list[_Target], scales: dict[Part, _Scale]) -> None:
-    """One histogram pass within the targets' ranges: each shrinks to the bin holding its rank."""
-    values, tables, of_target = _in_windows(engine, series, targets, scales)
-    tables["targets"] = {
-        "id": np.arange(len(targets), dtype=np.int64),
-        "w": np.array(of_target, dtype=np.int64),
-        "offset": np.array([t.offset for t in targets], dtype=np.int64),
-    }
-    histogram = (
-        f"SELECT w, {_bin('v', 'lo', 'hi', 'nb')} AS bin, COUNT(*) AS c, MIN(v) AS lo, MAX(v) AS hi "
-        f"FROM ({values}) GROUP BY 1, 2"
-    )
-    with _registered(engine, tables):
-        rows = engine.connection.execute(_picked(histogram, "w")).fetchall()
-    _apply(targets, rows, first=False)
+def _next_pass(engine: Engine, series: Series, layout: _Layout, targets: list[_Target]) -> None:
+    windows: dict[tuple[int, float, float], _Window] = {}
+    for target in targets:
+        key = (target.first_bin, target.low, target.high)
+        if key not in windows:
+            part = layout.parts.index(target.part)
+            window = windows[key] = _Window(target.first_bin, target.low, target.high, base=int(layout.offset[part]))
+            if target.count > FETCH_MAX:
+                window.nb = _bins_for(target.count)
+                window.counts = np.zeros(window.nb, dtype=np.int64)
+                window.mins = np.full(window.nb, np.inf)
+                window.maxs = np.full(window.nb, -np.inf)
+    by_bin: dict[int, list[_Window]] = {}
+    for window in windows.values():
+        by_bin.setdefault(window.first_bin, []).append(window)
+    marked = np.zeros(layout.total, dtype=np.bool_)
+    marked[list(by_bin)] = True
+    for bins, position, values in _read(engine, series, layout):
+        chosen = marked[bins]
+        if not chosen.any():
+            continue
+        bins, position, values = bins[chosen], position[chosen], values[chosen]
+        for first_bin, group in by_bin.items():
+            inside = bins == first_bin
+            if not inside.any():
+                continue
+            for window in group:
+                keep = inside & (values >= window.low) & (values <= window.high)
+                window.take(values[keep], position[keep])
+    for target in targets:
+        window = windows[(target.first_bin, target.low, target.high)]
+        if not window.nb:
+            kept = np.sort(np.concatenate(window.kept))
+            target.value = float(kept[target.offset])
+            continue
+        assert window.counts is not None and window.mins is not None and window.maxs is not None
+        before = np.cumsum(window.counts)
+        found = int(np.searchsorted(before, target.offset, side="right"))
+        target.count = int(window.counts[found])
+        target.offset -= int(before[found]) - target.count
+        target.low, target.high = float(window.mins[found]), float(window.maxs[found])
+        if target.low == target.high:
+            target.value = target.low
 
 
 # ---------------------------------------------------------------------------------------------
@@ -694,7 +750,8 @@ def _narrow(engine: Engine, series: str, targets: list[_Target], scales: dict[Pa
 def totals_sql(reduced: str) -> str:
     """Everything the summary sums, per (model, length group, hit), in one scan: the cells,
     each series' count, min, max and sum (the order statistics' bounds and scale), the TTFT
-    decomposition, the prefill groups' sums and the arrival times' range. Per-model rows are
+    decomposition, the prefill groups' sums, the arrival times' range and the last row number
+    (:func:`row_chunks`). Per-model rows are
     added up in Python, exactly (integers; min and max of floats)."""
     series = ", ".join(f"COUNT({name}), MIN({name}), MAX({name}), SUM({name})" for name in SERIES[:-1])
     timed = "FILTER (WHERE prefill_seconds IS NOT NULL)"
@@ -716,7 +773,7 @@ def totals_sql(reduced: str) -> str:
   {_fixed("queue_seconds")} {complete}, {_fixed("prefill_seconds")} {complete},
   {_fixed("ttft_other")} {complete},
   {_exact("prompt_tokens")} {timed}, {_exact("cached_tokens")} {timed},
-  MIN(arrival_time), MAX(arrival_time), COUNT(arrival_time)
+  MIN(arrival_time), MAX(arrival_time), COUNT(arrival_time), MAX(row)
 FROM ({reduced}) AS reduced_rows GROUP BY model, length_group, hit"""
 
 
@@ -773,6 +830,7 @@ def summarize(engine: Engine, source: str, edges: Sequence[int], default_model: 
     decomposition = [0, 0, 0, 0, 0]
     prefill_sums: dict[report.Group, tuple[int, int, int]] = {}
     timed_by_model: dict[str, int] = {}
+    last_row = 0
 
     def widen(part: Part, count: int, low: float, high: float, total: float) -> None:
         sums[part] = sums.get(part, 0.0) + total
@@ -809,8 +867,9 @@ def summarize(engine: Engine, source: str, edges: Sequence[int], default_model: 
                 float(last) if known[1] is None else max(known[1], float(last)),
                 known[2] + int(arrivals),
             )
+        last_row = max(last_row, int(row[at + 10]))
     engine.prefill_counts = timed_by_model
-    series = _series_sql(reduced)
+    series = _series(row_chunks(sum(cell.requests for cell in cells.values()), last_row))
     fractions = {name: tuple(q / 100 for q in report.QUANTILES) for name in report.LATENCY_COLUMNS}
     fractions["prefill_per_computed_token"] = (0.5,)
     fractions["all_ttft"] = (1 - report.SLOWEST_SHARE,)
@@ -862,6 +921,17 @@ def arrival_range(engine: Engine, table: str) -> tuple[float | None, float | Non
         f"SELECT min(arrival_time), max(arrival_time), count(arrival_time) FROM {table}"
     ).fetchone() or (None, None, 0)
     return (None if first is None else float(first), None if last is None else float(last), int(count))
+
+
+@contextlib.contextmanager
+def _registered(engine: Engine, tables: dict[str, dict[str, Any]]) -> Iterator[None]:
+    for name, table in tables.items():
+        engine.connection.register(name, table)
+    try:
+        yield
+    finally:
+        for name in tables:
+            engine.connection.unregister(name)
 
 
 CALIBRATION_BATCH = 2_000_000  # points fetched into Python at once, about 32 bytes each
