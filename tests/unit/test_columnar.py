@@ -374,7 +374,7 @@ def test_order_statistics_narrowed_over_many_passes_are_exact(
     original = columnar._next_pass
 
     def counted(*args: Any) -> None:
-        targets = args[-1]
+        targets = args[3]
         kept = sum(t.count <= 3 for t in targets)
         bounded = sum(t.count > 3 and np.isfinite(t.low) for t in targets)
         passes.append(f"{len(targets)} open: {kept} kept, {bounded} counted between bounds")

@@ -450,7 +450,7 @@ def _part_of(key: int) -> Part:
     return SERIES[series], group - 1, bool(hit)
 
 
-CHUNK_ROWS = 1 << 21  # records read into numpy at once by the order statistics: ~100 MB of arrays
+CHUNK_ROWS = 1 << 20  # records read into numpy at once by the order statistics: ~50 MB of arrays
 
 
 @dataclass(frozen=True)
@@ -556,65 +556,84 @@ class _Layout:
         self.parts = parts
         self.index = {_part_key(part): i for i, part in enumerate(parts)}
         self.lo = np.array([scales[p].lo for p in parts], dtype=np.float64)
-        self.span = np.array([scales[p].hi - scales[p].lo for p in parts], dtype=np.float64)
+        self.span = np.array([scales[p].hi - scales[p].lo for p in parts], dtype=np.float64)  # > 0, maybe subnormal
         self.nb = np.array([scales[p].nb for p in parts], dtype=np.int64)
         self.root = np.array([scales[p].root for p in parts], dtype=np.bool_)
         self.offset = np.concatenate(([0], np.cumsum(self.nb)))
         self.total = int(self.offset[-1])
 
-    def parts_of(self, g: npt.NDArray[np.int64], key: int, grouped: bool) -> npt.NDArray[np.int64] | int:
-        """The part index of each value of a column (-1: no target in its part)."""
+    def place(
+        self, values: npt.NDArray[np.float64], g: npt.NDArray[np.int64], key: int, grouped: bool
+    ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.int64]]:
+        """The values of a column that belong to a part with a target, their positions and the
+        layout indexes of their bins. A column's parts are looked up by ``g - min(g)`` in small
+        tables (``g`` spans a few values: the length groups and hit)."""
         if not grouped:
-            return self.index.get(key, -1)
+            part = self.index.get(key)
+            if part is None:
+                return values[:0], values[:0], np.zeros(0, dtype=np.int64)
+            x = _root(values) if self.root[part] else values
+            position = (x - self.lo[part]) / self.span[part] * self.nb[part]
+            floor = np.floor(position)
+            np.clip(floor, 0, self.nb[part] - 1, out=floor)
+            return values, position, floor.astype(np.int64) + self.offset[part]
         if not g.size:
-            return np.zeros(0, dtype=np.int64)
+            return values, values, np.zeros(0, dtype=np.int64)
         low, high = int(g.min()), int(g.max())
         if high - low < 1 << 16:
-            table = np.array([self.index.get(key + low + i, -1) for i in range(high - low + 1)], dtype=np.int64)
-            return table[g - low]
-        keys = np.array(sorted(self.index), dtype=np.int64)
-        found = np.searchsorted(keys, g + key).clip(0, len(keys) - 1)
-        hit = keys[found] == g + key
-        return np.where(hit, np.array([self.index[int(k)] for k in keys], dtype=np.int64)[found], -1)
-
-    def positions(
-        self, values: npt.NDArray[np.float64], part: npt.NDArray[np.int64] | int
-    ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
-        """Each value's position in its part's scale and its bin's index in the layout."""
-        root = self.root[part]
-        if np.any(root):
-            x = values.copy()
-            x[root] = _root(values[root]) if np.ndim(root) else _root(values)
+            ids = np.array([self.index.get(key + low + i, -1) for i in range(high - low + 1)], dtype=np.int64)
+            at = g - low
+        else:  # keys far apart (not the summary's): one table entry a key present
+            ids = np.array([self.index.get(key + int(k), -1) for k in np.unique(g)], dtype=np.int64)
+            at = np.searchsorted(np.unique(g), g)
+        present = ids >= 0
+        if not present.all():
+            keep = present[at]
+            values, at = values[keep], at[keep]
+        ids = np.where(present, ids, 0)
+        root = self.root[ids] & present
+        if root.any():
+            x = _root(values) if root[present].all() else np.where(root[at], _root(values), values)
         else:
             x = values
-        nb = self.nb[part]
-        position = (x - self.lo[part]) / self.span[part] * nb
-        bins = np.clip(np.floor(position), 0, nb - 1).astype(np.int64)
-        return position, bins + self.offset[part]
+        nb = self.nb[ids][at]
+        position = (x - self.lo[ids][at]) / self.span[ids][at] * nb
+        floor = np.floor(position)
+        nb -= 1
+        np.minimum(floor, nb, out=floor)
+        np.maximum(floor, 0, out=floor)
+        bins = floor.astype(np.int64)
+        bins += self.offset[ids][at]
+        return values, position, bins
 
 
 def _read(
-    engine: Engine, series: Series, layout: _Layout
-) -> Iterator[tuple[npt.NDArray[np.int64], npt.NDArray[np.float64], npt.NDArray[np.float64]]]:
+    engine: Engine, series: Series, layout: _Layout, kept: list[Placed]
+) -> Iterator[Placed]:
     """Per chunk and value column: the layout index of each value's bin, its position and the
-    value, of the values of parts that have a target."""
+    value, of the values of parts that have a target. A single chunk (at most
+    :data:`CHUNK_ROWS` records) is read and placed once and ``kept`` for the next passes."""
+    if len(series.chunks) == 1 and kept:
+        yield from kept
+        return
     for where in series.chunks:
         got = engine.connection.execute(series.sql(where)).fetchnumpy()
-        g = np.ma.getdata(got["g"]).astype(np.int64, copy=False)
+        g = np.asarray(got["g"], dtype=np.int64)
         for index, (key, grouped) in enumerate(zip(series.keys, series.grouped, strict=True)):
             column = got[f"v{index}"]
-            values = np.ma.getdata(column).astype(np.float64, copy=False)
-            keep = ~np.ma.getmaskarray(column)
-            part = layout.parts_of(g, key, grouped)
-            if np.ndim(part):
-                keep &= part >= 0  # type: ignore[operator]
-            elif part < 0:  # type: ignore[operator]
-                continue
-            if not keep.all():
-                values = values[keep]
-                part = part[keep] if np.ndim(part) else part  # type: ignore[index]
-            position, bins = layout.positions(values, part)
-            yield bins, position, values
+            values = np.asarray(column, dtype=np.float64)
+            rows = g
+            mask = getattr(column, "mask", None)  # a masked array where the column has NULLs
+            if mask is not None and np.any(mask):
+                values, rows = values[~mask], g[~mask]
+            placed = layout.place(values, rows, key, grouped)
+            if placed[2].size:
+                if len(series.chunks) == 1:
+                    kept.append(placed)
+                yield placed
+
+
+Placed = tuple[npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.int64]]  # values, positions, bins
 
 
 def order_statistics(
@@ -646,15 +665,18 @@ def order_statistics(
     if open_targets:
         parts = sorted({t.part for t in open_targets}, key=_part_key)
         layout = _Layout(parts, _scales({part: bounds[part] for part in parts}, means or {}))
-        _first_pass(engine, series, layout, open_targets)
+        kept: list[Placed] = []
+        _first_pass(engine, series, layout, open_targets, kept)
         while open_targets := [t for t in targets if t.value is None]:
-            _next_pass(engine, series, layout, open_targets)
+            _next_pass(engine, series, layout, open_targets, kept)
     return {(t.part, t.rank): float(t.value) for t in targets if t.value is not None}
 
 
-def _first_pass(engine: Engine, series: Series, layout: _Layout, targets: list[_Target]) -> None:
+def _first_pass(
+    engine: Engine, series: Series, layout: _Layout, targets: list[_Target], kept: list[Placed]
+) -> None:
     counts = np.zeros(layout.total, dtype=np.int64)
-    for bins, _, _ in _read(engine, series, layout):
+    for _, _, bins in _read(engine, series, layout, kept):
         counts += np.bincount(bins, minlength=layout.total)
     for target in targets:
         part = layout.parts.index(target.part)
@@ -698,7 +720,9 @@ class _Window:
     base: int = 0  # the layout offset of the bin's part (the bin within its part: first_bin - base)
 
 
-def _next_pass(engine: Engine, series: Series, layout: _Layout, targets: list[_Target]) -> None:
+def _next_pass(
+    engine: Engine, series: Series, layout: _Layout, targets: list[_Target], kept: list[Placed]
+) -> None:
     windows: dict[tuple[int, float, float], _Window] = {}
     for target in targets:
         key = (target.first_bin, target.low, target.high)
@@ -715,7 +739,7 @@ def _next_pass(engine: Engine, series: Series, layout: _Layout, targets: list[_T
         by_bin.setdefault(window.first_bin, []).append(window)
     marked = np.zeros(layout.total, dtype=np.bool_)
     marked[list(by_bin)] = True
-    for bins, position, values in _read(engine, series, layout):
+    for values, position, bins in _read(engine, series, layout, kept):
         chosen = marked[bins]
         if not chosen.any():
             continue
@@ -730,8 +754,8 @@ def _next_pass(engine: Engine, series: Series, layout: _Layout, targets: list[_T
     for target in targets:
         window = windows[(target.first_bin, target.low, target.high)]
         if not window.nb:
-            kept = np.sort(np.concatenate(window.kept))
-            target.value = float(kept[target.offset])
+            ordered = np.sort(np.concatenate(window.kept))
+            target.value = float(ordered[target.offset])
             continue
         assert window.counts is not None and window.mins is not None and window.maxs is not None
         before = np.cumsum(window.counts)
@@ -960,7 +984,7 @@ def calibration_inputs(engine: Engine, limit: int) -> Iterator[tuple[str, Any, A
     rates = {
         "i": np.arange(len(names), dtype=np.int64),
         "m": np.array(names, dtype=object),
-        "c": np.array([counts[name] for name in names], dtype=np.int64),
+        "c": np.array([counts[name] for name in names], dtype=np.uint64),  # hash() is UBIGINT: no HUGEINT modulo
     }
     picked = (
         "SELECT rates.i, prompt_tokens, cached_tokens, prefill_seconds, src, row FROM reduced "
