@@ -154,7 +154,14 @@ def test_goldens_through_every_input_form(tmp_path: Path, capsys: pytest.Capture
             assert f"{100 * overall['compute_saved_ratio']:.3f}" == "0.344"
 
 
-def test_parquet_rows_out_of_bounds_are_counted_like_bad_lines(tmp_path: Path) -> None:
+@pytest.mark.parametrize("in_place", [False, True])
+def test_parquet_rows_out_of_bounds_are_counted_like_bad_lines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, in_place: bool
+) -> None:
+    """Copied into memory, or scanned in place (the rejected rows' numbers kept in a table and
+    left out of every later scan by an anti-join): the same counts, examples and report."""
+    if in_place:
+        monkeypatch.setattr(columnar, "MATERIALIZE_SHARE", 0.0)
     engine = columnar.Engine()
     bad = tmp_path / "bad.parquet"
     engine.connection.execute(
@@ -165,6 +172,8 @@ def test_parquet_rows_out_of_bounds_are_counted_like_bad_lines(tmp_path: Path) -
     engine.close()
     report, _ = analyze([str(bad)], load_settings(), engine="duckdb")
     assert report["overall"]["requests"] == 1
+    (group,) = report["groups"]
+    assert group["ttft_seconds"]["p50"] == 0.5  # the one valid row's
     assert report["input"]["lines"] == 6
     assert report["input"]["skipped"] == {
         "cached_exceeds_prompt": 1,

@@ -232,15 +232,21 @@ def load(
     return Loaded(read=result, files=files, parquet=bool(parquet), in_memory=in_memory)
 
 
-def _fits_in_memory(engine: Engine, paths: list[str], columns: Sequence[str]) -> bool:
-    """Whether the rows of the Parquet files (their footers' count) fit in
-    :data:`MATERIALIZE_SHARE` of the memory limit, at :data:`COLUMN_BYTES` a column."""
+def _parquet_rows(engine: Engine, paths: list[str]) -> int:
+    """Rows of the Parquet files, from their footers."""
     listed = ", ".join(f"'{_quoted(path)}'" for path in paths)
     ((rows,),) = engine.connection.execute(
         f"SELECT COALESCE(SUM(num_rows), 0) FROM parquet_file_metadata([{listed}])"
     ).fetchall()
+    return int(rows)
+
+
+def _fits_in_memory(engine: Engine, paths: list[str], columns: Sequence[str]) -> bool:
+    """Whether the rows of the Parquet files (their footers' count) fit in
+    :data:`MATERIALIZE_SHARE` of the memory limit, at :data:`COLUMN_BYTES` a column."""
     ((limit,),) = engine.connection.execute("SELECT current_setting('memory_limit')").fetchall()
-    return int(rows) * COLUMN_BYTES * (len(columns) + 3) <= MATERIALIZE_SHARE * _bytes(str(limit))
+    rows = _parquet_rows(engine, paths)
+    return rows * COLUMN_BYTES * (len(columns) + 3) <= MATERIALIZE_SHARE * _bytes(str(limit))
 
 
 def _parquet_view(
@@ -253,9 +259,12 @@ def _parquet_view(
     """The valid rows of the Parquet files as SQL; rejected rows are counted by reason in
     ``result`` (with the first few named by file and row), as the validator does for lines.
     ``in_memory``: the rows are checked and copied into a table in one scan, and every later
-    scan reads that table (not Parquet pages to decode and check again); else each scan reads
-    and checks the files where they lie (a copy past the memory limit would spill to disk
-    and every scan would read it back: slower than decoding the Parquet again)."""
+    scan reads that table (not Parquet pages to decode and check again). Else one scan checks
+    the files and keeps the rejected rows' numbers (a table: DuckDB spills it if need be), and
+    every later scan reads the files where they lie, only the columns it needs, and leaves those
+    rows out by an anti-join (none when every row passed): not the checks again, which read
+    every column (the model's name too) and cost about a third of a scan. A copy past the memory
+    limit would spill to disk and every scan would read it back."""
     present = _check_parquet_schema(engine, [path for _, path in parquet], columns)
     listed = ", ".join(f"'{_quoted(path)}'" for _, path in parquet)
     src = " ".join(f"WHEN '{_quoted(path)}' THEN {index}" for index, path in parquet)
@@ -269,22 +278,32 @@ def _parquet_view(
         for name in columns
     )
     checked = f"SELECT {selected}, src, row, {rejection_sql(present)} AS rejection FROM ({scan})"
+    con = engine.connection
     if in_memory:
-        engine.connection.execute(f"CREATE OR REPLACE TEMP TABLE parquet_records AS {checked}")
-        checked = "SELECT * FROM parquet_records"
+        con.execute(f"CREATE OR REPLACE TEMP TABLE parquet_records AS {checked}")
+        rejections = "SELECT rejection, src, row FROM parquet_records WHERE rejection IS NOT NULL"
+        valid = "SELECT * FROM parquet_records WHERE rejection IS NULL"
+    else:
+        con.execute(
+            "CREATE OR REPLACE TEMP TABLE parquet_rejected AS "
+            f"SELECT rejection, src, row FROM ({checked}) WHERE rejection IS NOT NULL"
+        )
+        rejections = "SELECT * FROM parquet_rejected"
+        valid = f"SELECT {selected}, src, row FROM ({scan})"
+    result.lines += _parquet_rows(engine, [path for _, path in parquet])
     rejected = 0
-    for reason_field, count in engine.connection.execute(
-        f"SELECT rejection, count(*) FROM ({checked}) GROUP BY ALL"
-    ).fetchall():
-        result.lines += int(count)
-        if reason_field is not None:
-            result.skipped[reason_field.split(":")[1]] += int(count)
-            rejected += int(count)
+    for reason_field, count in con.execute(f"SELECT rejection, count(*) FROM ({rejections}) GROUP BY ALL").fetchall():
+        result.skipped[reason_field.split(":")[1]] += int(count)
+        rejected += int(count)
+    if rejected and not in_memory:
+        valid = (
+            f"SELECT * FROM ({valid}) AS scanned ANTI JOIN parquet_rejected AS out "
+            "ON scanned.src = out.src AND scanned.row = out.row"
+        )
     room = reader.MAX_EXAMPLES - len(result.examples)
     if room > 0 and rejected:
-        for rejection, src_index, row in engine.connection.execute(
-            f"SELECT rejection, src, row FROM ({checked}) WHERE rejection IS NOT NULL "
-            f"ORDER BY src, row LIMIT {room}"
+        for rejection, src_index, row in con.execute(
+            f"SELECT rejection, src, row FROM ({rejections}) ORDER BY src, row LIMIT {room}"
         ).fetchall():
             field_name, reason = rejection.split(":")
             result.examples.append(
@@ -298,7 +317,7 @@ def _parquet_view(
             )
     for _, path in parquet:
         result.formats[path] = "parquet"
-    return f"SELECT {', '.join(columns)}, src, row FROM ({checked}) WHERE rejection IS NULL"
+    return f"SELECT {', '.join(columns)}, src, row FROM ({valid})"
 
 
 def _check_parquet_schema(engine: Engine, paths: list[str], columns: Sequence[str]) -> set[str]:
