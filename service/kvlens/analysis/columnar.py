@@ -484,19 +484,20 @@ class Series:
     keys: tuple[int, ...]
     grouped: tuple[bool, ...]
     chunks: tuple[str, ...] = ("TRUE",)
+    columns: tuple[int, ...] | None = None  # the value column each key reads (default: v0, v1, ...)
 
 
 def _series(chunks: tuple[str, ...]) -> Series:
     """Each latency value of the ``reduced`` view once per series it is ranked in (per group;
     TTFT also over all records): one read of a record serves every series."""
     group = "(length_group + 1) * 2 + CAST(hit AS INTEGER)"
-    values = [*SERIES[:-1], "ttft_seconds"]
-    selected = ", ".join(f"{name} AS v{index}" for index, name in enumerate(values))
+    selected = ", ".join(f"{name} AS v{index}" for index, name in enumerate(SERIES[:-1]))
     return Series(
         sql=lambda where: f"SELECT {group} AS g, {selected} FROM reduced WHERE {where}",
         keys=(*(index * _PART_STRIDE for index in range(len(SERIES) - 1)), _part_key(("all_ttft", -1, False))),
         grouped=(*(True for _ in SERIES[:-1]), False),
         chunks=chunks,
+        columns=(*range(len(SERIES) - 1), SERIES.index("ttft_seconds")),  # all records' TTFT: read once
     )
 
 
@@ -638,7 +639,8 @@ def _read(
     for where in series.chunks:
         got = engine.connection.execute(series.sql(where)).fetchnumpy()
         g = np.asarray(got["g"], dtype=np.int64)
-        for index, (key, grouped) in enumerate(zip(series.keys, series.grouped, strict=True)):
+        columns = series.columns or tuple(range(len(series.keys)))
+        for index, key, grouped in zip(columns, series.keys, series.grouped, strict=True):
             column = got[f"v{index}"]
             values = np.asarray(column, dtype=np.float64)
             rows = g
