@@ -266,11 +266,22 @@ def hundred_thousand(path: Path) -> Path:
     return path
 
 
+@pytest.mark.parametrize(
+    ("setting", "value", "expected_reads"),
+    [
+        (None, None, [1, 15]),  # every rank's bin was kept in the first pass: no second read
+        ("STORE_MAX", 10, [1, 15, 15]),  # too many values to keep: the second pass reads again
+        ("SAMPLE_SIGMAS", 0.0, [1, 15, 15]),  # predicted bins too narrow: some ranks fall outside
+    ],
+)
 def test_a_tiny_memory_limit_spills_and_the_answer_does_not_change(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setting: str | None, value: Any, expected_reads: list[int]
 ) -> None:
     """The records spill past the limit, and the order statistics read them in 15 chunks of
-    row numbers (the chunks cover every record once: the same percentiles)."""
+    row numbers (the chunks cover every record once: the same percentiles), after a sample
+    that predicts the bins whose values the first pass keeps."""
+    if setting is not None:
+        monkeypatch.setattr(columnar, setting, value)
     path = hundred_thousand(tmp_path / "100k.jsonl")
     chosen = load_settings()
     read = reader.read([str(path)])
@@ -284,6 +295,14 @@ def test_a_tiny_memory_limit_spills_and_the_answer_does_not_change(
         return chunks[-1]
 
     monkeypatch.setattr(columnar, "row_chunks", counted)
+    reads: list[int] = []
+    read = columnar._read
+
+    def read_counted(*args: Any) -> Any:
+        reads.append(len(args[4]) if len(args) > 4 else len(args[1].chunks))
+        return read(*args)
+
+    monkeypatch.setattr(columnar, "_read", read_counted)
     engine = columnar.Engine(memory_limit="8MiB", threads=1)
     columnar.load(engine, [str(path)])
     summary = columnar.summarize(engine, "records", chosen.prompt_length_edges, chosen.default_model)
@@ -291,6 +310,7 @@ def test_a_tiny_memory_limit_spills_and_the_answer_does_not_change(
     engine.close()
     assert [len(chunk) for chunk in chunks] == [15]
     assert chunks[0][0] == "row >= 0 AND row < 6667" and chunks[0][-1] == "row >= 93338 AND row < 100005"
+    assert reads == expected_reads  # the sample's read, then the passes over the 15 chunks
     assert summary == summarize(derived)
 
 
@@ -383,7 +403,7 @@ def test_order_statistics_narrowed_over_many_passes_are_exact(
     original = columnar._next_pass
 
     def counted(*args: Any) -> None:
-        targets = args[3]
+        targets = args[1]
         kept = sum(t.count <= 3 for t in targets)
         bounded = sum(t.count > 3 and np.isfinite(t.low) for t in targets)
         passes.append(f"{len(targets)} open: {kept} kept, {bounded} counted between bounds")

@@ -485,9 +485,10 @@ class Series:
     grouped: tuple[bool, ...]
     chunks: tuple[str, ...] = ("TRUE",)
     columns: tuple[int, ...] | None = None  # the value column each key reads (default: v0, v1, ...)
+    sample: str | None = None  # rows read first to predict where the ranks lie (:func:`_predict`)
 
 
-def _series(chunks: tuple[str, ...]) -> Series:
+def _series(chunks: tuple[str, ...], sample: str | None = None) -> Series:
     """Each latency value of the ``reduced`` view once per series it is ranked in (per group;
     TTFT also over all records): one read of a record serves every series."""
     group = "(length_group + 1) * 2 + CAST(hit AS INTEGER)"
@@ -498,6 +499,7 @@ def _series(chunks: tuple[str, ...]) -> Series:
         grouped=(*(True for _ in SERIES[:-1]), False),
         chunks=chunks,
         columns=(*range(len(SERIES) - 1), SERIES.index("ttft_seconds")),  # all records' TTFT: read once
+        sample=sample,
     )
 
 
@@ -510,6 +512,22 @@ def row_chunks(records: int, last_row: int) -> tuple[str, ...]:
         return ("TRUE",)
     width = -(-(last_row + 1) // count)
     return tuple(f"row >= {start} AND row < {start + width}" for start in range(0, last_row + 1, width))
+
+
+SAMPLE_BLOCKS = 16  # the sample is this many blocks of rows spread over the row numbers
+
+
+def sample_rows(records: int, last_row: int) -> str | None:
+    """A predicate on ``row`` picking about :data:`CHUNK_ROWS` records in
+    :data:`SAMPLE_BLOCKS` blocks spread over the row numbers (pruned to their row groups like a
+    chunk), or None when the records are one chunk (read once anyway)."""
+    if records <= CHUNK_ROWS:
+        return None
+    block = max(1, CHUNK_ROWS * (last_row + 1) // records // SAMPLE_BLOCKS)
+    step = (last_row + 1) // SAMPLE_BLOCKS
+    return " OR ".join(
+        f"(row >= {index * step} AND row < {index * step + block})" for index in range(SAMPLE_BLOCKS)
+    )
 
 
 @dataclass
@@ -628,15 +646,17 @@ class _Layout:
 
 
 def _read(
-    engine: Engine, series: Series, layout: _Layout, kept: list[Placed]
+    engine: Engine, series: Series, layout: _Layout, kept: list[Placed], wheres: Sequence[str] = ()
 ) -> Iterator[Placed]:
-    """Per chunk and value column: the layout index of each value's bin, its position and the
-    value, of the values of parts that have a target. A single chunk (at most
-    :data:`CHUNK_ROWS` records) is read and placed once and ``kept`` for the next passes."""
-    if len(series.chunks) == 1 and kept:
+    """Per chunk (``wheres``, default: every chunk) and value column: the value, its position
+    and the layout index of its bin, of the values of parts that have a target. A single chunk
+    (at most :data:`CHUNK_ROWS` records) is read and placed once and ``kept`` for the next
+    passes."""
+    single = not wheres and len(series.chunks) == 1
+    if single and kept:
         yield from kept
         return
-    for where in series.chunks:
+    for where in wheres or series.chunks:
         got = engine.connection.execute(series.sql(where)).fetchnumpy()
         g = np.asarray(got["g"], dtype=np.int64)
         columns = series.columns or tuple(range(len(series.keys)))
@@ -649,7 +669,7 @@ def _read(
                 values, rows = values[~mask], g[~mask]
             placed = layout.place(values, rows, key, grouped)
             if placed[2].size:
-                if len(series.chunks) == 1:
+                if single:
                     kept.append(placed)
                 yield placed
 
@@ -687,18 +707,73 @@ def order_statistics(
         parts = sorted({t.part for t in open_targets}, key=_part_key)
         layout = _Layout(parts, _scales({part: bounds[part] for part in parts}, means or {}))
         kept: list[Placed] = []
-        _first_pass(engine, series, layout, open_targets, kept)
+
+        def reads() -> Iterator[Placed]:
+            return _read(engine, series, layout, kept)
+
+        predicted = None
+        if series.sample is not None:
+            sampled = np.zeros(layout.total, dtype=np.int64)
+            for _, _, bins in _read(engine, series, layout, [], [series.sample]):
+                sampled += np.bincount(bins, minlength=layout.total)
+            predicted = _predict(layout, open_targets, sampled, bounds)
+        stored = _first_pass(layout, open_targets, reads(), predicted)
+        if stored is not None and all(predicted[t.first_bin] for t in open_targets):  # type: ignore[index]
+            reads = lambda: iter(stored)  # noqa: E731  (every window's values are in memory)
         while open_targets := [t for t in targets if t.value is None]:
-            _next_pass(engine, series, layout, open_targets, kept)
+            _next_pass(layout, open_targets, reads())
     return {(t.part, t.rank): float(t.value) for t in targets if t.value is not None}
 
 
+STORE_MAX = 1 << 23  # values the first pass keeps in the predicted bins (24 bytes each: ~200 MB)
+SAMPLE_SIGMAS = 5.0  # the predicted bins span this many standard errors of the sample's quantile
+WHOLE_PART = 1 << 16  # a part of at most this many values is kept whole (its sample is too thin)
+
+
+def _predict(
+    layout: _Layout, targets: list[_Target], sampled: npt.NDArray[np.int64], bounds: dict[Part, tuple[int, float, float]]
+) -> npt.NDArray[np.bool_]:
+    """The first-pass bins likely to hold the targets' ranks, from a sample's histogram: the
+    bins between the sample's quantiles at the rank's fraction plus and minus
+    :data:`SAMPLE_SIGMAS` standard errors (whole small parts). Only the cost depends on it: a
+    rank outside costs the pass it would have cost anyway."""
+    predicted = np.zeros(layout.total, dtype=np.bool_)
+    for target in targets:
+        part = layout.parts.index(target.part)
+        start, end = int(layout.offset[part]), int(layout.offset[part + 1])
+        count = bounds[target.part][0]
+        own = np.cumsum(sampled[start:end])
+        size = int(own[-1])
+        if count <= WHOLE_PART:
+            predicted[start:end] = True
+            continue
+        if size < 100:
+            continue  # too thin a sample: this target will need a second read
+        fraction = (target.rank + 0.5) / count
+        margin = SAMPLE_SIGMAS * np.sqrt(fraction * (1 - fraction) / size) + 2 / size
+        low = int(np.searchsorted(own, (fraction - margin) * size, side="left"))
+        high = int(np.searchsorted(own, (fraction + margin) * size, side="left"))
+        predicted[start + low : start + min(high, end - start - 1) + 1] = True
+    return predicted
+
+
 def _first_pass(
-    engine: Engine, series: Series, layout: _Layout, targets: list[_Target], kept: list[Placed]
-) -> None:
+    layout: _Layout, targets: list[_Target], reads: Iterator[Placed], predicted: npt.NDArray[np.bool_] | None
+) -> list[Placed] | None:
+    """Counts every value in its bin and sets each target's bin; keeps the values of the
+    ``predicted`` bins (None past :data:`STORE_MAX`: they are read again)."""
     counts = np.zeros(layout.total, dtype=np.int64)
-    for _, _, bins in _read(engine, series, layout, kept):
+    stored: list[Placed] | None = None if predicted is None else []
+    size = 0
+    for values, position, bins in reads:
         counts += np.bincount(bins, minlength=layout.total)
+        if stored is not None and predicted is not None:
+            chosen = predicted[bins]
+            size += int(np.count_nonzero(chosen))
+            if size > STORE_MAX:
+                stored = None
+            else:
+                stored.append((values[chosen], position[chosen], bins[chosen]))
     for target in targets:
         part = layout.parts.index(target.part)
         own = counts[layout.offset[part] : layout.offset[part + 1]]
@@ -708,6 +783,7 @@ def _first_pass(
         target.count = int(own[found])
         target.offset -= int(before[found]) - target.count
         target.low, target.high = -np.inf, np.inf
+    return stored
 
 
 @dataclass
@@ -741,9 +817,7 @@ class _Window:
     base: int = 0  # the layout offset of the bin's part (the bin within its part: first_bin - base)
 
 
-def _next_pass(
-    engine: Engine, series: Series, layout: _Layout, targets: list[_Target], kept: list[Placed]
-) -> None:
+def _next_pass(layout: _Layout, targets: list[_Target], reads: Iterator[Placed]) -> None:
     windows: dict[tuple[int, float, float], _Window] = {}
     for target in targets:
         key = (target.first_bin, target.low, target.high)
@@ -760,7 +834,7 @@ def _next_pass(
         by_bin.setdefault(window.first_bin, []).append(window)
     marked = np.zeros(layout.total, dtype=np.bool_)
     marked[list(by_bin)] = True
-    for values, position, bins in _read(engine, series, layout, kept):
+    for values, position, bins in reads:
         chosen = marked[bins]
         if not chosen.any():
             continue
@@ -914,7 +988,8 @@ def summarize(engine: Engine, source: str, edges: Sequence[int], default_model: 
             )
         last_row = max(last_row, int(row[at + 10]))
     engine.prefill_counts = timed_by_model
-    series = _series(row_chunks(sum(cell.requests for cell in cells.values()), last_row))
+    records = sum(cell.requests for cell in cells.values())
+    series = _series(row_chunks(records, last_row), sample_rows(records, last_row))
     fractions = {name: tuple(q / 100 for q in report.QUANTILES) for name in report.LATENCY_COLUMNS}
     fractions["prefill_per_computed_token"] = (0.5,)
     fractions["all_ttft"] = (1 - report.SLOWEST_SHARE,)
