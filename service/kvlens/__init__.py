@@ -2,7 +2,6 @@
 vLLM and SGLang fleets, as Prometheus metrics and offline reports."""
 
 
-
 def __getattr__(name: str) -> str:
     """``__version__``, looked up when first read: importing ``importlib.metadata`` and finding
     the distribution cost ~0.2 CPU s, at every start of every command otherwise."""

@@ -275,7 +275,11 @@ def hundred_thousand(path: Path) -> Path:
     ],
 )
 def test_a_tiny_memory_limit_spills_and_the_answer_does_not_change(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setting: str | None, value: Any, expected_reads: list[int]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    setting: str | None,
+    value: Any,
+    expected_reads: list[int],
 ) -> None:
     """The records spill past the limit, and the order statistics read them in 15 chunks of
     row numbers (the chunks cover every record once: the same percentiles), after a sample

@@ -292,7 +292,9 @@ def _parquet_view(
         valid = f"SELECT {selected}, src, row FROM ({scan})"
     result.lines += _parquet_rows(engine, [path for _, path in parquet])
     rejected = 0
-    for reason_field, count in con.execute(f"SELECT rejection, count(*) FROM ({rejections}) GROUP BY ALL").fetchall():
+    for reason_field, count in con.execute(
+        f"SELECT rejection, count(*) FROM ({rejections}) GROUP BY ALL"
+    ).fetchall():
         result.skipped[reason_field.split(":")[1]] += int(count)
         rejected += int(count)
     if rejected and not in_memory:
@@ -495,7 +497,10 @@ def _series(chunks: tuple[str, ...], sample: str | None = None) -> Series:
     selected = ", ".join(f"{name} AS v{index}" for index, name in enumerate(SERIES[:-1]))
     return Series(
         sql=lambda where: f"SELECT {group} AS g, {selected} FROM reduced WHERE {where}",
-        keys=(*(index * _PART_STRIDE for index in range(len(SERIES) - 1)), _part_key(("all_ttft", -1, False))),
+        keys=(
+            *(index * _PART_STRIDE for index in range(len(SERIES) - 1)),
+            _part_key(("all_ttft", -1, False)),
+        ),
         grouped=(*(True for _ in SERIES[:-1]), False),
         chunks=chunks,
         columns=(*range(len(SERIES) - 1), SERIES.index("ttft_seconds")),  # all records' TTFT: read once
@@ -594,7 +599,9 @@ class _Layout:
         self.parts = parts
         self.index = {_part_key(part): i for i, part in enumerate(parts)}
         self.lo = np.array([scales[p].lo for p in parts], dtype=np.float64)
-        self.span = np.array([scales[p].hi - scales[p].lo for p in parts], dtype=np.float64)  # > 0, maybe subnormal
+        self.span = np.array(
+            [scales[p].hi - scales[p].lo for p in parts], dtype=np.float64
+        )  # > 0, maybe subnormal
         self.nb = np.array([scales[p].nb for p in parts], dtype=np.int64)
         self.root = np.array([scales[p].root for p in parts], dtype=np.bool_)
         self.offset = np.concatenate(([0], np.cumsum(self.nb)))
@@ -674,7 +681,9 @@ def _read(
                 yield placed
 
 
-Placed = tuple[npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.int64]]  # values, positions, bins
+Placed = tuple[
+    npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.int64]
+]  # values, positions, bins
 
 
 def order_statistics(
@@ -731,7 +740,10 @@ WHOLE_PART = 1 << 16  # a part of at most this many values is kept whole (its sa
 
 
 def _predict(
-    layout: _Layout, targets: list[_Target], sampled: npt.NDArray[np.int64], bounds: dict[Part, tuple[int, float, float]]
+    layout: _Layout,
+    targets: list[_Target],
+    sampled: npt.NDArray[np.int64],
+    bounds: dict[Part, tuple[int, float, float]],
 ) -> npt.NDArray[np.bool_]:
     """The first-pass bins likely to hold the targets' ranks, from a sample's histogram: the
     bins between the sample's quantiles at the rank's fraction plus and minus
@@ -823,7 +835,9 @@ def _next_pass(layout: _Layout, targets: list[_Target], reads: Iterator[Placed])
         key = (target.first_bin, target.low, target.high)
         if key not in windows:
             part = layout.parts.index(target.part)
-            window = windows[key] = _Window(target.first_bin, target.low, target.high, base=int(layout.offset[part]))
+            window = windows[key] = _Window(
+                target.first_bin, target.low, target.high, base=int(layout.offset[part])
+            )
             if target.count > FETCH_MAX:
                 window.nb = _bins_for(target.count)
                 window.counts = np.zeros(window.nb, dtype=np.int64)
@@ -1080,7 +1094,9 @@ def calibration_inputs(engine: Engine, limit: int) -> Iterator[tuple[str, Any, A
     rates = {
         "i": np.arange(len(names), dtype=np.int64),
         "m": np.array(names, dtype=object),
-        "c": np.array([counts[name] for name in names], dtype=np.uint64),  # hash() is UBIGINT: no HUGEINT modulo
+        "c": np.array(
+            [counts[name] for name in names], dtype=np.uint64
+        ),  # hash() is UBIGINT: no HUGEINT modulo
     }
     picked = (
         "SELECT rates.i, prompt_tokens, cached_tokens, prefill_seconds, src, row FROM reduced "

@@ -67,7 +67,9 @@ class _Version(argparse.Action):
     """``--version``: the version is looked up only when asked (:data:`kvlens.__version__`)."""
 
     def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **_: object) -> None:
-        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, help="show the version and exit")
+        super().__init__(
+            option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, help="show the version and exit"
+        )
 
     def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
         import kvlens
