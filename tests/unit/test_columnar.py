@@ -431,6 +431,46 @@ def test_order_statistics_narrowed_over_many_passes_are_exact(
     ]
 
 
+def test_parquet_files_of_different_lengths_read_in_chunks_of_row_numbers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A directory of three Parquet files (3,000, 500 and 1,200 rows) scanned in place, the
+    order statistics read in chunks of row numbers that span every file at once: the same
+    summary as the numpy engine's of the same records."""
+    rng = np.random.default_rng(3)
+    folder = tmp_path / "parts"
+    folder.mkdir()
+    lines = []
+    for index, count in enumerate((3000, 500, 1200)):
+        records = [
+            {
+                "model": f"m{i % 4}",
+                "prompt_tokens": int(n),
+                "cached_tokens": int(n) // 3 * (i % 2),
+                "ttft_seconds": float(rng.lognormal(-2, 1)),
+                "queue_seconds": float(rng.random() / 10),
+                "prefill_seconds": float(rng.random() / 5),
+            }
+            for i, n in enumerate(rng.integers(1, 40_000, count))
+        ]
+        source = write_jsonl(tmp_path / f"part-{index}.jsonl", records)
+        columnar.convert([str(source)], folder / f"part-{index}.parquet")
+        lines.append(source.read_bytes())
+    together = tmp_path / "all.jsonl"
+    together.write_bytes(b"".join(lines))
+    monkeypatch.setattr(columnar, "MATERIALIZE_SHARE", 0.0)  # in place
+    monkeypatch.setattr(columnar, "CHUNK_ROWS", 400)
+    chosen = load_settings()
+    engine = columnar.Engine()
+    columnar.load(engine, [str(folder)])
+    summary = columnar.summarize(engine, "records", chosen.prompt_length_edges, chosen.default_model)
+    engine.close()
+    batch = reader.read([str(together)]).batch
+    derived = Derived.of(batch, chosen.prompt_length_edges, chosen.cost_model_for, chosen.default_model)
+    assert columnar.row_chunks(4700, 2999)[:2] == ("row >= 0 AND row < 250", "row >= 250 AND row < 500")
+    assert summary == summarize(derived)
+
+
 def test_lines_split_across_reads_keep_their_numbers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Reads of 37 bytes cut lines (and span a 160-byte one) anywhere: the same records, and the
     skipped lines named by the same numbers, as one read of the whole file."""

@@ -100,6 +100,8 @@ class Engine:
         self.connection.execute(f"SET temp_directory = '{_quoted(spill)}'")
         self.connection.execute("SET preserve_insertion_order = false")
         self.connection.execute("SET enable_progress_bar = false")
+        # every pass reads the Parquet footers again (the order statistics a chunk at a time)
+        self.connection.execute("SET parquet_metadata_cache = true")
         if self.threads:
             self.connection.execute(f"SET threads = {int(self.threads)}")
 
@@ -1122,7 +1124,9 @@ def calibration_inputs(engine: Engine, limit: int) -> Iterator[tuple[str, Any, A
             # by model, then input order: numpy's sort of the fetched keys costs half DuckDB's ORDER BY
             order = np.lexsort((np.asarray(rows["row"]), np.asarray(rows["src"]), np.asarray(rows["i"])))
             models = np.asarray(rows["i"], dtype=np.int64)[order]
-            n, h = (np.asarray(rows[name], dtype=np.int64)[order] for name in ("prompt_tokens", "cached_tokens"))
+            n, h = (
+                np.asarray(rows[name], dtype=np.int64)[order] for name in ("prompt_tokens", "cached_tokens")
+            )
             seconds = np.asarray(rows["prefill_seconds"], dtype=np.float64)[order]
             edges = np.searchsorted(models, np.arange(batch[0], batch[-1] + 2))
             for index, low, high in zip(batch, edges[:-1], edges[1:], strict=True):
