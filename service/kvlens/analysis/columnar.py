@@ -613,77 +613,71 @@ class _Layout:
         self.total = int(self.offset[-1])
 
     def place(
-        self, values: npt.NDArray[np.float64], g: npt.NDArray[np.int64], key: int, grouped: bool
-    ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.int64]]:
-        """The values of a column that belong to a part with a target, their positions and the
-        layout indexes of their bins. A column's parts are looked up by ``g - min(g)`` in small
-        tables (``g`` spans a few values: the length groups and hit)."""
-        if not grouped:
-            part = self.index.get(key)
-            if part is None:
-                return values[:0], values[:0], np.zeros(0, dtype=np.int64)
-            x = _root(values) if self.root[part] else values
-            position = (x - self.lo[part]) / self.span[part] * self.nb[part]
-            floor = np.floor(position)
-            np.clip(floor, 0, self.nb[part] - 1, out=floor)
-            return values, position, floor.astype(np.int64) + self.offset[part]
-        if not g.size:
-            return values, values, np.zeros(0, dtype=np.int64)
-        low, high = int(g.min()), int(g.max())
-        if high - low < 1 << 16:
-            ids = np.array([self.index.get(key + low + i, -1) for i in range(high - low + 1)], dtype=np.int64)
-            at = g - low
-        else:  # keys far apart (not the summary's): one table entry a key present
-            ids = np.array([self.index.get(key + int(k), -1) for k in np.unique(g)], dtype=np.int64)
-            at = np.searchsorted(np.unique(g), g)
-        present = ids >= 0
-        if not present.all():
-            keep = present[at]
-            values, at = values[keep], at[keep]
-        ids = np.where(present, ids, 0)
-        root = self.root[ids] & present
-        if root.any():
-            x = _root(values) if root[present].all() else np.where(root[at], _root(values), values)
-        else:
-            x = values
-        nb = self.nb[ids][at]
-        position = (x - self.lo[ids][at]) / self.span[ids][at] * nb
+        self, values: npt.NDArray[np.float64], part: int
+    ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
+        """The positions of one part's values and the layout indexes of their bins."""
+        x = _root(values) if self.root[part] else values
+        position = (x - self.lo[part]) / self.span[part] * self.nb[part]
         floor = np.floor(position)
-        nb -= 1
-        np.minimum(floor, nb, out=floor)
-        np.maximum(floor, 0, out=floor)
+        np.clip(floor, 0, self.nb[part] - 1, out=floor)
         bins = floor.astype(np.int64)
-        bins += self.offset[ids][at]
-        return values, position, bins
+        bins += self.offset[part]
+        return position, bins
 
 
 def _read(
     engine: Engine, series: Series, layout: _Layout, kept: list[Placed], wheres: Sequence[str] = ()
 ) -> Iterator[Placed]:
-    """Per chunk (``wheres``, default: every chunk) and value column: the value, its position
-    and the layout index of its bin, of the values of parts that have a target. A single chunk
-    (at most :data:`CHUNK_ROWS` records) is read and placed once and ``kept`` for the next
-    passes."""
+    """Per chunk (``wheres``, default: every chunk): the values of parts that have a target,
+    their positions and the layout indexes of their bins. The chunk's rows are sorted by ``g``
+    once, so each part is a slice of every column, placed with its own constants (not a lookup
+    of them for every value). A single chunk (at most :data:`CHUNK_ROWS` records) is read and
+    placed once and ``kept`` for the next passes."""
     single = not wheres and len(series.chunks) == 1
     if single and kept:
         yield from kept
         return
+    columns = series.columns or tuple(range(len(series.keys)))
     for where in wheres or series.chunks:
         got = engine.connection.execute(series.sql(where)).fetchnumpy()
         g = np.asarray(got["g"], dtype=np.int64)
-        columns = series.columns or tuple(range(len(series.keys)))
-        for index, key, grouped in zip(columns, series.keys, series.grouped, strict=True):
+        small = g.size and -(1 << 15) <= g.min() and g.max() < 1 << 15
+        order = np.argsort(g.astype(np.int16) if small else g, kind="stable")  # int16: a radix sort
+        g = g[order]
+        starts = np.concatenate(([0], np.flatnonzero(np.diff(g)) + 1, [g.size]))
+        slices = [
+            (int(g[start]), int(start), int(end))
+            for start, end in zip(starts[:-1], starts[1:])
+            if end > start
+        ]
+        pieces: list[Placed] = []
+        for index in sorted(set(columns)):
             column = got[f"v{index}"]
-            values = np.asarray(column, dtype=np.float64)
-            rows = g
+            values = np.asarray(column, dtype=np.float64)[order]
             mask = getattr(column, "mask", None)  # a masked array where the column has NULLs
-            if mask is not None and np.any(mask):
-                values, rows = values[~mask], g[~mask]
-            placed = layout.place(values, rows, key, grouped)
-            if placed[2].size:
-                if single:
-                    kept.append(placed)
-                yield placed
+            present = None if mask is None or not np.any(mask) else ~np.asarray(mask)[order]
+            for key, grouped in (
+                (k, gr) for c, k, gr in zip(columns, series.keys, series.grouped, strict=True) if c == index
+            ):
+                for value_of_g, start, end in slices if grouped else [(0, 0, g.size)]:
+                    part = layout.index.get(key + value_of_g if grouped else key)
+                    if part is None:
+                        continue
+                    chosen = values[start:end]
+                    if present is not None:
+                        chosen = chosen[present[start:end]]
+                    if chosen.size:
+                        pieces.append((chosen, *layout.place(chosen, part)))
+        if not pieces:
+            continue
+        placed = (
+            np.concatenate([piece[0] for piece in pieces]),
+            np.concatenate([piece[1] for piece in pieces]),
+            np.concatenate([piece[2] for piece in pieces]),
+        )
+        if single:
+            kept.append(placed)
+        yield placed
 
 
 Placed = tuple[
