@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import itertools
 import os
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -641,14 +642,12 @@ def _read(
     for where in wheres or series.chunks:
         got = engine.connection.execute(series.sql(where)).fetchnumpy()
         g = np.asarray(got["g"], dtype=np.int64)
-        small = g.size and -(1 << 15) <= g.min() and g.max() < 1 << 15
+        small = g.size and g.min() >= -(1 << 15) and g.max() < 1 << 15
         order = np.argsort(g.astype(np.int16) if small else g, kind="stable")  # int16: a radix sort
         g = g[order]
         starts = np.concatenate(([0], np.flatnonzero(np.diff(g)) + 1, [g.size]))
         slices = [
-            (int(g[start]), int(start), int(end))
-            for start, end in zip(starts[:-1], starts[1:])
-            if end > start
+            (int(g[start]), int(start), int(end)) for start, end in itertools.pairwise(starts) if end > start
         ]
         pieces: list[Placed] = []
         for index in sorted(set(columns)):
