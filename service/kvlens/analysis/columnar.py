@@ -804,6 +804,7 @@ class _Window:
     first_bin: int
     low: float
     high: float
+    base: int = 0  # the layout offset of the bin's part (the bin within its part: first_bin - base)
     nb: int = 0  # 0: keep the values
     kept: list[npt.NDArray[np.float64]] = field(default_factory=list)
     counts: npt.NDArray[np.int64] | None = None
@@ -823,8 +824,6 @@ class _Window:
         self.counts += np.bincount(sub, minlength=self.nb)
         np.minimum.at(self.mins, sub, values)
         np.maximum.at(self.maxs, sub, values)
-
-    base: int = 0  # the layout offset of the bin's part (the bin within its part: first_bin - base)
 
 
 def _next_pass(layout: _Layout, targets: list[_Target], reads: Iterator[Placed]) -> None:
