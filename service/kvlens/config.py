@@ -535,6 +535,8 @@ class Settings(BaseSettings):
     @classmethod
     def _http_urls(cls, urls: list[str]) -> list[str]:
         # the messages never quote a URL: it may hold a password
+        if not urls:  # every offline command: not the scrape client's import (httpx: ~0.5 CPU s)
+            return urls
         from kvlens.sources import vllm_metrics  # httpx: imported when scraping is configured
 
         try:
@@ -565,6 +567,8 @@ class Settings(BaseSettings):
     @field_validator("kv_events")
     @classmethod
     def _distinct_replicas(cls, publishers: list[KVEventsPublisherSetting]) -> list[KVEventsPublisherSetting]:
+        if not publishers:
+            return publishers
         from kvlens.fleet.index import MAX_REPLICAS
 
         if len({p.name for p in publishers}) != len(publishers):

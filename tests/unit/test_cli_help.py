@@ -152,3 +152,20 @@ def test_a_bad_log_setting_from_the_environment_is_one_clear_line(
     assert main(["analyze", "--print-sql"]) == 2
     err = capsys.readouterr().err
     assert err == "kvlens: KVLENS_LOG_FORMAT='yaml' is not one of text, json\n"
+
+
+def test_version_is_the_installed_distributions_and_looked_up_only_when_asked(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from importlib.metadata import version
+
+    import kvlens
+
+    kvlens.__dict__.pop("__version__", None)  # not read yet in this process, or forgotten
+    parser_of(["analyze", "x.jsonl"])
+    assert "__version__" not in kvlens.__dict__  # building the parser did not look it up
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out == f"kvlens {version('kvlens')}\n"
+    assert kvlens.__dict__["__version__"] == version("kvlens")

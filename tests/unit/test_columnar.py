@@ -154,7 +154,14 @@ def test_goldens_through_every_input_form(tmp_path: Path, capsys: pytest.Capture
             assert f"{100 * overall['compute_saved_ratio']:.3f}" == "0.344"
 
 
-def test_parquet_rows_out_of_bounds_are_counted_like_bad_lines(tmp_path: Path) -> None:
+@pytest.mark.parametrize("in_place", [False, True])
+def test_parquet_rows_out_of_bounds_are_counted_like_bad_lines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, in_place: bool
+) -> None:
+    """Copied into memory, or scanned in place (the rejected rows' numbers kept in a table and
+    left out of every later scan by an anti-join): the same counts, examples and report."""
+    if in_place:
+        monkeypatch.setattr(columnar, "MATERIALIZE_SHARE", 0.0)
     engine = columnar.Engine()
     bad = tmp_path / "bad.parquet"
     engine.connection.execute(
@@ -165,6 +172,8 @@ def test_parquet_rows_out_of_bounds_are_counted_like_bad_lines(tmp_path: Path) -
     engine.close()
     report, _ = analyze([str(bad)], load_settings(), engine="duckdb")
     assert report["overall"]["requests"] == 1
+    (group,) = report["groups"]
+    assert group["ttft_seconds"]["p50"] == 0.5  # the one valid row's
     assert report["input"]["lines"] == 6
     assert report["input"]["skipped"] == {
         "cached_exceeds_prompt": 1,
@@ -257,16 +266,55 @@ def hundred_thousand(path: Path) -> Path:
     return path
 
 
-def test_a_tiny_memory_limit_spills_and_the_answer_does_not_change(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("setting", "value", "expected_reads"),
+    [
+        (None, None, [1, 15]),  # every rank's bin was kept in the first pass: no second read
+        ("STORE_MAX", 10, [1, 15, 15]),  # too many values to keep: the second pass reads again
+        ("SAMPLE_SIGMAS", 0.0, [1, 15, 15]),  # predicted bins too narrow: some ranks fall outside
+    ],
+)
+def test_a_tiny_memory_limit_spills_and_the_answer_does_not_change(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    setting: str | None,
+    value: Any,
+    expected_reads: list[int],
+) -> None:
+    """The records spill past the limit, and the order statistics read them in 15 chunks of
+    row numbers (the chunks cover every record once: the same percentiles), after a sample
+    that predicts the bins whose values the first pass keeps."""
+    if setting is not None:
+        monkeypatch.setattr(columnar, setting, value)
     path = hundred_thousand(tmp_path / "100k.jsonl")
     chosen = load_settings()
     read = reader.read([str(path)])
     derived = Derived.of(read.batch, chosen.prompt_length_edges, chosen.cost_model_for, chosen.default_model)
-    engine = columnar.Engine(memory_limit="16MiB", threads=1)
+    monkeypatch.setattr(columnar, "CHUNK_ROWS", 7_000)
+    chunks: list[tuple[str, ...]] = []
+    split = columnar.row_chunks
+
+    def counted(records: int, last_row: int) -> tuple[str, ...]:
+        chunks.append(split(records, last_row))
+        return chunks[-1]
+
+    monkeypatch.setattr(columnar, "row_chunks", counted)
+    reads: list[int] = []
+    read = columnar._read
+
+    def read_counted(*args: Any) -> Any:
+        reads.append(len(args[4]) if len(args) > 4 else len(args[1].chunks))
+        return read(*args)
+
+    monkeypatch.setattr(columnar, "_read", read_counted)
+    engine = columnar.Engine(memory_limit="8MiB", threads=1)
     columnar.load(engine, [str(path)])
     summary = columnar.summarize(engine, "records", chosen.prompt_length_edges, chosen.default_model)
-    assert engine.spilled() > 0  # the 100k records (about 7.7 MB) and the queries' state did not fit
+    assert engine.spilled() > 0  # the 100k records (about 7.7 MB) did not fit
     engine.close()
+    assert [len(chunk) for chunk in chunks] == [15]
+    assert chunks[0][0] == "row >= 0 AND row < 6667" and chunks[0][-1] == "row >= 93338 AND row < 100005"
+    assert reads == expected_reads  # the sample's read, then the passes over the 15 chunks
     assert summary == summarize(derived)
 
 
@@ -334,8 +382,10 @@ def test_a_corrupt_parquet_file_is_a_clear_error_naming_it(
 def test_order_statistics_narrowed_over_many_passes_are_exact(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Bins sized for 2 values and at most 3 fetched: the ranks go through the first pass, two
-    narrowing passes (skewed values, ties, several ranks in one bin) and fetches."""
+    """Bins sized for 2 values and at most 3 kept: the ranks go through the first pass, then
+    passes that keep small windows whole and count larger ones in finer bins, first within
+    their first bin (its bounds unknown), then between a finer bin's min and max (skewed
+    values, ties, several ranks in one window)."""
     rng = np.random.default_rng(11)
     count = 3000
     skewed = np.round(rng.lognormal(-3, 2, size=(count, 3)), 4)  # ties from the rounding
@@ -354,14 +404,16 @@ def test_order_statistics_narrowed_over_many_passes_are_exact(
     monkeypatch.setattr(columnar, "BIN_VALUES", 2)
     monkeypatch.setattr(columnar, "FETCH_MAX", 3)
     passes: list[str] = []
-    for name in ("_first_pass", "_narrow", "_fetch"):
-        original = getattr(columnar, name)
+    original = columnar._next_pass
 
-        def counted(*args: Any, _name: str = name, _original: Any = original) -> None:
-            passes.append(_name)
-            _original(*args)
+    def counted(*args: Any) -> None:
+        targets = args[1]
+        kept = sum(t.count <= 3 for t in targets)
+        bounded = sum(t.count > 3 and np.isfinite(t.low) for t in targets)
+        passes.append(f"{len(targets)} open: {kept} kept, {bounded} counted between bounds")
+        original(*args)
 
-        monkeypatch.setattr(columnar, name, counted)
+    monkeypatch.setattr(columnar, "_next_pass", counted)
     chosen = load_settings()
     engine = columnar.Engine()
     loaded = columnar.load(engine, [str(path)])
@@ -372,7 +424,51 @@ def test_order_statistics_narrowed_over_many_passes_are_exact(
     batch = reader.read([str(path)]).batch
     derived = Derived.of(batch, chosen.prompt_length_edges, chosen.cost_model_for, chosen.default_model)
     assert summary == summarize(derived)
-    assert passes == ["_first_pass", "_fetch", "_narrow", "_fetch", "_narrow", "_fetch"]
+    assert passes == [
+        "190 open: 130 kept, 0 counted between bounds",  # 60 counted within their first bin
+        "45 open: 35 kept, 10 counted between bounds",  # 15 were a single value (ties)
+        "9 open: 9 kept, 0 counted between bounds",
+    ]
+
+
+def test_parquet_files_of_different_lengths_read_in_chunks_of_row_numbers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A directory of three Parquet files (3,000, 500 and 1,200 rows) scanned in place, the
+    order statistics read in chunks of row numbers that span every file at once: the same
+    summary as the numpy engine's of the same records."""
+    rng = np.random.default_rng(3)
+    folder = tmp_path / "parts"
+    folder.mkdir()
+    lines = []
+    for index, count in enumerate((3000, 500, 1200)):
+        records = [
+            {
+                "model": f"m{i % 4}",
+                "prompt_tokens": int(n),
+                "cached_tokens": int(n) // 3 * (i % 2),
+                "ttft_seconds": float(rng.lognormal(-2, 1)),
+                "queue_seconds": float(rng.random() / 10),
+                "prefill_seconds": float(rng.random() / 5),
+            }
+            for i, n in enumerate(rng.integers(1, 40_000, count))
+        ]
+        source = write_jsonl(tmp_path / f"part-{index}.jsonl", records)
+        columnar.convert([str(source)], folder / f"part-{index}.parquet")
+        lines.append(source.read_bytes())
+    together = tmp_path / "all.jsonl"
+    together.write_bytes(b"".join(lines))
+    monkeypatch.setattr(columnar, "MATERIALIZE_SHARE", 0.0)  # in place
+    monkeypatch.setattr(columnar, "CHUNK_ROWS", 400)
+    chosen = load_settings()
+    engine = columnar.Engine()
+    columnar.load(engine, [str(folder)])
+    summary = columnar.summarize(engine, "records", chosen.prompt_length_edges, chosen.default_model)
+    engine.close()
+    batch = reader.read([str(together)]).batch
+    derived = Derived.of(batch, chosen.prompt_length_edges, chosen.cost_model_for, chosen.default_model)
+    assert columnar.row_chunks(4700, 2999)[:2] == ("row >= 0 AND row < 250", "row >= 250 AND row < 500")
+    assert summary == summarize(derived)
 
 
 def test_lines_split_across_reads_keep_their_numbers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

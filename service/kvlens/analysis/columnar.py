@@ -14,9 +14,12 @@ report is built from it by the same code as the numpy path's, so the two agree f
 
 Exact order statistics in bounded memory: an engine's sort or its ``quantile`` aggregate either
 holds a group's values in memory or sorts all of them; instead each wanted rank is found by
-narrowing a value range with histograms (about :data:`BIN_VALUES` values a bin, one scan of
-the data for all series at once) until the range holds one distinct value or few enough values
-to fetch.
+narrowing a value range with histograms (about :data:`BIN_VALUES` values a bin) until the
+range holds one distinct value or few enough values to sort. The histograms are counted in
+numpy over chunks of the records (:data:`CHUNK_ROWS`, ranges of row numbers that the scans
+prune to), not by the engine's hash aggregate (several times dearer per value); a sample read
+first predicts the bins holding the ranks, whose values the first pass keeps, so one read of
+the records usually suffices (:func:`order_statistics`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import contextlib
 import fnmatch
 import functools
 import glob
+import itertools
 import os
 import re
 import sys
@@ -35,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from kvlens import definitions, records
 from kvlens.analysis import jsonl_load, reader, report
@@ -103,6 +108,8 @@ class Engine:
         self.connection.execute(f"SET temp_directory = '{_quoted(spill)}'")
         self.connection.execute("SET preserve_insertion_order = false")
         self.connection.execute("SET enable_progress_bar = false")
+        # every pass reads the Parquet footers again (the order statistics a chunk at a time)
+        self.connection.execute("SET parquet_metadata_cache = true")
         if self.threads:
             self.connection.execute(f"SET threads = {int(self.threads)}")
 
@@ -333,15 +340,21 @@ def _objects(engine: Engine, files: list[str]) -> list[str]:
     return out
 
 
-def _fits_in_memory(engine: Engine, paths: list[str], columns: Sequence[str]) -> bool:
-    """Whether the rows of the Parquet files (their footers' count) fit in
-    :data:`MATERIALIZE_SHARE` of the memory limit, at :data:`COLUMN_BYTES` a column."""
+def _parquet_rows(engine: Engine, paths: list[str]) -> int:
+    """Rows of the Parquet files, from their footers."""
     listed = ", ".join(literal_path(path) for path in paths)
     ((rows,),) = engine.connection.execute(
         f"SELECT COALESCE(SUM(num_rows), 0) FROM parquet_file_metadata([{listed}])"
     ).fetchall()
+    return int(rows)
+
+
+def _fits_in_memory(engine: Engine, paths: list[str], columns: Sequence[str]) -> bool:
+    """Whether the rows of the Parquet files (their footers' count) fit in
+    :data:`MATERIALIZE_SHARE` of the memory limit, at :data:`COLUMN_BYTES` a column."""
     ((limit,),) = engine.connection.execute("SELECT current_setting('memory_limit')").fetchall()
-    return int(rows) * COLUMN_BYTES * (len(columns) + 3) <= MATERIALIZE_SHARE * _bytes(str(limit))
+    rows = _parquet_rows(engine, paths)
+    return rows * COLUMN_BYTES * (len(columns) + 3) <= MATERIALIZE_SHARE * _bytes(str(limit))
 
 
 def _parquet_view(
@@ -354,9 +367,12 @@ def _parquet_view(
     """The valid rows of the Parquet files as SQL; rejected rows are counted by reason in
     ``result`` (with the first few named by file and row), as the validator does for lines.
     ``in_memory``: the rows are checked and copied into a table in one scan, and every later
-    scan reads that table (not Parquet pages to decode and check again); else each scan reads
-    and checks the files where they lie (a copy past the memory limit would spill to disk
-    and every scan would read it back: slower than decoding the Parquet again)."""
+    scan reads that table (not Parquet pages to decode and check again). Else one scan checks
+    the files and keeps the rejected rows' numbers (a table: DuckDB spills it if need be), and
+    every later scan reads the files where they lie, only the columns it needs, and leaves those
+    rows out by an anti-join (none when every row passed): not the checks again, which read
+    every column (the model's name too) and cost about a third of a scan. A copy past the memory
+    limit would spill to disk and every scan would read it back."""
     present = _check_parquet_schema(engine, [path for _, path in parquet], columns)
     listed = ", ".join(literal_path(path) for _, path in parquet)
     src = " ".join(f"WHEN '{_quoted(scanned_name(path))}' THEN {index}" for index, path in parquet)
@@ -371,22 +387,34 @@ def _parquet_view(
         for name in columns
     )
     checked = f"SELECT {selected}, src, row, {rejection_sql(present)} AS rejection FROM ({scan})"
+    con = engine.connection
     if in_memory:
-        engine.connection.execute(f"CREATE OR REPLACE TEMP TABLE parquet_records AS {checked}")
-        checked = "SELECT * FROM parquet_records"
+        con.execute(f"CREATE OR REPLACE TEMP TABLE parquet_records AS {checked}")
+        rejections = "SELECT rejection, src, row FROM parquet_records WHERE rejection IS NOT NULL"
+        valid = "SELECT * FROM parquet_records WHERE rejection IS NULL"
+    else:
+        con.execute(
+            "CREATE OR REPLACE TEMP TABLE parquet_rejected AS "
+            f"SELECT rejection, src, row FROM ({checked}) WHERE rejection IS NOT NULL"
+        )
+        rejections = "SELECT * FROM parquet_rejected"
+        valid = f"SELECT {selected}, src, row FROM ({scan})"
+    result.lines += _parquet_rows(engine, [path for _, path in parquet])
     rejected = 0
-    for reason_field, count in engine.connection.execute(
-        f"SELECT rejection, count(*) FROM ({checked}) GROUP BY ALL"
+    for reason_field, count in con.execute(
+        f"SELECT rejection, count(*) FROM ({rejections}) GROUP BY ALL"
     ).fetchall():
-        result.lines += int(count)
-        if reason_field is not None:
-            result.skipped[reason_field.split(":")[1]] += int(count)
-            rejected += int(count)
+        result.skipped[reason_field.split(":")[1]] += int(count)
+        rejected += int(count)
+    if rejected and not in_memory:
+        valid = (
+            f"SELECT * FROM ({valid}) AS scanned ANTI JOIN parquet_rejected AS out "
+            "ON scanned.src = out.src AND scanned.row = out.row"
+        )
     room = reader.MAX_EXAMPLES - len(result.examples)
     if room > 0 and rejected:
-        for rejection, src_index, row in engine.connection.execute(
-            f"SELECT rejection, src, row FROM ({checked}) WHERE rejection IS NOT NULL "
-            f"ORDER BY src, row LIMIT {room}"
+        for rejection, src_index, row in con.execute(
+            f"SELECT rejection, src, row FROM ({rejections}) ORDER BY src, row LIMIT {room}"
         ).fetchall():
             field_name, reason = rejection.split(":")
             result.examples.append(
@@ -400,7 +428,7 @@ def _parquet_view(
             )
     for _, path in parquet:
         result.formats[path] = "parquet"
-    return f"SELECT {', '.join(columns)}, src, row FROM ({checked}) WHERE rejection IS NULL"
+    return f"SELECT {', '.join(columns)}, src, row FROM ({valid})"
 
 
 def _check_parquet_schema(engine: Engine, paths: list[str], columns: Sequence[str]) -> set[str]:
@@ -643,17 +671,67 @@ def _part_of(key: int) -> Part:
     return SERIES[series], group - 1, bool(hit)
 
 
-def _series_sql(reduced: str) -> str:
-    """Each latency value once per series it is ranked in (per group; TTFT also over all),
-    keyed by its part (:func:`_part_key`: one integer joins faster than three columns), from
-    one scan of the records (a UNION ALL would read them once per series)."""
+CHUNK_ROWS = 1 << 20  # records read into numpy at once by the order statistics: ~50 MB of arrays
+
+
+@dataclass(frozen=True)
+class Series:
+    """Values to rank, read a chunk at a time: ``sql(where)`` selects, of the rows matching
+    ``where`` (one of ``chunks``, which together cover every row once), an integer column ``g``
+    and value columns ``v0, v1, ...``. Value ``i`` of a row belongs to the part keyed
+    ``keys[i] + g`` when ``grouped[i]``, else ``keys[i]`` (:func:`_part_key`). NULLs are not
+    ranked."""
+
+    sql: Callable[[str], str]
+    keys: tuple[int, ...]
+    grouped: tuple[bool, ...]
+    chunks: tuple[str, ...] = ("TRUE",)
+    columns: tuple[int, ...] | None = None  # the value column each key reads (default: v0, v1, ...)
+    sample: str | None = None  # rows read first to predict where the ranks lie (:func:`_predict`)
+
+
+def _series(chunks: tuple[str, ...], sample: str | None = None) -> Series:
+    """Each latency value of the ``reduced`` view once per series it is ranked in (per group;
+    TTFT also over all records): one read of a record serves every series."""
     group = "(length_group + 1) * 2 + CAST(hit AS INTEGER)"
-    keys = [f"{index * _PART_STRIDE} + {group}" for index in range(len(SERIES) - 1)]
-    keys.append(str(_part_key(("all_ttft", -1, False))))
-    values = [*SERIES[:-1], "ttft_seconds"]
-    return (
-        f"SELECT k, v FROM (SELECT UNNEST([{', '.join(keys)}]) AS k, UNNEST([{', '.join(values)}]) AS v "
-        f"FROM ({reduced}) AS records_once) AS series WHERE v IS NOT NULL"
+    selected = ", ".join(f"{name} AS v{index}" for index, name in enumerate(SERIES[:-1]))
+    return Series(
+        sql=lambda where: f"SELECT {group} AS g, {selected} FROM reduced WHERE {where}",
+        keys=(
+            *(index * _PART_STRIDE for index in range(len(SERIES) - 1)),
+            _part_key(("all_ttft", -1, False)),
+        ),
+        grouped=(*(True for _ in SERIES[:-1]), False),
+        chunks=chunks,
+        columns=(*range(len(SERIES) - 1), SERIES.index("ttft_seconds")),  # all records' TTFT: read once
+        sample=sample,
+    )
+
+
+def row_chunks(records: int, last_row: int) -> tuple[str, ...]:
+    """Predicates on ``row`` (a record's line or row in its file) that split ``records`` into
+    reads of about :data:`CHUNK_ROWS`: ranges of row numbers (of every file at once), which
+    DuckDB prunes to the Parquet row groups and table row groups that hold them."""
+    count = -(-records // CHUNK_ROWS)
+    if count <= 1:
+        return ("TRUE",)
+    width = -(-(last_row + 1) // count)
+    return tuple(f"row >= {start} AND row < {start + width}" for start in range(0, last_row + 1, width))
+
+
+SAMPLE_BLOCKS = 16  # the sample is this many blocks of rows spread over the row numbers
+
+
+def sample_rows(records: int, last_row: int) -> str | None:
+    """A predicate on ``row`` picking about :data:`CHUNK_ROWS` records in
+    :data:`SAMPLE_BLOCKS` blocks spread over the row numbers (pruned to their row groups like a
+    chunk), or None when the records are one chunk (read once anyway)."""
+    if records <= CHUNK_ROWS:
+        return None
+    block = max(1, CHUNK_ROWS * (last_row + 1) // records // SAMPLE_BLOCKS)
+    step = (last_row + 1) // SAMPLE_BLOCKS
+    return " OR ".join(
+        f"(row >= {index * step} AND row < {index * step + block})" for index in range(SAMPLE_BLOCKS)
     )
 
 
@@ -661,35 +739,18 @@ def _series_sql(reduced: str) -> str:
 class _Target:
     part: Part
     rank: int
-    low: float
+    low: float  # the values of the target's window lie in [low, high] (infinite: not known yet)
     high: float
-    offset: int  # rank within [low, high]
-    count: int  # values within [low, high]
+    offset: int  # rank within the window
+    count: int  # values within the window
     first_bin: int = -1  # the bin of the first pass that holds it (-1: before the first pass)
     value: float | None = None
 
 
-def _bin(value: str, low: str, high: str, bins: str) -> str:
-    """The histogram bin of ``value`` in ``[low, high]`` (``low < high``) of ``bins``: monotone
-    in ``value`` (each step rounds monotonically), so bins are runs of the sorted values."""
-    return f"LEAST(CAST(FLOOR(({value} - {low}) / ({high} - {low}) * {bins}) AS BIGINT), {bins} - 1)"
-
-
-def _root(value: str) -> str:
-    """``value ** (1/16)`` by four square roots: nearly a logarithm over the few decades
-    latencies span, and monotone to the last bit (IEEE square roots are correctly rounded,
-    which ``ln`` or ``pow`` are not promised to be), defined at 0."""
-    return f"sqrt(sqrt(sqrt(sqrt({value}))))"
-
-
-def _first_bin(value: str) -> str:
-    """The first pass's bin of ``value`` (a part's row of the ``parts`` table ``p``): linear
-    between the part's min and max, or on the :func:`_root` scale for a part whose values crowd
-    near its min (a long tail: linear bins would hold nearly all values in the first few).
-    Either way monotone, so the bins stay runs of the sorted values; clamped at 0 in case
-    numpy's root of the min (``p.lo``) is not DuckDB's to the last bit."""
-    scaled = f"(CASE WHEN p.root THEN {_root(value)} ELSE {value} END)"
-    return f"GREATEST({_bin(scaled, 'p.lo', 'p.hi', 'p.nb')}, 0)"
+def _root(values: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+    """``values ** (1/16)`` by four square roots: nearly a logarithm over the few decades
+    latencies span, and monotone (IEEE square roots are correctly rounded), defined at 0."""
+    return np.sqrt(np.sqrt(np.sqrt(np.sqrt(values))))
 
 
 ROOT_BELOW = 0.25  # a part whose mean lies in the lowest quarter of [min, max] is binned on the root scale
@@ -707,13 +768,14 @@ class _Scale:
 
 def _scales(bounds: dict[Part, tuple[int, float, float]], means: dict[Part, float]) -> dict[Part, _Scale]:
     """Each part's first-pass scale: the root scale when its mean is low in its range (a long
-    tail; the mean only chooses the bins, never a value) and the root separates min and max."""
+    tail: linear bins would hold nearly all values in the first few; the mean only chooses the
+    bins, never a value), its values are not negative and the root separates min and max."""
     out = {}
     for part, (count, low, high) in bounds.items():
         nb = _bins_for(count)
         mean = means.get(part)
-        if mean is not None and high > low and (mean - low) / (high - low) < ROOT_BELOW:
-            root_low, root_high = (float(np.sqrt(np.sqrt(np.sqrt(np.sqrt(x))))) for x in (low, high))
+        if mean is not None and high > low >= 0 and (mean - low) / (high - low) < ROOT_BELOW:
+            root_low, root_high = (float(_root(np.float64(x))) for x in (low, high))
             if root_high > root_low:
                 out[part] = _Scale(root_low, root_high, nb, True)
                 continue
@@ -723,13 +785,102 @@ def _scales(bounds: dict[Part, tuple[int, float, float]], means: dict[Part, floa
 
 def _bins_for(count: int) -> int:
     """Bins for ``count`` values: about :data:`BIN_VALUES` a bin (an even spread is left to
-    fetch after one pass; a histogram as fine as the values would cost a group a value)."""
+    fetch after one pass)."""
     return max(2, min(BINS, -(-count // BIN_VALUES)))
+
+
+class _Layout:
+    """The first pass's bins of every part laid end to end: a value's bin is one index into
+    one array of counts. Its position ``(x - lo) / (hi - lo) * nb`` (``x`` the value or its
+    :func:`_root`) is monotone in the value, and so is the bin (its floor, clipped), so each bin
+    holds a run of the part's sorted values; every pass computes it by the same numpy code."""
+
+    def __init__(self, parts: list[Part], scales: dict[Part, _Scale]) -> None:
+        self.parts = parts
+        self.index = {_part_key(part): i for i, part in enumerate(parts)}
+        self.lo = np.array([scales[p].lo for p in parts], dtype=np.float64)
+        self.span = np.array(
+            [scales[p].hi - scales[p].lo for p in parts], dtype=np.float64
+        )  # > 0, maybe subnormal
+        self.nb = np.array([scales[p].nb for p in parts], dtype=np.int64)
+        self.root = np.array([scales[p].root for p in parts], dtype=np.bool_)
+        self.offset = np.concatenate(([0], np.cumsum(self.nb)))
+        self.total = int(self.offset[-1])
+
+    def place(
+        self, values: npt.NDArray[np.float64], part: int
+    ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
+        """The positions of one part's values and the layout indexes of their bins."""
+        x = _root(values) if self.root[part] else values
+        position = (x - self.lo[part]) / self.span[part] * self.nb[part]
+        floor = np.floor(position)
+        np.clip(floor, 0, self.nb[part] - 1, out=floor)
+        bins = floor.astype(np.int64)
+        bins += self.offset[part]
+        return position, bins
+
+
+def _read(
+    engine: Engine, series: Series, layout: _Layout, kept: list[Placed], wheres: Sequence[str] = ()
+) -> Iterator[Placed]:
+    """Per chunk (``wheres``, default: every chunk): the values of parts that have a target,
+    their positions and the layout indexes of their bins. The chunk's rows are sorted by ``g``
+    once, so each part is a slice of every column, placed with its own constants (not a lookup
+    of them for every value). A single chunk (at most :data:`CHUNK_ROWS` records) is read and
+    placed once and ``kept`` for the next passes."""
+    single = not wheres and len(series.chunks) == 1
+    if single and kept:
+        yield from kept
+        return
+    columns = series.columns or tuple(range(len(series.keys)))
+    for where in wheres or series.chunks:
+        got = engine.connection.execute(series.sql(where)).fetchnumpy()
+        g = np.asarray(got["g"], dtype=np.int64)
+        small = g.size and g.min() >= -(1 << 15) and g.max() < 1 << 15
+        order = np.argsort(g.astype(np.int16) if small else g, kind="stable")  # int16: a radix sort
+        g = g[order]
+        starts = np.concatenate(([0], np.flatnonzero(np.diff(g)) + 1, [g.size]))
+        slices = [
+            (int(g[start]), int(start), int(end)) for start, end in itertools.pairwise(starts) if end > start
+        ]
+        pieces: list[Placed] = []
+        for index in sorted(set(columns)):
+            column = got[f"v{index}"]
+            values = np.asarray(column, dtype=np.float64)[order]
+            mask = getattr(column, "mask", None)  # a masked array where the column has NULLs
+            present = None if mask is None or not np.any(mask) else ~np.asarray(mask)[order]
+            for key, grouped in (
+                (k, gr) for c, k, gr in zip(columns, series.keys, series.grouped, strict=True) if c == index
+            ):
+                for value_of_g, start, end in slices if grouped else [(0, 0, g.size)]:
+                    part = layout.index.get(key + value_of_g if grouped else key)
+                    if part is None:
+                        continue
+                    chosen = values[start:end]
+                    if present is not None:
+                        chosen = chosen[present[start:end]]
+                    if chosen.size:
+                        pieces.append((chosen, *layout.place(chosen, part)))
+        if not pieces:
+            continue
+        placed = (
+            np.concatenate([piece[0] for piece in pieces]),
+            np.concatenate([piece[1] for piece in pieces]),
+            np.concatenate([piece[2] for piece in pieces]),
+        )
+        if single:
+            kept.append(placed)
+        yield placed
+
+
+Placed = tuple[
+    npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.int64]
+]  # values, positions, bins
 
 
 def order_statistics(
     engine: Engine,
-    series: str,
+    series: Series,
     wanted: dict[Part, list[int]],
     bounds: dict[Part, tuple[int, float, float]],
     means: dict[Part, float] | None = None,
@@ -738,147 +889,182 @@ def order_statistics(
     ``bounds`` gives each part's count, min and max; ``means`` (optional) each part's mean,
     which picks the first pass's bin scale (:func:`_scales`).
 
-    The first pass bins every part's values between its min and max and keeps, for each
-    target, the bin holding its rank (the pick is made in SQL, so a pass returns one row a
-    target, not one a bin). Every later pass looks only at the values of the targets' first
-    bins, found by an equality join on (part, first bin): a value meets at most the targets of
-    its own bin, never every target of its part."""
+    The values are read into numpy a chunk at a time (an engine's hash aggregate over every
+    value cost several times more). The first pass counts every part's values in bins (about
+    :data:`BIN_VALUES` each) and keeps, for each target, the bin holding its rank. Each later
+    pass reads the values again and keeps only those in the targets' windows: a window of at
+    most :data:`FETCH_MAX` values is kept whole and sorted; a larger one (ties, a crowded bin)
+    is counted in finer bins and shrinks to the one holding the rank, with its min and max."""
     targets = [
         _Target(part, rank, bounds[part][1], bounds[part][2], rank, bounds[part][0])
         for part, ranks in wanted.items()
         for rank in ranks
     ]
-    scales = _scales(bounds, means or {})
-    first = True
-    while True:
-        for target in targets:
-            if target.value is None and target.low == target.high:
-                target.value = target.low
-        open_targets = [t for t in targets if t.value is None]
-        if not open_targets:
-            break
-        if first:
-            _first_pass(engine, series, open_targets, scales)
-            first = False
-            continue
-        fetch = [t for t in open_targets if t.count <= FETCH_MAX]
-        narrow = [t for t in open_targets if t.count > FETCH_MAX]
-        if fetch:
-            _fetch(engine, series, fetch, scales)
-        if narrow:
-            _narrow(engine, series, narrow, scales)
+    for target in targets:
+        if target.low == target.high:
+            target.value = target.low
+    open_targets = [t for t in targets if t.value is None]
+    if open_targets:
+        parts = sorted({t.part for t in open_targets}, key=_part_key)
+        layout = _Layout(parts, _scales({part: bounds[part] for part in parts}, means or {}))
+        kept: list[Placed] = []
+
+        def reads() -> Iterator[Placed]:
+            return _read(engine, series, layout, kept)
+
+        predicted = None
+        if series.sample is not None:
+            sampled = np.zeros(layout.total, dtype=np.int64)
+            for _, _, bins in _read(engine, series, layout, [], [series.sample]):
+                sampled += np.bincount(bins, minlength=layout.total)
+            predicted = _predict(layout, open_targets, sampled, bounds)
+        stored = _first_pass(layout, open_targets, reads(), predicted)
+        if stored is not None and all(predicted[t.first_bin] for t in open_targets):  # type: ignore[index]
+            reads = lambda: iter(stored)  # noqa: E731  (every window's values are in memory)
+        while open_targets := [t for t in targets if t.value is None]:
+            _next_pass(layout, open_targets, reads())
     return {(t.part, t.rank): float(t.value) for t in targets if t.value is not None}
 
 
-def _parts_table(targets: list[_Target], scales: dict[Part, _Scale]) -> dict[str, Any]:
-    parts = sorted({t.part for t in targets}, key=_part_key)
-    return {
-        "k": np.array([_part_key(part) for part in parts], dtype=np.int64),
-        "lo": np.array([scales[part].lo for part in parts], dtype=np.float64),
-        "hi": np.array([scales[part].hi for part in parts], dtype=np.float64),
-        "nb": np.array([scales[part].nb for part in parts], dtype=np.int64),
-        "root": np.array([scales[part].root for part in parts], dtype=np.bool_),
-    }
+STORE_MAX = 1 << 23  # values the first pass keeps in the predicted bins (24 bytes each: ~200 MB)
+SAMPLE_SIGMAS = 5.0  # the predicted bins span this many standard errors of the sample's quantile
+WHOLE_PART = 1 << 16  # a part of at most this many values is kept whole (its sample is too thin)
 
 
-@contextlib.contextmanager
-def _registered(engine: Engine, tables: dict[str, dict[str, Any]]) -> Iterator[None]:
-    for name, table in tables.items():
-        engine.connection.register(name, table)
-    try:
-        yield
-    finally:
-        for name in tables:
-            engine.connection.unregister(name)
+def _predict(
+    layout: _Layout,
+    targets: list[_Target],
+    sampled: npt.NDArray[np.int64],
+    bounds: dict[Part, tuple[int, float, float]],
+) -> npt.NDArray[np.bool_]:
+    """The first-pass bins likely to hold the targets' ranks, from a sample's histogram: the
+    bins between the sample's quantiles at the rank's fraction plus and minus
+    :data:`SAMPLE_SIGMAS` standard errors (whole small parts). Only the cost depends on it: a
+    rank outside costs the pass it would have cost anyway."""
+    predicted = np.zeros(layout.total, dtype=np.bool_)
+    for target in targets:
+        part = layout.parts.index(target.part)
+        start, end = int(layout.offset[part]), int(layout.offset[part + 1])
+        count = bounds[target.part][0]
+        own = np.cumsum(sampled[start:end])
+        size = int(own[-1])
+        if count <= WHOLE_PART:
+            predicted[start:end] = True
+            continue
+        if size < 100:
+            continue  # too thin a sample: this target will need a second read
+        fraction = (target.rank + 0.5) / count
+        margin = SAMPLE_SIGMAS * np.sqrt(fraction * (1 - fraction) / size) + 2 / size
+        low = int(np.searchsorted(own, (fraction - margin) * size, side="left"))
+        high = int(np.searchsorted(own, (fraction + margin) * size, side="left"))
+        predicted[start + low : start + min(high, end - start - 1) + 1] = True
+    return predicted
 
 
-def _picked(histogram: str, by: str) -> str:
-    """The bin of ``histogram`` (columns ``by``, ``bin``, ``c``, ``lo``, ``hi``) holding each
-    target's rank: ``targets`` has ``id``, ``by`` and ``offset``."""
-    return f"""WITH h AS ({histogram}),
-cum AS (SELECT *, CAST(SUM(c) OVER (PARTITION BY {by} ORDER BY bin) AS BIGINT) - c AS before FROM h)
-SELECT t.id, cum.bin, cum.c, cum.lo, cum.hi, cum.before FROM cum JOIN targets t
-  ON cum.{by} = t.{by} AND t.offset >= cum.before AND t.offset < cum.before + cum.c"""
+def _first_pass(
+    layout: _Layout, targets: list[_Target], reads: Iterator[Placed], predicted: npt.NDArray[np.bool_] | None
+) -> list[Placed] | None:
+    """Counts every value in its bin and sets each target's bin; keeps the values of the
+    ``predicted`` bins (None past :data:`STORE_MAX`: they are read again)."""
+    counts = np.zeros(layout.total, dtype=np.int64)
+    stored: list[Placed] | None = None if predicted is None else []
+    size = 0
+    for values, position, bins in reads:
+        counts += np.bincount(bins, minlength=layout.total)
+        if stored is not None and predicted is not None:
+            chosen = predicted[bins]
+            size += int(np.count_nonzero(chosen))
+            if size > STORE_MAX:
+                stored = None
+            else:
+                stored.append((values[chosen], position[chosen], bins[chosen]))
+    for target in targets:
+        part = layout.parts.index(target.part)
+        own = counts[layout.offset[part] : layout.offset[part + 1]]
+        before = np.cumsum(own)
+        found = int(np.searchsorted(before, target.offset, side="right"))
+        target.first_bin = int(layout.offset[part]) + found
+        target.count = int(own[found])
+        target.offset -= int(before[found]) - target.count
+        target.low, target.high = -np.inf, np.inf
+    return stored
 
 
-def _first_pass(engine: Engine, series: str, targets: list[_Target], scales: dict[Part, _Scale]) -> None:
-    table = {
-        "id": np.arange(len(targets), dtype=np.int64),
-        "k": np.array([_part_key(t.part) for t in targets], dtype=np.int64),
-        "offset": np.array([t.offset for t in targets], dtype=np.int64),
-    }
-    histogram = (
-        f"SELECT d.k, {_first_bin('d.v')} AS bin, COUNT(*) AS c, MIN(d.v) AS lo, "
-        f"MAX(d.v) AS hi FROM ({series}) d JOIN parts p ON d.k = p.k GROUP BY 1, 2"
-    )
-    with _registered(engine, {"parts": _parts_table(targets, scales), "targets": table}):
-        rows = engine.connection.execute(_picked(histogram, "k")).fetchall()
-    _apply(targets, rows, first=True)
+@dataclass
+class _Window:
+    """Values of one layout bin within [low, high]: kept whole, or counted in ``nb`` finer bins
+    (linear between ``low`` and ``high`` when both are known, else in the bin's own position)."""
+
+    first_bin: int
+    low: float
+    high: float
+    base: int = 0  # the layout offset of the bin's part (the bin within its part: first_bin - base)
+    nb: int = 0  # 0: keep the values
+    kept: list[npt.NDArray[np.float64]] = field(default_factory=list)
+    counts: npt.NDArray[np.int64] | None = None
+    mins: npt.NDArray[np.float64] | None = None
+    maxs: npt.NDArray[np.float64] | None = None
+
+    def take(self, values: npt.NDArray[np.float64], position: npt.NDArray[np.float64]) -> None:
+        if not self.nb:
+            self.kept.append(values)
+            return
+        if np.isfinite(self.low):
+            fine = (values - self.low) / (self.high - self.low) * self.nb
+        else:
+            fine = (position - (self.first_bin - self.base)) * self.nb
+        sub = np.clip(np.floor(fine), 0, self.nb - 1).astype(np.int64)
+        assert self.counts is not None and self.mins is not None and self.maxs is not None
+        self.counts += np.bincount(sub, minlength=self.nb)
+        np.minimum.at(self.mins, sub, values)
+        np.maximum.at(self.maxs, sub, values)
 
 
-def _apply(targets: list[_Target], rows: list[tuple[Any, ...]], *, first: bool) -> None:
-    for index, bin_, count, low, high, before in rows:
-        target = targets[int(index)]
-        if first:
-            target.first_bin = int(bin_)
-        target.low, target.high = float(low), float(high)
-        target.count, target.offset = int(count), target.offset - int(before)
-
-
-def _in_windows(
-    engine: Engine, series: str, targets: list[_Target], scales: dict[Part, _Scale]
-) -> tuple[str, dict[str, dict[str, Any]], list[int]]:
-    """The values in the targets' ranges (several ranks of one part share theirs until they
-    part ways) as SQL with the window ``w`` each falls in, the tables it reads, and each
-    target's window."""
-    index: dict[tuple[Part, int, float, float], int] = {}
-    of_target = [index.setdefault((t.part, t.first_bin, t.low, t.high), len(index)) for t in targets]
-    windows = list(index)
-    counts = [0] * len(windows)
-    for target, window in zip(targets, of_target, strict=True):
-        counts[window] = target.count  # the same for every target of a window
-    table = {
-        "w": np.arange(len(windows), dtype=np.int64),
-        "k": np.array([_part_key(w[0]) for w in windows], dtype=np.int64),
-        "b": np.array([w[1] for w in windows], dtype=np.int64),
-        "lo": np.array([w[2] for w in windows], dtype=np.float64),
-        "hi": np.array([w[3] for w in windows], dtype=np.float64),
-        "nb": np.array([_bins_for(count) for count in counts], dtype=np.int64),
-    }
-    binned = f"SELECT d.k, d.v, {_first_bin('d.v')} AS b FROM ({series}) d JOIN parts p ON d.k = p.k"
-    values = (
-        f"SELECT t.w, t.lo, t.hi, t.nb, d.v FROM ({binned}) d JOIN windows t ON d.k = t.k AND d.b = t.b "
-        "WHERE d.v >= t.lo AND d.v <= t.hi"
-    )
-    return values, {"parts": _parts_table(targets, scales), "windows": table}, of_target
-
-
-def _fetch(engine: Engine, series: str, targets: list[_Target], scales: dict[Part, _Scale]) -> None:
-    values, tables, of_target = _in_windows(engine, series, targets, scales)
-    with _registered(engine, tables):
-        rows = engine.connection.execute(f"SELECT w, v FROM ({values}) ORDER BY w, v").fetchall()
-    found: dict[int, list[float]] = {}
-    for window, value in rows:
-        found.setdefault(int(window), []).append(float(value))
-    for target, window in zip(targets, of_target, strict=True):
-        target.value = found[window][target.offset]
-
-
-def _narrow(engine: Engine, series: str, targets: list[_Target], scales: dict[Part, _Scale]) -> None:
-    """One histogram pass within the targets' ranges: each shrinks to the bin holding its rank."""
-    values, tables, of_target = _in_windows(engine, series, targets, scales)
-    tables["targets"] = {
-        "id": np.arange(len(targets), dtype=np.int64),
-        "w": np.array(of_target, dtype=np.int64),
-        "offset": np.array([t.offset for t in targets], dtype=np.int64),
-    }
-    histogram = (
-        f"SELECT w, {_bin('v', 'lo', 'hi', 'nb')} AS bin, COUNT(*) AS c, MIN(v) AS lo, MAX(v) AS hi "
-        f"FROM ({values}) GROUP BY 1, 2"
-    )
-    with _registered(engine, tables):
-        rows = engine.connection.execute(_picked(histogram, "w")).fetchall()
-    _apply(targets, rows, first=False)
+def _next_pass(layout: _Layout, targets: list[_Target], reads: Iterator[Placed]) -> None:
+    windows: dict[tuple[int, float, float], _Window] = {}
+    for target in targets:
+        key = (target.first_bin, target.low, target.high)
+        if key not in windows:
+            part = layout.parts.index(target.part)
+            window = windows[key] = _Window(
+                target.first_bin, target.low, target.high, base=int(layout.offset[part])
+            )
+            if target.count > FETCH_MAX:
+                window.nb = _bins_for(target.count)
+                window.counts = np.zeros(window.nb, dtype=np.int64)
+                window.mins = np.full(window.nb, np.inf)
+                window.maxs = np.full(window.nb, -np.inf)
+    by_bin: dict[int, list[_Window]] = {}
+    for window in windows.values():
+        by_bin.setdefault(window.first_bin, []).append(window)
+    marked = np.zeros(layout.total, dtype=np.bool_)
+    marked[list(by_bin)] = True
+    for values, position, bins in reads:
+        chosen = marked[bins]
+        if not chosen.any():
+            continue
+        bins, position, values = bins[chosen], position[chosen], values[chosen]
+        for first_bin, group in by_bin.items():
+            inside = bins == first_bin
+            if not inside.any():
+                continue
+            for window in group:
+                keep = inside & (values >= window.low) & (values <= window.high)
+                window.take(values[keep], position[keep])
+    for target in targets:
+        window = windows[(target.first_bin, target.low, target.high)]
+        if not window.nb:
+            ordered = np.sort(np.concatenate(window.kept))
+            target.value = float(ordered[target.offset])
+            continue
+        assert window.counts is not None and window.mins is not None and window.maxs is not None
+        before = np.cumsum(window.counts)
+        found = int(np.searchsorted(before, target.offset, side="right"))
+        target.count = int(window.counts[found])
+        target.offset -= int(before[found]) - target.count
+        target.low, target.high = float(window.mins[found]), float(window.maxs[found])
+        if target.low == target.high:
+            target.value = target.low
 
 
 # ---------------------------------------------------------------------------------------------
@@ -888,7 +1074,8 @@ def _narrow(engine: Engine, series: str, targets: list[_Target], scales: dict[Pa
 def totals_sql(reduced: str) -> str:
     """Everything the summary sums, per (model, length group, hit), in one scan: the cells,
     each series' count, min, max and sum (the order statistics' bounds and scale), the TTFT
-    decomposition, the prefill groups' sums and the arrival times' range. Per-model rows are
+    decomposition, the prefill groups' sums, the arrival times' range and the last row number
+    (:func:`row_chunks`). Per-model rows are
     added up in Python, exactly (integers; min and max of floats)."""
     series = ", ".join(f"COUNT({name}), MIN({name}), MAX({name}), SUM({name})" for name in SERIES[:-1])
     timed = "FILTER (WHERE prefill_seconds IS NOT NULL)"
@@ -910,7 +1097,7 @@ def totals_sql(reduced: str) -> str:
   {_fixed("queue_seconds")} {complete}, {_fixed("prefill_seconds")} {complete},
   {_fixed("ttft_other")} {complete},
   {_exact("prompt_tokens")} {timed}, {_exact("cached_tokens")} {timed},
-  MIN(arrival_time), MAX(arrival_time), COUNT(arrival_time)
+  MIN(arrival_time), MAX(arrival_time), COUNT(arrival_time), MAX(row)
 FROM ({reduced}) AS reduced_rows GROUP BY model, length_group, hit"""
 
 
@@ -953,8 +1140,9 @@ KEPT = ("src", "row", "arrival_time")  # columns of the records the reduced view
 
 def summarize(engine: Engine, source: str, edges: Sequence[int], default_model: str) -> report.Summary:
     """The :class:`kvlens.analysis.report.Summary` of the records in ``source``: one scan for
-    the sums and bounds (:func:`totals_sql`), the order-statistics passes, one scan for the
-    slowest requests. Nothing is materialized: each scan reads ``source`` (a table of JSON-lines
+    the sums and bounds (:func:`totals_sql`), the order statistics (a sample, then one read of
+    the records in chunks, rarely more: :func:`order_statistics`), one scan for the slowest
+    requests. Nothing is materialized: each scan reads ``source`` (a table of JSON-lines
     records, or the Parquet files where they lie) and derives the decisions as it reads.
     Records each model's count of timed requests in ``engine.prefill_counts`` for
     :func:`calibration_inputs`, and the arrival times' range in ``engine.arrivals``."""
@@ -967,6 +1155,7 @@ def summarize(engine: Engine, source: str, edges: Sequence[int], default_model: 
     decomposition = [0, 0, 0, 0, 0]
     prefill_sums: dict[report.Group, tuple[int, int, int]] = {}
     timed_by_model: dict[str, int] = {}
+    last_row = 0
 
     def widen(part: Part, count: int, low: float, high: float, total: float) -> None:
         sums[part] = sums.get(part, 0.0) + total
@@ -1003,8 +1192,10 @@ def summarize(engine: Engine, source: str, edges: Sequence[int], default_model: 
                 float(last) if known[1] is None else max(known[1], float(last)),
                 known[2] + int(arrivals),
             )
+        last_row = max(last_row, int(row[at + 10]))
     engine.prefill_counts = timed_by_model
-    series = _series_sql(reduced)
+    records = sum(cell.requests for cell in cells.values())
+    series = _series(row_chunks(records, last_row), sample_rows(records, last_row))
     fractions = {name: tuple(q / 100 for q in report.QUANTILES) for name in report.LATENCY_COLUMNS}
     fractions["prefill_per_computed_token"] = (0.5,)
     fractions["all_ttft"] = (1 - report.SLOWEST_SHARE,)
@@ -1058,6 +1249,17 @@ def arrival_range(engine: Engine, table: str) -> tuple[float | None, float | Non
     return (None if first is None else float(first), None if last is None else float(last), int(count))
 
 
+@contextlib.contextmanager
+def _registered(engine: Engine, tables: dict[str, dict[str, Any]]) -> Iterator[None]:
+    for name, table in tables.items():
+        engine.connection.register(name, table)
+    try:
+        yield
+    finally:
+        for name in tables:
+            engine.connection.unregister(name)
+
+
 CALIBRATION_BATCH = 2_000_000  # points fetched into Python at once, about 32 bytes each
 
 
@@ -1084,7 +1286,9 @@ def calibration_inputs(engine: Engine, limit: int) -> Iterator[tuple[str, Any, A
     rates = {
         "i": np.arange(len(names), dtype=np.int64),
         "m": np.array(names, dtype=object),
-        "c": np.array([counts[name] for name in names], dtype=np.int64),
+        "c": np.array(
+            [counts[name] for name in names], dtype=np.uint64
+        ),  # hash() is UBIGINT: no HUGEINT modulo
     }
     picked = (
         "SELECT rates.i, prompt_tokens, cached_tokens, prefill_seconds, src, row FROM reduced "
@@ -1100,18 +1304,19 @@ def calibration_inputs(engine: Engine, limit: int) -> Iterator[tuple[str, Any, A
         for batch in batches:
             with _registered(engine, {"rates": rates}):
                 rows = con.execute(
-                    f"SELECT i, prompt_tokens, cached_tokens, prefill_seconds FROM {source} "
-                    f"WHERE i BETWEEN {batch[0]} AND {batch[-1]} ORDER BY i, src, row"
+                    f"SELECT i, prompt_tokens, cached_tokens, prefill_seconds, src, row FROM {source} "
+                    f"WHERE i BETWEEN {batch[0]} AND {batch[-1]}"
                 ).fetchnumpy()
-            models = np.asarray(rows["i"], dtype=np.int64)
+            # by model, then input order: numpy's sort of the fetched keys costs half DuckDB's ORDER BY
+            order = np.lexsort((np.asarray(rows["row"]), np.asarray(rows["src"]), np.asarray(rows["i"])))
+            models = np.asarray(rows["i"], dtype=np.int64)[order]
+            n, h = (
+                np.asarray(rows[name], dtype=np.int64)[order] for name in ("prompt_tokens", "cached_tokens")
+            )
+            seconds = np.asarray(rows["prefill_seconds"], dtype=np.float64)[order]
             edges = np.searchsorted(models, np.arange(batch[0], batch[-1] + 2))
             for index, low, high in zip(batch, edges[:-1], edges[1:], strict=True):
-                yield (
-                    names[index],
-                    np.asarray(rows["prompt_tokens"][low:high], dtype=np.int64),
-                    np.asarray(rows["cached_tokens"][low:high], dtype=np.int64),
-                    np.asarray(rows["prefill_seconds"][low:high], dtype=np.float64),
-                )
+                yield names[index], n[low:high], h[low:high], seconds[low:high]
     finally:
         con.execute("DROP TABLE IF EXISTS calibration_points")
 

@@ -212,7 +212,10 @@ class InDuckDB:
             part: sorted(set(definitions.quantile_ranks(count, 0.5)[:2]))
             for part, (count, _, _) in bounds.items()
         }
-        found = columnar.order_statistics(self.engine, series, wanted, bounds)
+        read = columnar.Series(
+            sql=lambda where: f"SELECT k AS g, v AS v0 FROM ({series}) AS s", keys=(0,), grouped=(True,)
+        )
+        found = columnar.order_statistics(self.engine, read, wanted, bounds)
         return [
             (
                 self._totals(part[1], "warm"),

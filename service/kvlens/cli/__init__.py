@@ -12,7 +12,6 @@ import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
 
-from kvlens import __version__
 from kvlens.cli.common import Parser, configure_logging, examples, log_flags
 from kvlens.console import install_hint
 from kvlens.errors import InputError, SettingsError
@@ -64,6 +63,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+class _Version(argparse.Action):
+    """``--version``: the version is looked up only when asked (:data:`kvlens.__version__`)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **_: object) -> None:
+        super().__init__(
+            option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, help="show the version and exit"
+        )
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        import kvlens
+
+        print(f"kvlens {kvlens.__version__}")
+        parser.exit()
+
+
 def parser_of(argv: Sequence[str]) -> argparse.ArgumentParser:
     """``kvlens``'s parser, or ``simulate serve``'s: `simulate`'s optional TRACE would take
     `serve` for a trace, so the server has its own parser (given ``simulate serve``'s argv)."""
@@ -76,7 +90,7 @@ def parser_of(argv: Sequence[str]) -> argparse.ArgumentParser:
             description="Is your prefix cache actually paying off?",
             epilog=examples("kvlens demo", "kvlens analyze records.jsonl", "kvlens COMMAND --help"),
         )
-        parser.add_argument("--version", action="version", version=f"kvlens {__version__}")
+        parser.add_argument("--version", action=_Version)
         commands = parser.add_subparsers(required=True, metavar="COMMAND")
         for command in command_modules(argv):
             command.add_parser(commands)
