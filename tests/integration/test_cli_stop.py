@@ -19,8 +19,10 @@ def test_ctrl_c_stops_the_demo_without_a_traceback() -> None:
     demo = start_kvlens("demo", "--every", "60")  # its banner says: Ctrl-C to stop
     demo.process.send_signal(signal.SIGINT)
     out, _ = demo.process.communicate(timeout=20)
-    assert "Traceback" not in out and "KeyboardInterrupt" not in out
-    assert demo.process.returncode == 130  # 128 + SIGINT, as a shell reports it
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
+    # 128 + SIGINT, as a shell reports it (the output names the cause if it is not: once in CI
+    # the demo ended 0, not reproduced in 12 runs here, at load 0-4)
+    assert demo.process.returncode == 130, out
 
 
 def test_a_reader_that_leaves_the_pipe_ends_the_output_quietly(tmp_path: Path) -> None:
