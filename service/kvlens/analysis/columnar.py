@@ -278,6 +278,7 @@ class Loaded:
     files: list[str]
     parquet: bool = False  # some input is Parquet
     in_memory: bool = True  # every record is in a DuckDB table (else Parquet is scanned where it lies)
+    unchecked: Unchecked | None = None  # Parquet in place whose checks wait for the sums (``check_later``)
 
     @property
     def records(self) -> int:
@@ -292,9 +293,15 @@ def load(
     format_name: str | None = None,
     model: str | None = None,
     progress: Callable[[int], None] | None = None,
+    check_later: bool = False,
 ) -> Loaded:
     """Create the view ``records`` (``columns`` plus ``src`` and ``row``) of the valid records
-    of ``paths``, counting skipped lines and rows in the result as the numpy path does."""
+    of ``paths``, counting skipped lines and rows in the result as the numpy path does.
+
+    ``check_later``: Parquet scanned in place gets no scan of its own to check it; the view
+    checks each row as it reads until :func:`summarize`, given :attr:`Loaded.unchecked`,
+    checks every row in its sums scan (one scan fewer). The rejected rows of
+    :attr:`Loaded.read` are counted only then."""
     files = _objects(engine, expand(paths))
     result = reader.ReadResult(batch=records.batch_from_objects([]).batch)
     con = engine.connection
@@ -315,13 +322,23 @@ def load(
                 model=model,
                 progress=progress,
             )
-    sources = ["SELECT * FROM jsonl_records"]
-    in_memory = True
+    jsonl = "SELECT * FROM jsonl_records"
+    view, in_memory, unchecked = jsonl, True, None
     if parquet:
         in_memory = _fits_in_memory(engine, [path for _, path in parquet], columns)
-        sources.append(_parquet_view(engine, parquet, columns, result, in_memory))
-    con.execute(f"CREATE OR REPLACE TEMP VIEW records AS {' UNION ALL '.join(sources)}")
-    return Loaded(read=result, files=files, parquet=bool(parquet), in_memory=in_memory)
+        checks = _parquet_checks(engine, parquet, columns)
+        result.lines += _parquet_rows(engine, [path for _, path in parquet])
+        for _, path in parquet:
+            result.formats[path] = "parquet"
+        if in_memory or not check_later:
+            view += f" UNION ALL {_parquet_view(engine, checks, result, in_memory)}"
+        else:
+            unchecked = Unchecked(checks, jsonl, result)
+            view += (
+                f" UNION ALL SELECT {checks.names}, src, row FROM ({checks.checked}) WHERE rejection IS NULL"
+            )
+    con.execute(f"CREATE OR REPLACE TEMP VIEW records AS {view}")
+    return Loaded(read=result, files=files, parquet=bool(parquet), in_memory=in_memory, unchecked=unchecked)
 
 
 def _objects(engine: Engine, files: list[str]) -> list[str]:
@@ -357,22 +374,24 @@ def _fits_in_memory(engine: Engine, paths: list[str], columns: Sequence[str]) ->
     return rows * COLUMN_BYTES * (len(columns) + 3) <= MATERIALIZE_SHARE * _bytes(str(limit))
 
 
-def _parquet_view(
-    engine: Engine,
-    parquet: list[tuple[int, str]],
-    columns: Sequence[str],
-    result: reader.ReadResult,
-    in_memory: bool,
-) -> str:
-    """The valid rows of the Parquet files as SQL; rejected rows are counted by reason in
-    ``result`` (with the first few named by file and row), as the validator does for lines.
-    ``in_memory``: the rows are checked and copied into a table in one scan, and every later
-    scan reads that table (not Parquet pages to decode and check again). Else one scan checks
-    the files and keeps the rejected rows' numbers (a table: DuckDB spills it if need be), and
-    every later scan reads the files where they lie, only the columns it needs, and leaves those
-    rows out by an anti-join (none when every row passed): not the checks again, which read
-    every column (the model's name too) and cost about a third of a scan. A copy past the memory
-    limit would spill to disk and every scan would read it back."""
+@dataclass(frozen=True)
+class _ParquetChecks:
+    """The Parquet files as SQL: ``scan``, every row with its ``src`` and ``row``; ``checked``,
+    the wanted columns (``selected``: NULL where no file has one) with each row's
+    ``rejection`` (:func:`rejection_sql`; NULL: valid)."""
+
+    columns: tuple[str, ...]
+    scan: str
+    selected: str
+    checked: str
+    path_of: dict[int, str]
+
+    @property
+    def names(self) -> str:
+        return ", ".join(self.columns)
+
+
+def _parquet_checks(engine: Engine, parquet: list[tuple[int, str]], columns: Sequence[str]) -> _ParquetChecks:
     present = _check_parquet_schema(engine, [path for _, path in parquet], columns)
     listed = ", ".join(literal_path(path) for _, path in parquet)
     src = " ".join(f"WHEN '{_quoted(scanned_name(path))}' THEN {index}" for index, path in parquet)
@@ -380,37 +399,67 @@ def _parquet_view(
         f"SELECT *, CASE filename {src} END AS src, file_row_number AS row FROM read_parquet([{listed}], "
         "union_by_name = true, filename = true, file_row_number = true, hive_partitioning = false)"
     )
-    path_of = dict(parquet)
     # DuckDB binds a name without case: `model` reads a file's Model (checked as model)
     selected = ", ".join(
         name if name in present else f"CAST(NULL AS {_SQL_TYPE[_SPEC[name].kind]}) AS {name}"
         for name in columns
     )
     checked = f"SELECT {selected}, src, row, {rejection_sql(present)} AS rejection FROM ({scan})"
-    con = engine.connection
-    if in_memory:
-        con.execute(f"CREATE OR REPLACE TEMP TABLE parquet_records AS {checked}")
-        rejections = "SELECT rejection, src, row FROM parquet_records WHERE rejection IS NOT NULL"
-        valid = "SELECT * FROM parquet_records WHERE rejection IS NULL"
-    else:
-        con.execute(
+    return _ParquetChecks(tuple(columns), scan, selected, checked, dict(parquet))
+
+
+def _parquet_view(engine: Engine, checks: _ParquetChecks, result: reader.ReadResult, in_memory: bool) -> str:
+    """The valid rows of the Parquet files as SQL; rejected rows are counted by reason in
+    ``result`` (with the first few named by file and row), as the validator does for lines.
+    ``in_memory``: the rows are checked and copied into a table in one scan, and every later
+    scan reads that table (not Parquet pages to decode and check again). Else one scan checks
+    the files and keeps the rejected rows' numbers, and every later scan reads the files where
+    they lie (:func:`_left_out`). A copy past the memory limit would spill to disk and every
+    scan would read it back."""
+    if not in_memory:
+        return _left_out(engine, checks, result)
+    engine.connection.execute(f"CREATE OR REPLACE TEMP TABLE parquet_records AS {checks.checked}")
+    _count_rejected(
+        engine, checks, result, "SELECT rejection, src, row FROM parquet_records WHERE rejection IS NOT NULL"
+    )
+    return f"SELECT {checks.names}, src, row FROM parquet_records WHERE rejection IS NULL"
+
+
+def _left_out(
+    engine: Engine, checks: _ParquetChecks, result: reader.ReadResult, rejected: bool = True
+) -> str:
+    """The valid rows of Parquet scanned in place as SQL: a scan of the files keeps the rejected
+    rows' numbers in a table (DuckDB spills it if need be) and counts them in ``result``; every
+    later scan reads only the columns it needs and leaves those rows out by an anti-join (none
+    when every row passed): not the checks again, which read every column (the model's name
+    too) and cost about a third of a scan. ``rejected`` False (a scan has counted none): no
+    table, no scan."""
+    valid = f"SELECT {checks.selected}, src, row FROM ({checks.scan})"
+    if rejected:
+        engine.connection.execute(
             "CREATE OR REPLACE TEMP TABLE parquet_rejected AS "
-            f"SELECT rejection, src, row FROM ({checked}) WHERE rejection IS NOT NULL"
+            f"SELECT rejection, src, row FROM ({checks.checked}) WHERE rejection IS NOT NULL"
         )
-        rejections = "SELECT * FROM parquet_rejected"
-        valid = f"SELECT {selected}, src, row FROM ({scan})"
-    result.lines += _parquet_rows(engine, [path for _, path in parquet])
+        if _count_rejected(engine, checks, result, "SELECT * FROM parquet_rejected"):
+            valid = (
+                f"SELECT * FROM ({valid}) AS scanned ANTI JOIN parquet_rejected AS out "
+                "ON scanned.src = out.src AND scanned.row = out.row"
+            )
+    return f"SELECT {checks.names}, src, row FROM ({valid})"
+
+
+def _count_rejected(
+    engine: Engine, checks: _ParquetChecks, result: reader.ReadResult, rejections: str
+) -> int:
+    """Counts the rows of ``rejections`` (``rejection, src, row``) by reason in ``result`` and
+    names the first few; returns how many."""
+    con = engine.connection
     rejected = 0
     for reason_field, count in con.execute(
         f"SELECT rejection, count(*) FROM ({rejections}) GROUP BY ALL"
     ).fetchall():
         result.skipped[reason_field.split(":")[1]] += int(count)
         rejected += int(count)
-    if rejected and not in_memory:
-        valid = (
-            f"SELECT * FROM ({valid}) AS scanned ANTI JOIN parquet_rejected AS out "
-            "ON scanned.src = out.src AND scanned.row = out.row"
-        )
     room = reader.MAX_EXAMPLES - len(result.examples)
     if room > 0 and rejected:
         for rejection, src_index, row in con.execute(
@@ -419,16 +468,42 @@ def _parquet_view(
             field_name, reason = rejection.split(":")
             result.examples.append(
                 {
-                    "file": path_of[int(src_index)],
+                    "file": checks.path_of[int(src_index)],
                     "row": int(row),
                     "field": field_name or None,
                     "reason": reason,
                     "message": records.reason_message(field_name or None, reason),
                 }
             )
-    for _, path in parquet:
-        result.formats[path] = "parquet"
-    return f"SELECT {', '.join(columns)}, src, row FROM ({valid})"
+    return rejected
+
+
+@dataclass(frozen=True)
+class Unchecked:
+    """Parquet scanned in place that :func:`load` left unchecked (``check_later``): the sums
+    scan of :func:`summarize` reads :meth:`source` and checks every row as it sums, then
+    :meth:`settle` counts the rejected rows and makes the records view stop checking."""
+
+    checks: _ParquetChecks
+    jsonl: str  # the JSON-lines records (checked as they were read)
+    result: reader.ReadResult
+
+    def source(self) -> str:
+        """Every record with its ``rejection``; a rejected row's values are NULL, so that the
+        sums' expressions cannot overflow on them (the square of 2^62 tokens, 1e300 seconds in
+        fixed point) and their names make no groups: they are counted by rejection alone."""
+        nulled = ", ".join(
+            f"CASE WHEN rejection IS NULL THEN {name} END AS {name}" for name in self.checks.columns
+        )
+        return (
+            f"SELECT *, CAST(NULL AS VARCHAR) AS rejection FROM ({self.jsonl}) AS lines UNION ALL "
+            f"SELECT {nulled}, src, row, rejection FROM ({self.checks.checked}) AS rows_checked"
+        )
+
+    def settle(self, engine: Engine, rejected: bool) -> None:
+        """After the sums scan (which found ``rejected`` rows or none)."""
+        view = _left_out(engine, self.checks, self.result, rejected)
+        engine.connection.execute(f"CREATE OR REPLACE TEMP VIEW records AS {self.jsonl} UNION ALL {view}")
 
 
 def _check_parquet_schema(engine: Engine, paths: list[str], columns: Sequence[str]) -> set[str]:
@@ -1071,12 +1146,13 @@ def _next_pass(layout: _Layout, targets: list[_Target], reads: Iterator[Placed])
 # The summary
 
 
-def totals_sql(reduced: str) -> str:
+def totals_sql(reduced: str, by: str | None = None) -> str:
     """Everything the summary sums, per (model, length group, hit), in one scan: the cells,
     each series' count, min, max and sum (the order statistics' bounds and scale), the TTFT
     decomposition, the prefill groups' sums, the arrival times' range and the last row number
     (:func:`row_chunks`). Per-model rows are
-    added up in Python, exactly (integers; min and max of floats)."""
+    added up in Python, exactly (integers; min and max of floats). ``by``: a column of
+    ``reduced`` grouped by too, selected last."""
     series = ", ".join(f"COUNT({name}), MIN({name}), MAX({name}), SUM({name})" for name in SERIES[:-1])
     timed = "FILTER (WHERE prefill_seconds IS NOT NULL)"
     complete = "FILTER (WHERE ttft_complete)"
@@ -1097,8 +1173,8 @@ def totals_sql(reduced: str) -> str:
   {_fixed("queue_seconds")} {complete}, {_fixed("prefill_seconds")} {complete},
   {_fixed("ttft_other")} {complete},
   {_exact("prompt_tokens")} {timed}, {_exact("cached_tokens")} {timed},
-  MIN(arrival_time), MAX(arrival_time), COUNT(arrival_time), MAX(row)
-FROM ({reduced}) AS reduced_rows GROUP BY model, length_group, hit"""
+  MIN(arrival_time), MAX(arrival_time), COUNT(arrival_time), MAX(row){f", {by}" if by else ""}
+FROM ({reduced}) AS reduced_rows GROUP BY model, length_group, hit{f", {by}" if by else ""}"""
 
 
 MATERIALIZE_SHARE = 0.5  # of the memory limit: Parquet rows are copied into memory when they fit in it
@@ -1138,17 +1214,28 @@ def _int(value: Any) -> int:
 KEPT = ("src", "row", "arrival_time")  # columns of the records the reduced view keeps as they are
 
 
-def summarize(engine: Engine, source: str, edges: Sequence[int], default_model: str) -> report.Summary:
+def summarize(
+    engine: Engine, source: str, edges: Sequence[int], default_model: str, unchecked: Unchecked | None = None
+) -> report.Summary:
     """The :class:`kvlens.analysis.report.Summary` of the records in ``source``: one scan for
     the sums and bounds (:func:`totals_sql`), the order statistics (a sample, then one read of
     the records in chunks, rarely more: :func:`order_statistics`), one scan for the slowest
     requests. Nothing is materialized: each scan reads ``source`` (a table of JSON-lines
     records, or the Parquet files where they lie) and derives the decisions as it reads.
     Records each model's count of timed requests in ``engine.prefill_counts`` for
-    :func:`calibration_inputs`, and the arrival times' range in ``engine.arrivals``."""
+    :func:`calibration_inputs`, and the arrival times' range in ``engine.arrivals``.
+    ``unchecked`` (:attr:`Loaded.unchecked`): the sums scan checks those Parquet rows too,
+    grouped by rejection as well, and settles them (the rejected rows counted, the view of
+    ``source`` checks no more)."""
     con = engine.connection
     con.execute(f"CREATE OR REPLACE TEMP VIEW reduced AS {reduced_sql(source, edges, default_model, KEPT)}")
-    reduced = "SELECT * FROM reduced"
+    totals = totals_sql("SELECT * FROM reduced")
+    if unchecked is not None:
+        checked = reduced_sql(
+            f"({unchecked.source()}) AS records_checked", edges, default_model, (*KEPT, "rejection")
+        )
+        totals = totals_sql(checked, by="rejection")
+    rejected = False
     cells: dict[report.Key, report.Cell] = {}
     bounds: dict[Part, tuple[int, float, float]] = {}
     sums: dict[Part, float] = {}  # of each part's values: only the first pass's bin scale reads them
@@ -1164,7 +1251,10 @@ def summarize(engine: Engine, source: str, edges: Sequence[int], default_model: 
             count, low, high = known[0] + count, min(known[1], low), max(known[2], high)
         bounds[part] = (count, low, high)
 
-    for row in con.execute(totals_sql(reduced)).fetchall():
+    for row in con.execute(totals).fetchall():
+        if unchecked is not None and row[-1] is not None:
+            rejected = True  # counted by :meth:`Unchecked.settle`
+            continue
         model, g, hit = str(row[0]), int(row[1]), bool(row[2])
         requests, n, h, n2, h2 = (int(value) for value in row[3:8])
         cells[(model, g, hit)] = report.Cell(requests, n, h, (n2 + n) // 2, (h2 + h) // 2)
@@ -1193,6 +1283,8 @@ def summarize(engine: Engine, source: str, edges: Sequence[int], default_model: 
                 known[2] + int(arrivals),
             )
         last_row = max(last_row, int(row[at + 10]))
+    if unchecked is not None:
+        unchecked.settle(engine, rejected)
     engine.prefill_counts = timed_by_model
     records = sum(cell.requests for cell in cells.values())
     series = _series(row_chunks(records, last_row), sample_rows(records, last_row))
