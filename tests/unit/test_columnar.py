@@ -382,11 +382,11 @@ def hundred_thousand(path: Path) -> Path:
 
 
 @pytest.mark.parametrize(
-    ("setting", "value", "expected_reads"),
+    ("setting", "value", "expected_reads", "slowest_scans"),
     [
-        (None, None, [1, 15]),  # every rank's bin was kept in the first pass: no second read
-        ("STORE_MAX", 10, [1, 15, 15]),  # too many values to keep: the second pass reads again
-        ("SAMPLE_SIGMAS", 0.0, [1, 15, 15]),  # predicted bins too narrow: some ranks fall outside
+        (None, None, [1, 15], 0),  # every rank's bin was kept in the first pass: no second read
+        ("STORE_MAX", 10, [1, 15, 15], 1),  # too many values to keep: the second pass reads again
+        ("SAMPLE_SIGMAS", 0.0, [1, 15, 15], 1),  # predicted bins too narrow: some ranks fall outside
     ],
 )
 def test_a_tiny_memory_limit_spills_and_the_answer_does_not_change(
@@ -395,10 +395,12 @@ def test_a_tiny_memory_limit_spills_and_the_answer_does_not_change(
     setting: str | None,
     value: Any,
     expected_reads: list[int],
+    slowest_scans: int,
 ) -> None:
     """The records spill past the limit, and the order statistics read them in 15 chunks of
     row numbers (the chunks cover every record once: the same percentiles), after a sample
-    that predicts the bins whose values the first pass keeps."""
+    that predicts the bins whose values the first pass keeps. The slowest requests are counted
+    from that read when the threshold's bin was kept (:class:`columnar.Tail`), else by a scan."""
     if setting is not None:
         monkeypatch.setattr(columnar, setting, value)
     path = hundred_thousand(tmp_path / "100k.jsonl")
@@ -423,10 +425,14 @@ def test_a_tiny_memory_limit_spills_and_the_answer_does_not_change(
 
     monkeypatch.setattr(columnar, "_read", read_counted)
     engine = columnar.Engine(memory_limit="8MiB", threads=1)
+    spy = _Statements(engine.connection)
+    engine.connection = spy
     columnar.load(engine, [str(path)])
     summary = columnar.summarize(engine, "records", chosen.prompt_length_edges, chosen.default_model)
     assert engine.spilled() > 0  # the 100k records (about 7.7 MB) did not fit
     engine.close()
+    assert sum("ttft_seconds >= ?" in sql for sql in spy.run) == slowest_scans
+    assert sum(summary.slowest.values()) == 5_000  # 5 % of 100k distinct values
     assert [len(chunk) for chunk in chunks] == [15]
     assert chunks[0][0] == "row >= 0 AND row < 6667" and chunks[0][-1] == "row >= 93338 AND row < 100005"
     assert reads == expected_reads  # the sample's read, then the passes over the 15 chunks

@@ -915,6 +915,7 @@ def _read(
         order = np.argsort(g.astype(np.int16) if small else g, kind="stable")  # int16: a radix sort
         g = g[order]
         starts = np.concatenate(([0], np.flatnonzero(np.diff(g)) + 1, [g.size]))
+        rows_g = g.astype(np.int32)  # each value's g, carried along: 4 bytes a value
         slices = [
             (int(g[start]), int(start), int(end)) for start, end in itertools.pairwise(starts) if end > start
         ]
@@ -931,17 +932,18 @@ def _read(
                     part = layout.index.get(key + value_of_g if grouped else key)
                     if part is None:
                         continue
-                    chosen = values[start:end]
+                    chosen, of_g = values[start:end], rows_g[start:end]
                     if present is not None:
-                        chosen = chosen[present[start:end]]
+                        chosen, of_g = chosen[present[start:end]], of_g[present[start:end]]
                     if chosen.size:
-                        pieces.append((chosen, *layout.place(chosen, part)))
+                        pieces.append((chosen, *layout.place(chosen, part), of_g))
         if not pieces:
             continue
         placed = (
             np.concatenate([piece[0] for piece in pieces]),
             np.concatenate([piece[1] for piece in pieces]),
             np.concatenate([piece[2] for piece in pieces]),
+            np.concatenate([piece[3] for piece in pieces]),
         )
         if single:
             kept.append(placed)
@@ -949,8 +951,8 @@ def _read(
 
 
 Placed = tuple[
-    npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.int64]
-]  # values, positions, bins
+    npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.int64], npt.NDArray[np.int32]
+]  # values, positions, bins, and the g of each value's row
 
 
 def order_statistics(
@@ -959,6 +961,7 @@ def order_statistics(
     wanted: dict[Part, list[int]],
     bounds: dict[Part, tuple[int, float, float]],
     means: dict[Part, float] | None = None,
+    tail: Tail | None = None,
 ) -> dict[tuple[Part, int], float]:
     """The values at ``wanted`` ranks (0-based, ascending) of each part of ``series``;
     ``bounds`` gives each part's count, min and max; ``means`` (optional) each part's mean,
@@ -969,7 +972,8 @@ def order_statistics(
     :data:`BIN_VALUES` each) and keeps, for each target, the bin holding its rank. Each later
     pass reads the values again and keeps only those in the targets' windows: a window of at
     most :data:`FETCH_MAX` values is kept whole and sorted; a larger one (ties, a crowded bin)
-    is counted in finer bins and shrinks to the one holding the rank, with its min and max."""
+    is counted in finer bins and shrinks to the one holding the rank, with its min and max.
+    ``tail``: the first pass also counts that part's values by bin and ``g`` (:class:`Tail`)."""
     targets = [
         _Target(part, rank, bounds[part][1], bounds[part][2], rank, bounds[part][0])
         for part, ranks in wanted.items()
@@ -990,15 +994,57 @@ def order_statistics(
         predicted = None
         if series.sample is not None:
             sampled = np.zeros(layout.total, dtype=np.int64)
-            for _, _, bins in _read(engine, series, layout, [], [series.sample]):
+            for _, _, bins, _ in _read(engine, series, layout, [], [series.sample]):
                 sampled += np.bincount(bins, minlength=layout.total)
             predicted = _predict(layout, open_targets, sampled, bounds)
-        stored = _first_pass(layout, open_targets, reads(), predicted)
+        by_row = None if tail is None else layout.index.get(_part_key(tail.part))
+        stored = _first_pass(layout, open_targets, reads(), predicted, tail if by_row is not None else None)
         if stored is not None and all(predicted[t.first_bin] for t in open_targets):  # type: ignore[index]
             reads = lambda: iter(stored)  # noqa: E731  (every window's values are in memory)
         while open_targets := [t for t in targets if t.value is None]:
             _next_pass(layout, open_targets, reads())
     return {(t.part, t.rank): float(t.value) for t in targets if t.value is not None}
+
+
+@dataclass
+class Tail:
+    """One part's values counted by ``g`` (the row's group key) and first-pass bin, with the
+    values the first pass kept: how many of each ``g`` lie at or above a value found later
+    (:meth:`at_least`) without another read of the records."""
+
+    part: Part
+    layout: _Layout | None = None
+    predicted: npt.NDArray[np.bool_] | None = None
+    stored: list[Placed] | None = None
+    counts: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    bins: int = 0
+
+    def count(self, groups: npt.NDArray[np.int32], bins: npt.NDArray[np.int64], nb: int) -> None:
+        self.bins = nb
+        got = np.bincount(groups * nb + bins, minlength=(int(groups.max(initial=0)) + 1) * nb)
+        if got.size > self.counts.size:
+            got[: self.counts.size] += self.counts
+            self.counts = got
+        else:
+            self.counts[: got.size] += got
+
+    def at_least(self, threshold: float) -> dict[int, int] | None:
+        """Values >= ``threshold`` by ``g`` (none: left out), or None when the first pass did not
+        keep the values of the bin holding it (a single chunk, too many values, a prediction
+        missed): every bin above it is counted, and its own values compared one by one."""
+        if self.layout is None or self.stored is None or self.predicted is None or not self.bins:
+            return None
+        part = self.layout.index[_part_key(self.part)]
+        (bin_,) = self.layout.place(np.array([threshold], dtype=np.float64), part)[1]
+        if not self.predicted[bin_]:
+            return None
+        local = int(bin_ - self.layout.offset[part])
+        above = [self.counts.reshape(-1, self.bins)[:, local + 1 :].sum(axis=1)]
+        for values, _, bins, groups in self.stored:
+            above.append(np.bincount(groups[(bins == bin_) & (values >= threshold)]))
+        size = max(len(counts) for counts in above)
+        by_g = np.sum([np.pad(counts, (0, size - len(counts))) for counts in above], axis=0)
+        return {g: int(count) for g, count in enumerate(by_g) if count}
 
 
 STORE_MAX = 1 << 23  # values the first pass keeps in the predicted bins (24 bytes each: ~200 MB)
@@ -1037,22 +1083,34 @@ def _predict(
 
 
 def _first_pass(
-    layout: _Layout, targets: list[_Target], reads: Iterator[Placed], predicted: npt.NDArray[np.bool_] | None
+    layout: _Layout,
+    targets: list[_Target],
+    reads: Iterator[Placed],
+    predicted: npt.NDArray[np.bool_] | None,
+    tail: Tail | None = None,
 ) -> list[Placed] | None:
     """Counts every value in its bin and sets each target's bin; keeps the values of the
-    ``predicted`` bins (None past :data:`STORE_MAX`: they are read again)."""
+    ``predicted`` bins (None past :data:`STORE_MAX`: they are read again). ``tail``: counts
+    its part's values by ``g`` and bin too."""
     counts = np.zeros(layout.total, dtype=np.int64)
     stored: list[Placed] | None = None if predicted is None else []
     size = 0
-    for values, position, bins in reads:
+    if tail is not None:
+        tail.layout, tail.predicted = layout, predicted
+        part = layout.index[_part_key(tail.part)]
+        start, end = int(layout.offset[part]), int(layout.offset[part + 1])
+    for values, position, bins, groups in reads:
         counts += np.bincount(bins, minlength=layout.total)
+        if tail is not None:
+            inside = (bins >= start) & (bins < end)
+            tail.count(groups[inside], bins[inside] - start, end - start)
         if stored is not None and predicted is not None:
             chosen = predicted[bins]
             size += int(np.count_nonzero(chosen))
             if size > STORE_MAX:
                 stored = None
             else:
-                stored.append((values[chosen], position[chosen], bins[chosen]))
+                stored.append((values[chosen], position[chosen], bins[chosen], groups[chosen]))
     for target in targets:
         part = layout.parts.index(target.part)
         own = counts[layout.offset[part] : layout.offset[part + 1]]
@@ -1062,6 +1120,8 @@ def _first_pass(
         target.count = int(own[found])
         target.offset -= int(before[found]) - target.count
         target.low, target.high = -np.inf, np.inf
+    if tail is not None:
+        tail.stored = stored
     return stored
 
 
@@ -1114,7 +1174,7 @@ def _next_pass(layout: _Layout, targets: list[_Target], reads: Iterator[Placed])
         by_bin.setdefault(window.first_bin, []).append(window)
     marked = np.zeros(layout.total, dtype=np.bool_)
     marked[list(by_bin)] = True
-    for values, position, bins in reads:
+    for values, position, bins, _ in reads:
         chosen = marked[bins]
         if not chosen.any():
             continue
@@ -1296,7 +1356,8 @@ def summarize(
         ranks = [definitions.quantile_ranks(count, fraction) for fraction in fractions[part[0]]]
         wanted[part] = sorted({rank for low, high, _ in ranks for rank in (low, high)})
     means = {part: sums[part] / bounds[part][0] for part in bounds}
-    found = order_statistics(engine, series, wanted, bounds, means)
+    tail = Tail(("all_ttft", -1, False))  # the slowest requests: counted from the same read
+    found = order_statistics(engine, series, wanted, bounds, means, tail)
 
     def quantiles_of(part: Part, fractions: tuple[float, ...]) -> list[float]:
         count = bounds[part][0]
@@ -1311,10 +1372,14 @@ def summarize(
         group: {name: latency_of((name, *group)) for name in report.LATENCY_COLUMNS}
         for group in sorted(groups)
     }
-    threshold = None
+    threshold, counted = None, None
     slowest: dict[report.Group, int] = {}
     if ("all_ttft", -1, False) in bounds:
         (threshold,) = quantiles_of(("all_ttft", -1, False), (1 - report.SLOWEST_SHARE,))
+        counted = tail.at_least(threshold)
+        if counted is not None:  # g = (length group + 1) * 2 + hit (:func:`_series`)
+            slowest = {(g // 2 - 1, bool(g % 2)): count for g, count in counted.items()}
+    if threshold is not None and counted is None:
         slowest = {
             (int(g), bool(hit)): int(count)
             for g, hit, count in con.execute(
