@@ -190,6 +190,121 @@ def test_parquet_rows_out_of_bounds_are_counted_like_bad_lines(
     )
 
 
+class _Statements:
+    """The connection of an engine, recording the statements it runs."""
+
+    def __init__(self, connection: Any) -> None:
+        self.connection, self.run = connection, []
+
+    def execute(self, sql: str, *args: Any) -> Any:
+        self.run.append(sql)
+        return self.connection.execute(sql, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.connection, name)
+
+
+@pytest.mark.parametrize("bad_rows", [0, 2])
+def test_parquet_in_place_is_checked_by_the_sums_scan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bad_rows: int
+) -> None:
+    """``check_later``: the sums scan checks the rows as it sums, so with every row valid the
+    files get no scan of their own to check them (one scan fewer than checking at load); with
+    rejected rows, one scan after the sums keeps their numbers (to leave them out and name the
+    first). The same summary, counts and examples either way."""
+    monkeypatch.setattr(columnar, "MATERIALIZE_SHARE", 0.0)  # in place
+    rng = np.random.default_rng(5)
+    records = [
+        {
+            "model": f"m{i % 3}",
+            "prompt_tokens": int(n),
+            "cached_tokens": int(n) // 4 * (i % 2),
+            "ttft_seconds": float(rng.lognormal(-2, 1)),
+            "queue_seconds": 0.01,
+            "prefill_seconds": 0.05,
+        }
+        for i, n in enumerate(rng.integers(1, 40_000, 500))
+    ]
+    source = write_jsonl(tmp_path / "r.jsonl", records)
+    path = tmp_path / "r.parquet"
+    columnar.convert([str(source)], path)
+    if bad_rows:
+        engine = columnar.Engine()
+        scanned = f"read_parquet('{path}', file_row_number = true)"
+        engine.connection.execute(  # the file's rows, then copies of its first with -1 tokens
+            f"COPY (SELECT * EXCLUDE (k, file_row_number) FROM (SELECT *, 0 AS k FROM {scanned} UNION ALL "
+            f"SELECT * REPLACE (-1 AS prompt_tokens), 1 AS k FROM {scanned} "
+            f"WHERE file_row_number < {bad_rows}) ORDER BY k, file_row_number) "
+            f"TO '{tmp_path / 'with_bad.parquet'}' (FORMAT parquet)"
+        )
+        engine.close()
+        path = tmp_path / "with_bad.parquet"
+    chosen = load_settings()
+    summaries, scans, reads = [], [], []
+    for check_later in (False, True):
+        engine = columnar.Engine()
+        spy = _Statements(engine.connection)
+        engine.connection = spy
+        loaded = columnar.load(engine, [str(path)], check_later=check_later)
+        summaries.append(
+            columnar.summarize(
+                engine, "records", chosen.prompt_length_edges, chosen.default_model, loaded.unchecked
+            )
+        )
+        engine.close()
+        reads.append((loaded.read.lines, dict(loaded.read.skipped), [e["row"] for e in loaded.read.examples]))
+        scans.append(
+            [
+                "checks" if sql.startswith("CREATE OR REPLACE TEMP TABLE parquet_rejected") else "sums"
+                for sql in spy.run
+                if sql.startswith("CREATE OR REPLACE TEMP TABLE parquet_rejected")
+                or "COUNT(arrival_time)" in sql
+            ]
+        )
+    derived = Derived.of(
+        reader.read([str(source)]).batch,
+        chosen.prompt_length_edges,
+        chosen.cost_model_for,
+        chosen.default_model,
+    )
+    expected = summarize(derived)
+    assert summaries[0] == summaries[1]
+    assert (summaries[1].cells, summaries[1].latency) == (expected.cells, expected.latency)
+    expected_read = (
+        500 + bad_rows,
+        {"out_of_range": bad_rows} if bad_rows else {},
+        list(range(500, 500 + bad_rows)),
+    )
+    assert reads == [expected_read, expected_read]
+    assert scans == [["checks", "sums"], ["sums", "checks"] if bad_rows else ["sums"]]
+
+
+def test_rows_the_sums_would_overflow_on_are_checked_in_the_sums_scan_and_left_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Parquet in place, checked by the sums scan: a rejected row's values never reach the
+    sums (the square of 2^62 tokens, 1e300 seconds in fixed point would overflow 64 bits, a
+    NaN or a refused name would make groups): the report is the one of the checked copy."""
+    engine = columnar.Engine()
+    bad = tmp_path / "bad.parquet"
+    engine.connection.execute(
+        "COPY (SELECT * FROM (VALUES ('a', 10, 4, 0.5, 0.1, 0.2), "
+        "('a', 4611686018427387904, 0, 0.5, 0.1, 0.2), ('b', 10, 0, 0.5, 1e300, 0.2), "
+        "('c', 10, 0, 'inf'::DOUBLE, 0.1, 0.2), ('x' || chr(7), 10, 0, 0.5, 0.1, 0.2), "
+        "('a', 12, 0, 0.7, 0.2, 'nan'::DOUBLE)) "
+        "t(model, prompt_tokens, cached_tokens, ttft_seconds, queue_seconds, prefill_seconds)) "
+        f"TO '{bad}' (FORMAT parquet)"
+    )
+    engine.close()
+    copied, _ = analyze([str(bad)], load_settings(), engine="duckdb")
+    monkeypatch.setattr(columnar, "MATERIALIZE_SHARE", 0.0)  # in place
+    in_place, _ = analyze([str(bad)], load_settings(), engine="duckdb")
+    assert in_place == copied
+    assert in_place["overall"]["requests"] == 1
+    assert in_place["input"]["skipped"] == {"out_of_range": 2, "not_finite": 2, "invalid_label": 1}
+    assert [e["row"] for e in in_place["input"]["skipped_examples"]] == [1, 2, 3, 4, 5]
+
+
 def test_a_parquet_schema_mismatch_names_the_file_and_the_column(tmp_path: Path) -> None:
     engine = columnar.Engine()
     good, wrong, lacking = tmp_path / "good.parquet", tmp_path / "wrong.parquet", tmp_path / "lacking.parquet"
@@ -267,11 +382,11 @@ def hundred_thousand(path: Path) -> Path:
 
 
 @pytest.mark.parametrize(
-    ("setting", "value", "expected_reads"),
+    ("setting", "value", "expected_reads", "slowest_scans"),
     [
-        (None, None, [1, 15]),  # every rank's bin was kept in the first pass: no second read
-        ("STORE_MAX", 10, [1, 15, 15]),  # too many values to keep: the second pass reads again
-        ("SAMPLE_SIGMAS", 0.0, [1, 15, 15]),  # predicted bins too narrow: some ranks fall outside
+        (None, None, [1, 15], 0),  # every rank's bin was kept in the first pass: no second read
+        ("STORE_MAX", 10, [1, 15, 15], 1),  # too many values to keep: the second pass reads again
+        ("SAMPLE_SIGMAS", 0.0, [1, 15, 15], 1),  # predicted bins too narrow: some ranks fall outside
     ],
 )
 def test_a_tiny_memory_limit_spills_and_the_answer_does_not_change(
@@ -280,10 +395,12 @@ def test_a_tiny_memory_limit_spills_and_the_answer_does_not_change(
     setting: str | None,
     value: Any,
     expected_reads: list[int],
+    slowest_scans: int,
 ) -> None:
     """The records spill past the limit, and the order statistics read them in 15 chunks of
     row numbers (the chunks cover every record once: the same percentiles), after a sample
-    that predicts the bins whose values the first pass keeps."""
+    that predicts the bins whose values the first pass keeps. The slowest requests are counted
+    from that read when the threshold's bin was kept (:class:`columnar.Tail`), else by a scan."""
     if setting is not None:
         monkeypatch.setattr(columnar, setting, value)
     path = hundred_thousand(tmp_path / "100k.jsonl")
@@ -308,10 +425,14 @@ def test_a_tiny_memory_limit_spills_and_the_answer_does_not_change(
 
     monkeypatch.setattr(columnar, "_read", read_counted)
     engine = columnar.Engine(memory_limit="8MiB", threads=1)
+    spy = _Statements(engine.connection)
+    engine.connection = spy
     columnar.load(engine, [str(path)])
     summary = columnar.summarize(engine, "records", chosen.prompt_length_edges, chosen.default_model)
     assert engine.spilled() > 0  # the 100k records (about 7.7 MB) did not fit
     engine.close()
+    assert sum("ttft_seconds >= ?" in sql for sql in spy.run) == slowest_scans
+    assert sum(summary.slowest.values()) == 5_000  # 5 % of 100k distinct values
     assert [len(chunk) for chunk in chunks] == [15]
     assert chunks[0][0] == "row >= 0 AND row < 6667" and chunks[0][-1] == "row >= 93338 AND row < 100005"
     assert reads == expected_reads  # the sample's read, then the passes over the 15 chunks

@@ -46,13 +46,12 @@ def analyze(
         store = columnar.Engine(memory_limit=memory_limit or columnar.DEFAULT_MEMORY_LIMIT)
         try:
             with columnar.engine_errors(store.memory_limit, store.spill_directory):
-                loaded = columnar.load(store, paths, format_name=format_name, model=model, progress=progress)
+                loaded = columnar.load(
+                    store, paths, format_name=format_name, model=model, progress=progress, check_later=True
+                )
                 table = columnar.working_set(store, loaded)
                 summary = columnar.summarize(
-                    store,
-                    table,
-                    settings.prompt_length_edges,
-                    settings.default_model,
+                    store, table, settings.prompt_length_edges, settings.default_model, loaded.unchecked
                 )
                 read, records = loaded.read, sum(cell.requests for cell in summary.cells.values())
                 # one model's points at a time, fitted as they come

@@ -278,6 +278,7 @@ class Loaded:
     files: list[str]
     parquet: bool = False  # some input is Parquet
     in_memory: bool = True  # every record is in a DuckDB table (else Parquet is scanned where it lies)
+    unchecked: Unchecked | None = None  # Parquet in place whose checks wait for the sums (``check_later``)
 
     @property
     def records(self) -> int:
@@ -292,9 +293,15 @@ def load(
     format_name: str | None = None,
     model: str | None = None,
     progress: Callable[[int], None] | None = None,
+    check_later: bool = False,
 ) -> Loaded:
     """Create the view ``records`` (``columns`` plus ``src`` and ``row``) of the valid records
-    of ``paths``, counting skipped lines and rows in the result as the numpy path does."""
+    of ``paths``, counting skipped lines and rows in the result as the numpy path does.
+
+    ``check_later``: Parquet scanned in place gets no scan of its own to check it; the view
+    checks each row as it reads until :func:`summarize`, given :attr:`Loaded.unchecked`,
+    checks every row in its sums scan (one scan fewer). The rejected rows of
+    :attr:`Loaded.read` are counted only then."""
     files = _objects(engine, expand(paths))
     result = reader.ReadResult(batch=records.batch_from_objects([]).batch)
     con = engine.connection
@@ -315,13 +322,23 @@ def load(
                 model=model,
                 progress=progress,
             )
-    sources = ["SELECT * FROM jsonl_records"]
-    in_memory = True
+    jsonl = "SELECT * FROM jsonl_records"
+    view, in_memory, unchecked = jsonl, True, None
     if parquet:
         in_memory = _fits_in_memory(engine, [path for _, path in parquet], columns)
-        sources.append(_parquet_view(engine, parquet, columns, result, in_memory))
-    con.execute(f"CREATE OR REPLACE TEMP VIEW records AS {' UNION ALL '.join(sources)}")
-    return Loaded(read=result, files=files, parquet=bool(parquet), in_memory=in_memory)
+        checks = _parquet_checks(engine, parquet, columns)
+        result.lines += _parquet_rows(engine, [path for _, path in parquet])
+        for _, path in parquet:
+            result.formats[path] = "parquet"
+        if in_memory or not check_later:
+            view += f" UNION ALL {_parquet_view(engine, checks, result, in_memory)}"
+        else:
+            unchecked = Unchecked(checks, jsonl, result)
+            view += (
+                f" UNION ALL SELECT {checks.names}, src, row FROM ({checks.checked}) WHERE rejection IS NULL"
+            )
+    con.execute(f"CREATE OR REPLACE TEMP VIEW records AS {view}")
+    return Loaded(read=result, files=files, parquet=bool(parquet), in_memory=in_memory, unchecked=unchecked)
 
 
 def _objects(engine: Engine, files: list[str]) -> list[str]:
@@ -357,22 +374,24 @@ def _fits_in_memory(engine: Engine, paths: list[str], columns: Sequence[str]) ->
     return rows * COLUMN_BYTES * (len(columns) + 3) <= MATERIALIZE_SHARE * _bytes(str(limit))
 
 
-def _parquet_view(
-    engine: Engine,
-    parquet: list[tuple[int, str]],
-    columns: Sequence[str],
-    result: reader.ReadResult,
-    in_memory: bool,
-) -> str:
-    """The valid rows of the Parquet files as SQL; rejected rows are counted by reason in
-    ``result`` (with the first few named by file and row), as the validator does for lines.
-    ``in_memory``: the rows are checked and copied into a table in one scan, and every later
-    scan reads that table (not Parquet pages to decode and check again). Else one scan checks
-    the files and keeps the rejected rows' numbers (a table: DuckDB spills it if need be), and
-    every later scan reads the files where they lie, only the columns it needs, and leaves those
-    rows out by an anti-join (none when every row passed): not the checks again, which read
-    every column (the model's name too) and cost about a third of a scan. A copy past the memory
-    limit would spill to disk and every scan would read it back."""
+@dataclass(frozen=True)
+class _ParquetChecks:
+    """The Parquet files as SQL: ``scan``, every row with its ``src`` and ``row``; ``checked``,
+    the wanted columns (``selected``: NULL where no file has one) with each row's
+    ``rejection`` (:func:`rejection_sql`; NULL: valid)."""
+
+    columns: tuple[str, ...]
+    scan: str
+    selected: str
+    checked: str
+    path_of: dict[int, str]
+
+    @property
+    def names(self) -> str:
+        return ", ".join(self.columns)
+
+
+def _parquet_checks(engine: Engine, parquet: list[tuple[int, str]], columns: Sequence[str]) -> _ParquetChecks:
     present = _check_parquet_schema(engine, [path for _, path in parquet], columns)
     listed = ", ".join(literal_path(path) for _, path in parquet)
     src = " ".join(f"WHEN '{_quoted(scanned_name(path))}' THEN {index}" for index, path in parquet)
@@ -380,37 +399,67 @@ def _parquet_view(
         f"SELECT *, CASE filename {src} END AS src, file_row_number AS row FROM read_parquet([{listed}], "
         "union_by_name = true, filename = true, file_row_number = true, hive_partitioning = false)"
     )
-    path_of = dict(parquet)
     # DuckDB binds a name without case: `model` reads a file's Model (checked as model)
     selected = ", ".join(
         name if name in present else f"CAST(NULL AS {_SQL_TYPE[_SPEC[name].kind]}) AS {name}"
         for name in columns
     )
     checked = f"SELECT {selected}, src, row, {rejection_sql(present)} AS rejection FROM ({scan})"
-    con = engine.connection
-    if in_memory:
-        con.execute(f"CREATE OR REPLACE TEMP TABLE parquet_records AS {checked}")
-        rejections = "SELECT rejection, src, row FROM parquet_records WHERE rejection IS NOT NULL"
-        valid = "SELECT * FROM parquet_records WHERE rejection IS NULL"
-    else:
-        con.execute(
+    return _ParquetChecks(tuple(columns), scan, selected, checked, dict(parquet))
+
+
+def _parquet_view(engine: Engine, checks: _ParquetChecks, result: reader.ReadResult, in_memory: bool) -> str:
+    """The valid rows of the Parquet files as SQL; rejected rows are counted by reason in
+    ``result`` (with the first few named by file and row), as the validator does for lines.
+    ``in_memory``: the rows are checked and copied into a table in one scan, and every later
+    scan reads that table (not Parquet pages to decode and check again). Else one scan checks
+    the files and keeps the rejected rows' numbers, and every later scan reads the files where
+    they lie (:func:`_left_out`). A copy past the memory limit would spill to disk and every
+    scan would read it back."""
+    if not in_memory:
+        return _left_out(engine, checks, result)
+    engine.connection.execute(f"CREATE OR REPLACE TEMP TABLE parquet_records AS {checks.checked}")
+    _count_rejected(
+        engine, checks, result, "SELECT rejection, src, row FROM parquet_records WHERE rejection IS NOT NULL"
+    )
+    return f"SELECT {checks.names}, src, row FROM parquet_records WHERE rejection IS NULL"
+
+
+def _left_out(
+    engine: Engine, checks: _ParquetChecks, result: reader.ReadResult, rejected: bool = True
+) -> str:
+    """The valid rows of Parquet scanned in place as SQL: a scan of the files keeps the rejected
+    rows' numbers in a table (DuckDB spills it if need be) and counts them in ``result``; every
+    later scan reads only the columns it needs and leaves those rows out by an anti-join (none
+    when every row passed): not the checks again, which read every column (the model's name
+    too) and cost about a third of a scan. ``rejected`` False (a scan has counted none): no
+    table, no scan."""
+    valid = f"SELECT {checks.selected}, src, row FROM ({checks.scan})"
+    if rejected:
+        engine.connection.execute(
             "CREATE OR REPLACE TEMP TABLE parquet_rejected AS "
-            f"SELECT rejection, src, row FROM ({checked}) WHERE rejection IS NOT NULL"
+            f"SELECT rejection, src, row FROM ({checks.checked}) WHERE rejection IS NOT NULL"
         )
-        rejections = "SELECT * FROM parquet_rejected"
-        valid = f"SELECT {selected}, src, row FROM ({scan})"
-    result.lines += _parquet_rows(engine, [path for _, path in parquet])
+        if _count_rejected(engine, checks, result, "SELECT * FROM parquet_rejected"):
+            valid = (
+                f"SELECT * FROM ({valid}) AS scanned ANTI JOIN parquet_rejected AS out "
+                "ON scanned.src = out.src AND scanned.row = out.row"
+            )
+    return f"SELECT {checks.names}, src, row FROM ({valid})"
+
+
+def _count_rejected(
+    engine: Engine, checks: _ParquetChecks, result: reader.ReadResult, rejections: str
+) -> int:
+    """Counts the rows of ``rejections`` (``rejection, src, row``) by reason in ``result`` and
+    names the first few; returns how many."""
+    con = engine.connection
     rejected = 0
     for reason_field, count in con.execute(
         f"SELECT rejection, count(*) FROM ({rejections}) GROUP BY ALL"
     ).fetchall():
         result.skipped[reason_field.split(":")[1]] += int(count)
         rejected += int(count)
-    if rejected and not in_memory:
-        valid = (
-            f"SELECT * FROM ({valid}) AS scanned ANTI JOIN parquet_rejected AS out "
-            "ON scanned.src = out.src AND scanned.row = out.row"
-        )
     room = reader.MAX_EXAMPLES - len(result.examples)
     if room > 0 and rejected:
         for rejection, src_index, row in con.execute(
@@ -419,16 +468,42 @@ def _parquet_view(
             field_name, reason = rejection.split(":")
             result.examples.append(
                 {
-                    "file": path_of[int(src_index)],
+                    "file": checks.path_of[int(src_index)],
                     "row": int(row),
                     "field": field_name or None,
                     "reason": reason,
                     "message": records.reason_message(field_name or None, reason),
                 }
             )
-    for _, path in parquet:
-        result.formats[path] = "parquet"
-    return f"SELECT {', '.join(columns)}, src, row FROM ({valid})"
+    return rejected
+
+
+@dataclass(frozen=True)
+class Unchecked:
+    """Parquet scanned in place that :func:`load` left unchecked (``check_later``): the sums
+    scan of :func:`summarize` reads :meth:`source` and checks every row as it sums, then
+    :meth:`settle` counts the rejected rows and makes the records view stop checking."""
+
+    checks: _ParquetChecks
+    jsonl: str  # the JSON-lines records (checked as they were read)
+    result: reader.ReadResult
+
+    def source(self) -> str:
+        """Every record with its ``rejection``; a rejected row's values are NULL, so that the
+        sums' expressions cannot overflow on them (the square of 2^62 tokens, 1e300 seconds in
+        fixed point) and their names make no groups: they are counted by rejection alone."""
+        nulled = ", ".join(
+            f"CASE WHEN rejection IS NULL THEN {name} END AS {name}" for name in self.checks.columns
+        )
+        return (
+            f"SELECT *, CAST(NULL AS VARCHAR) AS rejection FROM ({self.jsonl}) AS lines UNION ALL "
+            f"SELECT {nulled}, src, row, rejection FROM ({self.checks.checked}) AS rows_checked"
+        )
+
+    def settle(self, engine: Engine, rejected: bool) -> None:
+        """After the sums scan (which found ``rejected`` rows or none)."""
+        view = _left_out(engine, self.checks, self.result, rejected)
+        engine.connection.execute(f"CREATE OR REPLACE TEMP VIEW records AS {self.jsonl} UNION ALL {view}")
 
 
 def _check_parquet_schema(engine: Engine, paths: list[str], columns: Sequence[str]) -> set[str]:
@@ -840,6 +915,7 @@ def _read(
         order = np.argsort(g.astype(np.int16) if small else g, kind="stable")  # int16: a radix sort
         g = g[order]
         starts = np.concatenate(([0], np.flatnonzero(np.diff(g)) + 1, [g.size]))
+        rows_g = g.astype(np.int32)  # each value's g, carried along: 4 bytes a value
         slices = [
             (int(g[start]), int(start), int(end)) for start, end in itertools.pairwise(starts) if end > start
         ]
@@ -856,17 +932,18 @@ def _read(
                     part = layout.index.get(key + value_of_g if grouped else key)
                     if part is None:
                         continue
-                    chosen = values[start:end]
+                    chosen, of_g = values[start:end], rows_g[start:end]
                     if present is not None:
-                        chosen = chosen[present[start:end]]
+                        chosen, of_g = chosen[present[start:end]], of_g[present[start:end]]
                     if chosen.size:
-                        pieces.append((chosen, *layout.place(chosen, part)))
+                        pieces.append((chosen, *layout.place(chosen, part), of_g))
         if not pieces:
             continue
         placed = (
             np.concatenate([piece[0] for piece in pieces]),
             np.concatenate([piece[1] for piece in pieces]),
             np.concatenate([piece[2] for piece in pieces]),
+            np.concatenate([piece[3] for piece in pieces]),
         )
         if single:
             kept.append(placed)
@@ -874,8 +951,8 @@ def _read(
 
 
 Placed = tuple[
-    npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.int64]
-]  # values, positions, bins
+    npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.int64], npt.NDArray[np.int32]
+]  # values, positions, bins, and the g of each value's row
 
 
 def order_statistics(
@@ -884,6 +961,7 @@ def order_statistics(
     wanted: dict[Part, list[int]],
     bounds: dict[Part, tuple[int, float, float]],
     means: dict[Part, float] | None = None,
+    tail: Tail | None = None,
 ) -> dict[tuple[Part, int], float]:
     """The values at ``wanted`` ranks (0-based, ascending) of each part of ``series``;
     ``bounds`` gives each part's count, min and max; ``means`` (optional) each part's mean,
@@ -894,7 +972,8 @@ def order_statistics(
     :data:`BIN_VALUES` each) and keeps, for each target, the bin holding its rank. Each later
     pass reads the values again and keeps only those in the targets' windows: a window of at
     most :data:`FETCH_MAX` values is kept whole and sorted; a larger one (ties, a crowded bin)
-    is counted in finer bins and shrinks to the one holding the rank, with its min and max."""
+    is counted in finer bins and shrinks to the one holding the rank, with its min and max.
+    ``tail``: the first pass also counts that part's values by bin and ``g`` (:class:`Tail`)."""
     targets = [
         _Target(part, rank, bounds[part][1], bounds[part][2], rank, bounds[part][0])
         for part, ranks in wanted.items()
@@ -915,15 +994,57 @@ def order_statistics(
         predicted = None
         if series.sample is not None:
             sampled = np.zeros(layout.total, dtype=np.int64)
-            for _, _, bins in _read(engine, series, layout, [], [series.sample]):
+            for _, _, bins, _ in _read(engine, series, layout, [], [series.sample]):
                 sampled += np.bincount(bins, minlength=layout.total)
             predicted = _predict(layout, open_targets, sampled, bounds)
-        stored = _first_pass(layout, open_targets, reads(), predicted)
+        by_row = None if tail is None else layout.index.get(_part_key(tail.part))
+        stored = _first_pass(layout, open_targets, reads(), predicted, tail if by_row is not None else None)
         if stored is not None and all(predicted[t.first_bin] for t in open_targets):  # type: ignore[index]
             reads = lambda: iter(stored)  # noqa: E731  (every window's values are in memory)
         while open_targets := [t for t in targets if t.value is None]:
             _next_pass(layout, open_targets, reads())
     return {(t.part, t.rank): float(t.value) for t in targets if t.value is not None}
+
+
+@dataclass
+class Tail:
+    """One part's values counted by ``g`` (the row's group key) and first-pass bin, with the
+    values the first pass kept: how many of each ``g`` lie at or above a value found later
+    (:meth:`at_least`) without another read of the records."""
+
+    part: Part
+    layout: _Layout | None = None
+    predicted: npt.NDArray[np.bool_] | None = None
+    stored: list[Placed] | None = None
+    counts: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    bins: int = 0
+
+    def count(self, groups: npt.NDArray[np.int32], bins: npt.NDArray[np.int64], nb: int) -> None:
+        self.bins = nb
+        got = np.bincount(groups * nb + bins, minlength=(int(groups.max(initial=0)) + 1) * nb)
+        if got.size > self.counts.size:
+            got[: self.counts.size] += self.counts
+            self.counts = got
+        else:
+            self.counts[: got.size] += got
+
+    def at_least(self, threshold: float) -> dict[int, int] | None:
+        """Values >= ``threshold`` by ``g`` (none: left out), or None when the first pass did not
+        keep the values of the bin holding it (a single chunk, too many values, a prediction
+        missed): every bin above it is counted, and its own values compared one by one."""
+        if self.layout is None or self.stored is None or self.predicted is None or not self.bins:
+            return None
+        part = self.layout.index[_part_key(self.part)]
+        (bin_,) = self.layout.place(np.array([threshold], dtype=np.float64), part)[1]
+        if not self.predicted[bin_]:
+            return None
+        local = int(bin_ - self.layout.offset[part])
+        above = [self.counts.reshape(-1, self.bins)[:, local + 1 :].sum(axis=1)]
+        for values, _, bins, groups in self.stored:
+            above.append(np.bincount(groups[(bins == bin_) & (values >= threshold)]))
+        size = max(len(counts) for counts in above)
+        by_g = np.sum([np.pad(counts, (0, size - len(counts))) for counts in above], axis=0)
+        return {g: int(count) for g, count in enumerate(by_g) if count}
 
 
 STORE_MAX = 1 << 23  # values the first pass keeps in the predicted bins (24 bytes each: ~200 MB)
@@ -962,22 +1083,34 @@ def _predict(
 
 
 def _first_pass(
-    layout: _Layout, targets: list[_Target], reads: Iterator[Placed], predicted: npt.NDArray[np.bool_] | None
+    layout: _Layout,
+    targets: list[_Target],
+    reads: Iterator[Placed],
+    predicted: npt.NDArray[np.bool_] | None,
+    tail: Tail | None = None,
 ) -> list[Placed] | None:
     """Counts every value in its bin and sets each target's bin; keeps the values of the
-    ``predicted`` bins (None past :data:`STORE_MAX`: they are read again)."""
+    ``predicted`` bins (None past :data:`STORE_MAX`: they are read again). ``tail``: counts
+    its part's values by ``g`` and bin too."""
     counts = np.zeros(layout.total, dtype=np.int64)
     stored: list[Placed] | None = None if predicted is None else []
     size = 0
-    for values, position, bins in reads:
+    if tail is not None:
+        tail.layout, tail.predicted = layout, predicted
+        part = layout.index[_part_key(tail.part)]
+        start, end = int(layout.offset[part]), int(layout.offset[part + 1])
+    for values, position, bins, groups in reads:
         counts += np.bincount(bins, minlength=layout.total)
+        if tail is not None:
+            inside = (bins >= start) & (bins < end)
+            tail.count(groups[inside], bins[inside] - start, end - start)
         if stored is not None and predicted is not None:
             chosen = predicted[bins]
             size += int(np.count_nonzero(chosen))
             if size > STORE_MAX:
                 stored = None
             else:
-                stored.append((values[chosen], position[chosen], bins[chosen]))
+                stored.append((values[chosen], position[chosen], bins[chosen], groups[chosen]))
     for target in targets:
         part = layout.parts.index(target.part)
         own = counts[layout.offset[part] : layout.offset[part + 1]]
@@ -987,6 +1120,8 @@ def _first_pass(
         target.count = int(own[found])
         target.offset -= int(before[found]) - target.count
         target.low, target.high = -np.inf, np.inf
+    if tail is not None:
+        tail.stored = stored
     return stored
 
 
@@ -1039,7 +1174,7 @@ def _next_pass(layout: _Layout, targets: list[_Target], reads: Iterator[Placed])
         by_bin.setdefault(window.first_bin, []).append(window)
     marked = np.zeros(layout.total, dtype=np.bool_)
     marked[list(by_bin)] = True
-    for values, position, bins in reads:
+    for values, position, bins, _ in reads:
         chosen = marked[bins]
         if not chosen.any():
             continue
@@ -1071,12 +1206,13 @@ def _next_pass(layout: _Layout, targets: list[_Target], reads: Iterator[Placed])
 # The summary
 
 
-def totals_sql(reduced: str) -> str:
+def totals_sql(reduced: str, by: str | None = None) -> str:
     """Everything the summary sums, per (model, length group, hit), in one scan: the cells,
     each series' count, min, max and sum (the order statistics' bounds and scale), the TTFT
     decomposition, the prefill groups' sums, the arrival times' range and the last row number
     (:func:`row_chunks`). Per-model rows are
-    added up in Python, exactly (integers; min and max of floats)."""
+    added up in Python, exactly (integers; min and max of floats). ``by``: a column of
+    ``reduced`` grouped by too, selected last."""
     series = ", ".join(f"COUNT({name}), MIN({name}), MAX({name}), SUM({name})" for name in SERIES[:-1])
     timed = "FILTER (WHERE prefill_seconds IS NOT NULL)"
     complete = "FILTER (WHERE ttft_complete)"
@@ -1097,8 +1233,8 @@ def totals_sql(reduced: str) -> str:
   {_fixed("queue_seconds")} {complete}, {_fixed("prefill_seconds")} {complete},
   {_fixed("ttft_other")} {complete},
   {_exact("prompt_tokens")} {timed}, {_exact("cached_tokens")} {timed},
-  MIN(arrival_time), MAX(arrival_time), COUNT(arrival_time), MAX(row)
-FROM ({reduced}) AS reduced_rows GROUP BY model, length_group, hit"""
+  MIN(arrival_time), MAX(arrival_time), COUNT(arrival_time), MAX(row){f", {by}" if by else ""}
+FROM ({reduced}) AS reduced_rows GROUP BY model, length_group, hit{f", {by}" if by else ""}"""
 
 
 MATERIALIZE_SHARE = 0.5  # of the memory limit: Parquet rows are copied into memory when they fit in it
@@ -1138,17 +1274,28 @@ def _int(value: Any) -> int:
 KEPT = ("src", "row", "arrival_time")  # columns of the records the reduced view keeps as they are
 
 
-def summarize(engine: Engine, source: str, edges: Sequence[int], default_model: str) -> report.Summary:
+def summarize(
+    engine: Engine, source: str, edges: Sequence[int], default_model: str, unchecked: Unchecked | None = None
+) -> report.Summary:
     """The :class:`kvlens.analysis.report.Summary` of the records in ``source``: one scan for
     the sums and bounds (:func:`totals_sql`), the order statistics (a sample, then one read of
     the records in chunks, rarely more: :func:`order_statistics`), one scan for the slowest
     requests. Nothing is materialized: each scan reads ``source`` (a table of JSON-lines
     records, or the Parquet files where they lie) and derives the decisions as it reads.
     Records each model's count of timed requests in ``engine.prefill_counts`` for
-    :func:`calibration_inputs`, and the arrival times' range in ``engine.arrivals``."""
+    :func:`calibration_inputs`, and the arrival times' range in ``engine.arrivals``.
+    ``unchecked`` (:attr:`Loaded.unchecked`): the sums scan checks those Parquet rows too,
+    grouped by rejection as well, and settles them (the rejected rows counted, the view of
+    ``source`` checks no more)."""
     con = engine.connection
     con.execute(f"CREATE OR REPLACE TEMP VIEW reduced AS {reduced_sql(source, edges, default_model, KEPT)}")
-    reduced = "SELECT * FROM reduced"
+    totals = totals_sql("SELECT * FROM reduced")
+    if unchecked is not None:
+        checked = reduced_sql(
+            f"({unchecked.source()}) AS records_checked", edges, default_model, (*KEPT, "rejection")
+        )
+        totals = totals_sql(checked, by="rejection")
+    rejected = False
     cells: dict[report.Key, report.Cell] = {}
     bounds: dict[Part, tuple[int, float, float]] = {}
     sums: dict[Part, float] = {}  # of each part's values: only the first pass's bin scale reads them
@@ -1164,7 +1311,10 @@ def summarize(engine: Engine, source: str, edges: Sequence[int], default_model: 
             count, low, high = known[0] + count, min(known[1], low), max(known[2], high)
         bounds[part] = (count, low, high)
 
-    for row in con.execute(totals_sql(reduced)).fetchall():
+    for row in con.execute(totals).fetchall():
+        if unchecked is not None and row[-1] is not None:
+            rejected = True  # counted by :meth:`Unchecked.settle`
+            continue
         model, g, hit = str(row[0]), int(row[1]), bool(row[2])
         requests, n, h, n2, h2 = (int(value) for value in row[3:8])
         cells[(model, g, hit)] = report.Cell(requests, n, h, (n2 + n) // 2, (h2 + h) // 2)
@@ -1193,6 +1343,8 @@ def summarize(engine: Engine, source: str, edges: Sequence[int], default_model: 
                 known[2] + int(arrivals),
             )
         last_row = max(last_row, int(row[at + 10]))
+    if unchecked is not None:
+        unchecked.settle(engine, rejected)
     engine.prefill_counts = timed_by_model
     records = sum(cell.requests for cell in cells.values())
     series = _series(row_chunks(records, last_row), sample_rows(records, last_row))
@@ -1204,7 +1356,8 @@ def summarize(engine: Engine, source: str, edges: Sequence[int], default_model: 
         ranks = [definitions.quantile_ranks(count, fraction) for fraction in fractions[part[0]]]
         wanted[part] = sorted({rank for low, high, _ in ranks for rank in (low, high)})
     means = {part: sums[part] / bounds[part][0] for part in bounds}
-    found = order_statistics(engine, series, wanted, bounds, means)
+    tail = Tail(("all_ttft", -1, False))  # the slowest requests: counted from the same read
+    found = order_statistics(engine, series, wanted, bounds, means, tail)
 
     def quantiles_of(part: Part, fractions: tuple[float, ...]) -> list[float]:
         count = bounds[part][0]
@@ -1219,10 +1372,14 @@ def summarize(engine: Engine, source: str, edges: Sequence[int], default_model: 
         group: {name: latency_of((name, *group)) for name in report.LATENCY_COLUMNS}
         for group in sorted(groups)
     }
-    threshold = None
+    threshold, counted = None, None
     slowest: dict[report.Group, int] = {}
     if ("all_ttft", -1, False) in bounds:
         (threshold,) = quantiles_of(("all_ttft", -1, False), (1 - report.SLOWEST_SHARE,))
+        counted = tail.at_least(threshold)
+        if counted is not None:  # g = (length group + 1) * 2 + hit (:func:`_series`)
+            slowest = {(g // 2 - 1, bool(g % 2)): count for g, count in counted.items()}
+    if threshold is not None and counted is None:
         slowest = {
             (int(g), bool(hit)): int(count)
             for g, hit, count in con.execute(
