@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -73,6 +74,7 @@ def start_kvlens(
     wait: bool = True,
     ready: str = "/healthz",
     start_seconds: float = 20,
+    sigint_ignored: bool = False,
 ) -> Running:
     """Start ``kvlens ARGS --port P`` and, unless ``wait`` is False, wait until ``ready`` answers
     200 (``kvlens simulate serve`` answers on vLLM's ``/health``; a test that counts connections
@@ -84,6 +86,8 @@ def start_kvlens(
         stderr=subprocess.STDOUT,
         text=True,
         env={**os.environ, "KVLENS_LOG_LEVEL": "WARNING", **(env or {})},
+        # as a job started in the background of a script (POSIX shells ignore SIGINT there)
+        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None,
     )
     url = f"{scheme}://127.0.0.1:{port}"
     if not wait:

@@ -15,14 +15,16 @@ from tests.live import start_kvlens
 pytestmark = pytest.mark.integration
 
 
-def test_ctrl_c_stops_the_demo_without_a_traceback() -> None:
-    demo = start_kvlens("demo", "--every", "60")  # its banner says: Ctrl-C to stop
-    demo.process.send_signal(signal.SIGINT)
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
+def test_ctrl_c_stops_the_demo_without_a_traceback(inherited: str) -> None:
+    # "ignored": started as a job in the background of a script, which POSIX shells start with
+    # SIGINT ignored; uvicorn still stops on it, but its re-raise of the signal went nowhere and
+    # the demo ended 0 (seen in a CI run started that way)
+    demo = start_kvlens("demo", "--every", "60", sigint_ignored=inherited == "ignored")
+    demo.process.send_signal(signal.SIGINT)  # its banner says: Ctrl-C to stop
     out, _ = demo.process.communicate(timeout=20)
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
-    # 128 + SIGINT, as a shell reports it (the output names the cause if it is not: once in CI
-    # the demo ended 0, not reproduced in 12 runs here, at load 0-4)
-    assert demo.process.returncode == 130, out
+    assert demo.process.returncode == 130, out  # 128 + SIGINT, as a shell reports it
 
 
 def test_a_reader_that_leaves_the_pipe_ends_the_output_quietly(tmp_path: Path) -> None:

@@ -101,14 +101,16 @@ def run(args: argparse.Namespace) -> int:
         threading.Timer(args.duration, lambda: setattr(server, "should_exit", True)).start()
     for thread in threads:
         thread.start()
+    from kvlens.exporter.server import run_until_stopped
+
     try:
-        server.run()
+        status = run_until_stopped(server)
     finally:
         stop.set()
         for thread in threads:
             thread.join(timeout=2)
     print_summary(aggregator, sys.stdout, kv_events)
-    return 0
+    return status
 
 
 def in_process_kv_events(settings: Settings, replicas: list[str]) -> KVEvents:

@@ -75,6 +75,7 @@ def add_parser(commands: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
+    from kvlens.exporter.server import run_until_stopped
+
     server = build_server(settings, Aggregator(settings), args)
-    server.run()
-    return 0
+    return run_until_stopped(server)

@@ -23,7 +23,9 @@ import ctypes
 import logging
 import os
 import resource
+import signal
 import ssl
+from types import FrameType
 from typing import Any, ClassVar, Final
 
 import uvicorn
@@ -263,3 +265,20 @@ def return_large_buffers() -> bool:
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
     return bool(mallopt(M_MMAP_THRESHOLD, LARGE_BUFFER_BYTES))
+
+
+def run_until_stopped(server: uvicorn.Server) -> int:
+    """Serve until a signal stops ``server``; the exit status: 130 after SIGINT (Ctrl-C), as a
+    shell reports it, else 0. uvicorn raises the signal again once it has shut down, which ends in
+    KeyboardInterrupt (130 in :func:`kvlens.cli.main`), but not in a process that inherited SIGINT
+    ignored (a job started in the background of a script): there it returns, and this says 130."""
+    signals: list[int] = []
+    handle_exit = server.handle_exit
+
+    def recorded(sig: int, frame: FrameType | None) -> None:
+        signals.append(sig)
+        handle_exit(sig, frame)
+
+    server.handle_exit = recorded  # type: ignore[method-assign]
+    server.run()
+    return 128 + signal.SIGINT if signal.SIGINT in signals else 0

@@ -238,13 +238,13 @@ def run(args: argparse.Namespace) -> int:
         limit_concurrency=None,  # idle sockets must not count: the guard closes them
     )
     try:
-        uvicorn.Server(config).run()
+        status = server.run_until_stopped(uvicorn.Server(config))
     finally:
         if shipper is not None:
             shipper.close()
         for publisher in publishers:
             publisher.close()
-    return 0
+    return status
 
 
 def kv_event_publishers(endpoint: str | None, replicas: int) -> list[Any]:
