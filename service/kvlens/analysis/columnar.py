@@ -325,9 +325,10 @@ def load(
     jsonl = "SELECT * FROM jsonl_records"
     view, in_memory, unchecked = jsonl, True, None
     if parquet:
-        in_memory = _fits_in_memory(engine, [path for _, path in parquet], columns)
+        rows = _parquet_rows(engine, [path for _, path in parquet])
+        in_memory = _fits_in_memory(engine, rows, columns)
         checks = _parquet_checks(engine, parquet, columns)
-        result.lines += _parquet_rows(engine, [path for _, path in parquet])
+        result.lines += rows
         for _, path in parquet:
             result.formats[path] = "parquet"
         if in_memory or not check_later:
@@ -366,11 +367,10 @@ def _parquet_rows(engine: Engine, paths: list[str]) -> int:
     return int(rows)
 
 
-def _fits_in_memory(engine: Engine, paths: list[str], columns: Sequence[str]) -> bool:
-    """Whether the rows of the Parquet files (their footers' count) fit in
-    :data:`MATERIALIZE_SHARE` of the memory limit, at :data:`COLUMN_BYTES` a column."""
+def _fits_in_memory(engine: Engine, rows: int, columns: Sequence[str]) -> bool:
+    """Whether ``rows`` Parquet rows fit in :data:`MATERIALIZE_SHARE` of the memory limit, at
+    :data:`COLUMN_BYTES` a column."""
     ((limit,),) = engine.connection.execute("SELECT current_setting('memory_limit')").fetchall()
-    rows = _parquet_rows(engine, paths)
     return rows * COLUMN_BYTES * (len(columns) + 3) <= MATERIALIZE_SHARE * _bytes(str(limit))
 
 
