@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
 
+from kvlens.cli import blas  # noqa: F401  # first: before numpy is imported
 from kvlens.cli.common import Parser, configure_logging, examples, log_flags
 from kvlens.console import install_hint
 from kvlens.errors import InputError, SettingsError
