@@ -3,6 +3,7 @@ as a user's ``kvlens`` starts."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -45,3 +46,28 @@ def test_analyze_imports_no_module_its_report_does_not_need(tmp_path: Path) -> N
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'yaml', 'rich', 'uvicorn', 'httpx'}))"
     )
     assert _fresh(code) == "[]"
+
+
+def test_the_end_of_a_command_freezes_the_heap_after_its_output_and_cleanup(tmp_path: Path) -> None:
+    # the interpreter's last collections would walk every object (0.1-0.15 s of each run's end);
+    # frozen at exit, after the report is flushed and DuckDB's spill directory removed
+    records = tmp_path / "records.jsonl"
+    records.write_text('{"prompt_tokens": 100, "cached_tokens": 50, "model": "m"}\n')
+    spill = tmp_path / "tmp"
+    spill.mkdir()
+    code = (
+        "import atexit, gc, sys\n"
+        "from kvlens.console import main\n"
+        f"code = main(['analyze', {str(records)!r}, '--engine', 'duckdb', '--json'])\n"
+        "print(gc.get_freeze_count(), file=sys.stderr)\n"
+        "atexit._run_exitfuncs()\n"
+        "print(gc.get_freeze_count() > 0, file=sys.stderr)\n"
+        "sys.exit(code)"
+    )
+    environment = {**os.environ, "TMPDIR": str(spill)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=environment, capture_output=True, text=True, check=True, timeout=60
+    )
+    assert json.loads(done.stdout)["overall"]["requests"] == 1
+    assert done.stderr.split() == ["0", "True"]
+    assert list(spill.iterdir()) == []
