@@ -152,9 +152,14 @@ def test_a_label_with_control_characters_is_rejected_like_a_json_line(tmp_path: 
     assert sorted(from_parquet["models"]) == ["café", "ok"]
 
 
-def test_every_character_python_calls_printable_and_no_other_is_a_label(tmp_path: Path) -> None:
+@pytest.mark.parametrize("checked_in_python", [0, 300_000], ids=["pattern", "python"])
+def test_every_character_python_calls_printable_and_no_other_is_a_label(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, checked_in_python: int
+) -> None:
     # the Parquet rule and records.valid_label agree on each code point (the engines' Unicode
-    # tables differ in version: DuckDB's regular expressions know characters Python does not)
+    # tables differ in version: DuckDB's regular expressions know characters Python does not),
+    # whether the distinct labels are few enough to check in Python or matched row by row
+    monkeypatch.setattr(columnar, "MAX_LABELS_CHECKED", checked_in_python)
     points = [p for p in range(0x30000) if not 0xD800 <= p <= 0xDFFF]
     path = _write(
         tmp_path / "chars.parquet",
@@ -265,3 +270,64 @@ def test_arm_names_that_look_like_sql_select_their_own_records(tmp_path: Path) -
     in_numpy = compare.compare([compare.load_arm(name, str(path), settings) for name, _ in specs])
     assert in_duckdb == in_numpy
     assert (in_duckdb["arms"], in_duckdb["requests"]) == (names, 40)
+
+
+# (label, valid): printable UTF-8 of at most 128 bytes, as a JSON line's
+LABELS = [
+    ("ok", True),
+    ("café", True),
+    ("日本語", True),
+    ("\U0001f600", True),
+    ("x" * 128, True),
+    ("é" * 64, True),
+    ("", True),  # no label
+    ("x" * 129, False),
+    ("é" * 65, False),
+    ("tab\there", False),
+    ("nul\x00", False),
+    ("del\x7f", False),
+    ("zero\u200bwidth", False),
+    ("a\x1b[2Jb", False),
+]
+
+
+@pytest.mark.parametrize("checked_in_python", [0, 1000], ids=["pattern", "python"])
+def test_each_label_column_is_checked_as_a_json_line_is_in_each_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, checked_in_python: int
+) -> None:
+    """model, replica and tenant each take every label once; a row is kept when its three are
+    valid, else counted under the first invalid field. A second load of the engine checks its
+    rows as the first did (the invalid labels of both in one table)."""
+    monkeypatch.setattr(columnar, "MAX_LABELS_CHECKED", checked_in_python)
+    count = len(LABELS)
+    rows = [[LABELS[(i + shift) % count] for shift in (0, 3, 5)] for i in range(count)]
+    path = _write(
+        tmp_path / "labels.parquet",
+        {
+            "prompt_tokens": _tokens(*range(count)),
+            "cached_tokens": _tokens(*[0] * count),
+            **{
+                name: pa.array([row[column][0] for row in rows])
+                for column, name in enumerate(("model", "replica", "tenant"))
+            },
+        },
+    )
+    kept = {i for i, row in enumerate(rows) if all(valid for _, valid in row)}
+    first_invalid = [
+        ("model", "replica", "tenant")[[valid for _, valid in row].index(False)]
+        for i, row in enumerate(rows)
+        if i not in kept
+    ]
+    assert (len(kept), set(first_invalid)) == (2, {"model", "replica", "tenant"})  # rows of each kind
+    engine = columnar.Engine()
+    try:
+        for _ in range(2):
+            loaded = columnar.load(engine, [str(path)], columns=columnar.SCALAR_COLUMNS)
+            prompts = engine.connection.execute("SELECT prompt_tokens FROM records").fetchall()
+            assert {int(n) for (n,) in prompts} == kept
+            assert loaded.read.skipped == {"invalid_label": 12}
+            assert [example["field"] for example in loaded.read.examples] == first_invalid[
+                : len(loaded.read.examples)
+            ]
+    finally:
+        engine.close()
