@@ -18,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvlens import records
 from kvlens.analysis import columnar, jsonl_load, reader
 
 pytest.importorskip("duckdb")
@@ -245,15 +246,21 @@ def unchecked_line(draw: st.DrawFn) -> bytes:
         max_size=40,
     ),
     st.integers(40, 2_000),
+    st.integers(1, 600),
     st.booleans(),
 )
 def test_any_lines_load_as_the_python_validator_reads_them(
-    tmp_path_factory: pytest.TempPathFactory, lines: list[bytes], chunk_bytes: int, final_newline: bool
+    tmp_path_factory: pytest.TempPathFactory,
+    lines: list[bytes],
+    chunk_bytes: int,
+    slice_bytes: int,
+    final_newline: bool,
 ) -> None:
     path = tmp_path_factory.mktemp("lines") / "r.jsonl"
     path.write_bytes(b"\n".join(lines) + (b"\n" if final_newline else b""))
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(reader, "CHUNK_BYTES", chunk_bytes)
+        patch.setattr(records, "STRICT_SLICE_BYTES", slice_bytes)  # several slices a chunk
         assert_same(path)
 
 
