@@ -432,3 +432,29 @@ def test_ctrl_c_while_the_lines_are_proven_stops_duckdb_and_inserts_nothing(
         assert engine.connection.execute("SELECT count(*) FROM jsonl_records").fetchall() == [(0,)]
     finally:
         engine.close()
+
+
+def test_once_duckdb_refuses_the_file_the_rest_is_not_proven_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A duplicate key on the first line: DuckDB refuses the file at once, and the decoder stops
+    proving lines that can no longer be inserted in one statement (the first chunk's decode
+    here waits for DuckDB's answer)."""
+    duplicate = VALID[:-1] + b',"model":"last"}'
+    monkeypatch.setattr(reader, "CHUNK_BYTES", 2 * (len(duplicate) + 1))
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b"\n".join([duplicate] + [VALID.ljust(len(duplicate))] * 9) + b"\n")
+    strict = jsonl_load.records.strict_records
+    proven: list[int | None] = []
+
+    def after_duckdb(chunk: bytes) -> int | None:
+        for thread in threading.enumerate():
+            if thread.name == "kvlens-read-json":
+                thread.join()
+        proven.append(strict(chunk))
+        return proven[-1]
+
+    with monkeypatch.context() as patch:
+        patch.setattr(jsonl_load.records, "strict_records", after_duckdb)
+        assert assert_same(path) == [None, 2, 2, 2, 2]
+    assert proven == [2]

@@ -149,7 +149,8 @@ def _whole_file(
                 parse.open = True
                 thread.start()
             count = reader.record_lines(chunk)
-            if not count or records.strict_records(chunk) != count:
+            refused = bool(outcome) and isinstance(outcome[0], BaseException)  # no use going on
+            if refused or not count or records.strict_records(chunk) != count:
                 proven = False
                 break
             lines += count
