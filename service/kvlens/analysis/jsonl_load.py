@@ -1,5 +1,10 @@
 """JSON lines into a DuckDB table, for the ``duckdb`` engine (:func:`kvlens.analysis.columnar.load`).
 
+A regular file (plain or gzip) whose every line is a record the strict decoder accepts is
+inserted in one ``read_json`` statement, which DuckDB runs in a thread while the decoder proves
+the lines a chunk at a time (:func:`_whole_file`); the first chunk that fails stops DuckDB, and
+the file is then read a chunk at a time as follows (so is a pipe, and a file of another format).
+
 A chunk of lines that the strict decoder accepts (:func:`kvlens.analysis.reader.parsed_of`:
 every line one valid kvlens record of known fields only) is written to a temporary file and
 parsed by DuckDB's ``read_json`` into typed columns: building a Python object for each value
