@@ -460,7 +460,9 @@ def _wire_struct(prefix_hashes: Any) -> type[msgspec.Struct]:
         meta = msgspec.Meta(**{k: v for k, v in limits.items() if v is not None})
         annotated: Any = Annotated[kinds[spec.kind], meta]
         fields.append((spec.name, annotated) if spec.required else (spec.name, annotated | None, None))
-    return msgspec.defstruct("WireRecord", fields, kw_only=True, forbid_unknown_fields=True)
+    # gc=False: a record holds numbers, strings and a list of them, never a cycle; tracking
+    # millions of them made the collector's passes a sixth of the strict decode
+    return msgspec.defstruct("WireRecord", fields, kw_only=True, forbid_unknown_fields=True, gc=False)
 
 
 # Offline (analyze) keeps prefix_hashes; the live sidecar checks them but keeps only b"" (absent),
@@ -526,16 +528,28 @@ def _wire_batch(records: list[Any], keep_prefix_hashes: bool) -> RecordBatch | N
     return _assemble(columns)
 
 
+STRICT_SLICE_BYTES = 128 * 1024  # lines decoded at a time by strict_records
+
+
 def strict_records(lines: bytes) -> int | None:
     """How many records the JSON lines ``lines`` hold when the decoder of
     :func:`batch_from_json_lines` (keeping prefix_hashes) accepts each (kinds and bounds, known
-    fields only), without building them; None when it does not. Two checks are left to the
+    fields only), without building them; None when it does not (a record spanning lines may
+    also give None: the lines are decoded :data:`STRICT_SLICE_BYTES` at a time). Two checks are left to the
     caller, as the batch functions make them after decoding: ``cached_tokens <= prompt_tokens``
     and :func:`labels_valid` over :data:`LABEL_FIELDS`."""
+    count, start, view = 0, 0, memoryview(lines)
     try:
-        return len(jsonscan.decode(_LINE_DECODER.decode_lines, lines))
+        # a slice of lines at a time: its records stay in the CPU's caches and are freed at
+        # once (the strict decode of 1M records took ~40 % less CPU than in one call)
+        while start < len(lines):
+            end = lines.find(b"\n", start + STRICT_SLICE_BYTES)
+            end = len(lines) if end < 0 else end + 1
+            count += len(jsonscan.decode(_LINE_DECODER.decode_lines, view[start:end]))
+            start = end
     except msgspec.DecodeError:
         return None
+    return count
 
 
 def labels_valid(labels: Iterable[str | None]) -> bool:

@@ -6,6 +6,7 @@ and example line numbers."""
 
 from __future__ import annotations
 
+import gzip
 import math
 import random
 import threading
@@ -17,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvlens import records
 from kvlens.analysis import columnar, jsonl_load, reader
 
 pytest.importorskip("duckdb")
@@ -47,19 +49,31 @@ def expected(path: Path) -> tuple[reader.ReadResult, list[str]]:
     return read, rows
 
 
-def loaded(path: Path, threads: int = 2) -> tuple[reader.ReadResult, list[str], list[int | None]]:
-    """The table ``columnar.load`` makes of ``path``, and what each DuckDB parse returned."""
+def loaded(
+    path: Path, threads: int = 2, whole_file: bool = True
+) -> tuple[reader.ReadResult, list[str], list[int | str | None]]:
+    """The table ``columnar.load`` makes of ``path``, and what each DuckDB parse returned: a
+    chunk's count (None: left to the validator), or "file" when the whole file was inserted
+    in one statement (``whole_file=False``: never tried, every chunk is parsed on its own)."""
     engine = columnar.Engine(threads=threads)
-    parses: list[int | None] = []
+    parses: list[int | str | None] = []
     parse = jsonl_load._Parser.__call__
+    whole = jsonl_load._whole_file
 
     def counted(self: jsonl_load._Parser, chunk: bytes, lines: int) -> int | None:
         parses.append(parse(self, chunk, lines))
-        return parses[-1]
+        return parses[-1]  # type: ignore[return-value]
+
+    def whole_counted(*args: Any, **kwargs: Any) -> bool:
+        inserted = whole_file and whole(*args, **kwargs)
+        if inserted:
+            parses.append("file")
+        return inserted
 
     try:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(jsonl_load._Parser, "__call__", counted)
+            patch.setattr(jsonl_load, "_whole_file", whole_counted)
             result = columnar.load(engine, [str(path)], columns=COLUMNS).read
         rows = engine.connection.execute(
             f"SELECT {', '.join(COLUMNS)}, src, row FROM jsonl_records ORDER BY row"
@@ -69,9 +83,9 @@ def loaded(path: Path, threads: int = 2) -> tuple[reader.ReadResult, list[str], 
     return result, [repr(row) for row in rows], parses
 
 
-def assert_same(path: Path) -> list[int | None]:
+def assert_same(path: Path, whole_file: bool = True) -> list[int | str | None]:
     want, want_rows = expected(path)
-    got, got_rows, parses = loaded(path)
+    got, got_rows, parses = loaded(path, whole_file=whole_file)
     assert got_rows == want_rows
     assert (got.lines, got.ignored, dict(got.skipped), got.examples, got.formats) == (
         want.lines,
@@ -116,8 +130,9 @@ def test_a_duplicate_key_duckdb_refuses_is_read_by_the_validator(
     assert expected(path)[1][0].startswith("(None, 'last', ")  # request_id, model: the last wins
 
 
-def test_rows_keep_the_file_order_when_duckdb_reads_a_chunk_in_parallel(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(("whole_file", "parsed"), [(True, ["file"]), (False, [20_000])])
+def test_rows_keep_the_file_order_when_duckdb_reads_in_parallel(
+    tmp_path: Path, whole_file: bool, parsed: list[int | str]
 ) -> None:
     generator = random.Random(7)
     lines = [
@@ -127,8 +142,8 @@ def test_rows_keep_the_file_order_when_duckdb_reads_a_chunk_in_parallel(
     path = tmp_path / "r.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
     want = expected(path)[1]
-    _, rows, parses = loaded(path, threads=4)
-    assert parses == [20_000]
+    _, rows, parses = loaded(path, threads=4, whole_file=whole_file)
+    assert parses == parsed
     assert rows == want
 
 
@@ -231,15 +246,21 @@ def unchecked_line(draw: st.DrawFn) -> bytes:
         max_size=40,
     ),
     st.integers(40, 2_000),
+    st.integers(1, 600),
     st.booleans(),
 )
 def test_any_lines_load_as_the_python_validator_reads_them(
-    tmp_path_factory: pytest.TempPathFactory, lines: list[bytes], chunk_bytes: int, final_newline: bool
+    tmp_path_factory: pytest.TempPathFactory,
+    lines: list[bytes],
+    chunk_bytes: int,
+    slice_bytes: int,
+    final_newline: bool,
 ) -> None:
     path = tmp_path_factory.mktemp("lines") / "r.jsonl"
     path.write_bytes(b"\n".join(lines) + (b"\n" if final_newline else b""))
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(reader, "CHUNK_BYTES", chunk_bytes)
+        patch.setattr(records, "STRICT_SLICE_BYTES", slice_bytes)  # several slices a chunk
         assert_same(path)
 
 
@@ -250,7 +271,7 @@ def test_labels_past_ascii_are_checked_exactly_and_with_the_counts(tmp_path: Pat
     over = VALID.replace(b'"prompt_tokens":500', b'"prompt_tokens":100')
     unprintable = VALID.replace(b'"model":"m"', b'"model":"\\t"')
     for lines, parsed in (
-        ([accented, VALID], [2]),
+        ([accented, VALID], ["file"]),
         ([accented, over], [None]),
         ([accented, *[VALID] * 3000, over], [None]),  # the count past DuckDB's first vector
         ([over, accented], [None]),
@@ -271,7 +292,9 @@ def test_a_full_temporary_directory_leaves_the_lines_to_the_validator(
     path = tmp_path / "r.jsonl"
     path.write_bytes(b"\n".join([VALID] * 5) + b"\n")
     monkeypatch.setattr(Path, "write_bytes", full)
-    assert assert_same(path) == [None, None, None]  # tried once, then not again
+    # tried once, then not again (the whole file in one statement writes no file)
+    assert assert_same(path, whole_file=False) == [None, None, None]
+    assert assert_same(path) == ["file"]
 
 
 def test_the_next_chunk_is_decoded_while_duckdb_parses_this_one(
@@ -323,7 +346,7 @@ def test_the_next_chunk_is_decoded_while_duckdb_parses_this_one(
     ],
 )
 def test_record_lines_counts_lines_that_each_start_a_record(chunk: bytes, lines: int) -> None:
-    assert reader._record_lines(chunk) == lines
+    assert reader.record_lines(chunk) == lines
 
 
 def test_a_chunk_duckdb_refuses_within_a_transaction_keeps_the_chunks_before_it(
@@ -341,3 +364,97 @@ def test_a_chunk_duckdb_refuses_within_a_transaction_keeps_the_chunks_before_it(
     path.write_bytes(b"\n".join(lines) + b"\n")
     monkeypatch.setattr(jsonl_load, "COMMIT_CHUNKS", 3)
     assert assert_same(path) == [2, 2, 2, 2, None, 2, None, 2, 2, 2]
+
+
+@pytest.mark.parametrize("name", ["r.jsonl.gz", "r.jsonl"])
+def test_a_gzip_file_by_name_or_by_magic_is_inserted_in_one_statement(tmp_path: Path, name: str) -> None:
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(b"\n".join([VALID] * 50) + b"\n"))
+    assert assert_same(path) == ["file"]
+
+
+def test_progress_counts_each_byte_once_when_the_file_is_read_again_a_chunk_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(reader, "CHUNK_BYTES", 4 * (len(VALID) + 1))
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b"\n".join([VALID] * 9 + [b"{broken"]) + b"\n")
+    steps: list[int] = []
+    engine = columnar.Engine()
+    try:
+        columnar.load(engine, [str(path)], progress=steps.append)
+    finally:
+        engine.close()
+    size = path.stat().st_size
+    # read whole (three chunks, the last refused), taken back, then read a chunk at a time
+    assert steps[:4] == [4 * (len(VALID) + 1), 4 * (len(VALID) + 1), len(VALID) + 9, -size]
+    assert sum(steps[4:]) == size
+
+
+def test_a_file_with_more_lines_for_duckdb_than_the_decoder_counted_is_read_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A log still being written: DuckDB, reading after the decoder, finds lines it did not
+    count (here the decoder is shown only the first chunk). Nothing of DuckDB's reading is kept."""
+    monkeypatch.setattr(reader, "CHUNK_BYTES", 3 * (len(VALID) + 1))
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b"\n".join([VALID] * 7) + b"\n")
+    chunks = reader.file_chunks
+    calls: list[int] = []
+
+    def first_chunk_only(*args: Any) -> Any:
+        calls.append(1)
+        found = chunks(*args)
+        return [next(found)] if len(calls) == 1 else found
+
+    want = expected(path)[1]
+    monkeypatch.setattr(reader, "file_chunks", first_chunk_only)
+    _, rows, parses = loaded(path)
+    assert parses == [3, 3, 1]  # a chunk at a time, after the whole file was refused
+    assert rows == want
+
+
+def test_ctrl_c_while_the_lines_are_proven_stops_duckdb_and_inserts_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b"\n".join([VALID] * 1000) + b"\n")
+
+    def interrupted(chunk: bytes) -> int | None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(jsonl_load.records, "strict_records", interrupted)
+    engine = columnar.Engine()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            columnar.load(engine, [str(path)])
+        assert [t.name for t in threading.enumerate() if t.name == "kvlens-read-json"] == []
+        assert engine.connection.execute("SELECT count(*) FROM jsonl_records").fetchall() == [(0,)]
+    finally:
+        engine.close()
+
+
+def test_once_duckdb_refuses_the_file_the_rest_is_not_proven_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A duplicate key on the first line: DuckDB refuses the file at once, and the decoder stops
+    proving lines that can no longer be inserted in one statement (the first chunk's decode
+    here waits for DuckDB's answer)."""
+    duplicate = VALID[:-1] + b',"model":"last"}'
+    monkeypatch.setattr(reader, "CHUNK_BYTES", 2 * (len(duplicate) + 1))
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b"\n".join([duplicate] + [VALID.ljust(len(duplicate))] * 9) + b"\n")
+    strict = jsonl_load.records.strict_records
+    proven: list[int | None] = []
+
+    def after_duckdb(chunk: bytes) -> int | None:
+        for thread in threading.enumerate():
+            if thread.name == "kvlens-read-json":
+                thread.join()
+        proven.append(strict(chunk))
+        return proven[-1]
+
+    with monkeypatch.context() as patch:
+        patch.setattr(jsonl_load.records, "strict_records", after_duckdb)
+        assert assert_same(path) == [None, 2, 2, 2, 2]
+    assert proven == [2]

@@ -1,5 +1,10 @@
 """JSON lines into a DuckDB table, for the ``duckdb`` engine (:func:`kvlens.analysis.columnar.load`).
 
+A regular file (plain or gzip) whose every line is a record the strict decoder accepts is
+inserted in one ``read_json`` statement, which DuckDB runs in a thread while the decoder proves
+the lines a chunk at a time (:func:`_whole_file`); the first chunk that fails stops DuckDB, and
+the file is then read a chunk at a time as follows (so is a pipe, and a file of another format).
+
 A chunk of lines that the strict decoder accepts (:func:`kvlens.analysis.reader.parsed_of`:
 every line one valid kvlens record of known fields only) is written to a temporary file and
 parsed by DuckDB's ``read_json`` into typed columns: building a Python object for each value
@@ -29,7 +34,9 @@ chunk ahead, in a thread, while DuckDB parses (:func:`kvlens.analysis.reader.par
 from __future__ import annotations
 
 import contextlib
+import os
 import tempfile
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -66,6 +73,9 @@ def load_file(
     names = ", ".join(columns)
     with tempfile.TemporaryDirectory(prefix="kvlens-lines-") as directory:
         parse = _Parser(connection, table, columns, src, Path(directory))
+        if _whole_file(parse, path, result, format_name=format_name, model=model, progress=progress):
+            connection.execute(f"DROP TABLE IF EXISTS {STAGED}")
+            return
         try:
             items = reader.parsed_of(
                 [path], result, parse, format_name=format_name, model=model, progress=progress
@@ -86,6 +96,102 @@ def load_file(
             raise
         parse.commit()
     connection.execute(f"DROP TABLE IF EXISTS {STAGED}")
+
+
+def _whole_file(
+    parse: _Parser,
+    path: str,
+    result: reader.ReadResult,
+    *,
+    format_name: str | None,
+    model: str | None,
+    progress: Callable[[int], None] | None,
+) -> bool:
+    """Insert every record of the regular file ``path`` in one statement, when every line of it
+    is a record the strict decoder accepts; False, nothing inserted, when one is not (or the
+    file is another format, a pipe, read with ``model``): the caller reads it a chunk at a time.
+
+    DuckDB parses the whole file (in a thread: it releases the GIL) while this thread proves its
+    lines a chunk at a time with the strict decoder, as :func:`kvlens.analysis.reader.parsed_of`
+    does for a chunk; a chunk that fails stops DuckDB early. One statement over the file costs
+    DuckDB less than a statement, a temporary file and a check a chunk, and the two parses
+    overlap on two cores. The rows are inserted in one transaction, rolled back on failure; the
+    checks are :meth:`_Parser.insert_checked` and :meth:`_Parser.settle`'s, as for a chunk.
+    The file is read twice, once by each parser: one that grows meanwhile (a log being written)
+    gives DuckDB more lines than the decoder counted, and is read a chunk at a time."""
+    if path == "-" or model is not None or format_name not in (None, "kvlens") or not os.path.isfile(path):
+        return False
+    labels = list(records.LABEL_FIELDS)
+    query = parse.lines_query(path, labels, "gzip" if reader.is_gzip(path) else "none")
+    outcome: list[int | BaseException] = []
+
+    def insert() -> None:
+        try:
+            outcome.append(parse.insert_checked(query, labels))
+        except BaseException as error:  # handed to the reading thread
+            outcome.append(error)
+
+    read = 0
+
+    def counted(size: int) -> None:
+        nonlocal read
+        read += size
+        if progress is not None:
+            progress(size)
+
+    warnings: list[str] = []  # logged if the file is inserted here, else when it is read again
+    thread = threading.Thread(target=insert, name="kvlens-read-json", daemon=True)
+    lines, proven, started = 0, True, False
+    try:
+        chunks = reader.file_chunks([path], result, format_name, counted, warnings.append)
+        for _, _, chunk, file_format in chunks:
+            if not started:
+                started = True
+                if file_format != "kvlens":
+                    proven = False
+                    break
+                parse.connection.execute("BEGIN")
+                parse.open = True
+                thread.start()
+            count = reader.record_lines(chunk)
+            refused = bool(outcome) and isinstance(outcome[0], BaseException)  # no use going on
+            if refused or not count or records.strict_records(chunk) != count:
+                proven = False
+                break
+            lines += count
+    except BaseException:  # Ctrl-C, an unreadable file: DuckDB stops too, nothing is kept
+        _stop(parse, thread, interrupt=True)
+        parse.abandon()
+        raise
+    _stop(parse, thread, interrupt=not proven)
+    inserted = outcome[0] if outcome else None  # an error (DuckDB refused the text): read again
+    settled = None
+    try:
+        if proven and isinstance(inserted, int) and lines:
+            settled = parse.settle(inserted, query, labels, lines)
+    except (*parse.refused, parse.too_small):
+        pass
+    except BaseException:
+        parse.abandon()
+        raise
+    if settled == lines:
+        parse.commit()
+        result.lines += lines
+        for warning in warnings:
+            reader.log.warning("%s", warning)
+        return True
+    parse.abandon()
+    if progress is not None and read:
+        progress(-read)  # the chunks are read again
+    return False
+
+
+def _stop(parse: _Parser, thread: threading.Thread, *, interrupt: bool) -> None:
+    """Wait for DuckDB's insert in ``thread`` to end, interrupting it first if asked."""
+    if thread.is_alive():
+        if interrupt:
+            parse.connection.interrupt()
+        thread.join()
 
 
 class _Parser:
@@ -139,7 +245,7 @@ class _Parser:
             self.connection.execute("BEGIN")
             self.open = True
         try:
-            count = self._insert(self._read(file, labels), labels, lines)
+            count = self._insert(self.lines_query(file, labels), labels, lines)
         except (*self.refused, self.too_small) as error:
             # text DuckDB refuses (a duplicate key), or read_json's buffers (32 MiB) do not fit
             # in memory: the validator reads the chunk, and for good after the latter
@@ -180,14 +286,14 @@ class _Parser:
         offset = self.offset
         for file, labels, lines, start in self.inserted:
             self.offset = start
-            if self._insert(self._read(file, labels), labels, lines) != lines:
+            if self._insert(self.lines_query(file, labels), labels, lines) != lines:
                 raise InputError(f"{file}: DuckDB read a chunk of lines otherwise the second time")
             file.unlink()
         self.inserted.clear()
         self.offset = offset
 
-    def _read(self, file: Path, labels: list[str]) -> str:
-        """The chunk's lines as a query: the wanted columns, those the checks read, ordinality."""
+    def lines_query(self, file: Path | str, labels: list[str], compression: str = "none") -> str:
+        """The lines of ``file`` as a query: the wanted columns, those the checks read, ordinality."""
         wanted = {**self.columns, "prompt_tokens": "BIGINT", "cached_tokens": "BIGINT"}
         wanted.update(dict.fromkeys(labels, "VARCHAR"))
         typed = "{" + ", ".join(f"{name}: '{sql}'" for name, sql in wanted.items()) + "}"
@@ -200,22 +306,37 @@ class _Parser:
         # chunk is smaller than one of read_json's 32 MiB buffers anyway)
         return (
             f"SELECT {selected}, ordinality FROM read_json('{quoted}', format = 'newline_delimited', "
-            f"records = true, columns = {typed}) WITH ORDINALITY"
+            f"records = true, compression = '{compression}', columns = {typed}) WITH ORDINALITY"
         )
 
     def _insert(self, lines_query: str, labels: list[str], lines: int) -> int | None:
-        insert = (
+        return self.settle(self.insert_checked(lines_query, labels), lines_query, labels, lines)
+
+    def _insert_statement(self) -> str:
+        return (
             f"INSERT INTO {self.table} SELECT {', '.join(self.columns)}, {self.src}, "
             f"{self.offset} + ordinality - 1 FROM "
         )
+
+    def insert_checked(self, lines_query: str, labels: list[str]) -> int:
+        """Insert the rows of ``lines_query`` that pass both checks (labels as printable
+        ASCII only); their number."""
         ascii_labels = " AND ".join(
             f"({name} IS NULL OR regexp_full_match({name}, '[ -~]{{0,{records.MAX_LABEL_BYTES}}}'))"
             for name in labels
         )
         # no error() for a failed check: an error aborts the transaction the insert is in
         ((count,),) = self.connection.execute(
-            f"{insert} ({lines_query}) WHERE cached_tokens <= prompt_tokens AND ({ascii_labels or 'true'})"
+            f"{self._insert_statement()} ({lines_query}) "
+            f"WHERE cached_tokens <= prompt_tokens AND ({ascii_labels or 'true'})"
         ).fetchall()
+        return int(count)
+
+    def settle(self, count: int, lines_query: str, labels: list[str], lines: int) -> int | None:
+        """``lines`` when the rows :meth:`insert_checked` inserted (``count``) are all of them,
+        or when the rest fail only the ASCII check and :func:`kvlens.records.labels_valid`
+        accepts their labels (all inserted then); else None, nothing inserted."""
+        insert = self._insert_statement()
         if count != lines:  # cached_tokens above prompt_tokens, or a label past ASCII
             self._delete()
             if self._staged(lines_query, labels) is None:

@@ -117,7 +117,7 @@ def batches_of(
 ) -> Iterator[RecordBatch]:
     """The records of ``paths``, one batch of whole lines of about ``CHUNK_BYTES`` at a time (so a
     caller that does not keep them holds one chunk); lines, skips and formats go to ``result``."""
-    for path, first_line, chunk, file_format in _file_chunks(paths, result, format_name, progress):
+    for path, first_line, chunk, file_format in file_chunks(paths, result, format_name, progress):
         yield _read_chunk(path, first_line, chunk, file_format, model, result)
 
 
@@ -139,7 +139,7 @@ def parsed_of(
     :func:`batches_of` reads it, so the records, skips and line numbers are the same. The strict
     decoder runs in a thread, one chunk ahead of ``parse`` (:func:`_decoded_ahead`)."""
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvlens-decode") as decoder:
-        chunks = _file_chunks(paths, result, format_name, progress)
+        chunks = file_chunks(paths, result, format_name, progress)
         for path, first_line, chunk, file_format, lines, strict in _decoded_ahead(decoder, chunks, model):
             try_fast = True
             if strict is not None:
@@ -154,7 +154,7 @@ def parsed_of(
 def _decoded_ahead(
     decoder: ThreadPoolExecutor, chunks: Iterator[tuple[str, int, bytes, str]], model: str | None
 ) -> Iterator[tuple[str, int, bytes, str, int, Future[int | None] | None]]:
-    """Each chunk of ``chunks``, its number of record lines (:func:`_record_lines`, 0 for
+    """Each chunk of ``chunks``, its number of record lines (:func:`record_lines`, 0 for
     another format or with a ``model``) and, for those, the strict decode of it started in
     ``decoder``, one chunk ahead: a chunk is yielded once the next one's decode is under way, so
     that msgspec (which holds the GIL) decodes chunk k+1 while the caller's engine (which
@@ -162,7 +162,7 @@ def _decoded_ahead(
     CPU). At most two chunks are held."""
     pending = None
     for path, first_line, chunk, file_format in chunks:
-        lines = _record_lines(chunk) if file_format == "kvlens" and model is None else 0
+        lines = record_lines(chunk) if file_format == "kvlens" and model is None else 0
         strict = decoder.submit(strict_records, chunk) if lines else None
         if pending is not None:
             yield pending
@@ -171,23 +171,35 @@ def _decoded_ahead(
         yield pending
 
 
-def _file_chunks(
+def file_chunks(
     paths: list[str],
     result: ReadResult,
     format_name: str | None,
     progress: Callable[[int], None] | None,
+    warn: Callable[[str], None] | None = None,
 ) -> Iterator[tuple[str, int, bytes, str]]:
     """(path, number of the chunk's first line, chunk, the file's format) for every chunk of
-    ``paths``; the formats read go to ``result``."""
+    ``paths``; the formats read go to ``result``; ``warn`` is given what ends a file early
+    (default: logged as a warning)."""
     for path in paths:
         with _open(path) as stream:
             file_format = format_name
-            for first_line, chunk in _chunks(stream, progress, path):
+            for first_line, chunk in _chunks(stream, progress, path, warn or log.warning):
                 if file_format is None:
                     file_format = _first_format(chunk) or "kvlens"
                     result.formats[path] = file_format
                 yield path, first_line, chunk, file_format
             result.formats.setdefault(path, file_format or "kvlens")
+
+
+def is_gzip(path: str) -> bool:
+    """Whether :func:`_open` reads the regular file ``path`` through gzip."""
+    with open(path, "rb") as raw:
+        return _gzipped(path, raw.read(2))
+
+
+def _gzipped(path: str, head: bytes) -> bool:
+    return path.endswith(".gz") or head == _GZIP
 
 
 @contextlib.contextmanager
@@ -199,7 +211,7 @@ def _open(path: str) -> Iterator[IO[bytes]]:
     raw: IO[bytes] = sys.stdin.buffer if path == "-" else open(path, "rb")  # noqa: SIM115
     try:
         head = raw.peek(2)[:2] if isinstance(raw, io.BufferedReader) else b""
-        if path.endswith(".gz") or head == _GZIP:
+        if _gzipped(path, head):
             with gzip.GzipFile(fileobj=raw) as unpacked:
                 yield unpacked  # type: ignore[misc]
         else:
@@ -210,7 +222,10 @@ def _open(path: str) -> Iterator[IO[bytes]]:
 
 
 def _chunks(
-    stream: IO[bytes], progress: Callable[[int], None] | None, path: str = "-"
+    stream: IO[bytes],
+    progress: Callable[[int], None] | None,
+    path: str = "-",
+    warn: Callable[[str], None] = log.warning,
 ) -> Iterator[tuple[int, bytes]]:
     """(number of the chunk's first line, whole lines of about :data:`CHUNK_BYTES` joined by
     ``\n``, without the last newline). A block is read and split in C calls: reading line by line
@@ -236,7 +251,7 @@ def _chunks(
         yield line_number, rest
         line_number += rest.count(b"\n") + 1
     if blocks.broken:
-        log.warning("%s: %s: the %s lines before it are read", path, blocks.broken, f"{line_number - 1:,}")
+        warn(f"{path}: {blocks.broken}: the {line_number - 1:,} lines before it are read")
 
 
 class _Blocks:
@@ -283,7 +298,7 @@ def _as_array(chunk: bytes) -> tuple[bytes, int] | None:
     return b"[" + chunk.replace(b"\n", b",") + b"]", chunk.count(b"\n") + 1
 
 
-def _record_lines(chunk: bytes) -> int:
+def record_lines(chunk: bytes) -> int:
     """The number of lines of the chunk when each starts with ``{`` (no blank line, no indent)
     and none ends with a carriage return, else 0. Then each line holds at least one value, and
     none spans lines (a line inside a record would start a nested object, which no field

@@ -26,6 +26,7 @@ import numpy.typing as npt
 
 SLICE_BYTES: Final = 256 * 1024
 T = TypeVar("T")
+B = TypeVar("B", bytes, memoryview)  # the text, and what the decoder takes
 _OBJECT, _ARRAY, _CLOSE, _COMMA, _COLON = 1, 2, 3, 4, 5
 _KIND: Final = np.zeros(256, np.int8)
 for _char, _kind in (
@@ -158,7 +159,7 @@ def scan(
     )
 
 
-def decode(decoder: Callable[[bytes], T], text: bytes) -> T:
+def decode(decoder: Callable[[B], T], text: B) -> T:
     """``decoder(text)`` for any JSON decoder of outside text (msgspec's, the standard library's),
     where text nested deeper than the decoder recurses (about 1,000 levels; records nest 2) is
     malformed like any other: :class:`msgspec.DecodeError`, a ValueError, never the RecursionError
