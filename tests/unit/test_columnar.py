@@ -381,6 +381,24 @@ def hundred_thousand(path: Path) -> Path:
     return path
 
 
+def test_records_read_as_one_chunk_count_the_slowest_requests_from_that_read(tmp_path: Path) -> None:
+    """Under :data:`columnar.CHUNK_ROWS` records the order statistics read every value once and
+    keep it: the slowest requests per group are counted from those values, not by a scan."""
+    path = hundred_thousand(tmp_path / "100k.jsonl")
+    chosen = load_settings()
+    read = reader.read([str(path)])
+    derived = Derived.of(read.batch, chosen.prompt_length_edges, chosen.cost_model_for, chosen.default_model)
+    engine = columnar.Engine()
+    spy = _Statements(engine.connection)
+    engine.connection = spy
+    columnar.load(engine, [str(path)])
+    summary = columnar.summarize(engine, "records", chosen.prompt_length_edges, chosen.default_model)
+    engine.close()
+    assert sum("ttft_seconds >= ?" in sql for sql in spy.run) == 0
+    assert sum(summary.slowest.values()) == 5_000  # 5 % of 100k distinct values
+    assert summary == summarize(derived)
+
+
 @pytest.mark.parametrize(
     ("setting", "value", "expected_reads", "slowest_scans"),
     [

@@ -1043,7 +1043,11 @@ def order_statistics(
                 sampled += np.bincount(bins, minlength=layout.total)
             predicted = _predict(layout, open_targets, sampled, bounds)
         by_row = None if tail is None else layout.index.get(_part_key(tail.part))
-        stored = _first_pass(layout, open_targets, reads(), predicted, tail if by_row is not None else None)
+        whole = len(series.chunks) == 1  # every value is read once and kept: the tail counts from them
+        counted = tail if by_row is not None and not whole else None
+        stored = _first_pass(layout, open_targets, reads(), predicted, counted)
+        if tail is not None and by_row is not None and whole:
+            tail.layout, tail.whole = layout, kept
         if stored is not None and all(predicted[t.first_bin] for t in open_targets):  # type: ignore[index]
             reads = lambda: iter(stored)  # noqa: E731  (every window's values are in memory)
         while open_targets := [t for t in targets if t.value is None]:
@@ -1063,6 +1067,7 @@ class Tail:
     stored: list[Placed] | None = None
     counts: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     bins: int = 0
+    whole: list[Placed] | None = None  # every value of every part (one chunk, kept), instead of the counts
 
     def count(self, groups: npt.NDArray[np.int32], bins: npt.NDArray[np.int64], nb: int) -> None:
         self.bins = nb
@@ -1077,6 +1082,16 @@ class Tail:
         """Values >= ``threshold`` by ``g`` (none: left out), or None when the first pass did not
         keep the values of the bin holding it (a single chunk, too many values, a prediction
         missed): every bin above it is counted, and its own values compared one by one."""
+        if self.whole is not None and self.layout is not None:
+            part = self.layout.index[_part_key(self.part)]
+            start, end = self.layout.offset[part], self.layout.offset[part + 1]
+            found = [
+                np.bincount(groups[(bins >= start) & (bins < end) & (values >= threshold)])
+                for values, _, bins, groups in self.whole
+            ]
+            size = max((len(counts) for counts in found), default=0)
+            by_g = np.sum([np.pad(counts, (0, size - len(counts))) for counts in found], axis=0)
+            return {g: int(count) for g, count in enumerate(np.atleast_1d(by_g)) if count}
         if self.layout is None or self.stored is None or self.predicted is None or not self.bins:
             return None
         part = self.layout.index[_part_key(self.part)]
