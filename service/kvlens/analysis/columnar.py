@@ -19,7 +19,8 @@ range holds one distinct value or few enough values to sort. The histograms are 
 numpy over chunks of the records (:data:`CHUNK_ROWS`, ranges of row numbers that the scans
 prune to), not by the engine's hash aggregate (several times dearer per value); a sample read
 first predicts the bins holding the ranks, whose values the first pass keeps, so one read of
-the records usually suffices (:func:`order_statistics`).
+the records usually suffices (:func:`order_statistics`). Records that fit in one chunk are read
+once and each part ranked by ``np.partition``.
 """
 
 from __future__ import annotations
@@ -940,59 +941,85 @@ class _Layout:
         return position, bins
 
 
-def _read(
-    engine: Engine, series: Series, layout: _Layout, kept: list[Placed], wheres: Sequence[str] = ()
-) -> Iterator[Placed]:
-    """Per chunk (``wheres``, default: every chunk): the values of parts that have a target,
-    their positions and the layout indexes of their bins. The chunk's rows are sorted by ``g``
-    once, so each part is a slice of every column, placed with its own constants (not a lookup
-    of them for every value). A single chunk (at most :data:`CHUNK_ROWS` records) is read and
-    placed once and ``kept`` for the next passes."""
-    single = not wheres and len(series.chunks) == 1
-    if single and kept:
-        yield from kept
-        return
+def _split(
+    got: dict[str, Any], series: Series, index: dict[int, int]
+) -> Iterator[tuple[int, npt.NDArray[np.float64], npt.NDArray[np.int32]]]:
+    """The values of one read of ``series`` (``got``) of each part in ``index`` (part key:
+    position), with the ``g`` of each value's row. The rows are sorted by ``g`` once, so each
+    part is a slice of every column."""
     columns = series.columns or tuple(range(len(series.keys)))
+    g = np.asarray(got["g"], dtype=np.int64)
+    small = g.size and g.min() >= -(1 << 15) and g.max() < 1 << 15
+    order = np.argsort(g.astype(np.int16) if small else g, kind="stable")  # int16: a radix sort
+    g = g[order]
+    starts = np.concatenate(([0], np.flatnonzero(np.diff(g)) + 1, [g.size]))
+    rows_g = g.astype(np.int32)  # each value's g, carried along: 4 bytes a value
+    slices = [
+        (int(g[start]), int(start), int(end)) for start, end in itertools.pairwise(starts) if end > start
+    ]
+    for column_index in sorted(set(columns)):
+        column = got[f"v{column_index}"]
+        values = np.asarray(column, dtype=np.float64)[order]
+        mask = getattr(column, "mask", None)  # a masked array where the column has NULLs
+        present = None if mask is None or not np.any(mask) else ~np.asarray(mask)[order]
+        for key, grouped in (
+            (k, gr)
+            for c, k, gr in zip(columns, series.keys, series.grouped, strict=True)
+            if c == column_index
+        ):
+            for value_of_g, start, end in slices if grouped else [(0, 0, g.size)]:
+                part = index.get(key + value_of_g if grouped else key)
+                if part is None:
+                    continue
+                chosen, of_g = values[start:end], rows_g[start:end]
+                if present is not None:
+                    chosen, of_g = chosen[present[start:end]], of_g[present[start:end]]
+                if chosen.size:
+                    yield part, chosen, of_g
+
+
+def _read(engine: Engine, series: Series, layout: _Layout, wheres: Sequence[str] = ()) -> Iterator[Placed]:
+    """Per chunk (``wheres``, default: every chunk): the values of parts that have a target,
+    their positions and the layout indexes of their bins, each part placed with its own
+    constants (not a lookup of them for every value)."""
     for where in wheres or series.chunks:
         got = engine.connection.execute(series.sql(where)).fetchnumpy()
-        g = np.asarray(got["g"], dtype=np.int64)
-        small = g.size and g.min() >= -(1 << 15) and g.max() < 1 << 15
-        order = np.argsort(g.astype(np.int16) if small else g, kind="stable")  # int16: a radix sort
-        g = g[order]
-        starts = np.concatenate(([0], np.flatnonzero(np.diff(g)) + 1, [g.size]))
-        rows_g = g.astype(np.int32)  # each value's g, carried along: 4 bytes a value
-        slices = [
-            (int(g[start]), int(start), int(end)) for start, end in itertools.pairwise(starts) if end > start
+        pieces = [
+            (chosen, *layout.place(chosen, part), of_g)
+            for part, chosen, of_g in _split(got, series, layout.index)
         ]
-        pieces: list[Placed] = []
-        for index in sorted(set(columns)):
-            column = got[f"v{index}"]
-            values = np.asarray(column, dtype=np.float64)[order]
-            mask = getattr(column, "mask", None)  # a masked array where the column has NULLs
-            present = None if mask is None or not np.any(mask) else ~np.asarray(mask)[order]
-            for key, grouped in (
-                (k, gr) for c, k, gr in zip(columns, series.keys, series.grouped, strict=True) if c == index
-            ):
-                for value_of_g, start, end in slices if grouped else [(0, 0, g.size)]:
-                    part = layout.index.get(key + value_of_g if grouped else key)
-                    if part is None:
-                        continue
-                    chosen, of_g = values[start:end], rows_g[start:end]
-                    if present is not None:
-                        chosen, of_g = chosen[present[start:end]], of_g[present[start:end]]
-                    if chosen.size:
-                        pieces.append((chosen, *layout.place(chosen, part), of_g))
         if not pieces:
             continue
-        placed = (
+        yield (
             np.concatenate([piece[0] for piece in pieces]),
             np.concatenate([piece[1] for piece in pieces]),
             np.concatenate([piece[2] for piece in pieces]),
             np.concatenate([piece[3] for piece in pieces]),
         )
-        if single:
-            kept.append(placed)
-        yield placed
+
+
+def _ranked_whole(
+    engine: Engine, series: Series, parts: list[Part], targets: list[_Target], tail: Tail | None
+) -> None:
+    """``series`` in one chunk: every value is in memory at once, so each part's ranks are
+    picked by ``np.partition`` in one read (the value at a rank is the same by any method), with
+    no bins and no second pass. ``tail``: its part's values and their ``g`` are kept for
+    :meth:`Tail.at_least`."""
+    index = {_part_key(part): position for position, part in enumerate(parts)}
+    got = engine.connection.execute(series.sql(series.chunks[0])).fetchnumpy()
+    values: dict[int, list[npt.NDArray[np.float64]]] = {}
+    groups: dict[int, list[npt.NDArray[np.int32]]] = {}
+    for at, chosen, of_g in _split(got, series, index):
+        values.setdefault(at, []).append(chosen)
+        groups.setdefault(at, []).append(of_g)
+    whole = {at: np.concatenate(pieces) for at, pieces in values.items()}
+    for position, part in enumerate(parts):
+        own = [target for target in targets if target.part == part]
+        ordered = np.partition(whole[position], sorted({target.rank for target in own}))
+        for target in own:
+            target.value = float(ordered[target.rank])
+    if tail is not None and (kept := index.get(_part_key(tail.part))) is not None:
+        tail.whole = (whole[kept], np.concatenate(groups[kept]))
 
 
 Placed = tuple[
@@ -1018,7 +1045,8 @@ def order_statistics(
     pass reads the values again and keeps only those in the targets' windows: a window of at
     most :data:`FETCH_MAX` values is kept whole and sorted; a larger one (ties, a crowded bin)
     is counted in finer bins and shrinks to the one holding the rank, with its min and max.
-    ``tail``: the first pass also counts that part's values by bin and ``g`` (:class:`Tail`)."""
+    ``tail``: the first pass also counts that part's values by bin and ``g`` (:class:`Tail`).
+    Records that are one chunk are read once and ranked whole (:func:`_ranked_whole`)."""
     targets = [
         _Target(part, rank, bounds[part][1], bounds[part][2], rank, bounds[part][0])
         for part, ranks in wanted.items()
@@ -1028,26 +1056,25 @@ def order_statistics(
         if target.low == target.high:
             target.value = target.low
     open_targets = [t for t in targets if t.value is None]
-    if open_targets:
+    if open_targets and len(series.chunks) == 1:
+        _ranked_whole(
+            engine, series, sorted({t.part for t in open_targets}, key=_part_key), open_targets, tail
+        )
+    elif open_targets:
         parts = sorted({t.part for t in open_targets}, key=_part_key)
         layout = _Layout(parts, _scales({part: bounds[part] for part in parts}, means or {}))
-        kept: list[Placed] = []
 
         def reads() -> Iterator[Placed]:
-            return _read(engine, series, layout, kept)
+            return _read(engine, series, layout)
 
         predicted = None
         if series.sample is not None:
             sampled = np.zeros(layout.total, dtype=np.int64)
-            for _, _, bins, _ in _read(engine, series, layout, [], [series.sample]):
+            for _, _, bins, _ in _read(engine, series, layout, [series.sample]):
                 sampled += np.bincount(bins, minlength=layout.total)
             predicted = _predict(layout, open_targets, sampled, bounds)
         by_row = None if tail is None else layout.index.get(_part_key(tail.part))
-        whole = len(series.chunks) == 1  # every value is read once and kept: the tail counts from them
-        counted = tail if by_row is not None and not whole else None
-        stored = _first_pass(layout, open_targets, reads(), predicted, counted)
-        if tail is not None and by_row is not None and whole:
-            tail.layout, tail.whole = layout, kept
+        stored = _first_pass(layout, open_targets, reads(), predicted, tail if by_row is not None else None)
         if stored is not None and all(predicted[t.first_bin] for t in open_targets):  # type: ignore[index]
             reads = lambda: iter(stored)  # noqa: E731  (every window's values are in memory)
         while open_targets := [t for t in targets if t.value is None]:
@@ -1067,7 +1094,9 @@ class Tail:
     stored: list[Placed] | None = None
     counts: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     bins: int = 0
-    whole: list[Placed] | None = None  # every value of every part (one chunk, kept), instead of the counts
+    whole: tuple[npt.NDArray[np.float64], npt.NDArray[np.int32]] | None = (
+        None  # every value and g (one chunk)
+    )
 
     def count(self, groups: npt.NDArray[np.int32], bins: npt.NDArray[np.int64], nb: int) -> None:
         self.bins = nb
@@ -1082,16 +1111,11 @@ class Tail:
         """Values >= ``threshold`` by ``g`` (none: left out), or None when the first pass did not
         keep the values of the bin holding it (a single chunk, too many values, a prediction
         missed): every bin above it is counted, and its own values compared one by one."""
-        if self.whole is not None and self.layout is not None:
-            part = self.layout.index[_part_key(self.part)]
-            start, end = self.layout.offset[part], self.layout.offset[part + 1]
-            found = [
-                np.bincount(groups[(bins >= start) & (bins < end) & (values >= threshold)])
-                for values, _, bins, groups in self.whole
-            ]
-            size = max((len(counts) for counts in found), default=0)
-            by_g = np.sum([np.pad(counts, (0, size - len(counts))) for counts in found], axis=0)
-            return {g: int(count) for g, count in enumerate(np.atleast_1d(by_g)) if count}
+        if self.whole is not None:
+            values, groups = self.whole
+            return {
+                g: int(count) for g, count in enumerate(np.bincount(groups[values >= threshold])) if count
+            }
         if self.layout is None or self.stored is None or self.predicted is None or not self.bins:
             return None
         part = self.layout.index[_part_key(self.part)]
