@@ -990,12 +990,14 @@ def _read(engine: Engine, series: Series, layout: _Layout, wheres: Sequence[str]
         ]
         if not pieces:
             continue
-        yield (
+        placed = (
             np.concatenate([piece[0] for piece in pieces]),
             np.concatenate([piece[1] for piece in pieces]),
             np.concatenate([piece[2] for piece in pieces]),
             np.concatenate([piece[3] for piece in pieces]),
         )
+        del pieces, got  # the caller holds this chunk while the next is fetched: not its pieces too
+        yield placed
 
 
 def _ranked_whole(
