@@ -458,3 +458,33 @@ def test_once_duckdb_refuses_the_file_the_rest_is_not_proven_first(
         patch.setattr(jsonl_load.records, "strict_records", after_duckdb)
         assert assert_same(path) == [None, 2, 2, 2, 2]
     assert proven == [2]
+
+
+def test_a_file_rewritten_while_read_is_read_again_as_it_is_now(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decoder proves the lines, then the file is rewritten (as many lines, one of them now
+    a negative count the decoder refuses) before DuckDB reads it: what DuckDB read is not what
+    was proven, so none of it is kept, and the file is read a chunk at a time as it now is."""
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b"\n".join([VALID] * 3) + b"\n")
+    chunks = reader.file_chunks
+    calls: list[int] = []
+
+    def rewritten_after_the_first_read(*args: Any) -> Any:
+        calls.append(1)
+        found = list(chunks(*args))
+        if len(calls) == 1:
+            path.write_bytes(
+                b"\n".join([VALID, VALID.replace(b'"queue_seconds":0.1', b'"queue_seconds":-0.1'), VALID])
+                + b"\n"
+            )
+        return iter(found)
+
+    monkeypatch.setattr(reader, "file_chunks", rewritten_after_the_first_read)
+    _, rows, parses = loaded(path)
+    monkeypatch.undo()
+    want, want_rows = expected(path)
+    assert parses == []  # the chunk with the refused line: the validator's alone
+    assert rows == want_rows
+    assert dict(want.skipped) == {"out_of_range": 1}

@@ -117,9 +117,12 @@ def _whole_file(
     DuckDB less than a statement, a temporary file and a check a chunk, and the two parses
     overlap on two cores. The rows are inserted in one transaction, rolled back on failure; the
     checks are :meth:`_Parser.insert_checked` and :meth:`_Parser.settle`'s, as for a chunk.
-    The file is read twice, once by each parser: one that grows meanwhile (a log being written)
-    gives DuckDB more lines than the decoder counted, and is read a chunk at a time."""
+    The file is read twice, once by each parser: one written meanwhile (a log still growing, a
+    file replaced) changes size, times or inode, and is then read a chunk at a time, so that
+    DuckDB's rows are kept only when it read the lines the decoder proved."""
     if path == "-" or model is not None or format_name not in (None, "kvlens") or not os.path.isfile(path):
+        return False
+    if (before := _identity(path)) is None:
         return False
     labels = list(records.LABEL_FIELDS)
     query = parse.lines_query(path, labels, "gzip" if reader.is_gzip(path) else "none")
@@ -164,6 +167,7 @@ def _whole_file(
         parse.abandon()
         raise
     _stop(parse, thread, interrupt=not proven)
+    proven = proven and _identity(path) == before  # else DuckDB may have read other lines
     inserted = outcome[0] if outcome else None  # an error (DuckDB refused the text): read again
     settled = None
     try:
@@ -184,6 +188,16 @@ def _whole_file(
     if progress is not None and read:
         progress(-read)  # the chunks are read again
     return False
+
+
+def _identity(path: str) -> tuple[int, ...] | None:
+    """What changes when the file is written or replaced: its inode, size and times (None: it
+    is gone)."""
+    try:
+        status = os.stat(path)
+    except OSError:
+        return None
+    return (status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns)
 
 
 def _stop(parse: _Parser, thread: threading.Thread, *, interrupt: bool) -> None:
