@@ -10,6 +10,7 @@ import gzip
 import math
 import random
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -391,6 +392,20 @@ def test_progress_counts_each_byte_once_when_the_file_is_read_again_a_chunk_at_a
     assert sum(steps[4:]) == size
 
 
+def first_read_changed(monkeypatch: pytest.MonkeyPatch, change: Callable[[list[Any]], list[Any]]) -> None:
+    """``reader.file_chunks``, its first call's chunks (the whole file's, as the decoder reads
+    them) passed through ``change``; the later calls' as they are."""
+    chunks = reader.file_chunks
+    calls: list[int] = []
+
+    def changed(*args: Any) -> Iterator[Any]:
+        calls.append(1)
+        found = list(chunks(*args))
+        return iter(change(found) if len(calls) == 1 else found)
+
+    monkeypatch.setattr(reader, "file_chunks", changed)
+
+
 def test_a_file_with_more_lines_for_duckdb_than_the_decoder_counted_is_read_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -399,16 +414,8 @@ def test_a_file_with_more_lines_for_duckdb_than_the_decoder_counted_is_read_agai
     monkeypatch.setattr(reader, "CHUNK_BYTES", 3 * (len(VALID) + 1))
     path = tmp_path / "r.jsonl"
     path.write_bytes(b"\n".join([VALID] * 7) + b"\n")
-    chunks = reader.file_chunks
-    calls: list[int] = []
-
-    def first_chunk_only(*args: Any) -> Any:
-        calls.append(1)
-        found = chunks(*args)
-        return [next(found)] if len(calls) == 1 else found
-
     want = expected(path)[1]
-    monkeypatch.setattr(reader, "file_chunks", first_chunk_only)
+    first_read_changed(monkeypatch, lambda found: found[:1])
     _, rows, parses = loaded(path)
     assert parses == [3, 3, 1]  # a chunk at a time, after the whole file was refused
     assert rows == want
@@ -464,24 +471,17 @@ def test_a_file_rewritten_while_read_is_read_again_as_it_is_now(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The decoder proves the lines, then the file is rewritten (as many lines, one of them now
-    a negative count the decoder refuses) before DuckDB reads it: what DuckDB read is not what
-    was proven, so none of it is kept, and the file is read a chunk at a time as it now is."""
+    a negative duration the decoder refuses) before DuckDB reads it: what DuckDB read is not
+    what was proven, so none of it is kept, and the file is read a chunk at a time as it now is."""
     path = tmp_path / "r.jsonl"
     path.write_bytes(b"\n".join([VALID] * 3) + b"\n")
-    chunks = reader.file_chunks
-    calls: list[int] = []
+    negative = VALID.replace(b'"queue_seconds":0.1', b'"queue_seconds":-0.1')
 
-    def rewritten_after_the_first_read(*args: Any) -> Any:
-        calls.append(1)
-        found = list(chunks(*args))
-        if len(calls) == 1:
-            path.write_bytes(
-                b"\n".join([VALID, VALID.replace(b'"queue_seconds":0.1', b'"queue_seconds":-0.1'), VALID])
-                + b"\n"
-            )
-        return iter(found)
+    def rewritten(found: list[Any]) -> list[Any]:
+        path.write_bytes(b"\n".join([VALID, negative, VALID]) + b"\n")
+        return found
 
-    monkeypatch.setattr(reader, "file_chunks", rewritten_after_the_first_read)
+    first_read_changed(monkeypatch, rewritten)
     _, rows, parses = loaded(path)
     monkeypatch.undo()
     want, want_rows = expected(path)
