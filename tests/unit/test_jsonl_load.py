@@ -488,3 +488,23 @@ def test_a_file_rewritten_while_read_is_read_again_as_it_is_now(
     assert parses == []  # the chunk with the refused line: the validator's alone
     assert rows == want_rows
     assert dict(want.skipped) == {"out_of_range": 1}
+
+
+def test_a_file_named_like_a_pattern_is_read_as_that_file(tmp_path: Path) -> None:
+    """DuckDB reads ``*?[`` in a name as a pattern: a walked directory's ``log[12].jsonl`` would
+    be read as ``log1.jsonl`` beside it (as many lines: the counts match), its records lost."""
+    other = VALID.replace(b'"model":"m"', b'"model":"other"')
+    (tmp_path / "log1.jsonl").write_bytes(b"\n".join([other] * 3) + b"\n")
+    path = tmp_path / "log[12].jsonl"
+    path.write_bytes(b"\n".join([VALID] * 3) + b"\n")
+    engine = columnar.Engine()
+    try:
+        loaded = columnar.load(engine, [str(tmp_path)], columns=COLUMNS)
+        models = engine.connection.execute(
+            "SELECT src, list(model ORDER BY row) FROM jsonl_records GROUP BY src ORDER BY src"
+        ).fetchall()
+    finally:
+        engine.close()
+    assert loaded.files == [str(tmp_path / "log1.jsonl"), str(path)]
+    assert models == [(0, ["other"] * 3), (1, ["m"] * 3)]
+

@@ -315,11 +315,15 @@ class _Parser:
         selected = ", ".join(
             f"NULLIF({name}, '') AS {name}" if _KINDS[name] is str else name for name in wanted
         )
-        quoted = str(file).replace("'", "''")
+        # columnar imports this module: its name for the file, not a pattern (a walked
+        # directory's log[12].jsonl would be read as the log1.jsonl beside it)
+        from kvlens.analysis.columnar import literal_path
+
         # ordinality: the line's place in the file (checked with 4 threads on 190 MB files; a
         # chunk is smaller than one of read_json's 32 MiB buffers anyway)
         return (
-            f"SELECT {selected}, ordinality FROM read_json('{quoted}', format = 'newline_delimited', "
+            f"SELECT {selected}, ordinality FROM read_json({literal_path(str(file))}, "
+            "format = 'newline_delimited', "
             f"records = true, compression = '{compression}', columns = {typed}) WITH ORDINALITY"
         )
 
