@@ -508,3 +508,39 @@ def test_a_file_named_like_a_pattern_is_read_as_that_file(tmp_path: Path) -> Non
     assert loaded.files == [str(tmp_path / "log1.jsonl"), str(path)]
     assert models == [(0, ["other"] * 3), (1, ["m"] * 3)]
 
+
+def test_ctrl_c_while_waiting_for_duckdb_stops_it_and_inserts_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every line proven, the reading thread waits for DuckDB's insert: Ctrl-C there must stop
+    DuckDB too (else it goes on inserting into a connection the caller closes) and roll back.
+    DuckDB's insert is made endless here; the wait is what Ctrl-C interrupts."""
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b"\n".join([VALID] * 10) + b"\n")
+    insert = jsonl_load._Parser.insert_checked
+
+    def endless(self: jsonl_load._Parser, lines_query: str, labels: list[str]) -> int:
+        self.connection.execute("SELECT count(*) FROM range(1000000000000) a WHERE a.range % 7 = 100")
+        return insert(self, lines_query, labels)
+
+    class Interrupted(threading.Thread):
+        def join(self, timeout: float | None = None) -> None:
+            if self.name == "kvlens-read-json" and not hasattr(self, "interrupted"):
+                self.interrupted = True
+                raise KeyboardInterrupt
+            super().join(timeout)
+
+    monkeypatch.setattr(jsonl_load._Parser, "insert_checked", endless)
+    monkeypatch.setattr(jsonl_load.threading, "Thread", Interrupted)
+    engine = columnar.Engine()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            columnar.load(engine, [str(path)])
+        running = [t for t in threading.enumerate() if t.name == "kvlens-read-json"]
+        for thread in running:  # on failure, not left running
+            engine.connection.interrupt()
+            thread.join()
+        assert running == []
+        assert engine.connection.execute("SELECT count(*) FROM jsonl_records").fetchall() == [(0,)]
+    finally:
+        engine.close()

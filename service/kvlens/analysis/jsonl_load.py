@@ -162,11 +162,11 @@ def _whole_file(
                 proven = False
                 break
             lines += count
-    except BaseException:  # Ctrl-C, an unreadable file: DuckDB stops too, nothing is kept
-        _stop(parse, thread, interrupt=True)
+        _stop(parse, thread, interrupt=not proven)
+    except BaseException:  # Ctrl-C (also while DuckDB is awaited), an unreadable file: DuckDB
+        _stop(parse, thread, interrupt=True)  # stops too, nothing is kept
         parse.abandon()
         raise
-    _stop(parse, thread, interrupt=not proven)
     proven = proven and _identity(path) == before  # else DuckDB may have read other lines
     inserted = outcome[0] if outcome else None  # an error (DuckDB refused the text): read again
     settled = None
