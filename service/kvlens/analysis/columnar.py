@@ -403,9 +403,12 @@ def _parquet_checks(engine: Engine, parquet: list[tuple[int, str]], columns: Seq
         f"SELECT *, CASE filename {src} END AS src, file_row_number AS row FROM read_parquet([{listed}], "
         "union_by_name = true, filename = true, file_row_number = true, hive_partitioning = false)"
     )
-    # DuckDB binds a name without case: `model` reads a file's Model (checked as model)
+    # DuckDB binds a name without case: `model` reads a file's Model (checked as model). An
+    # empty string is an absent value, as in a line (a warehouse's export may hold '')
     selected = ", ".join(
-        name if name in present else f"CAST(NULL AS {_SQL_TYPE[_SPEC[name].kind]}) AS {name}"
+        (f"NULLIF({name}, '') AS {name}" if _SPEC[name].kind is str else name)
+        if name in present
+        else f"CAST(NULL AS {_SQL_TYPE[_SPEC[name].kind]}) AS {name}"
         for name in columns
     )
     invalid = _invalid_labels(
