@@ -544,3 +544,29 @@ def test_ctrl_c_while_waiting_for_duckdb_stops_it_and_inserts_nothing(
         assert engine.connection.execute("SELECT count(*) FROM jsonl_records").fetchall() == [(0,)]
     finally:
         engine.close()
+
+
+def test_a_file_rewritten_before_its_labels_past_ascii_are_read_again_is_read_as_it_is_now(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A label past ASCII: DuckDB reads the whole file a second time (into the staged table)
+    to check its labels in Python. A file rewritten just before that read (as many lines, one
+    now with a negative duration the decoder refuses) must not have those rows kept."""
+    accented = VALID.replace(b'"model":"m"', b'"model":"\xc3\xa9"')
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b"\n".join([VALID, accented, VALID]) + b"\n")
+    staged = jsonl_load._Parser._staged
+
+    def rewritten_first(self: jsonl_load._Parser, lines_query: str, labels: list[str]) -> int | None:
+        negative = accented.replace(b'"queue_seconds":0.1', b'"queue_seconds":-0.1')
+        path.write_bytes(b"\n".join([VALID, negative, VALID]) + b"\n")
+        monkeypatch.setattr(jsonl_load._Parser, "_staged", staged)  # once
+        return staged(self, lines_query, labels)
+
+    monkeypatch.setattr(jsonl_load._Parser, "_staged", rewritten_first)
+    _, rows, parses = loaded(path)
+    monkeypatch.undo()
+    want, want_rows = expected(path)
+    assert dict(want.skipped) == {"out_of_range": 1}
+    assert parses == []  # the chunk with the refused line: the validator's alone
+    assert rows == want_rows

@@ -167,7 +167,6 @@ def _whole_file(
         _stop(parse, thread, interrupt=True)  # stops too, nothing is kept
         parse.abandon()
         raise
-    proven = proven and _identity(path) == before  # else DuckDB may have read other lines
     inserted = outcome[0] if outcome else None  # an error (DuckDB refused the text): read again
     settled = None
     try:
@@ -178,7 +177,8 @@ def _whole_file(
     except BaseException:
         parse.abandon()
         raise
-    if settled == lines:
+    # else DuckDB may have read other lines (settle may read the file again: checked after it)
+    if settled == lines and _identity(path) == before:
         parse.commit()
         result.lines += lines
         for warning in warnings:
