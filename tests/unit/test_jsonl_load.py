@@ -570,3 +570,27 @@ def test_a_file_rewritten_before_its_labels_past_ascii_are_read_again_is_read_as
     assert dict(want.skipped) == {"out_of_range": 1}
     assert parses == []  # the chunk with the refused line: the validator's alone
     assert rows == want_rows
+
+
+def test_labels_past_ascii_are_fetched_into_python_only_up_to_a_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each distinct label past printable ASCII is checked in Python: a file read whole with
+    more than MAX_LABELS_CHECKED of them (millions of distinct tenants) is read a chunk at a
+    time instead, each chunk's few checked, never all the file's at once."""
+    monkeypatch.setattr(jsonl_load, "MAX_LABELS_CHECKED", 2, raising=False)
+    lines = [VALID.replace(b'"model":"m"', b'"model":"\xc3\xa9%d"' % i) for i in range(6)]
+    monkeypatch.setattr(reader, "CHUNK_BYTES", 2 * (len(lines[0]) + 1))
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    checked: list[int] = []
+    valid = records.labels_valid
+
+    def counted(labels: Any) -> bool:
+        labels = list(labels)
+        checked.append(len(labels))
+        return valid(labels)
+
+    monkeypatch.setattr(records, "labels_valid", counted)
+    assert assert_same(path) == [2, 2, 2]
+    assert max(checked) == 2

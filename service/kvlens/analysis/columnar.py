@@ -53,7 +53,7 @@ FETCH_MAX = 16384  # values in range fetched to pick the rank directly
 PARQUET_SUFFIXES = (".parquet", ".pq")
 # Distinct labels outside printable ASCII that :func:`kvlens.records.valid_label` checks in
 # Python, at most; past it every row is matched by :func:`_printable_pattern` instead.
-MAX_LABELS_CHECKED = 100_000
+MAX_LABELS_CHECKED = jsonl_load.MAX_LABELS_CHECKED
 _PARQUET_MAGIC = b"PAR1"
 
 # The columns the analysis reads, in the record's order. `src`/`row` keep the input order
@@ -418,9 +418,6 @@ def _parquet_checks(engine: Engine, parquet: list[tuple[int, str]], columns: Seq
     return _ParquetChecks(tuple(columns), scan, selected, checked, dict(parquet))
 
 
-_BEYOND_PRINTABLE_ASCII = "GLOB '*[! -~]*'"  # a character outside ' '..'~': natively, no RE2
-
-
 def _invalid_labels(engine: Engine, scan: str, labels: Sequence[str]) -> bool | None:
     """Whether some of the ``labels`` columns of ``scan`` hold an invalid label (each then in
     the table ``invalid_labels``), or None when there are more than :data:`MAX_LABELS_CHECKED`
@@ -429,18 +426,8 @@ def _invalid_labels(engine: Engine, scan: str, labels: Sequence[str]) -> bool | 
     that the scans after it check no label row by row: matching every row with a pattern of
     Python's printable characters cost three times the bare scan, building the pattern 0.15 s
     a run, and a length check every row ~1.4 CPU s at 100M rows."""
-    if not labels:
-        return False
-    distinct = " UNION ".join(
-        f"SELECT DISTINCT {name} AS label FROM ({scan}) "
-        f"WHERE {name} {_BEYOND_PRINTABLE_ASCII} OR strlen({name}) > {records.MAX_LABEL_BYTES}"
-        for name in labels
-    )
-    found = [
-        label
-        for (label,) in engine.connection.execute(f"{distinct} LIMIT {MAX_LABELS_CHECKED + 1}").fetchall()
-    ]
-    if len(found) > MAX_LABELS_CHECKED:
+    found = jsonl_load.labels_to_check(engine.connection, f"({scan})", list(labels), MAX_LABELS_CHECKED)
+    if found is None:
         return None
     invalid = [label for label in found if not records.valid_label(label)]
     if not invalid:
