@@ -53,6 +53,7 @@ STAGED = "kvlens_parsed_lines"  # a chunk with labels past ASCII waits here for 
 # chunk of it (an error aborts the whole transaction).
 COMMIT_CHUNKS = 8
 _KINDS = {spec.name: spec.kind for spec in records.FIELDS}
+INTERRUPT_EVERY = 0.01  # seconds between interrupts of a DuckDB statement being stopped
 # Distinct labels past printable ASCII fetched into Python at most, to be checked there: past
 # it a file read whole is read a chunk at a time instead (a chunk has fewer), so that a file of
 # millions of distinct such names is never held in Python (2M took 1.4 GB more RSS).
@@ -223,9 +224,12 @@ def _identity(path: str) -> tuple[int, ...] | None:
 
 def _stop(parse: _Parser, thread: threading.Thread, *, interrupt: bool) -> None:
     """Wait for DuckDB's insert in ``thread`` to end, interrupting it first if asked."""
+    # DuckDB forgets an interrupt that comes before its statement starts (it then parsed the
+    # whole file while this waited): interrupted again until the thread ends
+    while interrupt and thread.is_alive():
+        parse.connection.interrupt()
+        thread.join(INTERRUPT_EVERY)
     if thread.is_alive():
-        if interrupt:
-            parse.connection.interrupt()
         thread.join()
 
 
