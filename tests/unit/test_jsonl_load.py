@@ -572,28 +572,39 @@ def test_a_file_rewritten_before_its_labels_past_ascii_are_read_again_is_read_as
     assert rows == want_rows
 
 
-def test_labels_past_ascii_are_fetched_into_python_only_up_to_a_bound(
+def test_labels_past_ascii_are_fetched_into_python_a_bounded_number_at_a_time(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each distinct label past printable ASCII is checked in Python: a file read whole with
-    more than MAX_LABELS_CHECKED of them (millions of distinct tenants) is read a chunk at a
-    time instead, each chunk's few checked, never all the file's at once."""
-    monkeypatch.setattr(jsonl_load, "MAX_LABELS_CHECKED", 2, raising=False)
+    """Each distinct label past printable ASCII is checked in Python: for a file read whole
+    (millions of distinct tenants) they are fetched LABELS_AT_A_TIME at a time, never all the
+    file's at once; the first invalid one stops the check."""
+    monkeypatch.setattr(jsonl_load, "LABELS_AT_A_TIME", 2, raising=False)
     lines = [VALID.replace(b'"model":"m"', b'"model":"\xc3\xa9%d"' % i) for i in range(6)]
-    monkeypatch.setattr(reader, "CHUNK_BYTES", 2 * (len(lines[0]) + 1))
     path = tmp_path / "r.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
-    checked: list[int] = []
     valid = records.labels_valid
 
-    def counted(labels: Any) -> bool:
-        labels = list(labels)
-        checked.append(len(labels))
-        return valid(labels)
+    def checked(path: Path) -> tuple[list[int | str | None], list[int]]:
+        """What each parse returned, and how many labels each Python check was given."""
+        sizes: list[int] = []
 
-    monkeypatch.setattr(records, "labels_valid", counted)
-    assert assert_same(path) == [2, 2, 2]
-    assert max(checked) == 2
+        def counted(labels: Any) -> bool:
+            labels = list(labels)
+            sizes.append(len(labels))
+            return valid(labels)
+
+        want = expected(path)[1]
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(records, "labels_valid", counted)
+            _, rows, parses = loaded(path)
+        assert rows == want
+        return parses, sizes
+
+    assert checked(path) == (["file"], [2, 2, 2])
+    tab = VALID.replace(b'"model":"m"', b'"model":"\xc3\xa9\\t"')
+    path.write_bytes(b"\n".join([*lines, tab]) + b"\n")
+    # an invalid label: the file (one chunk) is the validator's, which checks a chunk's at once
+    assert checked(path)[0] == [None]
 
 
 def test_duckdb_stopped_before_its_statement_starts_does_not_parse_the_whole_file(

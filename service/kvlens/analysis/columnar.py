@@ -53,7 +53,7 @@ FETCH_MAX = 16384  # values in range fetched to pick the rank directly
 PARQUET_SUFFIXES = (".parquet", ".pq")
 # Distinct labels outside printable ASCII that :func:`kvlens.records.valid_label` checks in
 # Python, at most; past it every row is matched by :func:`_printable_pattern` instead.
-MAX_LABELS_CHECKED = jsonl_load.MAX_LABELS_CHECKED
+MAX_LABELS_CHECKED = 100_000
 _PARQUET_MAGIC = b"PAR1"
 
 # The columns the analysis reads, in the record's order. `src`/`row` keep the input order
@@ -426,8 +426,14 @@ def _invalid_labels(engine: Engine, scan: str, labels: Sequence[str]) -> bool | 
     that the scans after it check no label row by row: matching every row with a pattern of
     Python's printable characters cost three times the bare scan, building the pattern 0.15 s
     a run, and a length check every row ~1.4 CPU s at 100M rows."""
-    found = jsonl_load.labels_to_check(engine.connection, f"({scan})", list(labels), MAX_LABELS_CHECKED)
-    if found is None:
+    if not labels:
+        return False
+    distinct = jsonl_load.labels_to_check(f"({scan})", list(labels))
+    found = [
+        label
+        for (label,) in engine.connection.execute(f"{distinct} LIMIT {MAX_LABELS_CHECKED + 1}").fetchall()
+    ]
+    if len(found) > MAX_LABELS_CHECKED:
         return None
     invalid = [label for label in found if not records.valid_label(label)]
     if not invalid:

@@ -54,27 +54,22 @@ STAGED = "kvlens_parsed_lines"  # a chunk with labels past ASCII waits here for 
 COMMIT_CHUNKS = 8
 _KINDS = {spec.name: spec.kind for spec in records.FIELDS}
 INTERRUPT_EVERY = 0.01  # seconds between interrupts of a DuckDB statement being stopped
-# Distinct labels past printable ASCII fetched into Python at most, to be checked there: past
-# it a file read whole is read a chunk at a time instead (a chunk has fewer), so that a file of
-# millions of distinct such names is never held in Python (2M took 1.4 GB more RSS).
-MAX_LABELS_CHECKED = 100_000
+# Distinct labels past printable ASCII fetched into Python at a time to be checked there, so
+# that a file of millions of distinct such names is never held in Python at once (2M fetched
+# at once took 1.4 GB more RSS).
+LABELS_AT_A_TIME = 65_536
 _BEYOND_PRINTABLE_ASCII = "GLOB '*[! -~]*'"  # a character outside ' '..'~': natively, no RE2
 
 
-def labels_to_check(connection: Any, source: str, labels: list[str], limit: int) -> list[str] | None:
-    """The distinct values of the ``labels`` columns of the query or table ``source`` that are
-    not printable ASCII of at most :data:`~kvlens.records.MAX_LABEL_BYTES` bytes (those are
-    valid; these are for :func:`kvlens.records.valid_label`); None when there are more than
-    ``limit``."""
-    if not labels:
-        return []
-    distinct = " UNION ".join(
+def labels_to_check(source: str, labels: list[str]) -> str:
+    """A query of the distinct values of the ``labels`` columns of the query or table
+    ``source`` that are not printable ASCII of at most :data:`~kvlens.records.MAX_LABEL_BYTES`
+    bytes: those are valid, these are for :func:`kvlens.records.valid_label`."""
+    return " UNION ".join(
         f"SELECT DISTINCT {name} AS label FROM {source} "
         f"WHERE {name} {_BEYOND_PRINTABLE_ASCII} OR strlen({name}) > {records.MAX_LABEL_BYTES}"
         for name in labels
     )
-    found = [label for (label,) in connection.execute(f"{distinct} LIMIT {limit + 1}").fetchall()]
-    return None if len(found) > limit else found
 
 
 def load_file(
@@ -402,8 +397,12 @@ class _Parser:
         ).fetchall()
         if cached_over:
             return None
-        found = labels_to_check(self.connection, STAGED, labels, MAX_LABELS_CHECKED)
-        return int(count) if found is not None and records.labels_valid(found) else None
+        if labels:
+            found = self.connection.execute(labels_to_check(STAGED, labels))
+            while batch := found.fetchmany(LABELS_AT_A_TIME):
+                if not records.labels_valid(label for (label,) in batch):
+                    return None
+        return int(count)
 
 
 def _columns_of(batch: records.RecordBatch, columns: Mapping[str, str]) -> dict[str, Any]:
