@@ -662,3 +662,26 @@ def test_calibration_points_in_one_fetch_or_in_batches_fit_as_numpy_does(
     assert got["calibration"] == expected["calibration"]
     # the fetches of the points (plus the table they are picked into, when in batches)
     assert calls.count("rates") == fetches + (fetches > 1)
+
+
+def test_an_empty_label_in_parquet_is_absent_as_in_json_lines(tmp_path: Path) -> None:
+    """README: an empty string counts as absent. A Parquet file written elsewhere (a warehouse
+    export) may hold '' where JSON lines hold "": the same records, the same report."""
+    lines = [
+        {"model": "", "prompt_tokens": 10, "cached_tokens": 1, "ttft_seconds": 0.5},
+        {"model": "a", "prompt_tokens": 20, "cached_tokens": 0, "ttft_seconds": 0.25},
+        {"prompt_tokens": 30, "cached_tokens": 3, "ttft_seconds": 0.125},
+    ]
+    source = write_jsonl(tmp_path / "r.jsonl", lines)
+    path = tmp_path / "r.parquet"
+    engine = columnar.Engine()
+    engine.connection.execute(
+        "COPY (SELECT model, prompt_tokens, cached_tokens, CAST(ttft AS DOUBLE) AS ttft_seconds FROM "
+        "(VALUES ('', 10, 1, 0.5), ('a', 20, 0, 0.25), (NULL, 30, 3, 0.125)) "
+        f"t(model, prompt_tokens, cached_tokens, ttft)) TO '{path}' (FORMAT parquet)"
+    )
+    engine.close()
+    want, _ = analyze([str(source)], load_settings(), engine="numpy")
+    got, _ = analyze([str(path)], load_settings(), engine="duckdb")
+    assert sorted(got["models"]) == sorted(want["models"]) == ["a", "unknown"]
+    assert without_paths(got) == without_paths(want)

@@ -488,3 +488,166 @@ def test_a_file_rewritten_while_read_is_read_again_as_it_is_now(
     assert parses == []  # the chunk with the refused line: the validator's alone
     assert rows == want_rows
     assert dict(want.skipped) == {"out_of_range": 1}
+
+
+def test_a_file_named_like_a_pattern_is_read_as_that_file(tmp_path: Path) -> None:
+    """DuckDB reads ``*?[`` in a name as a pattern: a walked directory's ``log[12].jsonl`` would
+    be read as ``log1.jsonl`` beside it (as many lines: the counts match), its records lost."""
+    other = VALID.replace(b'"model":"m"', b'"model":"other"')
+    (tmp_path / "log1.jsonl").write_bytes(b"\n".join([other] * 3) + b"\n")
+    path = tmp_path / "log[12].jsonl"
+    path.write_bytes(b"\n".join([VALID] * 3) + b"\n")
+    engine = columnar.Engine()
+    try:
+        loaded = columnar.load(engine, [str(tmp_path)], columns=COLUMNS)
+        models = engine.connection.execute(
+            "SELECT src, list(model ORDER BY row) FROM jsonl_records GROUP BY src ORDER BY src"
+        ).fetchall()
+    finally:
+        engine.close()
+    assert loaded.files == [str(tmp_path / "log1.jsonl"), str(path)]
+    assert models == [(0, ["other"] * 3), (1, ["m"] * 3)]
+
+
+def test_ctrl_c_while_waiting_for_duckdb_stops_it_and_inserts_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every line proven, the reading thread waits for DuckDB's insert: Ctrl-C there must stop
+    DuckDB too (else it goes on inserting into a connection the caller closes) and roll back.
+    DuckDB's insert is made endless here; the wait is what Ctrl-C interrupts."""
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b"\n".join([VALID] * 10) + b"\n")
+    insert = jsonl_load._Parser.insert_checked
+
+    def endless(self: jsonl_load._Parser, lines_query: str, labels: list[str]) -> int:
+        self.connection.execute("SELECT max(md5(range::VARCHAR)) FROM range(1000000000000)")
+        return insert(self, lines_query, labels)
+
+    class Interrupted(threading.Thread):
+        def join(self, timeout: float | None = None) -> None:
+            if self.name == "kvlens-read-json" and not hasattr(self, "interrupted"):
+                self.interrupted = True
+                raise KeyboardInterrupt
+            super().join(timeout)
+
+    monkeypatch.setattr(jsonl_load._Parser, "insert_checked", endless)
+    monkeypatch.setattr(jsonl_load.threading, "Thread", Interrupted)
+    engine = columnar.Engine()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            columnar.load(engine, [str(path)])
+        running = [t for t in threading.enumerate() if t.name == "kvlens-read-json"]
+        for thread in running:  # on failure, not left running
+            engine.connection.interrupt()
+            thread.join()
+        assert running == []
+        assert engine.connection.execute("SELECT count(*) FROM jsonl_records").fetchall() == [(0,)]
+    finally:
+        engine.close()
+
+
+def test_a_file_rewritten_before_its_labels_past_ascii_are_read_again_is_read_as_it_is_now(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A label past ASCII: DuckDB reads the whole file a second time (into the staged table)
+    to check its labels in Python. A file rewritten just before that read (as many lines, one
+    now with a negative duration the decoder refuses) must not have those rows kept."""
+    accented = VALID.replace(b'"model":"m"', b'"model":"\xc3\xa9"')
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b"\n".join([VALID, accented, VALID]) + b"\n")
+    staged = jsonl_load._Parser._staged
+
+    def rewritten_first(self: jsonl_load._Parser, lines_query: str, labels: list[str]) -> int | None:
+        negative = accented.replace(b'"queue_seconds":0.1', b'"queue_seconds":-0.1')
+        path.write_bytes(b"\n".join([VALID, negative, VALID]) + b"\n")
+        monkeypatch.setattr(jsonl_load._Parser, "_staged", staged)  # once
+        return staged(self, lines_query, labels)
+
+    monkeypatch.setattr(jsonl_load._Parser, "_staged", rewritten_first)
+    _, rows, parses = loaded(path)
+    monkeypatch.undo()
+    want, want_rows = expected(path)
+    assert dict(want.skipped) == {"out_of_range": 1}
+    assert parses == []  # the chunk with the refused line: the validator's alone
+    assert rows == want_rows
+
+
+def test_labels_past_ascii_are_fetched_into_python_a_bounded_number_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each distinct label past printable ASCII is checked in Python: for a file read whole
+    (millions of distinct tenants) they are fetched LABELS_AT_A_TIME at a time, never all the
+    file's at once; the first invalid one stops the check."""
+    monkeypatch.setattr(jsonl_load, "LABELS_AT_A_TIME", 2, raising=False)
+    lines = [VALID.replace(b'"model":"m"', b'"model":"\xc3\xa9%d"' % i) for i in range(6)]
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    valid = records.labels_valid
+
+    def checked(path: Path) -> tuple[list[int | str | None], list[int]]:
+        """What each parse returned, and how many labels each Python check was given."""
+        sizes: list[int] = []
+
+        def counted(labels: Any) -> bool:
+            labels = list(labels)
+            sizes.append(len(labels))
+            return valid(labels)
+
+        want = expected(path)[1]
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(records, "labels_valid", counted)
+            _, rows, parses = loaded(path)
+        assert rows == want
+        return parses, sizes
+
+    assert checked(path) == (["file"], [2, 2, 2])
+    tab = VALID.replace(b'"model":"m"', b'"model":"\xc3\xa9\\t"')
+    path.write_bytes(b"\n".join([*lines, tab]) + b"\n")
+    # an invalid label: the file (one chunk) is the validator's, which checks a chunk's at once
+    assert checked(path)[0] == [None]
+
+
+def test_duckdb_stopped_before_its_statement_starts_does_not_parse_the_whole_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A first chunk refused at once (a carriage return: no line decoded) stops DuckDB before
+    its statement may have started; DuckDB forgets an interrupt that comes before, and went on
+    to parse the whole file (1.7 s for 320 MB, as long again as the file) while the reader
+    waited. The statement here, once let start by the first interrupt, runs ~1 s unless
+    interrupted again."""
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b"\r\n".join([VALID] * 3) + b"\r\n")
+    engine = columnar.Engine(threads=1)
+    interrupted = threading.Event()
+    ran: list[str] = []
+    insert = jsonl_load._Parser.insert_checked
+
+    class Connection:
+        def __init__(self, connection: Any) -> None:
+            self.connection = connection
+
+        def interrupt(self) -> None:
+            self.connection.interrupt()
+            interrupted.set()
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.connection, name)
+
+    def late(self: jsonl_load._Parser, lines_query: str, labels: list[str]) -> int:
+        interrupted.wait()  # the statement starts only after the first interrupt
+        try:
+            self.connection.execute("SELECT max(md5(range::VARCHAR)) FROM range(3000000)")
+        except Exception as error:
+            ran.append(type(error).__name__)
+            raise
+        ran.append("whole statement")
+        return insert(self, lines_query, labels)
+
+    monkeypatch.setattr(jsonl_load._Parser, "insert_checked", late)
+    engine.connection = Connection(engine.connection)
+    try:
+        columnar.load(engine, [str(path)], columns=COLUMNS)
+    finally:
+        engine.connection = engine.connection.connection
+        engine.close()
+    assert ran == ["InterruptException"]

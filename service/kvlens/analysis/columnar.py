@@ -403,9 +403,12 @@ def _parquet_checks(engine: Engine, parquet: list[tuple[int, str]], columns: Seq
         f"SELECT *, CASE filename {src} END AS src, file_row_number AS row FROM read_parquet([{listed}], "
         "union_by_name = true, filename = true, file_row_number = true, hive_partitioning = false)"
     )
-    # DuckDB binds a name without case: `model` reads a file's Model (checked as model)
+    # DuckDB binds a name without case: `model` reads a file's Model (checked as model). An
+    # empty string is an absent value, as in a line (a warehouse's export may hold '')
     selected = ", ".join(
-        name if name in present else f"CAST(NULL AS {_SQL_TYPE[_SPEC[name].kind]}) AS {name}"
+        (f"NULLIF({name}, '') AS {name}" if _SPEC[name].kind is str else name)
+        if name in present
+        else f"CAST(NULL AS {_SQL_TYPE[_SPEC[name].kind]}) AS {name}"
         for name in columns
     )
     invalid = _invalid_labels(
@@ -413,9 +416,6 @@ def _parquet_checks(engine: Engine, parquet: list[tuple[int, str]], columns: Seq
     )
     checked = f"SELECT {selected}, src, row, {rejection_sql(present, invalid)} AS rejection FROM ({scan})"
     return _ParquetChecks(tuple(columns), scan, selected, checked, dict(parquet))
-
-
-_BEYOND_PRINTABLE_ASCII = "GLOB '*[! -~]*'"  # a character outside ' '..'~': natively, no RE2
 
 
 def _invalid_labels(engine: Engine, scan: str, labels: Sequence[str]) -> bool | None:
@@ -428,11 +428,7 @@ def _invalid_labels(engine: Engine, scan: str, labels: Sequence[str]) -> bool | 
     a run, and a length check every row ~1.4 CPU s at 100M rows."""
     if not labels:
         return False
-    distinct = " UNION ".join(
-        f"SELECT DISTINCT {name} AS label FROM ({scan}) "
-        f"WHERE {name} {_BEYOND_PRINTABLE_ASCII} OR strlen({name}) > {records.MAX_LABEL_BYTES}"
-        for name in labels
-    )
+    distinct = jsonl_load.labels_to_check(f"({scan})", list(labels))
     found = [
         label
         for (label,) in engine.connection.execute(f"{distinct} LIMIT {MAX_LABELS_CHECKED + 1}").fetchall()

@@ -53,6 +53,23 @@ STAGED = "kvlens_parsed_lines"  # a chunk with labels past ASCII waits here for 
 # chunk of it (an error aborts the whole transaction).
 COMMIT_CHUNKS = 8
 _KINDS = {spec.name: spec.kind for spec in records.FIELDS}
+INTERRUPT_EVERY = 0.01  # seconds between interrupts of a DuckDB statement being stopped
+# Distinct labels past printable ASCII fetched into Python at a time to be checked there, so
+# that a file of millions of distinct such names is never held in Python at once (2M fetched
+# at once took 1.4 GB more RSS).
+LABELS_AT_A_TIME = 65_536
+_BEYOND_PRINTABLE_ASCII = "GLOB '*[! -~]*'"  # a character outside ' '..'~': natively, no RE2
+
+
+def labels_to_check(source: str, labels: list[str]) -> str:
+    """A query of the distinct values of the ``labels`` columns of the query or table
+    ``source`` that are not printable ASCII of at most :data:`~kvlens.records.MAX_LABEL_BYTES`
+    bytes: those are valid, these are for :func:`kvlens.records.valid_label`."""
+    return " UNION ".join(
+        f"SELECT DISTINCT {name} AS label FROM {source} "
+        f"WHERE {name} {_BEYOND_PRINTABLE_ASCII} OR strlen({name}) > {records.MAX_LABEL_BYTES}"
+        for name in labels
+    )
 
 
 def load_file(
@@ -162,12 +179,11 @@ def _whole_file(
                 proven = False
                 break
             lines += count
-    except BaseException:  # Ctrl-C, an unreadable file: DuckDB stops too, nothing is kept
-        _stop(parse, thread, interrupt=True)
+        _stop(parse, thread, interrupt=not proven)
+    except BaseException:  # Ctrl-C (also while DuckDB is awaited), an unreadable file: DuckDB
+        _stop(parse, thread, interrupt=True)  # stops too, nothing is kept
         parse.abandon()
         raise
-    _stop(parse, thread, interrupt=not proven)
-    proven = proven and _identity(path) == before  # else DuckDB may have read other lines
     inserted = outcome[0] if outcome else None  # an error (DuckDB refused the text): read again
     settled = None
     try:
@@ -178,7 +194,8 @@ def _whole_file(
     except BaseException:
         parse.abandon()
         raise
-    if settled == lines:
+    # else DuckDB may have read other lines (settle may read the file again: checked after it)
+    if settled == lines and _identity(path) == before:
         parse.commit()
         result.lines += lines
         for warning in warnings:
@@ -202,9 +219,12 @@ def _identity(path: str) -> tuple[int, ...] | None:
 
 def _stop(parse: _Parser, thread: threading.Thread, *, interrupt: bool) -> None:
     """Wait for DuckDB's insert in ``thread`` to end, interrupting it first if asked."""
+    # DuckDB forgets an interrupt that comes before its statement starts (it then parsed the
+    # whole file while this waited): interrupted again until the thread ends
+    while interrupt and thread.is_alive():
+        parse.connection.interrupt()
+        thread.join(INTERRUPT_EVERY)
     if thread.is_alive():
-        if interrupt:
-            parse.connection.interrupt()
         thread.join()
 
 
@@ -315,11 +335,15 @@ class _Parser:
         selected = ", ".join(
             f"NULLIF({name}, '') AS {name}" if _KINDS[name] is str else name for name in wanted
         )
-        quoted = str(file).replace("'", "''")
+        # columnar imports this module: its name for the file, not a pattern (a walked
+        # directory's log[12].jsonl would be read as the log1.jsonl beside it)
+        from kvlens.analysis.columnar import literal_path
+
         # ordinality: the line's place in the file (checked with 4 threads on 190 MB files; a
         # chunk is smaller than one of read_json's 32 MiB buffers anyway)
         return (
-            f"SELECT {selected}, ordinality FROM read_json('{quoted}', format = 'newline_delimited', "
+            f"SELECT {selected}, ordinality FROM read_json({literal_path(str(file))}, "
+            "format = 'newline_delimited', "
             f"records = true, compression = '{compression}', columns = {typed}) WITH ORDINALITY"
         )
 
@@ -368,14 +392,17 @@ class _Parser:
     def _staged(self, lines_query: str, labels: list[str]) -> int | None:
         """The chunk's number of lines, parsed into :data:`STAGED`, when both checks pass."""
         self.connection.execute(f"CREATE OR REPLACE TEMP TABLE {STAGED} AS {lines_query}")
-        checks = ", ".join(
-            ["count(*)", "count(*) FILTER (WHERE cached_tokens > prompt_tokens)"]
-            + [f"list(DISTINCT {name})" for name in labels]
-        )
-        ((count, cached_over, *values),) = self.connection.execute(
-            f"SELECT {checks} FROM {STAGED}"
+        ((count, cached_over),) = self.connection.execute(
+            f"SELECT count(*), count(*) FILTER (WHERE cached_tokens > prompt_tokens) FROM {STAGED}"
         ).fetchall()
-        return int(count) if not cached_over and all(map(records.labels_valid, values)) else None
+        if cached_over:
+            return None
+        if labels:
+            found = self.connection.execute(labels_to_check(STAGED, labels))
+            while batch := found.fetchmany(LABELS_AT_A_TIME):
+                if not records.labels_valid(label for (label,) in batch):
+                    return None
+        return int(count)
 
 
 def _columns_of(batch: records.RecordBatch, columns: Mapping[str, str]) -> dict[str, Any]:
