@@ -37,6 +37,11 @@ from kvlens.sources import formats
 from kvlens.sources.jsonlines import UNDECODABLE, loads
 
 CHUNK_BYTES = 8 * 1024 * 1024  # read at a time: whole lines of about this much are one batch
+# A longer line is skipped (malformed_json) without being held: a file with no newline (a link to
+# /dev/zero) would otherwise be gathered whole in memory. At least CHUNK_BYTES: a line within one
+# block is not measured.
+MAX_LINE_BYTES = 64 * 1024 * 1024
+TOO_LONG_LINE = b"(a line longer than MAX_LINE_BYTES, not read)"
 log = logging.getLogger("kvlens")
 _GZIP = b"\x1f\x8b"
 _NEWLINE, _BRACE = ord("\n"), ord("{")
@@ -229,29 +234,48 @@ def _chunks(
 ) -> Iterator[tuple[int, bytes]]:
     """(number of the chunk's first line, whole lines of about :data:`CHUNK_BYTES` joined by
     ``\n``, without the last newline). A block is read and split in C calls: reading line by line
-    costs several Python steps a line, more than decoding it."""
+    costs several Python steps a line, more than decoding it. A line longer than
+    :data:`MAX_LINE_BYTES` is not held: its bytes are dropped as they come and the line is
+    given as :data:`TOO_LONG_LINE` (not JSON: counted as ``malformed_json`` where it stood), with
+    a warning."""
     line_number = 1
     pieces: list[bytes] = []  # a line longer than a block spans several reads
+    held = 0  # bytes in pieces
+    dropping = False  # within a line past MAX_LINE_BYTES
     blocks = _Blocks(stream)
     for block in blocks:
-        cut = block.rfind(b"\n")
-        if cut < 0:
-            pieces.append(block)
+        if progress is not None:
+            progress(len(block))
+        first = block.find(b"\n")
+        if first < 0:  # the line goes on
+            held += len(block)
+            if not dropping and held > MAX_LINE_BYTES:
+                warn(_too_long(path, line_number))
+                pieces, dropping = [], True
+            if not dropping:
+                pieces.append(block)
             continue
+        if dropping or held + first > MAX_LINE_BYTES:  # the long line ends here
+            if not dropping:
+                warn(_too_long(path, line_number))
+            pieces, dropping = [TOO_LONG_LINE], False
+            block = block[first:]
+        cut = block.rfind(b"\n")
         whole = b"".join((*pieces, memoryview(block)[:cut]))  # one copy, not two
         pieces = [block[cut + 1 :]]
-        if progress is not None:
-            progress(len(whole) + 1)
+        held = len(pieces[0])
         yield line_number, whole
         line_number += _newlines(whole) + 1
-    rest = b"".join(pieces)
+    rest = TOO_LONG_LINE if dropping else b"".join(pieces)
     if rest:
-        if progress is not None:
-            progress(len(rest))
         yield line_number, rest
         line_number += rest.count(b"\n") + 1
     if blocks.broken:
         warn(f"{path}: {blocks.broken}: the {line_number - 1:,} lines before it are read")
+
+
+def _too_long(path: str, line: int) -> str:
+    return f"{path}: line {line:,} is longer than {MAX_LINE_BYTES:,} bytes: not read (malformed_json)"
 
 
 class _Blocks:
