@@ -212,7 +212,7 @@ def reason_message(field_name: str | None, reason: str) -> str:
         "not_an_integer": "must be a JSON integer (not a float, string or boolean)",
         "not_a_number": "must be a JSON number (not a string or boolean)",
         "not_finite": "must be a finite number (NaN and Infinity are not accepted)",
-        "not_a_string": "must be a string",
+        "not_a_string": "must be a string of Unicode text (no lone surrogate)",
         "invalid_label": f"must be printable UTF-8 of at most {MAX_LABEL_BYTES} bytes",
         "not_a_list": "must be a list of integers or strings",
         "cached_exceeds_prompt": "must not exceed prompt_tokens",
@@ -739,7 +739,20 @@ def _string_column(
         lengths = map(len, values) if None not in values else (len(v) for v in values if v is not None)
         if max(lengths, default=0) > max_length:
             reasons[[v is not None and len(v) > max_length for v in values]] = _REASON_CODE["too_long"]
+        if not _unicode("".join(filter(None, values))):  # one pass; per value only when it fails
+            not_text = [v is not None and not _unicode(v) for v in values]
+            reasons[not_text & (reasons == _OK)] = _REASON_CODE["not_a_string"]
     return values, reasons
+
+
+def _unicode(text: str) -> bool:
+    """Whether ``text`` is Unicode that UTF-8 can hold: a JSON ``\\u`` escape can make a lone
+    surrogate, which no exposition, Parquet file or DuckDB column takes."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _list_column(spec: FieldSpec, raw: list[Any]) -> tuple[list[Any], npt.NDArray[np.int16]]:

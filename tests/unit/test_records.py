@@ -13,7 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from kvlens.records import REASONS, Record, RecordBatch, batch_from_json_array, batch_from_objects
+from kvlens.records import (
+    REASONS,
+    Record,
+    RecordBatch,
+    batch_from_json_array,
+    batch_from_json_lines,
+    batch_from_objects,
+)
 from kvlens.sources.demo import DemoTraffic
 
 GOOD = {"prompt_tokens": 128, "cached_tokens": 16}
@@ -58,6 +65,10 @@ def reject_one(record: Any) -> dict[str, Any]:
         ({**GOOD, "model": "new\nline"}, "model", "invalid_label"),
         ({**GOOD, "model": "nul\x00"}, "model", "invalid_label"),
         ({**GOOD, "request_id": "r" * 257}, "request_id", "too_long"),
+        # a lone surrogate (only a JSON \u escape makes one) is no text UTF-8 can hold
+        ({**GOOD, "request_id": "id\ud800"}, "request_id", "not_a_string"),
+        ({**GOOD, "finish_reason": "\udc00"}, "finish_reason", "not_a_string"),
+        ({**GOOD, "arm": "warm\udfff"}, "arm", "not_a_string"),
         ({**GOOD, "block_size": 0}, "block_size", "out_of_range"),
         ({**GOOD, "prefix_hashes": "abc"}, "prefix_hashes", "not_a_list"),
         ({**GOOD, "prefix_hashes": [1, None]}, "prefix_hashes", "not_a_list"),
@@ -202,3 +213,11 @@ def test_fast_path_matches_the_column_validator_on_a_realistic_batch() -> None:
 )
 def test_fast_path_declines_what_needs_per_record_reasons(records: list[Any]) -> None:
     assert batch_from_json_array(orjson.dumps(records)) is None
+
+
+@pytest.mark.parametrize("field", ["request_id", "finish_reason", "arm"])
+def test_a_lone_surrogate_in_text_sends_the_batch_to_the_record_by_record_validator(field: str) -> None:
+    # the fast paths decode JSON text; msgspec gives the escape back as a lone surrogate
+    line = '{"prompt_tokens": 10, "cached_tokens": 1, "' + field + '": "a\\ud800"}'
+    assert batch_from_json_array(f"[{line}]".encode()) is None
+    assert batch_from_json_lines(line.encode()) is None
