@@ -9,7 +9,8 @@ lines (nothing else), and DuckDB's bare ``count(*)``/``sum()`` scan of the Parqu
 ``jsonl_load_duckdb`` is the read phase of the JSON lines alone (read, validate, load into
 DuckDB: what ``analyze`` does before its summary), beside the same baseline as the whole
 analysis. ``--only`` runs the cases named (and their baselines); ``--repeat`` runs each case that
-many times, one process each, and prints the medians.
+many times, one process each, each run after a run of its baseline, and prints the medians (of
+the rounds' ratios for the ratios).
 
 Every measurement runs in its own process, so each peak RSS is that case's alone; its CPU
 seconds (all threads) are printed beside the wall time, since other processes share the cores. The numpy
@@ -132,16 +133,30 @@ def run_case(case: str, path: str, memory_limit: str) -> dict[str, Any]:
     }
 
 
-def measure(case: str, path: Path, memory_limit: str, repeat: int) -> dict[str, Any]:
+def measure(
+    case: str, path: Path, memory_limit: str, repeat: int, baseline: tuple[str, Path] | None = None
+) -> dict[str, Any]:
     """The case run ``repeat`` times (each its own process): the median wall and CPU seconds
-    (the load of a shared machine comes and goes), the largest peak RSS."""
-    runs = [measure_once(case, path, memory_limit) for _ in range(repeat)]
-    return {
+    (the load of a shared machine comes and goes), the largest peak RSS. With a ``baseline``
+    (case, path), each run is paired with a run of the baseline just before it, and the ratios
+    are the medians of the rounds' ratios: a machine whose speed drifts between the baseline's
+    runs and the case's (a baseline 1.3 s in one minute, 1.8 s in another, on the same file)
+    moves both sides of a round alike."""
+    rounds = []
+    for _ in range(repeat):
+        base = measure_once(*baseline, memory_limit) if baseline else None
+        rounds.append((measure_once(case, path, memory_limit), base))
+    runs = [run for run, _ in rounds]
+    result = {
         **runs[0],
         "seconds": statistics.median(run["seconds"] for run in runs),
         "cpu_seconds": statistics.median(run["cpu_seconds"] for run in runs),
         "peak_rss": max(run["peak_rss"] for run in runs),
     }
+    paired = [(run, base) for run, base in rounds if base is not None]
+    for key in ("seconds", "cpu_seconds") if paired else ():
+        result[f"{key}_ratio"] = statistics.median(run[key] / base[key] for run, base in paired)
+    return result
 
 
 def measure_once(case: str, path: Path, memory_limit: str) -> dict[str, Any]:
@@ -189,7 +204,8 @@ def main() -> None:
     compiled = byte_compile_kvlens()
     print(
         f"memory limit {args.memory_limit}; each case in its own process; peak RSS of that process; "
-        f"median of {args.repeat} run(s); kvlens byte-compiled first: {compiled}"
+        f"median of {args.repeat} run(s); kvlens byte-compiled first: {compiled}; each run of a case "
+        "follows a run of its baseline, and its ratio is the median of the rounds' ratios"
     )
     print(
         f"{'records':>12} {'case':<24} {'seconds':>8} {'cpu s':>8} {'records/s':>12} {'peak RSS':>10}  "
@@ -224,13 +240,13 @@ def main() -> None:
                     for case in cases
                     if case[0] in wanted or case[0] in {c[2] for c in cases if c[0] in wanted}
                 ]
-            results: dict[str, dict[str, Any]] = {}
+            paths = {case: path for case, path, _ in cases}
             for case, path, baseline in cases:
-                result = results[case] = measure(case, path, args.memory_limit, args.repeat)
+                paired = (baseline, paths[baseline]) if baseline else None
+                result = measure(case, path, args.memory_limit, args.repeat, paired)
                 assert result["records"] == count, result
                 ratio = (
-                    f"{result['seconds'] / results[baseline]['seconds']:.2f}x "
-                    f"(cpu {result['cpu_seconds'] / results[baseline]['cpu_seconds']:.2f}x) {baseline}"
+                    f"{result['seconds_ratio']:.2f}x (cpu {result['cpu_seconds_ratio']:.2f}x) {baseline}"
                     if baseline
                     else ""
                 )
