@@ -58,17 +58,20 @@ INTERRUPT_EVERY = 0.01  # seconds between interrupts of a DuckDB statement being
 # that a file of millions of distinct such names is never held in Python at once (2M fetched
 # at once took 1.4 GB more RSS).
 LABELS_AT_A_TIME = 65_536
-_BEYOND_PRINTABLE_ASCII = "GLOB '*[! -~]*'"  # a character outside ' '..'~': natively, no RE2
+
+
+def _beyond_short_ascii(name: str) -> str:
+    """SQL: the text column ``name`` holds a character outside ' '..'~' (a native GLOB, no RE2)
+    or more than :data:`~kvlens.records.MAX_LABEL_BYTES` bytes. Short printable ASCII is a valid
+    label; the others are for :func:`kvlens.records.valid_label`."""
+    return f"({name} GLOB '*[! -~]*' OR strlen({name}) > {records.MAX_LABEL_BYTES})"
 
 
 def labels_to_check(source: str, labels: list[str]) -> str:
     """A query of the distinct values of the ``labels`` columns of the query or table
-    ``source`` that are not printable ASCII of at most :data:`~kvlens.records.MAX_LABEL_BYTES`
-    bytes: those are valid, these are for :func:`kvlens.records.valid_label`."""
+    ``source`` that are not short printable ASCII (:func:`_beyond_short_ascii`)."""
     return " UNION ".join(
-        f"SELECT DISTINCT {name} AS label FROM {source} "
-        f"WHERE {name} {_BEYOND_PRINTABLE_ASCII} OR strlen({name}) > {records.MAX_LABEL_BYTES}"
-        for name in labels
+        f"SELECT DISTINCT {name} AS label FROM {source} WHERE {_beyond_short_ascii(name)}" for name in labels
     )
 
 
@@ -359,10 +362,7 @@ class _Parser:
     def insert_checked(self, lines_query: str, labels: list[str]) -> int:
         """Insert the rows of ``lines_query`` that pass both checks (labels as printable
         ASCII only); their number."""
-        ascii_labels = " AND ".join(
-            f"({name} IS NULL OR regexp_full_match({name}, '[ -~]{{0,{records.MAX_LABEL_BYTES}}}'))"
-            for name in labels
-        )
+        ascii_labels = " AND ".join(f"({name} IS NULL OR NOT {_beyond_short_ascii(name)})" for name in labels)
         # no error() for a failed check: an error aborts the transaction the insert is in
         ((count,),) = self.connection.execute(
             f"{self._insert_statement()} ({lines_query}) "
