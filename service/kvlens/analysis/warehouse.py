@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlens import definitions
-from kvlens.analysis import columnar, report
+from kvlens.analysis import columnar, report, sqltext
 from kvlens.config import Settings
 from kvlens.errors import InputError
 
@@ -53,6 +53,7 @@ def script(settings: Settings) -> str:
             if name == DEFAULT_COST
             else settings.cost_model_for(name)
         ),
+        sqltext.duckdb_text,
     )
     cells = columnar.cells_sql("SELECT * FROM reduced")
     fractions = sorted({q / 100 for q in report.QUANTILES} | {0.5, 1 - report.SLOWEST_SHARE})
