@@ -67,7 +67,7 @@ def test_simulate_emit_records_into_a_missing_folder(
 def test_compare_with_a_missing_arm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "warm.jsonl"
     assert main(["compare", "--arm", f"warm={missing}"]) == 2
-    assert one_line(capsys) == f"kvlens: {missing}: No such file or directory"
+    assert one_line(capsys) == f"kvlens: {missing}: no such file or directory"  # as analyze says
 
 
 def test_analyze_that_accepts_no_record_says_why_and_fails(

@@ -231,7 +231,6 @@ def test_every_input_form_compares_the_same(tmp_path: Path) -> None:
         {name: f"{tmp_path / name}.jsonl.gz" for name in plain},
         {name: f"{tmp_path / name}.parquet" for name in plain},
         {name: str(tmp_path / "hive" / name) for name in plain},  # a directory of days
-        {name: str(tmp_path / "hive" / name / "*" / "*.parquet") for name in plain},  # a glob
         {"off": str(plain["off"]), "warm": f"{tmp_path / 'warm'}.parquet"},  # mixed
     ]
     for form in forms:

@@ -135,20 +135,19 @@ def time_range(first: float | None, last: float | None, records: int) -> dict[st
     return {"first_arrival": first, "last_arrival": last, "records": records}
 
 
-def choose_engine(requested: str, paths: Sequence[str]) -> str:
-    """``auto``: duckdb (when installed) for Parquet, directories, globs or files past
+def choose_engine(requested: str, files: Sequence[str]) -> str:
+    """``auto``: duckdb (when installed) for Parquet, URLs, pipes or files past
     :data:`AUTO_DUCKDB_BYTES` together; numpy otherwise (it also reads ``prefix_hashes`` for the
-    diagnosis)."""
+    diagnosis). ``files`` is what :func:`kvlens.analysis.reader.resolve` gave: the engine
+    chosen reads those files, whichever it is."""
     if requested != "auto":
         return requested
     try:
         import duckdb  # noqa: F401
     except ModuleNotFoundError:
         return "numpy"
-    from kvlens.analysis import columnar
-
-    local = [path for path in paths if path != "-"]
-    if any(not os.path.isfile(path) or columnar.is_parquet(path) for path in local):
+    local = [path for path in files if path != "-"]
+    if any(not os.path.isfile(path) or reader.is_parquet(path) for path in local):
         return "duckdb"
     return "duckdb" if sum(os.path.getsize(path) for path in local) >= AUTO_DUCKDB_BYTES else "numpy"
 

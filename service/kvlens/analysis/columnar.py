@@ -26,12 +26,9 @@ once and each part ranked by ``np.partition``.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import functools
-import glob
 import itertools
 import os
-import re
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -43,18 +40,16 @@ import numpy as np
 import numpy.typing as npt
 
 from kvlens import definitions, records
-from kvlens.analysis import jsonl_load, reader, report
+from kvlens.analysis import jsonl_load, reader, report, sqltext
 from kvlens.errors import InputError
 
 DEFAULT_MEMORY_LIMIT = "2GiB"
 BINS = 1 << 18  # histogram bins of a part a pass, at most (a part past 268M values gets fuller bins)
 BIN_VALUES = 1024  # values a bin is sized for: a pass leaves ranges of about that many to fetch
 FETCH_MAX = 16384  # values in range fetched to pick the rank directly
-PARQUET_SUFFIXES = (".parquet", ".pq")
 # Distinct labels outside printable ASCII that :func:`kvlens.records.valid_label` checks in
 # Python, at most; past it every row is matched by :func:`_printable_pattern` instead.
 MAX_LABELS_CHECKED = 100_000
-_PARQUET_MAGIC = b"PAR1"
 
 # The columns the analysis reads, in the record's order. `src`/`row` keep the input order
 # (file, line or row), which calibration's residual sample follows.
@@ -76,7 +71,7 @@ def _duckdb() -> Any:
     try:
         import duckdb
     except ModuleNotFoundError as error:
-        raise InputError("this needs the scale extra (DuckDB): pip install 'kvlens[scale]'") from error
+        raise InputError(f"this needs {reader.scale_extra()}") from error
     return duckdb
 
 
@@ -106,10 +101,10 @@ class Engine:
         self.connection = duckdb.connect(":memory:")
         spill = self.temp_directory or self._spill.name  # type: ignore[union-attr]
         try:
-            self.connection.execute(f"SET memory_limit = '{_quoted(self.memory_limit)}'")
+            self.connection.execute(f"SET memory_limit = {sqltext.duckdb_text(self.memory_limit)}")
         except duckdb.Error as error:
             raise InputError(f"memory limit {self.memory_limit!r} is not a size DuckDB takes") from error
-        self.connection.execute(f"SET temp_directory = '{_quoted(spill)}'")
+        self.connection.execute(f"SET temp_directory = {sqltext.duckdb_text(spill)}")
         self.connection.execute("SET preserve_insertion_order = false")
         self.connection.execute("SET enable_progress_bar = false")
         # every pass reads the Parquet footers again (the order statistics a chunk at a time)
@@ -160,120 +155,6 @@ def engine_errors(memory_limit: str, spill: str | os.PathLike[str] | None = None
         raise InputError(f"DuckDB: {str(error).splitlines()[0]}") from error
 
 
-def _quoted(text: str) -> str:
-    return text.replace("'", "''")
-
-
-def scanned_name(path: str) -> str:
-    """The name DuckDB gives a local file it reads by :func:`literal_path` (its ``filename``
-    column, ``parquet_schema``'s ``file_name``): absolute; a URL as it is."""
-    return path if "://" in path else os.path.abspath(path)
-
-
-def literal_path(path: str) -> str:
-    """``path`` as SQL text DuckDB reads as that one file: absolute (DuckDB expands a leading
-    ``~``) with each of ``*?[`` in brackets (DuckDB reads them as a pattern: a file named
-    ``x*.parquet`` would read ``x1.parquet`` beside it too). A URL is left as it is: its
-    wildcards are meant."""
-    if "://" in path:
-        return f"'{_quoted(path)}'"
-    return "'" + _quoted(re.sub(r"([*?\[])", r"[\1]", scanned_name(path))) + "'"
-
-
-# ---------------------------------------------------------------------------------------------
-# Inputs
-
-
-def expand(paths: Sequence[str]) -> list[str]:
-    """Files named by ``paths``: files, directories (every file below, hidden ones aside, in
-    name order: a hive layout such as ``day=2026-11-30/model=x/part-0.parquet`` works) and
-    globs (``**`` spans directories). A path that names nothing is an error, not an empty
-    input. A file reached by several names (a symbolic link, a glob that overlaps a directory,
-    a link back up the tree) is read once, under the first. A pipe named as a file (a FIFO,
-    ``<(zcat ...)``) is read as a stream of JSON lines; one found by a walk or a glob is left
-    out (nothing may ever write to it: reading would wait for ever). Object-storage URLs of Parquet
-    files (``s3://.../x.parquet``, globs allowed) go to DuckDB as they are; it reads them where
-    its httpfs extension is installed."""
-    out: list[str] = []
-    for path in paths:
-        if "://" in path and not path.endswith(PARQUET_SUFFIXES):
-            raise InputError(f"{path}: only Parquet is read from a URL (name it .parquet)")
-        if path == "-" or "://" in path:
-            out.append(path)
-        elif os.path.isdir(path):
-            out.extend(
-                sorted(
-                    str(p)
-                    for p in Path(path).rglob("*")
-                    if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
-                )
-            )
-        elif any(char in path for char in "*?["):
-            matched = sorted(p for p in _glob(path) if os.path.isfile(p))
-            if not matched:
-                raise InputError(f"{path}: the pattern matches no file")
-            out.extend(matched)
-        elif os.path.exists(path):  # a file, or a pipe (a FIFO, <(zcat ...)) read as a stream
-            out.append(path)
-        else:
-            raise InputError(f"{path}: no such file or directory")
-    return reader.distinct(out)
-
-
-def _glob(pattern: str) -> list[str]:
-    """``glob.glob(pattern, recursive=True)``, but ``**`` enters each directory once: glob
-    follows every link to a directory, so a link back up the tree (``up -> ..``) repeats the
-    files below it some 40 times, and two such links 2^40 times."""
-    if "**" not in pattern:
-        return glob.glob(pattern)
-    parts = pattern.split(os.sep)
-    first = next(i for i, part in enumerate(parts) if any(char in part for char in "*?["))
-    base = os.sep.join(parts[:first]) or (os.sep if pattern.startswith(os.sep) else ".")
-    wanted = parts[first:]
-    found: list[str] = []
-    entered: set[tuple[int, int]] = set()
-    for directory, subdirectories, names in os.walk(base, followlinks=True):
-        status = os.stat(directory)
-        if (status.st_dev, status.st_ino) in entered:
-            subdirectories.clear()
-            continue
-        entered.add((status.st_dev, status.st_ino))
-        relative = os.path.relpath(directory, base)
-        above = [] if relative == "." else relative.split(os.sep)
-        for name in names:
-            if _matches([*above, name], wanted):
-                found.append(os.path.join(directory, name))
-    return found if parts[:first] else [os.path.relpath(name) for name in found]  # no "./", as glob
-
-
-def _matches(names: list[str], parts: list[str]) -> bool:
-    """Whether the path ``names`` matches the glob ``parts`` (``**``: any number of
-    directories; a wildcard never matches a leading dot, as in glob)."""
-    if not parts:
-        return not names
-    if parts[0] == "**":
-        return any(
-            _matches(names[skip:], parts[1:])
-            for skip in range(len(names) + 1)
-            if not any(name.startswith(".") for name in names[:skip])
-        )
-    if not names:
-        return False
-    name, part = names[0], parts[0]
-    if name.startswith(".") and not part.startswith("."):
-        return False
-    return fnmatch.fnmatchcase(name, part) and _matches(names[1:], parts[1:])
-
-
-def is_parquet(path: str) -> bool:
-    if path.endswith(PARQUET_SUFFIXES):
-        return True
-    if path == "-" or "://" in path or not os.path.isfile(path):  # a pipe is read once, as lines
-        return False
-    with open(path, "rb") as probe:
-        return probe.read(4) == _PARQUET_MAGIC
-
-
 @dataclass
 class Loaded:
     """The records view in the engine, and how the input read."""
@@ -306,12 +187,12 @@ def load(
     checks each row as it reads until :func:`summarize`, given :attr:`Loaded.unchecked`,
     checks every row in its sums scan (one scan fewer). The rejected rows of
     :attr:`Loaded.read` are counted only then."""
-    files = _objects(engine, expand(paths))
+    files = _objects(engine, reader.resolve(paths))
     result = reader.ReadResult(batch=records.batch_from_objects([]).batch)
     con = engine.connection
     typed = ", ".join(f"{name} {_SQL_TYPE[_SPEC[name].kind]}" for name in columns)
     con.execute(f"CREATE OR REPLACE TEMP TABLE jsonl_records ({typed}, src INTEGER, row BIGINT)")
-    parquet = [(index, path) for index, path in enumerate(files) if is_parquet(path)]
+    parquet = [(index, path) for index, path in enumerate(files) if reader.is_parquet(path)]
     scanned = {index for index, _ in parquet}
     for index, path in enumerate(files):
         if index not in scanned:
@@ -364,7 +245,7 @@ def _objects(engine: Engine, files: list[str]) -> list[str]:
 
 def _parquet_rows(engine: Engine, paths: list[str]) -> int:
     """Rows of the Parquet files, from their footers."""
-    listed = ", ".join(literal_path(path) for path in paths)
+    listed = ", ".join(sqltext.duckdb_path(path) for path in paths)
     ((rows,),) = engine.connection.execute(
         f"SELECT COALESCE(SUM(num_rows), 0) FROM parquet_file_metadata([{listed}])"
     ).fetchall()
@@ -397,8 +278,10 @@ class _ParquetChecks:
 
 def _parquet_checks(engine: Engine, parquet: list[tuple[int, str]], columns: Sequence[str]) -> _ParquetChecks:
     present = _check_parquet_schema(engine, [path for _, path in parquet], columns)
-    listed = ", ".join(literal_path(path) for _, path in parquet)
-    src = " ".join(f"WHEN '{_quoted(scanned_name(path))}' THEN {index}" for index, path in parquet)
+    listed = ", ".join(sqltext.duckdb_path(path) for _, path in parquet)
+    src = " ".join(
+        f"WHEN {sqltext.duckdb_text(sqltext.scanned_name(path))} THEN {index}" for index, path in parquet
+    )
     scan = (
         f"SELECT *, CASE filename {src} END AS src, file_row_number AS row FROM read_parquet([{listed}], "
         "union_by_name = true, filename = true, file_row_number = true, hive_partitioning = false)"
@@ -553,7 +436,7 @@ def _check_parquet_schema(engine: Engine, paths: list[str], columns: Sequence[st
     Only top-level columns count: a struct's child named ``prompt_tokens`` is not the record's.
     ``parquet_schema`` lists each file's schema tree depth first, each group with its number
     of children, from which the top level is read."""
-    listed = ", ".join(literal_path(path) for path in paths)
+    listed = ", ".join(sqltext.duckdb_path(path) for path in paths)
     rows = engine.connection.execute(
         "SELECT file_name, name, type, repetition_type, num_children, converted_type, logical_type "
         f"FROM parquet_schema([{listed}])"
@@ -563,7 +446,7 @@ def _check_parquet_schema(engine: Engine, paths: list[str], columns: Sequence[st
         trees.setdefault(row[0], []).append(row[1:])
     present: set[str] = set()
     for path in paths:
-        top = _top_level(trees.get(scanned_name(path), []))
+        top = _top_level(trees.get(sqltext.scanned_name(path), []))
         for name in columns:
             spec = _SPEC[name]
             named = [column for column in top if column[0].lower() == name]
@@ -656,9 +539,9 @@ def rejection_sql(columns: set[str] | Sequence[str], invalid_labels: bool | None
         if spec.kind is float:
             rules.append((f"(isnan({name}) OR isinf({name}))", name, "not_finite"))
         if spec.kind in (int, float) and spec.low is not None:
-            rules.append((f"{name} < {spec.low!r}", name, "out_of_range"))
+            rules.append((f"{name} < {sqltext.number(spec.low)}", name, "out_of_range"))
         if spec.kind in (int, float) and spec.high is not None:
-            rules.append((f"{name} > {spec.high!r}", name, "out_of_range"))
+            rules.append((f"{name} > {sqltext.number(spec.high)}", name, "out_of_range"))
         if spec.kind is str and spec.is_label:
             if invalid_labels is None:
                 rules.append(
@@ -703,16 +586,29 @@ def _printable_pattern() -> str:
 # The reducer as SQL
 
 
-def reduced_sql(source: str, edges: Sequence[int], default_model: str, keep: Sequence[str] = ()) -> str:
+def reduced_sql(
+    source: str,
+    edges: Sequence[int],
+    default_model: str,
+    keep: Sequence[str] = (),
+    text: Callable[[str], str] = sqltext.duckdb_text,
+) -> str:
     """The per-record decisions of :func:`kvlens.reduce.reduce` over ``source``: the model by
     raw name (``default_model`` when none), hit (``h > 0``), the prompt-length group (the edges
     at or below ``n``: numpy's ``searchsorted(..., side="right")``), the squares that ``C(n)``
-    and ``C(h)`` sum from, and the TTFT split with its completeness."""
-    group = " + ".join(f"CASE WHEN prompt_tokens >= {int(edge)} THEN 1 ELSE 0 END" for edge in edges) or "0"
+    and ``C(h)`` sum from, and the TTFT split with its completeness. ``text`` writes the
+    default model's literal (:mod:`kvlens.analysis.sqltext`: DuckDB's, or the printed
+    script's)."""
+    group = (
+        " + ".join(
+            f"CASE WHEN prompt_tokens >= {sqltext.number(int(edge))} THEN 1 ELSE 0 END" for edge in edges
+        )
+        or "0"
+    )
     other = "ttft_seconds - queue_seconds - prefill_seconds"
     complete = "(queue_seconds IS NOT NULL AND prefill_seconds IS NOT NULL AND ttft_seconds IS NOT NULL)"
     return f"""SELECT
-  COALESCE(model, '{_quoted(default_model)}') AS model,
+  COALESCE(model, {text(default_model)}) AS model,
   prompt_tokens,
   cached_tokens,
   cached_tokens > 0 AS hit,
@@ -740,7 +636,7 @@ def _exact(column: str) -> str:
 
 def _fixed(column: str) -> str:
     """A sum of durations in fixed point (:data:`FIXED`), exact in any engine."""
-    return f"SUM(CAST(CAST(FLOOR({column} * {FIXED!r}) AS BIGINT) AS DECIMAL(38,0)))"
+    return f"SUM(CAST(CAST(FLOOR({column} * {sqltext.number(FIXED)}) AS BIGINT) AS DECIMAL(38,0)))"
 
 
 def cells_sql(reduced: str) -> str:
@@ -761,12 +657,15 @@ def decomposition_sql(reduced: str) -> str:
 FROM ({reduced}) AS reduced_rows WHERE ttft_complete"""
 
 
-def cost_models_sql(names: Sequence[str], cost_for: Callable[[str], definitions.CostModel]) -> str:
-    """The cost models of ``names`` as a VALUES list (``unit`` indexes ``definitions.UNITS``)."""
+def cost_models_sql(
+    names: Sequence[str], cost_for: Callable[[str], definitions.CostModel], text: Callable[[str], str]
+) -> str:
+    """The cost models of ``names`` as a VALUES list, text written by ``text``
+    (:mod:`kvlens.analysis.sqltext`)."""
     rows = []
     for name in names:
         cost = cost_for(name)
-        rows.append(f"('{_quoted(name)}', {cost.a!r}, {cost.b!r}, '{cost.unit}')")
+        rows.append(f"({text(name)}, {sqltext.number(cost.a)}, {sqltext.number(cost.b)}, {text(cost.unit)})")
     return "(VALUES " + ", ".join(rows) + ") AS cost_models(model, a, b, unit)"
 
 
@@ -1307,7 +1206,7 @@ def totals_sql(reduced: str, by: str | None = None) -> str:
         return f"SUM({column})"
 
     def _fixed(column: str) -> str:
-        return f"SUM(CAST(FLOOR({column} * {FIXED!r}) AS BIGINT))"
+        return f"SUM(CAST(FLOOR({column} * {sqltext.number(FIXED)}) AS BIGINT))"
 
     return f"""SELECT model, length_group, hit, COUNT(*),
   {_exact("prompt_tokens")}, {_exact("cached_tokens")},
@@ -1580,7 +1479,7 @@ def convert(
             loaded = load(engine, paths, columns=SCALAR_COLUMNS, format_name=format_name, model=model)
             ((count,),) = engine.connection.execute(
                 f"COPY (SELECT {', '.join(SCALAR_COLUMNS)} FROM records ORDER BY src, row) "
-                f"TO '{_quoted(scanned_name(str(out)))}' (FORMAT parquet, COMPRESSION zstd)"
+                f"TO {sqltext.duckdb_text(sqltext.scanned_name(str(out)))} (FORMAT parquet, COMPRESSION zstd)"
             ).fetchall()
         return loaded, int(count)
     finally:

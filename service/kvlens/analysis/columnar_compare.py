@@ -1,7 +1,7 @@
 """``kvlens compare`` out of core: the arms in DuckDB (the ``scale`` extra), compared in SQL.
 
 Each arm is read by :func:`kvlens.analysis.columnar.load` (the same reader and validator as
-``analyze``: JSON lines, gz, Parquet, directories, globs) into a table of its valid records
+``analyze``: JSON lines, gz, Parquet, directories) into a table of its valid records
 numbered in input order, the arm's own records when the file holds several arms. The sameness
 check (count, prompt lengths position by position, request ids) is three queries per arm, each
 naming the first difference as the numpy engine does. The arms are then joined by position
@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from kvlens import definitions
-from kvlens.analysis import columnar, compare
+from kvlens.analysis import columnar, compare, sqltext
 from kvlens.analysis.report import Cell, Key, totals_of
 from kvlens.config import Settings
 from kvlens.definitions import Totals, prompt_length_labels
@@ -138,7 +138,7 @@ class InDuckDB:
         sources = [f"({columnar.reduced_sql(f'arm_{i}', edges, default, keep)}) AS a{i}" for i in range(arms)]
         warm = [f"a0.pos < {int(warmup)}"]
         if warmup_until is not None:
-            until = f"CAST('{float(warmup_until)!r}' AS DOUBLE)"
+            until = f"CAST({sqltext.number(float(warmup_until))} AS DOUBLE)"
             warm += [f"COALESCE(a{i}.arrival_time < {until}, FALSE)" for i in range(arms)]
         columns = [f"a{i}.{name} AS {name}_{i}" for i in range(arms) for name in _PER_ARM]
         columns += [f"a{i}.request_id AS request_id_{i}" for i in range(1, arms)]

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from kvlens import records
-from kvlens.analysis import reader
+from kvlens.analysis import reader, sqltext
 from kvlens.errors import InputError
 
 STAGED = "kvlens_parsed_lines"  # a chunk with labels past ASCII waits here for the Python label check
@@ -141,6 +141,8 @@ def _whole_file(
     file replaced) changes size, times or inode, and is then read a chunk at a time, so that
     DuckDB's rows are kept only when it read the lines the decoder proved."""
     if path == "-" or model is not None or format_name not in (None, "kvlens") or not os.path.isfile(path):
+        return False
+    if not sqltext.duckdb_names(path):  # the chunks are read under names of their own
         return False
     if (before := _identity(path)) is None:
         return False
@@ -338,14 +340,11 @@ class _Parser:
         selected = ", ".join(
             f"NULLIF({name}, '') AS {name}" if _KINDS[name] is str else name for name in wanted
         )
-        # columnar imports this module: its name for the file, not a pattern (a walked
-        # directory's log[12].jsonl would be read as the log1.jsonl beside it)
-        from kvlens.analysis.columnar import literal_path
-
-        # ordinality: the line's place in the file (checked with 4 threads on 190 MB files; a
-        # chunk is smaller than one of read_json's 32 MiB buffers anyway)
+        # the file's name, never a pattern (a walked directory's log[12].jsonl would be read as
+        # the log1.jsonl beside it); ordinality: the line's place in the file (checked with 4
+        # threads on 190 MB files; a chunk is smaller than one of read_json's 32 MiB buffers)
         return (
-            f"SELECT {selected}, ordinality FROM read_json({literal_path(str(file))}, "
+            f"SELECT {selected}, ordinality FROM read_json({sqltext.duckdb_path(str(file))}, "
             "format = 'newline_delimited', "
             f"records = true, compression = '{compression}', columns = {typed}) WITH ORDINALITY"
         )

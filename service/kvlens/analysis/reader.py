@@ -19,13 +19,16 @@ import stat
 import sys
 import zlib
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO, Any, TypeVar
 
 import numpy as np
 
+from kvlens.console import install_hint
+from kvlens.errors import InputError
 from kvlens.records import (
     RecordBatch,
     Rejections,
@@ -44,6 +47,8 @@ MAX_LINE_BYTES = 64 * 1024 * 1024
 TOO_LONG_LINE = b"(a line longer than MAX_LINE_BYTES, not read)"
 log = logging.getLogger("kvlens")
 _GZIP = b"\x1f\x8b"
+PARQUET_SUFFIXES = (".parquet", ".pq")
+_PARQUET_MAGIC = b"PAR1"
 _NEWLINE, _BRACE = ord("\n"), ord("{")
 MAX_EXAMPLES = 20
 T = TypeVar("T")
@@ -77,26 +82,70 @@ class ReadResult:
 
 
 def read(
-    paths: list[str],
+    paths: Sequence[str],
     *,
     format_name: str | None = None,
     model: str | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> ReadResult:
-    """All records of ``paths``; ``progress`` is told how many bytes were read as reading goes."""
+    """All records of the JSON-lines files ``paths`` name (:func:`resolve`); ``progress`` is
+    told how many bytes were read as reading goes."""
+    files = resolve(paths)
+    refuse_parquet(files)
     result = ReadResult(batch=batch_from_objects([]).batch)
-    batches = list(
-        batches_of(distinct(paths), result, format_name=format_name, model=model, progress=progress)
-    )
+    batches = list(batches_of(files, result, format_name=format_name, model=model, progress=progress))
     if batches:
         result.batch = RecordBatch.concat(batches)
     return result
 
 
-def distinct(paths: list[str]) -> list[str]:
-    """``paths`` with each regular file once, under the first name that reaches it (a file named
-    twice, a link to it, a glob overlapping a directory): its records are counted once. Streams
-    (``-``, pipes), URLs and names that reach nothing (the open says why) are kept as given."""
+def resolve(names: Sequence[str]) -> list[str]:
+    """The files that ``names`` name: the one rule of every engine, so that which files are read
+    never depends on which engine reads them. A name is the path it spells, never a pattern (a
+    shell has expanded the user's patterns already: ``[ab].jsonl`` left to kvlens is the file of
+    that name, not ``a.jsonl`` and ``b.jsonl``); a directory is every file below it, hidden ones
+    aside, in name order (a hive layout such as ``day=2026-11-30/model=x/part-0.parquet``
+    works). A name that reaches nothing is an error, not an empty input. A file reached by
+    several names (named twice, a symbolic link, a link back up a walked tree) is read once,
+    under the first. ``-`` is stdin; a pipe named as a file (a FIFO, ``<(zcat ...)``) is read as
+    a stream of JSON lines, one found by a walk is left out (nothing may ever write to it:
+    reading would wait for ever). Object-storage URLs of Parquet files (``s3://.../x.parquet``,
+    where DuckDB's own patterns are meant: no shell lists a bucket) are kept for DuckDB to list.
+    A resolved list resolves to itself."""
+    out: list[str] = []
+    for name in names:
+        if "://" in name and not name.endswith(PARQUET_SUFFIXES):
+            raise InputError(f"{name}: only Parquet is read from a URL (name it .parquet)")
+        if name == "-" or "://" in name:
+            out.append(name)
+        elif os.path.isdir(name):
+            out.extend(
+                sorted(
+                    str(path)
+                    for path in Path(name).rglob("*")
+                    if path.is_file()
+                    and not any(part.startswith(".") for part in path.relative_to(name).parts)
+                )
+            )
+        elif os.path.exists(name):  # a file, or a pipe (a FIFO, <(zcat ...)) read as a stream
+            out.append(name)
+        else:
+            wildcards = any(char in name for char in "*?[{")
+            raise InputError(
+                f"{name}: no such file or directory"
+                + (
+                    " (a name is read as the path it spells, never as a pattern: let the shell "
+                    "expand patterns, or name a directory)"
+                    if wildcards
+                    else ""
+                )
+            )
+    return _distinct(out)
+
+
+def _distinct(paths: list[str]) -> list[str]:
+    """``paths`` with each regular file once, under the first name that reaches it. Streams
+    (``-``, pipes) and URLs are kept as given."""
     out: list[str] = []
     seen: set[tuple[int, int]] = set()
     for path in paths:
@@ -110,6 +159,37 @@ def distinct(paths: list[str]) -> list[str]:
             seen.add((status.st_dev, status.st_ino))
         out.append(path)
     return out
+
+
+def is_parquet(path: str) -> bool:
+    """Whether ``path`` is Parquet: by its suffix, or a regular file by its magic bytes
+    (``PAR1``: a warehouse export is often named without a suffix). A pipe is read once, as
+    lines."""
+    if path.endswith(PARQUET_SUFFIXES):
+        return True
+    if path == "-" or "://" in path or not os.path.isfile(path):
+        return False
+    with open(path, "rb") as probe:
+        return probe.read(len(_PARQUET_MAGIC)) == _PARQUET_MAGIC
+
+
+def scale_extra() -> str:
+    """The extra that reads Parquet and runs the duckdb engine, and how to install it."""
+    return f"the scale extra (DuckDB): {install_hint('scale')}"
+
+
+def refuse_parquet(paths: Sequence[str]) -> None:
+    """Refuse Parquet among ``paths`` (resolved) before anything is read: this reader takes JSON
+    lines, and read as lines a Parquet file is only "malformed_json" lines."""
+    for path in paths:
+        if is_parquet(path):
+            try:
+                import duckdb  # noqa: F401
+            except ModuleNotFoundError:
+                raise InputError(f"{path} is Parquet: reading it needs {scale_extra()}") from None
+            raise InputError(
+                f"{path} is Parquet: the numpy engine reads JSON lines only; use --engine duckdb (or auto)"
+            )
 
 
 def batches_of(

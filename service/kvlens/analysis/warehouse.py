@@ -20,12 +20,12 @@ import csv
 import decimal
 import io
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from kvlens import definitions
-from kvlens.analysis import columnar, report
+from kvlens.analysis import columnar, report, sqltext
 from kvlens.config import Settings
 from kvlens.errors import InputError
 
@@ -39,12 +39,23 @@ MARGIN = 2  # ranks returned either side of a wanted one
 def _near(fraction: float, count: str, rank: str) -> str:
     """``rank`` within :data:`MARGIN` of the ``fraction`` quantile's lower rank of ``count``
     values (wide enough for any engine's rounding of ``(count - 1) * fraction``)."""
-    low = f"FLOOR(({count} - 1) * {fraction!r})"
+    low = f"FLOOR(({count} - 1) * {sqltext.number(fraction)})"
     return f"({rank} BETWEEN {low} - {MARGIN - 1} AND {low} + {MARGIN})"
 
 
+def _portable(what: str) -> Callable[[str], str]:
+    return lambda value: sqltext.portable_text(value, what)
+
+
 def script(settings: Settings) -> str:
-    reduced = columnar.reduced_sql("records", settings.prompt_length_edges, settings.default_model)
+    """The statements, every literal written by :mod:`kvlens.analysis.sqltext` for any dialect:
+    a name from the settings that no dialect-neutral literal can hold is refused
+    (:class:`~kvlens.errors.SettingsError`), never printed."""
+    text = _portable("the SQL's text")
+    default_model = sqltext.portable_text(settings.default_model, "default_model")
+    reduced = columnar.reduced_sql(
+        "records", settings.prompt_length_edges, settings.default_model, text=_portable("default_model")
+    )
     names = sorted({*settings.cost_models, *settings.model_shapes})
     costs = columnar.cost_models_sql(
         [*names, DEFAULT_COST],
@@ -53,17 +64,19 @@ def script(settings: Settings) -> str:
             if name == DEFAULT_COST
             else settings.cost_model_for(name)
         ),
+        _portable("model name (cost_models, model_shapes)"),
     )
     cells = columnar.cells_sql("SELECT * FROM reduced")
     fractions = sorted({q / 100 for q in report.QUANTILES} | {0.5, 1 - report.SLOWEST_SHARE})
     near = " OR ".join(_near(fraction, "c", "r") for fraction in fractions)
     ranked = " UNION ALL ".join(
-        f"SELECT '{name}' AS series, length_group AS g, hit, {name} AS v "
+        f"SELECT {text(name)} AS series, length_group AS g, hit, {name} AS v "
         f"FROM reduced WHERE {name} IS NOT NULL"
         for name in SERIES
     )
     ranked += (
-        " UNION ALL SELECT 'all_ttft', -1, FALSE, ttft_seconds FROM reduced WHERE ttft_seconds IS NOT NULL"
+        f" UNION ALL SELECT {text('all_ttft')}, -1, FALSE, ttft_seconds FROM reduced "
+        "WHERE ttft_seconds IS NOT NULL"
     )
     slowest_rank = _near(1 - report.SLOWEST_SHARE, "c", "r")
     return f"""-- kvlens analyze --print-sql: the reducer over a table `records` (one row a request, the
@@ -71,7 +84,7 @@ def script(settings: Settings) -> str:
 -- Run each statement; save the results (CSV with a header row, or JSON lines; one file or
 -- several) and turn them into the report with: kvlens analyze --from-aggregates FILE...
 -- (the same --config). prompt_length_edges: {settings.prompt_length_edges}; default model:
--- {settings.default_model!r}
+-- {default_model}
 
 CREATE VIEW reduced AS
 {reduced};
@@ -80,7 +93,7 @@ CREATE VIEW reduced AS
 --    b*(prompt_squares + prompt_tokens)/2 with the model's cost model (query 2).
 SELECT 'cells' AS query, cells.* FROM ({cells}) cells;
 
--- 2. modelled work per unit (a model not in the list takes the '{DEFAULT_COST}' row); not
+-- 2. modelled work per unit (a model not in the list takes the {text(DEFAULT_COST)} row); not
 --    needed by --from-aggregates, which computes it from the cells.
 SELECT 'work' AS query, COALESCE(named.unit, fallback.unit) AS unit,
   SUM(COALESCE(named.a, fallback.a) * CAST(c.prompt_tokens AS DOUBLE)
@@ -91,7 +104,7 @@ SELECT 'work' AS query, COALESCE(named.unit, fallback.unit) AS unit,
     AS reused_work
 FROM ({cells}) c
 LEFT JOIN {costs.replace("cost_models", "named")} ON named.model = c.model
-CROSS JOIN (SELECT * FROM {costs} WHERE cost_models.model = '{DEFAULT_COST}') fallback
+CROSS JOIN (SELECT * FROM {costs} WHERE cost_models.model = {text(DEFAULT_COST)}) fallback
 GROUP BY COALESCE(named.unit, fallback.unit);
 
 -- 3. TTFT decomposition, durations in units of 2^-40 s.

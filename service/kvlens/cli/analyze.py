@@ -20,7 +20,7 @@ def add_parser(commands: Any) -> None:
         "--markdown, --json (schema kvlens.analyze/v1) or --html.",
         epilog=examples(
             "kvlens analyze records.jsonl",
-            "kvlens analyze 'logs/*.jsonl.gz' --json > report.json",
+            "kvlens analyze logs/*.jsonl.gz --json > report.json",
             "kvlens analyze records.jsonl --html report.html",
             "kvlens analyze --prefill-points prefill_h200.csv --config shapes.yaml --calibrate costs.yaml",
         ),
@@ -29,7 +29,8 @@ def add_parser(commands: Any) -> None:
         "files",
         nargs="*",
         metavar="FILE",
-        help="JSON-lines (.gz allowed; - for stdin) or Parquet files, directories, globs",
+        help="JSON-lines (.gz allowed; - for stdin) or Parquet files, or directories (a name is "
+        "the path it spells: let the shell expand patterns)",
     )
     input_flags(analyze)
     scale_flags(analyze)
@@ -62,7 +63,7 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvlens.analysis import calibration, render
+    from kvlens.analysis import calibration, reader, render
     from kvlens.analysis.analyze import analyze, choose_engine, from_aggregates
 
     settings = load_settings(args.config)
@@ -81,15 +82,16 @@ def run(args: argparse.Namespace) -> int:
     if args.from_aggregates:
         report, fits = from_aggregates(args.from_aggregates, settings, prefill_points=args.prefill_points)
     else:
-        with read_progress(args.files) as progress:
+        files = reader.resolve(args.files)  # once: the engine is chosen by, and reads, these files
+        with read_progress(files) as progress:
             report, fits = analyze(
-                args.files,
+                files,
                 settings,
                 format_name=args.input_format,
                 model=args.model,
                 progress=progress,
                 prefill_points=args.prefill_points,
-                engine=choose_engine(args.engine, args.files),
+                engine=choose_engine(args.engine, files),
                 memory_limit=args.memory_limit or settings.analyze_memory_limit,
             )
     accepted = report["input"]["records"]

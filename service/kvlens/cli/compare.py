@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -59,7 +57,7 @@ def _time(text: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvlens.analysis import compare
+    from kvlens.analysis import compare, reader
     from kvlens.analysis.analyze import choose_engine
 
     check_writable(args.html)
@@ -71,16 +69,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvlens: --arm takes NAME=FILE, not {spec!r}", file=sys.stderr)
             return 2
         specs.append((name, path))
-    paths = sorted({path for _, path in specs})
-    for path in paths:  # a missing arm is refused before any arm is read, whichever engine reads
-        if (
-            path != "-"
-            and not any(char in path for char in "*?[")
-            and "://" not in path
-            and not os.path.exists(path)
-        ):
-            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
-    engine = choose_engine(args.engine, paths)
+    # Every arm's files, by the one rule of names, before any arm is read: a missing arm is
+    # refused first, and the engine is chosen by the files it will read.
+    files = [file for path in sorted({path for _, path in specs}) for file in reader.resolve([path])]
+    engine = choose_engine(args.engine, files)
     try:
         if engine == "duckdb":
             from kvlens.analysis import columnar_compare

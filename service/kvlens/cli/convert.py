@@ -16,12 +16,12 @@ def add_parser(commands: Any) -> None:
         "convert",
         help="write records as Parquet (what the duckdb engine reads fastest)",
         epilog=examples(
-            "kvlens convert 'logs/*.jsonl.gz' --to parquet records.parquet",
+            "kvlens convert logs/*.jsonl.gz --to parquet records.parquet",
             "kvlens convert sglang.log --format sglang --model llama-8b --to parquet sglang.parquet",
         ),
     )
     convert.add_argument(
-        "files", nargs="+", metavar="RECORDS", help="JSON-lines or Parquet files, directories, globs"
+        "files", nargs="+", metavar="RECORDS", help="JSON-lines or Parquet files, or directories"
     )
     convert.add_argument("--to", nargs=2, required=True, metavar=("FORMAT", "OUT"), help="parquet OUT")
     convert.add_argument(
