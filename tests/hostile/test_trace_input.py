@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from kvlens.cli import main
 from kvlens.sources.jsonlines import MAX_LINE_BYTES
 from tests.live import run_measured
 
@@ -156,6 +157,38 @@ def test_a_line_asking_more_tokens_than_any_model_takes_is_refused_before_prompt
     assert endpoint.sent == 0
 
 
+def test_a_request_longer_than_the_endpoints_max_model_len_is_refused_before_any_is_sent(
+    endpoint: Endpoint, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: the endpoint's max_model_len was not read; the prompt was built and sent."""
+    trace = write(
+        tmp_path / "t.jsonl",
+        LINE,
+        {"timestamp": 1, "input_length": 40_000, "output_length": 1, "hash_ids": list(range(78))},
+        {"timestamp": 2, "input_length": 32_768, "output_length": 1, "hash_ids": list(range(64))},
+    )
+    assert main(replay_args(str(trace), endpoint.url, tmp_path / "a.jsonl")) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"kvlens: {endpoint.url} serves model 'm' with max_model_len 32,768: 2 requests of the trace "
+        "leave no room for it to generate a token (the first: trace_index 1, 40,000 prompt tokens); "
+        "nothing was sent"
+    )
+    assert endpoint.sent == 0
+
+
+@pytest.mark.parametrize("endpoint", [None], indirect=True)
+def test_an_endpoint_that_does_not_say_its_max_model_len_gets_what_the_trace_asks(
+    endpoint: Endpoint, tmp_path: Path
+) -> None:
+    trace = write(
+        tmp_path / "t.jsonl",
+        LINE,
+        {"timestamp": 1, "input_length": 40_000, "output_length": 1, "hash_ids": list(range(78))},
+    )
+    assert main(replay_args(str(trace), endpoint.url, tmp_path / "a.jsonl")) == 0
+    assert endpoint.sent == 2
+
+
 @pytest.mark.timeout(60)
 def test_a_timestamp_ages_ahead_is_refused_not_waited_for(endpoint: Endpoint, tmp_path: Path) -> None:
     """Before: the replay sent the first request and then waited 31,700 years, saying nothing
@@ -168,4 +201,39 @@ def test_a_timestamp_ages_ahead_is_refused_not_waited_for(endpoint: Endpoint, tm
         "over 86,400 s (a day) is refused: a replay would wait that long for its next request (a "
         "timestamp in the wrong unit, or out of place?)",
     )
+    assert endpoint.sent == 0
+
+
+def test_the_quantization_experiment_refuses_what_an_endpoint_cannot_take(
+    endpoint: Endpoint, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = write(
+        tmp_path / "t.jsonl",
+        LINE,
+        {"timestamp": 1, "input_length": 40_000, "output_length": 1, "hash_ids": list(range(78))},
+    )
+    flags = ["--model", "m", "--out-dir", str(tmp_path / "quant")]
+    assert main(["experiment", "quantization", str(trace), "--endpoint", f"a={endpoint.url}",
+                 "--endpoint", f"b={endpoint.url}", *flags]) == 2  # fmt: skip
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"kvlens: {endpoint.url} serves model 'm' with max_model_len 32,768: 1 request of the trace "
+        "leaves no room for it to generate a token (the first: trace_index 1, 40,000 prompt tokens); "
+        "nothing was sent"
+    )
+    assert endpoint.sent == 0
+
+
+@pytest.mark.timeout(120)
+def test_built_in_traffic_longer_than_any_model_takes_is_refused_before_it_is_built(
+    endpoint: Endpoint, tmp_path: Path
+) -> None:
+    """Before: two requests of 100M tokens held 6.25M block keys each (a MemoryError in the
+    1 GiB address space)."""
+    args = replay_args("shared-prefix", endpoint.url, tmp_path / "a.jsonl")
+    done = run_measured(*args, "--prefix-tokens", "100000000", "--requests", "2")
+    assert (done.returncode, done.stderr.splitlines()[-1]) == (
+        2,
+        "kvlens: shared-prefix traffic takes prompts of 10,000,000 tokens at most",
+    )
+    assert done.peak_mib < 256, done.peak_mib
     assert endpoint.sent == 0
