@@ -217,3 +217,39 @@ def until(condition: Callable[[], bool], timeout: float = 20) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError("the condition did not come true")
         time.sleep(0.01)
+
+
+# kvlens ARGS, printing its peak resident size (MiB, VmHWM: this process's own; getrusage's
+# ru_maxrss keeps the parent's peak across fork and exec) as the last line on stderr.
+_PEAK_MAIN = (
+    "import atexit, sys; from kvlens.cli import main; atexit.register(lambda: print(next(int(line.split()[1])"
+    " // 1024 for line in open('/proc/self/status') if line.startswith('VmHWM')), file=sys.stderr)); "
+    "sys.exit(main(sys.argv[1:]))"
+)
+
+
+@dataclass
+class Measured:
+    returncode: int
+    stderr: str  # without the peak's line
+    peak_mib: int
+
+
+def run_measured(*args: str, address_space: int = 1 << 30, timeout: float = 60) -> Measured:
+    """Run ``kvlens ARGS`` with its address space capped at ``address_space`` bytes (a defect
+    that grows without bound ends in a MemoryError there, not in the machine's memory) and at
+    most ``timeout`` seconds (subprocess.TimeoutExpired past it); its exit code, stderr, peak."""
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+
+    done = subprocess.run(
+        [sys.executable, "-c", _PEAK_MAIN, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        preexec_fn=limit,
+        env={**os.environ, "KVLENS_LOG_LEVEL": "WARNING"},
+    )
+    lines = done.stderr.rstrip("\n").split("\n")
+    return Measured(done.returncode, "\n".join(lines[:-1]), int(lines[-1]))

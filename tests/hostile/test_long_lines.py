@@ -1,6 +1,6 @@
 """A line with no end (a file of one endless line, a link to /dev/zero) was gathered whole in
 memory by the JSON-lines reader of both engines, until the machine ran out of it: a line past
-``reader.MAX_LINE_BYTES`` is dropped as it is read and counted as a bad line where it stood."""
+``jsonlines.MAX_LINE_BYTES`` is dropped as it is read and counted as a bad line where it stood."""
 
 from __future__ import annotations
 
@@ -12,18 +12,18 @@ import pytest
 
 from kvlens.analysis import reader
 from kvlens.cli import main
+from kvlens.sources import jsonlines
 
 VALID = json.dumps({"prompt_tokens": 100, "cached_tokens": 10, "model": "m"}).encode()
 
 
 def test_an_endless_line_is_never_held_whole(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(reader, "CHUNK_BYTES", 64 * 1024)
-    monkeypatch.setattr(reader, "MAX_LINE_BYTES", 256 * 1024, raising=False)
+    monkeypatch.setattr(jsonlines, "MAX_LINE_BYTES", 256 * 1024)
     endless = io.BufferedReader(io.BytesIO(VALID + b"\n" + b"x" * (4 * 1024 * 1024)))  # type: ignore[arg-type]
     warnings: list[str] = []
-    chunks = list(reader._chunks(endless, None, "endless.jsonl", warnings.append))
+    chunks = list(jsonlines.line_chunks(endless, 64 * 1024, None, "endless.jsonl", warnings.append))
     assert max(len(chunk) for _, chunk in chunks) <= 256 * 1024 + 64 * 1024
-    assert [line for _, chunk in chunks for line in chunk.split(b"\n")] == [VALID, reader.TOO_LONG_LINE]
+    assert [line for _, chunk in chunks for line in chunk.split(b"\n")] == [VALID, jsonlines.TOO_LONG_LINE]
     assert warnings == [
         f"endless.jsonl: line 2 is longer than {256 * 1024:,} bytes: not read (malformed_json)"
     ]
@@ -41,7 +41,7 @@ def test_a_line_past_the_limit_is_one_bad_line_and_the_lines_around_it_are_read(
     if engine == "duckdb":
         pytest.importorskip("duckdb")
     monkeypatch.setattr(reader, "CHUNK_BYTES", 64 * 1024)
-    monkeypatch.setattr(reader, "MAX_LINE_BYTES", 256 * 1024)
+    monkeypatch.setattr(jsonlines, "MAX_LINE_BYTES", 256 * 1024)
     long_line = b'{"prompt_tokens": 5, "model": "' + b"y" * (1024 * 1024) + b'"}'
     lines = [VALID, VALID, long_line, VALID] if ends else [VALID, VALID, long_line]
     path = tmp_path / "records.jsonl"

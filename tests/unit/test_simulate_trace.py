@@ -4,6 +4,10 @@ scaling, and errors that name the line."""
 from __future__ import annotations
 
 import gzip
+import itertools
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +15,7 @@ import orjson
 import pytest
 
 from kvlens.simulate.trace import BUNDLED, TraceError, chain, open_trace
+from kvlens.sources import jsonlines
 
 
 def write(path: Path, lines: list[Any]) -> Path:
@@ -121,3 +126,96 @@ def test_block_size_must_be_the_traces(tmp_path: Path) -> None:
     with pytest.raises(TraceError, match="records without block_size need --block-size"):
         open_trace(path)
     assert open_trace(path, block_size=16).block_size == 16
+
+
+def test_string_prefix_hashes_give_the_same_keys_in_every_process(tmp_path: Path) -> None:
+    """Before: keys were Python's ``hash(str)``, salted per process, so arms replayed in separate
+    processes sent different prompts for the same records."""
+    base = {"cached_tokens": 0, "block_size": 16, "arrival_time": 1.0}
+    path = write(tmp_path / "r.jsonl", [{**base, "prompt_tokens": 48, "prefix_hashes": ["a1f", "9c0", 7]}])
+    code = (
+        "import sys; from kvlens.simulate.trace import open_trace; "
+        "print([r.blocks for r in open_trace(sys.argv[1]).requests()])"
+    )
+    keys = {
+        subprocess.run(
+            [sys.executable, "-c", code, str(path)],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        ).stdout
+        for seed in ("1", "2")
+    }
+    assert len(keys) == 1, keys
+    (request,) = open_trace(path).requests()
+    assert request.blocks[2] == hash(7)  # integers are keys as they were
+    assert len(set(request.blocks)) == 3
+
+
+def test_a_line_past_the_limit_is_named_and_the_lines_before_it_are_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(jsonlines, "MAX_LINE_BYTES", 64 * 1024)
+    good = {"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [1]}
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(
+        orjson.dumps(good) + b"\n" + orjson.dumps(good) + b"\n" + b"[" * (3 * 1024 * 1024) + b"\n"
+    )
+    requests = open_trace(path).requests()
+    assert [r.index for r in itertools.islice(requests, 2)] == [0, 1]
+    with pytest.raises(TraceError) as raised:
+        next(requests)
+    assert str(raised.value) == f"{path} line 3: longer than {64 * 1024:,} bytes: not read"
+
+
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        ([{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [1]},
+          {"timestamp": 86_400_001, "input_length": 512, "output_length": 1, "hash_ids": [1]}],
+         "line 2: timestamp is 86,400.001 s after the request before it"),
+        ([{"chat_id": 1, "parent_chat_id": -1, "timestamp": 5, "input_length": 16, "output_length": 1,
+           "hash_ids": [1]},
+          {"chat_id": 2, "parent_chat_id": -1, "timestamp": 86_406, "input_length": 16, "output_length": 1,
+           "hash_ids": [1]}],
+         "line 2: timestamp is 86,401 s after the request before it"),
+        # records are sorted first: the request after the gap is named by its own line
+        ([{"prompt_tokens": 16, "prefix_hashes": ["a"], "block_size": 16, "arrival_time": 1.7e9},
+          {"prompt_tokens": 16, "prefix_hashes": ["a"], "block_size": 16}],
+         "line 1: arrival_time is 1,700,000,000 s after the request before it"),
+    ],
+)  # fmt: skip
+def test_a_gap_over_a_day_between_requests_is_refused(tmp_path: Path, lines: list[Any], message: str) -> None:
+    """Before: read as it was; a replay then waited that long for the next request, silently."""
+    path = write(tmp_path / "t.jsonl", lines)
+    with pytest.raises(TraceError, match=message):
+        list(open_trace(path).requests())
+    with pytest.raises(TraceError, match=message):
+        open_trace(path, rate=1.0)  # the rate's pass reads them too
+
+
+def test_a_gap_of_a_day_is_kept(tmp_path: Path) -> None:
+    lines = [
+        {"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [1]},
+        {"timestamp": 86_400_000, "input_length": 512, "output_length": 1, "hash_ids": [1]},
+    ]
+    assert [r.arrival for r in open_trace(write(tmp_path / "t.jsonl", lines)).requests()] == [0.0, 86_400.0]
+
+
+def test_standard_input_is_no_trace() -> None:
+    with pytest.raises(TraceError, match="-: a trace is read more than once: name a file"):
+        open_trace("-")
+
+
+def test_a_gzip_trace_cut_short_is_named(tmp_path: Path) -> None:
+    """Before: gzip's EOFError went up as a traceback."""
+    line = orjson.dumps({"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [1]})
+    packed = gzip.compress(line + b"\n" + line + b"\n")
+    path = tmp_path / "t.jsonl.gz"
+    path.write_bytes(packed[: len(packed) - 12])  # no trailer, the last bytes of the stream gone
+    with pytest.raises(TraceError) as raised:
+        list(open_trace(path).requests())
+    assert str(raised.value).startswith(
+        f"{path}: the gzip stream ends before its end (the file was cut short)"
+    )

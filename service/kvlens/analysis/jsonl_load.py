@@ -46,6 +46,7 @@ import numpy as np
 from kvlens import records
 from kvlens.analysis import reader, sqltext
 from kvlens.errors import InputError
+from kvlens.sources import jsonlines
 
 STAGED = "kvlens_parsed_lines"  # a chunk with labels past ASCII waits here for the Python label check
 # Chunks inserted in one transaction: a commit a chunk cost about a tenth of the read phase's CPU.
@@ -147,7 +148,7 @@ def _whole_file(
     if (before := _identity(path)) is None:
         return False
     labels = list(records.LABEL_FIELDS)
-    query = parse.lines_query(path, labels, "gzip" if reader.is_gzip(path) else "none")
+    query = parse.lines_query(path, labels, "gzip" if jsonlines.is_gzip(path) else "none")
     outcome: list[int | BaseException] = []
 
     def insert() -> None:

@@ -10,20 +10,15 @@ line number and skipped; the lines beside it still count.
 
 from __future__ import annotations
 
-import contextlib
-import gzip
-import io
 import logging
 import os
 import stat
-import sys
-import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -37,16 +32,12 @@ from kvlens.records import (
     strict_records,
 )
 from kvlens.sources import formats
-from kvlens.sources.jsonlines import UNDECODABLE, loads
+from kvlens.sources.jsonlines import UNDECODABLE, line_chunks, loads, open_file
 
-CHUNK_BYTES = 8 * 1024 * 1024  # read at a time: whole lines of about this much are one batch
-# A longer line is skipped (malformed_json) without being held: a file with no newline (a link to
-# /dev/zero) would otherwise be gathered whole in memory. At least CHUNK_BYTES: a line within one
-# block is not measured.
-MAX_LINE_BYTES = 64 * 1024 * 1024
-TOO_LONG_LINE = b"(a line longer than MAX_LINE_BYTES, not read)"
+# Read at a time: whole lines of about this much are one batch. A line is bounded by
+# jsonlines.MAX_LINE_BYTES (64 MiB): a longer one is one malformed_json line, never held.
+CHUNK_BYTES = 8 * 1024 * 1024
 log = logging.getLogger("kvlens")
-_GZIP = b"\x1f\x8b"
 PARQUET_SUFFIXES = (".parquet", ".pq")
 _PARQUET_MAGIC = b"PAR1"
 _NEWLINE, _BRACE = ord("\n"), ord("{")
@@ -267,128 +258,14 @@ def file_chunks(
     ``paths``; the formats read go to ``result``; ``warn`` is given what ends a file early
     (default: logged as a warning)."""
     for path in paths:
-        with _open(path) as stream:
+        with open_file(path) as stream:
             file_format = format_name
-            for first_line, chunk in _chunks(stream, progress, path, warn or log.warning):
+            for first_line, chunk in line_chunks(stream, CHUNK_BYTES, progress, path, warn or log.warning):
                 if file_format is None:
                     file_format = _first_format(chunk) or "kvlens"
                     result.formats[path] = file_format
                 yield path, first_line, chunk, file_format
             result.formats.setdefault(path, file_format or "kvlens")
-
-
-def is_gzip(path: str) -> bool:
-    """Whether :func:`_open` reads the regular file ``path`` through gzip."""
-    with open(path, "rb") as raw:
-        return _gzipped(path, raw.read(2))
-
-
-def _gzipped(path: str, head: bytes) -> bool:
-    return path.endswith(".gz") or head == _GZIP
-
-
-@contextlib.contextmanager
-def _open(path: str) -> Iterator[IO[bytes]]:
-    """The file (or stdin for ``-``), decompressed when gzip by name or by magic bytes, opened
-    once: the magic bytes are peeked, not read, so a pipe named as a file (a FIFO, a shell's
-    ``<(zcat ...)``) gives its bytes from the first (reopening it lost a buffer's worth, or
-    waited for a writer that never came)."""
-    raw: IO[bytes] = sys.stdin.buffer if path == "-" else open(path, "rb")  # noqa: SIM115
-    try:
-        head = raw.peek(2)[:2] if isinstance(raw, io.BufferedReader) else b""
-        if _gzipped(path, head):
-            with gzip.GzipFile(fileobj=raw) as unpacked:
-                yield unpacked  # type: ignore[misc]
-        else:
-            yield raw
-    finally:
-        if path != "-":
-            raw.close()
-
-
-def _chunks(
-    stream: IO[bytes],
-    progress: Callable[[int], None] | None,
-    path: str = "-",
-    warn: Callable[[str], None] = log.warning,
-) -> Iterator[tuple[int, bytes]]:
-    """(number of the chunk's first line, whole lines of about :data:`CHUNK_BYTES` joined by
-    ``\n``, without the last newline). A block is read and split in C calls: reading line by line
-    costs several Python steps a line, more than decoding it. A line longer than
-    :data:`MAX_LINE_BYTES` is not held: its bytes are dropped as they come and the line is
-    given as :data:`TOO_LONG_LINE` (not JSON: counted as ``malformed_json`` where it stood), with
-    a warning."""
-    line_number = 1
-    pieces: list[bytes] = []  # a line longer than a block spans several reads
-    held = 0  # bytes in pieces
-    dropping = False  # within a line past MAX_LINE_BYTES
-    blocks = _Blocks(stream)
-    for block in blocks:
-        if progress is not None:
-            progress(len(block))
-        first = block.find(b"\n")
-        if first < 0:  # the line goes on
-            held += len(block)
-            if not dropping and held > MAX_LINE_BYTES:
-                warn(_too_long(path, line_number))
-                pieces, dropping = [], True
-            if not dropping:
-                pieces.append(block)
-            continue
-        if dropping or held + first > MAX_LINE_BYTES:  # the long line ends here
-            if not dropping:
-                warn(_too_long(path, line_number))
-            pieces, dropping = [TOO_LONG_LINE], False
-            block = block[first:]
-        cut = block.rfind(b"\n")
-        whole = b"".join((*pieces, memoryview(block)[:cut]))  # one copy, not two
-        pieces = [block[cut + 1 :]]
-        held = len(pieces[0])
-        yield line_number, whole
-        line_number += _newlines(whole) + 1
-    rest = TOO_LONG_LINE if dropping else b"".join(pieces)
-    if rest:
-        yield line_number, rest
-        line_number += rest.count(b"\n") + 1
-    if blocks.broken:
-        warn(f"{path}: {blocks.broken}: the {line_number - 1:,} lines before it are read")
-
-
-def _too_long(path: str, line: int) -> str:
-    return f"{path}: line {line:,} is longer than {MAX_LINE_BYTES:,} bytes: not read (malformed_json)"
-
-
-class _Blocks:
-    """The stream's blocks of up to :data:`CHUNK_BYTES`, gathered from ``read1`` calls, so that
-    a gzip stream that breaks (cut short: ``EOFError``; corrupt: ``zlib.error``) has given every
-    byte before the break (one ``read`` of a block would lose the whole block); ``broken`` then
-    says why, and the blocks end there."""
-
-    def __init__(self, stream: IO[bytes]) -> None:
-        self.stream = stream
-        self.broken = ""
-
-    def __iter__(self) -> Iterator[bytes]:
-        read1 = getattr(self.stream, "read1", self.stream.read)
-        while not self.broken:
-            parts, size = [], 0
-            try:
-                while size < CHUNK_BYTES and (part := read1(CHUNK_BYTES - size)):
-                    parts.append(part)
-                    size += len(part)
-            except EOFError:
-                self.broken = "the gzip stream ends before its end (the file was cut short)"
-            except (zlib.error, gzip.BadGzipFile):
-                self.broken = "the gzip stream is corrupt here"
-            if not parts:
-                return
-            yield b"".join(parts)
-
-
-def _newlines(data: bytes) -> int:
-    """``data.count(b"\n")``, in numpy: CPython counts a byte a step, numpy several (a
-    chunk's count cost ~7 ms against ~2.5 ms, on the thread that reads and proves the lines)."""
-    return int(np.count_nonzero(np.frombuffer(data, np.uint8) == _NEWLINE))
 
 
 def _first_format(chunk: bytes) -> str | None:

@@ -25,7 +25,7 @@ from kvlens.config import load_settings
 from kvlens.experiment import run as arms
 from kvlens.experiment.client import Endpoint
 from kvlens.experiment.prompts import PromptSynthesizer
-from kvlens.experiment.protocol import ExperimentError
+from kvlens.experiment.protocol import ExperimentError, check_context
 
 
 def add_parser(commands: Any) -> None:
@@ -156,6 +156,8 @@ def _quantization(args: argparse.Namespace) -> int:
     targets = quantization.Targets(args.slo_ttft, args.slo_itl, args.slo_attainment, args.long_context)
     if args.concurrency < 1:
         raise ExperimentError("--concurrency must be at least 1")
+    for each in endpoints.values():  # before any prompt is built
+        check_context(each.url, each.model, each.api_key, requests)
     rates = quantization.parse_rates(args.rates) if args.rates else None
     quantization.check_sweep(args.rate_sweep, args.sweep_doublings)
     if args.plot and not (rates or args.rate_sweep):

@@ -104,6 +104,44 @@ def check_reachable(url: str, api_key: str | None = None) -> list[str]:
         raise ExperimentError(f"{url}/v1/models is not an OpenAI model list") from None
 
 
+def max_model_len(url: str, model: str, api_key: str | None = None) -> int | None:
+    """The context length the endpoint serves ``model`` with, from its ``/v1/models`` (vLLM,
+    SGLang and kvlens simulate serve give ``max_model_len``), or None when it does not say (or
+    cannot be asked: :func:`check_reachable` says why)."""
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        status, body = _call("GET", f"{url}/v1/models", headers, 10)
+        cards = orjson.loads(body)["data"] if status == 200 else []
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+    for card in cards if isinstance(cards, list) else []:
+        if isinstance(card, dict) and card.get("id") == model:
+            length = card.get("max_model_len")
+            return length if type(length) is int and length > 0 else None
+    return None
+
+
+def check_context(url: str, model: str, api_key: str | None, requests: Iterable[TraceRequest]) -> None:
+    """Refuse, before any prompt is built or sent, requests the endpoint cannot take: a prompt
+    of ``max_model_len`` tokens or more leaves no room to generate one (vLLM and kvlens simulate
+    serve answer 400; building it first cost memory for nothing: tens of bytes a token). Without
+    a ``max_model_len`` the trace's own bound (``records.MAX_TOKENS``) is the only one. The whole
+    run is refused, not the requests alone: arms must send the same sequence, and a trace
+    quietly thinned is not the workload asked for."""
+    limit = max_model_len(url, model, api_key)
+    if limit is None:
+        return
+    over = [request for request in requests if request.prompt_tokens >= limit]
+    if over:
+        first = min(over, key=lambda request: request.index)
+        requests_leave = "requests of the trace leave" if len(over) > 1 else "request of the trace leaves"
+        raise ExperimentError(
+            f"{url} serves model {model!r} with max_model_len {limit:,}: {len(over):,} {requests_leave} "
+            f"no room for it to generate a token (the first: trace_index {first.index}, "
+            f"{first.prompt_tokens:,} prompt tokens); nothing was sent"
+        )
+
+
 def reset_cache(url: str, api_key: str | None = None) -> str | None:
     """Empty the endpoint's prefix cache; the path that did it, or None when none could."""
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}

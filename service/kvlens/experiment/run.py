@@ -22,11 +22,13 @@ from kvlens.experiment.protocol import (
     ExperimentError,
     Window,
     block_size_warning,
+    check_context,
     check_reachable,
     engine_block_size,
     plan,
     reset_cache,
 )
+from kvlens.records import MAX_TOKENS
 from kvlens.simulate.trace import TraceRequest
 
 log = logging.getLogger("kvlens.experiment")
@@ -56,6 +58,8 @@ class SharedPrefixTraffic:
             raise ExperimentError("shared-prefix traffic needs suffix tokens >= 1 (each prompt its own end)")
         if not (math.isfinite(self.rate) and self.rate > 0):
             raise ExperimentError("shared-prefix traffic needs a positive rate")
+        if self.prefix_tokens + self.suffix_tokens > MAX_TOKENS:  # a trace file's bound too
+            raise ExperimentError(f"shared-prefix traffic takes prompts of {MAX_TOKENS:,} tokens at most")
         rng = np.random.default_rng(self.seed)
         arrivals = np.cumsum(rng.exponential(1 / self.rate, self.requests)) - 1 / self.rate
         groups = rng.integers(0, self.groups, self.requests)
@@ -136,6 +140,7 @@ def run_arm(
     """Replay the window against ``endpoint`` as arm ``name``, its records into ``out`` (and the
     warm-up's, when ``warm``, into ``out`` with ``.warmup`` before its suffix)."""
     check_reachable(endpoint.url, endpoint.api_key)
+    check_context(endpoint.url, endpoint.model, endpoint.api_key, [*window.warmup, *window.measure])
     warning = block_size_warning(prompts.block_size, engine_block_size(endpoint.url, endpoint.api_key))
     if warning:
         log.warning("%s", warning)
@@ -222,8 +227,9 @@ def prefix_cache_experiment(
     """Off (when an endpoint without prefix caching is given), cold, then warm, in that order,
     each into ``out_dir/ARM.jsonl``; the warnings to show (an off arm that hit the cache)."""
     for each in (endpoint, off_endpoint):
-        if each is not None:
-            check_reachable(each.url, each.api_key)  # both, before any arm runs
+        if each is not None:  # both, before any arm runs
+            check_reachable(each.url, each.api_key)
+            check_context(each.url, each.model, each.api_key, [*window.warmup, *window.measure])
     results, warnings = [], []
     arms: list[tuple[str, Endpoint, bool]] = [("cold", endpoint, False), ("warm", endpoint, True)]
     if off_endpoint is not None:

@@ -16,28 +16,42 @@ DESIGN section 1). A key stands for the block and its whole prefix:
 
 A trace's lines must arrive in time order (Mooncake and Bailian files do); kvlens records are
 read whole and sorted, since they are written as requests finish. A line that is not a request
-of the trace's format raises :class:`TraceError` naming the file, the line and the field.
+of the trace's format raises :class:`TraceError` naming the file, the line and the field; so do
+
+- a line longer than ``jsonlines.MAX_LINE_BYTES`` (64 MiB), refused as soon as it passes the
+  limit, never held (a file with no newline, a link to /dev/zero, a small gzip of one endless
+  line);
+- a request of more than ``records.MAX_TOKENS`` (10M) prompt or output tokens: the longest
+  context served models offer is about that, and a replay builds each prompt in memory (tens of
+  bytes a token) before it sends it; the replay also refuses what its endpoint's
+  ``max_model_len`` cannot take (``experiment/protocol.check_context``);
+- a gap over :data:`MAX_GAP_SECONDS` (a day) between consecutive requests (in arrival order,
+  before any time scale): a replay would wait that long, silently, for the next request; such a
+  gap is a timestamp in the wrong unit or out of place.
 """
 
 from __future__ import annotations
 
-import gzip
+import hashlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Final
+from typing import Any, Final
 
 import orjson
 
 from kvlens.errors import InputError
+from kvlens.records import MAX_TOKENS
+from kvlens.sources import jsonlines
 
 MOONCAKE: Final = "mooncake"
 BAILIAN: Final = "bailian"
 KVLENS: Final = "kvlens"
 FORMATS: Final = (MOONCAKE, BAILIAN, KVLENS)
 BLOCK_SIZES: Final = {MOONCAKE: 512, BAILIAN: 16}  # kvlens records carry theirs
-MAX_TOKENS: Final = 100_000_000
+MAX_GAP_SECONDS: Final = 86_400.0
+_CHUNK_BYTES: Final = 1024 * 1024  # read at a time (a trace line is a few KiB)
 # The Mooncake synthetic trace (kvcache-ai/Mooncake, Apache-2.0; data/NOTICE), bundled for
 # `kvlens demo` and for `kvlens simulate` without a trace.
 BUNDLED: Final = Path(__file__).resolve().parent / "data" / "mooncake_synthetic_trace.jsonl.gz"
@@ -65,36 +79,45 @@ class Trace:
 
     def requests(self) -> Iterator[TraceRequest]:
         """The requests in arrival order, read as they are needed (kvlens records: all at once)."""
+        numbered = self._numbered()
         if self.format == KVLENS:
-            yield from sorted(self._lines(), key=lambda r: (r.arrival, r.index))
-        else:
-            yield from self._lines()
+            numbered = iter(sorted(numbered, key=lambda item: (item[1].arrival, item[1].index)))
+        last = None
+        for number, request in numbered:
+            if last is not None and request.arrival - last > MAX_GAP_SECONDS:
+                field = "arrival_time" if self.format == KVLENS else "timestamp"
+                raise TraceError(
+                    f"{self.path} line {number}: {field} is {_text(request.arrival - last)} s after the "
+                    f"request before it; a gap over {MAX_GAP_SECONDS:,.0f} s (a day) is refused: a replay "
+                    "would wait that long for its next request (a timestamp in the wrong unit, or out of "
+                    "place?)"
+                )
+            last = request.arrival
+            yield request if self.time_scale == 1.0 else _scaled(request, self.time_scale)
 
-    def _lines(self) -> Iterator[TraceRequest]:
+    def _numbered(self) -> Iterator[tuple[int, TraceRequest]]:
+        """Each request and its line, in the file's order."""
         parse = {MOONCAKE: _mooncake, BAILIAN: _bailian, KVLENS: _kvlens}[self.format]
         last = 0.0
         index = 0
-        with _open(self.path) as lines:
-            for number, line in enumerate(lines, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    value = orjson.loads(line)
-                    if not isinstance(value, dict):
-                        raise ValueError("not a JSON object")
-                    request = parse(value, index, self.block_size)
-                except (orjson.JSONDecodeError, ValueError, TypeError) as error:
-                    raise TraceError(f"{self.path} line {number}: {error}") from None
-                if self.format != KVLENS and request.arrival < last:
-                    raise TraceError(
-                        f"{self.path} line {number}: timestamp goes back in time "
-                        f"({request.arrival:g} s after {last:g} s); sort the trace by timestamp"
-                    )
-                last = request.arrival
-                if self.time_scale != 1.0:
-                    request = _scaled(request, self.time_scale)
-                yield request
-                index += 1
+        for number, line in _lines(self.path):
+            if not line.strip():
+                continue
+            try:
+                value = orjson.loads(line)
+                if not isinstance(value, dict):
+                    raise ValueError("not a JSON object")
+                request = parse(value, index, self.block_size)
+            except (orjson.JSONDecodeError, ValueError, TypeError) as error:
+                raise TraceError(f"{self.path} line {number}: {error}") from None
+            if self.format != KVLENS and request.arrival < last:
+                raise TraceError(
+                    f"{self.path} line {number}: timestamp goes back in time "
+                    f"({request.arrival:g} s after {last:g} s); sort the trace by timestamp"
+                )
+            last = request.arrival
+            yield number, request
+            index += 1
 
 
 def open_trace(
@@ -130,10 +153,9 @@ def open_trace(
 
 
 def _first_line(path: str) -> bytes:
-    with _open(path) as lines:
-        for line in lines:
-            if line.strip():
-                return line
+    for _, line in _lines(path):
+        if line.strip():
+            return line
     raise TraceError(f"{path}: the trace is empty")
 
 
@@ -165,14 +187,24 @@ def _records_block_size(first: bytes, block_size: int | None, path: str) -> int:
     raise TraceError(f"{path} line 1: records without block_size need --block-size")
 
 
-def _open(path: str) -> IO[bytes]:
-    """The file (gzip or not); a trace is read more than once, so never standard input."""
+def _lines(path: str) -> Iterator[tuple[int, bytes]]:
+    """(number, line) of the file (gzip or not) through the bounded reader: a line past
+    MAX_LINE_BYTES, or a gzip stream that breaks, is a TraceError when it is met. A trace is read
+    more than once (its format, a rate's pass, the requests), so never standard input."""
+    if path == "-":
+        raise TraceError("-: a trace is read more than once: name a file, not standard input")
+
+    def too_long(number: int) -> None:
+        raise TraceError(f"{path} line {number}: longer than {jsonlines.MAX_LINE_BYTES:,} bytes: not read")
+
+    def broken(message: str) -> None:
+        raise TraceError(message)
+
     try:
-        with open(path, "rb") as probe:
-            gzipped = probe.read(2) == b"\x1f\x8b"
-        if gzipped:
-            return gzip.GzipFile(path, "rb")  # type: ignore[return-value]  # a binary stream: the caller closes
-        return open(path, "rb")
+        with jsonlines.open_file(path) as stream:
+            for first, chunk in jsonlines.line_chunks(stream, _CHUNK_BYTES, None, path, broken, too_long):
+                for offset, line in enumerate(chunk.split(b"\n")):
+                    yield first + offset, line
     except OSError as error:
         raise TraceError(f"{path}: cannot read: {error}") from None
 
@@ -247,8 +279,15 @@ def _kvlens(line: dict[str, Any], index: int, block_size: int) -> TraceRequest:
         arrival=_seconds(line.get("arrival_time", 0.0), "arrival_time"),
         prompt_tokens=prompt,
         output_tokens=0 if output is None else _count(output, "output_tokens"),
-        blocks=tuple(hash(i) for i in ids),  # already chained by the engine
+        blocks=tuple(hash(i) if type(i) is int else _stable_key(i) for i in ids),  # chained by the engine
     )
+
+
+def _stable_key(text: str) -> int:
+    """A string hash as a key, the same in every process: Python's ``hash(str)`` is salted per
+    process, and arms replayed in separate processes must send the same prompts."""
+    digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
 
 
 def chain(ids: tuple[int, ...]) -> tuple[int, ...]:
@@ -269,3 +308,8 @@ def _scaled(request: TraceRequest, scale: float) -> TraceRequest:
         request.output_tokens,
         request.blocks,
     )
+
+
+def _text(seconds: float) -> str:
+    """Seconds to the millisecond, without trailing zeros: 86,400.001, 1,000,000,000,000."""
+    return f"{seconds:,.3f}".rstrip("0").rstrip(".")
