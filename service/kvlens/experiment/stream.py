@@ -15,7 +15,9 @@ request finds one in O(1).
 
 What it does not do, said so in the README: proxies from the environment (httpx's
 ``trust_env``), HTTP/2, redirects, compressed answers (``accept-encoding: identity`` is sent).
-httpx stays for the replay's few other calls (``/detokenize``, resets, checks).
+The runner's other calls (checks, resets, samples, ``/detokenize``) go through httpx within
+the bounds of ``experiment/calls.py``. Credentials come in ``headers`` (the endpoint's
+``authorization``); a URL's userinfo is never sent by this client.
 
 Failures carry the reasons the records used with httpx: ``http_STATUS`` (its body is not
 read: it may never end), ``timeout`` (the whole request, connection and answer, took more than
