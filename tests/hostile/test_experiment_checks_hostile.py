@@ -272,3 +272,25 @@ def test_a_dripping_metrics_ends_with_its_step(endpoint: Endpoint, tmp_path: Pat
         (2, None)
     ] * 2
     assert time.monotonic() - started < 45
+
+
+def late(sock: socket.socket) -> None:
+    """A whole answer, after 6 s of silence: slow, not hostile (a reset of a large cache)."""
+    if not threading.Event().wait(6):
+        whole(b"{}")(sock)
+
+
+def not_found(sock: socket.socket) -> None:
+    sock.sendall(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+
+
+@pytest.mark.parametrize("endpoint", [{"/reset_prefix_cache": late, "/flush_cache": not_found}], indirect=True)
+def test_a_reset_that_answers_late_within_its_deadline_is_taken(
+    endpoint: Endpoint, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The deadline is the call's only bound: httpx's own per-read timeout (5 s by default) must
+    not end a reset that answers in 6 s of its 30."""
+    out = tmp_path / "a.jsonl"
+    flags = ["--model", "m", "--arm", "a", "--out", str(out), "--requests", "1", "--reset"]
+    assert main(["replay", "shared-prefix", "--endpoint", endpoint.url, *flags]) == 0, capsys.readouterr().err
+    assert b'"error"' not in out.read_bytes()

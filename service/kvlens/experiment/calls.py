@@ -33,8 +33,10 @@ LIMITS: Final = DecodeLimits(MAX_CALL_BYTES, math.inf, 16)
 
 
 def client() -> httpx.AsyncClient:
-    """The connection pool of a run's calls (no redirects: an endpoint is where it says)."""
-    return httpx.AsyncClient(follow_redirects=False)
+    """The connection pool of a run's calls (no redirects: an endpoint is where it says). httpx's
+    own timeouts are off: each call's deadline is its one bound (httpx's default 5 s per read
+    would end a reset that answers in 6 s of its 30)."""
+    return httpx.AsyncClient(follow_redirects=False, timeout=None)
 
 
 async def call(
