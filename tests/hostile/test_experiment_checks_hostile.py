@@ -284,7 +284,9 @@ def not_found(sock: socket.socket) -> None:
     sock.sendall(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
 
 
-@pytest.mark.parametrize("endpoint", [{"/reset_prefix_cache": late, "/flush_cache": not_found}], indirect=True)
+@pytest.mark.parametrize(
+    "endpoint", [{"/reset_prefix_cache": late, "/flush_cache": not_found}], indirect=True
+)
 def test_a_reset_that_answers_late_within_its_deadline_is_taken(
     endpoint: Endpoint, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
