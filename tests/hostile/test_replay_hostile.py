@@ -38,6 +38,11 @@ def good(cached: object = 16, prompt: object = 1152) -> bytes:
     return TOKEN + TOKEN + usage(prompt, cached) + b"data: [DONE]\n\n"
 
 
+def odd(chunk: bytes) -> bytes:
+    """A stream with one chunk of a shape the client does not expect after its first token."""
+    return TOKEN + b"data: " + chunk + b"\n\n" + TOKEN + b"data: [DONE]\n\n"
+
+
 SSE = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
 
 
@@ -89,7 +94,10 @@ SCENARIOS: list[tuple[str | None, Callable[[socket.socket], int]]] = [
     ("content_encoding", whole(head(b"content-encoding: deflate\r\n", 11) + zlib.compress(b"x")[:11])),
     ("invalid_usage", whole(head(length=len(good(-5))) + good(-5))),
     ("invalid_usage", whole(head(length=len(good(2000))) + good(2000))),  # cached > prompt
-    ("invalid_usage", whole(head(length=len(good(True))) + good(True))),
+    ("malformed_stream", whole(head(length=len(good(True))) + good(True))),  # a boolean is no count
+    ("malformed_stream", whole(head(length=len(odd(b'{"choices":5}'))) + odd(b'{"choices":5}'))),
+    ("malformed_stream", whole(head(length=len(odd(b'{"choices":[7]}'))) + odd(b'{"choices":[7]}'))),
+    ("malformed_stream", whole(head(length=len(odd(b'{"usage":"7"}'))) + odd(b'{"usage":"7"}'))),
     ("invalid_usage", whole(head(length=len(good(16, 2**63))) + good(16, 2**63))),
     ("http_500", lambda s: forever(s, b"x" * 65536, b"HTTP/1.1 500 Oops\r\nconnection: close\r\n\r\n")),
     (

@@ -21,6 +21,7 @@ import pytest
 
 from kvlens.cli import main
 from kvlens.experiment import protocol
+from kvlens.experiment.client import Endpoint
 from kvlens.simulate.trace import BUNDLED
 from tests.json_outputs import validate
 from tests.live import Running, free_port, start_kvlens
@@ -196,7 +197,7 @@ def test_an_endpoint_down_at_start_is_a_clear_error_before_any_arm(
     )
     assert code == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"kvlens: {url} does not answer (ConnectError")
+    assert err.startswith(f"kvlens: {url} does not answer ({url}/v1/models: ConnectError)")
     assert not list((tmp_path / "runs").glob("*.jsonl"))
 
 
@@ -511,7 +512,7 @@ def test_quantization_rate_sweep_against_two_servers_and_its_plot(
 
 
 def test_the_engines_block_size_is_read_and_a_trace_that_does_not_fit_it_is_said(server: Running) -> None:
-    engine = protocol.engine_block_size(server.url)
+    engine = protocol.engine_block_size(Endpoint(server.url, "simulated"))
     assert engine == 16
     assert protocol.block_size_warning(512, engine) is None
     assert protocol.block_size_warning(100, engine) == (

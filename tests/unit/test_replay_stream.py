@@ -5,10 +5,14 @@ server, the parser also driven byte by byte."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvlens.experiment.stream import _HEAD_LIMIT, MAX_LINE_BYTES, Exchange, Failed, StreamClient, _Connection
 
@@ -290,3 +294,122 @@ def test_a_line_arriving_a_byte_at_a_time_costs_linear_time() -> None:
     assert time.process_time() - started < 1.0
     with pytest.raises(Failed, match="malformed_stream"):  # the line is still read whole
         connection._feed(b"\n", 0.0)
+
+
+# Where a chunk's JSON is read, and the types each place may hold (None: the key left out or
+# null). Anything else there is malformed_stream: never an exception out of the parser.
+SHAPES: dict[tuple[str | int, ...], tuple[type, ...]] = {
+    ("choices",): (list,),
+    ("choices", 0): (dict,),
+    ("choices", 0, "text"): (str, type(None)),
+    ("choices", 0, "delta"): (dict, type(None)),
+    ("choices", 0, "delta", "content"): (str, type(None)),
+    ("usage",): (dict, type(None)),
+    ("usage", "prompt_tokens"): (int, type(None)),
+    ("usage", "completion_tokens"): (int, type(None)),
+    ("usage", "prompt_tokens_details"): (dict, type(None)),
+    ("usage", "prompt_tokens_details", "cached_tokens"): (int, type(None)),
+}
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+def _chunk_with(path: tuple[str | int, ...], value: object) -> dict[str, Any]:
+    """A well-formed chunk (text, a delta, a usage) with ``value`` put at ``path``."""
+    chunk: dict[str, Any] = {
+        "choices": [{"index": 0, "text": "a", "delta": {"content": "b"}}],
+        "usage": {"prompt_tokens": 7, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 3}},
+    }
+    place: Any = chunk
+    for key in path[:-1]:
+        place = place[key]
+    place[path[-1]] = value
+    return chunk
+
+
+def _get(place: object, key: str) -> object:
+    return place.get(key) if isinstance(place, dict) else None
+
+
+def _holds(path: tuple[str | int, ...], value: object) -> bool:
+    return type(value) in SHAPES[path]  # exactly: true and false are no counts, 2.0 is none
+
+
+def _well_formed(chunk: dict[str, Any]) -> bool:
+    """Every place of SHAPES holds one of its types; the choice's rules hold for every choice."""
+    choices = chunk.get("choices", [])
+    if not _holds(("choices",), choices):
+        return False
+    for choice in choices:  # type: ignore[attr-defined]
+        delta = _get(choice, "delta")
+        if not (
+            _holds(("choices", 0), choice)
+            and _holds(("choices", 0, "text"), _get(choice, "text"))
+            and _holds(("choices", 0, "delta"), delta)
+            and _holds(("choices", 0, "delta", "content"), _get(delta, "content"))
+        ):
+            return False
+    usage = chunk.get("usage")
+    details = _get(usage, "prompt_tokens_details")
+    return (
+        _holds(("usage",), usage)
+        and _holds(("usage", "prompt_tokens"), _get(usage, "prompt_tokens"))
+        and _holds(("usage", "completion_tokens"), _get(usage, "completion_tokens"))
+        and _holds(("usage", "prompt_tokens_details"), details)
+        and _holds(("usage", "prompt_tokens_details", "cached_tokens"), _get(details, "cached_tokens"))
+    )
+
+
+@settings(max_examples=400, deadline=None)
+@given(path=st.sampled_from(sorted(SHAPES, key=str)), value=JSON_VALUES)
+def test_any_json_shape_anywhere_in_a_chunk_is_malformed_stream_or_taken_never_an_exception(
+    path: tuple[str | int, ...], value: object
+) -> None:
+    # Before: "choices": 5 raised TypeError out of data_received (a logged traceback, and the
+    # request recorded as transport_RemoteProtocolError); a choice that is no object, a delta that
+    # is no object, a usage that is a string were ignored.
+    events = (
+        b'data: {"choices":[{"index":0,"text":"a"}]}\n\n'
+        + b"data: "
+        + json.dumps(_chunk_with(path, value)).encode()
+        + b"\n\ndata: [DONE]\n\n"
+    )
+    got, _ = drive(sized(events), [])
+    if _well_formed(_chunk_with(path, value)):
+        assert isinstance(got, Exchange), got
+    else:
+        assert got == "malformed_stream"
+
+
+@settings(max_examples=300, deadline=None)
+@given(chunk=JSON_VALUES)
+def test_any_json_value_as_a_chunk_is_a_reason_never_an_exception(chunk: object) -> None:
+    events = (
+        b'data: {"choices":[{"text":"a"}]}\n\ndata: ' + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n"
+    )
+    got, _ = drive(sized(events), [])
+    assert isinstance(got, Exchange) or got in ("malformed_stream", "stream_error"), got
+
+
+@pytest.mark.parametrize(
+    "chunk",
+    [
+        b'{"choices":5}',
+        b'{"choices":{"text":"a"}}',
+        b'{"choices":"abc"}',
+        b'{"choices":[5]}',
+        b'{"choices":[{"text":5}]}',
+        b'{"choices":[{"delta":"abc"}]}',
+        b'{"choices":[{"delta":{"content":["a"]}}]}',
+        b'{"choices":[],"usage":"7"}',
+        b'{"choices":[],"usage":{"prompt_tokens":"7"}}',
+        b'{"choices":[],"usage":{"prompt_tokens":7,"prompt_tokens_details":[3]}}',
+        b'{"choices":[],"usage":{"prompt_tokens":7,"prompt_tokens_details":{"cached_tokens":true}}}',
+    ],
+)
+def test_each_unexpected_shape_is_malformed_stream(chunk: bytes) -> None:
+    events = b'data: {"choices":[{"text":"a"}]}\n\ndata: ' + chunk + b"\n\ndata: [DONE]\n\n"
+    assert drive(sized(events), []) == ("malformed_stream", False)

@@ -11,6 +11,8 @@ from typing import Any
 
 from kvlens.cli.common import check_writable, examples
 from kvlens.cli.replay import (
+    api_key,
+    api_key_flags,
     endpoint,
     endpoint_flags,
     progress_line,
@@ -76,7 +78,7 @@ def add_parser(commands: Any) -> None:
         help="an endpoint to compare, twice or more; the first is the baseline",
     )
     quant.add_argument("--model", required=True, help="the served model name (the same on every endpoint)")
-    quant.add_argument("--api-key", help="bearer token for the endpoints")
+    api_key_flags(quant)
     quant.add_argument("--timeout", type=float, default=600, help="seconds one request may take")
     quant.add_argument("--out-dir", type=Path, required=True, help="where each run's records go")
     quant.add_argument("--concurrency", type=int, default=8, help="experiment 1: requests in flight")
@@ -151,13 +153,13 @@ def _quantization(args: argparse.Namespace) -> int:
     requests, _, block_size = read_requests(args)
     prompts = PromptSynthesizer(block_size, args.vocab_size, args.seed)
     endpoints = quantization.endpoints_from(
-        args.endpoint, lambda url: Endpoint(url.rstrip("/"), args.model, args.api_key, args.timeout)
+        args.endpoint, lambda url: Endpoint(url.rstrip("/"), args.model, api_key(args, url), args.timeout)
     )
     targets = quantization.Targets(args.slo_ttft, args.slo_itl, args.slo_attainment, args.long_context)
     if args.concurrency < 1:
         raise ExperimentError("--concurrency must be at least 1")
     for each in endpoints.values():  # before any prompt is built
-        check_context(each.url, each.model, each.api_key, requests)
+        check_context(each, requests)
     rates = quantization.parse_rates(args.rates) if args.rates else None
     quantization.check_sweep(args.rate_sweep, args.sweep_doublings)
     if args.plot and not (rates or args.rate_sweep):

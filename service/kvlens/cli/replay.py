@@ -8,6 +8,7 @@ import contextlib
 import itertools
 import logging
 import math
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,10 +16,11 @@ from typing import Any
 
 from kvlens.cli.common import examples
 from kvlens.experiment import run as arms
-from kvlens.experiment.client import CHAT, COMPLETIONS, Endpoint, Progress
+from kvlens.experiment.client import CHAT, COMPLETIONS, Endpoint, Progress, base_url
 from kvlens.experiment.prompts import DEFAULT_VOCAB_SIZE, PromptSynthesizer
 from kvlens.experiment.protocol import ExperimentError, Window, measured_window
 from kvlens.simulate.trace import TraceRequest, open_trace
+from kvlens.sources.vllm_metrics import read_password
 
 log = logging.getLogger("kvlens.experiment")
 
@@ -82,7 +84,7 @@ def traffic_flags(parser: argparse.ArgumentParser) -> None:
 def endpoint_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoint", required=True, metavar="URL", help="the server's base URL (no /v1)")
     parser.add_argument("--model", required=True, help="the served model name")
-    parser.add_argument("--api-key", help="bearer token for the endpoint")
+    api_key_flags(parser)
     parser.add_argument("--max-concurrency", type=int, default=256, help="requests in flight at most")
     parser.add_argument("--timeout", type=float, default=600, help="seconds one request may take")
     parser.add_argument("--assume-empty", action="store_true", help="call an arm cold without a reset")
@@ -96,6 +98,42 @@ def endpoint_flags(parser: argparse.ArgumentParser) -> None:
         default=COMPLETIONS,
         help="completions: token ids, exact lengths (default); chat: text from /detokenize, approximate",
     )
+
+
+API_KEY_VARIABLE = "OPENAI_API_KEY"
+
+
+def api_key_flags(parser: argparse.ArgumentParser) -> None:
+    keys = parser.add_mutually_exclusive_group()
+    keys.add_argument(
+        "--api-key-file",
+        type=Path,
+        metavar="FILE",
+        help=f"bearer token for the endpoints, read from FILE (default: ${API_KEY_VARIABLE}, if set)",
+    )
+    keys.add_argument("--api-key", help="bearer token given here (seen in the process list: prefer the file)")
+
+
+def api_key(args: argparse.Namespace, url: str) -> str | None:
+    """The bearer token: ``--api-key-file``'s text (without surrounding white space), or
+    ``--api-key``, or ``$OPENAI_API_KEY`` unless ``url`` carries credentials of its own."""
+    path: Path | None = args.api_key_file
+    if path is not None:
+        try:
+            return read_password(path)
+        except OSError as error:
+            raise ExperimentError(
+                f"--api-key-file {path}: {error.strerror or type(error).__name__}"
+            ) from None
+        except ValueError as error:
+            raise ExperimentError(f"--api-key-file {path}: {error}") from None
+    if args.api_key is not None:
+        if not args.api_key.strip():
+            raise ExperimentError("--api-key is blank")
+        return str(args.api_key)
+    if base_url(url)[1] is not None:
+        return None  # a URL's own credentials win over a key from the environment
+    return os.environ.get(API_KEY_VARIABLE, "").strip() or None
 
 
 def read_requests(args: argparse.Namespace) -> tuple[list[TraceRequest], list[TraceRequest] | None, int]:
@@ -146,7 +184,7 @@ def endpoint(args: argparse.Namespace, url: str) -> Endpoint:
     return Endpoint(
         url.rstrip("/"),
         args.model,
-        args.api_key,
+        api_key(args, url),
         args.timeout,
         args.max_concurrency,
         args.missing_cached_is_zero,

@@ -20,12 +20,15 @@ A hostile endpoint cannot hold the run or its memory: ``timeout`` bounds each wh
 (a stream that trickles forever is a ``timeout``), a line past MAX_LINE_BYTES is
 ``line_too_long``, more chunks with text than the request's ``max_tokens`` is
 ``too_many_tokens``, a compressed answer is ``content_encoding`` (never inflated), usage counts
-that cannot be are ``invalid_usage``, and an error status's body is not read (``http_STATUS``).
+that cannot be are ``invalid_usage``, a chunk of a shape not expected is ``malformed_stream``,
+and an error status's body is not read (``http_STATUS``). The runner's other calls (checks,
+resets, samples, ``/detokenize``) are bounded by ``calls``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
 import functools
 import itertools
@@ -34,23 +37,22 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import IO, Any, Final
+from urllib.parse import unquote, urlsplit, urlunsplit
 
-import anyio
 import httpx
 import numpy as np
 import numpy.typing as npt
 import orjson
 
 from kvlens.definitions import quantiles
-from kvlens.errors import InputError
+from kvlens.errors import InputError, ScrapeError
+from kvlens.experiment import calls
 from kvlens.experiment.prompts import PromptSynthesizer
-from kvlens.experiment.stream import IDENTITY, Exchange, Failed, StreamClient
 from kvlens.experiment.stream import MAX_LINE_BYTES as MAX_LINE_BYTES  # the replay's limits, all here
+from kvlens.experiment.stream import Exchange, Failed, StreamClient
 from kvlens.simulate.trace import TraceRequest
 
 log = logging.getLogger("kvlens.experiment")
-# A /detokenize answer at most (a 128k-token prompt as text is well under it).
-MAX_DETOKENIZE_BYTES: Final = 16 * 1024 * 1024
 # A usage count past this is no model's (records and their sums stay far from int64's end).
 MAX_USAGE_TOKENS: Final = 2**31
 
@@ -96,22 +98,73 @@ class Progress:
 
 @dataclass(frozen=True)
 class Endpoint:
-    url: str  # the server's base URL, without /v1
+    """An endpoint and how to call it. ``url`` is the server's base URL (without /v1) as it may
+    be shown: credentials in it (``http://user:password@host``) are taken out into ``basic_auth``
+    when the endpoint is made, so no message, log line or report ever holds them; they go, as the
+    ``api_key`` does, in the ``authorization`` header of every call and every stream."""
+
+    url: str
     model: str
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
     timeout_seconds: float = 600.0
     max_concurrency: int = 256
     missing_cached_is_zero: bool = False
     late_after_seconds: float = 0.005  # a request sent this much after its time is counted late
     api: str = COMPLETIONS  # or CHAT: the prompt as text (from /detokenize) in one user message
+    basic_auth: tuple[str, str] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.timeout_seconds > 0:  # NaN too: asyncio takes no NaN deadline
             raise InputError(f"--timeout must be a positive number of seconds, not {self.timeout_seconds:g}")
+        url, basic_auth = base_url(self.url)
+        if basic_auth is not None:
+            if self.api_key is not None or self.basic_auth is not None:
+                raise InputError(f"{url}: credentials in the URL and an API key: give one of them")
+            object.__setattr__(self, "basic_auth", basic_auth)
+        object.__setattr__(self, "url", url)
 
     @property
     def path(self) -> str:
         return "/v1/chat/completions" if self.api == CHAT else "/v1/completions"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The ``authorization`` of every call to the endpoint (none without credentials)."""
+        if self.api_key is not None:
+            return {"authorization": f"Bearer {self.api_key}"}
+        if self.basic_auth is not None:
+            user_password = ":".join(self.basic_auth).encode("utf-8")
+            return {"authorization": f"Basic {base64.b64encode(user_password).decode('ascii')}"}
+        return {}
+
+
+def without_userinfo(url: str) -> str:
+    """``url`` as it may be shown: without ``user:password@`` (nor a query or fragment, which may
+    hold a secret too); a text that is not a URL shows as ``the URL given``."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "the URL given"
+    return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
+
+
+def base_url(url: str) -> tuple[str, tuple[str, str] | None]:
+    """An endpoint's URL without its userinfo, and the credentials the userinfo held; raises
+    InputError (naming the URL without them) when it is not an http(s) URL of a host."""
+    shown = without_userinfo(url)
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (a port out of range raises here)
+    except ValueError:
+        raise InputError(f"{shown} is not a URL") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InputError(f"{shown} is not an http:// or https:// URL of a host")
+    if parts.query or parts.fragment:
+        raise InputError(f"{shown}: an endpoint's URL takes no query or fragment")
+    if parts.username is None and "@" not in parts.netloc:
+        return url, None
+    credentials = (unquote(parts.username or ""), unquote(parts.password or ""))
+    return shown, credentials
 
 
 class RecordWriter:
@@ -153,18 +206,13 @@ async def replay(
     (``stream.StreamClient``); its record is written from the answer's completion callback."""
     progress = progress or Progress()
     slots = asyncio.Semaphore(endpoint.max_concurrency)
-    headers = {"authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
     client = StreamClient(
         endpoint.url,
-        headers,
+        endpoint.headers,
         timeout=endpoint.timeout_seconds,
         connect_timeout=min(10.0, endpoint.timeout_seconds),
     )
-    detokenizer = (
-        httpx.AsyncClient(base_url=endpoint.url, headers=headers, timeout=endpoint.timeout_seconds)
-        if endpoint.api == CHAT
-        else None
-    )
+    detokenizer = calls.client() if endpoint.api == CHAT else None
     pending: set[asyncio.Future[Exchange]] = set()
     ready: collections.deque[tuple[Planned, bytes]] = collections.deque()
     requests = iter(planned)
@@ -177,9 +225,7 @@ async def replay(
             return False
         tokens = prompts.tokens(request.request)
         body = (
-            await _chat_body(
-                detokenizer, endpoint.model, tokens, request.output_tokens, endpoint.timeout_seconds
-            )
+            await _chat_body(detokenizer, endpoint, tokens, request.output_tokens)
             if detokenizer is not None
             else completions_body(endpoint.model, tokens, request.output_tokens)
         )
@@ -257,40 +303,30 @@ def completions_body(model: str, prompt: npt.NDArray[np.uint64], output_tokens: 
 
 
 async def _chat_body(
-    client: httpx.AsyncClient, model: str, prompt: npt.NDArray[np.uint64], output_tokens: int, timeout: float
+    pool: httpx.AsyncClient, endpoint: Endpoint, prompt: npt.NDArray[np.uint64], output_tokens: int
 ) -> bytes:
     """The request for ``/v1/chat/completions``: the ids turned into text by the server's own
     ``/detokenize``, in one user message. The server tokenizes that text again and adds its chat
     template, so prompt lengths are approximate (the records carry the server's count); a
-    detokenize that fails leaves the request to fail as a request."""
-    content = orjson.dumps({"model": model, "tokens": prompt}, option=orjson.OPT_SERIALIZE_NUMPY)
+    detokenize that fails (not a 200, past ``--timeout`` in all, past MAX_CALL_BYTES once
+    inflated, not its JSON) leaves the request to fail as a request."""
+    content = orjson.dumps({"model": endpoint.model, "tokens": prompt}, option=orjson.OPT_SERIALIZE_NUMPY)
+    headers = {**endpoint.headers, "content-type": "application/json"}
     try:
-        # The whole call, not each read (a trickling answer ends too); not asyncio.wait_for: before
-        # Python 3.12 it can swallow a cancellation that lands as the call completes.
-        with anyio.fail_after(timeout):
-            raw = await _detokenize(client, content)
-        text = orjson.loads(raw)["prompt"] if raw is not None else ""
-    except (httpx.HTTPError, TimeoutError, ValueError, KeyError, TypeError):
+        answer = await calls.call(
+            pool,
+            endpoint.url,
+            "POST",
+            "/detokenize",
+            headers=headers,
+            seconds=endpoint.timeout_seconds,
+            content=content,
+        )
+        text = orjson.loads(answer.body)["prompt"] if answer.status == 200 else ""
+    except (ScrapeError, ValueError, KeyError, TypeError):
         text = ""
     messages = [{"role": "user", "content": text if isinstance(text, str) else ""}]
-    return orjson.dumps({"model": model, "messages": messages, **_generation(output_tokens)})
-
-
-_DETOKENIZE_HEADERS: Final = {"content-type": "application/json", "accept-encoding": "identity"}
-
-
-async def _detokenize(client: httpx.AsyncClient, content: bytes) -> bytes | None:
-    """The answer's body, or None: not a 200, compressed, or past MAX_DETOKENIZE_BYTES."""
-    async with client.stream("POST", "/detokenize", content=content, headers=_DETOKENIZE_HEADERS) as answer:
-        encoding = answer.headers.get("content-encoding", "identity").strip().lower()
-        if answer.status_code != 200 or encoding not in IDENTITY:
-            return None  # an error's body is not read (it may not end); a compressed one not inflated
-        body = bytearray()
-        async for piece in answer.aiter_raw():
-            body += piece
-            if len(body) > MAX_DETOKENIZE_BYTES:
-                return None
-        return bytes(body)
+    return orjson.dumps({"model": endpoint.model, "messages": messages, **_generation(output_tokens)})
 
 
 def _record(endpoint: Endpoint, arm: str, request: Planned, lag: float, wall: float) -> dict[str, Any]:

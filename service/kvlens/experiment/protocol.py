@@ -21,22 +21,19 @@ import math
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Final
 
-import httpx
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvlens.errors import InputError
-from kvlens.experiment.client import MEASURE, Planned
-from kvlens.experiment.stream import IDENTITY
+from kvlens.errors import InputError, ScrapeError
+from kvlens.experiment import calls
+from kvlens.experiment.client import MEASURE, Endpoint, Planned
 from kvlens.simulate.trace import TraceRequest
+from kvlens.sources.vllm_metrics import MAX_LINE_CHARS, longest_line
 
 log = logging.getLogger("kvlens.experiment")
 
 RESET_PATHS = ("/reset_prefix_cache", "/flush_cache")  # vLLM (dev mode), SGLang
-# One check's answer at most (a vLLM /metrics is well under a MiB; kvlens serve's scrape cap)
-MAX_CHECK_BYTES: Final = 16 * 1024 * 1024
 
 
 class ExperimentError(InputError):
@@ -89,46 +86,49 @@ def plan(
         yield Planned(request, max(0.0, (request.arrival - start) / speed), output, phase)
 
 
-def check_reachable(url: str, api_key: str | None = None) -> list[str]:
-    """The endpoint's served model names; a clear error when it is down, before any arm runs."""
-    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+def check_reachable(endpoint: Endpoint) -> list[str]:
+    """The endpoint's served model names; a clear error when it is down (or gives no whole answer
+    within CHECK_SECONDS), before any arm runs."""
     try:
-        status, body = _call("GET", f"{url}/v1/models", headers, 10)
-    except httpx.HTTPError as error:
-        raise ExperimentError(f"{url} does not answer ({type(error).__name__}: {error})") from None
-    if status != 200:
-        raise ExperimentError(f"{url}/v1/models answered {status}")
+        answer = calls.call_now(
+            endpoint.url, "GET", "/v1/models", headers=endpoint.headers, seconds=calls.CHECK_SECONDS
+        )
+    except ScrapeError as error:
+        raise ExperimentError(f"{endpoint.url} does not answer ({error})") from None
+    if answer.status != 200:
+        raise ExperimentError(f"{endpoint.url}/v1/models answered {answer.status}")
     try:
-        return [str(model["id"]) for model in orjson.loads(body)["data"]]
+        return [str(model["id"]) for model in orjson.loads(answer.body)["data"]]
     except (ValueError, KeyError, TypeError):
-        raise ExperimentError(f"{url}/v1/models is not an OpenAI model list") from None
+        raise ExperimentError(f"{endpoint.url}/v1/models is not an OpenAI model list") from None
 
 
-def max_model_len(url: str, model: str, api_key: str | None = None) -> int | None:
-    """The context length the endpoint serves ``model`` with, from its ``/v1/models`` (vLLM,
+def max_model_len(endpoint: Endpoint) -> int | None:
+    """The context length the endpoint serves its model with, from its ``/v1/models`` (vLLM,
     SGLang and kvlens simulate serve give ``max_model_len``), or None when it does not say (or
     cannot be asked: :func:`check_reachable` says why)."""
-    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        status, body = _call("GET", f"{url}/v1/models", headers, 10)
-        cards = orjson.loads(body)["data"] if status == 200 else []
-    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        answer = calls.call_now(
+            endpoint.url, "GET", "/v1/models", headers=endpoint.headers, seconds=calls.CHECK_SECONDS
+        )
+        cards = orjson.loads(answer.body)["data"] if answer.status == 200 else []
+    except (ScrapeError, ValueError, KeyError, TypeError):
         return None
     for card in cards if isinstance(cards, list) else []:
-        if isinstance(card, dict) and card.get("id") == model:
+        if isinstance(card, dict) and card.get("id") == endpoint.model:
             length = card.get("max_model_len")
             return length if type(length) is int and length > 0 else None
     return None
 
 
-def check_context(url: str, model: str, api_key: str | None, requests: Iterable[TraceRequest]) -> None:
+def check_context(endpoint: Endpoint, requests: Iterable[TraceRequest]) -> None:
     """Refuse, before any prompt is built or sent, requests the endpoint cannot take: a prompt
     of ``max_model_len`` tokens or more leaves no room to generate one (vLLM and kvlens simulate
     serve answer 400; building it first cost memory for nothing: tens of bytes a token). Without
     a ``max_model_len`` the trace's own bound (``records.MAX_TOKENS``) is the only one. The whole
     run is refused, not the requests alone: arms must send the same sequence, and a trace
     quietly thinned is not the workload asked for."""
-    limit = max_model_len(url, model, api_key)
+    limit = max_model_len(endpoint)
     if limit is None:
         return
     over = [request for request in requests if request.prompt_tokens >= limit]
@@ -136,47 +136,28 @@ def check_context(url: str, model: str, api_key: str | None, requests: Iterable[
         first = min(over, key=lambda request: request.index)
         requests_leave = "requests of the trace leave" if len(over) > 1 else "request of the trace leaves"
         raise ExperimentError(
-            f"{url} serves model {model!r} with max_model_len {limit:,}: {len(over):,} {requests_leave} "
-            f"no room for it to generate a token (the first: trace_index {first.index}, "
+            f"{endpoint.url} serves model {endpoint.model!r} with max_model_len {limit:,}: {len(over):,} "
+            f"{requests_leave} no room for it to generate a token (the first: trace_index {first.index}, "
             f"{first.prompt_tokens:,} prompt tokens); nothing was sent"
         )
 
 
-def reset_cache(url: str, api_key: str | None = None) -> str | None:
-    """Empty the endpoint's prefix cache; the path that did it, or None when none could."""
-    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+def reset_cache(endpoint: Endpoint) -> str | None:
+    """Empty the endpoint's prefix cache; the path that did it, or None when none could within
+    RESET_SECONDS (every path together)."""
+    deadline = time.monotonic() + calls.RESET_SECONDS
     for path in RESET_PATHS:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
         try:
-            status, _ = _call("POST", f"{url}{path}", headers, 30)
-        except httpx.HTTPError:
+            answer = calls.call_now(endpoint.url, "POST", path, headers=endpoint.headers, seconds=left)
+        except ScrapeError as error:
+            log.debug("%s", error)
             continue
-        if status == 200:
+        if answer.status == 200:
             return path
     return None
-
-
-def _call(method: str, url: str, headers: dict[str, str], seconds: float) -> tuple[int, bytes]:
-    """The answer's status and body (not read unless 200). Bounded as a whole, not per read as
-    httpx's timeout is (a byte now and then would hold the run for good): past ``seconds`` (give
-    or take one read's wait) httpx.ReadTimeout, past MAX_CHECK_BYTES or compressed (identity is
-    asked for: a bomb is never inflated) httpx.DecodingError."""
-    deadline = time.monotonic() + seconds
-    with (
-        httpx.Client(timeout=seconds) as client,
-        client.stream(method, url, headers={**headers, "accept-encoding": "identity"}) as answer,
-    ):
-        if answer.status_code != 200:
-            return answer.status_code, b""
-        if answer.headers.get("content-encoding", "identity").strip().lower() not in IDENTITY:
-            raise httpx.DecodingError("a compressed answer")
-        body = bytearray()
-        for piece in answer.iter_raw():
-            body += piece
-            if len(body) > MAX_CHECK_BYTES:
-                raise httpx.DecodingError(f"an answer over {MAX_CHECK_BYTES} bytes")
-            if time.monotonic() > deadline:
-                raise httpx.ReadTimeout(f"no whole answer within {seconds:g} s")
-        return 200, bytes(body)
 
 
 def measured_window(
@@ -192,15 +173,18 @@ def measured_window(
     return Window(warmup, measure, measure[0].arrival)
 
 
-def engine_block_size(url: str, api_key: str | None = None) -> int | None:
+def engine_block_size(endpoint: Endpoint) -> int | None:
     """The engine's KV block size from its ``/metrics`` (vLLM's ``vllm:cache_config_info``), or
-    None when it does not say."""
-    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    None when it does not say (or gives no whole answer within CHECK_SECONDS)."""
     try:
-        status, body = _call("GET", f"{url}/metrics", headers, 10)
-        text = body.decode("utf-8", "replace")
-        families = list(text_string_to_metric_families(text)) if status == 200 else []
-    except (httpx.HTTPError, ValueError):
+        answer = calls.call_now(
+            endpoint.url, "GET", "/metrics", headers=endpoint.headers, seconds=calls.CHECK_SECONDS
+        )
+        text = answer.body.decode("utf-8", "replace")
+        if longest_line(text) > MAX_LINE_CHARS:  # the parser holds several times a line
+            return None
+        families = list(text_string_to_metric_families(text)) if answer.status == 200 else []
+    except (ScrapeError, ValueError, TypeError, IndexError, KeyError):
         return None
     for family in families:
         for sample in family.samples:

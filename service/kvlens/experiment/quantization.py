@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import math
 import threading
 from collections.abc import Callable, Iterator
@@ -31,12 +32,17 @@ import numpy as np
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvlens.errors import ScrapeError
+from kvlens.experiment import calls
 from kvlens.experiment.client import MEASURE, Endpoint, Planned, Progress, RecordWriter, replay
 from kvlens.experiment.prompts import PromptSynthesizer
 from kvlens.experiment.protocol import ExperimentError, check_reachable, reset_cache
 from kvlens.experiment.run import Schedule
 from kvlens.simulate.trace import TraceRequest
+from kvlens.sources.vllm_metrics import MAX_LINE_CHARS, longest_line
 from kvlens.terminal import NARROWEST, wrap, wrapped
+
+log = logging.getLogger("kvlens.experiment")
 
 SCHEMA = "kvlens.quantization/v1"
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # 0.10+, 0.8/0.9
@@ -83,9 +89,9 @@ def fixed_work(
     planned = [Planned(r, 0.0, _output(r, max_output_tokens), MEASURE) for r in requests]
     result: dict[str, Any] = {}
     for endpoint in endpoints.values():
-        check_reachable(endpoint.url, endpoint.api_key)
+        check_reachable(endpoint)
     for name, endpoint in endpoints.items():
-        reset_cache(endpoint.url, endpoint.api_key)
+        reset_cache(endpoint)
         # All due at once through `concurrency` slots: each request starts when one ends.
         closed = dataclasses.replace(endpoint, max_concurrency=concurrency, late_after_seconds=math.inf)
         path = out_dir / f"fixed-{name}.jsonl"
@@ -204,14 +210,14 @@ def stepper(
     """One step of experiment 2 at a rate: the same arrivals on each endpoint in turn (cache
     emptied first), its records in ``out_dir/rate-R-NAME.jsonl``."""
     for endpoint in endpoints.values():
-        check_reachable(endpoint.url, endpoint.api_key)
+        check_reachable(endpoint)
 
     def step(rate: float) -> dict[str, dict[str, Any]]:
         schedule = Schedule(rate=rate, max_output_tokens=max_output_tokens, seed=seed)
         planned = schedule.planned(requests, MEASURE)
         rows = {}
         for name, endpoint in endpoints.items():
-            reset_cache(endpoint.url, endpoint.api_key)
+            reset_cache(endpoint)
             path = out_dir / f"rate-{rate:g}-{name}.jsonl"
             with _engine_sampler(endpoint, scrape_seconds) as sample:
                 records = _run(path, f"{name}@{rate:g}", planned, endpoint, prompts)
@@ -355,50 +361,85 @@ def _attribution(
 
 @contextlib.contextmanager
 def _engine_sampler(endpoint: Endpoint, every: float) -> Iterator[EngineSample]:
-    """Scrape the endpoint's ``/metrics`` every ``every`` seconds on a thread while the step runs:
-    the highest KV usage seen, and the prefix-cache counters' increase over the step."""
+    """Scrape the endpoint's ``/metrics`` every ``every`` seconds while the step runs, on a thread
+    of its own (the replay's loop only sends and times): the highest KV usage seen, and the
+    prefix-cache counters' increase over the step. Each scrape goes through the one bounded
+    client (SAMPLE_SECONDS in all, at most MAX_CALL_BYTES once inflated); the step's end cancels
+    the scrape under way, so a sampler never outlives its step by more than STOP_SECONDS."""
     sample = EngineSample()
-    stop = threading.Event()
-    first: dict[str, float] = {}
-
-    def scrape() -> dict[str, float] | None:
-        try:
-            answer = httpx.get(f"{endpoint.url}/metrics", timeout=5)
-        except httpx.HTTPError:
-            return None
-        if answer.status_code != 200:
-            return None
-        return _engine_values(answer.text)
-
-    def loop() -> None:
-        while True:
-            values = scrape()
-            if values is not None:
-                sample.scrapes += 1
-                if not first:
-                    first.update(values)
-                usage = values.get("kv_usage")
-                if usage is not None:
-                    sample.kv_usage_max = max(sample.kv_usage_max or 0.0, usage)
-                sample.queries = values.get("queries", 0.0) - first.get("queries", 0.0)
-                sample.hits = values.get("hits", 0.0) - first.get("hits", 0.0)
-            if stop.wait(every):
-                return
-
-    worker = threading.Thread(target=loop, name="kvlens-engine-sampler", daemon=True)
-    worker.start()
+    sampler = _Sampler(endpoint, every, sample)
+    sampler.start()
     try:
         yield sample
     finally:
-        stop.set()
-        worker.join()
+        sampler.stop()
+
+
+STOP_SECONDS = 5.0  # a cancelled scrape ends at its next await; a parse under way runs to its end
+
+
+class _Sampler(threading.Thread):
+    def __init__(self, endpoint: Endpoint, every: float, sample: EngineSample) -> None:
+        super().__init__(name="kvlens-engine-sampler", daemon=True)
+        self._endpoint, self._every, self._sample = endpoint, every, sample
+        self._loop = asyncio.new_event_loop()
+        # made here, run by the thread: stop() may come before the thread has begun
+        self._task = self._loop.create_task(self._sampling())
+
+    def run(self) -> None:
+        try:
+            self._loop.run_until_complete(self._task)
+        except asyncio.CancelledError:
+            pass
+        except Exception:  # a bug must not end the step: the step goes on unsampled
+            log.exception("the engine sampler of %s failed", self._endpoint.url)
+        finally:
+            self._loop.close()
+
+    def stop(self) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop already ended and closed
+            self._loop.call_soon_threadsafe(self._task.cancel)
+        self.join(STOP_SECONDS)
+        if self.is_alive():
+            log.warning("the engine sampler of %s did not stop within %g s", self._endpoint.url, STOP_SECONDS)
+
+    async def _sampling(self) -> None:
+        sample, first = self._sample, dict[str, float]()
+        async with calls.client() as pool:
+            while True:
+                values = await _scrape(pool, self._endpoint)
+                if values is not None:
+                    sample.scrapes += 1
+                    if not first:
+                        first.update(values)
+                    usage = values.get("kv_usage")
+                    if usage is not None:
+                        sample.kv_usage_max = max(sample.kv_usage_max or 0.0, usage)
+                    sample.queries = values.get("queries", 0.0) - first.get("queries", 0.0)
+                    sample.hits = values.get("hits", 0.0) - first.get("hits", 0.0)
+                await asyncio.sleep(self._every)
+
+
+async def _scrape(pool: httpx.AsyncClient, endpoint: Endpoint) -> dict[str, float] | None:
+    try:
+        answer = await calls.call(
+            pool, endpoint.url, "GET", "/metrics", headers=endpoint.headers, seconds=calls.SAMPLE_SECONDS
+        )
+    except ScrapeError:
+        return None
+    if answer.status != 200:
+        return None
+    text = answer.body.decode("utf-8", "replace")
+    if longest_line(text) > MAX_LINE_CHARS:  # the parser holds several times a line
+        return None
+    return _engine_values(text)
 
 
 def _engine_values(text: str) -> dict[str, float]:
     values: dict[str, float] = {}
     try:
         families = list(text_string_to_metric_families(text))
-    except ValueError:
+    except (ValueError, TypeError, IndexError, KeyError):  # as the sidecar's parse: bad text
         return values
     for family in families:
         for s in family.samples:
@@ -417,7 +458,8 @@ def endpoints_from(specs: list[str], make: Callable[[str], Endpoint]) -> dict[st
     for spec in specs:
         name, separator, url = spec.partition("=")
         if not separator or not name or not url:
-            raise ExperimentError(f"--endpoint takes NAME=URL (e.g. bf16=http://host:8000), not {spec!r}")
+            # not echoed: a URL given without its NAME= may carry a password
+            raise ExperimentError("--endpoint takes NAME=URL (e.g. bf16=http://host:8000)")
         if name in endpoints:
             raise ExperimentError(f"--endpoint {name!r} is given twice")
         endpoints[name] = make(url)

@@ -139,14 +139,14 @@ def run_arm(
 ) -> ArmResult:
     """Replay the window against ``endpoint`` as arm ``name``, its records into ``out`` (and the
     warm-up's, when ``warm``, into ``out`` with ``.warmup`` before its suffix)."""
-    check_reachable(endpoint.url, endpoint.api_key)
-    check_context(endpoint.url, endpoint.model, endpoint.api_key, [*window.warmup, *window.measure])
-    warning = block_size_warning(prompts.block_size, engine_block_size(endpoint.url, endpoint.api_key))
+    check_reachable(endpoint)
+    check_context(endpoint, [*window.warmup, *window.measure])
+    warning = block_size_warning(prompts.block_size, engine_block_size(endpoint))
     if warning:
         log.warning("%s", warning)
     reset_by = None
     if reset:
-        reset_by = reset_cache(endpoint.url, endpoint.api_key)
+        reset_by = reset_cache(endpoint)
         if reset_by is None and not assume_empty:
             raise ExperimentError(
                 f"{endpoint.url} cannot empty its prefix cache (POST /reset_prefix_cache needs vLLM's "
@@ -228,8 +228,8 @@ def prefix_cache_experiment(
     each into ``out_dir/ARM.jsonl``; the warnings to show (an off arm that hit the cache)."""
     for each in (endpoint, off_endpoint):
         if each is not None:  # both, before any arm runs
-            check_reachable(each.url, each.api_key)
-            check_context(each.url, each.model, each.api_key, [*window.warmup, *window.measure])
+            check_reachable(each)
+            check_context(each, [*window.warmup, *window.measure])
     results, warnings = [], []
     arms: list[tuple[str, Endpoint, bool]] = [("cold", endpoint, False), ("warm", endpoint, True)]
     if off_endpoint is not None:

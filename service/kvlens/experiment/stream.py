@@ -15,7 +15,9 @@ request finds one in O(1).
 
 What it does not do, said so in the README: proxies from the environment (httpx's
 ``trust_env``), HTTP/2, redirects, compressed answers (``accept-encoding: identity`` is sent).
-httpx stays for the replay's few other calls (``/detokenize``, resets, checks).
+The runner's other calls (checks, resets, samples, ``/detokenize``) go through httpx within
+the bounds of ``experiment/calls.py``. Credentials come in ``headers`` (the endpoint's
+``authorization``); a URL's userinfo is never sent by this client.
 
 Failures carry the reasons the records used with httpx: ``http_STATUS`` (its body is not
 read: it may never end), ``timeout`` (the whole request, connection and answer, took more than
@@ -24,7 +26,8 @@ is a timeout too), ``transport_ConnectError``, ``transport_RemoteProtocolError``
 closed the connection before the body ended, or h11 found the answer's framing broken, or a head
 past _HEAD_LIMIT bytes), ``transport_ReadError`` (the connection was reset),
 ``content_encoding`` (a compressed answer: never inflated), and the stream's own:
-``malformed_stream``, ``stream_error``, ``stream_ended_early``, ``no_tokens``, ``line_too_long``
+``malformed_stream`` (a line that is not JSON, or a chunk of a shape not expected at any depth:
+see :func:`read_chunk`), ``stream_error``, ``stream_ended_early``, ``no_tokens``, ``line_too_long``
 (a line past MAX_LINE_BYTES), ``too_many_tokens`` (more chunks with text than ``max_tokens``).
 A hostile server so holds neither the run nor the client's memory.
 """
@@ -71,12 +74,44 @@ class Exchange:
     end: float = math.nan  # arrival of ``data: [DONE]``
 
 
-def carries_text(choice: Any) -> bool:
-    """A completion chunk's ``text``, or a chat chunk's ``delta.content``, is not empty."""
-    if not isinstance(choice, dict):
-        return False
-    delta = choice.get("delta")
-    return bool(choice.get("text") or (isinstance(delta, dict) and delta.get("content")))
+_TEXT: Final = (str, type(None))
+_COUNT: Final = (int, type(None))  # exactly: true and false are no token counts, 2.0 is none
+_OBJECT: Final = (dict, type(None))
+
+
+def _shaped(value: Any, kinds: tuple[type, ...]) -> Any:
+    if type(value) not in kinds:
+        raise Failed("malformed_stream")
+    return value
+
+
+def read_chunk(chunk: Any) -> tuple[bool, dict[str, Any] | None]:
+    """Whether a decoded ``data:`` chunk carries text (a completion's ``text`` or a chat
+    ``delta.content`` that is not empty), and its ``usage``. Every place read is checked for the
+    JSON type it must hold (absent or null where a server may leave it out), so a chunk of any
+    other shape, at any depth, is ``malformed_stream`` (``stream_error`` when it carries an
+    ``error``), never an exception out of the connection's callback; keys not read are not looked
+    at. Usage counts are checked for their type here, for their values by the client."""
+    if type(chunk) is not dict:
+        raise Failed("malformed_stream")
+    if "error" in chunk:
+        raise Failed("stream_error")
+    text = False
+    for choice in _shaped(chunk.get("choices", []), (list,)):
+        if type(choice) is not dict:
+            raise Failed("malformed_stream")
+        delta = _shaped(choice.get("delta"), _OBJECT) or {}
+        # each checked whatever the other holds: a shape is malformed wherever it is
+        given, content = _shaped(choice.get("text"), _TEXT), _shaped(delta.get("content"), _TEXT)
+        text = text or bool(given or content)
+    usage = _shaped(chunk.get("usage"), _OBJECT)
+    if usage is not None:
+        _shaped(usage.get("prompt_tokens"), _COUNT)
+        _shaped(usage.get("completion_tokens"), _COUNT)
+        details = _shaped(usage.get("prompt_tokens_details"), _OBJECT)
+        if details is not None:
+            _shaped(details.get("cached_tokens"), _COUNT)
+    return text, usage
 
 
 # A request prepared once: its head as h11 checks and writes it, and its body. Kept as such (not
@@ -227,20 +262,14 @@ class _Connection(asyncio.Protocol):
                 exchange.end = now
                 continue
             try:
-                chunk = orjson.loads(event)
+                text, usage = read_chunk(orjson.loads(event))
             except orjson.JSONDecodeError:
                 raise Failed("malformed_stream") from None
-            if not isinstance(chunk, dict):
-                raise Failed("malformed_stream")
-            if "error" in chunk:
-                raise Failed("stream_error")
-            choices = chunk.get("choices")
-            if choices and any(carries_text(choice) for choice in choices):
+            if text:
                 if len(exchange.token_times) == exchange.max_tokens:
                     raise Failed("too_many_tokens")  # not followed forever: token_times stays bounded
                 exchange.token_times.append(now)
-            usage = chunk.get("usage")
-            if isinstance(usage, dict):
+            if usage is not None:
                 exchange.usage = usage
 
     def _finish(self) -> None:

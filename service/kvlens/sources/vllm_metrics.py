@@ -11,26 +11,26 @@ versions (``reference/engines.md`` section 1.2):
 - ``vllm:prompt_tokens``, ``vllm:prompt_tokens_cached`` (0.16+), ``vllm:request_success``;
 - ``vllm:num_requests_running`` (a gauge: the running batch).
 
-:func:`fetch` enforces a hard total deadline (httpx's timeouts are per phase, so a server dripping
-one byte a second would otherwise hold a scrape for minutes) and a size cap on the inflated bytes,
-checked as they are produced (a few KiB of gzip can inflate to GiBs).
+:func:`fetch` goes through :func:`~kvlens.sources.bounded_http.exchange`: a hard total deadline
+(httpx's timeouts are per phase, so a server dripping one byte a second would otherwise hold a
+scrape for minutes) and a size cap on the inflated bytes, checked as they are produced (a few KiB
+of gzip can inflate to GiBs).
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-import anyio
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvlens.errors import CompressionBomb, InputError, PayloadTooLarge, ScrapeError
-from kvlens.sources.encoding import DecodeLimits, Inflater
+from kvlens.errors import ScrapeError
+from kvlens.sources.bounded_http import exchange
+from kvlens.sources.encoding import DecodeLimits
 
 # engine family (name without _total) -> (kvlens counter when counting tokens, when counting blocks)
 COUNTERS: Final = {
@@ -132,41 +132,24 @@ def read_password(path: Path) -> str:
 async def fetch(
     client: httpx.AsyncClient, target: ScrapeTarget, *, deadline_seconds: float, limits: DecodeLimits
 ) -> str:
-    """The target's exposition, inflated as it arrives and refused as soon as it crosses
-    ``limits`` (gzip is asked for, as vLLM honours it: about 10 times fewer bytes on the wire)."""
+    """The target's exposition, through :func:`~kvlens.sources.bounded_http.exchange`: within
+    ``deadline_seconds`` in all, inflated as it arrives and refused as soon as it crosses ``limits``
+    (gzip is asked for, as vLLM honours it: about 10 times fewer bytes on the wire)."""
     name = target.name
-
-    async def read() -> bytearray:
-        headers = {"accept": "text/plain", "accept-encoding": "gzip"}
-        async with client.stream("GET", target.url, headers=headers, auth=target.auth()) as response:
-            if response.status_code != 200:
-                raise ScrapeError("http_status", f"{name} answered {response.status_code}")
-            body = bytearray()
-            try:
-                inflater = Inflater(response.headers.get("content-encoding"), limits)
-                # raw bytes: httpx would inflate each piece whole, with no bound
-                async for chunk in response.aiter_raw():
-                    body += await asyncio.to_thread(inflater.feed, chunk)
-                body += inflater.finish()
-            except (PayloadTooLarge, CompressionBomb):
-                body.clear()  # this frame outlives the error in a reference cycle (Inflater._inflate)
-                raise ScrapeError("too_large", f"{name} sent more than {limits.max_bytes} bytes") from None
-            except InputError as error:
-                body.clear()
-                raise ScrapeError("parse", f"{name}: {error}") from None
-            return body  # decoded as it is: a copy would cost up to scrape_max_bytes more
-
+    answer = await exchange(
+        client,
+        "GET",
+        target.url,
+        name=name,
+        deadline_seconds=deadline_seconds,
+        limits=limits,
+        headers={"accept": "text/plain"},
+        auth=target.auth(),
+    )
+    if answer.status != 200:
+        raise ScrapeError("http_status", f"{name} answered {answer.status}")
     try:
-        # Not asyncio.wait_for: before Python 3.12 it returns the result when a cancellation lands
-        # as the read completes, and a stopping sidecar's scrape loop then never ends.
-        with anyio.fail_after(deadline_seconds):
-            body = await read()
-    except TimeoutError:
-        raise ScrapeError("timeout", f"{name} did not finish within {deadline_seconds} s") from None
-    except httpx.HTTPError as error:
-        raise ScrapeError("connect", f"{name}: {type(error).__name__}") from None
-    try:
-        return body.decode("utf-8")
+        return answer.body.decode("utf-8")
     except UnicodeDecodeError:
         raise ScrapeError("parse", f"{name} sent invalid UTF-8") from None
 
