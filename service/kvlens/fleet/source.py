@@ -58,7 +58,6 @@ one that cannot be made is counted as an error of its replica and tried again at
 
 from __future__ import annotations
 
-import heapq
 import importlib.util
 import logging
 import math
@@ -73,6 +72,7 @@ from typing import Any, Final
 
 from kvlens.errors import SettingsError
 from kvlens.fleet.index import MAX_REPLICAS, FleetIndex, IndexSnapshot
+from kvlens.fleet.reorder import MAX_TIMESTAMP_LEAD_SECONDS, ReorderQueue, usable_timestamp
 from kvlens.fleet.wire import (
     EVENT_TYPES,
     MALFORMED,
@@ -118,10 +118,10 @@ FILES_PER_SUBSCRIPTION: Final = 4
 # error of that replica, logged, tried again at the next lookup), so a big answer cannot starve
 # /metrics of sockets. `kvlens serve` raises the soft limit to the hard one at start.
 FILES_KEPT_FREE: Final = 1024
-# Batches waiting for the reorder window (kept as received, read when applied) hold at most this
-# many bytes; past it the oldest are applied at once (a publisher whose timestamps do not move,
-# or a burst, cannot make kvlens hold more).
-MAX_WAITING_BYTES: Final = 8 * 1024 * 1024
+# A forward jump of a publisher's sequence wider than this is no loss (a vLLM engine, one batch a
+# step, takes over a year at 100 steps a second to send as many): counted as one jump, not as
+# missed batches (a jump to 2^63 - 1 added 9.2e18 to a counter that then shows no +1).
+MAX_SEQUENCE_GAP: Final = 2**32
 # What waits in the reorder queue in place of a payload: the replica's blocks are all gone (a
 # restart), or the replica left the fleet (its slot in the index is freed too).
 CLEARED: Final = "cleared"
@@ -143,12 +143,16 @@ class PublisherStatus:
     next_seq: int | None = None
     events: Counter[str] = field(default_factory=Counter)  # event type -> received
     batches: int = 0
-    gaps: int = 0  # gaps seen
+    gaps: int = 0  # gaps seen (jumps apart)
+    jumps: int = 0  # forward jumps wider than MAX_SEQUENCE_GAP: no loss counted
     missed: int = 0  # batches lost in gaps not repaired
     replays: int = 0  # replays asked
     replayed: int = 0  # batches a replay brought back
     restarts: int = 0
     malformed_payloads: int = 0
+    bad_timestamps: int = (
+        0  # batches whose ts was absurd (reorder.usable_timestamp), ordered as of the newest
+    )
     malformed_events: int = 0
     unknown_events: int = 0
     unknown_fields: int = 0
@@ -180,17 +184,18 @@ class Consumer:
         clock: Callable[[], float] = time.monotonic,
         vanished_retention_seconds: float = VANISHED_RETENTION_SECONDS,
         max_vanished: int = MAX_VANISHED,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
+        """``clock`` times the waits (monotonic); ``wall_clock`` is what a batch's stamp may not
+        run ahead of (:func:`~kvlens.fleet.reorder.usable_timestamp`)."""
         self.index = index
         self.status = {p.name: PublisherStatus() for p in publishers}
         self.reorder_seconds = reorder_seconds
         self.clock = clock
-        # (ts, replica, arrival, received at, payload or CLEARED or VANISHED, bytes)
-        self._waiting: list[tuple[float, str, int, float, bytes | str, int]] = []
-        self._waiting_bytes = 0
-        self._arrival = 0
-        self._newest = -math.inf
-        self._last_ts: dict[str, float] = {}
+        self.wall_clock = wall_clock
+        self._waiting = ReorderQueue(reorder_seconds)
+        self._last_ts: dict[str, float] = {}  # each replica's last ordering timestamp
+        self._bad_stamp_logged: set[str] = set()  # replicas whose absurd stamp was logged
         self.following = {p.name: p for p in publishers}
         self._refused: set[str] = set()  # replicas refused a slot, logged once each time
         self.vanished_retention_seconds = vanished_retention_seconds
@@ -225,10 +230,21 @@ class Consumer:
         status.epoch = None
         self.following.pop(replica, None)
         # not popped: a batch of its comeback stamped earlier must not pass the removal
-        self._last_ts[replica] = self._newest
+        self._last_ts[replica] = self._waiting.newest
         now = self.clock()
-        self._wait(self._newest, replica, now, VANISHED, 0)
-        self.release(now, idle=False)
+        self._waiting.push(self._waiting.newest, replica, now, VANISHED, 0)
+        self.release(now)
+
+    def replay_from(self, replica: str, seq: int, epoch: bytes | None = None) -> int | None:
+        """The first sequence number a replay should bring back before this message (the one
+        :meth:`message` would ask ``replay`` for), or None: no gap, or one no replay answers."""
+        status = self.status[replica]
+        expected, restarted = _expected(status, seq, epoch)
+        if restarted and expected is None:
+            return None
+        if expected is None or seq <= expected or seq - expected > MAX_REPLAY_FRAMES:
+            return None
+        return expected
 
     def message(
         self,
@@ -243,87 +259,85 @@ class Consumer:
         the last is a restart whatever the sequence, and the new lifecycle's sequence began at
         0, so what comes before ``seq`` is a gap."""
         status = self.status[replica]
-        expected = status.next_seq
-        new_lifecycle = False
+        expected, restarted = _expected(status, seq, epoch)
         if epoch is not None:
-            new_lifecycle = expected is not None and status.epoch is not None and epoch != status.epoch
             status.epoch = epoch
-        if seq == expected and not new_lifecycle and not self.reorder_seconds and not self._waiting:
+        now = self.clock()
+        if seq == expected and not restarted and not self.reorder_seconds and not self._waiting:
             # the usual message (the next one, no window, nothing queued): applied now, as the
             # queue would at once, without its cost
             status.next_seq = seq + 1
             stamp = _stamp(status, payload)
-            if stamp is None:
-                return
-            ts = max(stamp, self._last_ts.get(replica, -math.inf))
-            if ts == ts:  # NaN is never released by the window (ts <= newest is False): queued
-                self._last_ts[replica] = ts
-                if ts > self._newest:
-                    self._newest = ts
-                self._arrival += 1
+            if stamp is not None:
+                self._key(replica, status, stamp)
+                self._waiting.arrived()
                 self._apply(replica, status, payload)
-                return
-            status.next_seq = expected
+            return
         payloads = [payload]
-        restarted = expected is not None and (seq < expected or new_lifecycle)
         if restarted:
             status.restarts += 1
             self._last_ts.pop(replica, None)
-            expected = 0 if new_lifecycle else None
         if expected is not None and seq > expected:
-            status.gaps += 1
-            repaired = False
-            # a gap wider than any replay answer cannot be repaired: not asked, nor its numbers listed
-            if replay is not None and seq - expected <= MAX_REPLAY_FRAMES:
-                status.replays += 1
-                frames = [(s, p) for s, p in replay(expected) if expected <= s < seq]
-                if [number for number, _ in frames] == list(range(expected, seq)):
-                    payloads = [replayed for _, replayed in frames] + payloads
-                    status.replayed += len(frames)
-                    repaired = True
-            if not repaired:
-                status.missed += seq - expected
+            if seq - expected > MAX_SEQUENCE_GAP:
+                # more than any publisher sends in a year: no loss to count, a jump (garbage,
+                # or a publisher that does not number from 0); the blocks it held stay
+                status.jumps += 1
+            else:
+                status.gaps += 1
+                repaired = False
+                # a gap wider than any replay answer cannot be repaired: not asked, nor its numbers listed
+                if replay is not None and seq - expected <= MAX_REPLAY_FRAMES:
+                    status.replays += 1
+                    frames = [(s, p) for s, p in replay(expected) if expected <= s < seq]
+                    if [number for number, _ in frames] == list(range(expected, seq)):
+                        payloads = [replayed for _, replayed in frames] + payloads
+                        status.replayed += len(frames)
+                        repaired = True
+                if not repaired:
+                    status.missed += seq - expected
         status.next_seq = seq + 1
-        now = self.clock()
         clear_queued = False
         for data in payloads:
             stamp = _stamp(status, data)
             if stamp is None:
                 continue
-            # a replica's batches keep their order even if its clock steps back
-            ts = max(stamp, self._last_ts.get(replica, -math.inf))
-            self._last_ts[replica] = ts
+            key = self._key(replica, status, stamp)
             if restarted and not clear_queued:  # before the first batch of the new sequence
-                self._wait(ts, replica, now, CLEARED, 0)
+                self._waiting.push(key, replica, now, CLEARED, 0)
                 clear_queued = True
-            self._wait(ts, replica, now, data, len(data))
+            self._waiting.push(key, replica, now, data, len(data))
         if restarted and not clear_queued:  # the restarting batch was malformed
-            self._wait(self._newest, replica, now, CLEARED, 0)
-        self.release(now, idle=False)
+            self._waiting.push(self._waiting.newest, replica, now, CLEARED, 0)
+        self.release(now)
 
-    def _wait(self, ts: float, replica: str, now: float, payload: bytes | str, size: int) -> None:
-        heapq.heappush(self._waiting, (ts, replica, self._arrival, now, payload, size))
-        self._arrival += 1
-        self._waiting_bytes += size
-        if ts > self._newest:
-            self._newest = ts
+    def _key(self, replica: str, status: PublisherStatus, stamp: float) -> float:
+        """The batch's place in the order: its stamp when usable (:func:`usable_timestamp`), else
+        the newest read (counted), never before the replica's previous batch."""
+        if not usable_timestamp(stamp, self.wall_clock()):
+            status.bad_timestamps += 1
+            if replica not in self._bad_stamp_logged:
+                self._bad_stamp_logged.add(replica)
+                log.warning(
+                    "kvlens: KV events replica %s sent a batch stamped %r, not within 0 and %.0f s ahead "
+                    "of kvlens's clock: its events are used, ordered as of the newest batch read "
+                    '(counted in kvlens_kv_events_rejected_total{reason="bad_timestamp"}; check its clock)',
+                    replica,
+                    stamp,
+                    MAX_TIMESTAMP_LEAD_SECONDS,
+                )
+            stamp = self._waiting.newest
+        key = max(stamp, self._last_ts.get(replica, -math.inf))
+        self._last_ts[replica] = key
+        if key > self._waiting.newest:
+            self._waiting.newest = key
+        return key
 
-    def release(self, now: float | None = None, *, idle: bool = True, everything: bool = False) -> None:
-        """Apply the batches whose wait is over: a newer batch came, or (``idle``: nothing left to
-        read, so nothing older is on its way) they waited long enough; all with ``everything``."""
+    def release(self, now: float | None = None, *, everything: bool = False) -> None:
+        """Apply the batches whose wait is over (:class:`~kvlens.fleet.reorder.ReorderQueue`):
+        a batch ``reorder_seconds`` newer came, or they waited that long; all with ``everything``."""
         now = self.clock() if now is None else now
-        waiting, window = self._waiting, self.reorder_seconds
-        while waiting:
-            ts, replica, _, received, payload, size = waiting[0]
-            if not (
-                everything
-                or ts <= self._newest - window
-                or (idle and received <= now - window)
-                or self._waiting_bytes > MAX_WAITING_BYTES
-            ):
-                break
-            heapq.heappop(waiting)
-            self._waiting_bytes -= size
+        for replica, waiting in self._waiting.due(now, everything=everything):
+            payload = waiting.payload
             if isinstance(payload, bytes):
                 self._apply(replica, self.status[replica], payload)
                 continue
@@ -408,6 +422,20 @@ class Consumer:
 
 
 Resolver = Callable[[str, int], list[str]]
+
+
+def _expected(status: PublisherStatus, seq: int, epoch: bytes | None) -> tuple[int | None, bool]:
+    """(the sequence number due next, whether the publisher restarted) for a message numbered
+    ``seq`` of lifecycle ``epoch``: a new lifecycle numbers from 0 again; a number that went back
+    is a restart with nothing due (no gap before it)."""
+    expected = status.next_seq
+    if expected is None:
+        return None, False
+    if epoch is not None and status.epoch is not None and epoch != status.epoch:
+        return 0, True
+    if seq < expected:
+        return None, True
+    return expected, False
 
 
 def _stamp(status: PublisherStatus, payload: bytes) -> float | None:
@@ -669,7 +697,7 @@ class KVEventsSource:
                     self.errors += 1
                 ready = self._poller.poll(self.poll_milliseconds)
                 if not ready:
-                    self.consumer.release(idle=True)  # nothing older is on its way
+                    self.consumer.release()
                 for socket_, _ in ready:
                     publisher = sockets.get(socket_) or monitors[socket_]
                     try:
