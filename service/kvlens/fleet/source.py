@@ -73,6 +73,7 @@ from typing import Any, Final
 from kvlens.errors import SettingsError
 from kvlens.fleet.index import MAX_REPLICAS, FleetIndex, IndexSnapshot
 from kvlens.fleet.reorder import MAX_TIMESTAMP_LEAD_SECONDS, ReorderQueue, usable_timestamp
+from kvlens.fleet.replay import MAX_REPLAY_FRAMES, ReplayAnswer, ReplayBudget
 from kvlens.fleet.wire import (
     EVENT_TYPES,
     MALFORMED,
@@ -85,12 +86,6 @@ from kvlens.fleet.wire import (
 )
 
 log = logging.getLogger(__name__)
-END_SEQ: Final = -1
-MAX_REPLAY_FRAMES: Final = 100_000  # one replay answer at most (vLLM's buffer_steps is 10,000)
-# After a replay that repaired nothing, the publisher's gaps are missed without asking for this
-# many replay timeouts: one thread serves every publisher, and a publisher that skips a number in
-# every message with a dead replay endpoint would hold it replay_timeout_seconds a message.
-REPLAY_QUIET_TIMEOUTS: Final = 10
 # A message past this closes the connection (ZMQ_MAXMSGSIZE; subscribed afresh, see _renew): a vLLM batch
 # is one engine step's events, well under a MiB (16 MiB: some 2.5M tokens stored in one step).
 MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
@@ -98,8 +93,6 @@ MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
 # MAX_MESSAGE_BYTES held while the thread is busy). Past it libzmq stops reading, TCP pushes back
 # and the publisher holds the rest (vLLM's PUB keeps 100,000 messages before it drops, a gap).
 KV_RECEIVE_HWM: Final = 8
-# One replay answer's payloads at most; a longer one is given up (the gap counted missed).
-MAX_REPLAY_BYTES: Final = 64 * 1024 * 1024
 # Addresses kept per DNS name: a fleet-level kvlens follows one deployment's replicas, and each
 # costs a socket and its series.
 MAX_DISCOVERED: Final = 1024
@@ -575,7 +568,9 @@ class KVEventsSource:
         self._subscribed: dict[str, tuple[Any, Any]] = {}  # replica -> (SUB socket, its monitor)
         self._sockets: dict[Any, Publisher] = {}
         self._monitors: dict[Any, Publisher] = {}
-        self._replay_quiet_until: dict[str, float] = {}  # publisher -> no replay asked before
+        self._budgets: dict[str, ReplayBudget] = {}  # replica -> when its replays may be asked
+        self._replays: dict[str, Replay] = {}  # replica -> its replay under way (its SUB not read)
+        self._dealers: dict[Any, str] = {}  # a replay's socket -> its replica
         self._renew: set[str] = set()  # subscriptions to make afresh (their connection closed)
 
     def start(self) -> None:
@@ -673,6 +668,9 @@ class KVEventsSource:
         self._poller.register(monitor, zmq.POLLIN)
 
     def _unsubscribe(self, name: str) -> None:
+        if name in self._replays:  # the replica left: its replay and the message it held dropped
+            self._close_replay(name)
+            self._poller.register(self._subscribed[name][0], self._zmq.POLLIN)
         sub, monitor = self._subscribed.pop(name)
         for socket_ in (sub, monitor):
             self._poller.unregister(socket_)
@@ -695,11 +693,25 @@ class KVEventsSource:
                 except Exception:  # a bug must not end the subscriptions
                     log.exception("kvlens: KV events: following the DNS answer failed")
                     self.errors += 1
-                ready = self._poller.poll(self.poll_milliseconds)
+                wait = self.poll_milliseconds
+                if self._replays:  # woken in time to give up a replay that is not answered
+                    wait = min(wait, max(1, math.ceil(self._expire_replays() * 1000)))
+                ready = self._poller.poll(wait)
                 if not ready:
                     self.consumer.release()
                 for socket_, _ in ready:
-                    publisher = sockets.get(socket_) or monitors[socket_]
+                    name = self._dealers.get(socket_)
+                    if name is not None:  # a replay's answer
+                        try:
+                            self._answer(socket_)
+                        except Exception:  # a bug must not end the subscriptions
+                            log.exception("kvlens: KV events replay of %s failed", name)
+                            self.errors += 1
+                            self.consumer.status[name].errors += 1
+                        continue
+                    publisher = sockets.get(socket_) or monitors.get(socket_)
+                    if publisher is None:  # a replay's socket closed earlier in this turn
+                        continue
                     try:
                         if socket_ in sockets:
                             self._receive(socket_, publisher)
@@ -712,6 +724,8 @@ class KVEventsSource:
                 if self._renew:
                     self._renew_subscriptions()
         finally:
+            for name in list(self._replays):  # their gaps stay unrepaired
+                self._replay_ended(name, repaired=False)
             self.consumer.release(everything=True)
             for name in list(self._subscribed):
                 self._unsubscribe(name)
@@ -733,6 +747,9 @@ class KVEventsSource:
         for name in renew:
             if name not in self._subscribed:  # left the DNS answer meanwhile
                 continue
+            if name in self._replays:  # its stream waits for the replay: renewed after it
+                self._renew.add(name)
+                continue
             sub, _ = self._subscribed[name]
             publisher = self._sockets[sub]
             try:
@@ -741,6 +758,9 @@ class KVEventsSource:
                 log.exception("kvlens: KV events from %s failed", name)
                 self.errors += 1
                 self.consumer.status[name].errors += 1
+            if name in self._replays:  # what it read showed a gap: renewed after the replay
+                self._renew.add(name)
+                continue
             self._unsubscribe(name)
             try:
                 self._subscribe(publisher)
@@ -763,53 +783,100 @@ class KVEventsSource:
                 status.malformed_payloads += 1
                 continue
             seq = int.from_bytes(frames[1], "big", signed=True)
-            quiet = self._replay_quiet_until.get(publisher.name, -math.inf) > status.last_message
-            replay = None if publisher.replay_endpoint is None or quiet else self._replayer(publisher)
-            self.consumer.message(publisher.name, seq, frames[2], replay, sglang_epoch(frames[0]))
+            epoch = sglang_epoch(frames[0])
+            first = (
+                None
+                if publisher.replay_endpoint is None
+                else self.consumer.replay_from(publisher.name, seq, epoch)
+            )
+            if first is not None:
+                budget = self._budgets.setdefault(publisher.name, ReplayBudget(self.replay_timeout_seconds))
+                if budget.allows(status.last_message):
+                    budget.asked(status.last_message)
+                    self._ask(publisher, first, seq, frames[2], epoch)
+                    return  # its stream waits for the replay; the others go on
+            self.consumer.message(publisher.name, seq, frames[2], None, epoch)
 
-    def _replayer(self, publisher: Publisher) -> Callable[[int], list[tuple[int, bytes]]]:
+    def _ask(self, publisher: Publisher, first: int, seq: int, payload: bytes, epoch: bytes | None) -> None:
+        """Ask ``publisher``'s replay endpoint for ``[first, seq)`` and stop reading its SUB until
+        the answer ends (:meth:`_replay_ended`); the message that showed the gap waits with it."""
         zmq = self._zmq
+        assert publisher.replay_endpoint is not None
+        dealer = self._context.socket(zmq.DEALER)
+        try:
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.IPV6, 1)  # as the SUB: else libzmq never connects to [ADDRESS]
+            dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            dealer.setsockopt(zmq.RCVHWM, KV_RECEIVE_HWM)
+            dealer.connect(publisher.replay_endpoint)
+            # A ROUTER sees [identity, empty, start] from a REQ; a DEALER adds the empty frame.
+            dealer.send_multipart([b"", first.to_bytes(8, "big")], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            dealer.close(0)
+            raise
+        sub, _ = self._subscribed[publisher.name]
+        self._poller.unregister(sub)
+        self._poller.register(dealer, zmq.POLLIN)
+        self._dealers[dealer] = publisher.name
+        deadline = self.clock() + self.replay_timeout_seconds
+        self._replays[publisher.name] = Replay(
+            ReplayAnswer(first, seq), dealer, deadline, seq, payload, epoch
+        )
 
-        endpoint = publisher.replay_endpoint
-        assert endpoint is not None
-
-        def replay(first: int) -> list[tuple[int, bytes]]:
-            frames = ask(first)
-            if not frames:
-                quiet = REPLAY_QUIET_TIMEOUTS * self.replay_timeout_seconds
-                self._replay_quiet_until[publisher.name] = self.clock() + quiet
-            return frames
-
-        def ask(first: int) -> list[tuple[int, bytes]]:
-            socket = self._context.socket(zmq.DEALER)
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.setsockopt(zmq.IPV6, 1)  # as the SUB: else libzmq never connects to [ADDRESS]
-            socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-            socket.setsockopt(zmq.RCVHWM, KV_RECEIVE_HWM)
+    def _answer(self, dealer: Any) -> None:
+        """Read what a replay endpoint sent; the replay ends when its answer is whole or wrong."""
+        zmq = self._zmq
+        name = self._dealers[dealer]
+        answer = self._replays[name].answer
+        for _ in range(1000):  # a bounded turn; the poll comes back for the rest
             try:
-                socket.connect(endpoint)
-                # A ROUTER sees [identity, empty, start] from a REQ; a DEALER adds the empty frame.
-                socket.send_multipart([b"", first.to_bytes(8, "big")])
-                frames: list[tuple[int, bytes]] = []
-                held = 0
-                deadline = self.clock() + self.replay_timeout_seconds
-                while len(frames) < MAX_REPLAY_FRAMES and held <= MAX_REPLAY_BYTES:
-                    left = deadline - self.clock()
-                    if left <= 0 or not socket.poll(max(1, int(left * 1000))):
-                        return []  # no full answer: the gap stays unrepaired
-                    parts = socket.recv_multipart()
-                    if len(parts) != 3 or len(parts[1]) != 8:
-                        return []
-                    seq = int.from_bytes(parts[1], "big", signed=True)
-                    if seq == END_SEQ:
-                        return frames
-                    frames.append((seq, parts[2]))
-                    held += len(parts[2])
-                return []
-            finally:
-                socket.close(0)
+                parts = dealer.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            outcome = answer.take(parts[1:] if len(parts) == 3 else [])
+            if outcome is not None:
+                self._replay_ended(name, repaired=outcome)
+                return
 
+    def _expire_replays(self) -> float:
+        """End the replays whose time is up; returns the seconds until the next one's (the poll's
+        longest wait when none is left)."""
+        now = self.clock()
+        for name in [name for name, replay in self._replays.items() if replay.deadline <= now]:
+            self._replay_ended(name, repaired=False)
+        left = [replay.deadline - now for replay in self._replays.values()]
+        return min(left) if left else self.poll_milliseconds / 1000
+
+    def _replay_ended(self, name: str, *, repaired: bool) -> None:
+        """Hand the message that showed the gap, with what the replay brought (nothing unless it
+        filled the gap), to the consumer, and read the replica's stream again."""
+        replay = self._close_replay(name)
+        if not repaired:
+            self._budgets[name].failed(self.clock())
+        frames = replay.answer.frames if repaired else []
+        sub, _ = self._subscribed[name]
+        self._poller.register(sub, self._zmq.POLLIN)
+        self.consumer.message(name, replay.seq, replay.payload, lambda first: frames, replay.epoch)
+
+    def _close_replay(self, name: str) -> Replay:
+        replay = self._replays.pop(name)
+        del self._dealers[replay.dealer]
+        self._poller.unregister(replay.dealer)
+        replay.dealer.close(0)
         return replay
+
+
+@dataclass
+class Replay:
+    """A replay under way: its answer so far, its socket, when it is given up, and the message
+    that showed the gap (handed to the consumer when the replay ends)."""
+
+    answer: ReplayAnswer
+    dealer: Any
+    deadline: float
+    seq: int
+    payload: bytes
+    epoch: bytes | None
 
 
 @dataclass
