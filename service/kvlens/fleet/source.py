@@ -8,12 +8,15 @@ One thread runs every subscription: a ZeroMQ ``SUB`` socket per publisher (vLLM'
   is a **gap** (the publisher's high-water mark dropped messages, or kvlens was slow): counted, and
   repaired from the publisher's replay endpoint when one is configured (a ``DEALER`` sends the
   first missing sequence to its ``ROUTER``, which answers the buffered ``[sequence, payload]``
-  frames and ends with sequence -1). A sequence that goes back (0, or lower than seen) is a
-  **restart**: the replica's blocks are all gone (as after ``AllBlocksCleared``);
+  frames and ends with sequence -1; :mod:`kvlens.fleet.replay`). A jump wider than
+  ``MAX_SEQUENCE_GAP`` (2^32) is no loss but a **jump**, counted once. A sequence that goes back
+  (0, or lower than seen) is a **restart**: the replica's blocks are all gone (as after
+  ``AllBlocksCleared``);
 - a payload that is no ``EventBatch`` is counted and dropped; unknown events and fields are
   counted and skipped (:func:`kvlens.fleet.wire.decode_batch`);
 - batches of different publishers are applied in timestamp order after a reorder window
-  (:class:`Consumer`), so that every process (shard) sees one order.
+  (:mod:`kvlens.fleet.reorder`: the timestamp rule, one queue per replica), so that every
+  process (shard) sees one order.
 
 A restart is seen when the sequence goes back, or when the topic names another lifecycle of the
 publisher than before (SGLang with a ``snapshot_endpoint``: ``\x00sgl-kv-epoch=<uuid>``, a new
@@ -24,12 +27,15 @@ sequence looks like a gap (its old blocks stay held until their removals, which 
 ``AllBlocksCleared`` or kvlens's own restart clears them). SGLang's snapshot barriers (an empty
 batch at the next sequence number, on the same socket) are applied as the empty batches they are.
 
-A replay that does not answer within ``replay_timeout_seconds`` leaves the gap unrepaired (counted
-as such), and that publisher's next gaps for ``REPLAY_QUIET_TIMEOUTS`` timeouts are not asked for;
-a gap wider than ``MAX_REPLAY_FRAMES`` is never asked for, an answer past ``MAX_REPLAY_BYTES`` is
-given up. libzmq reads at most ``KV_RECEIVE_HWM`` messages of at most ``MAX_MESSAGE_BYTES`` ahead
-per socket (past them TCP pushes back to the publisher). Nothing here raises out of the thread:
-an unexpected error is logged and counted.
+A replay's ``DEALER`` is polled with the ``SUB`` sockets: only the gappy publisher's stream waits
+for it (its ``SUB`` is not read meanwhile), the others are read and applied. A replay that does
+not answer within ``replay_timeout_seconds``, or answers one wrong frame, leaves the gap
+unrepaired (counted as such); the bounds on replays per publisher are
+:class:`~kvlens.fleet.replay.ReplayBudget`'s. A gap wider than ``MAX_REPLAY_FRAMES`` is never
+asked for, an answer past ``MAX_REPLAY_BYTES`` is given up. libzmq reads at most
+``KV_RECEIVE_HWM`` messages of at most ``MAX_MESSAGE_BYTES`` ahead per socket (past them TCP
+pushes back to the publisher). Nothing here raises out of the thread: an unexpected error is
+logged and counted.
 
 **DNS discovery** (Kubernetes: a headless Service's name, ``HOST:PORT``, or
 ``HOST:PORT/REPLAY_PORT`` when the publishers have a replay endpoint): a resolver thread looks
@@ -161,12 +167,12 @@ class Consumer:
 
     Publishers are independent: a process sees their batches interleaved as the network delivers
     them, and two processes (shards) may see another interleaving, which changes causes
-    (which replica stored a block first). With ``reorder_seconds`` > 0 batches wait that long
-    and are applied in the order of their ``ts`` (the publisher's clock; ties by replica, then
-    arrival), a replica's own batches never reordered; a batch is released once a batch
-    ``reorder_seconds`` newer has arrived, or, when no publisher has anything more to read, once
-    it has waited that long by ``clock``. Processes that receive every batch within the window
-    then apply them in the same order."""
+    (which replica stored a block first). With ``reorder_seconds`` > 0 batches wait at most that
+    long and are applied in the order of their ``ts`` (the publisher's clock, when usable; ties by
+    replica, then arrival), a replica's own batches never reordered; a batch is released once a
+    batch ``reorder_seconds`` newer has arrived, or once it has waited that long by ``clock``,
+    whatever the other replicas send (:class:`~kvlens.fleet.reorder.ReorderQueue`). Processes
+    that receive every batch within the window then apply them in the same order."""
 
     def __init__(
         self,
@@ -231,10 +237,7 @@ class Consumer:
     def replay_from(self, replica: str, seq: int, epoch: bytes | None = None) -> int | None:
         """The first sequence number a replay should bring back before this message (the one
         :meth:`message` would ask ``replay`` for), or None: no gap, or one no replay answers."""
-        status = self.status[replica]
-        expected, restarted = _expected(status, seq, epoch)
-        if restarted and expected is None:
-            return None
+        expected, _ = _expected(self.status[replica], seq, epoch)
         if expected is None or seq <= expected or seq - expected > MAX_REPLAY_FRAMES:
             return None
         return expected
@@ -255,7 +258,6 @@ class Consumer:
         expected, restarted = _expected(status, seq, epoch)
         if epoch is not None:
             status.epoch = epoch
-        now = self.clock()
         if seq == expected and not restarted and not self.reorder_seconds and not self._waiting:
             # the usual message (the next one, no window, nothing queued): applied now, as the
             # queue would at once, without its cost
@@ -289,6 +291,7 @@ class Consumer:
                 if not repaired:
                     status.missed += seq - expected
         status.next_seq = seq + 1
+        now = self.clock()
         clear_queued = False
         for data in payloads:
             stamp = _stamp(status, data)
@@ -709,9 +712,10 @@ class KVEventsSource:
                             self.errors += 1
                             self.consumer.status[name].errors += 1
                         continue
-                    publisher = sockets.get(socket_) or monitors.get(socket_)
-                    if publisher is None:  # a replay's socket closed earlier in this turn
+                    found = sockets.get(socket_) or monitors.get(socket_)
+                    if found is None:  # a replay's socket closed earlier in this turn
                         continue
+                    publisher = found
                     try:
                         if socket_ in sockets:
                             self._receive(socket_, publisher)
