@@ -14,7 +14,8 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from kvlens.fleet.source import KV_RECEIVE_HWM, MAX_MESSAGE_BYTES, MAX_REPLAY_BYTES
+from kvlens.fleet.replay import MAX_REPLAY_BYTES
+from kvlens.fleet.source import KV_RECEIVE_HWM, MAX_MESSAGE_BYTES
 from tests import vllm_kv_events as vllm
 from tests.hostile.conftest import Serve
 from tests.kv_publisher import TestPublisher
@@ -96,23 +97,30 @@ def test_big_messages_sent_while_kvlens_waits_on_a_replay_stay_with_the_publishe
 def test_a_replay_answer_without_end_is_given_up_at_its_byte_cap(
     serve: Serve, publisher: TestPublisher, router: tuple[zmq.Socket[bytes], int]
 ) -> None:
-    """A replay endpoint answers the request with 4 MiB frames and never the end frame. Before:
-    kvlens kept every frame until the 2 s deadline (as fast as loopback carries them); now it gives
-    the answer up past MAX_REPLAY_BYTES: the gap counted missed."""
+    """A gap of twice MAX_REPLAY_BYTES in 4 MiB batches; the replay endpoint answers every one
+    of them, never the end frame. Before: kvlens kept every frame until the 2 s deadline (as fast
+    as loopback carries them); now it gives the answer up past MAX_REPLAY_BYTES: the gap counted
+    missed. (A gap is taken as soon as its frames came, the end frame not waited for.)"""
     replay, port = router
     replay.setsockopt(zmq.SNDHWM, 0)
     sidecar = serve(**kv_env(publisher, port))
     publisher.wait_subscribed()
     memory = sidecar.memory()
     memory.reset()
-    identity, empty, first = ask_a_replay(sidecar, publisher, replay)
+    empty = vllm.encode(vllm.KVEventBatch(ts=1.0, events=[]))
+    publisher.publish(empty)
+    assert sidecar.wait_for("kvlens_kv_event_batches_total", 1) == 1
+    gap = 2 * MAX_REPLAY_BYTES // (4 * MIB)
+    for _ in range(gap):
+        publisher.drop(empty)
+    publisher.publish(empty)
+    assert replay.poll(20_000), "kvlens did not ask for a replay"
+    identity, empty_frame, first = replay.recv_multipart()
     frame = heavy(4 * MIB)
     start = int.from_bytes(first, "big")
-    sent = 0
-    while sent < 4 * MAX_REPLAY_BYTES // (4 * MIB):
-        replay.send_multipart([identity, empty, (start + sent).to_bytes(8, "big"), frame])
-        sent += 1
-    assert sidecar.wait_for("kvlens_kv_missed_batches_total", 1, timeout=30) == 1
+    for sent in range(gap):
+        replay.send_multipart([identity, empty_frame, (start + sent).to_bytes(8, "big"), frame])
+    assert sidecar.wait_for("kvlens_kv_missed_batches_total", gap, timeout=30) == gap
     assert sidecar.value("kvlens_kv_replayed_batches_total") == 0
     bound = MAX_REPLAY_BYTES // MIB + (KV_RECEIVE_HWM + 1) * 4 + 64
     assert memory.peak_growth_mib() < bound

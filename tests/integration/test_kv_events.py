@@ -135,6 +135,7 @@ def test_serve_exports_the_causes_and_the_publishers_health(
                 "unknown_field",
                 "other_group",
                 "replica_limit",
+                "bad_timestamp",
                 "error",
             ]
         )

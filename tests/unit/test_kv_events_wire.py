@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlens.fleet.index import EVICTED_HERE, HELD_ELSEWHERE, NEW, FleetIndex, token_array
-from kvlens.fleet.source import MAX_WAITING_BYTES, Consumer, Publisher
+from kvlens.fleet.reorder import MAX_WAITING_BYTES
+from kvlens.fleet.source import Consumer, Publisher
 from kvlens.fleet.wire import (
     APPLIED,
     MALFORMED,
@@ -292,12 +293,10 @@ def test_with_a_window_batches_of_replicas_apply_in_timestamp_order() -> None:
     c.message("b", 1, at(10.71, stored([4], None, [7] * 4)), None)  # and than 10.2
     assert c.index.recomputed == {("b", NEW): 1, ("a", HELD_ELSEWHERE): 1}
     now[0] = 0.49
-    c.release(idle=True)
+    c.release()
     assert c.status["a"].batches == 1
     now[0] = 0.5
-    c.release(idle=False)  # something may still be on its way: only a newer batch releases
-    assert c.status["a"].batches == 1
-    c.release(idle=True)
+    c.release()  # waited the window by kvlens's clock: applied, busy or idle
     assert c.index.recomputed == {("b", NEW): 2, ("a", HELD_ELSEWHERE): 1, ("a", NEW): 1}
 
 

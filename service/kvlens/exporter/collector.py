@@ -280,6 +280,7 @@ def _kv_families(kv_events: KVEvents) -> list[Metric]:
         for spec in (
             metrics.KV_BATCHES,
             metrics.KV_GAPS,
+            metrics.KV_JUMPS,
             metrics.KV_MISSED,
             metrics.KV_REPLAYS,
             metrics.KV_REPLAYED,
@@ -297,12 +298,14 @@ def _kv_families(kv_events: KVEvents) -> list[Metric]:
             ("unknown_field", status.unknown_fields),
             ("other_group", status.other_group_events),
             ("replica_limit", status.refused_batches),
+            ("bad_timestamp", status.bad_timestamps),
             ("error", status.errors),
         ):
             rejected.add_metric([replica, reason], count)
         for spec, value in (
             (metrics.KV_BATCHES, status.batches),
             (metrics.KV_GAPS, status.gaps),
+            (metrics.KV_JUMPS, status.jumps),
             (metrics.KV_MISSED, status.missed),
             (metrics.KV_REPLAYS, status.replays),
             (metrics.KV_REPLAYED, status.replayed),

@@ -315,10 +315,19 @@ KV_REJECTED = MetricSpec(
     "KV event input not used whole: malformed_payload (batch dropped), malformed_event (event "
     "dropped), unknown_event (type skipped), unknown_field (field skipped, event used), "
     "other_group (a KV cache group past the first: left out), replica_limit (batch dropped: the "
-    "index's 64 replica slots all in use by live replicas), error (a kvlens bug, logged).",
+    "index's 64 replica slots all in use by live replicas), bad_timestamp (a batch's ts not from 0 "
+    "to 10 s ahead of kvlens's clock: not used to order it, its events used), error (a kvlens bug, "
+    "logged).",
 )
 KV_GAPS = MetricSpec(
     "kvlens_kv_sequence_gaps", "counter", ("replica",), "Jumps in a publisher's sequence numbers."
+)
+KV_JUMPS = MetricSpec(
+    "kvlens_kv_sequence_jumps",
+    "counter",
+    ("replica",),
+    "Forward jumps of a publisher's sequence wider than 2^32 (no engine sends that many): counted "
+    "here once, not as gaps nor missed batches; the replica's blocks kept.",
 )
 KV_MISSED = MetricSpec(
     "kvlens_kv_missed_batches", "counter", ("replica",), "Batches lost in gaps no replay repaired."
@@ -388,6 +397,7 @@ KV: Final = (
     KV_BATCHES,
     KV_REJECTED,
     KV_GAPS,
+    KV_JUMPS,
     KV_MISSED,
     KV_REPLAYS,
     KV_REPLAYED,

@@ -8,12 +8,15 @@ One thread runs every subscription: a ZeroMQ ``SUB`` socket per publisher (vLLM'
   is a **gap** (the publisher's high-water mark dropped messages, or kvlens was slow): counted, and
   repaired from the publisher's replay endpoint when one is configured (a ``DEALER`` sends the
   first missing sequence to its ``ROUTER``, which answers the buffered ``[sequence, payload]``
-  frames and ends with sequence -1). A sequence that goes back (0, or lower than seen) is a
-  **restart**: the replica's blocks are all gone (as after ``AllBlocksCleared``);
+  frames and ends with sequence -1; :mod:`kvlens.fleet.replay`). A jump wider than
+  ``MAX_SEQUENCE_GAP`` (2^32) is no loss but a **jump**, counted once. A sequence that goes back
+  (0, or lower than seen) is a **restart**: the replica's blocks are all gone (as after
+  ``AllBlocksCleared``);
 - a payload that is no ``EventBatch`` is counted and dropped; unknown events and fields are
   counted and skipped (:func:`kvlens.fleet.wire.decode_batch`);
 - batches of different publishers are applied in timestamp order after a reorder window
-  (:class:`Consumer`), so that every process (shard) sees one order.
+  (:mod:`kvlens.fleet.reorder`: the timestamp rule, one queue per replica), so that every
+  process (shard) sees one order.
 
 A restart is seen when the sequence goes back, or when the topic names another lifecycle of the
 publisher than before (SGLang with a ``snapshot_endpoint``: ``\x00sgl-kv-epoch=<uuid>``, a new
@@ -24,12 +27,15 @@ sequence looks like a gap (its old blocks stay held until their removals, which 
 ``AllBlocksCleared`` or kvlens's own restart clears them). SGLang's snapshot barriers (an empty
 batch at the next sequence number, on the same socket) are applied as the empty batches they are.
 
-A replay that does not answer within ``replay_timeout_seconds`` leaves the gap unrepaired (counted
-as such), and that publisher's next gaps for ``REPLAY_QUIET_TIMEOUTS`` timeouts are not asked for;
-a gap wider than ``MAX_REPLAY_FRAMES`` is never asked for, an answer past ``MAX_REPLAY_BYTES`` is
-given up. libzmq reads at most ``KV_RECEIVE_HWM`` messages of at most ``MAX_MESSAGE_BYTES`` ahead
-per socket (past them TCP pushes back to the publisher). Nothing here raises out of the thread:
-an unexpected error is logged and counted.
+A replay's ``DEALER`` is polled with the ``SUB`` sockets: only the gappy publisher's stream waits
+for it (its ``SUB`` is not read meanwhile), the others are read and applied. A replay that does
+not answer within ``replay_timeout_seconds``, or answers one wrong frame, leaves the gap
+unrepaired (counted as such); the bounds on replays per publisher are
+:class:`~kvlens.fleet.replay.ReplayBudget`'s. A gap wider than ``MAX_REPLAY_FRAMES`` is never
+asked for, an answer past ``MAX_REPLAY_BYTES`` is given up. libzmq reads at most
+``KV_RECEIVE_HWM`` messages of at most ``MAX_MESSAGE_BYTES`` ahead per socket (past them TCP
+pushes back to the publisher). Nothing here raises out of the thread: an unexpected error is
+logged and counted.
 
 **DNS discovery** (Kubernetes: a headless Service's name, ``HOST:PORT``, or
 ``HOST:PORT/REPLAY_PORT`` when the publishers have a replay endpoint): a resolver thread looks
@@ -58,7 +64,6 @@ one that cannot be made is counted as an error of its replica and tried again at
 
 from __future__ import annotations
 
-import heapq
 import importlib.util
 import logging
 import math
@@ -73,6 +78,8 @@ from typing import Any, Final
 
 from kvlens.errors import SettingsError
 from kvlens.fleet.index import MAX_REPLICAS, FleetIndex, IndexSnapshot
+from kvlens.fleet.reorder import MAX_TIMESTAMP_LEAD_SECONDS, ReorderQueue, usable_timestamp
+from kvlens.fleet.replay import MAX_REPLAY_FRAMES, ReplayAnswer, ReplayBudget
 from kvlens.fleet.wire import (
     EVENT_TYPES,
     MALFORMED,
@@ -85,12 +92,6 @@ from kvlens.fleet.wire import (
 )
 
 log = logging.getLogger(__name__)
-END_SEQ: Final = -1
-MAX_REPLAY_FRAMES: Final = 100_000  # one replay answer at most (vLLM's buffer_steps is 10,000)
-# After a replay that repaired nothing, the publisher's gaps are missed without asking for this
-# many replay timeouts: one thread serves every publisher, and a publisher that skips a number in
-# every message with a dead replay endpoint would hold it replay_timeout_seconds a message.
-REPLAY_QUIET_TIMEOUTS: Final = 10
 # A message past this closes the connection (ZMQ_MAXMSGSIZE; subscribed afresh, see _renew): a vLLM batch
 # is one engine step's events, well under a MiB (16 MiB: some 2.5M tokens stored in one step).
 MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
@@ -98,8 +99,6 @@ MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
 # MAX_MESSAGE_BYTES held while the thread is busy). Past it libzmq stops reading, TCP pushes back
 # and the publisher holds the rest (vLLM's PUB keeps 100,000 messages before it drops, a gap).
 KV_RECEIVE_HWM: Final = 8
-# One replay answer's payloads at most; a longer one is given up (the gap counted missed).
-MAX_REPLAY_BYTES: Final = 64 * 1024 * 1024
 # Addresses kept per DNS name: a fleet-level kvlens follows one deployment's replicas, and each
 # costs a socket and its series.
 MAX_DISCOVERED: Final = 1024
@@ -118,10 +117,10 @@ FILES_PER_SUBSCRIPTION: Final = 4
 # error of that replica, logged, tried again at the next lookup), so a big answer cannot starve
 # /metrics of sockets. `kvlens serve` raises the soft limit to the hard one at start.
 FILES_KEPT_FREE: Final = 1024
-# Batches waiting for the reorder window (kept as received, read when applied) hold at most this
-# many bytes; past it the oldest are applied at once (a publisher whose timestamps do not move,
-# or a burst, cannot make kvlens hold more).
-MAX_WAITING_BYTES: Final = 8 * 1024 * 1024
+# A forward jump of a publisher's sequence wider than this is no loss (a vLLM engine, one batch a
+# step, takes over a year at 100 steps a second to send as many): counted as one jump, not as
+# missed batches (a jump to 2^63 - 1 added 9.2e18 to a counter that then shows no +1).
+MAX_SEQUENCE_GAP: Final = 2**32
 # What waits in the reorder queue in place of a payload: the replica's blocks are all gone (a
 # restart), or the replica left the fleet (its slot in the index is freed too).
 CLEARED: Final = "cleared"
@@ -143,12 +142,16 @@ class PublisherStatus:
     next_seq: int | None = None
     events: Counter[str] = field(default_factory=Counter)  # event type -> received
     batches: int = 0
-    gaps: int = 0  # gaps seen
+    gaps: int = 0  # gaps seen (jumps apart)
+    jumps: int = 0  # forward jumps wider than MAX_SEQUENCE_GAP: no loss counted
     missed: int = 0  # batches lost in gaps not repaired
     replays: int = 0  # replays asked
     replayed: int = 0  # batches a replay brought back
     restarts: int = 0
     malformed_payloads: int = 0
+    bad_timestamps: int = (
+        0  # batches whose ts was absurd (reorder.usable_timestamp), ordered as of the newest
+    )
     malformed_events: int = 0
     unknown_events: int = 0
     unknown_fields: int = 0
@@ -164,12 +167,12 @@ class Consumer:
 
     Publishers are independent: a process sees their batches interleaved as the network delivers
     them, and two processes (shards) may see another interleaving, which changes causes
-    (which replica stored a block first). With ``reorder_seconds`` > 0 batches wait that long
-    and are applied in the order of their ``ts`` (the publisher's clock; ties by replica, then
-    arrival), a replica's own batches never reordered; a batch is released once a batch
-    ``reorder_seconds`` newer has arrived, or, when no publisher has anything more to read, once
-    it has waited that long by ``clock``. Processes that receive every batch within the window
-    then apply them in the same order."""
+    (which replica stored a block first). With ``reorder_seconds`` > 0 batches wait at most that
+    long and are applied in the order of their ``ts`` (the publisher's clock, when usable; ties by
+    replica, then arrival), a replica's own batches never reordered; a batch is released once a
+    batch ``reorder_seconds`` newer has arrived, or once it has waited that long by ``clock``,
+    whatever the other replicas send (:class:`~kvlens.fleet.reorder.ReorderQueue`). Processes
+    that receive every batch within the window then apply them in the same order."""
 
     def __init__(
         self,
@@ -180,17 +183,18 @@ class Consumer:
         clock: Callable[[], float] = time.monotonic,
         vanished_retention_seconds: float = VANISHED_RETENTION_SECONDS,
         max_vanished: int = MAX_VANISHED,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
+        """``clock`` times the waits (monotonic); ``wall_clock`` is what a batch's stamp may not
+        run ahead of (:func:`~kvlens.fleet.reorder.usable_timestamp`)."""
         self.index = index
         self.status = {p.name: PublisherStatus() for p in publishers}
         self.reorder_seconds = reorder_seconds
         self.clock = clock
-        # (ts, replica, arrival, received at, payload or CLEARED or VANISHED, bytes)
-        self._waiting: list[tuple[float, str, int, float, bytes | str, int]] = []
-        self._waiting_bytes = 0
-        self._arrival = 0
-        self._newest = -math.inf
-        self._last_ts: dict[str, float] = {}
+        self.wall_clock = wall_clock
+        self._waiting = ReorderQueue(reorder_seconds)
+        self._last_ts: dict[str, float] = {}  # each replica's last ordering timestamp
+        self._bad_stamp_logged: set[str] = set()  # replicas whose absurd stamp was logged
         self.following = {p.name: p for p in publishers}
         self._refused: set[str] = set()  # replicas refused a slot, logged once each time
         self.vanished_retention_seconds = vanished_retention_seconds
@@ -225,10 +229,18 @@ class Consumer:
         status.epoch = None
         self.following.pop(replica, None)
         # not popped: a batch of its comeback stamped earlier must not pass the removal
-        self._last_ts[replica] = self._newest
+        self._last_ts[replica] = self._waiting.newest
         now = self.clock()
-        self._wait(self._newest, replica, now, VANISHED, 0)
-        self.release(now, idle=False)
+        self._waiting.push(self._waiting.newest, replica, now, VANISHED, 0)
+        self.release(now)
+
+    def replay_from(self, replica: str, seq: int, epoch: bytes | None = None) -> int | None:
+        """The first sequence number a replay should bring back before this message (the one
+        :meth:`message` would ask ``replay`` for), or None: no gap, or one no replay answers."""
+        expected, _ = _expected(self.status[replica], seq, epoch)
+        if expected is None or seq <= expected or seq - expected > MAX_REPLAY_FRAMES:
+            return None
+        return expected
 
     def message(
         self,
@@ -243,46 +255,41 @@ class Consumer:
         the last is a restart whatever the sequence, and the new lifecycle's sequence began at
         0, so what comes before ``seq`` is a gap."""
         status = self.status[replica]
-        expected = status.next_seq
-        new_lifecycle = False
+        expected, restarted = _expected(status, seq, epoch)
         if epoch is not None:
-            new_lifecycle = expected is not None and status.epoch is not None and epoch != status.epoch
             status.epoch = epoch
-        if seq == expected and not new_lifecycle and not self.reorder_seconds and not self._waiting:
+        if seq == expected and not restarted and not self.reorder_seconds and not self._waiting:
             # the usual message (the next one, no window, nothing queued): applied now, as the
             # queue would at once, without its cost
             status.next_seq = seq + 1
             stamp = _stamp(status, payload)
-            if stamp is None:
-                return
-            ts = max(stamp, self._last_ts.get(replica, -math.inf))
-            if ts == ts:  # NaN is never released by the window (ts <= newest is False): queued
-                self._last_ts[replica] = ts
-                if ts > self._newest:
-                    self._newest = ts
-                self._arrival += 1
+            if stamp is not None:
+                self._key(replica, status, stamp)
+                self._waiting.arrived()
                 self._apply(replica, status, payload)
-                return
-            status.next_seq = expected
+            return
         payloads = [payload]
-        restarted = expected is not None and (seq < expected or new_lifecycle)
         if restarted:
             status.restarts += 1
             self._last_ts.pop(replica, None)
-            expected = 0 if new_lifecycle else None
         if expected is not None and seq > expected:
-            status.gaps += 1
-            repaired = False
-            # a gap wider than any replay answer cannot be repaired: not asked, nor its numbers listed
-            if replay is not None and seq - expected <= MAX_REPLAY_FRAMES:
-                status.replays += 1
-                frames = [(s, p) for s, p in replay(expected) if expected <= s < seq]
-                if [number for number, _ in frames] == list(range(expected, seq)):
-                    payloads = [replayed for _, replayed in frames] + payloads
-                    status.replayed += len(frames)
-                    repaired = True
-            if not repaired:
-                status.missed += seq - expected
+            if seq - expected > MAX_SEQUENCE_GAP:
+                # more than any publisher sends in a year: no loss to count, a jump (garbage,
+                # or a publisher that does not number from 0); the blocks it held stay
+                status.jumps += 1
+            else:
+                status.gaps += 1
+                repaired = False
+                # a gap wider than any replay answer cannot be repaired: not asked, nor its numbers listed
+                if replay is not None and seq - expected <= MAX_REPLAY_FRAMES:
+                    status.replays += 1
+                    frames = [(s, p) for s, p in replay(expected) if expected <= s < seq]
+                    if [number for number, _ in frames] == list(range(expected, seq)):
+                        payloads = [replayed for _, replayed in frames] + payloads
+                        status.replayed += len(frames)
+                        repaired = True
+                if not repaired:
+                    status.missed += seq - expected
         status.next_seq = seq + 1
         now = self.clock()
         clear_queued = False
@@ -290,40 +297,43 @@ class Consumer:
             stamp = _stamp(status, data)
             if stamp is None:
                 continue
-            # a replica's batches keep their order even if its clock steps back
-            ts = max(stamp, self._last_ts.get(replica, -math.inf))
-            self._last_ts[replica] = ts
+            key = self._key(replica, status, stamp)
             if restarted and not clear_queued:  # before the first batch of the new sequence
-                self._wait(ts, replica, now, CLEARED, 0)
+                self._waiting.push(key, replica, now, CLEARED, 0)
                 clear_queued = True
-            self._wait(ts, replica, now, data, len(data))
+            self._waiting.push(key, replica, now, data, len(data))
         if restarted and not clear_queued:  # the restarting batch was malformed
-            self._wait(self._newest, replica, now, CLEARED, 0)
-        self.release(now, idle=False)
+            self._waiting.push(self._waiting.newest, replica, now, CLEARED, 0)
+        self.release(now)
 
-    def _wait(self, ts: float, replica: str, now: float, payload: bytes | str, size: int) -> None:
-        heapq.heappush(self._waiting, (ts, replica, self._arrival, now, payload, size))
-        self._arrival += 1
-        self._waiting_bytes += size
-        if ts > self._newest:
-            self._newest = ts
+    def _key(self, replica: str, status: PublisherStatus, stamp: float) -> float:
+        """The batch's place in the order: its stamp when usable (:func:`usable_timestamp`), else
+        the newest read (counted), never before the replica's previous batch."""
+        if not usable_timestamp(stamp, self.wall_clock()):
+            status.bad_timestamps += 1
+            if replica not in self._bad_stamp_logged:
+                self._bad_stamp_logged.add(replica)
+                log.warning(
+                    "kvlens: KV events replica %s sent a batch stamped %r, not within 0 and %.0f s ahead "
+                    "of kvlens's clock: its events are used, ordered as of the newest batch read "
+                    '(counted in kvlens_kv_events_rejected_total{reason="bad_timestamp"}; check its clock)',
+                    replica,
+                    stamp,
+                    MAX_TIMESTAMP_LEAD_SECONDS,
+                )
+            stamp = self._waiting.newest
+        key = max(stamp, self._last_ts.get(replica, -math.inf))
+        self._last_ts[replica] = key
+        if key > self._waiting.newest:
+            self._waiting.newest = key
+        return key
 
-    def release(self, now: float | None = None, *, idle: bool = True, everything: bool = False) -> None:
-        """Apply the batches whose wait is over: a newer batch came, or (``idle``: nothing left to
-        read, so nothing older is on its way) they waited long enough; all with ``everything``."""
+    def release(self, now: float | None = None, *, everything: bool = False) -> None:
+        """Apply the batches whose wait is over (:class:`~kvlens.fleet.reorder.ReorderQueue`):
+        a batch ``reorder_seconds`` newer came, or they waited that long; all with ``everything``."""
         now = self.clock() if now is None else now
-        waiting, window = self._waiting, self.reorder_seconds
-        while waiting:
-            ts, replica, _, received, payload, size = waiting[0]
-            if not (
-                everything
-                or ts <= self._newest - window
-                or (idle and received <= now - window)
-                or self._waiting_bytes > MAX_WAITING_BYTES
-            ):
-                break
-            heapq.heappop(waiting)
-            self._waiting_bytes -= size
+        for replica, waiting in self._waiting.due(now, everything=everything):
+            payload = waiting.payload
             if isinstance(payload, bytes):
                 self._apply(replica, self.status[replica], payload)
                 continue
@@ -408,6 +418,20 @@ class Consumer:
 
 
 Resolver = Callable[[str, int], list[str]]
+
+
+def _expected(status: PublisherStatus, seq: int, epoch: bytes | None) -> tuple[int | None, bool]:
+    """(the sequence number due next, whether the publisher restarted) for a message numbered
+    ``seq`` of lifecycle ``epoch``: a new lifecycle numbers from 0 again; a number that went back
+    is a restart with nothing due (no gap before it)."""
+    expected = status.next_seq
+    if expected is None:
+        return None, False
+    if epoch is not None and status.epoch is not None and epoch != status.epoch:
+        return 0, True
+    if seq < expected:
+        return None, True
+    return expected, False
 
 
 def _stamp(status: PublisherStatus, payload: bytes) -> float | None:
@@ -547,7 +571,9 @@ class KVEventsSource:
         self._subscribed: dict[str, tuple[Any, Any]] = {}  # replica -> (SUB socket, its monitor)
         self._sockets: dict[Any, Publisher] = {}
         self._monitors: dict[Any, Publisher] = {}
-        self._replay_quiet_until: dict[str, float] = {}  # publisher -> no replay asked before
+        self._budgets: dict[str, ReplayBudget] = {}  # replica -> when its replays may be asked
+        self._replays: dict[str, Replay] = {}  # replica -> its replay under way (its SUB not read)
+        self._dealers: dict[Any, str] = {}  # a replay's socket -> its replica
         self._renew: set[str] = set()  # subscriptions to make afresh (their connection closed)
 
     def start(self) -> None:
@@ -645,6 +671,9 @@ class KVEventsSource:
         self._poller.register(monitor, zmq.POLLIN)
 
     def _unsubscribe(self, name: str) -> None:
+        if name in self._replays:  # the replica left: its replay and the message it held dropped
+            self._close_replay(name)
+            self._poller.register(self._subscribed[name][0], self._zmq.POLLIN)
         sub, monitor = self._subscribed.pop(name)
         for socket_ in (sub, monitor):
             self._poller.unregister(socket_)
@@ -667,11 +696,26 @@ class KVEventsSource:
                 except Exception:  # a bug must not end the subscriptions
                     log.exception("kvlens: KV events: following the DNS answer failed")
                     self.errors += 1
-                ready = self._poller.poll(self.poll_milliseconds)
+                wait = self.poll_milliseconds
+                if self._replays:  # woken in time to give up a replay that is not answered
+                    wait = min(wait, max(1, math.ceil(self._expire_replays() * 1000)))
+                ready = self._poller.poll(wait)
                 if not ready:
-                    self.consumer.release(idle=True)  # nothing older is on its way
+                    self.consumer.release()
                 for socket_, _ in ready:
-                    publisher = sockets.get(socket_) or monitors[socket_]
+                    name = self._dealers.get(socket_)
+                    if name is not None:  # a replay's answer
+                        try:
+                            self._answer(socket_)
+                        except Exception:  # a bug must not end the subscriptions
+                            log.exception("kvlens: KV events replay of %s failed", name)
+                            self.errors += 1
+                            self.consumer.status[name].errors += 1
+                        continue
+                    found = sockets.get(socket_) or monitors.get(socket_)
+                    if found is None:  # a replay's socket closed earlier in this turn
+                        continue
+                    publisher = found
                     try:
                         if socket_ in sockets:
                             self._receive(socket_, publisher)
@@ -684,6 +728,8 @@ class KVEventsSource:
                 if self._renew:
                     self._renew_subscriptions()
         finally:
+            for name in list(self._replays):  # their gaps stay unrepaired
+                self._replay_ended(name, repaired=False)
             self.consumer.release(everything=True)
             for name in list(self._subscribed):
                 self._unsubscribe(name)
@@ -705,6 +751,9 @@ class KVEventsSource:
         for name in renew:
             if name not in self._subscribed:  # left the DNS answer meanwhile
                 continue
+            if name in self._replays:  # its stream waits for the replay: renewed after it
+                self._renew.add(name)
+                continue
             sub, _ = self._subscribed[name]
             publisher = self._sockets[sub]
             try:
@@ -713,6 +762,9 @@ class KVEventsSource:
                 log.exception("kvlens: KV events from %s failed", name)
                 self.errors += 1
                 self.consumer.status[name].errors += 1
+            if name in self._replays:  # what it read showed a gap: renewed after the replay
+                self._renew.add(name)
+                continue
             self._unsubscribe(name)
             try:
                 self._subscribe(publisher)
@@ -735,53 +787,100 @@ class KVEventsSource:
                 status.malformed_payloads += 1
                 continue
             seq = int.from_bytes(frames[1], "big", signed=True)
-            quiet = self._replay_quiet_until.get(publisher.name, -math.inf) > status.last_message
-            replay = None if publisher.replay_endpoint is None or quiet else self._replayer(publisher)
-            self.consumer.message(publisher.name, seq, frames[2], replay, sglang_epoch(frames[0]))
+            epoch = sglang_epoch(frames[0])
+            first = (
+                None
+                if publisher.replay_endpoint is None
+                else self.consumer.replay_from(publisher.name, seq, epoch)
+            )
+            if first is not None:
+                budget = self._budgets.setdefault(publisher.name, ReplayBudget(self.replay_timeout_seconds))
+                if budget.allows(status.last_message):
+                    budget.asked(status.last_message)
+                    self._ask(publisher, first, seq, frames[2], epoch)
+                    return  # its stream waits for the replay; the others go on
+            self.consumer.message(publisher.name, seq, frames[2], None, epoch)
 
-    def _replayer(self, publisher: Publisher) -> Callable[[int], list[tuple[int, bytes]]]:
+    def _ask(self, publisher: Publisher, first: int, seq: int, payload: bytes, epoch: bytes | None) -> None:
+        """Ask ``publisher``'s replay endpoint for ``[first, seq)`` and stop reading its SUB until
+        the answer ends (:meth:`_replay_ended`); the message that showed the gap waits with it."""
         zmq = self._zmq
+        assert publisher.replay_endpoint is not None
+        dealer = self._context.socket(zmq.DEALER)
+        try:
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.IPV6, 1)  # as the SUB: else libzmq never connects to [ADDRESS]
+            dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            dealer.setsockopt(zmq.RCVHWM, KV_RECEIVE_HWM)
+            dealer.connect(publisher.replay_endpoint)
+            # A ROUTER sees [identity, empty, start] from a REQ; a DEALER adds the empty frame.
+            dealer.send_multipart([b"", first.to_bytes(8, "big")], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            dealer.close(0)
+            raise
+        sub, _ = self._subscribed[publisher.name]
+        self._poller.unregister(sub)
+        self._poller.register(dealer, zmq.POLLIN)
+        self._dealers[dealer] = publisher.name
+        deadline = self.clock() + self.replay_timeout_seconds
+        self._replays[publisher.name] = Replay(
+            ReplayAnswer(first, seq), dealer, deadline, seq, payload, epoch
+        )
 
-        endpoint = publisher.replay_endpoint
-        assert endpoint is not None
-
-        def replay(first: int) -> list[tuple[int, bytes]]:
-            frames = ask(first)
-            if not frames:
-                quiet = REPLAY_QUIET_TIMEOUTS * self.replay_timeout_seconds
-                self._replay_quiet_until[publisher.name] = self.clock() + quiet
-            return frames
-
-        def ask(first: int) -> list[tuple[int, bytes]]:
-            socket = self._context.socket(zmq.DEALER)
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.setsockopt(zmq.IPV6, 1)  # as the SUB: else libzmq never connects to [ADDRESS]
-            socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-            socket.setsockopt(zmq.RCVHWM, KV_RECEIVE_HWM)
+    def _answer(self, dealer: Any) -> None:
+        """Read what a replay endpoint sent; the replay ends when its answer is whole or wrong."""
+        zmq = self._zmq
+        name = self._dealers[dealer]
+        answer = self._replays[name].answer
+        for _ in range(1000):  # a bounded turn; the poll comes back for the rest
             try:
-                socket.connect(endpoint)
-                # A ROUTER sees [identity, empty, start] from a REQ; a DEALER adds the empty frame.
-                socket.send_multipart([b"", first.to_bytes(8, "big")])
-                frames: list[tuple[int, bytes]] = []
-                held = 0
-                deadline = self.clock() + self.replay_timeout_seconds
-                while len(frames) < MAX_REPLAY_FRAMES and held <= MAX_REPLAY_BYTES:
-                    left = deadline - self.clock()
-                    if left <= 0 or not socket.poll(max(1, int(left * 1000))):
-                        return []  # no full answer: the gap stays unrepaired
-                    parts = socket.recv_multipart()
-                    if len(parts) != 3 or len(parts[1]) != 8:
-                        return []
-                    seq = int.from_bytes(parts[1], "big", signed=True)
-                    if seq == END_SEQ:
-                        return frames
-                    frames.append((seq, parts[2]))
-                    held += len(parts[2])
-                return []
-            finally:
-                socket.close(0)
+                parts = dealer.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            outcome = answer.take(parts[1:] if len(parts) == 3 else [])
+            if outcome is not None:
+                self._replay_ended(name, repaired=outcome)
+                return
 
+    def _expire_replays(self) -> float:
+        """End the replays whose time is up; returns the seconds until the next one's (the poll's
+        longest wait when none is left)."""
+        now = self.clock()
+        for name in [name for name, replay in self._replays.items() if replay.deadline <= now]:
+            self._replay_ended(name, repaired=False)
+        left = [replay.deadline - now for replay in self._replays.values()]
+        return min(left) if left else self.poll_milliseconds / 1000
+
+    def _replay_ended(self, name: str, *, repaired: bool) -> None:
+        """Hand the message that showed the gap, with what the replay brought (nothing unless it
+        filled the gap), to the consumer, and read the replica's stream again."""
+        replay = self._close_replay(name)
+        if not repaired:
+            self._budgets[name].failed(self.clock())
+        frames = replay.answer.frames if repaired else []
+        sub, _ = self._subscribed[name]
+        self._poller.register(sub, self._zmq.POLLIN)
+        self.consumer.message(name, replay.seq, replay.payload, lambda first: frames, replay.epoch)
+
+    def _close_replay(self, name: str) -> Replay:
+        replay = self._replays.pop(name)
+        del self._dealers[replay.dealer]
+        self._poller.unregister(replay.dealer)
+        replay.dealer.close(0)
         return replay
+
+
+@dataclass
+class Replay:
+    """A replay under way: its answer so far, its socket, when it is given up, and the message
+    that showed the gap (handed to the consumer when the replay ends)."""
+
+    answer: ReplayAnswer
+    dealer: Any
+    deadline: float
+    seq: int
+    payload: bytes
+    epoch: bytes | None
 
 
 @dataclass
