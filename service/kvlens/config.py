@@ -3,7 +3,6 @@ defaults. Everything is validated at start and every error is reported at once."
 
 from __future__ import annotations
 
-import ipaddress
 import itertools
 import json
 import math
@@ -32,6 +31,7 @@ from pydantic_settings import (
 from kvlens import bandwidth, shapes
 from kvlens.definitions import CostModel
 from kvlens.errors import SettingsError
+from kvlens.http.server import loopback
 from kvlens.records import valid_label
 from kvlens.sources import formats
 
@@ -647,7 +647,7 @@ class Settings(BaseSettings):
     @property
     def ingest_open(self) -> bool:
         """Whether ingest is reachable beyond loopback without a token."""
-        return self.ingest_secret is None and not _loopback(self.host)
+        return self.ingest_secret is None and not loopback(self.host)
 
     def cost_model_for(self, model: str) -> CostModel:
         """The model's cost model: its own from ``cost_models`` (e.g. calibrated in seconds), else
@@ -695,15 +695,6 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # Flags beat the environment, which beats the YAML file, which beats the defaults.
         return init_settings, env_settings, YamlConfigSettingsSource(settings_cls)
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a host name: it may resolve anywhere
 
 
 def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:

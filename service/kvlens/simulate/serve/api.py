@@ -40,7 +40,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from kvlens.exporter.ingest import ArrivingBodies, BodyLimits
+from kvlens.http.bodies import ArrivingBodies, BodyLimits
 from kvlens.simulate.replica import INF
 from kvlens.simulate.serve import tokenizer
 from kvlens.simulate.serve.engine import RealTimeFleet, Ticket

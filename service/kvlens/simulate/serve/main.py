@@ -20,9 +20,8 @@ import uvicorn
 from kvlens import bandwidth, logs
 from kvlens.config import Settings, load_settings
 from kvlens.errors import SettingsError
-from kvlens.exporter import server
-from kvlens.exporter.ingest import ArrivingBodies, BodyLimits
-from kvlens.exporter.runtime import ConnectionGuard
+from kvlens.http import server
+from kvlens.http.bodies import ArrivingBodies, BodyLimits
 from kvlens.simulate.cache import CacheEvents
 from kvlens.simulate.policies import POLICIES, Guard
 from kvlens.simulate.replica import DEFAULT_SERVICE, ServiceModel
@@ -221,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     # uvicorn alone arms no timer before a request head and caps no connections: kvlens serve's
     # protocol does both (a silent socket closed past header_timeout_seconds, the oldest idle
     # one closed past max_connections)
-    guard = ConnectionGuard(settings.max_connections, settings.header_timeout_seconds)
+    guard = server.ConnectionGuard(settings.max_connections, settings.header_timeout_seconds)
     if server.raise_open_files_limit() < settings.max_connections + 64:
         log.warning("the open-files limit is under max_connections (%d): raise it", settings.max_connections)
     level = getattr(args, "log_level", None) or os.environ.get("KVLENS_LOG_LEVEL", "INFO").lower()
