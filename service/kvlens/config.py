@@ -285,6 +285,13 @@ class Settings(BaseSettings):
     body_timeout_seconds: float = Field(
         30.0, gt=0, le=600, description="Deadline for receiving a whole request body (408 after)."
     )
+    write_timeout_seconds: float = Field(
+        10.0,
+        gt=0,
+        le=600,
+        description="An answer whose reader takes none of it for this long (over a socket buffer "
+        "unsent) is dropped and its connection closed.",
+    )
     body_min_bytes_per_second: int = Field(
         1024,
         ge=0,

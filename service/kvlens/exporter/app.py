@@ -95,7 +95,9 @@ class Sidecar:
             ingest_open=settings.ingest_open,
             gate=IngestGate(settings.max_concurrent_ingest),
             arriving=ArrivingBodies(settings.max_arriving_bodies, settings.max_arriving_body_bytes),
-            connections=ConnectionGuard(settings.max_connections, settings.header_timeout_seconds),
+            connections=ConnectionGuard(
+                settings.max_connections, settings.header_timeout_seconds, settings.write_timeout_seconds
+            ),
         )
         self.ledger = BatchLedger(settings.batch_id_window)
         self.recent = RecentRecords(settings.request_id_window)

@@ -49,12 +49,16 @@ _REFUSED = (
 class ConnectionGuard:
     """The open connections and what a connection may cost: at most ``max_connections`` at once
     (past it the oldest one still in its TLS handshake or waiting for a request head is closed to
-    make room) and ``header_timeout`` seconds to finish the handshake and send a whole request
-    head. Used from the event loop only."""
+    make room), ``header_timeout`` seconds to finish the handshake and send a whole request
+    head, and ``write_timeout`` seconds for its reader to take some of an answer once the
+    connection's writes are paused (None: no such deadline). Used from the event loop only."""
 
-    def __init__(self, max_connections: int, header_timeout: float) -> None:
+    def __init__(
+        self, max_connections: int, header_timeout: float, write_timeout: float | None = None
+    ) -> None:
         self.max_connections = max_connections
         self.header_timeout = header_timeout
+        self.write_timeout = write_timeout
         self._open: dict[Guarded, None] = {}  # insertion-ordered: the oldest first
         self.closed: Counter[str] = Counter()
 
@@ -88,12 +92,15 @@ class Guarded(Protocol):
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol, under a :class:`ConnectionGuard`: a request head (after the TLS
     handshake, when ``tls`` is set) must arrive within ``header_timeout`` of the connection opening
-    (or of the first byte of the next request on a kept-alive connection); past
-    ``max_connections`` the oldest idle connection is closed, a handshake in progress included."""
+    (or of the first byte of the next request on a kept-alive connection); an answer whose reader
+    takes nothing of it for ``write_timeout`` (the transport's buffer stays over its high-water
+    mark) is dropped and the connection aborted; past ``max_connections`` the oldest idle
+    connection is closed, a handshake in progress included."""
 
     guard: ClassVar[ConnectionGuard]
     tls: ClassVar[ssl.SSLContext | None] = None
     _head_timer: asyncio.TimerHandle | None = None
+    _write_timer: asyncio.TimerHandle | None = None
     _handshaking: asyncio.Transport | None = None  # the TCP transport while its TLS handshake runs
     _handshake: asyncio.Task[None] | None = None  # held: the loop keeps only a weak reference
     _serving = False  # uvicorn's side of the protocol was started
@@ -156,8 +163,32 @@ class GuardedH11Protocol(H11Protocol):
         elif self._head_timer is None:  # the first bytes of a next request: its head is now due
             self._arm_head_timer()
 
+    def pause_writing(self) -> None:
+        # The transport holds more than its high-water mark of answer unsent: the reader must take
+        # some within write_timeout, else the answer is dropped. Not close(): a closing transport
+        # still waits for its buffer to drain, which an unread answer never does.
+        super().pause_writing()
+        timeout = self.guard.write_timeout
+        if timeout is not None and self._write_timer is None:
+            self._write_timer = self.loop.call_later(timeout, self._write_timeout)
+
+    def resume_writing(self) -> None:
+        self._cancel_write_timer()
+        super().resume_writing()
+
+    def _cancel_write_timer(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _write_timeout(self) -> None:
+        self._write_timer = None
+        self.guard.closed["write_timeout"] += 1
+        self._open_transport().abort()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
+        self._cancel_write_timer()
         self.guard.release(self)
         if self._serving:
             super().connection_lost(exc)

@@ -60,6 +60,8 @@ MAX_IN_FLIGHT: Final = 65_536
 # counts, not as bytes, so an unread stream holds about a socket buffer (not its whole answer).
 PIECE_PARTS: Final = 3 * 64
 TOO_LARGE: Final = f"the request body is larger than {MAX_BODY_BYTES} bytes"
+# /tokenize's text and /detokenize's ids: at most this many tokens (a 4 to 10 MB answer)
+MAX_TOKEN_IDS: Final = 1 << 20
 Generated = bytes | AsyncGenerator[bytes, None]  # a JSON answer, or the events of a stream
 _JSON_HEADERS: Final = [(b"content-type", b"application/json")]
 _SSE_HEADERS: Final = [(b"content-type", b"text/event-stream; charset=utf-8")]

@@ -217,10 +217,13 @@ def run(args: argparse.Namespace) -> int:
         arriving=ArrivingBodies(settings.max_arriving_bodies, settings.max_arriving_body_bytes),
         max_in_flight=args.max_in_flight,
     )
-    # uvicorn alone arms no timer before a request head and caps no connections: kvlens serve's
-    # protocol does both (a silent socket closed past header_timeout_seconds, the oldest idle
+    # uvicorn alone arms no timer before a request head or while an answer goes unread, and caps
+    # no connections: the shared protocol does all three (a silent socket closed past
+    # header_timeout_seconds, an unread answer dropped past write_timeout_seconds, the oldest idle
     # one closed past max_connections)
-    guard = server.ConnectionGuard(settings.max_connections, settings.header_timeout_seconds)
+    guard = server.ConnectionGuard(
+        settings.max_connections, settings.header_timeout_seconds, settings.write_timeout_seconds
+    )
     if server.raise_open_files_limit() < settings.max_connections + 64:
         log.warning("the open-files limit is under max_connections (%d): raise it", settings.max_connections)
     level = getattr(args, "log_level", None) or os.environ.get("KVLENS_LOG_LEVEL", "INFO").lower()
