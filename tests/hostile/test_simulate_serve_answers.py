@@ -17,8 +17,9 @@ import httpx
 import orjson
 import pytest
 
-from kvlens.simulate.serve.api import MAX_TOKEN_IDS
-from tests.live import Running, start_kvlens
+from kvlens.simulate.serve.api import MAX_TOKENIZE_BODY_BYTES, WORK_AT_ONCE
+from kvlens.simulate.serve.requests import MAX_TOKEN_IDS
+from tests.live import Running, start_kvlens, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 WRITE_TIMEOUT = 1.0
@@ -85,3 +86,73 @@ def test_an_answer_nobody_reads_is_dropped_at_the_write_deadline(
     assert received.startswith(b"HTTP/1.1 200 ")
     assert len(received) < size // 2, len(received)
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+def test_tokenize_and_detokenize_beyond_their_limits_are_refused_400_naming_them(server: Running) -> None:
+    url = server.url
+    answer = httpx.post(f"{url}/tokenize", json={"prompt": "a" * MAX_TOKEN_IDS}, timeout=30)
+    assert answer.status_code == 200 and answer.json()["count"] == MAX_TOKEN_IDS
+    answer = httpx.post(f"{url}/tokenize", json={"prompt": "a" * (MAX_TOKEN_IDS + 1)}, timeout=30)
+    assert answer.status_code == 400
+    assert answer.json()["error"]["message"] == (
+        f"/tokenize takes a text of at most {MAX_TOKEN_IDS} tokens; this one has {MAX_TOKEN_IDS + 1}"
+    )
+    assert answer.json()["error"]["param"] == "prompt"
+    chat = {"messages": [{"role": "user", "content": "a" * MAX_TOKEN_IDS}]}
+    answer = httpx.post(f"{url}/tokenize", json=chat, timeout=30)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "messages"
+    answer = httpx.post(f"{url}/detokenize", json={"tokens": [65] * (MAX_TOKEN_IDS + 1)}, timeout=30)
+    assert answer.status_code == 400
+    assert answer.json()["error"]["message"] == (
+        f"/detokenize takes at most {MAX_TOKEN_IDS} token ids; this request has {MAX_TOKEN_IDS + 1}"
+    )
+    answer = httpx.post(f"{url}/detokenize", json={"tokens": [65] * 3}, timeout=30)
+    assert answer.json() == {"prompt": "AAA"}
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize"])
+def test_a_tokenize_body_past_its_cap_is_refused_from_its_length_before_it_arrives(
+    server: Running, path: str
+) -> None:
+    """A head announcing one byte more than the cap, and no body: 413 at once. Before: the cap
+    was the 16 MiB of every route, and the request waited for its body."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {MAX_TOKENIZE_BODY_BYTES + 1}\r\n\r\n".encode()
+        )
+        head = sock.recv(4096)
+    assert head.startswith(b"HTTP/1.1 413 "), head
+    assert f"larger than {MAX_TOKENIZE_BODY_BYTES} bytes".encode() in head
+
+
+def test_a_token_id_prompt_past_the_context_is_refused_from_its_length_before_its_ids_are_read(
+    server: Running,
+) -> None:
+    """Its last id is out of vocabulary: the answer names the context, so the ids were not walked.
+    Before: every id was checked first (0.78 s of the loop for 8M ids), then the length."""
+    prompt = [1] * 40_000 + [-1]
+    answer = httpx.post(f"{server.url}/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=30)
+    assert answer.status_code == 400
+    message = answer.json()["error"]["message"]
+    assert message.startswith("This model's maximum context length is 32768 tokens."), message
+
+
+def test_heavy_requests_at_work_are_bounded_and_the_rest_refused_503(server: Running) -> None:
+    """WORK_AT_ONCE unread 9.4 MB answers hold every slot until their write deadline: one
+    more /detokenize is refused 503 with Retry-After (small ones included; /health still
+    answers), and once the deadline dropped them it is served. Before: any number were worked on
+    at once, on the event loop."""
+    holders = [unread(server, "/detokenize", LARGE_DETOKENIZE) for _ in range(WORK_AT_ONCE)]
+    try:
+
+        def refused() -> bool:
+            answer = httpx.post(f"{server.url}/detokenize", json={"tokens": [65]}, timeout=30)
+            return answer.status_code == 503 and answer.headers.get("retry-after") == "1"
+
+        until(refused, timeout=20)
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+        until(lambda: not refused(), timeout=10 * WRITE_TIMEOUT)
+    finally:
+        for sock in holders:
+            sock.close()

@@ -28,8 +28,9 @@ from kvlens.simulate.replica import DEFAULT_SERVICE, ServiceModel
 from kvlens.simulate.run import Fleet
 from kvlens.simulate.run import record as simulated_record
 from kvlens.simulate.serve import tokenizer
-from kvlens.simulate.serve.api import MAX_BODY_BYTES, MAX_IN_FLIGHT, Api, Served
+from kvlens.simulate.serve.api import MAX_BODY_BYTES, MAX_IN_FLIGHT, Api
 from kvlens.simulate.serve.engine import RealTimeFleet, Ticket
+from kvlens.simulate.serve.requests import Served
 
 log = logging.getLogger("kvlens.simulate.serve")
 PUSH_QUEUE = 100_000  # records held while the kvlens serve is away; the oldest go first
