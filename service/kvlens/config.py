@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from kvlens.sources import vllm_metrics
 
 ENV_PREFIX = "KVLENS_"
-_SECRETS = ("ingest_token", "metrics_token", "metrics_password")
+_SECRETS = ("ingest_token", "metrics_token", "metrics_password", "admin_token")
 _NULL: Any = object()  # a secret's key given with no value (see Settings._mark_null_secrets)
 
 DEFAULT_LATENCY_BUCKETS = (
@@ -224,6 +224,10 @@ class Settings(BaseSettings):
         description="Bearer token accepted on GET /metrics (with it or basic auth set, one is required).",
     )
     metrics_username: str | None = Field(None, description="Basic-auth user for GET /metrics.")
+    admin_token: SecretStr | None = Field(
+        None,
+        description="Bearer token required on `kvlens simulate serve`'s POST /reset_prefix_cache when set.",
+    )
     metrics_password: SecretStr | None = Field(None, description="Basic-auth password for GET /metrics.")
     tls_cert_file: Path | None = Field(
         None, description="PEM certificate chain: serve HTTPS (with `tls_key_file`)."
@@ -650,6 +654,11 @@ class Settings(BaseSettings):
         """The bearer token ingest requires, or None: ingest takes any request. The one rule the
         app, the ``kvlens_ingest_open`` gauge and the start-up warning follow."""
         return None if self.ingest_token is None else self.ingest_token.get_secret_value().encode()
+
+    @property
+    def admin_secret(self) -> bytes | None:
+        """The bearer token ``kvlens simulate serve``'s POST /reset_prefix_cache requires, or None."""
+        return None if self.admin_token is None else self.admin_token.get_secret_value().encode()
 
     @property
     def ingest_open(self) -> bool:

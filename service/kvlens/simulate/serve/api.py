@@ -83,7 +83,8 @@ _RETRY: Final = (b"retry-after", str(RETRY_AFTER_SECONDS).encode())
 
 
 def _error_body(error: ApiError) -> bytes:
-    kind = {400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestError"}.get(error.status, "Error")
+    kinds = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "BadRequestError"}
+    kind = kinds.get(error.status, "Error")
     return orjson.dumps(
         {"error": {"message": error.message, "type": kind, "param": error.param, "code": error.status}}
     )

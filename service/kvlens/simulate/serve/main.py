@@ -89,7 +89,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="tcp://HOST:PORT",
         help="publish each replica's KV events as vLLM does, replica i on PORT+i (kvlens[kv-events])",
     )
-    parser.add_argument("--host", default="127.0.0.1", help="listen address")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="listen address; beyond loopback, set KVLENS_ADMIN_TOKEN for /reset_prefix_cache",
+    )
     parser.add_argument("--port", type=int, default=8000, help="listen port (as vLLM)")
 
 
@@ -217,6 +221,7 @@ def run(args: argparse.Namespace) -> int:
         body_limits=body_limits(settings),
         arriving=ArrivingBodies(settings.max_arriving_bodies, settings.max_arriving_body_bytes),
         max_in_flight=args.max_in_flight,
+        admin_token=settings.admin_secret,
     )
     # uvicorn alone arms no timer before a request head or while an answer goes unread, and caps
     # no connections: the shared protocol does all three (a silent socket closed past
@@ -240,6 +245,13 @@ def run(args: argparse.Namespace) -> int:
         timeout_keep_alive=server.KEEP_ALIVE_SECONDS,
         limit_concurrency=None,  # idle sockets must not count: the guard closes them
     )
+    if settings.admin_secret is None and not server.loopback(args.host):  # logging is set up now
+        log.warning(
+            "POST /reset_prefix_cache listens on %s without a token: anyone who reaches this port "
+            "can empty every replica's prefix cache (and send it work). Set KVLENS_ADMIN_TOKEN (or "
+            "admin_token in --config), or listen on 127.0.0.1.",
+            args.host,
+        )
     try:
         status = server.run_until_stopped(uvicorn.Server(config))
     finally:
