@@ -232,6 +232,9 @@ def run(args: argparse.Namespace) -> int:
     )
     if server.raise_open_files_limit() < settings.max_connections + 64:
         log.warning("the open-files limit is under max_connections (%d): raise it", settings.max_connections)
+    # an answer dropped at the write deadline (up to 10 MB of /detokenize, 33 MB of a batch) goes
+    # back to the kernel, as kvlens serve's refused bodies do, rather than staying in the heap
+    server.return_large_buffers()
     level = getattr(args, "log_level", None) or os.environ.get("KVLENS_LOG_LEVEL", "INFO").lower()
     config = uvicorn.Config(
         api.app(),
