@@ -3,7 +3,6 @@ defaults. Everything is validated at start and every error is reported at once."
 
 from __future__ import annotations
 
-import ipaddress
 import itertools
 import json
 import math
@@ -32,6 +31,7 @@ from pydantic_settings import (
 from kvlens import bandwidth, shapes
 from kvlens.definitions import CostModel
 from kvlens.errors import SettingsError
+from kvlens.http.server import loopback
 from kvlens.records import valid_label
 from kvlens.sources import formats
 
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from kvlens.sources import vllm_metrics
 
 ENV_PREFIX = "KVLENS_"
-_SECRETS = ("ingest_token", "metrics_token", "metrics_password")
+_SECRETS = ("ingest_token", "metrics_token", "metrics_password", "admin_token")
 _NULL: Any = object()  # a secret's key given with no value (see Settings._mark_null_secrets)
 
 DEFAULT_LATENCY_BUCKETS = (
@@ -224,6 +224,10 @@ class Settings(BaseSettings):
         description="Bearer token accepted on GET /metrics (with it or basic auth set, one is required).",
     )
     metrics_username: str | None = Field(None, description="Basic-auth user for GET /metrics.")
+    admin_token: SecretStr | None = Field(
+        None,
+        description="Bearer token required on `kvlens simulate serve`'s POST /reset_prefix_cache when set.",
+    )
     metrics_password: SecretStr | None = Field(None, description="Basic-auth password for GET /metrics.")
     tls_cert_file: Path | None = Field(
         None, description="PEM certificate chain: serve HTTPS (with `tls_key_file`)."
@@ -284,6 +288,13 @@ class Settings(BaseSettings):
     )
     body_timeout_seconds: float = Field(
         30.0, gt=0, le=600, description="Deadline for receiving a whole request body (408 after)."
+    )
+    write_timeout_seconds: float = Field(
+        10.0,
+        gt=0,
+        le=600,
+        description="An answer whose reader takes none of it for this long (over a socket buffer "
+        "unsent) is dropped and its connection closed.",
     )
     body_min_bytes_per_second: int = Field(
         1024,
@@ -645,9 +656,14 @@ class Settings(BaseSettings):
         return None if self.ingest_token is None else self.ingest_token.get_secret_value().encode()
 
     @property
+    def admin_secret(self) -> bytes | None:
+        """The bearer token ``kvlens simulate serve``'s POST /reset_prefix_cache requires, or None."""
+        return None if self.admin_token is None else self.admin_token.get_secret_value().encode()
+
+    @property
     def ingest_open(self) -> bool:
         """Whether ingest is reachable beyond loopback without a token."""
-        return self.ingest_secret is None and not _loopback(self.host)
+        return self.ingest_secret is None and not loopback(self.host)
 
     def cost_model_for(self, model: str) -> CostModel:
         """The model's cost model: its own from ``cost_models`` (e.g. calibrated in seconds), else
@@ -695,15 +711,6 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # Flags beat the environment, which beats the YAML file, which beats the defaults.
         return init_settings, env_settings, YamlConfigSettingsSource(settings_cls)
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a host name: it may resolve anywhere
 
 
 def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:

@@ -14,7 +14,6 @@ import sys
 import pytest
 
 from kvlens.config import parse_dns_target
-from kvlens.exporter.server import raise_open_files_limit
 from kvlens.fleet.index import FleetIndex
 from kvlens.fleet.publisher import EventPublisher
 from kvlens.fleet.source import (
@@ -24,6 +23,7 @@ from kvlens.fleet.source import (
     DnsTarget,
     KVEvents,
 )
+from kvlens.http.server import raise_open_files_limit
 from tests import vllm_kv_events as vllm
 from tests.kv_publisher import TestPublisher
 from tests.live import free_port, until
@@ -68,7 +68,7 @@ def test_an_answer_of_the_most_addresses_allowed_is_followed_whole() -> None:
 CHILD = """
 import json, logging, resource, sys, time
 from kvlens.fleet import wire
-from kvlens.exporter.server import raise_open_files_limit
+from kvlens.http.server import raise_open_files_limit
 from kvlens.fleet.index import FleetIndex
 from kvlens.fleet.publisher import EventPublisher
 from kvlens.fleet.source import DnsTarget, KVEvents

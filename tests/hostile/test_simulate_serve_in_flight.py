@@ -17,7 +17,7 @@ import httpx
 import orjson
 import pytest
 
-from kvlens.simulate.serve.api import MAX_PROMPTS
+from kvlens.simulate.serve.requests import MAX_PROMPTS
 from tests.live import Running, parse_samples, start_kvlens, total, until
 
 pytestmark = pytest.mark.integration

@@ -13,16 +13,10 @@ from starlette.requests import Request
 from starlette.types import Message
 
 from kvlens.errors import ArrivingBytesFull, BodyTooSlow, ClientDisconnected
-from kvlens.exporter.ingest import (
-    ArrivingBodies,
-    BatchLedger,
-    BodyLimits,
-    BodyReader,
-    IngestGate,
-    LogThrottle,
-    RecentRecords,
-)
-from kvlens.exporter.runtime import ConnectionGuard, LoopLag, ScrapeRenderer
+from kvlens.exporter.ingest import BatchLedger, LogThrottle, RecentRecords
+from kvlens.exporter.runtime import LoopLag, ScrapeRenderer
+from kvlens.http.bodies import ArrivingBodies, BodyLimits, BodyReader, IngestGate
+from kvlens.http.server import ConnectionGuard
 from kvlens.records import batch_from_objects
 
 

@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         threading.Timer(args.duration, lambda: setattr(server, "should_exit", True)).start()
     for thread in threads:
         thread.start()
-    from kvlens.exporter.server import run_until_stopped
+    from kvlens.http.server import run_until_stopped
 
     try:
         status = run_until_stopped(server)

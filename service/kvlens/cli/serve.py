@@ -75,7 +75,7 @@ def add_parser(commands: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
-    from kvlens.exporter.server import run_until_stopped
+    from kvlens.http.server import run_until_stopped
 
     server = build_server(settings, Aggregator(settings), args)
     return run_until_stopped(server)

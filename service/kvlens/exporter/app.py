@@ -34,19 +34,11 @@ from kvlens.errors import ArrivingBytesFull, BodyTooSlow, ClientDisconnected, In
 from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.background import BackgroundSources
 from kvlens.exporter.collector import KVLensCollector
-from kvlens.exporter.ingest import (
-    RETRY_AFTER_SECONDS,
-    ArrivingBodies,
-    BatchLedger,
-    BodyLimits,
-    BodyReader,
-    IngestGate,
-    IngestWorker,
-    LogThrottle,
-    RecentRecords,
-)
-from kvlens.exporter.runtime import ConnectionGuard, ScrapeRenderer, ServiceHealth
+from kvlens.exporter.ingest import BatchLedger, IngestWorker, LogThrottle, RecentRecords
+from kvlens.exporter.runtime import ScrapeRenderer, ServiceHealth
 from kvlens.fleet.source import KVEvents
+from kvlens.http.bodies import RETRY_AFTER_SECONDS, ArrivingBodies, BodyLimits, BodyReader, IngestGate
+from kvlens.http.server import ConnectionGuard, bearer_matches
 from kvlens.records import Record, Rejections, Validated
 from kvlens.sources import encoding, otlp, push, vllm_plugin
 
@@ -103,7 +95,9 @@ class Sidecar:
             ingest_open=settings.ingest_open,
             gate=IngestGate(settings.max_concurrent_ingest),
             arriving=ArrivingBodies(settings.max_arriving_bodies, settings.max_arriving_body_bytes),
-            connections=ConnectionGuard(settings.max_connections, settings.header_timeout_seconds),
+            connections=ConnectionGuard(
+                settings.max_connections, settings.header_timeout_seconds, settings.write_timeout_seconds
+            ),
         )
         self.ledger = BatchLedger(settings.batch_id_window)
         self.recent = RecentRecords(settings.request_id_window)
@@ -409,10 +403,7 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 
 
 def _bearer_matches(request: Request, token: bytes) -> bool:
-    scheme, _, presented = request.headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(
-        presented.strip().encode("utf-8", "replace"), token
-    )
+    return bearer_matches(request.headers.get("authorization", ""), token)
 
 
 def _metrics_challenge(request: Request, settings: Settings) -> str | None:

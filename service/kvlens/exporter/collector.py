@@ -377,7 +377,7 @@ def _service_families(health: ServiceHealth) -> list[Metric]:
         connections = _gauge(metrics.CONNECTIONS_OPEN)
         connections.add_metric([], health.connections.open)
         closed = _counter(metrics.CONNECTIONS_CLOSED)
-        for reason in ("header_timeout", "over_capacity"):
+        for reason in ("header_timeout", "over_capacity", "write_timeout"):
             closed.add_metric([reason], health.connections.closed[reason])
         families += [connections, closed]
     lag = HistogramMetricFamily(metrics.LOOP_LAG.name, metrics.LOOP_LAG.help)

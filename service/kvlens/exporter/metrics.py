@@ -254,7 +254,8 @@ CONNECTIONS_CLOSED = MetricSpec(
     "counter",
     ("reason",),
     "Connections the sidecar closed: header_timeout (no TLS handshake and whole request head in "
-    "time), over_capacity (past max_connections).",
+    "time), over_capacity (past max_connections), write_timeout (an answer unread for "
+    "write_timeout_seconds).",
 )
 LOOP_LAG = MetricSpec(
     "kvlens_event_loop_lag_seconds",

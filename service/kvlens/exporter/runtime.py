@@ -5,8 +5,6 @@
 - :class:`ScrapeRenderer` renders the exposition in a thread; scrapes that arrive while a render
   runs share the next one, so N concurrent scrapes cost at most two renders and each still gets
   data at least as fresh as its arrival.
-- :class:`ConnectionGuard` bounds connections (count, time to send a request head); the uvicorn
-  protocol in :mod:`kvlens.exporter.server` enforces it.
 - :class:`ServiceHealth` gathers these for the collector.
 """
 
@@ -18,11 +16,12 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Final, Protocol
+from typing import Final
 
 from prometheus_client import CollectorRegistry
 
-from kvlens.exporter.ingest import ArrivingBodies, IngestGate
+from kvlens.http.bodies import ArrivingBodies, IngestGate
+from kvlens.http.server import ConnectionGuard
 
 LAG_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -105,45 +104,6 @@ class ScrapeRenderer:
 
         future.add_done_callback(finished)
         return future
-
-
-class ConnectionGuard:
-    """The open connections and what a connection may cost: at most ``max_connections`` at once
-    (past it the oldest one still in its TLS handshake or waiting for a request head is closed to
-    make room) and ``header_timeout`` seconds to finish the handshake and send a whole request
-    head. Used from the event loop only."""
-
-    def __init__(self, max_connections: int, header_timeout: float) -> None:
-        self.max_connections = max_connections
-        self.header_timeout = header_timeout
-        self._open: dict[Guarded, None] = {}  # insertion-ordered: the oldest first
-        self.closed: Counter[str] = Counter()
-
-    @property
-    def open(self) -> int:
-        return len(self._open)
-
-    def admit(self, connection: Guarded) -> bool:
-        """Take a new connection, closing the oldest idle one to make room; False when none is."""
-        if len(self._open) >= self.max_connections:
-            self.closed["over_capacity"] += 1
-            idle = next((c for c in self._open if c.waiting_for_head), None)
-            if idle is None:
-                return False
-            idle.close_idle()
-            self._open.pop(idle, None)
-        self._open[connection] = None
-        return True
-
-    def release(self, connection: Guarded) -> None:
-        self._open.pop(connection, None)
-
-
-class Guarded(Protocol):
-    @property
-    def waiting_for_head(self) -> bool: ...
-
-    def close_idle(self) -> None: ...
 
 
 @dataclass

@@ -20,6 +20,12 @@ context leaves for chat, and is cut to what the context leaves (as vLLM does); a
 beam search are refused with 400; sampling parameters (temperature, ...) are ignored (the text
 is fixed). A client that goes away (streaming or not) takes its prompts out of the fleet: they
 finish as ``abort``, their blocks freed and still cached.
+
+Bounds (the README's "Reliability and limits"): a body of MAX_BODY_BYTES (MAX_TOKENIZE_BODY_BYTES
+for ``/tokenize`` and ``/detokenize``), refused 413 from its Content-Length or as it arrives;
+``/tokenize``'s text and ``/detokenize``'s ids :data:`~.requests.MAX_TOKEN_IDS` tokens (400);
+tokenizing, and checking a body over OFF_LOOP_BYTES, on a thread, WORK_AT_ONCE at a time (503
+past it); an answer nobody reads is dropped at the server's write deadline.
 """
 
 from __future__ import annotations
@@ -27,9 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Final
 
 import orjson
@@ -40,15 +44,16 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from kvlens.exporter.ingest import ArrivingBodies, BodyLimits
+from kvlens.http.bodies import RETRY_AFTER_SECONDS, ArrivingBodies, BodyLimits, IngestGate
+from kvlens.http.server import bearer_matches
 from kvlens.simulate.replica import INF
-from kvlens.simulate.serve import tokenizer
+from kvlens.simulate.serve import requests, tokenizer
 from kvlens.simulate.serve.engine import RealTimeFleet, Ticket
 from kvlens.simulate.serve.metrics import FleetMetrics
+from kvlens.simulate.serve.requests import ApiError, Asked, Served
 
 JSON: Final = "application/json"
 MAX_BODY_BYTES: Final = 16 * 1024 * 1024
-MAX_PROMPTS: Final = 1024  # prompts in one completions batch
 # Prompts in flight in the whole fleet (waiting or running), by default: a real engine queues
 # without end, but each prompt here holds its token ids and about half a KiB in the server, and
 # max_connections clients of MAX_PROMPTS prompts each would be four million of them. Past it a
@@ -59,39 +64,51 @@ MAX_IN_FLIGHT: Final = 65_536
 # the last has drained (uvicorn waits for it): tokens that came due while nobody read wait as
 # counts, not as bytes, so an unread stream holds about a socket buffer (not its whole answer).
 PIECE_PARTS: Final = 3 * 64
-TOO_LARGE: Final = f"the request body is larger than {MAX_BODY_BYTES} bytes"
+# /tokenize's and /detokenize's bodies: room for requests.MAX_TOKEN_IDS ids of up to 7 characters
+# each with their commas, refused from their length before they arrive, never parsed
+MAX_TOKENIZE_BODY_BYTES: Final = 8 * 1024 * 1024
+# Work on a thread at once, each holding its slot until its answer is written: /tokenize,
+# /detokenize, and the checking of a generation body over OFF_LOOP_BYTES (on the event loop
+# 8M ids took 0.78 s; two clients detokenizing 2.8M ids held /health p99 at 1.3 s). Past it: 503.
+WORK_AT_ONCE: Final = 2
+OFF_LOOP_BYTES: Final = 256 * 1024
+# An answer written from a thread's work goes out this many bytes at a time, each after the last
+# drained, so an unread one holds its slot until the write deadline drops it.
+ANSWER_PIECE_BYTES: Final = 256 * 1024
+BUSY: Final = "the server is at work on other large requests; retry"
 Generated = bytes | AsyncGenerator[bytes, None]  # a JSON answer, or the events of a stream
 _JSON_HEADERS: Final = [(b"content-type", b"application/json")]
 _SSE_HEADERS: Final = [(b"content-type", b"text/event-stream; charset=utf-8")]
-
-
-@dataclass(frozen=True)
-class Served:
-    model: str = "simulated"
-    max_model_len: int = 32_768
-    vocab_size: int = tokenizer.DEFAULT_VOCAB_SIZE
-
-
-class ApiError(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
-        super().__init__(message)
-        self.message, self.param, self.status = message, param, status
+_RETRY: Final = (b"retry-after", str(RETRY_AFTER_SECONDS).encode())
 
 
 def _error_body(error: ApiError) -> bytes:
-    kind = {400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestError"}.get(error.status, "Error")
+    kinds = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "BadRequestError"}
+    kind = kinds.get(error.status, "Error")
     return orjson.dumps(
         {"error": {"message": error.message, "type": kind, "param": error.param, "code": error.status}}
     )
 
 
-def error_response(error: ApiError) -> Response:
-    return Response(_error_body(error), error.status, media_type=JSON)
-
-
 async def _send(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _send_error(send: Send, error: ApiError) -> None:
+    headers = [*_JSON_HEADERS, _RETRY] if error.status == 503 else _JSON_HEADERS
+    await _send(send, error.status, _error_body(error), headers)
+
+
+async def _send_in_pieces(send: Send, answer: bytes) -> None:
+    """A JSON answer, ANSWER_PIECE_BYTES at a time: uvicorn waits for each piece to drain before it
+    takes the next, so this returns once the answer is out (or the write deadline dropped it)."""
+    length = (b"content-length", str(len(answer)).encode())
+    await send({"type": "http.response.start", "status": 200, "headers": [*_JSON_HEADERS, length]})
+    for start in range(0, len(answer), ANSWER_PIECE_BYTES):
+        piece = answer[start : start + ANSWER_PIECE_BYTES]
+        await send({"type": "http.response.body", "body": piece, "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class Client:
@@ -109,17 +126,6 @@ class Client:
             self.wake.set()
 
 
-@dataclass
-class _Answer:
-    """What one request asked for, once checked."""
-
-    prompts: list[list[int]]
-    outputs: list[int]
-    stream: bool
-    include_usage: bool
-    request_id: str
-
-
 class Api:
     def __init__(
         self,
@@ -131,12 +137,16 @@ class Api:
         body_limits: BodyLimits,
         arriving: ArrivingBodies,
         max_in_flight: int = MAX_IN_FLIGHT,
+        admin_token: bytes | None = None,
     ) -> None:
         """``body_limits`` and ``arriving``: what a request body may cost, as ``kvlens serve``'s
         (its settings' deadline, pause and pace; MAX_BODY_BYTES here). ``max_in_flight``: the
-        prompts the fleet holds at most (:data:`MAX_IN_FLIGHT`)."""
+        prompts the fleet holds at most (:data:`MAX_IN_FLIGHT`). ``admin_token``: the bearer
+        token ``/reset_prefix_cache`` requires (None: none)."""
         self.served = served
         self.max_in_flight = max_in_flight
+        self._admin_token = admin_token
+        self._at_work = IngestGate(WORK_AT_ONCE)
         self._body_limits = body_limits
         self._arriving = arriving
         self._make_engine = make_engine
@@ -152,28 +162,33 @@ class Api:
         routes = [
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
-            Route("/tokenize", self._guard(self.tokenize), methods=["POST"]),
-            Route("/detokenize", self._guard(self.detokenize), methods=["POST"]),
             Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"]),
             Route("/metrics", self.scrape, methods=["GET"]),
         ]
         rest = Starlette(routes=routes, lifespan=self._lifespan)
-        generation = {"/v1/completions": self.completions, "/v1/chat/completions": self.chat}
+        generation = {
+            "/v1/completions": (requests.completion, self.completions),
+            "/v1/chat/completions": (requests.chat, self.chat),
+        }
+        tokens = {"/tokenize": requests.tokenize, "/detokenize": requests.detokenize}
 
         async def app(scope: Scope, receive: Receive, send: Send) -> None:
-            handler = generation.get(scope["path"]) if scope["type"] == "http" else None
-            if handler is None:
+            path = scope["path"] if scope["type"] == "http" else None
+            if path not in generation and path not in tokens:
                 await rest(scope, receive, send)
             elif scope["method"] != "POST":
                 await _send(send, 405, b'{"detail":"Method Not Allowed"}', _JSON_HEADERS)
+            elif path in tokens:
+                await self._tokens(tokens[path], receive, send, scope)
             else:
-                await self._generate(handler, scope, receive, send)
+                await self._generate(*generation[path], scope, receive, send)
 
         return app
 
     async def _generate(
         self,
-        handler: Callable[[dict[str, Any], str | None, Client], Any],
+        check: Callable[[Served, dict[str, Any], str | None], Asked],
+        handler: Callable[[Asked, Client], Any],
         scope: Scope,
         receive: Receive,
         send: Send,
@@ -184,11 +199,12 @@ class Api:
                 request_id = value.decode("latin-1")
         client = Client()
         try:
-            raw = await self._read_body(scope, receive)
+            raw = await self._read_body(scope, receive, MAX_BODY_BYTES)
+            asked = await self._checked(check, raw, request_id)
         except ApiError as error:
-            await _send(send, error.status, _error_body(error), _JSON_HEADERS)
+            await _send_error(send, error)
             return
-        if raw is None:
+        if asked is None:
             return
         # The client's going away is heard through receive() (uvicorn answers http.disconnect
         # when the connection is lost): the answer wakes and stops, its prompts leave the fleet.
@@ -196,9 +212,9 @@ class Api:
         watcher.add_done_callback(client.leave)
         try:
             try:
-                answer: Generated = await handler(self._parse(raw), request_id, client)
+                answer: Generated = await handler(asked, client)
             except ApiError as error:
-                await _send(send, error.status, _error_body(error), _JSON_HEADERS)
+                await _send_error(send, error)
                 return
             if isinstance(answer, bytes):
                 await _send(send, 200, answer, _JSON_HEADERS)
@@ -226,15 +242,42 @@ class Api:
         )
         yield
 
-    def _guard(self, handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
-        async def guarded(request: Request) -> Response:
-            try:
-                response: Response = await handler(request)
-            except ApiError as error:
-                return error_response(error)
-            return response
+    async def _checked(
+        self,
+        check: Callable[[Served, dict[str, Any], str | None], Asked],
+        raw: bytes | None,
+        request_id: str | None,
+    ) -> Asked | None:
+        """The body parsed and checked: on the event loop when it is small (the hot path), else on
+        a thread, WORK_AT_ONCE at a time (503 past it). None: the client went away."""
+        if raw is None:
+            return None
+        if len(raw) <= OFF_LOOP_BYTES:
+            return check(self.served, requests.parse(self.served, raw), request_id)
+        async with self._at_work.slot() as admitted:
+            if not admitted:
+                raise ApiError(BUSY, status=503)
+            return await asyncio.to_thread(
+                lambda: check(self.served, requests.parse(self.served, raw), request_id)
+            )
 
-        return guarded
+    async def _tokens(
+        self, work: Callable[[Served, bytes], bytes], receive: Receive, send: Send, scope: Scope
+    ) -> None:
+        """``/tokenize`` and ``/detokenize``: the body within MAX_TOKENIZE_BODY_BYTES, its work on a
+        thread, WORK_AT_ONCE requests at once from their work to the end of their answer (503 past
+        it), so unread answers cannot pile up beyond them."""
+        try:
+            raw = await self._read_body(scope, receive, MAX_TOKENIZE_BODY_BYTES)
+            if raw is None:
+                return
+            async with self._at_work.slot() as admitted:
+                if not admitted:
+                    raise ApiError(BUSY, status=503)
+                answer = await asyncio.to_thread(work, self.served, raw)
+                await _send_in_pieces(send, answer)
+        except ApiError as error:
+            await _send_error(send, error)
 
     # --- the fleet's hook -------------------------------------------------------------------
 
@@ -277,6 +320,10 @@ class Api:
 
     async def reset_prefix_cache(self, request: Request) -> Response:
         assert self.engine is not None
+        token = self._admin_token
+        if token is not None and not bearer_matches(request.headers.get("authorization", ""), token):
+            error = ApiError("missing or invalid bearer token (admin_token)", status=401)
+            return Response(_error_body(error), 401, media_type=JSON, headers={"WWW-Authenticate": "Bearer"})
         self.engine.reset_prefix_cache()
         return Response(status_code=200)
 
@@ -284,35 +331,7 @@ class Api:
         assert self.metrics is not None
         return Response(generate_latest(self.metrics.registry), media_type="text/plain; version=0.0.4")
 
-    async def tokenize(self, request: Request) -> Response:
-        body = await self._body(request)
-        if "messages" in body:
-            ids = tokenizer.encode(self._chat_text(body))
-        else:
-            prompt = body.get("prompt")
-            if type(prompt) is not str:
-                raise ApiError("prompt must be a string", "prompt")
-            ids = tokenizer.encode(prompt)
-        answer = {
-            "count": len(ids),
-            "max_model_len": self.served.max_model_len,
-            "tokens": ids,
-            "token_strs": None,
-        }
-        return Response(orjson.dumps(answer), media_type=JSON)
-
-    async def detokenize(self, request: Request) -> Response:
-        body = await self._body(request)
-        ids = self._token_ids(body.get("tokens"), "tokens")
-        return Response(orjson.dumps({"prompt": tokenizer.decode(ids)}), media_type=JSON)
-
-    async def completions(self, body: dict[str, Any], request_id: str | None, client: Client) -> Generated:
-        prompts = self._prompts(body.get("prompt"))
-        for name in ("echo", "suffix"):
-            if body.get(name):
-                raise ApiError(f"{name} is not modelled by kvlens simulate serve", name)
-        asked = _integer(body, "max_tokens", 16, low=1)
-        answer = self._answer(request_id, body, prompts, asked, "cmpl")
+    async def completions(self, answer: Asked, client: Client) -> Generated:
         tickets = self._submit(answer, client)
         if answer.stream:
             return self._completion_stream(answer, tickets, client)
@@ -339,13 +358,7 @@ class Api:
         }
         return orjson.dumps(response)
 
-    async def chat(self, body: dict[str, Any], request_id: str | None, client: Client) -> Generated:
-        ids = self._encode(self._chat_text(body), "messages")
-        asked_name = (
-            "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        )
-        asked = _integer(body, asked_name, None, low=1)
-        answer = self._answer(request_id, body, [ids], asked, "chatcmpl")
+    async def chat(self, answer: Asked, client: Client) -> Generated:
         tickets = self._submit(answer, client)
         if answer.stream:
             return self._chat_stream(answer, tickets, client)
@@ -377,22 +390,17 @@ class Api:
 
     # --- checking requests ------------------------------------------------------------------
 
-    async def _body(self, request: Request) -> dict[str, Any]:
-        raw = await self._read_body(request.scope, request.receive)
-        if raw is None:
-            raise ApiError("the client went away before its body ended")  # nobody reads this answer
-        return self._parse(raw)
-
-    async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
+    async def _read_body(self, scope: Scope, receive: Receive, max_bytes: int) -> bytes | None:
         """The request's body within ``kvlens serve``'s bounds for one: refused 413 once it passes
-        MAX_BODY_BYTES (chunked or not), 408 past ``deadline_seconds`` in all or a pause over
-        ``stall_seconds``, 503 while too many bodies or bytes are arriving (``arriving``). Not
-        :class:`~kvlens.exporter.ingest.BodyReader` (which also checks the pace): its task per
+        ``max_bytes`` (from its Content-Length, or as it arrives), 408 past ``deadline_seconds``
+        in all or a pause over ``stall_seconds``, 503 while too many bodies or bytes are arriving
+        (``arriving``). Not
+        :class:`~kvlens.http.bodies.BodyReader` (which also checks the pace): its task per
         piece cost 200 us a request, a third of this server's. None: the client went away."""
         limits = self._body_limits
         for name, value in scope["headers"]:
-            if name == b"content-length" and value.isdigit() and int(value) > MAX_BODY_BYTES:
-                raise ApiError(TOO_LARGE, status=413)
+            if name == b"content-length" and value.isdigit() and int(value) > max_bytes:
+                raise ApiError(f"the request body is larger than {max_bytes} bytes", status=413)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + limits.deadline_seconds
         raw = bytearray()
@@ -411,8 +419,8 @@ class Api:
                     if message["type"] == "http.disconnect":
                         return None
                     piece = message.get("body", b"")
-                    if len(raw) + len(piece) > MAX_BODY_BYTES:
-                        raise ApiError(TOO_LARGE, status=413)
+                    if len(raw) + len(piece) > max_bytes:
+                        raise ApiError(f"the request body is larger than {max_bytes} bytes", status=413)
                     if not self._arriving.take(len(piece)):
                         raise ApiError("request bodies arriving hold too many bytes; retry", status=503)
                     raw += piece
@@ -421,112 +429,7 @@ class Api:
             finally:
                 self._arriving.give_back(len(raw))
 
-    def _parse(self, raw: bytes) -> dict[str, Any]:
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as error:
-            raise ApiError(f"the request body is not JSON: {error}") from None
-        if not isinstance(body, dict):
-            raise ApiError("the request body must be a JSON object")
-        model = body.get("model")
-        if model is not None and model != self.served.model:
-            raise ApiError(f"The model `{model}` does not exist.", "model", status=404)
-        return body
-
-    def _answer(
-        self,
-        header: str | None,
-        body: dict[str, Any],
-        prompts: list[list[int]],
-        asked: int | None,
-        prefix: str,
-    ) -> _Answer:
-        if _integer(body, "n", 1, low=1) > 1:
-            raise ApiError("n > 1 is not modelled by kvlens simulate serve (send n requests)", "n")
-        if body.get("logprobs") not in (None, False) or body.get("use_beam_search"):
-            raise ApiError("logprobs and beam search are not modelled by kvlens simulate serve", "logprobs")
-        stream = _boolean(body, "stream", False)
-        options = body.get("stream_options")
-        if options is not None:
-            if not stream:
-                raise ApiError("Stream options can only be defined when `stream=True`.", "stream_options")
-            if not isinstance(options, dict):
-                raise ApiError("stream_options must be an object", "stream_options")
-        include_usage = _boolean(options or {}, "include_usage", False)
-        _boolean(body, "ignore_eos", False)
-        user = body.get("user")
-        if user is not None and type(user) is not str:
-            raise ApiError("user must be a string", "user")
-        limit = self.served.max_model_len
-        outputs = []
-        for ids in prompts:
-            self._fits(len(ids), "prompt" if prefix == "cmpl" else "messages")
-            outputs.append(min(asked, limit - len(ids)) if asked is not None else limit - len(ids))
-        minimum = _integer(body, "min_tokens", 0, low=0)
-        if asked is not None and minimum > asked:
-            raise ApiError(
-                f"min_tokens ({minimum}) must be less than or equal to max_tokens ({asked})", "min_tokens"
-            )
-        return _Answer(prompts, outputs, stream, include_usage, f"{prefix}-{header or uuid.uuid4().hex}")
-
-    def _fits(self, tokens: int, param: str) -> None:
-        limit = self.served.max_model_len
-        if tokens >= limit:
-            raise ApiError(
-                f"This model's maximum context length is {limit} tokens. However, your request has "
-                f"{tokens} input tokens. Please reduce the length of the input messages.",
-                param,
-            )
-
-    def _encode(self, text: str, param: str) -> list[int]:
-        """The prompt's tokens; one past the context is refused before they are made."""
-        self._fits(tokenizer.count(text), param)
-        return tokenizer.encode(text)
-
-    def _prompts(self, prompt: Any) -> list[list[int]]:
-        if type(prompt) is str:
-            prompts = [self._encode(prompt, "prompt")]
-        elif type(prompt) is list and prompt and all(type(p) is int for p in prompt):
-            prompts = [self._token_ids(prompt, "prompt")]
-        elif type(prompt) is list and prompt:
-            if len(prompt) > MAX_PROMPTS:
-                raise ApiError(f"at most {MAX_PROMPTS} prompts in one request", "prompt")
-            prompts = []
-            for index, item in enumerate(prompt):
-                if type(item) is str:
-                    prompts.append(self._encode(item, "prompt"))
-                elif type(item) is list:
-                    prompts.append(self._token_ids(item, f"prompt[{index}]"))
-                else:
-                    raise ApiError(f"prompt[{index}] must be a string or a list of token ids", "prompt")
-        else:
-            raise ApiError("prompt must be a string, a list of token ids, or a list of either", "prompt")
-        if any(not ids for ids in prompts):
-            raise ApiError("The decoder prompt cannot be empty", "prompt")
-        return prompts
-
-    def _token_ids(self, value: Any, name: str) -> list[int]:
-        vocab = self.served.vocab_size
-        if type(value) is not list or not all(type(i) is int for i in value):
-            raise ApiError(f"{name} must be a list of token ids", name)
-        for token in value:
-            if not 0 <= token < vocab:
-                raise ApiError(f"Token id {token} in {name} is out of vocabulary (0 to {vocab - 1})", name)
-        return value
-
-    def _chat_text(self, body: dict[str, Any]) -> str:
-        messages = body.get("messages")
-        if type(messages) is not list or not messages:
-            raise ApiError("messages must be a non-empty list", "messages")
-        rendered = []
-        for index, message in enumerate(messages):
-            if not isinstance(message, dict) or type(message.get("role")) is not str:
-                raise ApiError(f"messages[{index}] must be an object with a role", "messages")
-            rendered.append((message["role"], _content(message.get("content"), index)))
-        add = _boolean(body, "add_generation_prompt", True)
-        return tokenizer.chat_prompt(rendered, add_generation_prompt=add)
-
-    def _submit(self, answer: _Answer, client: Client) -> list[Ticket]:
+    def _submit(self, answer: Asked, client: Client) -> list[Ticket]:
         engine = self.engine
         assert engine is not None
         if engine.in_flight + len(answer.prompts) > self.max_in_flight:
@@ -596,7 +499,7 @@ class Api:
                     engine.abort(ticket)
 
     async def _completion_stream(
-        self, answer: _Answer, tickets: list[Ticket], client: Client
+        self, answer: Asked, tickets: list[Ticket], client: Client
     ) -> AsyncGenerator[bytes, None]:
         head = {
             "id": answer.request_id,
@@ -630,7 +533,7 @@ class Api:
         yield b"data: [DONE]\n\n"
 
     async def _chat_stream(
-        self, answer: _Answer, tickets: list[Ticket], client: Client
+        self, answer: Asked, tickets: list[Ticket], client: Client
     ) -> AsyncGenerator[bytes, None]:
         head = {
             "id": answer.request_id,
@@ -700,36 +603,3 @@ def _usage(tickets: Sequence[Ticket], cached_from: Ticket | None) -> dict[str, A
         "completion_tokens": completion,
         "prompt_tokens_details": {"cached_tokens": cached_from.job.cached_tokens if cached_from else 0},
     }
-
-
-def _integer(body: dict[str, Any], name: str, default: int | None, *, low: int) -> Any:
-    value = body.get(name)
-    if value is None:
-        return default
-    if type(value) is not int or value < low:
-        raise ApiError(f"{name} must be an integer >= {low}", name)
-    return value
-
-
-def _boolean(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if type(value) is not bool:
-        raise ApiError(f"{name} must be true or false", name)
-    return value
-
-
-def _content(content: Any, index: int) -> str:
-    if type(content) is str:
-        return content
-    if content is None:
-        return ""
-    if type(content) is list:
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or type(part.get("text")) is not str:
-                raise ApiError(f"messages[{index}].content: only text parts are modelled", "messages")
-            parts.append(part["text"])
-        return "\n".join(parts)
-    raise ApiError(f"messages[{index}].content must be a string or a list of text parts", "messages")

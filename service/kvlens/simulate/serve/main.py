@@ -20,17 +20,17 @@ import uvicorn
 from kvlens import bandwidth, logs
 from kvlens.config import Settings, load_settings
 from kvlens.errors import SettingsError
-from kvlens.exporter import server
-from kvlens.exporter.ingest import ArrivingBodies, BodyLimits
-from kvlens.exporter.runtime import ConnectionGuard
+from kvlens.http import server
+from kvlens.http.bodies import ArrivingBodies, BodyLimits
 from kvlens.simulate.cache import CacheEvents
 from kvlens.simulate.policies import POLICIES, Guard
 from kvlens.simulate.replica import DEFAULT_SERVICE, ServiceModel
 from kvlens.simulate.run import Fleet
 from kvlens.simulate.run import record as simulated_record
 from kvlens.simulate.serve import tokenizer
-from kvlens.simulate.serve.api import MAX_BODY_BYTES, MAX_IN_FLIGHT, Api, Served
+from kvlens.simulate.serve.api import MAX_BODY_BYTES, MAX_IN_FLIGHT, Api
 from kvlens.simulate.serve.engine import RealTimeFleet, Ticket
+from kvlens.simulate.serve.requests import Served
 
 log = logging.getLogger("kvlens.simulate.serve")
 PUSH_QUEUE = 100_000  # records held while the kvlens serve is away; the oldest go first
@@ -89,7 +89,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="tcp://HOST:PORT",
         help="publish each replica's KV events as vLLM does, replica i on PORT+i (kvlens[kv-events])",
     )
-    parser.add_argument("--host", default="127.0.0.1", help="listen address")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="listen address; beyond loopback, set KVLENS_ADMIN_TOKEN for /reset_prefix_cache",
+    )
     parser.add_argument("--port", type=int, default=8000, help="listen port (as vLLM)")
 
 
@@ -217,13 +221,20 @@ def run(args: argparse.Namespace) -> int:
         body_limits=body_limits(settings),
         arriving=ArrivingBodies(settings.max_arriving_bodies, settings.max_arriving_body_bytes),
         max_in_flight=args.max_in_flight,
+        admin_token=settings.admin_secret,
     )
-    # uvicorn alone arms no timer before a request head and caps no connections: kvlens serve's
-    # protocol does both (a silent socket closed past header_timeout_seconds, the oldest idle
+    # uvicorn alone arms no timer before a request head or while an answer goes unread, and caps
+    # no connections: the shared protocol does all three (a silent socket closed past
+    # header_timeout_seconds, an unread answer dropped past write_timeout_seconds, the oldest idle
     # one closed past max_connections)
-    guard = ConnectionGuard(settings.max_connections, settings.header_timeout_seconds)
+    guard = server.ConnectionGuard(
+        settings.max_connections, settings.header_timeout_seconds, settings.write_timeout_seconds
+    )
     if server.raise_open_files_limit() < settings.max_connections + 64:
         log.warning("the open-files limit is under max_connections (%d): raise it", settings.max_connections)
+    # an answer dropped at the write deadline (up to 10 MB of /detokenize, 33 MB of a batch) goes
+    # back to the kernel, as kvlens serve's refused bodies do, rather than staying in the heap
+    server.return_large_buffers()
     level = getattr(args, "log_level", None) or os.environ.get("KVLENS_LOG_LEVEL", "INFO").lower()
     config = uvicorn.Config(
         api.app(),
@@ -237,6 +248,13 @@ def run(args: argparse.Namespace) -> int:
         timeout_keep_alive=server.KEEP_ALIVE_SECONDS,
         limit_concurrency=None,  # idle sockets must not count: the guard closes them
     )
+    if settings.admin_secret is None and not server.loopback(args.host):  # logging is set up now
+        log.warning(
+            "POST /reset_prefix_cache listens on %s without a token: anyone who reaches this port "
+            "can empty every replica's prefix cache (and send it work). Set KVLENS_ADMIN_TOKEN (or "
+            "admin_token in --config), or listen on 127.0.0.1.",
+            args.host,
+        )
     try:
         status = server.run_until_stopped(uvicorn.Server(config))
     finally:
