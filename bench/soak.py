@@ -21,15 +21,16 @@ What runs at once, all against one sidecar on loopback:
   ``deep-nesting``: a pushed record whose unknown field nests 100,000 levels and an OTLP JSON
   export nested as deep, in the abuse cycle. All are refused or ignored traffic: none counts as
   sent, and an answer 5xx fails the soak as any other;
-- ``kv-events`` (bench/soak_kv_events.py): the sidecar subscribes to three KV event publishers
+- ``kv-events`` (bench/soak_kv_events.py): the sidecar subscribes to four KV event publishers
   in vLLM's wire format: two honest replicas each publishing a batch every 50 ms (stores and
-  removals over a bounded set of blocks), and a hostile one that takes a step every 2 s, in
-  turn: 200,000 blocks stored then AllBlocksCleared, a batch with ts NaN, one with ts 1e18, five
-  sequence gaps in a row whose replay endpoint answers one wrong frame just before kvlens's 2 s
-  timeout, a jump to sequence 2^63-1 then a restart, the same blocks stored again in several
-  tiers. Every honest batch must be applied (kvlens_kv_event_batches_total == sent, after the
-  settle), none may wait more than 10 s, kvlens_kv_missed_batches_total must stay under 1e6,
-  and kvlens must count no KV event error and no negative blocks held;
+  removals over a bounded set of blocks), a third storing 200,000 blocks then clearing them
+  (AllBlocksCleared) every 12 s, and a hostile one that takes a step every 2 s, in turn: a batch
+  with ts NaN, one with ts 1e18, five sequence gaps in a row whose replay endpoint answers one
+  wrong frame just before kvlens's 2 s timeout, a jump to sequence 2^63-1 then a restart, held
+  blocks stored again in several tiers. Every honest batch must be applied
+  (kvlens_kv_event_batches_total == sent, after the settle) and none wait more than 10 s,
+  kvlens_kv_missed_batches_total must stay under 1e6, and kvlens must count no KV event error
+  and no replica holding fewer than 0 or more blocks than it stored and kept;
 - ``experiment`` (bench/soak_experiment.py): every 30 s (every 12 s in a one-minute soak, so
   that each variant runs once) a real ``kvlens replay`` subprocess against a hostile
   OpenAI-compatible endpoint on loopback, in turn: /v1/models, /metrics, then
