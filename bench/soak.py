@@ -511,7 +511,11 @@ def main() -> int:
     process = psutil.Process(sidecar.process.pid)
     stop = threading.Event()
     if kv:
-        kv.wait_subscribed(60)
+        try:
+            kv.wait_subscribed(60)
+        except TimeoutError:  # the sidecar is stopped, not left behind
+            print(sidecar.output()[-3000:], file=sys.stderr)
+            raise
     experiment = None
     if "experiment" in attacks:
         from bench.soak_experiment import ExperimentAttack

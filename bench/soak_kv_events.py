@@ -286,7 +286,10 @@ class KVEventsAttack:
             failed.append(f"kv-events: kvlens_kv_blocks_held fell to {self.lowest_held:g}")
         if self.held_too_many:
             held = ", ".join(f"{where} {most:g}" for where, most in sorted(self.held_too_many.items()))
-            failed.append(f"kv-events: kvlens_kv_blocks_held above what the replica stored and kept: {held}")
+            failed.append(
+                f"kv-events: kvlens_kv_blocks_held above what the replica stored and kept in that tier "
+                f"(0 in a tier it never stored in): {held}"
+            )
         return failed
 
     def close(self) -> None:
