@@ -24,9 +24,9 @@ def test_lower_itl_at_the_same_running_batch_is_faster_steps() -> None:
     verdict = attribute((decodes(0.010), samples(4, 0)), (decodes(0.007), samples(4, 0)), ("bf16", "w4a16"))
     assert verdict.verdict == "faster steps"
     assert verdict.itl_ratio == pytest.approx(0.7)
-    assert verdict.matched_requests == 6
+    assert verdict.matched_requests == 4  # the four that decoded beside two others on both
     assert verdict.reasons[0] == (
-        "ITL at a matched running batch: w4a16 0.70x bf16's over 6 matched requests "
+        "ITL at a matched running batch: w4a16 0.70x bf16's over 4 matched requests "
         "(lower beyond the 5% noise floor)"
     )
 
@@ -44,7 +44,20 @@ def test_more_running_at_once_while_the_baseline_queued_is_capacity_not_faster_s
     cand = (decodes(0.010, start=0.0)[:3] + decodes(0.013, count=3, start=6.0), cand_samples)
     verdict = attribute(base, cand, ("a", "b"))
     assert verdict.verdict == "more capacity"
-    assert "more ran at once: b 10 running (p95) against 4 while up to 6 waited on a" in verdict.reasons
+    assert (
+        "more ran at once: b 10 running (p95) against 4, a held there with a line in 10 samples "
+        "(up to 6 waiting)" in verdict.reasons
+    )
+
+
+def test_a_line_seen_once_at_the_start_is_not_a_limit() -> None:
+    """A burst sent at once queues behind the prefill lane for a moment: one sample with a line."""
+    base = (
+        decodes(0.010),
+        [Sample(0.0, 5, 11, 0, 0.3)] + [Sample(float(t), 16, 0, 0, 0.3) for t in range(1, 10)],
+    )
+    cand = (decodes(0.010), samples(18, 0))
+    assert attribute(base, cand).verdict == "neither"
 
 
 def test_fewer_preemptions_and_fewer_waiting_for_memory_are_capacity() -> None:
@@ -85,16 +98,18 @@ def test_missing_metrics_cannot_tell(missing: str) -> None:
 
 
 def test_no_matched_batch_and_no_capacity_sign_cannot_tell() -> None:
-    verdict = attribute((decodes(0.010), samples(2, 0)), (decodes(0.005), samples(8, 0)))
+    one_at_a_time = [Decode(2.0 * t, 2.0 * t + 1, 0.010) for t in range(6)]
+    all_at_once = [Decode(0.0, 2.0, 0.005) for _ in range(6)]
+    verdict = attribute((one_at_a_time, samples(2, 0)), (all_at_once, samples(2, 0)))
     assert verdict.verdict == "cannot tell"
     assert verdict.itl_ratio is None
 
 
-def test_a_request_without_a_sample_inside_takes_the_nearest_within_the_gap() -> None:
-    only = [Sample(10.0, 5, 0, 0, 0.1)]
-    assert capacity.batch_during(Decode(10.2, 10.4, 0.01), only) == 5
-    assert capacity.batch_during(Decode(12.0, 12.2, 0.01), only) is None
-    assert capacity.batch_during(Decode(9.0, 11.0, 0.01), [*only, Sample(10.5, 7, 0, 0, 0.1)]) == 6
+def test_a_requests_batch_is_how_many_decoded_beside_it_on_average() -> None:
+    windows = [Decode(0.0, 4.0, 0.01), Decode(1.0, 3.0, 0.01), Decode(2.0, 6.0, 0.01), Decode(7.0, 7.0, 0.01)]
+    # the first: alone 1 s, with the second 1 s, with the second and third 1 s, with the third 1 s
+    assert capacity.batches(windows) == [(1 + 2 + 3 + 2) / 4, (2 + 3) / 2, (3 + 2 + 1 + 1) / 4, 1.0]
+    assert capacity.batches([]) == []
 
 
 def test_output_tokens_per_second_spans_first_arrival_to_last_end() -> None:
@@ -114,3 +129,20 @@ def test_the_byte_model_step_is_bandwidths() -> None:
     assert model.step_seconds("bf16", 8, 8192) == pytest.approx(0.02148, abs=1e-5)
     assert model.step_seconds("w4a16", 8, 8192) == pytest.approx(0.01172, abs=1e-5)
     assert model.step_seconds("other", 8, 8192) is None
+
+
+def test_the_sampler_reads_the_scheduler_gauges_by_vllms_names_summed_over_engines() -> None:
+    from pathlib import Path
+
+    from kvlens.experiment.quantization import _engine_values
+
+    text = (Path(__file__).parent.parent / "fixtures" / "vllm-0.33-metrics.prom").read_text()
+    values = _engine_values(text)
+    assert values["running"] == 5.0  # engines 0 and 1: 3 + 2
+    exposition = (
+        '# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{engine="0"} 4.0\n'
+        '# TYPE vllm:num_preemptions counter\nvllm:num_preemptions_total{engine="0"} 7.0\n'
+        'vllm:num_preemptions_total{engine="1"} 2.0\n'
+    )
+    assert _engine_values(exposition) == {"waiting": 4.0, "preemptions": 9.0}
+    assert _engine_values("# an engine with other names\nsglang:num_running_reqs 3\n") == {}

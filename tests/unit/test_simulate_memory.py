@@ -113,3 +113,24 @@ def test_a_request_that_leaves_while_waiting_is_dropped_from_the_line() -> None:
     assert second in done and server.queued == 1
     server.advance(INF)
     assert [j.index for j in done] == [1, 2, 0]  # the short third one ran beside the first
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--gpu-memory-bytes", "80GB", "--capacity-blocks", "10"], "both size the KV cache: give one"),
+        (["--gpu-memory-bytes", "16GB"], "no room for the KV cache"),
+        # 18 GB x 0.9 - 16.06 GB leaves 66 blocks of 2 MiB: 1,056 tokens, under 32,768
+        (
+            ["--gpu-memory-bytes", "18GB"],
+            "the KV cache holds 1,056 tokens (66 blocks), fewer than --max-model-len",
+        ),
+    ],
+)
+def test_simulate_serve_refuses_memory_that_cannot_serve(
+    flags: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvlens.cli import main
+
+    assert main(["simulate", "serve", *flags]) == 2
+    assert said in capsys.readouterr().err

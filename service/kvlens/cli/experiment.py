@@ -103,8 +103,25 @@ def add_parser(commands: Any) -> None:
     quant.add_argument("--long-context", type=int, default=4096, help="prompts this long are long")
     quant.add_argument("--max-output-tokens", type=int, help="cap the trace's output lengths")
     quant.add_argument("--json", action="store_true", help="print the report as JSON")
+    byte_model_flags(quant)
     traffic_flags(quant)
     quant.set_defaults(run=_quantization, warmup_trace=None)
+
+
+def byte_model_flags(parser: argparse.ArgumentParser) -> None:
+    """The byte model (``kvlens bandwidth``) whose decode step the report shows beside the
+    measured ITL ratio."""
+    parser.add_argument(
+        "--weight-bytes",
+        action="append",
+        metavar="NAME=SIZE",
+        help="the weight bytes an endpoint's decode step reads, e.g. bf16=16GB (once per endpoint)",
+    )
+    parser.add_argument("--bandwidth", metavar="BW", help="the byte model's memory bandwidth, e.g. 3.35TB/s")
+    parser.add_argument("--kv-bytes-per-token", metavar="SIZE", help="c = 2*L*Hkv*D*bytes, e.g. 128KiB")
+    parser.add_argument(
+        "--step-overhead-ms", type=float, default=0.0, help="time per step beside the bytes (t0)"
+    )
 
 
 def _prefix_cache(args: argparse.Namespace) -> int:
@@ -148,7 +165,7 @@ def _prefix_cache(args: argparse.Namespace) -> int:
 
 
 def _quantization(args: argparse.Namespace) -> int:
-    from kvlens.experiment import quantization
+    from kvlens.experiment import capacity, quantization
 
     requests, _, block_size = read_requests(args)
     prompts = PromptSynthesizer(block_size, args.vocab_size, args.seed)
@@ -169,6 +186,13 @@ def _quantization(args: argparse.Namespace) -> int:
 
         check_path(args.plot)
         check_writable(args.plot)
+    try:
+        byte_model = capacity.byte_model_from(
+            args.weight_bytes, args.bandwidth, args.kv_bytes_per_token, args.step_overhead_ms, list(endpoints)
+        )
+    except ValueError as error:
+        raise ExperimentError(str(error)) from None
+    not_measured: list[str] = []
     args.out_dir.mkdir(parents=True, exist_ok=True)
     fixed = quantization.fixed_work(
         endpoints,
@@ -178,6 +202,8 @@ def _quantization(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         targets=targets,
         max_output_tokens=args.max_output_tokens,
+        byte_model=byte_model,
+        not_measured=not_measured,
     )
     load = None
     if rates or args.rate_sweep:
@@ -195,7 +221,9 @@ def _quantization(args: argparse.Namespace) -> int:
             if args.rate_sweep
             else quantization.run_rates(step, list(endpoints), rates or [], targets)
         )
-    result = quantization.report(fixed, load, targets, next(iter(endpoints)))
+    result = quantization.report(
+        fixed, load, targets, next(iter(endpoints)), byte_model=byte_model, not_measured=not_measured
+    )
     if args.plot:
         from kvlens.experiment.plot import write_plot
 

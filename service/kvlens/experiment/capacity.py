@@ -6,15 +6,18 @@ requests' own inter-token latency; never guessed.
 The rule (:func:`attribute`), the candidate against the baseline on the same requests:
 
 - **Faster steps**: at a matched running batch, the candidate's inter-token latency is lower
-  beyond noise. A request's batch is the mean ``num_requests_running`` of the samples taken
-  during its decode (or the sample nearest its middle, within MATCH_GAP_SECONDS); batches are
+  beyond noise. A request's batch is how many requests were decoding beside it, on average
+  over its decode, from the requests' own first-token and end times (:func:`batches`: exact,
+  where samples of ``num_requests_running`` seconds apart miss a decode of 100 ms); batches are
   matched within BATCH_BAND (requests in the same band ``[1.25^k, 1.25^(k+1))``); in every band
   with MIN_MATCHED requests or more on both sides the ratio of median ITLs is taken, and their
   geometric mean, weighted by the smaller side's count, is the ITL ratio. Lower beyond noise:
   under ``1 - NOISE`` (a gain of 5 %). Comparing at a matched batch matters: an endpoint that
   runs fewer requests at once has faster steps for that alone.
 - **More capacity**: more requests ran at once (the 95th percentile of ``num_requests_running``
-  higher by at least one request and 10 %, while the baseline had requests waiting), fewer were
+  higher by at least one request and 10 %, while the baseline was held at its own: MIN_HELD
+  samples or more with requests waiting while it ran its 95th percentile or more; a burst
+  arriving at once makes a line for a moment, not a limit), fewer were
   preempted (the baseline's ``num_preemptions_total`` rose during the step and the candidate's
   rose less), or fewer waited for memory (the baseline had requests waiting while its KV cache
   was NEAR_FULL, and the candidate's mean waiting is lower by 10 % and at least 0.5 request).
@@ -26,7 +29,6 @@ The rule (:func:`attribute`), the candidate against the baseline on the same req
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,6 +37,8 @@ from typing import Any, Final
 import numpy as np
 
 from kvlens import bandwidth
+from kvlens.simulate.trace import TraceRequest
+from kvlens.terminal import NARROWEST, wrap
 
 BATCH_BAND: Final = 1.25
 MIN_MATCHED: Final = 3
@@ -42,7 +46,7 @@ NOISE: Final = 0.05
 MORE_AT_ONCE: Final = 0.10
 FEWER_WAITING: Final = 0.10
 NEAR_FULL: Final = 0.9
-MATCH_GAP_SECONDS: Final = 1.0
+MIN_HELD: Final = 2
 
 
 @dataclass(frozen=True)
@@ -98,37 +102,46 @@ def _reported(samples: Sequence[Sample]) -> list[Sample]:
     return [s for s in samples if s.running is not None and s.waiting is not None]
 
 
-def batch_during(decode: Decode, samples: Sequence[Sample]) -> float | None:
-    """The mean running batch the samples saw during ``decode`` (``samples`` sorted by time)."""
-    times = [s.time for s in samples]
-    low, high = bisect.bisect_left(times, decode.start), bisect.bisect_right(times, decode.end)
-    inside = [s.running for s in samples[low:high] if s.running is not None]
-    if inside:
-        return float(np.mean(inside))
-    middle = (decode.start + decode.end) / 2
-    near = min(samples, key=lambda s: abs(s.time - middle), default=None)
-    if near is None or near.running is None or abs(near.time - middle) > MATCH_GAP_SECONDS:
-        return None
-    return near.running
+def batches(decoded: Sequence[Decode]) -> list[float]:
+    """Each request's running batch: how many of the requests (itself included) were decoding,
+    between their first token and their end, on average over its own decode. The client sees
+    every request's window, so this is exact where ``/metrics`` samples are seconds apart and a
+    short decode falls between two. (Requests still in their prefill are not counted: they read
+    no KV in a decode step.)"""
+    if not decoded:
+        return []
+    starts = np.array([d.start for d in decoded])
+    ends = np.maximum(np.array([d.end for d in decoded]), starts)
+    times = np.concatenate([starts, ends])
+    order = np.argsort(times, kind="stable")
+    steps = np.concatenate([np.ones(len(starts)), -np.ones(len(ends))])[order]
+    times = times[order]
+    running = np.cumsum(steps)  # after each event
+    # integral of the running count from the first event to each event
+    area = np.concatenate([[0.0], np.cumsum(running[:-1] * np.diff(times))])
+
+    def integral(at: np.ndarray[Any, np.dtype[np.float64]]) -> np.ndarray[Any, np.dtype[np.float64]]:
+        index = np.searchsorted(times, at, side="right") - 1
+        return area[index] + running[index] * (at - times[index])
+
+    span = ends - starts
+    mean = (integral(ends) - integral(starts)) / np.where(span > 0, span, 1.0)
+    return [float(v) if w > 0 else 1.0 for v, w in zip(mean, span, strict=True)]
 
 
 def _band(batch: float) -> int:
     return math.floor(math.log(max(batch, 1.0)) / math.log(BATCH_BAND))
 
 
-def itl_at_matched_batch(
-    baseline: tuple[Sequence[Decode], Sequence[Sample]], candidate: tuple[Sequence[Decode], Sequence[Sample]]
-) -> tuple[float | None, int]:
-    """The candidate's ITL over the baseline's at matched running batches, and how many requests
-    (the smaller side, summed over bands) were matched; None when no band has MIN_MATCHED on both."""
+def itl_at_matched_batch(baseline: Sequence[Decode], candidate: Sequence[Decode]) -> tuple[float | None, int]:
+    """The candidate's ITL over the baseline's at matched running batches (:func:`batches`), and
+    how many requests (the smaller side, summed over bands) were matched; None when no band has
+    MIN_MATCHED on both."""
     bands: list[dict[int, list[float]]] = []
-    for decoded, samples in (baseline, candidate):
-        ordered = sorted(samples, key=lambda s: s.time)
+    for decoded in (baseline, candidate):
         by_band: dict[int, list[float]] = {}
-        for decode in decoded:
-            batch = batch_during(decode, ordered)
-            if batch is not None:
-                by_band.setdefault(_band(batch), []).append(decode.itl_seconds)
+        for decode, batch in zip(decoded, batches(decoded), strict=True):
+            by_band.setdefault(_band(batch), []).append(decode.itl_seconds)
         bands.append(by_band)
     logs, weights = [], []
     for band, base in bands[0].items():
@@ -167,7 +180,7 @@ def attribute(
             [f"{' and '.join(missing)} reported no num_requests_running / num_requests_waiting"],
         )
     reasons: list[str] = []
-    ratio, matched = itl_at_matched_batch((baseline[0], base_samples), (candidate[0], cand_samples))
+    ratio, matched = itl_at_matched_batch(baseline[0], candidate[0])
     faster: bool | None = None
     if ratio is None:
         reasons.append(
@@ -185,11 +198,14 @@ def attribute(
     base_waiting = [float(s.waiting) for s in base_samples if s.waiting is not None]
     cand_waiting = [float(s.waiting) for s in cand_samples if s.waiting is not None]
     base_peak, cand_peak = _p95(base_running), _p95(cand_running)
-    if max(base_waiting) > 0 and cand_peak >= base_peak + max(1.0, MORE_AT_ONCE * base_peak):
+    # a line while it ran its most: held at a limit (memory, max running), not a burst arriving
+    held = [s for s in base_samples if (s.waiting or 0) > 0 and (s.running or 0) >= base_peak]
+    if len(held) >= MIN_HELD and cand_peak >= base_peak + max(1.0, MORE_AT_ONCE * base_peak):
         capacity = True
         reasons.append(
-            f"more ran at once: {cand_name} {cand_peak:.0f} running (p95) against {base_peak:.0f} while "
-            f"up to {max(base_waiting):.0f} waited on {base_name}"
+            f"more ran at once: {cand_name} {cand_peak:.0f} running (p95) against {base_peak:.0f}, "
+            f"{base_name} held there with a line in {len(held)} samples (up to "
+            f"{max(s.waiting or 0 for s in held):.0f} waiting)"
         )
     base_pre, cand_pre = _risen(base_samples), _risen(cand_samples)
     if base_pre is not None and cand_pre is not None and base_pre > 0 and cand_pre < base_pre:
@@ -208,7 +224,8 @@ def attribute(
     if not capacity:
         reasons.append(
             f"no more capacity: running p95 {cand_peak:.0f} against {base_peak:.0f}, mean waiting "
-            f"{cand_mean:.1f} against {base_mean:.1f}, preempted {_count(cand_pre)} against {_count(base_pre)}"
+            f"{cand_mean:.1f} against {base_mean:.1f}, preempted {_count(cand_pre)} against "
+            f"{_count(base_pre)}"
         )
     if faster is None and not capacity:
         verdict = "cannot tell"
@@ -264,3 +281,207 @@ def output_tokens_per_second(records: Sequence[dict[str, Any]]) -> float | None:
     end = max(float(r["arrival_time"]) + float(r["e2e_seconds"]) for r in finished)
     tokens = sum(int(r.get("output_tokens") or 0) for r in finished)
     return tokens / (end - start) if end > start else None
+
+
+def scheduler_summary(samples: Sequence[Sample]) -> dict[str, float | None]:
+    """A step's scheduler figures for its row: running p95, mean waiting, preemptions during it
+    (None: not reported)."""
+    reported = _reported(samples)
+    return {
+        "engine_running_p95": _p95([float(s.running) for s in reported if s.running is not None])
+        if reported
+        else None,
+        "engine_waiting_mean": float(np.mean([s.waiting for s in reported])) if reported else None,
+        "engine_preemptions": _risen(samples),
+    }
+
+
+# --- experiment 1: fixed work ------------------------------------------------------------
+
+
+def long_requests(
+    requests: Sequence[TraceRequest],
+    long_context: int,
+    concurrency: int,
+    limits: dict[str, int | None],
+    max_output_tokens: int | None,
+    block_size: int,
+) -> tuple[list[TraceRequest], str]:
+    """Long-context requests for a trace that has none (article 2 asks for short and long apart):
+    ``2 x concurrency`` prompts of ``long_context`` tokens, the trace's median output length; all
+    but their last block shared (``block_size``: the prompts' blocks), so that after the first
+    prefill each is mostly cached and the run measures decode at a long context, as the fixed
+    work means to, not an engine's prefill lane. None, and why, when an endpoint's context
+    (``limits``: max_model_len per endpoint) cannot take them."""
+    outputs = sorted(max(1, r.output_tokens) for r in requests) or [16]
+    output = outputs[len(outputs) // 2]
+    output = min(output, max_output_tokens) if max_output_tokens is not None else output
+    short = [
+        f"{name} (max_model_len {limit:,})"
+        for name, limit in limits.items()
+        if limit is not None and limit <= long_context + output
+    ]
+    if short:
+        return [], (
+            f"long contexts (>= {long_context:,} prompt tokens): not measured: the trace has none and "
+            f"{', '.join(short)} cannot take {long_context:,} + {output} tokens (--long-context)"
+        )
+    first = max((r.index for r in requests), default=-1) + 1
+    shared = tuple((1 << 61) | i for i in range(max(0, long_context // block_size - 1)))
+    made = [TraceRequest(first + i, 0.0, long_context, output, shared) for i in range(2 * concurrency)]
+    return made, ""
+
+
+def fixed_work_comparison(
+    baseline: tuple[str, Sequence[dict[str, Any]], Sequence[Sample]],
+    candidate: tuple[str, Sequence[dict[str, Any]], Sequence[Sample]],
+    concurrency: int,
+    byte_model: ByteModel | None,
+) -> dict[str, Any]:
+    """A fixed-work row's comparison with the baseline's row of the same context group: the
+    measured ITL ratio (baseline / this, medians of the requests' mean ITL) beside the byte model's
+    (each endpoint's step at the running batch its requests decoded in, :func:`_mean_batch`, and
+    the group's mean context, prompt + half the output),
+    and, for an endpoint other than the baseline, what its gain came from."""
+    base_name, base_records, base_samples = baseline
+    name, records, samples = candidate
+    base_itl = _median_of(base_records, "client_tpot_seconds")
+    itl = _median_of(records, "client_tpot_seconds")
+    out: dict[str, Any] = {
+        "itl_mean_p50_seconds": itl,
+        "measured_itl_ratio": base_itl / itl if base_itl and itl else None,  # > 1: this one is faster
+        "predicted_step_seconds": None,
+        "predicted_itl_ratio": None,
+    }
+    contexts = [
+        float(r["prompt_tokens"]) + float(r.get("output_tokens") or 0) / 2
+        for r in records
+        if "error" not in r and isinstance(r.get("prompt_tokens"), int)
+    ]
+    if byte_model is not None and contexts:
+        context = float(np.mean(contexts))
+        batch = _mean_batch(records, concurrency)
+        base_batch = _mean_batch(base_records, concurrency)
+        step = byte_model.step_seconds(name, batch, context)
+        base_step = byte_model.step_seconds(base_name, base_batch, context)
+        out["predicted_batch"] = batch
+        out["predicted_step_seconds"] = step
+        out["predicted_itl_ratio"] = base_step / step if step and base_step else None
+    if name != base_name:
+        verdict = attribute(
+            (decodes(base_records), base_samples), (decodes(records), samples), (base_name, name)
+        )
+        out["gain_over_baseline"] = verdict.as_json()
+    return out
+
+
+def _mean_batch(records: Sequence[dict[str, Any]], concurrency: int) -> float:
+    """The running batch the requests decoded in (the mean of each request's, :func:`batches`);
+    ``concurrency`` when none decoded. A prefill lane or a full KV cache can keep it well under
+    the slots the client fills."""
+    found = batches(decodes(records))
+    return max(1.0, float(np.mean(found))) if found else float(concurrency)
+
+
+def _median_of(records: Sequence[dict[str, Any]], key: str) -> float | None:
+    values = [float(r[key]) for r in records if "error" not in r and isinstance(r.get(key), (int, float))]
+    return float(np.median(values)) if values else None
+
+
+# --- the byte model from the command line ------------------------------------------------
+
+
+def byte_model_from(
+    weight_specs: Sequence[str] | None,
+    bandwidth_text: str | None,
+    kv_text: str | None,
+    overhead_ms: float,
+    names: Sequence[str],
+) -> ByteModel | None:
+    """``--weight-bytes NAME=SIZE`` (per endpoint), ``--bandwidth``, ``--kv-bytes-per-token`` and
+    ``--step-overhead-ms`` as a :class:`ByteModel`; None when no weights are given. Raises
+    ValueError naming what is wrong or missing."""
+    if not weight_specs:
+        return None
+    weights: dict[str, float] = {}
+    for spec in weight_specs:
+        name, separator, size = spec.partition("=")
+        if not separator or name not in names:
+            raise ValueError(
+                f"--weight-bytes takes ENDPOINT=SIZE for an --endpoint name ({', '.join(names)})"
+            )
+        weights[name] = bandwidth.parse_bytes(size)
+    if bandwidth_text is None or kv_text is None:
+        raise ValueError("--weight-bytes needs --bandwidth and --kv-bytes-per-token for the byte model")
+    if not (math.isfinite(overhead_ms) and overhead_ms >= 0):
+        raise ValueError("--step-overhead-ms takes milliseconds >= 0")
+    return ByteModel(
+        weights, bandwidth.parse_bandwidth(bandwidth_text), bandwidth.parse_bytes(kv_text), overhead_ms / 1000
+    )
+
+
+def byte_model_json(model: ByteModel | None) -> dict[str, Any] | None:
+    if model is None:
+        return None
+    return {
+        "weight_bytes": model.weight_bytes,
+        "bandwidth_bytes_per_second": model.bandwidth_bytes_per_second,
+        "kv_bytes_per_token": model.kv_bytes_per_token,
+        "step_overhead_seconds": model.step_overhead_seconds,
+    }
+
+
+# --- the report's lines ------------------------------------------------------------------
+
+
+def fixed_work_lines(result: dict[str, Any]) -> list[str]:
+    """Experiment 1's throughput, ITL ratios beside the byte model's, and what each gain came
+    from; the groups not measured."""
+    fixed, baseline = result.get("fixed_work") or {}, result["baseline"]
+    lines: list[str] = []
+    for name, groups in fixed.items():
+        for group, stats in groups.items():
+            rate = stats.get("output_tokens_per_second")
+            measured, predicted = stats.get("measured_itl_ratio"), stats.get("predicted_itl_ratio")
+            line = f"{name} {group}: {'-' if rate is None else f'{rate:,.0f}'} output tokens/s"
+            if name != baseline:
+                line += (
+                    f"; ITL {baseline}/{name} {'-' if measured is None else f'{measured:.2f}x'} measured, "
+                    + (
+                        "byte model: not given (--weight-bytes, --bandwidth, --kv-bytes-per-token)"
+                        if predicted is None
+                        else f"{predicted:.2f}x by the byte model (step "
+                        f"{stats['predicted_step_seconds'] * 1000:.2f} ms)"
+                    )
+                )
+                gain = stats.get("gain_over_baseline")
+                if gain:
+                    line += f"; {gain['verdict']}: {'; '.join(gain['reasons'])}"
+            lines += wrap(line, NARROWEST)
+    for note in result.get("not_measured") or []:
+        lines += wrap(note, NARROWEST)
+    return [*lines, ""] if lines else []
+
+
+def step_lines(result: dict[str, Any]) -> list[str]:
+    """Experiment 2: per rate, output tokens/s and the scheduler's figures of each endpoint, and
+    what each endpoint gained over the baseline, with the figures that decide it."""
+    load, baseline = result.get("rising_load") or {}, result["baseline"]
+    lines: list[str] = []
+    for name, steps in (load.get("steps") or {}).items():
+        for step in steps:
+            rate = step.get("output_tokens_per_second")
+            running, waiting = step.get("engine_running_p95"), step.get("engine_waiting_mean")
+            preempted = step.get("engine_preemptions")
+            line = (
+                f"{name} at {step['rate']:g} req/s: {'-' if rate is None else f'{rate:,.0f}'} "
+                "output tokens/s, "
+                f"running p95 {'-' if running is None else f'{running:.0f}'}, waiting "
+                f"{'-' if waiting is None else f'{waiting:.1f}'} on average, "
+                f"{'-' if preempted is None else f'{preempted:.0f}'} preempted"
+            )
+            gain = (step.get("gain_over") or {}).get(baseline) if name != baseline else None
+            if gain:
+                line += f"; over {baseline}: {gain['verdict']}: {'; '.join(gain['reasons'])}"
+            lines += wrap(line, NARROWEST)
+    return [*lines, ""] if lines else []

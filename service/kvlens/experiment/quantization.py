@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,10 +34,11 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvlens.errors import ScrapeError
-from kvlens.experiment import calls
+from kvlens.experiment import calls, capacity
+from kvlens.experiment.capacity import ByteModel, Sample
 from kvlens.experiment.client import MEASURE, Endpoint, Planned, Progress, RecordWriter, replay
 from kvlens.experiment.prompts import PromptSynthesizer
-from kvlens.experiment.protocol import ExperimentError, check_reachable, reset_cache
+from kvlens.experiment.protocol import ExperimentError, check_reachable, max_model_len, reset_cache
 from kvlens.experiment.run import Schedule
 from kvlens.simulate.trace import TraceRequest
 from kvlens.sources.vllm_metrics import MAX_LINE_CHARS, longest_line
@@ -46,8 +48,17 @@ log = logging.getLogger("kvlens.experiment")
 
 SCHEMA = "kvlens.quantization/v1"
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # 0.10+, 0.8/0.9
+# the scheduler's view (vLLM's names; summed over engines): what decides capacity
+SCHEDULER = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:num_preemptions_total": "preemptions",
+}
+# /metrics sampled this often during a step: the capacity rule needs a running batch for each
+# request's decode (a few hundred ms at most) and a line seen more than once
+SCRAPE_SECONDS = 0.2
+MAX_SAMPLES = 50_000  # per step: ~3 hours at 0.2 s; later scrapes update the peaks, not the series
 QUERIES, HITS = "vllm:prefix_cache_queries", "vllm:prefix_cache_hits"
-NEAR_FULL = 0.9  # KV usage at which an engine starts to queue for memory, not for compute
 SWEEP_DOUBLINGS = 6  # --rate-sweep: at most 64 times the start rate, so a run stays bounded
 MAX_DOUBLINGS = 20  # --sweep-doublings: past a million times the start, a typo, not a plan
 
@@ -68,6 +79,7 @@ class EngineSample:
     queries: float = 0.0
     hits: float = 0.0
     scrapes: int = 0
+    series: list[Sample] = dataclasses.field(default_factory=list)  # for the capacity rule
 
     @property
     def token_reuse(self) -> float | None:
@@ -83,20 +95,53 @@ def fixed_work(
     concurrency: int,
     targets: Targets,
     max_output_tokens: int | None = None,
+    byte_model: ByteModel | None = None,
+    scrape_seconds: float = SCRAPE_SECONDS,
+    not_measured: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Experiment 1: every request, ``concurrency`` in flight (each starts when one ends), per
-    endpoint (cache emptied first where it can be); per endpoint x context group the medians."""
-    planned = [Planned(r, 0.0, _output(r, max_output_tokens), MEASURE) for r in requests]
-    result: dict[str, Any] = {}
+    """Experiment 1: ``concurrency`` in flight (each starts when one ends), per endpoint (cache
+    emptied first where it can be), short and long contexts each a run of their own (the trace's
+    requests; long ones made when it has none, :func:`capacity.long_requests`); per endpoint x
+    context group the medians, output tokens/s, and against the baseline the ITL ratio beside the
+    byte model's and what a gain came from. A group that could not be run is said in
+    ``not_measured``."""
     for endpoint in endpoints.values():
         check_reachable(endpoint)
-    for name, endpoint in endpoints.items():
-        reset_cache(endpoint)
-        # All due at once through `concurrency` slots: each request starts when one ends.
-        closed = dataclasses.replace(endpoint, max_concurrency=concurrency, late_after_seconds=math.inf)
-        path = out_dir / f"fixed-{name}.jsonl"
-        records = _run(path, name, planned, closed, prompts)
-        result[name] = {group: _latency(rows) for group, rows in _by_context(records, targets).items()}
+    groups = _by_context_requests(requests, targets)
+    if "long" not in groups:
+        limits = {name: max_model_len(endpoint) for name, endpoint in endpoints.items()}
+        made, why = capacity.long_requests(
+            requests, targets.long_context, concurrency, limits, max_output_tokens, prompts.block_size
+        )
+        if made:
+            groups["long"] = made
+        elif not_measured is not None:
+            not_measured.append(why)
+    result: dict[str, Any] = {name: {} for name in endpoints}
+    runs: dict[str, dict[str, tuple[list[dict[str, Any]], EngineSample]]] = {name: {} for name in endpoints}
+    for group, chosen in groups.items():
+        planned = [Planned(r, 0.0, _output(r, max_output_tokens), MEASURE) for r in chosen]
+        for name, endpoint in endpoints.items():
+            reset_cache(endpoint)
+            # All due at once through `concurrency` slots: each request starts when one ends.
+            closed = dataclasses.replace(endpoint, max_concurrency=concurrency, late_after_seconds=math.inf)
+            path = out_dir / (f"fixed-{name}.jsonl" if group == "short" else f"fixed-{name}-{group}.jsonl")
+            with _engine_sampler(endpoint, scrape_seconds) as sample:
+                records = _run(path, name, planned, closed, prompts)
+            runs[name][group] = (records, sample)
+            result[name][group] = _latency(records) | {
+                "output_tokens_per_second": capacity.output_tokens_per_second(records)
+            }
+    baseline = next(iter(endpoints))
+    for name in endpoints:
+        for group, (records, sample) in runs[name].items():
+            base_records, base_sample = runs[baseline][group]
+            result[name][group] |= capacity.fixed_work_comparison(
+                (baseline, base_records, base_sample.series),
+                (name, records, sample.series),
+                concurrency,
+                byte_model,
+            )
     return result
 
 
@@ -110,7 +155,7 @@ def rising_load(
     targets: Targets,
     max_output_tokens: int | None = None,
     seed: int = 0,
-    scrape_seconds: float = 0.5,
+    scrape_seconds: float = SCRAPE_SECONDS,
 ) -> dict[str, Any]:
     """Experiment 2: the trace at each rate (Poisson arrivals) on each endpoint; attainment,
     goodput and the engine's KV usage and reuse per step; the highest rate that meets the target."""
@@ -205,7 +250,7 @@ def stepper(
     targets: Targets,
     max_output_tokens: int | None = None,
     seed: int = 0,
-    scrape_seconds: float = 0.5,
+    scrape_seconds: float = SCRAPE_SECONDS,
 ) -> Callable[[float], dict[str, dict[str, Any]]]:
     """One step of experiment 2 at a rate: the same arrivals on each endpoint in turn (cache
     emptied first), its records in ``out_dir/rate-R-NAME.jsonl``."""
@@ -215,13 +260,20 @@ def stepper(
     def step(rate: float) -> dict[str, dict[str, Any]]:
         schedule = Schedule(rate=rate, max_output_tokens=max_output_tokens, seed=seed)
         planned = schedule.planned(requests, MEASURE)
-        rows = {}
+        rows, seen = {}, {}
         for name, endpoint in endpoints.items():
             reset_cache(endpoint)
             path = out_dir / f"rate-{rate:g}-{name}.jsonl"
             with _engine_sampler(endpoint, scrape_seconds) as sample:
                 records = _run(path, f"{name}@{rate:g}", planned, endpoint, prompts)
             rows[name] = _step(rate, records, sample, targets)
+            seen[name] = (capacity.decodes(records), sample.series)
+        for name, row in rows.items():  # what each endpoint gained over each other, and why
+            row["gain_over"] = {
+                other: capacity.attribute(seen[other], seen[name], (other, name)).as_json()
+                for other in rows
+                if other != name
+            }
         return rows
 
     return step
@@ -233,7 +285,13 @@ def load_result(steps: dict[str, list[dict[str, Any]]], targets: Targets) -> dic
 
 
 def report(
-    fixed: dict[str, Any] | None, load: dict[str, Any] | None, targets: Targets, baseline: str
+    fixed: dict[str, Any] | None,
+    load: dict[str, Any] | None,
+    targets: Targets,
+    baseline: str,
+    *,
+    byte_model: ByteModel | None = None,
+    not_measured: list[str] | None = None,
 ) -> dict[str, Any]:
     return {
         "schema": SCHEMA,
@@ -246,6 +304,8 @@ def report(
         },
         "fixed_work": fixed,
         "rising_load": load,
+        "byte_model": capacity.byte_model_json(byte_model),
+        "not_measured": not_measured or [],
     }
 
 
@@ -266,11 +326,11 @@ def _run(
     return [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
 
 
-def _by_context(records: list[dict[str, Any]], targets: Targets) -> dict[str, list[dict[str, Any]]]:
-    groups: dict[str, list[dict[str, Any]]] = {"short": [], "long": []}
-    for record in records:
-        groups["long" if record["prompt_tokens"] >= targets.long_context else "short"].append(record)
-    return {name: rows for name, rows in groups.items() if rows}
+def _by_context_requests(requests: list[TraceRequest], targets: Targets) -> dict[str, list[TraceRequest]]:
+    groups: dict[str, list[TraceRequest]] = {"short": [], "long": []}
+    for request in requests:
+        groups["long" if request.prompt_tokens >= targets.long_context else "short"].append(request)
+    return {name: chosen for name, chosen in groups.items() if chosen}
 
 
 def _values(rows: list[dict[str, Any]], key: str) -> np.ndarray[Any, np.dtype[np.float64]]:
@@ -321,8 +381,10 @@ def _step(
         "attainment": met / len(records) if records else 0.0,
         "goodput_rps": met / span if span > 0 else 0.0,
         **_latency(records),
+        "output_tokens_per_second": capacity.output_tokens_per_second(records),
         "engine_kv_usage_max": sample.kv_usage_max,
         "engine_token_reuse": sample.token_reuse,
+        **capacity.scheduler_summary(sample.series),
     }
 
 
@@ -346,14 +408,16 @@ def _attribution(
             failing = next(
                 (s for s in steps[loser] if s["attainment"] < targets.attainment and s["rate"] <= won), None
             )
-            usage = failing.get("engine_kv_usage_max") if failing else None
+            at = (
+                None
+                if failing is None
+                else next((s for s in steps[winner] if s["rate"] == failing["rate"]), None)
+            )
+            verdict = (at or {}).get("gain_over", {}).get(loser)
             why = (
-                f"{loser}'s KV cache was {usage:.0%} full at {failing['rate']:g} req/s: the gain came from "
-                "holding more KV (capacity), not from faster requests"
-                if failing and usage is not None and usage >= NEAR_FULL
-                else "faster steps (the byte model: fewer weight bytes read per decode step)"
-                if usage is not None
-                else "unknown: the endpoint reports no KV cache usage"
+                f"at {failing['rate']:g} req/s, {verdict['verdict']}: {'; '.join(verdict['reasons'])}"
+                if failing is not None and verdict is not None
+                else "cannot tell: no step at which both were measured"
             )
             lines.append(f"{winner} holds {won:g} req/s, {loser} {lost or 0:g}: {why}")
     return lines
@@ -410,6 +474,16 @@ class _Sampler(threading.Thread):
                 values = await _scrape(pool, self._endpoint)
                 if values is not None:
                     sample.scrapes += 1
+                    if len(sample.series) < MAX_SAMPLES:
+                        sample.series.append(
+                            Sample(
+                                time.time(),  # the records' clock: arrival_time is the client's
+                                values.get("running"),
+                                values.get("waiting"),
+                                values.get("preemptions"),
+                                values.get("kv_usage"),
+                            )
+                        )
                     if not first:
                         first.update(values)
                     usage = values.get("kv_usage")
@@ -449,6 +523,9 @@ def _engine_values(text: str) -> dict[str, float]:
                 values["queries"] = values.get("queries", 0.0) + s.value
             elif s.name == f"{HITS}_total":
                 values["hits"] = values.get("hits", 0.0) + s.value
+            elif s.name in SCHEDULER:
+                key = SCHEDULER[s.name]
+                values[key] = values.get(key, 0.0) + s.value
     return values
 
 
@@ -501,6 +578,7 @@ def text(result: dict[str, Any]) -> str:
                     f"{ms(stats['e2e_p50_seconds']):>10}"
                 )
         lines.append("")
+        lines += capacity.fixed_work_lines(result)
     load = result.get("rising_load")
     if load:
         targets = result["targets"]
@@ -537,5 +615,6 @@ def text(result: dict[str, Any]) -> str:
                 + (" (never fell under: a lower bound)" if name in unbounded else ""),
                 NARROWEST,
             )
+        lines += capacity.step_lines(result)
         lines += wrapped(load["attribution"], NARROWEST)
     return "\n".join(lines) + "\n"

@@ -43,8 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--capacity-blocks",
         metavar="C",
-        help="prefix cache blocks per replica, or 'unbounded' (default 1000); they bound the cache "
-        "only, not who runs: for that, --gpu-memory-bytes",
+        help="prefix cache blocks per replica, or 'unbounded'; 1000 unless --gpu-memory-bytes sizes "
+        "them. They bound the cache only, not who runs: --gpu-memory-bytes bounds both",
     )
     parser.add_argument(
         "--gpu-memory-bytes",
