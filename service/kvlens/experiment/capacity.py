@@ -122,7 +122,8 @@ def batches(decoded: Sequence[Decode]) -> list[float]:
 
     def integral(at: np.ndarray[Any, np.dtype[np.float64]]) -> np.ndarray[Any, np.dtype[np.float64]]:
         index = np.searchsorted(times, at, side="right") - 1
-        return area[index] + running[index] * (at - times[index])
+        value: np.ndarray[Any, np.dtype[np.float64]] = area[index] + running[index] * (at - times[index])
+        return value
 
     span = ends - starts
     mean = (integral(ends) - integral(starts)) / np.where(span > 0, span, 1.0)
