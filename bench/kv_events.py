@@ -329,6 +329,10 @@ def worst_case(fill: int, restore: int) -> None:
     def clear(phase: str) -> None:
         settle()
         removed = scraper.value("kvlens_kv_blocks_removed_total") + scraper.value("kvlens_kv_blocks_held")
+        scraper.start()  # the baseline: scrapes with nothing to do, on this machine now
+        time.sleep(3)
+        scraper.stop()
+        idle = scraper.longest
         scraper.start()
         began = time.perf_counter()
         send([AllBlocksCleared()])
@@ -338,7 +342,7 @@ def worst_case(fill: int, restore: int) -> None:
         scraper.stop()
         print(
             f"  {phase}: the clear took {took:.2f} s; {scraper.scrapes} scrapes meanwhile, "
-            f"the longest {scraper.longest * 1e3:,.0f} ms",
+            f"the longest {scraper.longest * 1e3:,.0f} ms (idle just before: {idle * 1e3:,.0f} ms)",
             flush=True,
         )
         report(phase)

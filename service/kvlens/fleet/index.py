@@ -47,11 +47,17 @@ replica, a table of the blocks it holds (engine hash -> content key and the tier
 for the fleet, a table of the blocks some replica holds (content key -> bits of the replicas
 holding it: at most :data:`MAX_REPLICAS` replicas) and one of the blocks remembered to have been
 held (content key -> bits of the replicas that removed it) with their keys in a ring, oldest
-first. A (block, replica) held costs at most :data:`HELD_ENTRY_BYTES`, a remembered block at
-most :data:`REMEMBERED_ENTRY_BYTES` (tested). The remembered ones
-are capped (``remember_blocks``), the oldest forgotten first and counted, and held blocks past
-``max_held_blocks`` are classified but not kept (counted). ``AllBlocksCleared`` remembers the
-replica's blocks in its table's order, not the order they were stored. With
+first; per replica, a table of its extra copies (a hash stored again into a tier that holds it,
+no removal between: the engine keeps two blocks of it; the next removal takes a copy first):
+engine hash -> a 16-bit count a tier. A holding is a (block, replica, tier) or an extra copy; it
+costs at most :data:`HELD_ENTRY_BYTES`, a remembered block at most
+:data:`REMEMBERED_ENTRY_BYTES` (tested); every array is in :meth:`FleetIndex.memory_bytes`
+(tested against tracemalloc). The remembered ones are capped (``remember_blocks``), the oldest
+forgotten first and counted; holdings past ``max_held_blocks`` (and a 65,536th copy) are
+classified but not kept (counted untracked), so the blocks held, copies included, never pass
+it. ``AllBlocksCleared`` remembers the replica's blocks in its table's order, not the order they
+were stored; it, a forgotten replica and a table's rebuild go a slice of rows at a time, a
+scrape waiting for the lock let in between slices (:class:`IndexLock`). With
 ``shard=(i, n)`` only blocks whose content key is ``i`` mod ``n`` are classified and kept in the
 fleet's tables, so ``n`` processes on the same events split the counts exactly; without
 ``hashes_alike`` each replica's engine-hash map is still kept whole (a child's key needs its
@@ -506,6 +512,13 @@ class FleetIndex:
             return
         k, pause = self._k, self.lock.pause
         table, copies = state.table, state.copies
+        # grown once to what it will hold (the slices' own room then rebuilds it only when
+        # forgetting at the cap left tombstones), not to that plus the replica's blocks
+        remembered = self._remembered
+        remembered.reserve(
+            max(0, min(self.remember_cap, remembered.live + table.live) - remembered.live), pause
+        )
+        self._ring.reserve(table.live)
         rows = table.rows.shape[0]
         for start in range(0, rows, k.SLICE_ROWS):
             pause()

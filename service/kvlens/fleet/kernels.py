@@ -77,7 +77,9 @@ COPY_MAX: Final = (1 << COPY_BITS) - 1
 # time, the caller's pause between slices (the index lets a waiting scrape take its lock): a slice
 # is a few milliseconds (each row a cache miss or three on a large table), a whole 10M-entry
 # table seconds.
-SLICE_ROWS: Final = 1 << 16
+SLICE_ROWS: Final = 1 << 15
+_PAGE_VALUES: Final = 4096 // 8  # a page of uint64
+_FAULT_PAGES: Final = 2048  # pages mapped a slice (8 MiB, a few ms)
 
 
 @njit(cache=True, nogil=True)
@@ -263,6 +265,14 @@ class Table:
     def _rebuild(self, slots: int, pause: Pause) -> None:
         self.building = new_table(slots)
         try:
+            # the kernel maps a new array's pages at their first write: 229 MB of table is 56k
+            # page faults, which the first slices would take in one go (hundreds of ms), so a
+            # write a page first, a slice at a time
+            flat, step = self.building.reshape(-1), _FAULT_PAGES * _PAGE_VALUES
+            for start in range(0, flat.size, step):
+                if start:
+                    pause()
+                flat[start : start + step : _PAGE_VALUES] = 0
             size = self.rows.shape[0] - 3
             for start in range(0, max(size, 1), SLICE_ROWS):
                 if start:
