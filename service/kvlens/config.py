@@ -415,7 +415,10 @@ class Settings(BaseSettings):
     kv_events_max_held_blocks: int = Field(
         10_000_000,
         ge=0,
-        description="(block, replica) holdings kept (at most 48 bytes each); stores past it not kept.",
+        description=(
+            "Holdings kept, a (block, replica, tier) or an extra copy of a hash (at most 48 bytes each); "
+            "stores past it not kept (counted untracked)."
+        ),
     )
     kv_events_reorder_seconds: float = Field(
         0.25,

@@ -151,7 +151,7 @@ def tables(index: FleetIndex) -> list[Any]:
     state = [index._fleet.rows, index._remembered.rows, index._ring.keys, index._stats, index._counts]
     for name in sorted(index._replicas):
         replica = index._replicas[name]
-        state += [name, replica.number, replica.table.rows, dict(replica.copies)]
+        state += [name, replica.number, replica.table.rows, replica.copies.rows]
     return state
 
 

@@ -353,7 +353,7 @@ KV_INDEX_MEMORY = MetricSpec(
     "kvlens_kv_index_memory_bytes",
     "gauge",
     (),
-    "Estimated memory of the fleet block index (entries times measured bytes per entry).",
+    "Bytes of every array the fleet block index holds (a table being rebuilt: old and new).",
 )
 KV_REMEMBERED = MetricSpec(
     "kvlens_kv_remembered_blocks", "gauge", (), "Blocks remembered to have been held (the bounded memory)."
@@ -368,7 +368,7 @@ KV_UNTRACKED = MetricSpec(
     "kvlens_kv_untracked_blocks",
     "counter",
     (),
-    "Stored blocks classified but not kept past kv_events_max_held_blocks.",
+    "Stored blocks (extra copies of a hash included) classified but not kept past kv_events_max_held_blocks.",
 )
 KV_UNKNOWN_REMOVED = MetricSpec(
     "kvlens_kv_unknown_removed_blocks",
