@@ -93,6 +93,11 @@ UNKNOWN: Final = "unknown"
 CAUSES: Final = (NEW, EVICTED_HERE, HELD_ELSEWHERE, EVICTED_ELSEWHERE, HELD_HERE, UNKNOWN)
 PRIMARY: Final = "GPU"
 TIERS: Final = ("GPU", "CPU", "STORAGE", "other")  # a tier's bit in a replica table's value
+# A store's `medium` -> its tier in TIERS (a closed set: it becomes a label). vLLM's names, then
+# SGLang's for the same tiers (its host memory and its disk; a shared pool stays "other"). Both
+# readers of the wire take it from here, the compiled one and msgspec's.
+MEDIUM_TIERS: Final = {"GPU": 0, "CPU": 1, "STORAGE": 2, "CPU_PINNED": 1, "DISK": 2}
+OTHER_TIER: Final = len(TIERS) - 1
 MAX_REPLICAS: Final = 64  # one bit each in the fleet's 64-bit holder masks
 MAX_BLOCK_SIZE: Final = 1 << 31  # tokens a block: more is a malformed event
 MASK64: Final = (1 << 64) - 1

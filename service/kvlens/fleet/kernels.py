@@ -26,7 +26,7 @@ from typing import Any, Final
 import numpy as np
 from numba import njit
 
-from kvlens.fleet.index import MAX_BLOCK_SIZE
+from kvlens.fleet.index import MAX_BLOCK_SIZE, MEDIUM_TIERS, OTHER_TIER
 
 EMPTY: Final = np.uint64(0)
 TOMB: Final = np.uint64(1)
@@ -878,7 +878,8 @@ def _strings(names: tuple[str, ...]) -> tuple[Any, Any]:
 
 _FIELD_BYTES, _FIELD_ENDS = _strings(STORED_FIELDS)
 _TYPE_BYTES, _TYPE_ENDS = _strings(EVENT_TYPES)
-_MEDIUM_BYTES, _MEDIUM_ENDS = _strings(("GPU", "CPU", "STORAGE"))  # tiers 0-2, anything else 3
+_MEDIUM_BYTES, _MEDIUM_ENDS = _strings(tuple(MEDIUM_TIERS))
+_MEDIUM_TIER = np.array(list(MEDIUM_TIERS.values()), np.int64)  # a name's tier; not named: OTHER_TIER
 _TAG_BYTES, _TAG_ENDS = _strings(("type",))
 
 
@@ -937,15 +938,15 @@ def _ascii(buf: Any, start: int, length: int) -> bool:
 
 @njit(cache=True, nogil=True)
 def _text_or_nil(buf: Any, pos: int, end: int) -> tuple[int, int]:
-    """A ``str | None`` field: (-2 for nil, -1 when unsure, else its tier: 0-2 one of vLLM's, 3
-    another text), the position after."""
+    """A ``str | None`` field: (-2 for nil, -1 when unsure, else its tier: index.MEDIUM_TIERS's,
+    OTHER_TIER for another text), the position after."""
     if pos < end and buf[pos] == 0xC0:
         return -2, pos + 1
     start, length, after = _read_str(buf, pos, end)
     if start < 0 or not _ascii(buf, start, length):
         return -1, pos
     found = _name(buf, start, length, _MEDIUM_BYTES, _MEDIUM_ENDS)
-    return (3 if found < 0 else found), after
+    return (OTHER_TIER if found < 0 else _MEDIUM_TIER[found]), after
 
 
 @njit(cache=True, nogil=True)
