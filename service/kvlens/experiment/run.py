@@ -30,6 +30,7 @@ from kvlens.experiment.protocol import (
 )
 from kvlens.records import MAX_TOKENS
 from kvlens.simulate.trace import TraceRequest
+from kvlens.stats import DEFAULT_PERCENTILES
 
 log = logging.getLogger("kvlens.experiment")
 
@@ -254,10 +255,12 @@ def prefix_cache_experiment(
     return results, warnings
 
 
-def compare_arms(results: list[ArmResult], settings: Settings) -> dict[str, Any]:
+def compare_arms(
+    results: list[ArmResult], settings: Settings, *, percentiles: tuple[float, ...] = DEFAULT_PERCENTILES
+) -> dict[str, Any]:
     """``kvlens compare`` of the arms' measured windows, the first arm the baseline."""
     arms = [compare.load_arm(result.name, str(result.records), settings) for result in results]
-    report = compare.compare(arms)
+    report = compare.compare(arms, percentiles=percentiles)
     # the warm-up was replayed before the measured window and written to its own file: name it,
     # so the report says what warmed the cache and that it was not timed
     report["warmup_recorded_apart"] = {
