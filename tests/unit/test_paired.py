@@ -216,3 +216,16 @@ def test_html_shows_the_paired_table_first(tmp_path: Path, capsys: pytest.Captur
     assert heads[8:] == ["p50 ms off -> arm", "p90 ms off -> arm", "p95 ms off -> arm", "p99 ms off -> arm"]
     cells = [" ".join(n.all_text().split()) for n in first.find("tbody")[0].find("tr")[0].find("td")]
     assert cells[:7] == ["warm", "512-2047", "hit", "6", "5", "1", "0"] and cells[8] == "100.0 -> 60.0 (-40%)"
+
+
+def test_the_built_in_traffic_spans_three_prompt_length_groups_by_default() -> None:
+    from kvlens.config import Settings
+    from kvlens.definitions import prompt_length_bucket
+    from kvlens.experiment.run import SharedPrefixTraffic
+
+    trace = SharedPrefixTraffic().trace()
+    lengths = [r.prompt_tokens for r in trace]
+    assert sorted(set(lengths)) == [384, 1152, 4224]  # 256, 1,024, 4,096 shared + 128 own
+    assert set(prompt_length_bucket(lengths, Settings().prompt_length_edges).tolist()) == {0, 1, 2}
+    assert SharedPrefixTraffic().trace() == trace  # the seed decides
+    assert {r.prompt_tokens for r in SharedPrefixTraffic(prefix_tokens=(512,)).trace()} == {640}
