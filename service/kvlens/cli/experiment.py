@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvlens.cli.common import check_writable, examples
+from kvlens.cli.common import check_writable, examples, percentiles_flag
 from kvlens.cli.replay import (
     api_key,
     api_key_flags,
@@ -55,6 +55,7 @@ def add_parser(commands: Any) -> None:
     prefix.add_argument("--config", type=Path, help="YAML settings (prompt-length groups, cost models)")
     prefix.add_argument("--json", action="store_true", help="print the compare result as JSON")
     prefix.add_argument("--html", type=Path, metavar="OUT", help="also write the compare report as HTML")
+    percentiles_flag(prefix)
     prefix.set_defaults(run=_prefix_cache)
 
     quant = kinds.add_parser(
@@ -132,7 +133,7 @@ def _prefix_cache(args: argparse.Namespace) -> int:
         print(summary(result), file=sys.stderr)
     for warning in warnings:
         print(f"kvlens experiment: {warning}", file=sys.stderr)
-    report = arms.compare_arms(results, settings)
+    report = arms.compare_arms(results, settings, percentiles=args.percentiles)
     if args.html:
         from kvlens.analysis import html_compare
 
