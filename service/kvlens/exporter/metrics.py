@@ -237,7 +237,8 @@ INGEST_REFUSED = MetricSpec(
     "kvlens_ingest_refused",
     "counter",
     ("reason",),
-    "Ingest requests refused whole: busy (503: a cap on requests or bytes), batch_in_progress, "
+    "Ingest requests refused whole: busy (503: a cap on requests or bytes), displaced (503: a "
+    "body behind body_min_bytes_per_second_when_full gave its place to a new one), batch_in_progress, "
     "unauthorized, too_large, too_many_records, compression_bomb, unsupported_encoding, "
     "unsupported_media_type, undecodable, too_slow (past a deadline or under the minimum pace), "
     "client_disconnected (gone mid-body).",
