@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--vocab-size",
         type=int,
-        help=f"token ids allowed in prompts (default {tokenizer.DEFAULT_VOCAB_SIZE}, or the --tokenizer's)",
+        help=f"token ids allowed in prompts: {tokenizer.DEFAULT_VOCAB_SIZE}, or the --tokenizer's vocabulary",
     )
     parser.add_argument(
         "--tokenizer",
