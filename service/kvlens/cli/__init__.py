@@ -26,8 +26,20 @@ from kvlens.errors import InputError, SettingsError
 # (os._exit, as mypy ends, would skip everything).
 atexit.register(gc.freeze)
 
-# Each the name of its module in kvlens.cli.
-COMMANDS = ("serve", "demo", "analyze", "convert", "compare", "simulate", "replay", "experiment", "bandwidth")
+# Each the name of its module in kvlens.cli, but for those in MODULES.
+COMMANDS = (
+    "serve",
+    "demo",
+    "analyze",
+    "convert",
+    "compare",
+    "simulate",
+    "replay",
+    "experiment",
+    "bandwidth",
+    "import",
+)
+MODULES = {"import": "importer"}  # `import` is a Python keyword: no module can have that name
 
 
 def command_modules(argv: Sequence[str]) -> list[ModuleType]:
@@ -35,7 +47,7 @@ def command_modules(argv: Sequence[str]) -> list[ModuleType]:
     import the server, HTTP clients and the terminal UI: half a CPU second at every start of an
     offline command), or all of them for the top-level help or a name that is no command."""
     named = [name for name in COMMANDS if list(argv[:1]) == [name]]
-    return [importlib.import_module(f"kvlens.cli.{name}") for name in named or COMMANDS]
+    return [importlib.import_module(f"kvlens.cli.{MODULES.get(name, name)}") for name in named or COMMANDS]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
