@@ -31,7 +31,7 @@ from pydantic_settings import (
 from kvlens import bandwidth, shapes
 from kvlens.definitions import CostModel
 from kvlens.errors import SettingsError
-from kvlens.http.server import loopback
+from kvlens.http.access import loopback
 from kvlens.records import valid_label
 from kvlens.sources import formats
 

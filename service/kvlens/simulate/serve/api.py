@@ -44,8 +44,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from kvlens.http.access import bearer_matches
 from kvlens.http.bodies import RETRY_AFTER_SECONDS, ArrivingBodies, BodyLimits, IngestGate
-from kvlens.http.server import bearer_matches
 from kvlens.simulate.replica import INF
 from kvlens.simulate.serve import requests
 from kvlens.simulate.serve.engine import RealTimeFleet, Ticket

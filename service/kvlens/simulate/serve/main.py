@@ -21,6 +21,7 @@ from kvlens import bandwidth, logs
 from kvlens.config import Settings, load_settings
 from kvlens.errors import SettingsError
 from kvlens.http import server
+from kvlens.http.access import loopback
 from kvlens.http.bodies import ArrivingBodies, BodyLimits
 from kvlens.simulate.cache import CacheEvents
 from kvlens.simulate.policies import POLICIES, Guard
@@ -263,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
         timeout_keep_alive=server.KEEP_ALIVE_SECONDS,
         limit_concurrency=None,  # idle sockets must not count: the guard closes them
     )
-    if settings.admin_secret is None and not server.loopback(args.host):  # logging is set up now
+    if settings.admin_secret is None and not loopback(args.host):  # logging is set up now
         log.warning(
             "POST /reset_prefix_cache listens on %s without a token: anyone who reaches this port "
             "can empty every replica's prefix cache (and send it work). Set KVLENS_ADMIN_TOKEN (or "
