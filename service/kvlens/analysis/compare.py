@@ -30,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvlens import definitions, stats
-from kvlens.analysis import per_request, report
+from kvlens.analysis import per_request, report, run_facts
 from kvlens.analysis.render import _md_table, _pct
 from kvlens.analysis.report import Derived, cells_of, totals_of
 from kvlens.config import Settings
@@ -76,8 +76,35 @@ def load_arm(
         batch = batch.select(np.array([arm == name for arm in batch.arm], dtype=bool))
         if not len(batch):
             raise NoRecordsOfArm(no_records_of(path, name))
+    return _arm_of(name, batch, settings, path)
+
+
+def _arm_of(name: str, batch: RecordBatch, settings: Settings, path: str | None) -> Arm:
     derived = Derived.of(batch, settings.prompt_length_edges, settings.cost_model_for, settings.default_model)
     return Arm(name, derived, path)
+
+
+def load_answered(
+    specs: Sequence[tuple[str, str]],
+    settings: Settings,
+    *,
+    format_name: str | None = None,
+    model: str | None = None,
+) -> tuple[list[Arm], int]:
+    """The arms without the requests recorded as failed in any of them, and how many those are.
+    A failed request has no timing and no record the reader keeps, so an arm where one failed
+    would hold one request fewer than the others and could not be paired: by ``request_id``
+    (the trace index, the same in every arm), a request that failed anywhere is compared
+    nowhere. Any other difference between the arms is still refused (:func:`compare`)."""
+    arms = [load_arm(name, path, settings, format_name=format_name, model=model) for name, path in specs]
+    failed = set().union(*(run_facts.failed_request_ids(path, name) for name, path in specs))
+    if not failed:
+        return arms, 0
+    kept = []
+    for arm in arms:
+        batch = arm.derived.batch.select(np.array([i not in failed for i in arm.derived.batch.request_id]))
+        kept.append(_arm_of(arm.name, batch, settings, arm.path))
+    return kept, len(failed)
 
 
 def no_records_of(path: str, name: str) -> str:
@@ -528,9 +555,10 @@ def markdown(result: dict[str, Any]) -> str:
     lines += [f"- {line}" for line in verdict(result)]
     lines.append("")
     lines += [f"- {line}" for line in warmup_lines(result)]
+    lines += [f"- {line}" for line in run_facts.error_lines(result)]
     lines += ["", _md_table(table_header(result), table_rows(result)), ""]
     lines += [f"- {metric.removesuffix('_seconds')}: {UNMEASURED}" for metric in unmeasured(result)]
-    lines += ["", REUSE_IS_NOT_SPEEDUP]
+    lines += ["", REUSE_IS_NOT_SPEEDUP, "", run_facts.PRESUMES_QUALITY]
     return "\n".join(lines) + "\n"
 
 
@@ -545,7 +573,7 @@ def terminal(result: dict[str, Any], console: Any = None) -> None:
     console.print(f"kvlens compare (baseline: {result['baseline']})", markup=False)
     if "paired" in result:
         per_request.terminal(result["paired"], result["baseline"], console)
-    for line in verdict(result) + warmup_lines(result):
+    for line in verdict(result) + warmup_lines(result) + run_facts.error_lines(result):
         console.print(line, markup=False)
     rows = table_rows(result)
     names = [f"p{stats.percentile_name(q)}" for q in percentiles_of(result)]
@@ -587,6 +615,7 @@ def terminal(result: dict[str, Any], console: Any = None) -> None:
     for metric in unmeasured(result):
         console.print(f"{metric.removesuffix('_seconds')}: {UNMEASURED}", markup=False)
     console.print(REUSE_IS_NOT_SPEEDUP, markup=False)
+    console.print(run_facts.PRESUMES_QUALITY, markup=False)
 
 
 def _delta_cell(values: dict[str, Any]) -> str:

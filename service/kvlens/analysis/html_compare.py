@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any, Final
 
-from kvlens.analysis import compare, per_request
+from kvlens.analysis import compare, per_request, run_facts
 from kvlens.analysis.html_report import (
     LATENCY_CHARTS,
     STYLE,
@@ -54,6 +54,7 @@ def page(result: dict[str, Any]) -> str:
         _section("deltas", f"Deltas against {html.escape(result['baseline'])}", _charts(result)),
         _section("tables", "Tables", _tables(result)),
         f'<p id="caveat">{html.escape(compare.REUSE_IS_NOT_SPEEDUP)}</p>',
+        f"<p>{html.escape(run_facts.PRESUMES_QUALITY)}</p>",
         '<details class="data"><summary>Report data (JSON)</summary>'
         f'<pre id="report-data">{html.escape(json.dumps(result))}</pre></details>',
     ]
@@ -117,6 +118,16 @@ def _context(result: dict[str, Any]) -> str:
             + "</ul>",
         ),
         ("Records per arm", f"{result['requests']:,} (the same requests in the same order in every arm)"),
+        *(
+            [
+                (
+                    "Failed requests",
+                    "<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in failed) + "</ul>",
+                )
+            ]
+            if (failed := run_facts.error_lines(result))
+            else []
+        ),
         (
             "Warm-up excluded",
             "<ul>"

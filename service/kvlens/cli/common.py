@@ -320,6 +320,31 @@ def check_writable(*paths: Path | None) -> None:
             raise PermissionError(errno.EACCES, "cannot be written here", str(path))
 
 
+def print_report(text: str, table: Callable[[], None]) -> None:
+    """A report at a terminal as ``table`` prints it (rich: the analyze extra), else as its text:
+    into a file or a pipe, and at a terminal without rich (the ``serve`` install prints every
+    report; its tables are a nicety)."""
+    if sys.stdout.isatty():
+        try:
+            import rich  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            table()
+            return
+    print(text, end="")
+
+
+def make_room_for(*paths: Path | None) -> None:
+    """An output path's folder made (with its parents), then the path checked as
+    :func:`check_writable` does: ``--html runs/report.html`` before ``runs/`` exists is a
+    place to write, not a mistake."""
+    for path in paths:
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+    check_writable(*paths)
+
+
 def check_port_free(settings: Settings) -> None:
     """Say which address is taken, and how to pick another, before the server starts (uvicorn
     would log a bind error and exit 3)."""

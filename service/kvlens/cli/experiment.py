@@ -9,12 +9,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvlens.cli.common import check_writable, examples, percentiles_flag
+from kvlens.analysis import run_facts
+from kvlens.cli.common import examples, make_room_for, percentiles_flag, print_report
 from kvlens.cli.replay import (
     api_key,
     api_key_flags,
+    arm_failures,
     endpoint,
     endpoint_flags,
+    error_rate_flag,
+    failure_exit,
     progress_line,
     pusher,
     read_requests,
@@ -23,7 +27,8 @@ from kvlens.cli.replay import (
     trace_flags,
     traffic_flags,
 )
-from kvlens.config import load_settings
+from kvlens.config import Settings, load_settings
+from kvlens.experiment import reports
 from kvlens.experiment import run as arms
 from kvlens.experiment.client import Endpoint
 from kvlens.experiment.prompts import PromptSynthesizer
@@ -104,17 +109,17 @@ def add_parser(commands: Any) -> None:
     quant.add_argument("--long-context", type=int, default=4096, help="prompts this long are long")
     quant.add_argument("--max-output-tokens", type=int, help="cap the trace's output lengths")
     quant.add_argument("--json", action="store_true", help="print the report as JSON")
+    error_rate_flag(quant)
     traffic_flags(quant)
     quant.set_defaults(run=_quantization, warmup_trace=None)
 
 
 def _prefix_cache(args: argparse.Namespace) -> int:
-    from kvlens.analysis import compare
-
-    check_writable(args.html)  # before the arms run, not after
+    reports.check_error_rate(args.max_error_rate)
     window, prompts, schedule = setup(args, warms=True)
     settings = load_settings(args.config)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
+    args.out_dir.mkdir(parents=True, exist_ok=True)  # first: --html may be inside it
+    make_room_for(args.html)  # before the arms run, not after
     with pusher(args.push) as push:
         results, warnings = arms.prefix_cache_experiment(
             endpoint(args, args.endpoint),
@@ -133,24 +138,38 @@ def _prefix_cache(args: argparse.Namespace) -> int:
         print(summary(result), file=sys.stderr)
     for warning in warnings:
         print(f"kvlens experiment: {warning}", file=sys.stderr)
-    report = arms.compare_arms(results, settings, percentiles=args.percentiles)
-    if args.html:
-        from kvlens.analysis import html_compare
+    return _prefix_cache_report(args, results, settings)
 
-        html_compare.write(report, args.html)
+
+def _prefix_cache_report(args: argparse.Namespace, results: list[arms.ArmResult], settings: Settings) -> int:
+    """The compare report of the arms, into the out-dir (and --html) and printed; the exit code
+    from the arms' failures, once the report is written."""
+    from kvlens.analysis import compare, html_compare
+
+    runs = [run for result in results for run in arm_failures(result)]
+    try:
+        report = arms.compare_arms(results, settings, percentiles=args.percentiles)
+    except (compare.ArmsDiffer, compare.NoRecordsOfArm, compare.GroupTooLarge) as error:
+        failed = failure_exit("experiment", runs, args.max_error_rate)  # maybe why the arms differ
+        if not failed:
+            raise ExperimentError(f"no report: {error}") from None
+        print(f"kvlens experiment: no report: {error}", file=sys.stderr)
+        return failed
+    page = html_compare.page(report)
+    reports.write_reports(args.out_dir, markdown=compare.markdown(report), page=page, report=report)
+    if args.html:
+        args.html.write_text(page)
     if args.json:
         print(json.dumps(report, indent=2))
-    else:
-        if sys.stdout.isatty():  # as kvlens compare: a table at a terminal, Markdown into a file
-            compare.terminal(report)
-        else:
-            print(compare.markdown(report), end="")
-    return 0
+    else:  # as kvlens compare: a table at a terminal, Markdown into a file
+        print_report(compare.markdown(report), lambda: compare.terminal(report))
+    return failure_exit("experiment", runs, args.max_error_rate)
 
 
 def _quantization(args: argparse.Namespace) -> int:
     from kvlens.experiment import quantization
 
+    reports.check_error_rate(args.max_error_rate)
     requests, _, block_size = read_requests(args)
     prompts = PromptSynthesizer(block_size, args.vocab_size, args.seed)
     endpoints = quantization.endpoints_from(
@@ -169,8 +188,8 @@ def _quantization(args: argparse.Namespace) -> int:
         from kvlens.experiment.plot import check_path
 
         check_path(args.plot)
-        check_writable(args.plot)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
+    args.out_dir.mkdir(parents=True, exist_ok=True)  # first: --plot may be inside it
+    make_room_for(args.plot)
     fixed = quantization.fixed_work(
         endpoints,
         requests,
@@ -197,6 +216,16 @@ def _quantization(args: argparse.Namespace) -> int:
             else quantization.run_rates(step, list(endpoints), rates or [], targets)
         )
     result = quantization.report(fixed, load, targets, next(iter(endpoints)))
+    # each step's records file an arm of its own: its failures counted as prefix-cache arms' are
+    steps = [*sorted(args.out_dir.glob("fixed-*.jsonl")), *sorted(args.out_dir.glob("rate-*.jsonl"))]
+    result["errors"] = {path.stem: run_facts.errors_in(str(path), None) for path in steps}
+    text = reports.with_facts(quantization.text(result), result)
+    reports.write_reports(
+        args.out_dir,
+        markdown=text,
+        page=reports.text_page(f"kvlens quantization: {', '.join(endpoints)}", text),
+        report=result,
+    )
     if args.plot:
         from kvlens.experiment.plot import write_plot
 
@@ -205,8 +234,5 @@ def _quantization(args: argparse.Namespace) -> int:
         except ValueError as error:  # a PNG without matplotlib
             print(f"kvlens experiment: {error}", file=sys.stderr)
             return 2
-    print(
-        json.dumps(result, indent=2) if args.json else quantization.text(result),
-        end="\n" if args.json else "",
-    )
-    return 0
+    print(json.dumps(result, indent=2) if args.json else text, end="\n" if args.json else "")
+    return failure_exit("experiment", list(result["errors"].items()), args.max_error_rate)

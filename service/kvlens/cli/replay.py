@@ -14,7 +14,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from kvlens.analysis import run_facts
 from kvlens.cli.common import examples
+from kvlens.experiment import reports
 from kvlens.experiment import run as arms
 from kvlens.experiment.client import CHAT, COMPLETIONS, Endpoint, Progress, base_url
 from kvlens.experiment.prompts import DEFAULT_VOCAB_SIZE, PromptSynthesizer
@@ -108,12 +110,41 @@ def endpoint_flags(parser: argparse.ArgumentParser) -> None:
         "--missing-cached-is-zero", action="store_true", help="a usage without cached_tokens means 0"
     )
     parser.add_argument("--push", metavar="URL", help="also send the records to a kvlens serve")
+    error_rate_flag(parser)
     parser.add_argument(
         "--api",
         choices=(COMPLETIONS, CHAT),
         default=COMPLETIONS,
         help="completions: token ids, exact lengths (default); chat: text from /detokenize, approximate",
     )
+
+
+def error_rate_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-error-rate",
+        type=float,
+        default=reports.DEFAULT_MAX_ERROR_RATE,
+        metavar="SHARE",
+        help="an arm with more of its requests failed exits 1 (after the report); none answered exits 2",
+    )
+
+
+def failure_exit(command: str, runs: list[tuple[str, dict[str, Any] | None]], max_error_rate: float) -> int:
+    """The run's exit code from its arms' failures, each arm past the bound said on stderr."""
+    code, lines = reports.failures(runs, max_error_rate)
+    for line in lines:
+        print(f"kvlens {command}: {line}", file=sys.stderr)
+    return code
+
+
+def arm_failures(result: arms.ArmResult) -> list[tuple[str, dict[str, Any] | None]]:
+    """An arm's failures, its warm-up's apart (a warm-up that failed warmed nothing)."""
+    runs = [(result.name, run_facts.errors_in(str(result.records), result.name))]
+    if result.warmup_records is not None:
+        runs.append(
+            (f"{result.name} (warm-up)", run_facts.errors_in(str(result.warmup_records), result.name))
+        )
+    return runs
 
 
 API_KEY_VARIABLE = "OPENAI_API_KEY"
@@ -247,6 +278,7 @@ def summary(result: arms.ArmResult) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    reports.check_error_rate(args.max_error_rate)
     window, prompts, schedule = setup(args, warms=args.warm)
     with pusher(args.push) as push:
         result = arms.run_arm(
@@ -265,4 +297,4 @@ def run(args: argparse.Namespace) -> int:
     if sys.stderr.isatty():
         print(file=sys.stderr)
     print(summary(result))
-    return 0
+    return failure_exit("replay", arm_failures(result), args.max_error_rate)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from kvlens.analysis import compare
+from kvlens.analysis import compare, run_facts
 from kvlens.config import Settings
 from kvlens.experiment.client import MEASURE, WARMUP, Endpoint, Planned, Progress, RecordWriter, replay
 from kvlens.experiment.prompts import PromptSynthesizer
@@ -167,7 +167,7 @@ def run_arm(
     if warm:
         if not window.warmup:
             raise ExperimentError(f"arm {name!r} warms up, but no request arrives before --measure-from")
-        warmup_path = out.with_suffix(".warmup" + (out.suffix or ".jsonl"))
+        warmup_path = run_facts.warmup_file(out)
         warmup_progress = _replay_into(
             warmup_path, f"{name}", schedule.planned(window.warmup, WARMUP), endpoint, prompts, push, progress
         )
@@ -268,18 +268,13 @@ def compare_arms(
     results: list[ArmResult], settings: Settings, *, percentiles: tuple[float, ...] = DEFAULT_PERCENTILES
 ) -> dict[str, Any]:
     """``kvlens compare`` of the arms' measured windows, the first arm the baseline."""
-    arms = [compare.load_arm(result.name, str(result.records), settings) for result in results]
+    # Read back from the arms' files alone, as `kvlens compare` over them reads them, so that
+    # both give one report: the warm-up recorded apart beside an arm (what warmed the cache,
+    # never timed), the failed requests per arm and reason, those compared in no arm.
+    specs = [(result.name, str(result.records)) for result in results]
+    arms, left_out = compare.load_answered(specs, settings)
     report = compare.compare(arms, percentiles=percentiles)
-    # the warm-up was replayed before the measured window and written to its own file: name it,
-    # so the report says what warmed the cache and that it was not timed
-    report["warmup_recorded_apart"] = {
-        result.name: {
-            "file": str(result.warmup_records),
-            "requests": sum(1 for line in result.warmup_records.read_bytes().splitlines() if line.strip()),
-        }
-        for result in results
-        if result.warmup_records is not None and result.warmup_records.exists()
-    }
+    run_facts.add_file_facts(report, specs, left_out)
     return report
 
 
