@@ -9,13 +9,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvlens.cli import outdir as runs
 from kvlens.cli.common import check_writable, examples
 from kvlens.cli.replay import (
     api_key,
     api_key_flags,
     endpoint,
     endpoint_flags,
-    progress_line,
     pusher,
     read_requests,
     setup,
@@ -24,6 +24,7 @@ from kvlens.cli.replay import (
     traffic_flags,
 )
 from kvlens.config import load_settings
+from kvlens.experiment import outdir
 from kvlens.experiment import run as arms
 from kvlens.experiment.client import Endpoint
 from kvlens.experiment.prompts import PromptSynthesizer
@@ -51,7 +52,14 @@ def add_parser(commands: Any) -> None:
     trace_flags(prefix)
     endpoint_flags(prefix)
     prefix.add_argument("--off-endpoint", metavar="URL", help="the same model served without prefix caching")
+    prefix.add_argument(
+        "--arms",
+        metavar="LIST",
+        help="the arms this run adds to --out-dir, comma-separated (off runs against --off-endpoint, or "
+        "--endpoint when alone; default: off,cold,warm with --off-endpoint, else cold,warm)",
+    )
     prefix.add_argument("--out-dir", type=Path, required=True, help="where the arms' records go")
+    runs.run_flags(prefix)
     prefix.add_argument("--config", type=Path, help="YAML settings (prompt-length groups, cost models)")
     prefix.add_argument("--json", action="store_true", help="print the compare result as JSON")
     prefix.add_argument("--html", type=Path, metavar="OUT", help="also write the compare report as HTML")
@@ -75,12 +83,14 @@ def add_parser(commands: Any) -> None:
         action="append",
         required=True,
         metavar="NAME=URL",
-        help="an endpoint to compare, twice or more; the first is the baseline",
+        help="an endpoint to run into --out-dir (repeatable; others may be run into it later); "
+        "the first run into it is the baseline",
     )
     quant.add_argument("--model", required=True, help="the served model name (the same on every endpoint)")
     api_key_flags(quant)
     quant.add_argument("--timeout", type=float, default=600, help="seconds one request may take")
     quant.add_argument("--out-dir", type=Path, required=True, help="where each run's records go")
+    runs.run_flags(quant)
     quant.add_argument("--concurrency", type=int, default=8, help="experiment 1: requests in flight")
     load = quant.add_mutually_exclusive_group()
     load.add_argument("--rates", help="experiment 2: requests per second, comma-separated (none: skip)")
@@ -113,26 +123,54 @@ def _prefix_cache(args: argparse.Namespace) -> int:
     check_writable(args.html)  # before the arms run, not after
     window, prompts, schedule = setup(args, warms=True)
     settings = load_settings(args.config)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    with pusher(args.push) as push:
+    selected = runs.arms_of(args)
+    plan = outdir.prefix_cache_plan(
+        window,
+        schedule,
+        block_size=prompts.block_size,
+        vocab_size=args.vocab_size,
+        max_concurrency=args.max_concurrency,
+        api=args.api,
+    )
+    out = runs.out_dir(args, plan)
+    if args.dry_run:
+        print(outdir.dry_run(out, runs.planned_arms(selected, window, schedule)), end="")
+        return 0
+    off = args.off_endpoint or args.endpoint  # the off arm alone may run against --endpoint
+    with out.open(selected), runs.resumable(out), pusher(args.push) as push:
         results, warnings = arms.prefix_cache_experiment(
             endpoint(args, args.endpoint),
-            endpoint(args, args.off_endpoint) if args.off_endpoint else None,
+            endpoint(args, off) if "off" in selected else None,
             window,
             args.out_dir,
             prompts,
             schedule,
             assume_empty=args.assume_empty,
             push=push,
-            progress=progress_line,
+            progress=out.progress,
+            only=selected,
+            steps=out,
         )
+        found = arms.arms_found(out.found())
     if sys.stderr.isatty():
         print(file=sys.stderr)
     for result in results:
-        print(summary(result), file=sys.stderr)
+        kept = any(step.name == result.name for step in out.kept)
+        print(
+            f"arm {result.name}: kept from an earlier run: {result.records}" if kept else summary(result),
+            file=sys.stderr,
+        )
     for warning in warnings:
         print(f"kvlens experiment: {warning}", file=sys.stderr)
-    report = arms.compare_arms(results, settings)
+    if len(found) < 2:
+        missing = [name for name in arms.ARM_ORDER if name not in {arm.name for arm in found}]
+        print(
+            f"kvlens experiment: {args.out_dir} holds the arm(s) {', '.join(a.name for a in found)}; "
+            f"no report until another is run into it (--arms {','.join(missing)})",
+            file=sys.stderr,
+        )
+        return 0
+    report = arms.compare_arms(found, settings)
     if args.html:
         from kvlens.analysis import html_compare
 
@@ -158,8 +196,6 @@ def _quantization(args: argparse.Namespace) -> int:
     targets = quantization.Targets(args.slo_ttft, args.slo_itl, args.slo_attainment, args.long_context)
     if args.concurrency < 1:
         raise ExperimentError("--concurrency must be at least 1")
-    for each in endpoints.values():  # before any prompt is built
-        check_context(each, requests)
     rates = quantization.parse_rates(args.rates) if args.rates else None
     quantization.check_sweep(args.rate_sweep, args.sweep_doublings)
     if args.plot and not (rates or args.rate_sweep):
@@ -169,33 +205,77 @@ def _quantization(args: argparse.Namespace) -> int:
 
         check_path(args.plot)
         check_writable(args.plot)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    fixed = quantization.fixed_work(
-        endpoints,
+    sweep = None if args.rate_sweep is None else (args.rate_sweep, args.sweep_doublings)
+    plan = outdir.quantization_plan(
         requests,
-        prompts,
-        args.out_dir,
-        concurrency=args.concurrency,
         targets=targets,
+        block_size=block_size,
+        vocab_size=args.vocab_size,
+        seed=args.seed,
+        concurrency=args.concurrency,
         max_output_tokens=args.max_output_tokens,
+        rates=rates,
+        sweep=sweep,
     )
-    load = None
-    if rates or args.rate_sweep:
-        step = quantization.stepper(
-            endpoints, requests, prompts, args.out_dir, targets, args.max_output_tokens, args.seed
+    out = runs.out_dir(args, plan)
+    if args.dry_run:
+        planned = runs.planned_quantization(
+            list(endpoints),
+            requests,
+            concurrency=args.concurrency,
+            rates=rates,
+            sweep=sweep,
+            max_output_tokens=args.max_output_tokens,
+            seed=args.seed,
         )
-        load = (
-            quantization.rate_sweep(
-                step,
-                list(endpoints),
-                start=args.rate_sweep,
-                targets=targets,
-                max_doublings=args.sweep_doublings,
+        print(outdir.dry_run(out, planned), end="")
+        return 0
+    with out.open(endpoints), runs.resumable(out):  # a folder of another plan: refused first
+        for each in endpoints.values():  # before any prompt is built
+            check_context(each, requests)
+        quantization.fixed_work(
+            endpoints,
+            requests,
+            prompts,
+            args.out_dir,
+            concurrency=args.concurrency,
+            targets=targets,
+            max_output_tokens=args.max_output_tokens,
+            steps=out,
+        )
+        load = None
+        if rates or args.rate_sweep:
+            step = quantization.stepper(
+                endpoints,
+                requests,
+                prompts,
+                args.out_dir,
+                targets,
+                args.max_output_tokens,
+                args.seed,
+                steps=out,
             )
-            if args.rate_sweep
-            else quantization.run_rates(step, list(endpoints), rates or [], targets)
+            load = (
+                quantization.rate_sweep(
+                    step,
+                    list(endpoints),
+                    start=args.rate_sweep,
+                    targets=targets,
+                    max_doublings=args.sweep_doublings,
+                )
+                if args.rate_sweep
+                else quantization.run_rates(step, list(endpoints), rates or [], targets)
+            )
+        state = out.state() or {}
+        result = quantization.merged(
+            out.found(), list(state.get("endpoints", endpoints)), targets, (load or {}).get("sweep")
         )
-    result = quantization.report(fixed, load, targets, next(iter(endpoints)))
+    if len(result["fixed_work"] or {}) < 2:
+        print(
+            f"kvlens experiment: {args.out_dir} holds one endpoint so far; run the others into it "
+            "(--endpoint NAME=URL, the same --out-dir and plan) to compare",
+            file=sys.stderr,
+        )
     if args.plot:
         from kvlens.experiment.plot import write_plot
 
