@@ -266,6 +266,8 @@ def _quantization(args: argparse.Namespace) -> int:
                 if args.rate_sweep
                 else quantization.run_rates(step, list(endpoints), rates or [], targets)
             )
+        if sys.stderr.isatty():
+            print(file=sys.stderr)  # past the progress line
         state = out.state() or {}
         result = quantization.merged(
             out.found(), list(state.get("endpoints", endpoints)), targets, (load or {}).get("sweep")
