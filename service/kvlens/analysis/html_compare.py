@@ -6,8 +6,10 @@ It reads top-down as the article's question is asked: the verdict first (which a
 than the baseline for which prompt length x hit group, by how much, with its interval; how many
 requests did not benefit), then what it rests on (arms, files, records per arm, warm-up kept
 out), then one chart per metric (TTFT, queue, prefill) of each group's median delta against the
-baseline with its 95 % interval, the table with token reuse and compute saved beside the deltas,
-and the line that reuse is not speedup.
+baseline with its 95 % interval, the tables (first the paired one: requests matched by
+request_id, who waited less per arm x prompt length x outcome in the arm, baseline -> arm
+values; then the groups of the baseline with token reuse and compute saved beside each
+baseline -> arm value and its change), and the line that reuse is not speedup.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any, Final
 
-from kvlens.analysis import compare
+from kvlens.analysis import compare, per_request
 from kvlens.analysis.html_report import (
     LATENCY_CHARTS,
     STYLE,
@@ -78,6 +80,27 @@ def _verdict(result: dict[str, Any]) -> str:
     )
     items = "".join(f"<li>{html.escape(line)}</li>" for line in compare.verdict(result))
     return _section("verdict", "Verdict", f'<p class="lead">{lead}</p><ul class="findings">{items}</ul>')
+
+
+def _paired(result: dict[str, Any]) -> str:
+    """The paired answer (requests matched by request_id): the table first, then the requests
+    that did not benefit with their reason and cached tokens."""
+    section = result.get("paired")
+    if section is None:
+        return ""
+    baseline = result["baseline"]
+    notes = "".join(f"<li>{html.escape(line)}</li>" for line in per_request.lines(section, baseline))
+    out = (
+        '<h3 id="paired">Which requests waited less (paired by request)</h3>'
+        f'<ul class="findings">{notes}</ul>'
+        + _table(per_request.header({**section, "baseline": baseline}), per_request.rows(section))
+    )
+    listed = per_request.listed_rows(section)
+    if listed:
+        out += f"<h3>Requests that did not benefit (first {per_request.MAX_LISTED} per arm)</h3>" + _table(
+            per_request.LISTED_HEADER, listed
+        )
+    return out
 
 
 def _context(result: dict[str, Any]) -> str:
@@ -202,8 +225,10 @@ def _tables(result: dict[str, Any]) -> str:
         for arm, info in result["not_benefiting"].items()
         for e in info["examples"]
     ]
-    out = "<h3>By prompt length and cache status in the baseline</h3>" + _table(
-        compare.TABLE_HEADER, compare.table_rows(result)
+    out = (
+        _paired(result)
+        + "<h3>By prompt length and cache status in the baseline</h3>"
+        + _table(compare.table_header(result), compare.table_rows(result))
     )
     if examples:
         out += "<h3>Requests that did not benefit (first ten per arm)</h3>" + _table(EXAMPLE_HEADER, examples)

@@ -148,6 +148,28 @@ def scale_flags(sub: argparse.ArgumentParser) -> None:
     )
 
 
+def percentiles_flag(sub: argparse.ArgumentParser) -> None:
+    """``--percentiles`` (default 50,90,95,99), parsed by :func:`kvlens.stats.parse_percentiles`
+    for every command that takes it (compare, experiment prefix-cache, experiment quantization):
+    a bad list exits 2 with the rule it breaks."""
+    from kvlens import stats
+
+    def parse(text: str) -> tuple[float, ...]:
+        try:
+            return stats.parse_percentiles(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    sub.add_argument(
+        "--percentiles",
+        type=parse,
+        # a string default goes through `type` as typed text would (and shows as typed)
+        default=",".join(stats.percentile_name(q) for q in stats.DEFAULT_PERCENTILES),
+        metavar="P,P,...",
+        help="percentiles of every latency table, ascending, each above 0 and below 100",
+    )
+
+
 def engine_flag(sub: argparse.ArgumentParser) -> None:
     """``--engine`` of the commands that read records (chosen by ``analyze.choose_engine``)."""
     sub.add_argument(

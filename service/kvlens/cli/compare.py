@@ -9,7 +9,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvlens.cli.common import check_writable, engine_flag, examples, input_flags, scale_flags
+from kvlens.cli.common import (
+    check_writable,
+    engine_flag,
+    examples,
+    input_flags,
+    percentiles_flag,
+    scale_flags,
+)
 from kvlens.config import load_settings
 
 
@@ -39,6 +46,7 @@ def add_parser(commands: Any) -> None:
         "--warmup-until", type=_time, metavar="T", help="requests arriving before T are warm-up"
     )
     compare.add_argument("--html", type=Path, metavar="OUT", help="also write the report as one HTML file")
+    percentiles_flag(compare)
     compare.set_defaults(run=run)
 
 
@@ -85,13 +93,16 @@ def run(args: argparse.Namespace) -> int:
                 warmup=args.warmup,
                 warmup_until=args.warmup_until,
                 memory_limit=args.memory_limit or settings.analyze_memory_limit,
+                percentiles=args.percentiles,
             )
         else:
             arms = [
                 compare.load_arm(name, path, settings, format_name=args.input_format, model=args.model)
                 for name, path in specs
             ]
-            result = compare.compare(arms, warmup=args.warmup, warmup_until=args.warmup_until)
+            result = compare.compare(
+                arms, warmup=args.warmup, warmup_until=args.warmup_until, percentiles=args.percentiles
+            )
     except (compare.NoRecordsOfArm, compare.ArmsDiffer, compare.GroupTooLarge) as error:
         print(f"kvlens compare: {error}", file=sys.stderr)
         return 2

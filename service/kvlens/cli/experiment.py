@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlens.cli import outdir as runs
-from kvlens.cli.common import check_writable, examples
+from kvlens.cli.common import check_writable, examples, percentiles_flag
 from kvlens.cli.replay import (
     api_key,
     api_key_flags,
@@ -63,6 +63,7 @@ def add_parser(commands: Any) -> None:
     prefix.add_argument("--config", type=Path, help="YAML settings (prompt-length groups, cost models)")
     prefix.add_argument("--json", action="store_true", help="print the compare result as JSON")
     prefix.add_argument("--html", type=Path, metavar="OUT", help="also write the compare report as HTML")
+    percentiles_flag(prefix)
     prefix.set_defaults(run=_prefix_cache)
 
     quant = kinds.add_parser(
@@ -170,7 +171,7 @@ def _prefix_cache(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 0
-    report = arms.compare_arms(found, settings)
+    report = arms.compare_arms(found, settings, percentiles=args.percentiles)
     if args.html:
         from kvlens.analysis import html_compare
 

@@ -75,10 +75,26 @@ def traffic_flags(parser: argparse.ArgumentParser) -> None:
         help=f"the first N requests of the trace (default: all; {arms.SHARED_PREFIX}: 200)",
     )
     parser.add_argument("--groups", type=int, default=4, help=f"{arms.SHARED_PREFIX}: system prompts")
-    parser.add_argument("--prefix-tokens", type=int, default=1024, help=f"{arms.SHARED_PREFIX}: shared")
+    parser.add_argument(
+        "--prefix-tokens",
+        type=_token_counts,
+        default=",".join(str(n) for n in arms.SHARED_PREFIX_TOKENS),
+        metavar="N[,N...]",
+        help=f"{arms.SHARED_PREFIX}: each group's shared system prompt, cycled over the groups",
+    )
     parser.add_argument("--suffix-tokens", type=int, default=128, help=f"{arms.SHARED_PREFIX}: own")
     parser.add_argument("--output-tokens", type=int, default=32, help=f"{arms.SHARED_PREFIX}: output")
     parser.add_argument("--traffic-rate", type=float, default=4.0, help=f"{arms.SHARED_PREFIX}: per s")
+
+
+def _token_counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"token counts such as 256,1024,4096, not {text!r}") from None
+    if any(count < 0 for count in counts):
+        raise argparse.ArgumentTypeError(f"a token count is 0 or more, not {text!r}")
+    return counts
 
 
 def endpoint_flags(parser: argparse.ArgumentParser) -> None:

@@ -32,46 +32,56 @@ from kvlens.experiment.protocol import (
 )
 from kvlens.records import MAX_TOKENS
 from kvlens.simulate.trace import TraceRequest
+from kvlens.stats import DEFAULT_PERCENTILES
 
 log = logging.getLogger("kvlens.experiment")
 
 SHARED_PREFIX = "shared-prefix"  # the built-in trace's name on the command line
 SHARED_PREFIX_BLOCK = 16  # vLLM's block size
+# System prompts of three lengths by default, so that the report's rows span three prompt-length
+# groups of the default edges (0-511, 512-2047, 2048-8191 with the 128-token suffix): how much a
+# hit saves depends on how long the prefix is, which one length cannot show.
+SHARED_PREFIX_TOKENS = (256, 1024, 4096)
 
 
 @dataclass(frozen=True)
 class SharedPrefixTraffic:
-    """Groups of requests sharing a system prompt (``prefix_tokens``) and each adding its own
-    ``suffix_tokens``, arriving as a Poisson process at ``rate`` per second, a group drawn
-    uniformly for each: the article's workload in miniature."""
+    """Groups of requests sharing a system prompt and each adding its own ``suffix_tokens``,
+    arriving as a Poisson process at ``rate`` per second, a group drawn uniformly for each: the
+    article's workload in miniature. Group ``g``'s system prompt is ``prefix_tokens[g %
+    len(prefix_tokens)]`` tokens long (one number: every group alike)."""
 
     requests: int = 200
     groups: int = 4
-    prefix_tokens: int = 1024
+    prefix_tokens: tuple[int, ...] = SHARED_PREFIX_TOKENS
     suffix_tokens: int = 128
     output_tokens: int = 32
     rate: float = 4.0
     seed: int = 0
 
     def trace(self) -> list[TraceRequest]:
-        if min(self.requests, self.groups, self.output_tokens) < 1 or self.prefix_tokens < 0:
+        if not self.prefix_tokens:
+            raise ExperimentError("shared-prefix traffic needs a prefix length (0 or more tokens)")
+        if min(self.requests, self.groups, self.output_tokens) < 1 or min(self.prefix_tokens) < 0:
             raise ExperimentError("shared-prefix traffic needs requests, groups and output tokens >= 1")
         if self.suffix_tokens < 1:
             raise ExperimentError("shared-prefix traffic needs suffix tokens >= 1 (each prompt its own end)")
         if not (math.isfinite(self.rate) and self.rate > 0):
             raise ExperimentError("shared-prefix traffic needs a positive rate")
-        if self.prefix_tokens + self.suffix_tokens > MAX_TOKENS:  # a trace file's bound too
+        if max(self.prefix_tokens) + self.suffix_tokens > MAX_TOKENS:  # a trace file's bound too
             raise ExperimentError(f"shared-prefix traffic takes prompts of {MAX_TOKENS:,} tokens at most")
         rng = np.random.default_rng(self.seed)
         arrivals = np.cumsum(rng.exponential(1 / self.rate, self.requests)) - 1 / self.rate
         groups = rng.integers(0, self.groups, self.requests)
-        length = self.prefix_tokens + self.suffix_tokens
-        shared = self.prefix_tokens // SHARED_PREFIX_BLOCK
         requests = []
         for index in range(self.requests):
+            group = int(groups[index])
+            prefix = self.prefix_tokens[group % len(self.prefix_tokens)]
+            length = prefix + self.suffix_tokens
+            shared = prefix // SHARED_PREFIX_BLOCK
             # Keys stand for a block and its prefix: the group's blocks, then the request's own.
             own = length // SHARED_PREFIX_BLOCK - shared
-            keys = [(1 << 62) | (int(groups[index]) << 32) | i for i in range(shared)]
+            keys = [(1 << 62) | (group << 32) | i for i in range(shared)]
             keys += [(2 << 60) | (index << 24) | j for j in range(own)]
             requests.append(
                 TraceRequest(index, float(max(0.0, arrivals[index])), length, self.output_tokens, tuple(keys))
@@ -289,10 +299,12 @@ def arms_found(found: list[outdir.Found]) -> list[ArmResult]:
     return [arm_result(arms[name]) for name in ARM_ORDER if name in arms]
 
 
-def compare_arms(results: list[ArmResult], settings: Settings) -> dict[str, Any]:
+def compare_arms(
+    results: list[ArmResult], settings: Settings, *, percentiles: tuple[float, ...] = DEFAULT_PERCENTILES
+) -> dict[str, Any]:
     """``kvlens compare`` of the arms' measured windows, the first arm the baseline."""
     arms = [compare.load_arm(result.name, str(result.records), settings) for result in results]
-    report = compare.compare(arms)
+    report = compare.compare(arms, percentiles=percentiles)
     # the warm-up was replayed before the measured window and written to its own file: name it,
     # so the report says what warmed the cache and that it was not timed
     report["warmup_recorded_apart"] = {

@@ -405,7 +405,7 @@ class Api:
         deadline = loop.time() + limits.deadline_seconds
         raw = bytearray()
         with self._arriving.admit() as admitted:
-            if not admitted:
+            if admitted is None:
                 raise ApiError("too many request bodies arriving; retry", status=503)
             try:
                 while True:
