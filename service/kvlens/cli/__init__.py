@@ -54,6 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     serving = argv[:2] == ["simulate", "serve"]
     args = parser_of(argv).parse_args(argv[2:] if serving else argv)
+    args.argv = argv  # a command that can be resumed names itself (kvlens experiment)
     try:
         configure_logging(args)
     except SettingsError as error:

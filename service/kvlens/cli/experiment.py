@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlens.analysis import run_facts
+from kvlens.cli import outdir as runs
 from kvlens.cli.common import examples, make_room_for, percentiles_flag, print_report
 from kvlens.cli.replay import (
     api_key,
@@ -19,7 +20,6 @@ from kvlens.cli.replay import (
     endpoint_flags,
     error_rate_flag,
     failure_exit,
-    progress_line,
     pusher,
     read_requests,
     setup,
@@ -28,11 +28,11 @@ from kvlens.cli.replay import (
     traffic_flags,
 )
 from kvlens.config import Settings, load_settings
-from kvlens.experiment import reports
+from kvlens.experiment import outdir, reports
 from kvlens.experiment import run as arms
 from kvlens.experiment.client import Endpoint
 from kvlens.experiment.prompts import PromptSynthesizer
-from kvlens.experiment.protocol import ExperimentError, check_context
+from kvlens.experiment.protocol import ExperimentError, check_context, check_reachable
 
 
 def add_parser(commands: Any) -> None:
@@ -56,7 +56,14 @@ def add_parser(commands: Any) -> None:
     trace_flags(prefix)
     endpoint_flags(prefix)
     prefix.add_argument("--off-endpoint", metavar="URL", help="the same model served without prefix caching")
+    prefix.add_argument(
+        "--arms",
+        metavar="LIST",
+        help="the arms this run adds to --out-dir, comma-separated (off runs against --off-endpoint, or "
+        "--endpoint when alone; default: off,cold,warm with --off-endpoint, else cold,warm)",
+    )
     prefix.add_argument("--out-dir", type=Path, required=True, help="where the arms' records go")
+    runs.run_flags(prefix)
     prefix.add_argument("--config", type=Path, help="YAML settings (prompt-length groups, cost models)")
     prefix.add_argument("--json", action="store_true", help="print the compare result as JSON")
     prefix.add_argument("--html", type=Path, metavar="OUT", help="also write the compare report as HTML")
@@ -81,12 +88,14 @@ def add_parser(commands: Any) -> None:
         action="append",
         required=True,
         metavar="NAME=URL",
-        help="an endpoint to compare, twice or more; the first is the baseline",
+        help="an endpoint to run into --out-dir (repeatable; others may be run into it later); "
+        "the first run into it is the baseline",
     )
     quant.add_argument("--model", required=True, help="the served model name (the same on every endpoint)")
     api_key_flags(quant)
     quant.add_argument("--timeout", type=float, default=600, help="seconds one request may take")
     quant.add_argument("--out-dir", type=Path, required=True, help="where each run's records go")
+    runs.run_flags(quant)
     quant.add_argument("--concurrency", type=int, default=8, help="experiment 1: requests in flight")
     load = quant.add_mutually_exclusive_group()
     load.add_argument("--rates", help="experiment 2: requests per second, comma-separated (none: skip)")
@@ -118,39 +127,78 @@ def _prefix_cache(args: argparse.Namespace) -> int:
     reports.check_error_rate(args.max_error_rate)
     window, prompts, schedule = setup(args, warms=True)
     settings = load_settings(args.config)
+    selected = runs.arms_of(args)
+    plan = outdir.prefix_cache_plan(
+        window,
+        schedule,
+        block_size=prompts.block_size,
+        vocab_size=args.vocab_size,
+        max_concurrency=args.max_concurrency,
+        api=args.api,
+    )
+    out = runs.out_dir(args, plan)
+    if args.dry_run:
+        print(outdir.dry_run(out, runs.planned_arms(selected, window, schedule)), end="")
+        return 0
     args.out_dir.mkdir(parents=True, exist_ok=True)  # first: --html may be inside it
     make_room_for(args.html)  # before the arms run, not after
-    with pusher(args.push) as push:
+    off = args.off_endpoint or args.endpoint  # the off arm alone may run against --endpoint
+    treated, untreated = endpoint(args, args.endpoint), endpoint(args, off) if "off" in selected else None
+    for each in (treated, untreated):  # served and able to take the trace, before the out-dir is written
+        if each is not None:
+            check_reachable(each)
+            check_context(each, [*window.warmup, *window.measure])
+    with out.open(selected), runs.resumable(out), pusher(args.push) as push:
         results, warnings = arms.prefix_cache_experiment(
-            endpoint(args, args.endpoint),
-            endpoint(args, args.off_endpoint) if args.off_endpoint else None,
+            treated,
+            untreated,
             window,
             args.out_dir,
             prompts,
             schedule,
             assume_empty=args.assume_empty,
             push=push,
-            progress=progress_line,
+            progress=out.progress,
+            only=selected,
+            steps=out,
         )
+        found = arms.arms_found(out.found())
     if sys.stderr.isatty():
         print(file=sys.stderr)
     for result in results:
-        print(summary(result), file=sys.stderr)
+        kept = any(step.name == result.name for step in out.kept)
+        print(
+            f"arm {result.name}: kept from an earlier run: {result.records}" if kept else summary(result),
+            file=sys.stderr,
+        )
     for warning in warnings:
         print(f"kvlens experiment: {warning}", file=sys.stderr)
-    return _prefix_cache_report(args, results, settings)
+    ran = [run for result in results for run in arm_failures(result)]  # this run's arms are judged
+    if len(found) < 2:
+        missing = [name for name in arms.ARM_ORDER if name not in {arm.name for arm in found}]
+        print(
+            f"kvlens experiment: {args.out_dir} holds the arm(s) {', '.join(a.name for a in found)}; "
+            f"no report until another is run into it (--arms {','.join(missing)})",
+            file=sys.stderr,
+        )
+        return failure_exit("experiment", ran, args.max_error_rate)
+    return _prefix_cache_report(args, found, ran, settings)
 
 
-def _prefix_cache_report(args: argparse.Namespace, results: list[arms.ArmResult], settings: Settings) -> int:
-    """The compare report of the arms, into the out-dir (and --html) and printed; the exit code
-    from the arms' failures, once the report is written."""
+def _prefix_cache_report(
+    args: argparse.Namespace,
+    found: list[arms.ArmResult],
+    ran: list[tuple[str, dict[str, Any] | None]],
+    settings: Settings,
+) -> int:
+    """The compare report of every arm in the out-dir, into it (and --html) and printed; the exit
+    code from the failures of the arms this run ran (``ran``), once the report is written."""
     from kvlens.analysis import compare, html_compare
 
-    runs = [run for result in results for run in arm_failures(result)]
     try:
-        report = arms.compare_arms(results, settings, percentiles=args.percentiles)
+        report = arms.compare_arms(found, settings, percentiles=args.percentiles)
     except (compare.ArmsDiffer, compare.NoRecordsOfArm, compare.GroupTooLarge) as error:
-        failed = failure_exit("experiment", runs, args.max_error_rate)  # maybe why the arms differ
+        failed = failure_exit("experiment", ran, args.max_error_rate)  # maybe why the arms differ
         if not failed:
             raise ExperimentError(f"no report: {error}") from None
         print(f"kvlens experiment: no report: {error}", file=sys.stderr)
@@ -163,7 +211,7 @@ def _prefix_cache_report(args: argparse.Namespace, results: list[arms.ArmResult]
         print(json.dumps(report, indent=2))
     else:  # as kvlens compare: a table at a terminal, Markdown into a file
         print_report(compare.markdown(report), lambda: compare.terminal(report))
-    return failure_exit("experiment", runs, args.max_error_rate)
+    return failure_exit("experiment", ran, args.max_error_rate)
 
 
 def _quantization(args: argparse.Namespace) -> int:
@@ -178,8 +226,6 @@ def _quantization(args: argparse.Namespace) -> int:
     targets = quantization.Targets(args.slo_ttft, args.slo_itl, args.slo_attainment, args.long_context)
     if args.concurrency < 1:
         raise ExperimentError("--concurrency must be at least 1")
-    for each in endpoints.values():  # before any prompt is built
-        check_context(each, requests)
     rates = quantization.parse_rates(args.rates) if args.rates else None
     quantization.check_sweep(args.rate_sweep, args.sweep_doublings)
     if args.plot and not (rates or args.rate_sweep):
@@ -188,42 +234,91 @@ def _quantization(args: argparse.Namespace) -> int:
         from kvlens.experiment.plot import check_path
 
         check_path(args.plot)
+    sweep = None if args.rate_sweep is None else (args.rate_sweep, args.sweep_doublings)
+    plan = outdir.quantization_plan(
+        requests,
+        targets=targets,
+        block_size=block_size,
+        vocab_size=args.vocab_size,
+        seed=args.seed,
+        concurrency=args.concurrency,
+        max_output_tokens=args.max_output_tokens,
+        rates=rates,
+        sweep=sweep,
+    )
+    out = runs.out_dir(args, plan)
+    if args.dry_run:
+        planned = runs.planned_quantization(
+            list(endpoints),
+            requests,
+            concurrency=args.concurrency,
+            rates=rates,
+            sweep=sweep,
+            max_output_tokens=args.max_output_tokens,
+            seed=args.seed,
+        )
+        print(outdir.dry_run(out, planned), end="")
+        return 0
     args.out_dir.mkdir(parents=True, exist_ok=True)  # first: --plot may be inside it
     make_room_for(args.plot)
-    fixed = quantization.fixed_work(
-        endpoints,
-        requests,
-        prompts,
-        args.out_dir,
-        concurrency=args.concurrency,
-        targets=targets,
-        max_output_tokens=args.max_output_tokens,
-    )
-    load = None
-    if rates or args.rate_sweep:
-        step = quantization.stepper(
-            endpoints, requests, prompts, args.out_dir, targets, args.max_output_tokens, args.seed
+    for each in endpoints.values():  # before any prompt is built and the out-dir is written
+        check_reachable(each)
+        check_context(each, requests)
+    with out.open(endpoints), runs.resumable(out):  # a folder of another plan: refused first
+        quantization.fixed_work(
+            endpoints,
+            requests,
+            prompts,
+            args.out_dir,
+            concurrency=args.concurrency,
+            targets=targets,
+            max_output_tokens=args.max_output_tokens,
+            steps=out,
         )
-        load = (
-            quantization.rate_sweep(
-                step,
-                list(endpoints),
-                start=args.rate_sweep,
-                targets=targets,
-                max_doublings=args.sweep_doublings,
+        load = None
+        if rates or args.rate_sweep:
+            step = quantization.stepper(
+                endpoints,
+                requests,
+                prompts,
+                args.out_dir,
+                targets,
+                args.max_output_tokens,
+                args.seed,
+                steps=out,
             )
-            if args.rate_sweep
-            else quantization.run_rates(step, list(endpoints), rates or [], targets)
+            load = (
+                quantization.rate_sweep(
+                    step,
+                    list(endpoints),
+                    start=args.rate_sweep,
+                    targets=targets,
+                    max_doublings=args.sweep_doublings,
+                )
+                if args.rate_sweep
+                else quantization.run_rates(step, list(endpoints), rates or [], targets)
+            )
+        if sys.stderr.isatty():
+            print(file=sys.stderr)  # past the progress line
+        state = out.state() or {}
+        result = quantization.merged(
+            out.found(), list(state.get("endpoints", endpoints)), targets, (load or {}).get("sweep")
         )
-    result = quantization.report(fixed, load, targets, next(iter(endpoints)))
-    # each step's records file an arm of its own: its failures counted as prefix-cache arms' are
+    if len(result["fixed_work"] or {}) < 2:
+        print(
+            f"kvlens experiment: {args.out_dir} holds one endpoint so far; run the others into it "
+            "(--endpoint NAME=URL, the same --out-dir and plan) to compare",
+            file=sys.stderr,
+        )
+    # each finished step's records file an arm of its own: its failures counted as prefix-cache
+    # arms' are (the folder holds only this plan's steps: plan.json refuses any other)
     steps = [*sorted(args.out_dir.glob("fixed-*.jsonl")), *sorted(args.out_dir.glob("rate-*.jsonl"))]
     result["errors"] = {path.stem: run_facts.errors_in(str(path), None) for path in steps}
     text = reports.with_facts(quantization.text(result), result)
     reports.write_reports(
         args.out_dir,
         markdown=text,
-        page=reports.text_page(f"kvlens quantization: {', '.join(endpoints)}", text),
+        page=reports.text_page(f"kvlens quantization: {', '.join(result['fixed_work'] or endpoints)}", text),
         report=result,
     )
     if args.plot:

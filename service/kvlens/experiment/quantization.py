@@ -33,11 +33,11 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvlens.errors import ScrapeError
-from kvlens.experiment import calls
+from kvlens.experiment import calls, outdir
 from kvlens.experiment.client import MEASURE, Endpoint, Planned, Progress, RecordWriter, replay
 from kvlens.experiment.prompts import PromptSynthesizer
 from kvlens.experiment.protocol import ExperimentError, check_reachable, reset_cache
-from kvlens.experiment.run import Schedule
+from kvlens.experiment.run import Schedule, with_progress
 from kvlens.simulate.trace import TraceRequest
 from kvlens.sources.vllm_metrics import MAX_LINE_CHARS, longest_line
 from kvlens.terminal import NARROWEST, wrap, wrapped
@@ -83,21 +83,37 @@ def fixed_work(
     concurrency: int,
     targets: Targets,
     max_output_tokens: int | None = None,
+    steps: outdir.OutDir | None = None,
 ) -> dict[str, Any]:
     """Experiment 1: every request, ``concurrency`` in flight (each starts when one ends), per
-    endpoint (cache emptied first where it can be); per endpoint x context group the medians."""
+    endpoint (cache emptied first where it can be); per endpoint x context group the medians.
+    A step finished in ``steps`` (the out-dir of a resumed run) is read, not run."""
     planned = [Planned(r, 0.0, _output(r, max_output_tokens), MEASURE) for r in requests]
     result: dict[str, Any] = {}
+    runs = _steps_in(out_dir, steps)
     for endpoint in endpoints.values():
         check_reachable(endpoint)
     for name, endpoint in endpoints.items():
-        reset_cache(endpoint)
         # All due at once through `concurrency` slots: each request starts when one ends.
         closed = dataclasses.replace(endpoint, max_concurrency=concurrency, late_after_seconds=math.inf)
-        path = out_dir / f"fixed-{name}.jsonl"
-        records = _run(path, name, planned, closed, prompts)
-        result[name] = {group: _latency(rows) for group, rows in _by_context(records, targets).items()}
+
+        def body(staged: Path, name: str = name, closed: Endpoint = closed) -> dict[str, Any]:
+            reset_cache(closed)
+            _run(staged, name, planned, closed, prompts, runs.progress, f"fixed-{name}")
+            return {}
+
+        found = runs.run(outdir.Step(f"fixed-{name}", name, "fixed"), body)
+        result[name] = _fixed_row(_read(found.records), targets)
     return result
+
+
+def _fixed_row(records: list[dict[str, Any]], targets: Targets) -> dict[str, Any]:
+    return {group: _latency(rows) for group, rows in _by_context(records, targets).items()}
+
+
+def _steps_in(out_dir: Path, steps: outdir.OutDir | None) -> outdir.OutDir:
+    """The run's out-dir, or one that runs every step (no plan, no lock: a caller of its own)."""
+    return steps or outdir.OutDir(out_dir, outdir.Plan("quantization", {}), restart=True)
 
 
 def rising_load(
@@ -206,9 +222,12 @@ def stepper(
     max_output_tokens: int | None = None,
     seed: int = 0,
     scrape_seconds: float = 0.5,
+    steps: outdir.OutDir | None = None,
 ) -> Callable[[float], dict[str, dict[str, Any]]]:
     """One step of experiment 2 at a rate: the same arrivals on each endpoint in turn (cache
-    emptied first), its records in ``out_dir/rate-R-NAME.jsonl``."""
+    emptied first), its records in ``out_dir/rate-R-NAME.jsonl`` and the engine's sample in its
+    ``.step.json`` (a step finished in ``steps`` is read from them, not run)."""
+    runs = _steps_in(out_dir, steps)
     for endpoint in endpoints.values():
         check_reachable(endpoint)
 
@@ -217,14 +236,68 @@ def stepper(
         planned = schedule.planned(requests, MEASURE)
         rows = {}
         for name, endpoint in endpoints.items():
-            reset_cache(endpoint)
-            path = out_dir / f"rate-{rate:g}-{name}.jsonl"
-            with _engine_sampler(endpoint, scrape_seconds) as sample:
-                records = _run(path, f"{name}@{rate:g}", planned, endpoint, prompts)
-            rows[name] = _step(rate, records, sample, targets)
+
+            def body(staged: Path, name: str = name, endpoint: Endpoint = endpoint) -> dict[str, Any]:
+                reset_cache(endpoint)
+                with _engine_sampler(endpoint, scrape_seconds) as sample:
+                    _run(staged, f"{name}@{rate:g}", planned, endpoint, prompts, runs.progress, staged.stem)
+                return {"sample": dataclasses.asdict(sample)}
+
+            found = runs.run(rate_step(rate, name), body)
+            rows[name] = _rate_row(found, targets)
         return rows
 
     return step
+
+
+def rate_step(rate: float, name: str) -> outdir.Step:
+    return outdir.Step(f"rate-{rate:g}-{name}", name, "rate", rate)
+
+
+def _rate_row(found: outdir.Found, targets: Targets) -> dict[str, Any]:
+    sample = EngineSample(**found.meta.get("sample", {}))
+    return _step(float(found.meta["rate"]), _read(found.records), sample, targets)
+
+
+def merged(
+    found: list[outdir.Found], names: list[str], targets: Targets, sweep: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The report over every endpoint's finished steps in an out-dir (``names`` in the order
+    they were first run: the first is the baseline), whichever run made each step. A sweep run one
+    endpoint at a time doubles per endpoint: its halfway rates and the endpoints that never fell
+    under are taken from every endpoint's steps, its stop from the last run."""
+    names = [*names, *sorted({f.step.endpoint for f in found} - set(names))]
+    fixed = {
+        name: _fixed_row(_read(f.records), targets)
+        for name in names
+        for f in found
+        if f.step.kind == "fixed" and f.step.endpoint == name
+    }
+    steps = {name: [f for f in found if f.step.kind == "rate" and f.step.endpoint == name] for name in names}
+    load = None
+    if any(steps.values()):
+        rows = {
+            name: sorted((_rate_row(f, targets) for f in each), key=lambda row: float(row["rate"]))
+            for name, each in steps.items()
+            if each
+        }
+        load = load_result(rows, targets)
+        if sweep is not None:
+            ladder = {sweep["start"] * 2**k for k in range(sweep["max_doublings"] + 1)}
+            load["sweep"] = {
+                **sweep,
+                "bisected": sorted({row["rate"] for each in rows.values() for row in each} - ladder),
+                "never_fell_under": [
+                    name
+                    for name, each in rows.items()
+                    if all(r["attainment"] >= targets.attainment for r in each)
+                ],
+            }
+    return report(fixed or None, load, targets, names[0])
+
+
+def _read(path: Path) -> list[dict[str, Any]]:
+    return [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
 
 
 def load_result(steps: dict[str, list[dict[str, Any]]], targets: Targets) -> dict[str, Any]:
@@ -255,15 +328,25 @@ def _output(request: TraceRequest, cap: int | None) -> int:
 
 
 def _run(
-    path: Path, arm: str, planned: list[Planned], endpoint: Endpoint, prompts: PromptSynthesizer
-) -> list[dict[str, Any]]:
+    path: Path,
+    arm: str,
+    planned: list[Planned],
+    endpoint: Endpoint,
+    prompts: PromptSynthesizer,
+    progress: Callable[[str, Progress, int], None] | None = None,
+    label: str = "",
+) -> None:
     try:
         out = path.open("wb")
     except OSError as error:
         raise ExperimentError(f"cannot write {path}: {error.strerror or error}") from None
     with out:
-        asyncio.run(replay(planned, prompts, endpoint, arm, RecordWriter(out), Progress()))
-    return [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
+        state = Progress()
+        task = replay(planned, prompts, endpoint, arm, RecordWriter(out), state)
+        if progress is None:
+            asyncio.run(task)
+        else:
+            asyncio.run(with_progress(task, lambda: progress(label or arm, state, len(planned))))
 
 
 def _by_context(records: list[dict[str, Any]], targets: Targets) -> dict[str, list[dict[str, Any]]]:
@@ -453,7 +536,7 @@ def _engine_values(text: str) -> dict[str, float]:
 
 
 def endpoints_from(specs: list[str], make: Callable[[str], Endpoint]) -> dict[str, Endpoint]:
-    """``NAME=URL`` pairs, in order (the first is the baseline)."""
+    """``NAME=URL`` pairs, in order (the first run into an out-dir is the baseline)."""
     endpoints: dict[str, Endpoint] = {}
     for spec in specs:
         name, separator, url = spec.partition("=")
@@ -463,10 +546,8 @@ def endpoints_from(specs: list[str], make: Callable[[str], Endpoint]) -> dict[st
         if name in endpoints:
             raise ExperimentError(f"--endpoint {name!r} is given twice")
         endpoints[name] = make(url)
-    if len(endpoints) < 2:
-        raise ExperimentError(
-            "the quantization experiment compares two or more endpoints (--endpoint NAME=URL)"
-        )
+    if not endpoints:  # one is enough: the others may be run into the same --out-dir later
+        raise ExperimentError("the quantization experiment takes an endpoint (--endpoint NAME=URL)")
     return endpoints
 
 

@@ -4,9 +4,10 @@ prefix-cache experiment's three arms handed to ``analysis/compare``."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import orjson
 
 from kvlens.analysis import compare, run_facts
 from kvlens.config import Settings
+from kvlens.experiment import outdir
 from kvlens.experiment.client import MEASURE, WARMUP, Endpoint, Planned, Progress, RecordWriter, replay
 from kvlens.experiment.prompts import PromptSynthesizer
 from kvlens.experiment.protocol import (
@@ -198,7 +200,7 @@ def _replay_into(
         if progress is None:
             asyncio.run(task)
         else:
-            asyncio.run(_with_progress(task, lambda: progress(f"{arm} {phase}", state, len(planned))))
+            asyncio.run(with_progress(task, lambda: progress(f"{arm} {phase}", state, len(planned))))
     _in_trace_order(path)
     return state
 
@@ -213,7 +215,7 @@ def _in_trace_order(path: Path) -> None:
     staged.replace(path)
 
 
-async def _with_progress(task: Any, show: Callable[[], None]) -> None:
+async def with_progress(task: Any, show: Callable[[], None]) -> None:
     running = asyncio.ensure_future(task)
     while not running.done():
         show()
@@ -233,35 +235,68 @@ def prefix_cache_experiment(
     assume_empty: bool = False,
     push: Callable[[dict[str, Any]], None] | None = None,
     progress: Callable[[str, Progress, int], None] | None = None,
+    only: Collection[str] | None = None,
+    steps: outdir.OutDir | None = None,
 ) -> tuple[list[ArmResult], list[str]]:
-    """Off (when an endpoint without prefix caching is given), cold, then warm, in that order,
-    each into ``out_dir/ARM.jsonl``; the warnings to show (an off arm that hit the cache)."""
-    for each in (endpoint, off_endpoint):
-        if each is not None:  # both, before any arm runs
-            check_reachable(each)
-            check_context(each, [*window.warmup, *window.measure])
-    results, warnings = [], []
+    """Off (when an endpoint without prefix caching is given), cold, then warm, in that order
+    (those in ``only``, when given), each into ``out_dir/ARM.jsonl``; the warnings to show (an off
+    arm that hit the cache). An arm finished in ``steps`` (a resumed out-dir) is read, not run."""
     arms: list[tuple[str, Endpoint, bool]] = [("cold", endpoint, False), ("warm", endpoint, True)]
     if off_endpoint is not None:
         arms.insert(0, ("off", off_endpoint, False))
+    arms = [arm for arm in arms if only is None or arm[0] in only]
+    for each in dict.fromkeys(target for _, target, _ in arms):  # every endpoint, before any arm
+        check_reachable(each)
+        check_context(each, [*window.warmup, *window.measure])
+    runs = steps or outdir.OutDir(out_dir, outdir.Plan("prefix-cache", {}), restart=True)
+    results, warnings = [], []
+    ran_now: dict[str, ArmResult] = {}
     for name, target, warm in arms:
-        result = run_arm(
-            name,
-            target,
-            window,
-            out_dir / f"{name}.jsonl",
-            prompts,
-            schedule,
-            reset=name != "off",
-            assume_empty=assume_empty,
-            warm=warm,
-            push=push,
-            progress=progress,
-        )
+
+        def body(
+            staged: Path, name: str = name, target: Endpoint = target, warm: bool = warm
+        ) -> dict[str, Any]:
+            ran = run_arm(
+                name,
+                target,
+                window,
+                staged,
+                prompts,
+                schedule,
+                reset=name != "off",
+                assume_empty=assume_empty,
+                warm=warm,
+                push=push,
+                progress=progress,
+            )
+            ran_now[name] = ran
+            warmup = [ran.warmup_records.name] if ran.warmup_records else []
+            return {"files": warmup, "reset": ran.reset, "requests": ran.progress.done}
+
+        found = runs.run(outdir.Step(name, name, "arm"), body)
+        result = arm_result(found)
+        if name in ran_now:  # this run's counts, with the files where the step left them
+            result = dataclasses.replace(result, progress=ran_now[name].progress, warmup=ran_now[name].warmup)
         if name == "off" and (warning := off_check(result)):
             warnings.append(warning)
         results.append(result)
     return results, warnings
+
+
+ARM_ORDER = ("off", "cold", "warm")  # the protocol's order: the first present is the baseline
+
+
+def arm_result(found: outdir.Found) -> ArmResult:
+    """A finished arm as its files say (its counts are in its records)."""
+    files = found.meta.get("files") or []
+    warmup = found.records.with_name(files[0]) if files else None
+    return ArmResult(found.step.name, found.records, Progress(), warmup, None, found.meta.get("reset"))
+
+
+def arms_found(found: list[outdir.Found]) -> list[ArmResult]:
+    """Every arm finished in an out-dir, whichever run made it, in the protocol's order."""
+    arms = {f.step.name: f for f in found if f.step.kind == "arm"}
+    return [arm_result(arms[name]) for name in ARM_ORDER if name in arms]
 
 
 def compare_arms(
