@@ -26,6 +26,15 @@ over the case's), with their spread; CPU seconds are the process's, all threads)
   on an index of ``--held`` blocks, and the process's RSS growth per million blocks held (goal:
   <= 48 bytes each);
 - ``/metrics``: rendering the KV families of that index (goal: < 50 ms).
+
+``--worst-case`` instead runs a real ``kvlens serve --kv-events`` (the caps from the environment,
+else the defaults) against one publisher on 127.0.0.1 sending the adversarial pattern: distinct
+blocks to ``--fill`` (default 1.2 x the held cap), AllBlocksCleared, as many more, AllBlocksCleared,
+then ``--restore`` hashes stored twice into each of the 4 tiers with no removal in between, and a
+last AllBlocksCleared. After each phase it prints the process's RSS and peak (VmHWM), the index
+memory gauge, the blocks held and untracked; during each clear a thread scrapes ``/metrics``
+back to back, and the longest scrape is printed beside the clear's duration. Run it with
+``PYTHONPATH`` pointing at another checkout for a baseline.
 """
 
 from __future__ import annotations
@@ -34,9 +43,12 @@ import argparse
 import gc
 import os
 import statistics
+import sys
+import threading
 import time
 import tracemalloc
 from collections.abc import Callable
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -45,10 +57,19 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from kvlens.exporter.collector import _kv_families
-from kvlens.fleet.index import FleetIndex
+from kvlens.fleet.index import MAX_HELD_BLOCKS, TIERS, FleetIndex
+from kvlens.fleet.publisher import EventPublisher
 from kvlens.fleet.simulated import SimulatedEngine
 from kvlens.fleet.source import Consumer, KVEvents, Publisher
-from kvlens.fleet.wire import BlockRemoved, BlockStored, Event, KVEventBatch, apply, decode_batch
+from kvlens.fleet.wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    KVEventBatch,
+    apply,
+    decode_batch,
+)
 from kvlens.simulate.run import Fleet, simulate
 from kvlens.simulate.trace import BUNDLED, MOONCAKE, Trace
 
@@ -214,6 +235,137 @@ def render_seconds(index: FleetIndex, replicas: int) -> float:
     return timed(lambda: generate_latest(registry), 5)
 
 
+WORST_BATCH = 4096  # blocks a BlockStored: a payload well under the compiled reader's 1 MiB
+
+
+def _status_mib(pid: int, field: str) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise KeyError(field)
+
+
+class _Scraper:
+    """/metrics back to back on a thread: each scrape's duration, and the latest samples."""
+
+    def __init__(self, url: str) -> None:
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        self._get = lambda: httpx.get(f"{url}/metrics", timeout=60).text
+        self._parse = text_string_to_metric_families
+        self.longest = 0.0
+        self.scrapes = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def value(self, name: str) -> float:
+        return sum(s.value for f in self._parse(self._get()) for s in f.samples if s.name == name)
+
+    def start(self) -> None:
+        self.longest, self.scrapes = 0.0, 0
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            began = time.perf_counter()
+            self._get()
+            self.longest = max(self.longest, time.perf_counter() - began)
+            self.scrapes += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+def worst_case(fill: int, restore: int) -> None:
+    """See the module's docstring."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import json
+
+    from tests.live import free_port, start_kvlens
+
+    port = free_port()
+    publisher = EventPublisher(f"tcp://127.0.0.1:{port}", buffer_steps=1)
+    env = {"KVLENS_KV_EVENTS": json.dumps([{"name": "r0", "endpoint": publisher.endpoint}])}
+    sidecar = start_kvlens("serve", env=env, start_seconds=120)
+    scraper = _Scraper(sidecar.url)
+    pid = sidecar.process.pid
+    sent = 0
+    next_hash = 1 << 20
+
+    def send(events: list[Event]) -> None:
+        nonlocal sent
+        publisher.publish_events(events)
+        sent += 1
+        if sent % 64 == 0:  # paced: kvlens never more than 64 messages behind (no drops)
+            while scraper.value("kvlens_kv_event_batches_total") < sent - 64:
+                time.sleep(0.05)
+
+    def settle() -> None:
+        while scraper.value("kvlens_kv_event_batches_total") < sent:
+            time.sleep(0.05)
+
+    def stored(first: int, count: int, medium: str) -> None:
+        for start in range(first, first + count, WORST_BATCH):
+            hashes = list(range(start, min(start + WORST_BATCH, first + count)))
+            send([BlockStored(hashes, None, hashes, 1, None, medium, None)])
+
+    def report(phase: str) -> None:
+        settle()
+        print(
+            f"{phase}: RSS {_status_mib(pid, 'VmRSS'):,.0f} MiB, "
+            f"peak (VmHWM) {_status_mib(pid, 'VmHWM'):,.0f} MiB, "
+            f"kvlens_kv_index_memory_bytes {scraper.value('kvlens_kv_index_memory_bytes') / 2**20:,.0f} MiB, "
+            f"blocks held {scraper.value('kvlens_kv_blocks_held'):,.0f}, "
+            f"untracked {scraper.value('kvlens_kv_untracked_blocks_total'):,.0f}, "
+            f"remembered {scraper.value('kvlens_kv_remembered_blocks'):,.0f}",
+            flush=True,
+        )
+
+    def clear(phase: str) -> None:
+        settle()
+        removed = scraper.value("kvlens_kv_blocks_removed_total") + scraper.value("kvlens_kv_blocks_held")
+        scraper.start()  # the baseline: scrapes with nothing to do, on this machine now
+        time.sleep(3)
+        scraper.stop()
+        idle = scraper.longest
+        scraper.start()
+        began = time.perf_counter()
+        send([AllBlocksCleared()])
+        while scraper.value("kvlens_kv_blocks_removed_total") < removed:
+            time.sleep(0.01)
+        took = time.perf_counter() - began
+        scraper.stop()
+        print(
+            f"  {phase}: the clear took {took:.2f} s; {scraper.scrapes} scrapes meanwhile, "
+            f"the longest {scraper.longest * 1e3:,.0f} ms (idle just before: {idle * 1e3:,.0f} ms)",
+            flush=True,
+        )
+        report(phase)
+
+    try:
+        publisher.wait_subscribed(60)
+        print(f"kvlens serve --kv-events (pid {pid}), caps from the environment or the defaults", flush=True)
+        report("started")
+        for round_ in (1, 2):
+            stored(next_hash, fill, "GPU")
+            next_hash += fill
+            report(f"filled {fill:,} distinct blocks ({round_})")
+            clear(f"cleared ({round_})")
+        for tier in TIERS:
+            for _ in range(2):
+                stored(next_hash, restore, tier)
+        report(f"{restore:,} hashes stored twice in each of {len(TIERS)} tiers")
+        clear("cleared (3)")
+    finally:
+        publisher.close()
+        sidecar.output()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -223,7 +375,13 @@ def main() -> None:
     parser.add_argument("--block-tokens", type=int, default=16)
     parser.add_argument("--held", type=int, default=1_000_000, help="blocks held for the memory figure")
     parser.add_argument("--repeat", type=int, default=7, help="rounds (each case just after a bare decode)")
+    parser.add_argument("--worst-case", action="store_true", help="the memory worst case of kvlens serve")
+    parser.add_argument("--fill", type=int, default=MAX_HELD_BLOCKS * 6 // 5, help="distinct blocks a fill")
+    parser.add_argument("--restore", type=int, default=2_000_000, help="hashes re-stored across the tiers")
     args = parser.parse_args()
+    if args.worst_case:
+        worst_case(args.fill, args.restore)
+        return
 
     FleetIndex()  # numba's loops loaded (or compiled) once, before any round is timed
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

@@ -36,7 +36,8 @@ What runs at once, all against one sidecar on loopback:
   OpenAI-compatible endpoint on loopback, in turn: /v1/models, /metrics, then
   /reset_prefix_cache answering their head a byte every 2 s, /metrics a gzip bomb, a stream of
   ``"choices": 5`` chunks. Each replay must end within 60 s (else killed), peak under 500 MiB
-  RSS (else killed), and end in a report or a clear error, not a traceback.
+  RSS (else killed), and end in a report or a clear error (exit 2; or exit 1 or 2 naming its
+  arm's failures past --max-error-rate), not a traceback.
 
 It prints records sent vs counted, RSS at start (after warm-up), end and peak, the event loop's
 lag p99 (kvlens_event_loop_lag_seconds), 5xx answers, scrape p99 and /healthz p99, and each new

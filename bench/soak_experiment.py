@@ -186,7 +186,9 @@ def replay(variant: str, url: str, workdir: Path, number: int) -> ReplayRun:
     text = out.read_text(errors="replace") + err.read_text(errors="replace")
     lines = [line for line in text.splitlines() if line.strip()]
     report = next((line for line in lines if line.startswith("arm soak:")), None)
-    error = next((line for line in lines if line.startswith("kvlens: ")), None)
+    # a refusal ("kvlens: ..."), or the arm's failures past --max-error-rate (exit 1; 2 when none
+    # was answered, as every request of choices-int fails), said after its records are written
+    error = next((line for line in lines if line.startswith(("kvlens: ", "kvlens replay: "))), None)
     failure, ended = killed, ""
     if "Traceback" in text:
         traceback = lines[max(i for i, line in enumerate(lines) if line.startswith("Traceback")) :]
@@ -194,7 +196,7 @@ def replay(variant: str, url: str, workdir: Path, number: int) -> ReplayRun:
         failure = failure or f"a traceback: {raised[:200]}"
     elif code == 0 and report:
         ended = f"report: {report}"
-    elif code == 2 and error:
+    elif code in (1, 2) and error:
         ended = f"error: {error}"
     else:
         failure = failure or f"exit {code}: {(lines or ['(no output)'])[-1][:200]}"

@@ -1016,8 +1016,8 @@ def sidecar() -> dash.Dashboard:
     board = board.with_panel(
         series(
             "Ingest requests refused by reason",
-            "Whole requests refused per second: busy and batch_in_progress are retried by the sender; "
-            "the others (bombs, oversized, undecodable, unauthorized) lose their records.",
+            "Whole requests refused per second: busy, displaced and batch_in_progress are retried by the "
+            "sender; the others (bombs, oversized, undecodable, unauthorized) lose their records.",
             "reqps",
             [query(f"sum by (reason) (rate(kvlens_ingest_refused_total{{{SEL}}}[{RATE}]))", "{{reason}}")],
             width=8,

@@ -31,7 +31,7 @@ from pydantic_settings import (
 from kvlens import bandwidth, shapes
 from kvlens.definitions import CostModel
 from kvlens.errors import SettingsError
-from kvlens.http.server import loopback
+from kvlens.http.access import loopback
 from kvlens.records import valid_label
 from kvlens.sources import formats
 
@@ -263,15 +263,17 @@ class Settings(BaseSettings):
         256,
         ge=1,
         le=100_000,
-        description="Ingest request bodies arriving at once; one more gets 503 with Retry-After before "
-        "its body is read, and its connection closes (each costs about 40 KiB besides the bytes it "
-        "holds, up to 100 KiB while uvicorn reads ahead of a fast sender).",
+        description="Ingest request bodies arriving at once; one more takes the place of one behind "
+        "body_min_bytes_per_second_when_full, else gets 503 with Retry-After before its body is read, "
+        "and its connection closes (each costs about 40 KiB besides the bytes it holds, up to 100 KiB "
+        "while uvicorn reads ahead of a fast sender).",
     )
     max_arriving_body_bytes: int = Field(
         64 * 1024 * 1024,
         ge=1024,
-        description="Bytes held by bodies still arriving, together; a body that would cross it gets 503 "
-        "with Retry-After and its connection closes.",
+        description="Bytes held by bodies still arriving, together; a body that would cross it takes "
+        "the bytes of bodies behind body_min_bytes_per_second_when_full, else gets 503 with "
+        "Retry-After and its connection closes.",
     )
     max_connections: int = Field(
         4096,
@@ -302,6 +304,15 @@ class Settings(BaseSettings):
         le=1 << 30,
         description="Slowest body accepted: every body_rate_window_seconds must bring this many bytes "
         "per second (or the end of the body), else 408 and the connection closes; 0 turns it off.",
+    )
+    body_min_bytes_per_second_when_full: int = Field(
+        64 * 1024,
+        ge=0,
+        le=1 << 30,
+        description="While max_arriving_bodies bodies (or max_arriving_body_bytes) are arriving, a new "
+        "body takes the place of the one furthest behind this pace since it started, which gets 503 "
+        "with Retry-After and its connection closed; a real sender exceeds it by far. 0, or "
+        "body_min_bytes_per_second 0, turns it off (the newcomer is refused).",
     )
     body_rate_window_seconds: float = Field(
         5.0,
@@ -415,7 +426,10 @@ class Settings(BaseSettings):
     kv_events_max_held_blocks: int = Field(
         10_000_000,
         ge=0,
-        description="(block, replica) holdings kept (at most 48 bytes each); stores past it not kept.",
+        description=(
+            "Holdings kept, a (block, replica, tier) or an extra copy of a hash (at most 48 bytes each); "
+            "stores past it not kept (counted untracked)."
+        ),
     )
     kv_events_reorder_seconds: float = Field(
         0.25,

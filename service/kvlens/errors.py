@@ -12,7 +12,10 @@
     │   ├── UnsupportedMediaType  415: a Content-Type the endpoint cannot read
     │   ├── PayloadUndecodable    400: nothing in the body decodes
     │   ├── BodyTooSlow           408: the body did not arrive within its deadlines or at its pace
-    │   ├── ArrivingBytesFull     503: bodies still arriving hold max_arriving_body_bytes already
+    │   ├── Busy                  503 (retry): no room for one more body arriving (max_arriving_bodies)
+    │   │   ├── ArrivingBytesFull   bodies still arriving hold max_arriving_body_bytes already
+    │   │   └── BodyDisplaced       its place given to a new body, while all are taken, as it fell
+    │   │                           behind body_min_bytes_per_second_when_full
     │   └── ClientDisconnected    499 (never sent): the client went away before its body arrived
     ├── ScrapeError               a scrape of an engine's /metrics failed; ``reason`` is a closed set
     └── ArmsDiffer                ``kvlens compare``: the arms are not replays of one sequence
@@ -75,11 +78,20 @@ class BodyTooSlow(InputError):
     reason = "too_slow"
 
 
-class ArrivingBytesFull(InputError):
-    """Retryable, as any 503: the bytes that other bodies hold free up as they arrive or fail."""
+class Busy(InputError):
+    """Retryable, as any 503: the places and bytes that other bodies hold free up as they arrive
+    or fail. Answered with ``Retry-After`` and the connection closed (the rest of the body unread)."""
 
     status = 503
     reason = "busy"
+
+
+class ArrivingBytesFull(Busy):
+    pass
+
+
+class BodyDisplaced(Busy):
+    reason = "displaced"
 
 
 class ClientDisconnected(InputError):

@@ -195,7 +195,7 @@ def test_each_misbehaving_answer_is_one_error_record_and_the_run_goes_on(
         text=True,
         timeout=120,  # a hang check: before the fixes an endless stream held the run forever
     )
-    assert replay.returncode == 0, replay.stderr[-3000:]
+    assert replay.returncode == 1, replay.stderr[-3000:]  # most failed: past --max-error-rate
     assert "Traceback" not in replay.stderr
     rows = [json.loads(line) for line in out.read_bytes().splitlines()]
     assert [row.get("error") for row in rows] == [reason for reason, _ in SCENARIOS]

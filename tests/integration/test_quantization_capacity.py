@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from kvlens.bandwidth import parse_bytes
 from kvlens.cli import main
 from tests.json_outputs import validate
 from tests.live import Running, start_kvlens
@@ -116,3 +117,68 @@ def test_fewer_weight_bytes_when_the_kv_cache_was_short_is_both(
     (base,) = result["rising_load"]["steps"]["bf16"]
     assert base["engine_preemptions"] > 0 and step["engine_preemptions"] == 0
     assert step["output_tokens_per_second"] > base["output_tokens_per_second"]
+
+
+def test_one_endpoint_at_a_time_into_one_out_dir_merges_the_capacity_verdict(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As the first test, one server at a time (one GPU): bf16 is run into the out-dir and its
+    server stopped, then w4a16 into the same out-dir. The merged report's verdict is made from
+    bf16's steps as the folder keeps them (its records and the /metrics series in its
+    .step.json), and the byte model the first run gave is kept for the second's report."""
+    out = tmp_path / "quant"
+
+    def run_one(endpoint: str, *flags: str) -> dict:  # type: ignore[type-arg]
+        code = main(
+            [
+                "experiment", "quantization", "shared-prefix", "--model", "simulated",
+                "--endpoint", endpoint, "--out-dir", str(out), "--requests", "32",
+                "--output-tokens", "32", "--concurrency", "16", "--prefix-tokens", "256",
+                "--suffix-tokens", "64", "--json", *flags,
+            ]
+        )  # fmt: skip
+        assert code == 0
+        result: dict = json.loads(capsys.readouterr().out)  # type: ignore[type-arg]
+        validate(result)
+        return result
+
+    small = simulated("--gpu-memory-bytes", memory_for(64), "--max-model-len", "1024")
+    try:
+        first = run_one(f"bf16={small.url}", *BYTE_MODEL[:2], *BYTE_MODEL[4:])
+    finally:
+        small.output()  # gone before the other starts
+    assert (
+        list(first["fixed_work"]) == ["bf16"]
+        and "gain_over_baseline" not in first["fixed_work"]["bf16"]["short"]
+    )
+    kept = json.loads((out / "fixed-bf16.step.json").read_text())["sample"]
+    assert kept["series_fields"] == ["time", "running", "waiting", "preemptions", "kv_usage"]
+    assert len(kept["series"]) >= 2 and all(len(row) == 5 for row in kept["series"])
+
+    large = simulated("--gpu-memory-bytes", memory_for(640), "--max-model-len", "1024")
+    try:
+        result = run_one(f"w4a16={large.url}", "--weight-bytes", f"w4a16={BF16}")
+    finally:
+        large.output()
+    assert result["baseline"] == "bf16" and list(result["fixed_work"]) == ["bf16", "w4a16"]
+    gain = result["fixed_work"]["w4a16"]["short"]["gain_over_baseline"]
+    assert gain["verdict"] == "more capacity", gain
+    signs = (
+        "more ran at once: w4a16 16 running (p95)",
+        "fewer preempted: 0 against",
+        "fewer waited for memory",
+    )
+    assert any(reason.startswith(signs) for reason in gain["reasons"]), gain
+    assert result["byte_model"] == {
+        "weight_bytes": {"bf16": parse_bytes(BF16), "w4a16": parse_bytes(BF16)},
+        "bandwidth_bytes_per_second": 3.27e12,
+        "kv_bytes_per_token": 131_072.0,
+        "step_overhead_seconds": 0.0017,
+    }
+    assert isinstance(result["fixed_work"]["w4a16"]["short"]["predicted_itl_ratio"], float)
+    # each run said why its endpoint's long contexts were not measured
+    assert result["not_measured"] == [
+        "long contexts (>= 4,096 prompt tokens): not measured: the trace has none and "
+        f"{name} (max_model_len 1,024) cannot take 4,096 + 32 tokens (--long-context)"
+        for name in ("bf16", "w4a16")
+    ]

@@ -309,7 +309,7 @@ def test_failures_are_recorded_per_request_and_kept_out_of_latency(tmp_path: Pat
                 "1",
             ]
         )
-    assert code == 0
+    assert code == 1  # 6 of 8 failed: past --max-error-rate (5 %), said after the records are written
     rows = records(out)
     assert [r.get("error") for r in rows] == [None, "http_500", "malformed_stream", "stream_ended_early"] * 2
     for row in rows:
@@ -348,7 +348,7 @@ def test_an_endpoint_dying_mid_run_keeps_finished_records(tmp_path: Path) -> Non
         replay.kill()
         running.process.kill()
         running.process.communicate(timeout=10)  # closes its pipe
-    assert replay.returncode == 0, output
+    assert replay.returncode == 1, output  # most failed: past --max-error-rate, said at the end
     rows = records(out)
     assert len(rows) == 100
     finished = [r for r in rows if "error" not in r]

@@ -134,15 +134,52 @@ def test_the_byte_model_step_is_bandwidths() -> None:
 def test_the_sampler_reads_the_scheduler_gauges_by_vllms_names_summed_over_engines() -> None:
     from pathlib import Path
 
-    from kvlens.experiment.quantization import _engine_values
+    from kvlens.experiment.engine_metrics import engine_values
 
     text = (Path(__file__).parent.parent / "fixtures" / "vllm-0.33-metrics.prom").read_text()
-    values = _engine_values(text)
+    values = engine_values(text)
     assert values["running"] == 5.0  # engines 0 and 1: 3 + 2
     exposition = (
         '# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{engine="0"} 4.0\n'
         '# TYPE vllm:num_preemptions counter\nvllm:num_preemptions_total{engine="0"} 7.0\n'
         'vllm:num_preemptions_total{engine="1"} 2.0\n'
     )
-    assert _engine_values(exposition) == {"waiting": 4.0, "preemptions": 9.0}
-    assert _engine_values("# an engine with other names\nsglang:num_running_reqs 3\n") == {}
+    assert engine_values(exposition) == {"waiting": 4.0, "preemptions": 9.0}
+    assert engine_values("# an engine with other names\nsglang:num_running_reqs 3\n") == {}
+
+
+def test_an_engine_sample_comes_back_from_its_step_file_as_it_was() -> None:
+    """A step's sample is kept in its .step.json and read back on resume or merge: the series as
+    Samples again (as dicts or lists the capacity rule could not read them)."""
+    import orjson
+
+    from kvlens.experiment.engine_metrics import EngineSample
+
+    sample = EngineSample(
+        0.95, 10.0, 4.0, 3, [Sample(1.5, 2.0, 1.0, 0.0, 0.9), Sample(1.7, 3.0, None, 1.0, None)]
+    )
+    back = EngineSample.from_json(orjson.loads(orjson.dumps(sample.as_json())))
+    assert back == sample and back.token_reuse == 0.4
+    assert EngineSample.from_json(None) == EngineSample()
+    for bad in ({"series": [[1.0]], "queries": 0, "hits": 0, "scrapes": 0}, {"queries": 0}, [1, 2]):
+        with pytest.raises(ValueError, match="not an engine sample"):
+            EngineSample.from_json(bad)
+
+
+def test_the_byte_model_of_a_later_run_adds_to_the_one_kept_in_the_out_dir() -> None:
+    """One endpoint at a time: the first run gives its weights and the GPU's figures, a later one
+    its own weights; a flag given again replaces the kept value."""
+    first = capacity.byte_model_from(["bf16=16GB"], "3TB/s", "128KiB", 1.5, ["bf16"])
+    kept = capacity.byte_model_of(capacity.byte_model_json(first))
+    assert kept == first
+    later = capacity.byte_model_from(["w4a16=5GB"], None, None, None, ["bf16", "w4a16"], kept)
+    assert later == capacity.ByteModel({"bf16": 16e9, "w4a16": 5e9}, 3e12, 131_072, 0.0015)
+    again = capacity.byte_model_from(None, "4TB/s", None, 0.0, ["bf16", "w4a16"], later)
+    assert again == capacity.ByteModel({"bf16": 16e9, "w4a16": 5e9}, 4e12, 131_072, 0.0)
+    assert capacity.byte_model_from(None, None, None, None, ["bf16"]) is None
+    with pytest.raises(ValueError, match="for an endpoint of this run or of --out-dir \\(bf16\\)"):
+        capacity.byte_model_from(["fp8=8GB"], "3TB/s", "128KiB", None, ["bf16"])
+    with pytest.raises(ValueError, match="needs --bandwidth and --kv-bytes-per-token"):
+        capacity.byte_model_from(["bf16=16GB"], "3TB/s", None, None, ["bf16"])
+    with pytest.raises(ValueError, match="not a byte model"):
+        capacity.byte_model_of({"weight_bytes": {"bf16": -1}, "bandwidth_bytes_per_second": 1})

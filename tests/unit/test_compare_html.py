@@ -72,6 +72,14 @@ def run(folder: Path, request: pytest.FixtureRequest) -> tuple[dict[str, Any], s
     return result, page, parse(page)
 
 
+OFF_TTFT_21 = 0.010 * (1 + 0.1 * (21 % 3)) + 0.160 * (1 + 0.02 * (21 % 5))
+
+
+def values(stats: dict[str, Any]) -> str:
+    """A cell of the groups' table: baseline -> arm in ms, the change and its interval."""
+    return f"{stats['baseline'] * 1000:.1f} -> {stats['arm'] * 1000:.1f}, {ms(stats)}"
+
+
 def ms(stats: dict[str, Any]) -> str:
     low, high = stats["ci95"]
     return f"{stats['delta'] * 1000:+.1f} [{low * 1000:+.1f}, {high * 1000:+.1f}]"
@@ -120,7 +128,17 @@ def test_the_verdict_says_per_group_which_arm_is_faster_by_how_much(
     assert result["not_benefiting"]["warm"]["requests"] == 1
     assert lines[2] == "warm: 1 timed requests (3.1%) were not faster than off; 1 of them reused nothing"
     # the request itself, in the table of those that did not benefit
-    assert texts(tree.find(id="tables")[0].find("tbody")[1], "td")[:5] == ["warm", "22", "r21", "1,024", "0"]
+    assert texts(tree.find(id="tables")[0].find("tbody")[-1], "td")[:5] == ["warm", "22", "r21", "1,024", "0"]
+    # and in the paired table's list, with its reason
+    listed = texts(tree.find(id="tables")[0].find("tbody")[1], "td")
+    assert listed == [
+        "warm",
+        "r21",
+        "512-2047",
+        "missed in this arm",
+        "0",
+        f"{1000 * OFF_TTFT_21:.1f} -> 500.0",
+    ]
 
 
 def test_context_names_arms_files_records_and_warmup(
@@ -179,15 +197,14 @@ def test_the_table_has_reuse_and_compute_saved_beside_each_delta(
 ) -> None:
     result, _, tree = run
     (tables,) = tree.find(id="tables")
-    table = tables.find("table")[0]
+    table = tables.find("table")[2]  # after the paired table and its list of who did not benefit
     assert texts(table, "th") == [
         "prompt_len",
         "cache (baseline)",
         "requests",
         "arm",
         "metric",
-        "p50 delta ms [95 % CI]",
-        "p95 delta ms [95 % CI]",
+        *(f"p{q} ms off -> arm, change [95 % CI]" for q in (50, 90, 95, 99)),
         "token reuse (arm)",
         "compute saved (arm)",
     ]
@@ -203,8 +220,7 @@ def test_the_table_has_reuse_and_compute_saved_beside_each_delta(
                     "16",
                     "warm",
                     metric,
-                    ms(stats["p50"]),
-                    ms(stats["p95"]),
+                    *(values(stats[f"p{q}"]) for q in (50, 90, 95, 99)),
                     f"{100 * reuse['token_reuse_ratio']:.1f} %",
                     f"{100 * reuse['compute_saved_ratio']:.2f} %",
                 ]

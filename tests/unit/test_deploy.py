@@ -4,6 +4,7 @@ rule files (one source)."""
 from __future__ import annotations
 
 import json
+import math
 import runpy
 import shutil
 import subprocess
@@ -275,3 +276,20 @@ def test_kv_events_overlay_renders_with_kustomize() -> None:
     assert vllm["args"][-2] == "--kv-events-config"
     assert {"name": "kv-events", "containerPort": 5557} in vllm["ports"]
     assert ("Deployment", "kvlens-fleet") in docs and ("PrometheusRule", "kvlens") in docs
+
+
+def test_the_fleet_kvlens_memory_limit_is_above_the_index_worst_case_at_the_default_caps() -> None:
+    """The worst case (README, KV events; measured by ``bench/kv_events.py --worst-case``): the
+    idle process with its compiled loops (201 MiB measured), both caps full at their most bytes an
+    entry, and the largest table rebuilt (old and new held at once), with a fifth to spare."""
+    from kvlens.fleet.index import HELD_ENTRY_BYTES, MAX_HELD_BLOCKS, REMEMBER_BLOCKS, REMEMBERED_ENTRY_BYTES
+    from kvlens.fleet.kernels import FILL
+
+    fleet = overlay()["Deployment", "kvlens-fleet"]
+    (container,) = fleet["spec"]["template"]["spec"]["containers"]
+    limit = container["resources"]["limits"]["memory"]
+    assert limit.endswith("Mi")
+    rebuilt = math.ceil(max(MAX_HELD_BLOCKS, REMEMBER_BLOCKS) / FILL) * 16
+    tables = MAX_HELD_BLOCKS * HELD_ENTRY_BYTES + REMEMBER_BLOCKS * REMEMBERED_ENTRY_BYTES + rebuilt
+    worst = 201 * 2**20 + tables
+    assert int(limit[:-2]) * 2**20 >= 1.2 * worst

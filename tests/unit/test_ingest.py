@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from starlette.requests import Request
 from starlette.types import Message
 
-from kvlens.errors import ArrivingBytesFull, BodyTooSlow, ClientDisconnected
+from kvlens.errors import ArrivingBytesFull, BodyDisplaced, BodyTooSlow, ClientDisconnected
 from kvlens.exporter.ingest import BatchLedger, LogThrottle, RecentRecords
 from kvlens.exporter.runtime import LoopLag, ScrapeRenderer
 from kvlens.http.bodies import ArrivingBodies, BodyLimits, BodyReader, IngestGate
@@ -225,7 +225,7 @@ def test_a_client_gone_mid_body_is_its_own_error() -> None:
 def test_the_arriving_bodies_are_capped_in_number_and_bytes() -> None:
     arriving = ArrivingBodies(max_bodies=2, max_bytes=1000)
     with arriving.admit() as one, arriving.admit() as two, arriving.admit() as three:
-        assert [one, two, three] == [True, True, False]
+        assert one is not None and two is not None and three is None
         assert arriving.bodies == 2
     assert arriving.bodies == 0
     assert arriving.take(600) and not arriving.take(401) and arriving.take(400)
@@ -244,6 +244,81 @@ def test_a_body_that_would_cross_the_arriving_bytes_is_refused_and_gives_its_byt
         b"a" * 1000 + b"b" * 500
     )
     assert budget.bytes == 500  # a body that arrived leaves the budget: it is no longer arriving
+
+
+def test_while_every_place_is_taken_a_new_body_takes_the_place_of_the_one_furthest_behind() -> None:
+    clock = Clock()
+    arriving = ArrivingBodies(max_bodies=2, max_bytes=1 << 20, min_pace_when_full=1000, clock=clock)
+    told: list[str] = []
+    with arriving.admit() as slow, arriving.admit() as fast:
+        assert slow is not None and fast is not None
+        slow.on_displaced = lambda: told.append("slow")
+        assert arriving.take(100, slow) and arriving.take(5000, fast)
+        clock.now = 2.0  # slow: 1,900 bytes behind 1,000 bytes/s; fast: 3,000 ahead
+        with arriving.admit() as new:
+            assert new is not None
+            assert slow.displaced and not fast.displaced and told == ["slow"]
+            assert (arriving.bodies, arriving.bytes) == (2, 5000)
+            with arriving.admit() as refused:  # fast is ahead, new has just started: none behind
+                assert refused is None
+    assert (arriving.bodies, arriving.bytes) == (0, 0)  # slow's bytes were not given back twice
+
+
+def test_bytes_held_by_a_body_behind_the_pace_go_to_a_body_that_needs_them() -> None:
+    clock = Clock()
+    arriving = ArrivingBodies(max_bodies=4, max_bytes=1000, min_pace_when_full=100, clock=clock)
+    with arriving.admit() as slow:
+        assert slow is not None and arriving.take(800, slow)
+        clock.now = 1.0  # a burst buys time: 800 bytes are 8 s at 100 bytes/s
+        with arriving.admit() as early:
+            assert not arriving.take(300, early) and not slow.displaced
+        clock.now = 9.0  # slow is 100 bytes behind
+        assert not arriving.take(300)  # a caller that holds no place never takes one's bytes
+        with arriving.admit() as greedy:  # more than slow holds: slow keeps its place
+            assert not arriving.take(1001, greedy) and not slow.displaced
+        with arriving.admit() as late:
+            assert arriving.take(300, late) and slow.displaced
+            assert (arriving.bodies, arriving.bytes) == (1, 300)
+    assert (arriving.bodies, arriving.bytes) == (0, 0)
+
+
+def test_without_a_pace_when_full_the_newcomer_is_refused() -> None:
+    clock = Clock()
+    arriving = ArrivingBodies(max_bodies=1, max_bytes=1000, clock=clock)
+    with arriving.admit() as first:
+        clock.now = 100.0
+        with arriving.admit() as second:
+            assert first is not None and not first.displaced and second is None
+
+
+def test_a_body_that_loses_its_place_is_refused_at_once_and_its_bytes_are_free() -> None:
+    async def run() -> None:
+        clock = Clock()
+        budget = ArrivingBodies(max_bodies=1, max_bytes=1 << 20, min_pace_when_full=1000, clock=clock)
+        never = asyncio.Event()
+        pieces = iter([b"[" * 100])
+
+        async def receive() -> Message:
+            piece = next(pieces, None)
+            if piece is None:
+                await never.wait()  # the rest of the body never comes
+            return {"type": "http.request", "body": piece or b"", "more_body": True}
+
+        request = Request({"type": "http", "method": "POST", "path": "/", "headers": []}, receive)
+        patient = BodyLimits(
+            1 << 20, deadline_seconds=60, stall_seconds=30, min_bytes_per_second=1000, window_seconds=30
+        )
+        reader = asyncio.ensure_future(BodyReader(request, patient, budget, clock).body())
+        while budget.bytes < 100:
+            await asyncio.sleep(0)  # until the reader has its first piece
+        clock.now = 0.5  # 400 bytes behind 1,000 bytes/s; its next deadline is 29.5 s away
+        with budget.admit() as newcomer:
+            assert newcomer is not None
+            with pytest.raises(BodyDisplaced, match="a new body took this one's place"):
+                await asyncio.wait_for(reader, 5)  # woken at once, not at its next deadline
+            assert (budget.bodies, budget.bytes) == (1, 0)
+
+    asyncio.run(run())
 
 
 def test_a_body_that_fails_gives_its_bytes_back() -> None:

@@ -54,7 +54,7 @@ hashes = rarely(
     st.sampled_from([0, 1, 2, 3, 5, 8, 13, 2**63, 2**64 - 1]) | st.integers(-3, -1), st.binary(max_size=9)
 )
 token = st.sampled_from([0, 1, 127, 128, 255, 300, 65535, 70000, 2**32, 2**63, -1, -200, -40000, -(2**40)])
-texts = rarely(st.sampled_from(["GPU", "CPU", "STORAGE", "NVME", ""]), st.just("é"))
+texts = rarely(st.sampled_from(["GPU", "CPU", "STORAGE", "CPU_PINNED", "DISK", "NVME", ""]), st.just("é"))
 
 
 @st.composite
@@ -151,7 +151,7 @@ def tables(index: FleetIndex) -> list[Any]:
     state = [index._fleet.rows, index._remembered.rows, index._ring.keys, index._stats, index._counts]
     for name in sorted(index._replicas):
         replica = index._replicas[name]
-        state += [name, replica.number, replica.table.rows, dict(replica.copies)]
+        state += [name, replica.number, replica.table.rows, replica.copies.rows]
     return state
 
 

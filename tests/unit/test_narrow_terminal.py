@@ -228,7 +228,7 @@ def test_compare_at_a_terminal_is_a_table_of_80_columns(
             for stats in metrics.values():
                 if not stats.get("count"):  # not measured in both arms: no row
                     continue
-                for q in ("p50", "p95"):
+                for q in (f"p{q:g}" for q in result["percentiles"]):
                     tokens.append(f"{stats[q]['delta'] * 1000:+.1f}")
                     tokens += [f"[{stats[q]['ci95'][0] * 1000:+.1f},", f"{stats[q]['ci95'][1] * 1000:+.1f}]"]
     for info in result["not_benefiting"].values():

@@ -6,7 +6,7 @@ numbered in input order, the arm's own records when the file holds several arms.
 check (count, prompt lengths position by position, request ids) is three queries per arm, each
 naming the first difference as the numpy engine does. The arms are then joined by position
 into one table (``paired``: the baseline's length group and hit, the warm-up, each arm's
-tokens, model and latencies; spilled past the memory limit) and every answer
+request id, tokens, model and latencies; spilled past the memory limit) and every answer
 :class:`kvlens.analysis.compare.Paired` asks for is a query on it: exact integer sums for
 reuse and modelled work, exact order statistics for the warm-up's median
 (:func:`kvlens.analysis.columnar.order_statistics`), and, for the paired bootstrap, one group's
@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from kvlens import definitions
-from kvlens.analysis import columnar, compare, sqltext
+from kvlens import definitions, stats
+from kvlens.analysis import columnar, compare, per_request, sqltext
 from kvlens.analysis.report import Cell, Key, totals_of
 from kvlens.config import Settings
 from kvlens.definitions import Totals, prompt_length_labels
@@ -44,6 +44,7 @@ def compare_files(
     warmup_until: float | None = None,
     seed: int = 0,
     memory_limit: str | None = None,
+    percentiles: tuple[float, ...] = stats.DEFAULT_PERCENTILES,
 ) -> dict[str, Any]:
     """The comparison of ``arms`` (name, records path; the first is the baseline): the report
     :func:`kvlens.analysis.compare.compare` makes of the same records."""
@@ -56,7 +57,7 @@ def compare_files(
             check_same_sequence(engine, names)
             paired = InDuckDB(engine, settings, len(arms), warmup, warmup_until)
             labels = prompt_length_labels(settings.prompt_length_edges)
-            return compare.build(paired, names, [path for _, path in arms], labels, seed)
+            return compare.build(paired, names, [path for _, path in arms], labels, seed, percentiles)
     finally:
         engine.close()
 
@@ -141,7 +142,7 @@ class InDuckDB:
             until = f"CAST({sqltext.number(float(warmup_until))} AS DOUBLE)"
             warm += [f"COALESCE(a{i}.arrival_time < {until}, FALSE)" for i in range(arms)]
         columns = [f"a{i}.{name} AS {name}_{i}" for i in range(arms) for name in _PER_ARM]
-        columns += [f"a{i}.request_id AS request_id_{i}" for i in range(1, arms)]
+        columns += [f"a{i}.request_id AS request_id_{i}" for i in range(arms)]
         joins = " ".join(f"JOIN {source} ON a{i}.pos = a0.pos" for i, source in enumerate(sources[1:], 1))
         con.execute(
             "CREATE OR REPLACE TEMP TABLE paired AS SELECT a0.pos AS pos, a0.length_group AS g, "
@@ -226,6 +227,22 @@ class InDuckDB:
             )
             for part in parts
         ]
+
+    def timed(self, arm: int) -> per_request.Timed:
+        """Five columns of the arm's timed requests in Python (about 60 bytes a request with
+        its id): the pairing by request_id matches them in memory."""
+        got = self.engine.connection.execute(
+            f"SELECT request_id_{arm} AS i, g, prompt_tokens_{arm} AS n, cached_tokens_{arm} AS h, "
+            f"ttft_seconds_{arm} AS t FROM paired WHERE NOT warm ORDER BY pos"
+        ).fetchnumpy()
+        ids = got["i"]
+        return per_request.Timed(
+            [None if value is None or value is np.ma.masked else str(value) for value in ids.tolist()],
+            np.asarray(got["g"], dtype=np.intp),
+            np.asarray(got["n"], dtype=np.int64),
+            np.asarray(got["h"], dtype=np.int64),
+            np.ma.filled(np.ma.asarray(got["t"], dtype=np.float64), np.nan),
+        )
 
     def not_benefiting(self, arm: int) -> tuple[int, int, int, list[dict[str, Any]]]:
         before, after, cached = "ttft_seconds_0", f"ttft_seconds_{arm}", f"cached_tokens_{arm}"

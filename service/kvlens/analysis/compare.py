@@ -2,11 +2,14 @@
 
 The arms (for example ``off``, ``cold``, ``warm``) must hold the same requests in the same
 order: same count, same prompt lengths position by position; otherwise the comparison is
-refused, naming the first difference. The first ``warmup`` requests (or those arriving before
-``warmup_until``) are reported apart and kept out of the timed window. Per prompt-length x
-cache group of the baseline arm, each arm's p50 and p95 of TTFT, queue and prefill are compared
-with the baseline's, with paired bootstrap 95 % intervals (the same resampled requests in both
-arms), beside each arm's token reuse and modelled compute saved in that group: reuse is not
+refused, naming the first difference. The report's first table is the paired answer
+(:mod:`kvlens.analysis.per_request`): requests matched by ``request_id``, per arm x prompt
+length x the request's outcome in that arm, which waited less, by how much, and which did not
+benefit. The first ``warmup`` requests (or those arriving before ``warmup_until``) are reported
+apart and kept out of the timed window. Per prompt-length x cache group of the baseline arm,
+each arm's percentiles (``--percentiles``) of TTFT, queue and prefill are compared with the
+baseline's, with paired bootstrap 95 % intervals (the same resampled requests in both arms),
+beside each arm's token reuse and modelled compute saved in that group: reuse is not
 speedup, and the report puts the two side by side so that a reader does not take one for the other.
 
 Two engines answer what :func:`build` asks (:class:`Paired`): ``numpy`` holds every arm in
@@ -18,6 +21,7 @@ than :data:`MAX_GROUP_REQUESTS` timed requests is refused by both.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -25,8 +29,8 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from kvlens import definitions
-from kvlens.analysis import report
+from kvlens import definitions, stats
+from kvlens.analysis import per_request, report, run_facts
 from kvlens.analysis.render import _md_table, _pct
 from kvlens.analysis.report import Derived, cells_of, totals_of
 from kvlens.config import Settings
@@ -35,7 +39,6 @@ from kvlens.records import RecordBatch
 
 SCHEMA = "kvlens.compare/v1"
 RESAMPLES = 1000
-QUANTILES = (50, 95)
 METRICS = ("ttft_seconds", "queue_seconds", "prefill_seconds")
 # Timed requests of one group (prompt length x cache in the baseline) compared at most: the
 # bootstrap resamples each group 1,000 times per arm, metric and quantile (at 5M requests, hours
@@ -73,8 +76,35 @@ def load_arm(
         batch = batch.select(np.array([arm == name for arm in batch.arm], dtype=bool))
         if not len(batch):
             raise NoRecordsOfArm(no_records_of(path, name))
+    return _arm_of(name, batch, settings, path)
+
+
+def _arm_of(name: str, batch: RecordBatch, settings: Settings, path: str | None) -> Arm:
     derived = Derived.of(batch, settings.prompt_length_edges, settings.cost_model_for, settings.default_model)
     return Arm(name, derived, path)
+
+
+def load_answered(
+    specs: Sequence[tuple[str, str]],
+    settings: Settings,
+    *,
+    format_name: str | None = None,
+    model: str | None = None,
+) -> tuple[list[Arm], int]:
+    """The arms without the requests recorded as failed in any of them, and how many those are.
+    A failed request has no timing and no record the reader keeps, so an arm where one failed
+    would hold one request fewer than the others and could not be paired: by ``request_id``
+    (the trace index, the same in every arm), a request that failed anywhere is compared
+    nowhere. Any other difference between the arms is still refused (:func:`compare`)."""
+    arms = [load_arm(name, path, settings, format_name=format_name, model=model) for name, path in specs]
+    failed = set().union(*(run_facts.failed_request_ids(path, name) for name, path in specs))
+    if not failed:
+        return arms, 0
+    kept = []
+    for arm in arms:
+        batch = arm.derived.batch.select(np.array([i not in failed for i in arm.derived.batch.request_id]))
+        kept.append(_arm_of(arm.name, batch, settings, arm.path))
+    return kept, len(failed)
 
 
 def no_records_of(path: str, name: str) -> str:
@@ -118,6 +148,10 @@ class Paired(Protocol):
         """Each arm's totals over the warm-up, and the median of its present TTFTs there."""
         ...
 
+    def timed(self, arm: int) -> per_request.Timed:
+        """Arm ``arm``'s timed requests (the warm-up left out), in request order."""
+        ...
+
     def not_benefiting(self, arm: int) -> tuple[int, int, int, list[dict[str, Any]]]:
         """Of the timed requests with TTFT in both, those whose TTFT in arm ``arm`` is not below
         the baseline's, those compared, those of the first that reused nothing, and the first
@@ -126,7 +160,12 @@ class Paired(Protocol):
 
 
 def build(
-    paired: Paired, names: list[str], files: list[str | None], labels: list[str], seed: int
+    paired: Paired,
+    names: list[str],
+    files: list[str | None],
+    labels: list[str],
+    seed: int,
+    percentiles: tuple[float, ...] = stats.DEFAULT_PERCENTILES,
 ) -> dict[str, Any]:
     """The comparison's report. Groups come one at a time and each metric of each arm is
     fetched alone, so an engine that streams them holds one group's pair of columns."""
@@ -142,7 +181,10 @@ def build(
                 "with finer prompt_length_edges in --config, or compare a part of the replay"
             )
         deltas = {
-            name: {metric: _deltas(*paired.values(length, hit, index, metric), rng) for metric in METRICS}
+            name: {
+                metric: _deltas(*paired.values(length, hit, index, metric), rng, percentiles)
+                for metric in METRICS
+            }
             for index, name in enumerate(names[1:], start=1)
         }
         groups.append(
@@ -165,6 +207,10 @@ def build(
         "baseline": base,
         "arms": names,
         "requests": paired.requests(),
+        "percentiles": list(percentiles),
+        "paired": per_request.compare(
+            names, [paired.timed(index) for index in range(len(names))], labels, percentiles
+        ),
         "files": dict(zip(names, files, strict=True)),
         "warmup": {
             name: {
@@ -213,15 +259,19 @@ def _not_benefiting(
     }
 
 
-def _deltas(before: FloatArray, after: FloatArray, rng: np.random.Generator) -> dict[str, Any]:
+def _deltas(
+    before: FloatArray, after: FloatArray, rng: np.random.Generator, percentiles: tuple[float, ...]
+) -> dict[str, Any]:
+    """Each percentile's baseline -> arm and its paired bootstrap interval; the median always
+    (the verdict and the charts read it)."""
     present = ~(np.isnan(before) | np.isnan(after))
     if not present.any():
         return {"count": 0}
     before, after = before[present], after[present]
     out: dict[str, Any] = {"count": int(before.size)}
-    for q in QUANTILES:
+    for q in sorted({50.0, *percentiles}):
         low, high = float(np.percentile(before, q)), float(np.percentile(after, q))
-        out[f"p{q}"] = {
+        out[f"p{stats.percentile_name(q)}"] = {
             "baseline": low,
             "arm": high,
             "delta": float(np.percentile(after, q) - np.percentile(before, q)),
@@ -230,7 +280,7 @@ def _deltas(before: FloatArray, after: FloatArray, rng: np.random.Generator) -> 
     return out
 
 
-def _bootstrap(before: FloatArray, after: FloatArray, q: int, rng: np.random.Generator) -> list[float]:
+def _bootstrap(before: FloatArray, after: FloatArray, q: float, rng: np.random.Generator) -> list[float]:
     """95 % interval of the paired difference of the q-th percentiles (the same resampled
     requests in both arms), resampled in chunks to bound memory."""
     size = before.size
@@ -287,7 +337,12 @@ def warmup_mask(batch: RecordBatch, warmup: int, warmup_until: float | None) -> 
 
 
 def compare(
-    arms: list[Arm], *, warmup: int = 0, warmup_until: float | None = None, seed: int = 0
+    arms: list[Arm],
+    *,
+    warmup: int = 0,
+    warmup_until: float | None = None,
+    seed: int = 0,
+    percentiles: tuple[float, ...] = stats.DEFAULT_PERCENTILES,
 ) -> dict[str, Any]:
     check_same_sequence(arms)
     warm = warmup_mask(arms[0].derived.batch, warmup, warmup_until)
@@ -295,7 +350,12 @@ def compare(
         warm |= warmup_mask(arm.derived.batch, warmup, warmup_until)
     paired = InMemory(arms, warm)
     return build(
-        paired, [arm.name for arm in arms], [arm.path for arm in arms], arms[0].derived.length_labels, seed
+        paired,
+        [arm.name for arm in arms],
+        [arm.path for arm in arms],
+        arms[0].derived.length_labels,
+        seed,
+        percentiles,
     )
 
 
@@ -340,6 +400,17 @@ class InMemory:
             out.append((totals_of(cells_of(arm.derived, self.warm), arm.derived.cost_for), median))
         return out
 
+    def timed(self, arm: int) -> per_request.Timed:
+        derived, rows = self.arms[arm].derived, ~self.warm
+        batch = derived.batch
+        return per_request.Timed(
+            list(itertools.compress(batch.request_id, rows.tolist())),
+            derived.length_group[rows],
+            batch.prompt_tokens[rows],
+            batch.cached_tokens[rows],
+            batch.ttft_seconds[rows],
+        )
+
     def not_benefiting(self, arm: int) -> tuple[int, int, int, list[dict[str, Any]]]:
         base, batch = self.arms[0].derived.batch, self.arms[arm].derived.batch
         before, after = base.ttft_seconds, batch.ttft_seconds
@@ -360,17 +431,25 @@ class InMemory:
         return int(worse.sum()), int(comparable.sum()), int((worse & ~reused).sum()), examples
 
 
-TABLE_HEADER = [
-    "prompt_len",
-    "cache (baseline)",
-    "requests",
-    "arm",
-    "metric",
-    "p50 delta ms [95 % CI]",
-    "p95 delta ms [95 % CI]",
-    "token reuse (arm)",
-    "compute saved (arm)",
-]
+def percentiles_of(result: dict[str, Any]) -> list[float]:
+    """The report's percentiles (p50 and p95 in a report from before ``--percentiles``)."""
+    return [float(q) for q in result.get("percentiles", (50, 95))]
+
+
+def table_header(result: dict[str, Any]) -> list[str]:
+    return [
+        "prompt_len",
+        "cache (baseline)",
+        "requests",
+        "arm",
+        "metric",
+        *(
+            f"p{stats.percentile_name(q)} ms {result['baseline']} -> arm, change [95 % CI]"
+            for q in percentiles_of(result)
+        ),
+        "token reuse (arm)",
+        "compute saved (arm)",
+    ]
 
 
 def table_rows(result: dict[str, Any]) -> list[list[str]]:
@@ -379,8 +458,8 @@ def table_rows(result: dict[str, Any]) -> list[list[str]]:
     for group in result["groups"]:
         for arm, metrics in group["arms"].items():
             reuse = group.get("reuse", {}).get(arm, {})
-            for metric, stats in metrics.items():
-                if not stats.get("count"):
+            for metric, values in metrics.items():
+                if not values.get("count"):
                     continue
                 rows.append(
                     [
@@ -389,7 +468,10 @@ def table_rows(result: dict[str, Any]) -> list[list[str]]:
                         str(group["requests"]),
                         arm,
                         metric.removesuffix("_seconds"),
-                        *(_delta_cell(stats[f"p{q}"]) for q in QUANTILES),
+                        *(
+                            _values_cell(values[f"p{stats.percentile_name(q)}"])
+                            for q in percentiles_of(result)
+                        ),
                         _pct(reuse.get("token_reuse_ratio"), 1),
                         _pct(reuse.get("compute_saved_ratio"), 2),
                     ]
@@ -405,14 +487,14 @@ def verdict(result: dict[str, Any]) -> list[str]:
     lines = []
     for group in result["groups"]:
         for arm, metrics in group["arms"].items():
-            stats = metrics["ttft_seconds"]
+            ttft = metrics["ttft_seconds"]
             where = f"{group['prompt_len']} tokens, {group['cache_in_baseline']} in {base}"
-            if not stats.get("count"):
+            if not ttft.get("count"):
                 lines.append(f"{arm} vs {base}, {where}: TTFT not measured")
                 continue
-            p50, reuse = stats["p50"], group.get("reuse", {}).get(arm, {})
+            p50, reuse = ttft["p50"], group.get("reuse", {}).get(arm, {})
             lines.append(
-                f"{arm} vs {base}, {where} ({stats['count']} requests): "
+                f"{arm} vs {base}, {where} ({ttft['count']} requests): "
                 f"{_direction(p50['delta'], p50['ci95'])}, median TTFT {_delta_cell(p50)} ms; "
                 f"{arm} reused {_pct(reuse.get('token_reuse_ratio'), 1)} of the prompt tokens, "
                 f"compute saved {_pct(reuse.get('compute_saved_ratio'), 2)}"
@@ -434,7 +516,7 @@ def unmeasured(result: dict[str, Any]) -> list[str]:
         for metric in METRICS
         if result["groups"]
         and not any(
-            stats[metric].get("count") for group in result["groups"] for stats in group["arms"].values()
+            values[metric].get("count") for group in result["groups"] for values in group["arms"].values()
         )
     ]
 
@@ -467,12 +549,16 @@ def _direction(delta: float, ci: list[float] | None) -> str:
 
 def markdown(result: dict[str, Any]) -> str:
     lines = [f"# kvlens compare (baseline: {result['baseline']})", ""]
+    if "paired" in result:  # the article's question first: which requests waited less
+        lines += per_request.markdown(result["paired"], result["baseline"], _md_table)
+        lines += ["## By prompt length and cache status in the baseline", ""]
     lines += [f"- {line}" for line in verdict(result)]
     lines.append("")
     lines += [f"- {line}" for line in warmup_lines(result)]
-    lines += ["", _md_table(TABLE_HEADER, table_rows(result)), ""]
+    lines += [f"- {line}" for line in run_facts.error_lines(result)]
+    lines += ["", _md_table(table_header(result), table_rows(result)), ""]
     lines += [f"- {metric.removesuffix('_seconds')}: {UNMEASURED}" for metric in unmeasured(result)]
-    lines += ["", REUSE_IS_NOT_SPEEDUP]
+    lines += ["", REUSE_IS_NOT_SPEEDUP, "", run_facts.PRESUMES_QUALITY]
     return "\n".join(lines) + "\n"
 
 
@@ -485,24 +571,59 @@ def terminal(result: dict[str, Any], console: Any = None) -> None:
 
     console = console or Console()
     console.print(f"kvlens compare (baseline: {result['baseline']})", markup=False)
-    for line in verdict(result) + warmup_lines(result):
+    if "paired" in result:
+        per_request.terminal(result["paired"], result["baseline"], console)
+    for line in verdict(result) + warmup_lines(result) + run_facts.error_lines(result):
         console.print(line, markup=False)
     rows = table_rows(result)
+    names = [f"p{stats.percentile_name(q)}" for q in percentiles_of(result)]
     for arm in result["arms"][1:]:
-        table = Table(title=f"{arm} vs {result['baseline']}: change in ms [95 % CI]")
-        for column in ("prompt_len", "cache (baseline)", "requests", "metric", "p50", "p95"):
-            table.add_column(column, justify="right", overflow="fold")
-        for prompt_len, cache, requests, of, metric, p50, p95, *_ in rows:
-            if of == arm:  # the interval under its delta
-                deltas = [cell.replace(" [", "\n[", 1) for cell in (p50, p95)]
-                table.add_row(prompt_len, cache, f"{int(requests):,}", metric, *deltas)
+        # one row per percentile: 80 columns hold the values and the interval of one, not of four
+        base = result["baseline"]
+        table = Table(title=f"{arm} vs {base}: {base} -> {arm} in ms, change [95 % CI]")
+        shown = []
+        for prompt_len, cache, requests, of, metric, *cells in rows:
+            if of != arm:
+                continue
+            for name, cell in zip(names, cells, strict=False):
+                values, change = cell.split(", ", 1)
+                first = name == names[0]
+                shown.append(
+                    [
+                        prompt_len if first else "",
+                        cache if first else "",
+                        f"{int(requests):,}" if first else "",
+                        metric if first else "",
+                        name,
+                        values.replace(" -> ", " ->\n", 1),  # wrap between numbers, never through one
+                        change.replace(" [", "\n[", 1).replace(", ", ",\n", 1),
+                    ]
+                )
+        for index, column in enumerate(
+            ("prompt_len", f"cache in {base}", "requests", "metric", "", "ms", "change")
+        ):
+            # each column as wide as its widest cell line or header word: rich would widen some
+            # and fold the numbers of others
+            widest = max(
+                [len(line) for row in shown for line in row[index].splitlines()]
+                + [len(w) for w in column.split()]
+            )
+            table.add_column(column, justify="right", overflow="fold", min_width=widest, max_width=widest)
+        for row in shown:
+            table.add_row(*row)
         console.print(table)
     for metric in unmeasured(result):
         console.print(f"{metric.removesuffix('_seconds')}: {UNMEASURED}", markup=False)
     console.print(REUSE_IS_NOT_SPEEDUP, markup=False)
+    console.print(run_facts.PRESUMES_QUALITY, markup=False)
 
 
-def _delta_cell(stats: dict[str, Any]) -> str:
-    ci = stats["ci95"]
+def _delta_cell(values: dict[str, Any]) -> str:
+    ci = values["ci95"]
     interval = "" if ci is None else f" [{ci[0] * 1000:+.1f}, {ci[1] * 1000:+.1f}]"
-    return f"{stats['delta'] * 1000:+.1f}{interval}"
+    return f"{values['delta'] * 1000:+.1f}{interval}"
+
+
+def _values_cell(values: dict[str, Any]) -> str:
+    """``8.7 -> 2.7, -6.0 [-6.4, -5.6]``: baseline -> arm in ms, then the change and its interval."""
+    return f"{values['baseline'] * 1000:.1f} -> {values['arm'] * 1000:.1f}, {_delta_cell(values)}"

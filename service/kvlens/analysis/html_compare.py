@@ -6,8 +6,10 @@ It reads top-down as the article's question is asked: the verdict first (which a
 than the baseline for which prompt length x hit group, by how much, with its interval; how many
 requests did not benefit), then what it rests on (arms, files, records per arm, warm-up kept
 out), then one chart per metric (TTFT, queue, prefill) of each group's median delta against the
-baseline with its 95 % interval, the table with token reuse and compute saved beside the deltas,
-and the line that reuse is not speedup.
+baseline with its 95 % interval, the tables (first the paired one: requests matched by
+request_id, who waited less per arm x prompt length x outcome in the arm, baseline -> arm
+values; then the groups of the baseline with token reuse and compute saved beside each
+baseline -> arm value and its change), and the line that reuse is not speedup.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any, Final
 
-from kvlens.analysis import compare
+from kvlens.analysis import compare, per_request, run_facts
 from kvlens.analysis.html_report import (
     LATENCY_CHARTS,
     STYLE,
@@ -52,6 +54,7 @@ def page(result: dict[str, Any]) -> str:
         _section("deltas", f"Deltas against {html.escape(result['baseline'])}", _charts(result)),
         _section("tables", "Tables", _tables(result)),
         f'<p id="caveat">{html.escape(compare.REUSE_IS_NOT_SPEEDUP)}</p>',
+        f"<p>{html.escape(run_facts.PRESUMES_QUALITY)}</p>",
         '<details class="data"><summary>Report data (JSON)</summary>'
         f'<pre id="report-data">{html.escape(json.dumps(result))}</pre></details>',
     ]
@@ -80,6 +83,27 @@ def _verdict(result: dict[str, Any]) -> str:
     return _section("verdict", "Verdict", f'<p class="lead">{lead}</p><ul class="findings">{items}</ul>')
 
 
+def _paired(result: dict[str, Any]) -> str:
+    """The paired answer (requests matched by request_id): the table first, then the requests
+    that did not benefit with their reason and cached tokens."""
+    section = result.get("paired")
+    if section is None:
+        return ""
+    baseline = result["baseline"]
+    notes = "".join(f"<li>{html.escape(line)}</li>" for line in per_request.lines(section, baseline))
+    out = (
+        '<h3 id="paired">Which requests waited less (paired by request)</h3>'
+        f'<ul class="findings">{notes}</ul>'
+        + _table(per_request.header({**section, "baseline": baseline}), per_request.rows(section))
+    )
+    listed = per_request.listed_rows(section)
+    if listed:
+        out += f"<h3>Requests that did not benefit (first {per_request.MAX_LISTED} per arm)</h3>" + _table(
+            per_request.LISTED_HEADER, listed
+        )
+    return out
+
+
 def _context(result: dict[str, Any]) -> str:
     files = result.get("files") or {}
     rows = [
@@ -94,6 +118,16 @@ def _context(result: dict[str, Any]) -> str:
             + "</ul>",
         ),
         ("Records per arm", f"{result['requests']:,} (the same requests in the same order in every arm)"),
+        *(
+            [
+                (
+                    "Failed requests",
+                    "<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in failed) + "</ul>",
+                )
+            ]
+            if (failed := run_facts.error_lines(result))
+            else []
+        ),
         (
             "Warm-up excluded",
             "<ul>"
@@ -202,8 +236,10 @@ def _tables(result: dict[str, Any]) -> str:
         for arm, info in result["not_benefiting"].items()
         for e in info["examples"]
     ]
-    out = "<h3>By prompt length and cache status in the baseline</h3>" + _table(
-        compare.TABLE_HEADER, compare.table_rows(result)
+    out = (
+        _paired(result)
+        + "<h3>By prompt length and cache status in the baseline</h3>"
+        + _table(compare.table_header(result), compare.table_rows(result))
     )
     if examples:
         out += "<h3>Requests that did not benefit (first ten per arm)</h3>" + _table(EXAMPLE_HEADER, examples)

@@ -26,8 +26,20 @@ from kvlens.errors import InputError, SettingsError
 # (os._exit, as mypy ends, would skip everything).
 atexit.register(gc.freeze)
 
-# Each the name of its module in kvlens.cli.
-COMMANDS = ("serve", "demo", "analyze", "convert", "compare", "simulate", "replay", "experiment", "bandwidth")
+# Each the name of its module in kvlens.cli, but for those in MODULES.
+COMMANDS = (
+    "serve",
+    "demo",
+    "analyze",
+    "convert",
+    "compare",
+    "simulate",
+    "replay",
+    "experiment",
+    "bandwidth",
+    "import",
+)
+MODULES = {"import": "importer"}  # `import` is a Python keyword: no module can have that name
 
 
 def command_modules(argv: Sequence[str]) -> list[ModuleType]:
@@ -35,13 +47,14 @@ def command_modules(argv: Sequence[str]) -> list[ModuleType]:
     import the server, HTTP clients and the terminal UI: half a CPU second at every start of an
     offline command), or all of them for the top-level help or a name that is no command."""
     named = [name for name in COMMANDS if list(argv[:1]) == [name]]
-    return [importlib.import_module(f"kvlens.cli.{name}") for name in named or COMMANDS]
+    return [importlib.import_module(f"kvlens.cli.{MODULES.get(name, name)}") for name in named or COMMANDS]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     serving = argv[:2] == ["simulate", "serve"]
     args = parser_of(argv).parse_args(argv[2:] if serving else argv)
+    args.argv = argv  # a command that can be resumed names itself (kvlens experiment)
     try:
         configure_logging(args)
     except SettingsError as error:

@@ -148,6 +148,28 @@ def scale_flags(sub: argparse.ArgumentParser) -> None:
     )
 
 
+def percentiles_flag(sub: argparse.ArgumentParser) -> None:
+    """``--percentiles`` (default 50,90,95,99), parsed by :func:`kvlens.stats.parse_percentiles`
+    for every command that takes it (compare, experiment prefix-cache, experiment quantization):
+    a bad list exits 2 with the rule it breaks."""
+    from kvlens import stats
+
+    def parse(text: str) -> tuple[float, ...]:
+        try:
+            return stats.parse_percentiles(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    sub.add_argument(
+        "--percentiles",
+        type=parse,
+        # a string default goes through `type` as typed text would (and shows as typed)
+        default=",".join(stats.percentile_name(q) for q in stats.DEFAULT_PERCENTILES),
+        metavar="P,P,...",
+        help="percentiles of every latency table, ascending, each above 0 and below 100",
+    )
+
+
 def engine_flag(sub: argparse.ArgumentParser) -> None:
     """``--engine`` of the commands that read records (chosen by ``analyze.choose_engine``)."""
     sub.add_argument(
@@ -296,6 +318,31 @@ def check_writable(*paths: Path | None) -> None:
             raise FileNotFoundError(errno.ENOENT, "its folder does not exist", str(path))
         if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
             raise PermissionError(errno.EACCES, "cannot be written here", str(path))
+
+
+def print_report(text: str, table: Callable[[], None]) -> None:
+    """A report at a terminal as ``table`` prints it (rich: the analyze extra), else as its text:
+    into a file or a pipe, and at a terminal without rich (the ``serve`` install prints every
+    report; its tables are a nicety)."""
+    if sys.stdout.isatty():
+        try:
+            import rich  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            table()
+            return
+    print(text, end="")
+
+
+def make_room_for(*paths: Path | None) -> None:
+    """An output path's folder made (with its parents), then the path checked as
+    :func:`check_writable` does: ``--html runs/report.html`` before ``runs/`` exists is a
+    place to write, not a mistake."""
+    for path in paths:
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+    check_writable(*paths)
 
 
 def check_port_free(settings: Settings) -> None:

@@ -9,7 +9,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvlens.cli.common import check_writable, engine_flag, examples, input_flags, scale_flags
+from kvlens.cli.common import (
+    check_writable,
+    engine_flag,
+    examples,
+    input_flags,
+    percentiles_flag,
+    scale_flags,
+)
 from kvlens.config import load_settings
 
 
@@ -39,6 +46,7 @@ def add_parser(commands: Any) -> None:
         "--warmup-until", type=_time, metavar="T", help="requests arriving before T are warm-up"
     )
     compare.add_argument("--html", type=Path, metavar="OUT", help="also write the report as one HTML file")
+    percentiles_flag(compare)
     compare.set_defaults(run=run)
 
 
@@ -57,11 +65,9 @@ def _time(text: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvlens.analysis import compare, reader
+    from kvlens.analysis import compare, reader, run_facts
     from kvlens.analysis.analyze import choose_engine
 
-    check_writable(args.html)
-    settings = load_settings(args.config)
     specs = []
     for spec in args.arm:
         name, separator, path = spec.partition("=")
@@ -69,6 +75,15 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvlens: --arm takes NAME=FILE, not {spec!r}", file=sys.stderr)
             return 2
         specs.append((name, path))
+    if len(specs) < 2:  # one arm compared with nothing is an empty report, not an answer
+        print(
+            "kvlens compare: compare needs two arms or more (--arm NAME=FILE, the first the "
+            f"baseline); {len(specs)} given",
+            file=sys.stderr,
+        )
+        return 2
+    check_writable(args.html)
+    settings = load_settings(args.config)
     # Every arm's files, by the one rule of names, before any arm is read: a missing arm is
     # refused first, and the engine is chosen by the files it will read.
     files = [file for path in sorted({path for _, path in specs}) for file in reader.resolve([path])]
@@ -85,16 +100,20 @@ def run(args: argparse.Namespace) -> int:
                 warmup=args.warmup,
                 warmup_until=args.warmup_until,
                 memory_limit=args.memory_limit or settings.analyze_memory_limit,
+                percentiles=args.percentiles,
             )
+            left_out = 0
         else:
-            arms = [
-                compare.load_arm(name, path, settings, format_name=args.input_format, model=args.model)
-                for name, path in specs
-            ]
-            result = compare.compare(arms, warmup=args.warmup, warmup_until=args.warmup_until)
+            arms, left_out = compare.load_answered(
+                specs, settings, format_name=args.input_format, model=args.model
+            )
+            result = compare.compare(
+                arms, warmup=args.warmup, warmup_until=args.warmup_until, percentiles=args.percentiles
+            )
     except (compare.NoRecordsOfArm, compare.ArmsDiffer, compare.GroupTooLarge) as error:
         print(f"kvlens compare: {error}", file=sys.stderr)
         return 2
+    run_facts.add_file_facts(result, specs, left_out)
     if args.html:
         from kvlens.analysis import html_compare
 

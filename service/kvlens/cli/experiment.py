@@ -7,15 +7,19 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvlens.cli.common import check_writable, examples
+from kvlens.analysis import run_facts
+from kvlens.cli import outdir as runs
+from kvlens.cli.common import examples, make_room_for, percentiles_flag, print_report
 from kvlens.cli.replay import (
     api_key,
     api_key_flags,
+    arm_failures,
     endpoint,
     endpoint_flags,
-    progress_line,
+    error_rate_flag,
+    failure_exit,
     pusher,
     read_requests,
     setup,
@@ -23,11 +27,15 @@ from kvlens.cli.replay import (
     trace_flags,
     traffic_flags,
 )
-from kvlens.config import load_settings
+from kvlens.config import Settings, load_settings
+from kvlens.experiment import outdir, reports
 from kvlens.experiment import run as arms
 from kvlens.experiment.client import Endpoint
 from kvlens.experiment.prompts import PromptSynthesizer
-from kvlens.experiment.protocol import ExperimentError, check_context
+from kvlens.experiment.protocol import ExperimentError, check_context, check_reachable
+
+if TYPE_CHECKING:
+    from kvlens.experiment.capacity import ByteModel
 
 
 def add_parser(commands: Any) -> None:
@@ -51,10 +59,18 @@ def add_parser(commands: Any) -> None:
     trace_flags(prefix)
     endpoint_flags(prefix)
     prefix.add_argument("--off-endpoint", metavar="URL", help="the same model served without prefix caching")
+    prefix.add_argument(
+        "--arms",
+        metavar="LIST",
+        help="the arms this run adds to --out-dir, comma-separated (off runs against --off-endpoint, or "
+        "--endpoint when alone; default: off,cold,warm with --off-endpoint, else cold,warm)",
+    )
     prefix.add_argument("--out-dir", type=Path, required=True, help="where the arms' records go")
+    runs.run_flags(prefix)
     prefix.add_argument("--config", type=Path, help="YAML settings (prompt-length groups, cost models)")
     prefix.add_argument("--json", action="store_true", help="print the compare result as JSON")
     prefix.add_argument("--html", type=Path, metavar="OUT", help="also write the compare report as HTML")
+    percentiles_flag(prefix)
     prefix.set_defaults(run=_prefix_cache)
 
     quant = kinds.add_parser(
@@ -75,12 +91,14 @@ def add_parser(commands: Any) -> None:
         action="append",
         required=True,
         metavar="NAME=URL",
-        help="an endpoint to compare, twice or more; the first is the baseline",
+        help="an endpoint to run into --out-dir (repeatable; others may be run into it later); "
+        "the first run into it is the baseline",
     )
     quant.add_argument("--model", required=True, help="the served model name (the same on every endpoint)")
     api_key_flags(quant)
     quant.add_argument("--timeout", type=float, default=600, help="seconds one request may take")
     quant.add_argument("--out-dir", type=Path, required=True, help="where each run's records go")
+    runs.run_flags(quant)
     quant.add_argument("--concurrency", type=int, default=8, help="experiment 1: requests in flight")
     load = quant.add_mutually_exclusive_group()
     load.add_argument("--rates", help="experiment 2: requests per second, comma-separated (none: skip)")
@@ -103,6 +121,7 @@ def add_parser(commands: Any) -> None:
     quant.add_argument("--long-context", type=int, default=4096, help="prompts this long are long")
     quant.add_argument("--max-output-tokens", type=int, help="cap the trace's output lengths")
     quant.add_argument("--json", action="store_true", help="print the report as JSON")
+    error_rate_flag(quant)
     byte_model_flags(quant)
     traffic_flags(quant)
     quant.set_defaults(run=_quantization, warmup_trace=None)
@@ -120,53 +139,107 @@ def byte_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bandwidth", metavar="BW", help="the byte model's memory bandwidth, e.g. 3.35TB/s")
     parser.add_argument("--kv-bytes-per-token", metavar="SIZE", help="c = 2*L*Hkv*D*bytes, e.g. 128KiB")
     parser.add_argument(
-        "--step-overhead-ms", type=float, default=0.0, help="time per step beside the bytes (t0)"
+        "--step-overhead-ms",
+        type=float,
+        help="time per step beside the bytes (t0); 0 unless a run into --out-dir gave it",
     )
 
 
 def _prefix_cache(args: argparse.Namespace) -> int:
-    from kvlens.analysis import compare
-
-    check_writable(args.html)  # before the arms run, not after
+    reports.check_error_rate(args.max_error_rate)
     window, prompts, schedule = setup(args, warms=True)
     settings = load_settings(args.config)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    with pusher(args.push) as push:
+    selected = runs.arms_of(args)
+    plan = outdir.prefix_cache_plan(
+        window,
+        schedule,
+        block_size=prompts.block_size,
+        vocab_size=args.vocab_size,
+        max_concurrency=args.max_concurrency,
+        api=args.api,
+    )
+    out = runs.out_dir(args, plan)
+    if args.dry_run:
+        print(outdir.dry_run(out, runs.planned_arms(selected, window, schedule)), end="")
+        return 0
+    args.out_dir.mkdir(parents=True, exist_ok=True)  # first: --html may be inside it
+    make_room_for(args.html)  # before the arms run, not after
+    off = args.off_endpoint or args.endpoint  # the off arm alone may run against --endpoint
+    treated, untreated = endpoint(args, args.endpoint), endpoint(args, off) if "off" in selected else None
+    for each in (treated, untreated):  # served and able to take the trace, before the out-dir is written
+        if each is not None:
+            check_reachable(each)
+            check_context(each, [*window.warmup, *window.measure])
+    with out.open(selected), runs.resumable(out), pusher(args.push) as push:
         results, warnings = arms.prefix_cache_experiment(
-            endpoint(args, args.endpoint),
-            endpoint(args, args.off_endpoint) if args.off_endpoint else None,
+            treated,
+            untreated,
             window,
             args.out_dir,
             prompts,
             schedule,
             assume_empty=args.assume_empty,
             push=push,
-            progress=progress_line,
+            progress=out.progress,
+            only=selected,
+            steps=out,
         )
+        found = arms.arms_found(out.found())
     if sys.stderr.isatty():
         print(file=sys.stderr)
     for result in results:
-        print(summary(result), file=sys.stderr)
+        kept = any(step.name == result.name for step in out.kept)
+        print(
+            f"arm {result.name}: kept from an earlier run: {result.records}" if kept else summary(result),
+            file=sys.stderr,
+        )
     for warning in warnings:
         print(f"kvlens experiment: {warning}", file=sys.stderr)
-    report = arms.compare_arms(results, settings)
-    if args.html:
-        from kvlens.analysis import html_compare
+    ran = [run for result in results for run in arm_failures(result)]  # this run's arms are judged
+    if len(found) < 2:
+        missing = [name for name in arms.ARM_ORDER if name not in {arm.name for arm in found}]
+        print(
+            f"kvlens experiment: {args.out_dir} holds the arm(s) {', '.join(a.name for a in found)}; "
+            f"no report until another is run into it (--arms {','.join(missing)})",
+            file=sys.stderr,
+        )
+        return failure_exit("experiment", ran, args.max_error_rate)
+    return _prefix_cache_report(args, found, ran, settings)
 
-        html_compare.write(report, args.html)
+
+def _prefix_cache_report(
+    args: argparse.Namespace,
+    found: list[arms.ArmResult],
+    ran: list[tuple[str, dict[str, Any] | None]],
+    settings: Settings,
+) -> int:
+    """The compare report of every arm in the out-dir, into it (and --html) and printed; the exit
+    code from the failures of the arms this run ran (``ran``), once the report is written."""
+    from kvlens.analysis import compare, html_compare
+
+    try:
+        report = arms.compare_arms(found, settings, percentiles=args.percentiles)
+    except (compare.ArmsDiffer, compare.NoRecordsOfArm, compare.GroupTooLarge) as error:
+        failed = failure_exit("experiment", ran, args.max_error_rate)  # maybe why the arms differ
+        if not failed:
+            raise ExperimentError(f"no report: {error}") from None
+        print(f"kvlens experiment: no report: {error}", file=sys.stderr)
+        return failed
+    page = html_compare.page(report)
+    reports.write_reports(args.out_dir, markdown=compare.markdown(report), page=page, report=report)
+    if args.html:
+        args.html.write_text(page)
     if args.json:
         print(json.dumps(report, indent=2))
-    else:
-        if sys.stdout.isatty():  # as kvlens compare: a table at a terminal, Markdown into a file
-            compare.terminal(report)
-        else:
-            print(compare.markdown(report), end="")
-    return 0
+    else:  # as kvlens compare: a table at a terminal, Markdown into a file
+        print_report(compare.markdown(report), lambda: compare.terminal(report))
+    return failure_exit("experiment", ran, args.max_error_rate)
 
 
 def _quantization(args: argparse.Namespace) -> int:
-    from kvlens.experiment import capacity, quantization
+    from kvlens.experiment import capacity, quantization, quantization_text
 
+    reports.check_error_rate(args.max_error_rate)
     requests, _, block_size = read_requests(args)
     prompts = PromptSynthesizer(block_size, args.vocab_size, args.seed)
     endpoints = quantization.endpoints_from(
@@ -175,8 +248,6 @@ def _quantization(args: argparse.Namespace) -> int:
     targets = quantization.Targets(args.slo_ttft, args.slo_itl, args.slo_attainment, args.long_context)
     if args.concurrency < 1:
         raise ExperimentError("--concurrency must be at least 1")
-    for each in endpoints.values():  # before any prompt is built
-        check_context(each, requests)
     rates = quantization.parse_rates(args.rates) if args.rates else None
     quantization.check_sweep(args.rate_sweep, args.sweep_doublings)
     if args.plot and not (rates or args.rate_sweep):
@@ -185,44 +256,100 @@ def _quantization(args: argparse.Namespace) -> int:
         from kvlens.experiment.plot import check_path
 
         check_path(args.plot)
-        check_writable(args.plot)
-    try:
-        byte_model = capacity.byte_model_from(
-            args.weight_bytes, args.bandwidth, args.kv_bytes_per_token, args.step_overhead_ms, list(endpoints)
-        )
-    except ValueError as error:
-        raise ExperimentError(str(error)) from None
-    not_measured: list[str] = []
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    fixed = quantization.fixed_work(
-        endpoints,
+    sweep = None if args.rate_sweep is None else (args.rate_sweep, args.sweep_doublings)
+    plan = outdir.quantization_plan(
         requests,
-        prompts,
-        args.out_dir,
-        concurrency=args.concurrency,
         targets=targets,
+        block_size=block_size,
+        vocab_size=args.vocab_size,
+        seed=args.seed,
+        concurrency=args.concurrency,
         max_output_tokens=args.max_output_tokens,
-        byte_model=byte_model,
-        not_measured=not_measured,
+        rates=rates,
+        sweep=sweep,
     )
-    load = None
-    if rates or args.rate_sweep:
-        step = quantization.stepper(
-            endpoints, requests, prompts, args.out_dir, targets, args.max_output_tokens, args.seed
+    out = runs.out_dir(args, plan)
+    byte_model = _byte_model(args, out, list(endpoints))
+    if args.dry_run:
+        planned = runs.planned_quantization(
+            list(endpoints),
+            requests,
+            long_context=args.long_context,
+            concurrency=args.concurrency,
+            rates=rates,
+            sweep=sweep,
+            max_output_tokens=args.max_output_tokens,
+            seed=args.seed,
         )
-        load = (
-            quantization.rate_sweep(
-                step,
-                list(endpoints),
-                start=args.rate_sweep,
-                targets=targets,
-                max_doublings=args.sweep_doublings,
+        print(outdir.dry_run(out, planned), end="")
+        return 0
+    args.out_dir.mkdir(parents=True, exist_ok=True)  # first: --plot may be inside it
+    make_room_for(args.plot)
+    for each in endpoints.values():  # before any prompt is built and the out-dir is written
+        check_reachable(each)
+        check_context(each, requests)
+    with out.open(endpoints), runs.resumable(out):  # a folder of another plan: refused first
+        if byte_model is not None:
+            out.keep_json(quantization.BYTE_MODEL, capacity.byte_model_json(byte_model))
+        quantization.fixed_work(
+            endpoints,
+            requests,
+            prompts,
+            args.out_dir,
+            concurrency=args.concurrency,
+            targets=targets,
+            max_output_tokens=args.max_output_tokens,
+            steps=out,
+        )
+        load = None
+        if rates or args.rate_sweep:
+            step = quantization.stepper(
+                endpoints,
+                requests,
+                prompts,
+                args.out_dir,
+                targets,
+                args.max_output_tokens,
+                args.seed,
+                steps=out,
             )
-            if args.rate_sweep
-            else quantization.run_rates(step, list(endpoints), rates or [], targets)
+            load = (
+                quantization.rate_sweep(
+                    step,
+                    list(endpoints),
+                    start=args.rate_sweep,
+                    targets=targets,
+                    max_doublings=args.sweep_doublings,
+                )
+                if args.rate_sweep
+                else quantization.run_rates(step, list(endpoints), rates or [], targets)
+            )
+        if sys.stderr.isatty():
+            print(file=sys.stderr)  # past the progress line
+        state = out.state() or {}
+        result = quantization.merged(
+            out.found(),
+            list(state.get("endpoints", endpoints)),
+            targets,
+            (load or {}).get("sweep"),
+            byte_model=byte_model,
         )
-    result = quantization.report(
-        fixed, load, targets, next(iter(endpoints)), byte_model=byte_model, not_measured=not_measured
+    if len(result["fixed_work"] or {}) < 2:
+        print(
+            f"kvlens experiment: {args.out_dir} holds one endpoint so far; run the others into it "
+            "(--endpoint NAME=URL, the same --out-dir and plan) to compare",
+            file=sys.stderr,
+        )
+    # each finished step's records file an arm of its own: its failures counted as prefix-cache
+    # arms' are (the folder holds only this plan's steps: plan.json refuses any other)
+    steps = [*sorted(args.out_dir.glob("fixed-*.jsonl")), *sorted(args.out_dir.glob("rate-*.jsonl"))]
+    result["errors"] = {path.stem: run_facts.errors_in(str(path), None) for path in steps}
+    text = reports.with_facts(quantization_text.text(result), result)
+    reports.write_reports(
+        args.out_dir,
+        markdown=text,
+        page=reports.text_page(f"kvlens quantization: {', '.join(result['fixed_work'] or endpoints)}", text),
+        report=result,
     )
     if args.plot:
         from kvlens.experiment.plot import write_plot
@@ -232,8 +359,26 @@ def _quantization(args: argparse.Namespace) -> int:
         except ValueError as error:  # a PNG without matplotlib
             print(f"kvlens experiment: {error}", file=sys.stderr)
             return 2
-    print(
-        json.dumps(result, indent=2) if args.json else quantization.text(result),
-        end="\n" if args.json else "",
-    )
-    return 0
+    print(json.dumps(result, indent=2) if args.json else text, end="\n" if args.json else "")
+    return failure_exit("experiment", list(result["errors"].items()), args.max_error_rate)
+
+
+def _byte_model(args: argparse.Namespace, out: outdir.OutDir, names: list[str]) -> ByteModel | None:
+    """The byte model of this run's flags over the one kept in the out-dir (None: none); the
+    endpoints' names checked against the folder's first (a name that would share a step's file)."""
+    from kvlens.experiment import capacity, quantization
+
+    known = list(dict.fromkeys([*names, *(out.state() or {}).get("endpoints", [])]))
+    quantization.check_names(known)
+    try:
+        kept = capacity.byte_model_of(out.kept_json(quantization.BYTE_MODEL))
+    except ValueError as error:
+        raise ExperimentError(
+            f"{out.path / quantization.BYTE_MODEL}: {error}; remove it and give the byte model's flags"
+        ) from None
+    try:
+        return capacity.byte_model_from(
+            args.weight_bytes, args.bandwidth, args.kv_bytes_per_token, args.step_overhead_ms, known, kept
+        )
+    except ValueError as error:
+        raise ExperimentError(str(error)) from None

@@ -14,7 +14,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from kvlens.analysis import run_facts
 from kvlens.cli.common import examples
+from kvlens.experiment import reports
 from kvlens.experiment import run as arms
 from kvlens.experiment.client import CHAT, COMPLETIONS, Endpoint, Progress, base_url
 from kvlens.experiment.prompts import DEFAULT_VOCAB_SIZE, PromptSynthesizer
@@ -75,10 +77,26 @@ def traffic_flags(parser: argparse.ArgumentParser) -> None:
         help=f"the first N requests of the trace (default: all; {arms.SHARED_PREFIX}: 200)",
     )
     parser.add_argument("--groups", type=int, default=4, help=f"{arms.SHARED_PREFIX}: system prompts")
-    parser.add_argument("--prefix-tokens", type=int, default=1024, help=f"{arms.SHARED_PREFIX}: shared")
+    parser.add_argument(
+        "--prefix-tokens",
+        type=_token_counts,
+        default=",".join(str(n) for n in arms.SHARED_PREFIX_TOKENS),
+        metavar="N[,N...]",
+        help=f"{arms.SHARED_PREFIX}: each group's shared system prompt, cycled over the groups",
+    )
     parser.add_argument("--suffix-tokens", type=int, default=128, help=f"{arms.SHARED_PREFIX}: own")
     parser.add_argument("--output-tokens", type=int, default=32, help=f"{arms.SHARED_PREFIX}: output")
     parser.add_argument("--traffic-rate", type=float, default=4.0, help=f"{arms.SHARED_PREFIX}: per s")
+
+
+def _token_counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"token counts such as 256,1024,4096, not {text!r}") from None
+    if any(count < 0 for count in counts):
+        raise argparse.ArgumentTypeError(f"a token count is 0 or more, not {text!r}")
+    return counts
 
 
 def endpoint_flags(parser: argparse.ArgumentParser) -> None:
@@ -92,12 +110,41 @@ def endpoint_flags(parser: argparse.ArgumentParser) -> None:
         "--missing-cached-is-zero", action="store_true", help="a usage without cached_tokens means 0"
     )
     parser.add_argument("--push", metavar="URL", help="also send the records to a kvlens serve")
+    error_rate_flag(parser)
     parser.add_argument(
         "--api",
         choices=(COMPLETIONS, CHAT),
         default=COMPLETIONS,
         help="completions: token ids, exact lengths (default); chat: text from /detokenize, approximate",
     )
+
+
+def error_rate_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-error-rate",
+        type=float,
+        default=reports.DEFAULT_MAX_ERROR_RATE,
+        metavar="SHARE",
+        help="an arm with more of its requests failed exits 1 (after the report); none answered exits 2",
+    )
+
+
+def failure_exit(command: str, runs: list[tuple[str, dict[str, Any] | None]], max_error_rate: float) -> int:
+    """The run's exit code from its arms' failures, each arm past the bound said on stderr."""
+    code, lines = reports.failures(runs, max_error_rate)
+    for line in lines:
+        print(f"kvlens {command}: {line}", file=sys.stderr)
+    return code
+
+
+def arm_failures(result: arms.ArmResult) -> list[tuple[str, dict[str, Any] | None]]:
+    """An arm's failures, its warm-up's apart (a warm-up that failed warmed nothing)."""
+    runs = [(result.name, run_facts.errors_in(str(result.records), result.name))]
+    if result.warmup_records is not None:
+        runs.append(
+            (f"{result.name} (warm-up)", run_facts.errors_in(str(result.warmup_records), result.name))
+        )
+    return runs
 
 
 API_KEY_VARIABLE = "OPENAI_API_KEY"
@@ -231,6 +278,7 @@ def summary(result: arms.ArmResult) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    reports.check_error_rate(args.max_error_rate)
     window, prompts, schedule = setup(args, warms=args.warm)
     with pusher(args.push) as push:
         result = arms.run_arm(
@@ -249,4 +297,4 @@ def run(args: argparse.Namespace) -> int:
     if sys.stderr.isatty():
         print(file=sys.stderr)
     print(summary(result))
-    return 0
+    return failure_exit("replay", arm_failures(result), args.max_error_rate)

@@ -38,7 +38,6 @@ import numpy as np
 
 from kvlens import bandwidth
 from kvlens.simulate.trace import TraceRequest
-from kvlens.terminal import NARROWEST, wrap
 
 BATCH_BAND: Final = 1.25
 MIN_MATCHED: Final = 3
@@ -47,6 +46,7 @@ MORE_AT_ONCE: Final = 0.10
 FEWER_WAITING: Final = 0.10
 NEAR_FULL: Final = 0.9
 MIN_HELD: Final = 2
+LONG_PER_SLOT: Final = 2  # long requests made per --concurrency slot (:func:`long_requests`)
 
 
 @dataclass(frozen=True)
@@ -309,7 +309,7 @@ def long_requests(
     block_size: int,
 ) -> tuple[list[TraceRequest], str]:
     """Long-context requests for a trace that has none (article 2 asks for short and long apart):
-    ``2 x concurrency`` prompts of ``long_context`` tokens, the trace's median output length; all
+    ``LONG_PER_SLOT x concurrency`` prompts of ``long_context`` tokens, the trace's median output length; all
     but their last block shared (``block_size``: the prompts' blocks), so that after the first
     prefill each is mostly cached and the run measures decode at a long context, as the fixed
     work means to, not an engine's prefill lane. None, and why, when an endpoint's context
@@ -329,7 +329,8 @@ def long_requests(
         )
     first = max((r.index for r in requests), default=-1) + 1
     shared = tuple((1 << 61) | i for i in range(max(0, long_context // block_size - 1)))
-    made = [TraceRequest(first + i, 0.0, long_context, output, shared) for i in range(2 * concurrency)]
+    count = LONG_PER_SLOT * concurrency
+    made = [TraceRequest(first + i, 0.0, long_context, output, shared) for i in range(count)]
     return made, ""
 
 
@@ -396,29 +397,41 @@ def byte_model_from(
     weight_specs: Sequence[str] | None,
     bandwidth_text: str | None,
     kv_text: str | None,
-    overhead_ms: float,
+    overhead_ms: float | None,
     names: Sequence[str],
+    kept: ByteModel | None = None,
 ) -> ByteModel | None:
     """``--weight-bytes NAME=SIZE`` (per endpoint), ``--bandwidth``, ``--kv-bytes-per-token`` and
-    ``--step-overhead-ms`` as a :class:`ByteModel`; None when no weights are given. Raises
-    ValueError naming what is wrong or missing."""
-    if not weight_specs:
-        return None
-    weights: dict[str, float] = {}
-    for spec in weight_specs:
+    ``--step-overhead-ms`` as a :class:`ByteModel`, over ``kept`` (an earlier run's into the same
+    out-dir, whose endpoints may be run one at a time): a flag given replaces what it kept, an
+    endpoint's weights are added to the others'. ``names``: the endpoints weights may be given for
+    (this run's and the out-dir's). None when no weights are given or kept. Raises ValueError
+    naming what is wrong or missing."""
+    weights = dict(kept.weight_bytes) if kept is not None else {}
+    for spec in weight_specs or []:
         name, separator, size = spec.partition("=")
         if not separator or name not in names:
             raise ValueError(
-                f"--weight-bytes takes ENDPOINT=SIZE for an --endpoint name ({', '.join(names)})"
+                f"--weight-bytes takes ENDPOINT=SIZE for an endpoint of this run or of --out-dir "
+                f"({', '.join(names)})"
             )
         weights[name] = bandwidth.parse_bytes(size)
-    if bandwidth_text is None or kv_text is None:
-        raise ValueError("--weight-bytes needs --bandwidth and --kv-bytes-per-token for the byte model")
-    if not (math.isfinite(overhead_ms) and overhead_ms >= 0):
-        raise ValueError("--step-overhead-ms takes milliseconds >= 0")
-    return ByteModel(
-        weights, bandwidth.parse_bandwidth(bandwidth_text), bandwidth.parse_bytes(kv_text), overhead_ms / 1000
+    if not weights:
+        return None
+    bandwidth_bps = (
+        bandwidth.parse_bandwidth(bandwidth_text)
+        if bandwidth_text is not None
+        else kept.bandwidth_bytes_per_second
+        if kept is not None
+        else None
     )
+    kv = bandwidth.parse_bytes(kv_text) if kv_text is not None else kept.kv_bytes_per_token if kept else None
+    if bandwidth_bps is None or kv is None:
+        raise ValueError("--weight-bytes needs --bandwidth and --kv-bytes-per-token for the byte model")
+    if overhead_ms is not None and not (math.isfinite(overhead_ms) and overhead_ms >= 0):
+        raise ValueError("--step-overhead-ms takes milliseconds >= 0")
+    overhead = overhead_ms / 1000 if overhead_ms is not None else kept.step_overhead_seconds if kept else 0.0
+    return ByteModel(weights, bandwidth_bps, kv, overhead)
 
 
 def byte_model_json(model: ByteModel | None) -> dict[str, Any] | None:
@@ -432,57 +445,22 @@ def byte_model_json(model: ByteModel | None) -> dict[str, Any] | None:
     }
 
 
-# --- the report's lines ------------------------------------------------------------------
-
-
-def fixed_work_lines(result: dict[str, Any]) -> list[str]:
-    """Experiment 1's throughput, ITL ratios beside the byte model's, and what each gain came
-    from; the groups not measured."""
-    fixed, baseline = result.get("fixed_work") or {}, result["baseline"]
-    lines: list[str] = []
-    for name, groups in fixed.items():
-        for group, stats in groups.items():
-            rate = stats.get("output_tokens_per_second")
-            measured, predicted = stats.get("measured_itl_ratio"), stats.get("predicted_itl_ratio")
-            line = f"{name} {group}: {'-' if rate is None else f'{rate:,.0f}'} output tokens/s"
-            if name != baseline:
-                line += (
-                    f"; ITL {baseline}/{name} {'-' if measured is None else f'{measured:.2f}x'} measured, "
-                    + (
-                        "byte model: not given (--weight-bytes, --bandwidth, --kv-bytes-per-token)"
-                        if predicted is None
-                        else f"{predicted:.2f}x by the byte model (step "
-                        f"{stats['predicted_step_seconds'] * 1000:.2f} ms)"
-                    )
-                )
-                gain = stats.get("gain_over_baseline")
-                if gain:
-                    line += f"; {gain['verdict']}: {'; '.join(gain['reasons'])}"
-            lines += wrap(line, NARROWEST)
-    for note in result.get("not_measured") or []:
-        lines += wrap(note, NARROWEST)
-    return [*lines, ""] if lines else []
-
-
-def step_lines(result: dict[str, Any]) -> list[str]:
-    """Experiment 2: per rate, output tokens/s and the scheduler's figures of each endpoint, and
-    what each endpoint gained over the baseline, with the figures that decide it."""
-    load, baseline = result.get("rising_load") or {}, result["baseline"]
-    lines: list[str] = []
-    for name, steps in (load.get("steps") or {}).items():
-        for step in steps:
-            rate = step.get("output_tokens_per_second")
-            running, waiting = step.get("engine_running_p95"), step.get("engine_waiting_mean")
-            preempted = step.get("engine_preemptions")
-            line = (
-                f"{name} at {step['rate']:g} req/s: {'-' if rate is None else f'{rate:,.0f}'} "
-                "output tokens/s, "
-                f"running p95 {'-' if running is None else f'{running:.0f}'}, waiting "
-                f"{'-' if waiting is None else f'{waiting:.1f}'} on average, "
-                f"{'-' if preempted is None else f'{preempted:.0f}'} preempted"
-            )
-            gain = (step.get("gain_over") or {}).get(baseline) if name != baseline else None
-            if gain:
-                line += f"; over {baseline}: {gain['verdict']}: {'; '.join(gain['reasons'])}"
-            lines += wrap(line, NARROWEST)
-    return [*lines, ""] if lines else []
+def byte_model_of(value: Any) -> ByteModel | None:
+    """:func:`byte_model_json` read back (None: none kept). ValueError when it is not one."""
+    if value is None:
+        return None
+    try:
+        weights = {str(name): float(size) for name, size in value["weight_bytes"].items()}
+        model = ByteModel(
+            weights,
+            float(value["bandwidth_bytes_per_second"]),
+            float(value["kv_bytes_per_token"]),
+            float(value["step_overhead_seconds"]),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        raise ValueError(f"not a byte model ({error!r})") from None
+    if not all(math.isfinite(v) and v >= 0 for v in (*weights.values(), model.step_overhead_seconds)):
+        raise ValueError("not a byte model (a size or time below 0)")
+    if not (model.bandwidth_bytes_per_second > 0 and model.kv_bytes_per_token >= 0):
+        raise ValueError("not a byte model (no bandwidth)")
+    return model

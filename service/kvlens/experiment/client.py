@@ -21,8 +21,9 @@ A hostile endpoint cannot hold the run or its memory: ``timeout`` bounds each wh
 ``line_too_long``, more chunks with text than the request's ``max_tokens`` is
 ``too_many_tokens``, a compressed answer is ``content_encoding`` (never inflated), usage counts
 that cannot be are ``invalid_usage``, a chunk of a shape not expected is ``malformed_stream``,
-and an error status's body is not read (``http_STATUS``). The runner's other calls (checks,
-resets, samples, ``/detokenize``) are bounded by ``calls``.
+and an error status is ``http_STATUS`` with the server's reason in ``error_message`` (read from
+a bounded part of its body, within a second, printable, at most 200 characters). The runner's
+other calls (checks, resets, samples, ``/detokenize``) are bounded by ``calls``.
 """
 
 from __future__ import annotations
@@ -361,6 +362,8 @@ def _ended(
         # Failed carries the reason; anything else is the client's own fault, recorded all the same.
         reason = failure.reason if isinstance(failure, Failed) else f"client_{type(failure).__name__}"
         record["error"] = reason
+        if isinstance(failure, Failed) and failure.message:
+            record["error_message"] = failure.message  # the server's reason, bounded and printable
         progress.errors += 1
     else:
         _fill(record, answer.result(), endpoint, progress)

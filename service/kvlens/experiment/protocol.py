@@ -88,7 +88,23 @@ def plan(
 
 def check_reachable(endpoint: Endpoint) -> list[str]:
     """The endpoint's served model names; a clear error when it is down (or gives no whole answer
-    within CHECK_SECONDS), before any arm runs."""
+    within CHECK_SECONDS), or does not serve the endpoint's model, before any arm runs: every
+    request to a model not served fails (vLLM answers 404), and a run of failures is no arm."""
+    served = _served_models(endpoint)
+    if endpoint.model not in served:
+        shown = ", ".join(repr(name[:100]) for name in served[:SHOWN_MODELS]) or "nothing"
+        if len(served) > SHOWN_MODELS:
+            shown += f", ... ({len(served)} in all)"
+        raise ExperimentError(
+            f"{endpoint.url} does not serve --model {endpoint.model!r} (it serves: {shown})"
+        )
+    return served
+
+
+SHOWN_MODELS = 10  # served names listed when --model is not one of them
+
+
+def _served_models(endpoint: Endpoint) -> list[str]:
     try:
         answer = calls.call_now(
             endpoint.url, "GET", "/v1/models", headers=endpoint.headers, seconds=calls.CHECK_SECONDS

@@ -12,53 +12,40 @@ apart as it asks:
    ``/metrics`` is scraped during each step (KV cache usage, prefix-cache reuse), so the report
    can say whether a higher goodput came from faster steps or from holding more KV (a smaller
    checkpoint leaves memory for more cache).
+
+Every step (an endpoint's fixed work of one context group, an endpoint at one rate) runs through
+the out-dir (:mod:`kvlens.experiment.outdir`): its records and its engine sample (with the
+``/metrics`` series the capacity rule reads) are kept in the folder, so that :func:`merged`
+computes every comparison (ITL ratios, the byte model's, what a gain came from) from the finished
+steps, whichever run made each: endpoints may be run one at a time. The engine's sample is
+:mod:`kvlens.experiment.engine_metrics`'s, the text report
+:mod:`kvlens.experiment.quantization_text`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import logging
 import math
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import orjson
-from prometheus_client.parser import text_string_to_metric_families
 
-from kvlens.errors import ScrapeError
-from kvlens.experiment import calls, capacity
-from kvlens.experiment.capacity import ByteModel, Sample
+from kvlens.experiment import capacity, outdir
+from kvlens.experiment.capacity import ByteModel
 from kvlens.experiment.client import MEASURE, Endpoint, Planned, Progress, RecordWriter, replay
+from kvlens.experiment.engine_metrics import SCRAPE_SECONDS, EngineSample, sampler
 from kvlens.experiment.prompts import PromptSynthesizer
 from kvlens.experiment.protocol import ExperimentError, check_reachable, max_model_len, reset_cache
-from kvlens.experiment.run import Schedule
+from kvlens.experiment.run import Schedule, with_progress
 from kvlens.simulate.trace import TraceRequest
-from kvlens.sources.vllm_metrics import MAX_LINE_CHARS, longest_line
-from kvlens.terminal import NARROWEST, wrap, wrapped
-
-log = logging.getLogger("kvlens.experiment")
 
 SCHEMA = "kvlens.quantization/v1"
-KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # 0.10+, 0.8/0.9
-# the scheduler's view (vLLM's names; summed over engines): what decides capacity
-SCHEDULER = {
-    "vllm:num_requests_running": "running",
-    "vllm:num_requests_waiting": "waiting",
-    "vllm:num_preemptions_total": "preemptions",
-}
-# /metrics sampled this often during a step: the capacity rule needs a running batch for each
-# request's decode (a few hundred ms at most) and a line seen more than once
-SCRAPE_SECONDS = 0.2
-MAX_SAMPLES = 50_000  # per step: ~3 hours at 0.2 s; later scrapes update the peaks, not the series
-QUERIES, HITS = "vllm:prefix_cache_queries", "vllm:prefix_cache_hits"
+BYTE_MODEL = "byte-model.json"  # in the out-dir: the byte model the report uses, kept across runs
 SWEEP_DOUBLINGS = 6  # --rate-sweep: at most 64 times the start rate, so a run stays bounded
 MAX_DOUBLINGS = 20  # --sweep-doublings: past a million times the start, a typo, not a plan
 
@@ -71,21 +58,6 @@ class Targets:
     long_context: int = 4096  # prompts this long or longer are "long"
 
 
-@dataclass
-class EngineSample:
-    """What an endpoint's ``/metrics`` said during one step."""
-
-    kv_usage_max: float | None = None
-    queries: float = 0.0
-    hits: float = 0.0
-    scrapes: int = 0
-    series: list[Sample] = dataclasses.field(default_factory=list)  # for the capacity rule
-
-    @property
-    def token_reuse(self) -> float | None:
-        return self.hits / self.queries if self.queries > 0 else None
-
-
 def fixed_work(
     endpoints: dict[str, Endpoint],
     requests: list[TraceRequest],
@@ -95,19 +67,21 @@ def fixed_work(
     concurrency: int,
     targets: Targets,
     max_output_tokens: int | None = None,
-    byte_model: ByteModel | None = None,
+    steps: outdir.OutDir | None = None,
     scrape_seconds: float = SCRAPE_SECONDS,
-    not_measured: list[str] | None = None,
+    byte_model: ByteModel | None = None,
 ) -> dict[str, Any]:
     """Experiment 1: ``concurrency`` in flight (each starts when one ends), per endpoint (cache
-    emptied first where it can be), short and long contexts each a run of their own (the trace's
-    requests; long ones made when it has none, :func:`capacity.long_requests`); per endpoint x
-    context group the medians, output tokens/s, and against the baseline the ITL ratio beside the
-    byte model's and what a gain came from. A group that could not be run is said in
-    ``not_measured``."""
+    emptied first where it can be), short and long contexts each a step of their own
+    (:func:`fixed_step`: the trace's requests; long ones made when it has none,
+    :func:`capacity.long_requests`, or why not kept in the short step's ``not_measured``), the
+    engine sampled throughout. A step finished in ``steps`` (the out-dir of a resumed run) is
+    read, not run. The fixed-work section over this run's endpoints (:func:`fixed_section`)."""
+    runs = _steps_in(out_dir, steps)
     for endpoint in endpoints.values():
         check_reachable(endpoint)
-    groups = _by_context_requests(requests, targets)
+    groups = fixed_groups(requests, targets)
+    notes: list[str] = []
     if "long" not in groups:
         limits = {name: max_model_len(endpoint) for name, endpoint in endpoints.items()}
         made, why = capacity.long_requests(
@@ -115,34 +89,88 @@ def fixed_work(
         )
         if made:
             groups["long"] = made
-        elif not_measured is not None:
-            not_measured.append(why)
-    result: dict[str, Any] = {name: {} for name in endpoints}
-    runs: dict[str, dict[str, tuple[list[dict[str, Any]], EngineSample]]] = {name: {} for name in endpoints}
+        else:
+            notes.append(why)
+    found: list[outdir.Found] = []
     for group, chosen in groups.items():
         planned = [Planned(r, 0.0, _output(r, max_output_tokens), MEASURE) for r in chosen]
         for name, endpoint in endpoints.items():
-            reset_cache(endpoint)
             # All due at once through `concurrency` slots: each request starts when one ends.
             closed = dataclasses.replace(endpoint, max_concurrency=concurrency, late_after_seconds=math.inf)
-            path = out_dir / (f"fixed-{name}.jsonl" if group == "short" else f"fixed-{name}-{group}.jsonl")
-            with _engine_sampler(endpoint, scrape_seconds) as sample:
-                records = _run(path, name, planned, closed, prompts)
-            runs[name][group] = (records, sample)
-            result[name][group] = _latency(records) | {
-                "output_tokens_per_second": capacity.output_tokens_per_second(records)
-            }
-    baseline = next(iter(endpoints))
-    for name in endpoints:
-        for group, (records, sample) in runs[name].items():
-            base_records, base_sample = runs[baseline][group]
-            result[name][group] |= capacity.fixed_work_comparison(
-                (baseline, base_records, base_sample.series),
-                (name, records, sample.series),
-                concurrency,
-                byte_model,
-            )
+            step = fixed_step(name, group)
+
+            def body(
+                staged: Path,
+                closed: Endpoint = closed,
+                step: outdir.Step = step,
+                planned: list[Planned] = planned,
+            ) -> dict[str, Any]:
+                reset_cache(closed)
+                with sampler(closed, scrape_seconds) as sample:
+                    _run(staged, step.endpoint, planned, closed, prompts, runs.progress, step.name)
+                meta = {"concurrency": concurrency, "sample": sample.as_json()}
+                return meta | ({"not_measured": notes} if notes and group_of(step) == "short" else {})
+
+            found.append(runs.run(step, body))
+    return fixed_section(found, list(endpoints), byte_model)
+
+
+def fixed_step(name: str, group: str) -> outdir.Step:
+    """An endpoint's fixed work of one context group: ``fixed-NAME`` (short), ``fixed-NAME-long``."""
+    return outdir.Step(f"fixed-{name}" if group == "short" else f"fixed-{name}-{group}", name, "fixed")
+
+
+def group_of(step: outdir.Step) -> str:
+    suffix = step.name.removeprefix(f"fixed-{step.endpoint}")
+    return suffix.removeprefix("-") or "short"
+
+
+def fixed_groups(requests: list[TraceRequest], targets: Targets) -> dict[str, list[TraceRequest]]:
+    """The trace's requests by context group (short, long: ``targets.long_context`` or more),
+    the groups it has."""
+    groups: dict[str, list[TraceRequest]] = {"short": [], "long": []}
+    for request in requests:
+        groups["long" if request.prompt_tokens >= targets.long_context else "short"].append(request)
+    return {name: chosen for name, chosen in groups.items() if chosen}
+
+
+def fixed_section(
+    found: list[outdir.Found], names: list[str], byte_model: ByteModel | None
+) -> dict[str, Any]:
+    """Experiment 1 over the finished fixed steps of ``names`` (the first the baseline): per
+    endpoint x context group the medians and output tokens/s, and against the baseline's row of
+    the same group the ITL ratio beside the byte model's and what a gain came from."""
+    read = {
+        (f.step.endpoint, group_of(f.step)): (
+            _read(f.records),
+            _sample(f),
+            int(f.meta.get("concurrency") or 1),
+        )
+        for f in found
+        if f.step.kind == "fixed"
+    }
+    result: dict[str, Any] = {}
+    for name in names:
+        for group in ("short", "long"):
+            if (name, group) not in read:
+                continue
+            records, sample, concurrency = read[name, group]
+            row = _latency(records) | {"output_tokens_per_second": capacity.output_tokens_per_second(records)}
+            base = read.get((names[0], group))
+            if base is not None:
+                row |= capacity.fixed_work_comparison(
+                    (names[0], base[0], base[1].series),
+                    (name, records, sample.series),
+                    concurrency,
+                    byte_model,
+                )
+            result.setdefault(name, {})[group] = row
     return result
+
+
+def _steps_in(out_dir: Path, steps: outdir.OutDir | None) -> outdir.OutDir:
+    """The run's out-dir, or one that runs every step (no plan, no lock: a caller of its own)."""
+    return steps or outdir.OutDir(out_dir, outdir.Plan("quantization", {}), restart=True)
 
 
 def rising_load(
@@ -251,32 +279,112 @@ def stepper(
     max_output_tokens: int | None = None,
     seed: int = 0,
     scrape_seconds: float = SCRAPE_SECONDS,
+    steps: outdir.OutDir | None = None,
 ) -> Callable[[float], dict[str, dict[str, Any]]]:
     """One step of experiment 2 at a rate: the same arrivals on each endpoint in turn (cache
-    emptied first), its records in ``out_dir/rate-R-NAME.jsonl``."""
+    emptied first), its records in ``out_dir/rate-R-NAME.jsonl`` and the engine's sample in its
+    ``.step.json`` (a step finished in ``steps`` is read from them, not run); each row with what
+    its endpoint gained over each other (:func:`rate_rows`)."""
+    runs = _steps_in(out_dir, steps)
     for endpoint in endpoints.values():
         check_reachable(endpoint)
 
     def step(rate: float) -> dict[str, dict[str, Any]]:
         schedule = Schedule(rate=rate, max_output_tokens=max_output_tokens, seed=seed)
         planned = schedule.planned(requests, MEASURE)
-        rows, seen = {}, {}
+        found = []
         for name, endpoint in endpoints.items():
-            reset_cache(endpoint)
-            path = out_dir / f"rate-{rate:g}-{name}.jsonl"
-            with _engine_sampler(endpoint, scrape_seconds) as sample:
-                records = _run(path, f"{name}@{rate:g}", planned, endpoint, prompts)
-            rows[name] = _step(rate, records, sample, targets)
-            seen[name] = (capacity.decodes(records), sample.series)
-        for name, row in rows.items():  # what each endpoint gained over each other, and why
-            row["gain_over"] = {
-                other: capacity.attribute(seen[other], seen[name], (other, name)).as_json()
-                for other in rows
-                if other != name
-            }
-        return rows
+
+            def body(staged: Path, name: str = name, endpoint: Endpoint = endpoint) -> dict[str, Any]:
+                reset_cache(endpoint)
+                with sampler(endpoint, scrape_seconds) as sample:
+                    _run(staged, f"{name}@{rate:g}", planned, endpoint, prompts, runs.progress, staged.stem)
+                return {"sample": sample.as_json()}
+
+            found.append(runs.run(rate_step(rate, name), body))
+        return rate_rows(found, targets)
 
     return step
+
+
+def rate_step(rate: float, name: str) -> outdir.Step:
+    return outdir.Step(f"rate-{rate:g}-{name}", name, "rate", rate)
+
+
+def rate_rows(found: list[outdir.Found], targets: Targets) -> dict[str, dict[str, Any]]:
+    """The rows of one rate's finished steps, one per endpoint, each with what it gained over
+    each other endpoint at that rate (``gain_over``: :func:`capacity.attribute`)."""
+    rows, seen = {}, {}
+    for each in found:
+        records, sample = _read(each.records), _sample(each)
+        rows[each.step.endpoint] = _step(float(each.meta["rate"]), records, sample, targets)
+        seen[each.step.endpoint] = (capacity.decodes(records), sample.series)
+    for name, row in rows.items():
+        row["gain_over"] = {
+            other: capacity.attribute(seen[other], seen[name], (other, name)).as_json()
+            for other in rows
+            if other != name
+        }
+    return rows
+
+
+def _sample(found: outdir.Found) -> EngineSample:
+    try:
+        return EngineSample.from_json(found.meta.get("sample"))
+    except ValueError as error:
+        raise ExperimentError(
+            f"{found.records.with_suffix(outdir.STEP_SUFFIX)}: its engine sample cannot be read ({error}); "
+            "redo the step with --restart"
+        ) from None
+
+
+def merged(
+    found: list[outdir.Found],
+    names: list[str],
+    targets: Targets,
+    sweep: dict[str, Any] | None,
+    *,
+    byte_model: ByteModel | None = None,
+) -> dict[str, Any]:
+    """The report over every endpoint's finished steps in an out-dir (``names`` in the order
+    they were first run: the first is the baseline), whichever run made each, every comparison
+    made here from the steps' records and engine samples. A sweep run one endpoint at a time
+    doubles per endpoint: its halfway rates and the endpoints that never fell under are taken
+    from every endpoint's steps, its stop from the last run."""
+    names = [*names, *sorted({f.step.endpoint for f in found} - set(names))]
+    fixed = fixed_section(found, names, byte_model)
+    by_rate: dict[float, list[outdir.Found]] = {}
+    for f in found:
+        if f.step.kind == "rate":
+            by_rate.setdefault(float(f.meta["rate"]), []).append(f)
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for rate in sorted(by_rate):
+        at = rate_rows(by_rate[rate], targets)
+        for name in names:
+            if name in at:
+                rows.setdefault(name, []).append(at[name])
+    load = None
+    if rows:
+        load = load_result({name: rows[name] for name in names if name in rows}, targets)
+        if sweep is not None:
+            ladder = {sweep["start"] * 2**k for k in range(sweep["max_doublings"] + 1)}
+            load["sweep"] = {
+                **sweep,
+                "bisected": sorted({row["rate"] for each in rows.values() for row in each} - ladder),
+                "never_fell_under": [
+                    name
+                    for name, each in rows.items()
+                    if all(r["attainment"] >= targets.attainment for r in each)
+                ],
+            }
+    notes = [note for f in found if f.step.kind == "fixed" for note in f.meta.get("not_measured") or []]
+    return report(
+        fixed or None, load, targets, names[0], byte_model=byte_model, not_measured=list(dict.fromkeys(notes))
+    )
+
+
+def _read(path: Path) -> list[dict[str, Any]]:
+    return [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
 
 
 def load_result(steps: dict[str, list[dict[str, Any]]], targets: Targets) -> dict[str, Any]:
@@ -315,22 +423,25 @@ def _output(request: TraceRequest, cap: int | None) -> int:
 
 
 def _run(
-    path: Path, arm: str, planned: list[Planned], endpoint: Endpoint, prompts: PromptSynthesizer
-) -> list[dict[str, Any]]:
+    path: Path,
+    arm: str,
+    planned: list[Planned],
+    endpoint: Endpoint,
+    prompts: PromptSynthesizer,
+    progress: Callable[[str, Progress, int], None] | None = None,
+    label: str = "",
+) -> None:
     try:
         out = path.open("wb")
     except OSError as error:
         raise ExperimentError(f"cannot write {path}: {error.strerror or error}") from None
     with out:
-        asyncio.run(replay(planned, prompts, endpoint, arm, RecordWriter(out), Progress()))
-    return [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
-
-
-def _by_context_requests(requests: list[TraceRequest], targets: Targets) -> dict[str, list[TraceRequest]]:
-    groups: dict[str, list[TraceRequest]] = {"short": [], "long": []}
-    for request in requests:
-        groups["long" if request.prompt_tokens >= targets.long_context else "short"].append(request)
-    return {name: chosen for name, chosen in groups.items() if chosen}
+        state = Progress()
+        task = replay(planned, prompts, endpoint, arm, RecordWriter(out), state)
+        if progress is None:
+            asyncio.run(task)
+        else:
+            asyncio.run(with_progress(task, lambda: progress(label or arm, state, len(planned))))
 
 
 def _values(rows: list[dict[str, Any]], key: str) -> np.ndarray[Any, np.dtype[np.float64]]:
@@ -423,114 +534,8 @@ def _attribution(
     return lines
 
 
-@contextlib.contextmanager
-def _engine_sampler(endpoint: Endpoint, every: float) -> Iterator[EngineSample]:
-    """Scrape the endpoint's ``/metrics`` every ``every`` seconds while the step runs, on a thread
-    of its own (the replay's loop only sends and times): the highest KV usage seen, and the
-    prefix-cache counters' increase over the step. Each scrape goes through the one bounded
-    client (SAMPLE_SECONDS in all, at most MAX_CALL_BYTES once inflated); the step's end cancels
-    the scrape under way, so a sampler never outlives its step by more than STOP_SECONDS."""
-    sample = EngineSample()
-    sampler = _Sampler(endpoint, every, sample)
-    sampler.start()
-    try:
-        yield sample
-    finally:
-        sampler.stop()
-
-
-STOP_SECONDS = 5.0  # a cancelled scrape ends at its next await; a parse under way runs to its end
-
-
-class _Sampler(threading.Thread):
-    def __init__(self, endpoint: Endpoint, every: float, sample: EngineSample) -> None:
-        super().__init__(name="kvlens-engine-sampler", daemon=True)
-        self._endpoint, self._every, self._sample = endpoint, every, sample
-        self._loop = asyncio.new_event_loop()
-        # made here, run by the thread: stop() may come before the thread has begun
-        self._task = self._loop.create_task(self._sampling())
-
-    def run(self) -> None:
-        try:
-            self._loop.run_until_complete(self._task)
-        except asyncio.CancelledError:
-            pass
-        except Exception:  # a bug must not end the step: the step goes on unsampled
-            log.exception("the engine sampler of %s failed", self._endpoint.url)
-        finally:
-            self._loop.close()
-
-    def stop(self) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop already ended and closed
-            self._loop.call_soon_threadsafe(self._task.cancel)
-        self.join(STOP_SECONDS)
-        if self.is_alive():
-            log.warning("the engine sampler of %s did not stop within %g s", self._endpoint.url, STOP_SECONDS)
-
-    async def _sampling(self) -> None:
-        sample, first = self._sample, dict[str, float]()
-        async with calls.client() as pool:
-            while True:
-                values = await _scrape(pool, self._endpoint)
-                if values is not None:
-                    sample.scrapes += 1
-                    if len(sample.series) < MAX_SAMPLES:
-                        sample.series.append(
-                            Sample(
-                                time.time(),  # the records' clock: arrival_time is the client's
-                                values.get("running"),
-                                values.get("waiting"),
-                                values.get("preemptions"),
-                                values.get("kv_usage"),
-                            )
-                        )
-                    if not first:
-                        first.update(values)
-                    usage = values.get("kv_usage")
-                    if usage is not None:
-                        sample.kv_usage_max = max(sample.kv_usage_max or 0.0, usage)
-                    sample.queries = values.get("queries", 0.0) - first.get("queries", 0.0)
-                    sample.hits = values.get("hits", 0.0) - first.get("hits", 0.0)
-                await asyncio.sleep(self._every)
-
-
-async def _scrape(pool: httpx.AsyncClient, endpoint: Endpoint) -> dict[str, float] | None:
-    try:
-        answer = await calls.call(
-            pool, endpoint.url, "GET", "/metrics", headers=endpoint.headers, seconds=calls.SAMPLE_SECONDS
-        )
-    except ScrapeError:
-        return None
-    if answer.status != 200:
-        return None
-    text = answer.body.decode("utf-8", "replace")
-    if longest_line(text) > MAX_LINE_CHARS:  # the parser holds several times a line
-        return None
-    return _engine_values(text)
-
-
-def _engine_values(text: str) -> dict[str, float]:
-    values: dict[str, float] = {}
-    try:
-        families = list(text_string_to_metric_families(text))
-    except (ValueError, TypeError, IndexError, KeyError):  # as the sidecar's parse: bad text
-        return values
-    for family in families:
-        for s in family.samples:
-            if s.name in KV_USAGE:
-                values["kv_usage"] = max(values.get("kv_usage", 0.0), s.value)
-            elif s.name == f"{QUERIES}_total":
-                values["queries"] = values.get("queries", 0.0) + s.value
-            elif s.name == f"{HITS}_total":
-                values["hits"] = values.get("hits", 0.0) + s.value
-            elif s.name in SCHEDULER:
-                key = SCHEDULER[s.name]
-                values[key] = values.get(key, 0.0) + s.value
-    return values
-
-
 def endpoints_from(specs: list[str], make: Callable[[str], Endpoint]) -> dict[str, Endpoint]:
-    """``NAME=URL`` pairs, in order (the first is the baseline)."""
+    """``NAME=URL`` pairs, in order (the first run into an out-dir is the baseline)."""
     endpoints: dict[str, Endpoint] = {}
     for spec in specs:
         name, separator, url = spec.partition("=")
@@ -540,11 +545,21 @@ def endpoints_from(specs: list[str], make: Callable[[str], Endpoint]) -> dict[st
         if name in endpoints:
             raise ExperimentError(f"--endpoint {name!r} is given twice")
         endpoints[name] = make(url)
-    if len(endpoints) < 2:
-        raise ExperimentError(
-            "the quantization experiment compares two or more endpoints (--endpoint NAME=URL)"
-        )
+    if not endpoints:  # one is enough: the others may be run into the same --out-dir later
+        raise ExperimentError("the quantization experiment takes an endpoint (--endpoint NAME=URL)")
     return endpoints
+
+
+def check_names(names: Iterable[str]) -> None:
+    """Refuse endpoints whose steps would share a file: ``a``'s long fixed work is
+    ``fixed-a-long``, as is the short fixed work of an endpoint named ``a-long``."""
+    known = set(names)
+    for name in sorted(known):
+        if name.endswith("-long") and name.removesuffix("-long") in known:
+            raise ExperimentError(
+                f"--endpoint {name!r} and {name.removesuffix('-long')!r} would share the step "
+                f"fixed-{name}: rename one"
+            )
 
 
 def parse_rates(text: str) -> list[float]:
@@ -555,66 +570,3 @@ def parse_rates(text: str) -> list[float]:
     if not rates or not all(math.isfinite(rate) and rate > 0 for rate in rates):
         raise ExperimentError("--rates takes positive requests per second")
     return sorted(rates)
-
-
-def text(result: dict[str, Any]) -> str:
-    """The report for a terminal (80 columns): experiment 1 per endpoint and context group, then
-    experiment 2 per rate, the highest rates and what the gain came from."""
-
-    def ms(value: float | None) -> str:
-        return "-" if value is None else f"{value * 1000:.1f}"
-
-    lines = [f"# kvlens quantization (baseline: {result['baseline']})", ""]
-    fixed = result.get("fixed_work")
-    if fixed:
-        lines += ["Experiment 1, fixed work (ms, medians)", ""]
-        columns = "".join(f"{heading:>10}" for heading in ("TTFT", "ITL p50", "ITL p99", "e2e"))
-        lines.append(f"{'endpoint':<12}{'context':<8}{'requests':>9}{columns}")
-        for name, groups in fixed.items():
-            for group, stats in groups.items():
-                lines.append(
-                    f"{name[:11]:<12}{group:<8}{stats['requests']:>9}{ms(stats['ttft_p50_seconds']):>10}"
-                    f"{ms(stats['itl_p50_seconds']):>10}{ms(stats['itl_p99_seconds_median']):>10}"
-                    f"{ms(stats['e2e_p50_seconds']):>10}"
-                )
-        lines.append("")
-        lines += capacity.fixed_work_lines(result)
-    load = result.get("rising_load")
-    if load:
-        targets = result["targets"]
-        lines += wrap(
-            f"Experiment 2, rising load (targets: TTFT <= {targets['ttft_seconds']:g} s, "
-            f"ITL mean <= {targets['tpot_seconds'] * 1000:g} ms, {targets['attainment']:.0%} of requests)",
-            NARROWEST,
-        )
-        lines += [
-            "",
-            f"{'endpoint':<12}{'req/s':>7}{'attain':>8}{'goodput':>9}{'TTFT p50':>10}"
-            f"{'KV max':>8}{'reuse':>8}",
-        ]
-        for name, steps in load["steps"].items():
-            for step in steps:
-                usage, reuse = step["engine_kv_usage_max"], step["engine_token_reuse"]
-                lines.append(
-                    f"{name[:11]:<12}{step['rate']:>7g}{step['attainment']:>8.0%}{step['goodput_rps']:>9.2f}"
-                    f"{ms(step['ttft_p50_seconds']):>10}{'-' if usage is None else f'{usage:.0%}':>8}"
-                    f"{'-' if reuse is None else f'{reuse:.0%}':>8}"
-                )
-        lines.append("")
-        sweep = load.get("sweep")
-        if sweep:
-            middles = ", ".join(f"{rate:g}" for rate in sweep["bisected"]) or "none"
-            lines += [
-                f"Sweep from {sweep['start']:g} req/s: {sweep['stopped']}; halfway steps: {middles}",
-                "",
-            ]
-        unbounded = (sweep or {}).get("never_fell_under", [])
-        for name, rate in load["highest_rate"].items():
-            lines += wrap(
-                f"{name}: highest rate meeting the targets: {'none' if rate is None else f'{rate:g} req/s'}"
-                + (" (never fell under: a lower bound)" if name in unbounded else ""),
-                NARROWEST,
-            )
-        lines += capacity.step_lines(result)
-        lines += wrapped(load["attribution"], NARROWEST)
-    return "\n".join(lines) + "\n"

@@ -4,9 +4,10 @@ prefix-cache experiment's three arms handed to ``analysis/compare``."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,8 +15,9 @@ from typing import Any
 import numpy as np
 import orjson
 
-from kvlens.analysis import compare
+from kvlens.analysis import compare, run_facts
 from kvlens.config import Settings
+from kvlens.experiment import outdir
 from kvlens.experiment.client import MEASURE, WARMUP, Endpoint, Planned, Progress, RecordWriter, replay
 from kvlens.experiment.prompts import PromptSynthesizer
 from kvlens.experiment.protocol import (
@@ -30,46 +32,56 @@ from kvlens.experiment.protocol import (
 )
 from kvlens.records import MAX_TOKENS
 from kvlens.simulate.trace import TraceRequest
+from kvlens.stats import DEFAULT_PERCENTILES
 
 log = logging.getLogger("kvlens.experiment")
 
 SHARED_PREFIX = "shared-prefix"  # the built-in trace's name on the command line
 SHARED_PREFIX_BLOCK = 16  # vLLM's block size
+# System prompts of three lengths by default, so that the report's rows span three prompt-length
+# groups of the default edges (0-511, 512-2047, 2048-8191 with the 128-token suffix): how much a
+# hit saves depends on how long the prefix is, which one length cannot show.
+SHARED_PREFIX_TOKENS = (256, 1024, 4096)
 
 
 @dataclass(frozen=True)
 class SharedPrefixTraffic:
-    """Groups of requests sharing a system prompt (``prefix_tokens``) and each adding its own
-    ``suffix_tokens``, arriving as a Poisson process at ``rate`` per second, a group drawn
-    uniformly for each: the article's workload in miniature."""
+    """Groups of requests sharing a system prompt and each adding its own ``suffix_tokens``,
+    arriving as a Poisson process at ``rate`` per second, a group drawn uniformly for each: the
+    article's workload in miniature. Group ``g``'s system prompt is ``prefix_tokens[g %
+    len(prefix_tokens)]`` tokens long (one number: every group alike)."""
 
     requests: int = 200
     groups: int = 4
-    prefix_tokens: int = 1024
+    prefix_tokens: tuple[int, ...] = SHARED_PREFIX_TOKENS
     suffix_tokens: int = 128
     output_tokens: int = 32
     rate: float = 4.0
     seed: int = 0
 
     def trace(self) -> list[TraceRequest]:
-        if min(self.requests, self.groups, self.output_tokens) < 1 or self.prefix_tokens < 0:
+        if not self.prefix_tokens:
+            raise ExperimentError("shared-prefix traffic needs a prefix length (0 or more tokens)")
+        if min(self.requests, self.groups, self.output_tokens) < 1 or min(self.prefix_tokens) < 0:
             raise ExperimentError("shared-prefix traffic needs requests, groups and output tokens >= 1")
         if self.suffix_tokens < 1:
             raise ExperimentError("shared-prefix traffic needs suffix tokens >= 1 (each prompt its own end)")
         if not (math.isfinite(self.rate) and self.rate > 0):
             raise ExperimentError("shared-prefix traffic needs a positive rate")
-        if self.prefix_tokens + self.suffix_tokens > MAX_TOKENS:  # a trace file's bound too
+        if max(self.prefix_tokens) + self.suffix_tokens > MAX_TOKENS:  # a trace file's bound too
             raise ExperimentError(f"shared-prefix traffic takes prompts of {MAX_TOKENS:,} tokens at most")
         rng = np.random.default_rng(self.seed)
         arrivals = np.cumsum(rng.exponential(1 / self.rate, self.requests)) - 1 / self.rate
         groups = rng.integers(0, self.groups, self.requests)
-        length = self.prefix_tokens + self.suffix_tokens
-        shared = self.prefix_tokens // SHARED_PREFIX_BLOCK
         requests = []
         for index in range(self.requests):
+            group = int(groups[index])
+            prefix = self.prefix_tokens[group % len(self.prefix_tokens)]
+            length = prefix + self.suffix_tokens
+            shared = prefix // SHARED_PREFIX_BLOCK
             # Keys stand for a block and its prefix: the group's blocks, then the request's own.
             own = length // SHARED_PREFIX_BLOCK - shared
-            keys = [(1 << 62) | (int(groups[index]) << 32) | i for i in range(shared)]
+            keys = [(1 << 62) | (group << 32) | i for i in range(shared)]
             keys += [(2 << 60) | (index << 24) | j for j in range(own)]
             requests.append(
                 TraceRequest(index, float(max(0.0, arrivals[index])), length, self.output_tokens, tuple(keys))
@@ -157,7 +169,7 @@ def run_arm(
     if warm:
         if not window.warmup:
             raise ExperimentError(f"arm {name!r} warms up, but no request arrives before --measure-from")
-        warmup_path = out.with_suffix(".warmup" + (out.suffix or ".jsonl"))
+        warmup_path = run_facts.warmup_file(out)
         warmup_progress = _replay_into(
             warmup_path, f"{name}", schedule.planned(window.warmup, WARMUP), endpoint, prompts, push, progress
         )
@@ -188,7 +200,7 @@ def _replay_into(
         if progress is None:
             asyncio.run(task)
         else:
-            asyncio.run(_with_progress(task, lambda: progress(f"{arm} {phase}", state, len(planned))))
+            asyncio.run(with_progress(task, lambda: progress(f"{arm} {phase}", state, len(planned))))
     _in_trace_order(path)
     return state
 
@@ -203,7 +215,7 @@ def _in_trace_order(path: Path) -> None:
     staged.replace(path)
 
 
-async def _with_progress(task: Any, show: Callable[[], None]) -> None:
+async def with_progress(task: Any, show: Callable[[], None]) -> None:
     running = asyncio.ensure_future(task)
     while not running.done():
         show()
@@ -223,51 +235,81 @@ def prefix_cache_experiment(
     assume_empty: bool = False,
     push: Callable[[dict[str, Any]], None] | None = None,
     progress: Callable[[str, Progress, int], None] | None = None,
+    only: Collection[str] | None = None,
+    steps: outdir.OutDir | None = None,
 ) -> tuple[list[ArmResult], list[str]]:
-    """Off (when an endpoint without prefix caching is given), cold, then warm, in that order,
-    each into ``out_dir/ARM.jsonl``; the warnings to show (an off arm that hit the cache)."""
-    for each in (endpoint, off_endpoint):
-        if each is not None:  # both, before any arm runs
-            check_reachable(each)
-            check_context(each, [*window.warmup, *window.measure])
-    results, warnings = [], []
+    """Off (when an endpoint without prefix caching is given), cold, then warm, in that order
+    (those in ``only``, when given), each into ``out_dir/ARM.jsonl``; the warnings to show (an off
+    arm that hit the cache). An arm finished in ``steps`` (a resumed out-dir) is read, not run."""
     arms: list[tuple[str, Endpoint, bool]] = [("cold", endpoint, False), ("warm", endpoint, True)]
     if off_endpoint is not None:
         arms.insert(0, ("off", off_endpoint, False))
+    arms = [arm for arm in arms if only is None or arm[0] in only]
+    for each in dict.fromkeys(target for _, target, _ in arms):  # every endpoint, before any arm
+        check_reachable(each)
+        check_context(each, [*window.warmup, *window.measure])
+    runs = steps or outdir.OutDir(out_dir, outdir.Plan("prefix-cache", {}), restart=True)
+    results, warnings = [], []
+    ran_now: dict[str, ArmResult] = {}
     for name, target, warm in arms:
-        result = run_arm(
-            name,
-            target,
-            window,
-            out_dir / f"{name}.jsonl",
-            prompts,
-            schedule,
-            reset=name != "off",
-            assume_empty=assume_empty,
-            warm=warm,
-            push=push,
-            progress=progress,
-        )
+
+        def body(
+            staged: Path, name: str = name, target: Endpoint = target, warm: bool = warm
+        ) -> dict[str, Any]:
+            ran = run_arm(
+                name,
+                target,
+                window,
+                staged,
+                prompts,
+                schedule,
+                reset=name != "off",
+                assume_empty=assume_empty,
+                warm=warm,
+                push=push,
+                progress=progress,
+            )
+            ran_now[name] = ran
+            warmup = [ran.warmup_records.name] if ran.warmup_records else []
+            return {"files": warmup, "reset": ran.reset, "requests": ran.progress.done}
+
+        found = runs.run(outdir.Step(name, name, "arm"), body)
+        result = arm_result(found)
+        if name in ran_now:  # this run's counts, with the files where the step left them
+            result = dataclasses.replace(result, progress=ran_now[name].progress, warmup=ran_now[name].warmup)
         if name == "off" and (warning := off_check(result)):
             warnings.append(warning)
         results.append(result)
     return results, warnings
 
 
-def compare_arms(results: list[ArmResult], settings: Settings) -> dict[str, Any]:
+ARM_ORDER = ("off", "cold", "warm")  # the protocol's order: the first present is the baseline
+
+
+def arm_result(found: outdir.Found) -> ArmResult:
+    """A finished arm as its files say (its counts are in its records)."""
+    files = found.meta.get("files") or []
+    warmup = found.records.with_name(files[0]) if files else None
+    return ArmResult(found.step.name, found.records, Progress(), warmup, None, found.meta.get("reset"))
+
+
+def arms_found(found: list[outdir.Found]) -> list[ArmResult]:
+    """Every arm finished in an out-dir, whichever run made it, in the protocol's order."""
+    arms = {f.step.name: f for f in found if f.step.kind == "arm"}
+    return [arm_result(arms[name]) for name in ARM_ORDER if name in arms]
+
+
+def compare_arms(
+    results: list[ArmResult], settings: Settings, *, percentiles: tuple[float, ...] = DEFAULT_PERCENTILES
+) -> dict[str, Any]:
     """``kvlens compare`` of the arms' measured windows, the first arm the baseline."""
-    arms = [compare.load_arm(result.name, str(result.records), settings) for result in results]
-    report = compare.compare(arms)
-    # the warm-up was replayed before the measured window and written to its own file: name it,
-    # so the report says what warmed the cache and that it was not timed
-    report["warmup_recorded_apart"] = {
-        result.name: {
-            "file": str(result.warmup_records),
-            "requests": sum(1 for line in result.warmup_records.read_bytes().splitlines() if line.strip()),
-        }
-        for result in results
-        if result.warmup_records is not None and result.warmup_records.exists()
-    }
+    # Read back from the arms' files alone, as `kvlens compare` over them reads them, so that
+    # both give one report: the warm-up recorded apart beside an arm (what warmed the cache,
+    # never timed), the failed requests per arm and reason, those compared in no arm.
+    specs = [(result.name, str(result.records)) for result in results]
+    arms, left_out = compare.load_answered(specs, settings)
+    report = compare.compare(arms, percentiles=percentiles)
+    run_facts.add_file_facts(report, specs, left_out)
     return report
 
 

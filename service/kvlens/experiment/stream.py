@@ -19,13 +19,15 @@ The runner's other calls (checks, resets, samples, ``/detokenize``) go through h
 the bounds of ``experiment/calls.py``. Credentials come in ``headers`` (the endpoint's
 ``authorization``); a URL's userinfo is never sent by this client.
 
-Failures carry the reasons the records used with httpx: ``http_STATUS`` (its body is not
-read: it may never end), ``timeout`` (the whole request, connection and answer, took more than
-``timeout`` seconds, or no connection within ``connect_timeout``; a stream that trickles forever
-is a timeout too), ``transport_ConnectError``, ``transport_RemoteProtocolError`` (the server
-closed the connection before the body ended, or h11 found the answer's framing broken, or a head
-past _HEAD_LIMIT bytes), ``transport_ReadError`` (the connection was reset),
-``content_encoding`` (a compressed answer: never inflated), and the stream's own:
+Failures carry the reasons the records used with httpx: ``http_STATUS`` (with the server's
+reason, :func:`error_message`, from at most ERROR_BODY_BYTES of its body read for at most
+ERROR_BODY_SECONDS: a body may never end), ``timeout`` (the whole request, connection and
+answer, took more than ``timeout`` seconds, or no connection within ``connect_timeout``; a
+stream that trickles forever is a timeout too), ``transport_ConnectError``,
+``transport_RemoteProtocolError`` (the server closed the connection before the body ended, or
+h11 found the answer's framing broken, or a head past _HEAD_LIMIT bytes),
+``transport_ReadError`` (the connection was reset), ``content_encoding`` (a compressed answer:
+never inflated), and the stream's own:
 ``malformed_stream`` (a line that is not JSON, or a chunk of a shape not expected at any depth:
 see :func:`read_chunk`), ``stream_error``, ``stream_ended_early``, ``no_tokens``, ``line_too_long``
 (a line past MAX_LINE_BYTES), ``too_many_tokens`` (more chunks with text than ``max_tokens``).
@@ -55,12 +57,42 @@ IDENTITY: Final = ("identity", "")  # content-encoding values of an answer that 
 _IDENTITY_BYTES: Final = tuple(value.encode() for value in IDENTITY)
 
 
-class Failed(Exception):
-    """A request that produced no timing; ``reason`` goes into the record's ``error``."""
+# An error answer's body is read for the server's reason, within these bounds; past them the
+# request fails with what came. vLLM's error bodies are a few hundred bytes.
+ERROR_BODY_BYTES: Final = 16 * 1024
+ERROR_BODY_SECONDS: Final = 1.0
+MAX_ERROR_MESSAGE_CHARS: Final = 200  # of the reason kept in a record and shown in a report
 
-    def __init__(self, reason: str) -> None:
+
+class Failed(Exception):
+    """A request that produced no timing; ``reason`` goes into the record's ``error``, the
+    server's own words (``message``, bounded and printable) into its ``error_message``."""
+
+    def __init__(self, reason: str, message: str | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.message = message
+
+
+def error_message(body: bytes) -> str | None:
+    """The server's reason for an error answer: the OpenAI error's ``message`` (vLLM, SGLang and
+    ``kvlens simulate serve`` send ``{"error": {"message": ...}}``), else the body's first bytes
+    as text; control and other unprintable characters dropped, white space as one space, at most
+    MAX_ERROR_MESSAGE_CHARS characters. It goes into records and reports and is printed: it is
+    the endpoint's text, so nothing in it can move a terminal's cursor or forge a line."""
+    text = None
+    try:
+        decoded = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        decoded = None
+    if isinstance(decoded, dict):
+        error = decoded.get("error")
+        found = error.get("message") if isinstance(error, dict) else error
+        text = found if isinstance(found, str) else decoded.get("message")
+    if not isinstance(text, str):
+        text = body[: MAX_ERROR_MESSAGE_CHARS * 4].decode("utf-8", "replace")
+    kept = "".join(" " if char.isspace() else char for char in text if char.isprintable() or char.isspace())
+    return " ".join(kept.split())[:MAX_ERROR_MESSAGE_CHARS] or None
 
 
 @dataclass
@@ -134,6 +166,9 @@ class _Connection(asyncio.Protocol):
         self._done = False  # ``[DONE]`` seen
         self._received = False  # any byte of the current answer arrived
         self._request: Request | None = None
+        # an error answer: its status and the part of its body read so far (see _head)
+        self._error: tuple[int, bytearray] | None = None
+        self._error_timer: asyncio.TimerHandle | None = None
         self.reused = False
         self.closed = False
 
@@ -169,6 +204,8 @@ class _Connection(asyncio.Protocol):
             future, exchange, self._future, self._exchange = self._future, self._exchange, None, None
             assert exchange is not None
             self._client._connect(self._request, exchange, future)
+        elif self._error is not None:
+            self._fail_with_error()  # the server closed an error answer: what came is its reason
         elif exc is None:
             # h11 ends a body to the close here, and fails a body cut short (or no answer at all).
             self._http.receive_data(b"")
@@ -188,6 +225,7 @@ class _Connection(asyncio.Protocol):
         self._exchange, self._future, self._request = exchange, future, request
         self._lines = bytearray()
         self._done = self._received = False
+        self._error = None
         future.add_done_callback(self._settled)
         assert self._transport is not None
         head, body = request
@@ -217,20 +255,34 @@ class _Connection(asyncio.Protocol):
                 raise Failed("transport_RemoteProtocolError") from None
             kind = type(event)
             if kind is h11.Data:
+                if self._error is not None:
+                    self._error_body(event.data)  # type: ignore[union-attr]
+                    if self._error is None:  # read to its bound
+                        return
+                    continue
                 self._feed(event.data, now)  # type: ignore[union-attr]
             elif event is h11.NEED_DATA:
                 return
             elif kind is h11.Response:
                 self._head(event)  # type: ignore[arg-type]
             elif kind is h11.EndOfMessage:
-                self._finish()
+                if self._error is not None:
+                    self._fail_with_error()
+                else:
+                    self._finish()
                 return
             elif kind is not h11.InformationalResponse:  # 100 Continue: the real head follows
                 raise Failed("transport_RemoteProtocolError")  # closed before any answer
 
     def _head(self, response: h11.Response) -> None:
         if response.status_code != 200:
-            raise Failed(f"http_{response.status_code}")  # the connection closes: its body is not read
+            # Its body says why (a context too long, a model not served): read for the reason
+            # within ERROR_BODY_BYTES and ERROR_BODY_SECONDS, then the connection closes.
+            self._error = (response.status_code, bytearray())
+            self._error_timer = asyncio.get_running_loop().call_later(
+                ERROR_BODY_SECONDS, self._fail_with_error
+            )
+            return
         for name, value in response.headers:
             if name == b"content-encoding" and value.lower() not in _IDENTITY_BYTES:
                 raise Failed("content_encoding")  # identity was asked for: a bomb is never inflated
@@ -309,6 +361,26 @@ class _Connection(asyncio.Protocol):
         else:
             future.set_result(exchange)
 
+    def _error_body(self, data: bytes) -> None:
+        assert self._error is not None
+        body = self._error[1]
+        body += data[: ERROR_BODY_BYTES - len(body)]
+        if len(body) >= ERROR_BODY_BYTES:
+            self._fail_with_error()
+
+    def _fail_with_error(self) -> None:
+        """End an error answer's request with its status and the reason read so far."""
+        if self._error is None:
+            return
+        (status, body), self._error = self._error, None
+        if self._error_timer is not None:
+            self._error_timer.cancel()
+            self._error_timer = None
+        future, self._future, self._exchange = self._future, None, None
+        self._close()
+        if future is not None and not future.done():
+            future.set_exception(Failed(f"http_{status}", error_message(bytes(body))))
+
     def _fail(self, reason: str) -> None:
         future, self._future, self._exchange = self._future, None, None
         self._close()
@@ -316,6 +388,9 @@ class _Connection(asyncio.Protocol):
             future.set_exception(Failed(reason))
 
     def _close(self) -> None:
+        if self._error_timer is not None:
+            self._error_timer.cancel()
+            self._error_timer = None
         self.closed = True
         self._client._forget(self)
         if self._transport is not None:

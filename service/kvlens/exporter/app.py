@@ -30,15 +30,16 @@ from pydantic import BaseModel, Field
 
 from kvlens import __version__
 from kvlens.config import Settings
-from kvlens.errors import ArrivingBytesFull, BodyTooSlow, ClientDisconnected, InputError
+from kvlens.errors import BodyTooSlow, Busy, ClientDisconnected, InputError
 from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.background import BackgroundSources
 from kvlens.exporter.collector import KVLensCollector
 from kvlens.exporter.ingest import BatchLedger, IngestWorker, LogThrottle, RecentRecords
 from kvlens.exporter.runtime import ScrapeRenderer, ServiceHealth
 from kvlens.fleet.source import KVEvents
+from kvlens.http.access import bearer_matches
 from kvlens.http.bodies import RETRY_AFTER_SECONDS, ArrivingBodies, BodyLimits, BodyReader, IngestGate
-from kvlens.http.server import ConnectionGuard, bearer_matches
+from kvlens.http.server import ConnectionGuard
 from kvlens.records import Record, Rejections, Validated
 from kvlens.sources import encoding, otlp, push, vllm_plugin
 
@@ -94,7 +95,11 @@ class Sidecar:
         self.health = ServiceHealth(
             ingest_open=settings.ingest_open,
             gate=IngestGate(settings.max_concurrent_ingest),
-            arriving=ArrivingBodies(settings.max_arriving_bodies, settings.max_arriving_body_bytes),
+            arriving=ArrivingBodies(
+                settings.max_arriving_bodies,
+                settings.max_arriving_body_bytes,
+                settings.body_min_bytes_per_second_when_full if settings.body_min_bytes_per_second else 0,
+            ),
             connections=ConnectionGuard(
                 settings.max_connections, settings.header_timeout_seconds, settings.write_timeout_seconds
             ),
@@ -120,13 +125,10 @@ class Sidecar:
             settings.body_min_bytes_per_second,
             settings.body_rate_window_seconds,
         )
-        with self.health.arriving.admit() as admitted:
-            if not admitted:  # nothing of the body read: close rather than take the rest of it
-                return _busy(self, "busy", "too many request bodies arriving", close=True)
-            try:
-                return await BodyReader(request, limits, self.health.arriving).body()
-            except InputError as error:
-                return _refused(self, error)
+        try:
+            return await BodyReader(request, limits, self.health.arriving).body()
+        except InputError as error:
+            return _refused(self, error)
 
     def dedupe(self, request: Request) -> bool:
         """Whether records already counted are dropped: by setting, or asked for per request."""
@@ -443,7 +445,7 @@ def _busy(sidecar: Sidecar, reason: str, message: str, close: bool = False) -> J
 
 
 def _refused(sidecar: Sidecar, error: InputError) -> JSONResponse:
-    if isinstance(error, ArrivingBytesFull):
+    if isinstance(error, Busy):  # nothing more of the body is read: close rather than take the rest
         return _busy(sidecar, error.reason, str(error), close=True)
     sidecar.health.refuse(error.reason)
     if isinstance(error, ClientDisconnected):  # routine on a flaky network: counted exactly, logged

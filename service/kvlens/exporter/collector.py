@@ -390,6 +390,7 @@ def _service_families(health: ServiceHealth) -> list[Metric]:
 
 INGEST_REFUSALS = (
     "busy",
+    "displaced",
     "batch_in_progress",
     "unauthorized",
     "too_large",

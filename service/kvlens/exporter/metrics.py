@@ -237,7 +237,8 @@ INGEST_REFUSED = MetricSpec(
     "kvlens_ingest_refused",
     "counter",
     ("reason",),
-    "Ingest requests refused whole: busy (503: a cap on requests or bytes), batch_in_progress, "
+    "Ingest requests refused whole: busy (503: a cap on requests or bytes), displaced (503: a "
+    "body behind body_min_bytes_per_second_when_full gave its place to a new one), batch_in_progress, "
     "unauthorized, too_large, too_many_records, compression_bomb, unsupported_encoding, "
     "unsupported_media_type, undecodable, too_slow (past a deadline or under the minimum pace), "
     "client_disconnected (gone mid-body).",
@@ -353,7 +354,7 @@ KV_INDEX_MEMORY = MetricSpec(
     "kvlens_kv_index_memory_bytes",
     "gauge",
     (),
-    "Estimated memory of the fleet block index (entries times measured bytes per entry).",
+    "Bytes of every array the fleet block index holds (a table being rebuilt: old and new).",
 )
 KV_REMEMBERED = MetricSpec(
     "kvlens_kv_remembered_blocks", "gauge", (), "Blocks remembered to have been held (the bounded memory)."
@@ -368,7 +369,7 @@ KV_UNTRACKED = MetricSpec(
     "kvlens_kv_untracked_blocks",
     "counter",
     (),
-    "Stored blocks classified but not kept past kv_events_max_held_blocks.",
+    "Stored blocks (extra copies of a hash included) classified but not kept past kv_events_max_held_blocks.",
 )
 KV_UNKNOWN_REMOVED = MetricSpec(
     "kvlens_kv_unknown_removed_blocks",

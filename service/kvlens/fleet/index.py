@@ -47,11 +47,17 @@ replica, a table of the blocks it holds (engine hash -> content key and the tier
 for the fleet, a table of the blocks some replica holds (content key -> bits of the replicas
 holding it: at most :data:`MAX_REPLICAS` replicas) and one of the blocks remembered to have been
 held (content key -> bits of the replicas that removed it) with their keys in a ring, oldest
-first. A (block, replica) held costs at most :data:`HELD_ENTRY_BYTES`, a remembered block at
-most :data:`REMEMBERED_ENTRY_BYTES` (tested). The remembered ones
-are capped (``remember_blocks``), the oldest forgotten first and counted, and held blocks past
-``max_held_blocks`` are classified but not kept (counted). ``AllBlocksCleared`` remembers the
-replica's blocks in its table's order, not the order they were stored. With
+first; per replica, a table of its extra copies (a hash stored again into a tier that holds it,
+no removal between: the engine keeps two blocks of it; the next removal takes a copy first):
+engine hash -> a 16-bit count a tier. A holding is a (block, replica, tier) or an extra copy; it
+costs at most :data:`HELD_ENTRY_BYTES`, a remembered block at most
+:data:`REMEMBERED_ENTRY_BYTES` (tested); every array is in :meth:`FleetIndex.memory_bytes`
+(tested against tracemalloc). The remembered ones are capped (``remember_blocks``), the oldest
+forgotten first and counted; holdings past ``max_held_blocks`` (and a 65,536th copy) are
+classified but not kept (counted untracked), so the blocks held, copies included, never pass
+it. ``AllBlocksCleared`` remembers the replica's blocks in its table's order, not the order they
+were stored; it, a forgotten replica and a table's rebuild go a slice of rows at a time, a
+scrape waiting for the lock let in between slices (:class:`IndexLock`). With
 ``shard=(i, n)`` only blocks whose content key is ``i`` mod ``n`` are classified and kept in the
 fleet's tables, so ``n`` processes on the same events split the counts exactly; without
 ``hashes_alike`` each replica's engine-hash map is still kept whole (a child's key needs its
@@ -65,7 +71,8 @@ import importlib.util
 import threading
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, cast
 
 import msgspec
@@ -86,6 +93,11 @@ UNKNOWN: Final = "unknown"
 CAUSES: Final = (NEW, EVICTED_HERE, HELD_ELSEWHERE, EVICTED_ELSEWHERE, HELD_HERE, UNKNOWN)
 PRIMARY: Final = "GPU"
 TIERS: Final = ("GPU", "CPU", "STORAGE", "other")  # a tier's bit in a replica table's value
+# A store's `medium` -> its tier in TIERS (a closed set: it becomes a label). vLLM's names, then
+# SGLang's for the same tiers (its host memory and its disk; a shared pool stays "other"). Both
+# readers of the wire take it from here, the compiled one and msgspec's.
+MEDIUM_TIERS: Final = {"GPU": 0, "CPU": 1, "STORAGE": 2, "CPU_PINNED": 1, "DISK": 2}
+OTHER_TIER: Final = len(TIERS) - 1
 MAX_REPLICAS: Final = 64  # one bit each in the fleet's 64-bit holder masks
 MAX_BLOCK_SIZE: Final = 1 << 31  # tokens a block: more is a malformed event
 MASK64: Final = (1 << 64) - 1
@@ -151,7 +163,59 @@ class _Replica:
     name: str
     number: int  # its bit in the fleet's masks, its row of counters
     table: kernels.Table  # engine hash -> content key | the tiers holding it << 60
-    copies: Counter[tuple[str, int]] = field(default_factory=Counter)  # extra copies of a hash
+    copies: kernels.Table  # engine hash -> its extra copies, kernels.COPY_BITS a tier
+
+
+class IndexLock:
+    """The index's lock (a ``threading.Lock``: ``with index.lock:``), which its holder can hand
+    over between the slices of a long operation (:meth:`pause`): a scrape waiting for it then
+    gets it at the next slice, not after a clear of 10M blocks (seconds). A plain lock released
+    and taken again is no hand-over: the releasing thread, running, takes it back first."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count_lock = threading.Lock()  # for ``_waiting`` (an int += is no atomic step)
+        self._waiting = 0  # threads blocked in acquire
+        self._taken = threading.Event()  # a waiter got the lock (after a pause released it)
+        self._owner: int | None = None
+
+    def acquire(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            with self._count_lock:
+                self._waiting += 1
+            self._lock.acquire()
+            with self._count_lock:
+                self._waiting -= 1
+            self._taken.set()
+        self._owner = threading.get_ident()
+
+    def release(self) -> None:
+        self._owner = None
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    def __enter__(self) -> IndexLock:
+        self.acquire()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.release()
+
+    def pause(self) -> None:
+        """Called by the holder between slices: a thread waiting for the lock now takes it (the
+        holder waits until it has, at most a second: a waiter may have given up), then the
+        holder takes it back when that one is done. Nothing when this thread does not hold it
+        (the index fed without its lock: tests, offline) or nobody waits."""
+        if not self._waiting or self._owner != threading.get_ident():
+            return
+        self._taken.clear()
+        self.release()
+        self._taken.wait(1.0)
+        self.acquire()
 
 
 @dataclass
@@ -212,7 +276,7 @@ class FleetIndex:
         self.remember_cap = remember_blocks
         self.max_held = max_held_blocks
         self.shard_index, self.shard_count = shard
-        self.lock = threading.Lock()
+        self.lock = IndexLock()
         self._replicas: dict[str, _Replica] = {}
         self._fleet = kernels.Table()  # content key -> bits of the replicas holding it
         self._remembered = kernels.Table()  # content key -> bits of replicas that removed it
@@ -224,7 +288,6 @@ class FleetIndex:
         params[kernels.P_ALIKE] = hashes_alike
         params[kernels.P_SHARDS], params[kernels.P_SHARD] = count, index
         params[kernels.P_MAX_HELD], params[kernels.P_CAP] = max_held_blocks, remember_blocks
-        self._copies = np.zeros(64, np.uint8)
         self._free = list(range(MAX_REPLICAS - 1, -1, -1))  # slots, the lowest taken first
         # the counters of forgotten replicas, by name: exported counters never go back
         self._retired: dict[str, np.ndarray[Any, np.dtype[np.int64]]] = {}
@@ -236,7 +299,7 @@ class FleetIndex:
         if state is None:
             if not self._free:
                 raise ValueError(f"replica {name!r}: the index follows at most {MAX_REPLICAS} replicas")
-            state = self._replicas[name] = _Replica(name, self._free.pop(), self._k.Table())
+            state = self._replicas[name] = _Replica(name, self._free.pop(), self._k.Table(), self._k.Table())
         return state
 
     def admit(self, name: str) -> bool:
@@ -259,10 +322,14 @@ class FleetIndex:
         state = self._replicas.get(name)
         if state is None:
             return
-        if state.table.live or state.copies:
+        if state.table.live:
             self.cleared(name)
-        if self._k.forget(np.uint64(state.number), self._fleet.rows, self._remembered.rows, self._counts):
-            self._fleet.shrink()
+        bit, pause = np.uint64(1) << np.uint64(state.number), self.lock.pause
+        for table, holders in ((self._fleet, True), (self._remembered, False)):
+            for start in range(0, table.rows.shape[0], self._k.SLICE_ROWS):
+                pause()
+                self._k.drop_bit(table.rows, bit, holders, self._counts, start, start + self._k.SLICE_ROWS)
+        self._fleet.shrink(pause)
         row = self._stats[state.number]
         earlier = self._retired.get(name)
         self._retired[name] = row.copy() if earlier is None else earlier + row
@@ -277,12 +344,6 @@ class FleetIndex:
 
     def _mine(self, key: int) -> bool:
         return self.shard_count == 1 or key % self.shard_count == self.shard_index
-
-    def _content_key(self, state: _Replica, engine_hash: int) -> int | None:
-        found, value = self._k.lookup(state.table.rows, np.uint64(engine_hash))
-        if not found:
-            return None
-        return engine_hash if self.hashes_alike else int(value) & int(self._k.MASK60)
 
     def _set(self, state: _Replica, tier: int) -> np.ndarray[Any, np.dtype[np.uint64]]:
         params = self._params
@@ -308,7 +369,7 @@ class FleetIndex:
         if not 1 <= block_size <= MAX_BLOCK_SIZE:
             return False
         state = self._replicas.get(replica) or self.replica(replica)
-        tier_name, tier = _tier(medium or PRIMARY)
+        tier = _tier(medium or PRIMARY)[1]
         hashes = _hash_array(block_hashes)
         count = hashes.size
         if isinstance(token_ids, msgspec.Raw):
@@ -334,11 +395,8 @@ class FleetIndex:
         params[k.P_BLOCK_SIZE] = block_size
         params[k.P_HAS_PARENT] = parent_block_hash is not None
         params[k.P_PARENT] = 0 if parent_block_hash is None else engine_key(parent_block_hash)
-        if count > self._copies.size:
-            self._copies = np.zeros(2 * count, np.uint8)
-        copies = self._copies
         while True:
-            copied = k.store(
+            done = k.store(
                 hashes,
                 raw,
                 tokens,
@@ -349,42 +407,40 @@ class FleetIndex:
                 self._remembered.rows,
                 self._stats,
                 self._counts,
-                copies,
+                state.copies.rows,
             )
-            if copied != k.GROW:
+            if done not in (k.GROW, k.GROW_COPIES):
                 break
-            self._room_to_store(state, count)
-        if copied < 0:
-            return False
-        if copied:
-            self._count_copies(state, tier_name, hashes)
-        return True
+            self._room_to_store(state, count, done)
+        return bool(done >= 0)
 
-    def _room_to_store(self, state: _Replica, count: int) -> None:
-        state.table.reserve(count)
-        self._fleet.reserve(count)
+    def _room_to_store(self, state: _Replica, count: int, grow: int) -> None:
+        pause = self.lock.pause
+        if grow == self._k.GROW_COPIES:
+            state.copies.reserve(count, pause)
+            return
+        state.table.reserve(count, pause)
+        self._fleet.reserve(count, pause)
 
     def _room_to_remove(self, count: int) -> None:
-        self._remembered.reserve(count)
+        self._remembered.reserve(count, self.lock.pause)
         self._ring.reserve(count)
 
-    def _count_copies(self, state: _Replica, tier: str, hashes: np.ndarray[Any, np.dtype[np.uint64]]) -> None:
-        """The blocks of a store the tier held already (marked in ``_copies`` by the loop)."""
-        for position in np.flatnonzero(self._copies[: hashes.size]).tolist():
-            state.copies[tier, int(hashes[position])] += 1
-
     def _shrink(self, state: _Replica, flags: int) -> None:
+        pause = self.lock.pause
         if flags & self._k.SHRINK_REPLICA:
-            state.table.shrink()
+            state.table.shrink(pause)
         if flags & self._k.SHRINK_FLEET:
-            self._fleet.shrink()
+            self._fleet.shrink(pause)
+        if flags & self._k.SHRINK_COPIES:
+            state.copies.shrink(pause)
 
     def apply_payload(self, replica: str, payload: bytes) -> list[int] | None:
         """Every event of a payload, read and applied in one compiled call (the usual payload:
         :func:`kvlens.fleet.kernels.read_batch` says which), as
         :func:`kvlens.fleet.wire.decode_batch` then :meth:`stored`, :meth:`removed` and
         :meth:`cleared` event by event would (tested); the loop hands back what it leaves to this
-        class (growing and shrinking tables, extra copies, ``AllBlocksCleared``). Returns what
+        class (growing and shrinking tables, ``AllBlocksCleared``). Returns what
         became of the events (events of each type, malformed, of other KV cache groups: left out),
         or None, nothing changed, for a payload the loop leaves to msgspec."""
         k = self._k
@@ -399,13 +455,12 @@ class FleetIndex:
                 position,
                 params,
                 state.table.rows,
+                state.copies.rows,
                 self._fleet.rows,
                 self._remembered.rows,
                 self._ring.keys,
                 self._stats,
                 self._counts,
-                self._copies,
-                bool(state.copies),
             )
             if stop == k.DONE:
                 tally[k.T_MALFORMED] += malformed
@@ -413,58 +468,33 @@ class FleetIndex:
             malformed += tally[k.T_MALFORMED]
             if stop == k.UNREAD:
                 return None
-            if stop == k.STOP_COPIES_ROOM:
-                self._copies = np.zeros(2 * value, np.uint8)
-                continue
-            _, events, _, hashes, _ = k.read_batch(payload)  # the event it stopped at (rare)
-            row = events[position - 1 if stop in (k.STOP_COPIES, k.STOP_SHRINK) else position]
-            event_hashes = hashes[row[k.E_HASHES] : row[k.E_HASHES_END]]
-            if stop == k.STOP_GROW:
-                if row[k.E_TYPE] == k.STORED_EVENT:
-                    self._room_to_store(state, event_hashes.size)
-                else:
-                    self._room_to_remove(event_hashes.size)
-            elif stop == k.STOP_COPIES:
-                self._count_copies(state, TIERS[row[k.E_TIER]], event_hashes)
-            elif stop == k.STOP_SHRINK:
+            if stop == k.STOP_SHRINK:
                 self._shrink(state, value)
-            else:  # STOP_CALLER
-                if row[k.E_TYPE] == k.REMOVED_EVENT:
-                    self.removed(replica, event_hashes, medium=TIERS[row[k.E_TIER]])
+            elif stop == k.STOP_GROW:
+                events = k.read_batch(payload)[1]  # the event it stopped at (rare)
+                row = events[position]
+                blocks = int(row[k.E_HASHES_END] - row[k.E_HASHES])
+                if row[k.E_TYPE] == k.STORED_EVENT:
+                    self._room_to_store(state, blocks, value)
                 else:
-                    self.cleared(replica)
+                    self._room_to_remove(blocks)
+            else:  # STOP_CALLER: an AllBlocksCleared
+                self.cleared(replica)
                 params[k.P_REPLICA] = state.number
                 position += 1
 
     def removed(self, replica: str, block_hashes: Sequence[EngineHash], *, medium: str | None = None) -> None:
         """One ``BlockRemoved``."""
         state = self._replicas.get(replica) or self.replica(replica)
-        tier_name, tier = _tier(medium or PRIMARY)
         hashes = _hash_array(block_hashes)
         k = self._k
-        if state.copies:  # an extra copy goes first: the block stays held
-            kept = []
-            row = self._stats[state.number]
-            for engine_hash in hashes.tolist():
-                extra = state.copies.get((tier_name, engine_hash))
-                if not extra:
-                    kept.append(engine_hash)
-                    continue
-                if extra == 1:
-                    del state.copies[tier_name, engine_hash]
-                else:
-                    state.copies[tier_name, engine_hash] = extra - 1
-                key = self._content_key(state, engine_hash)
-                if key is not None and self._mine(key):
-                    row[k.REMOVED + tier] += 1
-                    row[k.HELD + tier] -= 1
-            hashes = np.array(kept, dtype=np.uint64)
-        params = self._set(state, tier)
+        params = self._set(state, _tier(medium or PRIMARY)[1])
         while True:
             done = k.remove(
                 hashes,
                 params,
                 state.table.rows,
+                state.copies.rows,
                 self._fleet.rows,
                 self._remembered.rows,
                 self._ring.keys,
@@ -477,33 +507,42 @@ class FleetIndex:
         self._shrink(state, done)
 
     def cleared(self, replica: str) -> None:
-        """``AllBlocksCleared``, or the publisher restarted: the replica holds nothing now."""
+        """``AllBlocksCleared``, or the publisher restarted: the replica holds nothing now.
+        Its table is gone through :data:`~kvlens.fleet.kernels.SLICE_ROWS` rows at a time, the
+        lock handed to a waiting scrape between slices (:meth:`IndexLock.pause`): a scrape
+        meanwhile sees the blocks of the slices done removed, the rest still held. The remembered
+        table grows a slice at a time too, so never past ``remember_blocks`` and a slice."""
         state = self._replicas.get(replica)
         if state is None:  # nothing stored (or refused a slot): nothing to clear
             return
-        k = self._k
-        row = self._stats[state.number]
-        for (tier_name, engine_hash), extra in state.copies.items():
-            key = self._content_key(state, engine_hash)
-            if key is not None and self._mine(key):
-                tier = _tier(tier_name)[1]
-                row[k.REMOVED + tier] += extra
-                row[k.HELD + tier] -= extra
-        state.copies.clear()
-        table = state.table
-        self._remembered.reserve(table.live)
-        self._ring.reserve(table.live)
-        k.clear(
-            self._set(state, 0),
-            table.rows,
-            self._fleet.rows,
-            self._remembered.rows,
-            self._ring.keys,
-            self._stats,
-            self._counts,
+        k, pause = self._k, self.lock.pause
+        table, copies = state.table, state.copies
+        # grown once to what it will hold (the slices' own room then rebuilds it only when
+        # forgetting at the cap left tombstones), not to that plus the replica's blocks
+        remembered = self._remembered
+        remembered.reserve(
+            max(0, min(self.remember_cap, remembered.live + table.live) - remembered.live), pause
         )
-        state.table = k.Table()
-        self._fleet.shrink()
+        self._ring.reserve(table.live)
+        rows = table.rows.shape[0]
+        for start in range(0, rows, k.SLICE_ROWS):
+            pause()
+            stop = min(rows, start + k.SLICE_ROWS)
+            self._room_to_remove(stop - start)
+            k.clear(
+                self._set(state, 0),
+                table.rows,
+                copies.rows,
+                start,
+                stop,
+                self._fleet.rows,
+                self._remembered.rows,
+                self._ring.keys,
+                self._stats,
+                self._counts,
+            )
+        state.table, state.copies = k.Table(), k.Table()
+        self._fleet.shrink(pause)
 
     # --- reading ---------------------------------------------------------------------------
 
@@ -575,7 +614,10 @@ class FleetIndex:
             )
 
     def memory_bytes(self) -> int:
-        """The tables' and counters' arrays, exactly (extra copies of a block, rare, are not)."""
-        tables = [self._fleet, self._remembered, *(state.table for state in self._replicas.values())]
-        retired = sum(row.nbytes for row in self._retired.values())
-        return sum(table.nbytes for table in tables) + self._ring.keys.nbytes + self._stats.nbytes + retired
+        """Every array the index holds, exactly: the tables (a table being rebuilt twice, old and
+        new), the ring and the counters (tested against tracemalloc)."""
+        tables = [self._fleet, self._remembered]
+        for state in self._replicas.values():
+            tables += [state.table, state.copies]
+        arrays = [self._ring.keys, self._stats, self._counts, self._params, *self._retired.values()]
+        return sum(table.nbytes for table in tables) + sum(array.nbytes for array in arrays)

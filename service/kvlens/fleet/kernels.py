@@ -20,12 +20,13 @@ themselves (cache misses on a large table) and a fixed cost a call (numba's argu
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, Final
 
 import numpy as np
 from numba import njit
 
-from kvlens.fleet.index import MAX_BLOCK_SIZE
+from kvlens.fleet.index import MAX_BLOCK_SIZE, MEDIUM_TIERS, OTHER_TIER
 
 EMPTY: Final = np.uint64(0)
 TOMB: Final = np.uint64(1)
@@ -65,7 +66,20 @@ P_TOUCHED = 10  # where _touch's loads go (so that the compiler keeps them)
 PARAMS = 11
 # what store() and remove() answer besides their counts
 GROW = -2  # a table needs room first (nothing was changed)
-SHRINK_REPLICA, SHRINK_FLEET = 1, 2
+GROW_COPIES = -3  # the replica's table of extra copies needs room first (nothing was changed)
+SHRINK_REPLICA, SHRINK_FLEET, SHRINK_COPIES = 1, 2, 4
+# A replica's extra copies (an engine may hold two blocks of one hash in one tier: each is stored,
+# and removed, on its own): engine hash -> a 16-bit count a tier (TIERS' order), in their own
+# table, kept within the held cap like any holding; a count past COPY_MAX is not kept (untracked).
+COPY_BITS: Final = 16
+COPY_MAX: Final = (1 << COPY_BITS) - 1
+# The O(entries) passes (a rebuild, a clear, a forgotten replica's bit) go a slice of rows at a
+# time, the caller's pause between slices (the index lets a waiting scrape take its lock): a slice
+# is a few milliseconds (each row a cache miss or three on a large table), a whole 10M-entry
+# table seconds.
+SLICE_ROWS: Final = 1 << 15
+_PAGE_VALUES: Final = 4096 // 8  # a page of uint64
+_FAULT_PAGES: Final = 2048  # pages mapped a slice (8 MiB, a few ms)
 
 
 @njit(cache=True, nogil=True)
@@ -176,14 +190,15 @@ def lookup(table: Any, key: Any) -> tuple[bool, Any]:
 
 
 @njit(cache=True, nogil=True)
-def _rebuild(table: Any, slots: int) -> Any:
-    """The live keys in a new table of ``slots`` slots, inserted in the old table's slot order,
-    each at the first empty slot from its home (what :func:`_find` answers in a table without
-    tombstones for a key not in it: each key is there once), the counters set once at the end."""
-    new = np.zeros((slots + 3, 2), np.uint64)
+def _rebuild_rows(table: Any, new: Any, start: int, stop: int) -> None:
+    """The live keys of rows ``start`` to ``stop`` of ``table`` into ``new`` (a table as large as
+    it must be, counters included), in the old table's slot order, each at the first empty slot
+    from its home: what :func:`_find` answers in a table without tombstones for a key not in it
+    (each key is there once). The two spare rows come with the last slice."""
     size = table.shape[0] - 3
-    live = 0
-    for i in range(size):
+    slots = new.shape[0] - 3
+    last = slots + 2
+    for i in range(start, min(stop, size)):
         key = table[i, 0]
         if key > TOMB:
             pos = _home(key, slots)
@@ -193,28 +208,37 @@ def _rebuild(table: Any, slots: int) -> Any:
                     pos = 0
             new[pos, 0] = key
             new[pos, 1] = table[i, 1]
-            live += 1
-    new[slots + 2, 1] = live
-    for spare in range(2):
-        if table[size + spare, 0] == PRESENT:
-            new[slots + spare, 0] = PRESENT
-            new[slots + spare, 1] = table[size + spare, 1]
-            live += 1
-    new[slots + 2, 0] = live
-    return new
+            new[last, 0] += np.uint64(1)
+            new[last, 1] += np.uint64(1)
+    if stop >= size:
+        for spare in range(2):
+            if table[size + spare, 0] == PRESENT:
+                new[slots + spare, 0] = PRESENT
+                new[slots + spare, 1] = table[size + spare, 1]
+                new[last, 0] += np.uint64(1)
 
 
 def new_table(slots: int) -> np.ndarray[Any, np.dtype[np.uint64]]:
     return np.zeros((slots + 3, 2), np.uint64)
 
 
-class Table:
-    """One hash table (``rows``, what the kernels take), grown and shrunk here."""
+Pause = Callable[[], None]
 
-    __slots__ = ("rows",)
+
+def _no_pause() -> None:
+    pass
+
+
+class Table:
+    """One hash table (``rows``, what the kernels take), grown and shrunk here; ``pause`` is
+    called between the slices of a rebuild. While one is under way, the new table (``building``)
+    is counted in :attr:`nbytes` beside the old: both are held."""
+
+    __slots__ = ("building", "rows")
 
     def __init__(self, slots: int = MIN_SLOTS) -> None:
         self.rows = new_table(slots)
+        self.building: Any = None
 
     @property
     def live(self) -> int:
@@ -222,23 +246,41 @@ class Table:
 
     @property
     def nbytes(self) -> int:
-        return int(self.rows.nbytes)
+        building = self.building
+        return int(self.rows.nbytes) + (0 if building is None else int(building.nbytes))
 
-    def reserve(self, inserts: int) -> None:
+    def reserve(self, inserts: int, pause: Pause = _no_pause) -> None:
         """Room for ``inserts`` more keys under :data:`MAX_LOAD`: rebuilt at :data:`FILL` (the
         same size when tombstones took the room), or at least doubled when it grows below
         :data:`SMALL_SLOTS`."""
         if not _room(self.rows, inserts):
             slots, need = self.rows.shape[0] - 3, _slots(self.live + inserts)
-            self._rebuild(max(need, min(2 * slots, SMALL_SLOTS)) if need > slots else need)
+            self._rebuild(max(need, min(2 * slots, SMALL_SLOTS)) if need > slots else need, pause)
 
-    def shrink(self) -> None:
+    def shrink(self, pause: Pause = _no_pause) -> None:
         """Give memory back once most entries are gone (a replica cleared, a cap lowered)."""
         if _sparse(self.rows):
-            self._rebuild(_slots(self.live))
+            self._rebuild(_slots(self.live), pause)
 
-    def _rebuild(self, slots: int) -> None:
-        self.rows = _rebuild(self.rows, slots)
+    def _rebuild(self, slots: int, pause: Pause) -> None:
+        self.building = new_table(slots)
+        try:
+            # the kernel maps a new array's pages at their first write: 229 MB of table is 56k
+            # page faults, which the first slices would take in one go (hundreds of ms), so a
+            # write a page first, a slice at a time
+            flat, step = self.building.reshape(-1), _FAULT_PAGES * _PAGE_VALUES
+            for start in range(0, flat.size, step):
+                if start:
+                    pause()
+                flat[start : start + step : _PAGE_VALUES] = 0
+            size = self.rows.shape[0] - 3
+            for start in range(0, max(size, 1), SLICE_ROWS):
+                if start:
+                    pause()
+                _rebuild_rows(self.rows, self.building, start, start + SLICE_ROWS)
+            self.rows = self.building
+        finally:
+            self.building = None
 
 
 def _slots(entries: int) -> int:
@@ -442,11 +484,11 @@ def store(
     fleet_counts: Any,
     copies: Any,
 ) -> int:
-    """One ``BlockStored`` into ``replica``'s table: classify each block and hold it (see
-    :meth:`FleetIndex.stored`). Tokens come as msgpack bytes (``raw``, when not empty) or as
-    ``tokens``; -1 (and nothing changed) when they are not ``block_size`` integers a block. Else
-    the number of blocks the tier held already, marked in ``copies`` (the caller counts them);
-    ``extras`` is empty or a digest a block."""
+    """One ``BlockStored`` into ``replica``'s table (and ``copies``, its extra copies): classify
+    each block and hold it (see :meth:`FleetIndex.stored`). Tokens come as msgpack bytes
+    (``raw``, when not empty) or as ``tokens``; -1 (and nothing changed) when they are not
+    ``block_size`` integers a block, :data:`GROW` or :data:`GROW_COPIES` (nothing changed) when
+    a table needs room first, else 0; ``extras`` is empty or a digest a block."""
     if raw.size:
         ok, tokens = msgpack_ints(raw)
         if not ok:
@@ -475,13 +517,22 @@ def _store(
         return GROW
     alike = params[P_ALIKE] != 0
     tier = np.int64(params[P_TIER])
+    tier_bits = np.uint64(1) << (np.uint64(tier) + TIER_SHIFT)
+    if not _room(copies, count):  # rare (a small table, a large event): room if copies come
+        repeats = 0
+        for b in range(count):
+            row, found = _find(replica, hashes[b])
+            if found and replica[row, 1] & tier_bits:
+                repeats += 1
+        if repeats and not _room(copies, repeats):
+            return GROW_COPIES
+    copy_shift = np.uint64(COPY_BITS * tier)
     classify = tier == 0
     mine_row = stats[np.int64(params[P_REPLICA])]
     bit = np.uint64(1) << params[P_REPLICA]
     shards, shard = params[P_SHARDS], params[P_SHARD]
     whole = shards == np.uint64(1)
     room = np.int64(params[P_MAX_HELD]) - fleet_counts[HELD_ENTRIES]
-    tier_bits = np.uint64(1) << (np.uint64(tier) + TIER_SHIFT)
     chained = True
     if alike:
         keys = hashes
@@ -499,7 +550,6 @@ def _store(
     params[P_TOUCHED] = touched
     added = 0
     held = 0
-    copied = 0
     stored = 0
     for b in range(count):
         engine_hash = hashes[b]
@@ -528,10 +578,22 @@ def _store(
                 mine_row[cause] += 1
                 mine_row[TOKENS + cause] += block_size
         row, found = _find(replica, engine_hash)
-        copies[b] = 0
-        if found and replica[row, 1] & tier_bits:
-            copies[b] = 1
-            copied += 1
+        if found and replica[row, 1] & tier_bits:  # an extra copy: held, within the cap
+            if added >= room:
+                fleet_counts[UNTRACKED] += 1
+                continue
+            copy_row, copy_found = _find(copies, engine_hash)
+            counts = copies[copy_row, 1] if copy_found else np.uint64(0)
+            if (counts >> copy_shift) & np.uint64(COPY_MAX) == np.uint64(COPY_MAX) or not (
+                copy_found or _room(copies, 1)  # the same hash again in this event: rare
+            ):
+                fleet_counts[UNTRACKED] += 1
+                continue
+            if copy_found:
+                copies[copy_row, 1] = counts + (np.uint64(1) << copy_shift)
+            else:
+                _insert(copies, copy_row, engine_hash, np.uint64(1) << copy_shift)
+            added += 1
             if mine:
                 held += 1
             continue
@@ -557,7 +619,7 @@ def _store(
     fleet_counts[HELD_ENTRIES] += added
     mine_row[STORED + tier] += stored
     mine_row[HELD + tier] += held
-    return copied
+    return 0
 
 
 @njit(cache=True, nogil=True)
@@ -565,16 +627,18 @@ def remove(
     hashes: Any,
     params: Any,
     replica: Any,
+    copies: Any,
     fleet: Any,
     remembered: Any,
     ring: Any,
     stats: Any,
     fleet_counts: Any,
 ) -> int:
-    """One ``BlockRemoved`` (its blocks held as extra copies already taken off by the caller).
+    """One ``BlockRemoved``: an extra copy of a block goes first (the block stays held).
     :data:`GROW` (nothing changed) when the remembered table or ring needs room first; else
-    :data:`SHRINK_REPLICA` and :data:`SHRINK_FLEET` set for the tables now mostly empty."""
-    return _remove(hashes, params, replica, fleet, remembered, ring, stats, fleet_counts)
+    :data:`SHRINK_REPLICA`, :data:`SHRINK_FLEET` and :data:`SHRINK_COPIES` set for the tables
+    now mostly empty."""
+    return _remove(hashes, params, replica, copies, fleet, remembered, ring, stats, fleet_counts)
 
 
 @njit(cache=True, nogil=True)
@@ -582,6 +646,7 @@ def _remove(
     hashes: Any,
     params: Any,
     replica: Any,
+    copies: Any,
     fleet: Any,
     remembered: Any,
     ring: Any,
@@ -598,6 +663,7 @@ def _remove(
     shards, shard = params[P_SHARDS], params[P_SHARD]
     whole = shards == np.uint64(1)
     tier_bits = np.uint64(1) << (np.uint64(tier) + TIER_SHIFT)
+    copy_shift = np.uint64(COPY_BITS * tier)
     touched = np.uint64(0)
     for b in range(hashes.size):
         touched ^= _touch(replica, hashes[b])
@@ -623,6 +689,16 @@ def _remove(
         if mine:
             mine_row[REMOVED + tier] += 1
             mine_row[HELD + tier] -= 1
+        if copies[-1, 0]:  # some extra copies: one of this block in this tier goes first
+            copy_row, copy_found = _find(copies, engine_hash)
+            counts = copies[copy_row, 1] if copy_found else np.uint64(0)
+            if (counts >> copy_shift) & np.uint64(COPY_MAX):
+                counts -= np.uint64(1) << copy_shift
+                if counts:
+                    copies[copy_row, 1] = counts
+                else:
+                    _delete(copies, copy_row)
+                continue
         left = val & ~tier_bits
         if left >> TIER_SHIFT:
             replica[row, 1] = left  # still held in another tier: still a holder
@@ -630,14 +706,30 @@ def _remove(
         _delete(replica, row)
         if mine:
             _release(key, bit, cap, fleet, remembered, ring, fleet_counts)
-    return (SHRINK_REPLICA if _sparse(replica) else 0) | (SHRINK_FLEET if _sparse(fleet) else 0)
+    return (
+        (SHRINK_REPLICA if _sparse(replica) else 0)
+        | (SHRINK_FLEET if _sparse(fleet) else 0)
+        | (SHRINK_COPIES if _sparse(copies) else 0)
+    )
 
 
 @njit(cache=True, nogil=True)
 def clear(
-    params: Any, replica: Any, fleet: Any, remembered: Any, ring: Any, stats: Any, fleet_counts: Any
+    params: Any,
+    replica: Any,
+    copies: Any,
+    start: int,
+    stop: int,
+    fleet: Any,
+    remembered: Any,
+    ring: Any,
+    stats: Any,
+    fleet_counts: Any,
 ) -> None:
-    """Every block of one replica removed (the caller drops the replica's table afterwards)."""
+    """The blocks in rows ``start`` to ``stop`` of one replica's table (its two spare rows
+    after the ``size`` probed ones), with their extra copies, removed: the caller goes through
+    the table a slice at a time (the remembered table and ring given room for a slice's blocks
+    first), then drops both tables, which this leaves as they were."""
     alike = params[P_ALIKE] != 0
     mine_row = stats[np.int64(params[P_REPLICA])]
     bit = np.uint64(1) << params[P_REPLICA]
@@ -645,7 +737,8 @@ def clear(
     whole = shards == np.uint64(1)
     cap = np.int64(params[P_CAP])
     size = replica.shape[0] - 3
-    for row in range(size + 2):
+    some_copies = copies[-1, 0] != 0
+    for row in range(start, min(stop, size + 2)):
         stored_key = replica[row, 0]
         if row < size:
             if stored_key <= TOMB:
@@ -659,20 +752,28 @@ def clear(
         key = engine_hash if alike else val & MASK60
         mine = whole or key % shards == shard
         held = val >> TIER_SHIFT
+        counts = np.uint64(0)
+        if some_copies:
+            copy_row, copy_found = _find(copies, engine_hash)
+            if copy_found:
+                counts = copies[copy_row, 1]
         for t in range(4):
             if held & (np.uint64(1) << np.uint64(t)):
-                fleet_counts[HELD_ENTRIES] -= 1
+                entries = 1 + np.int64((counts >> np.uint64(COPY_BITS * t)) & np.uint64(COPY_MAX))
+                fleet_counts[HELD_ENTRIES] -= entries
                 if mine:
-                    mine_row[REMOVED + t] += 1
-                    mine_row[HELD + t] -= 1
+                    mine_row[REMOVED + t] += entries
+                    mine_row[HELD + t] -= entries
         if mine:
             _release(key, bit, cap, fleet, remembered, ring, fleet_counts)
 
 
 @njit(cache=True, nogil=True)
-def _drop_bit(table: Any, bit: Any, holders: bool, fleet_counts: Any) -> None:
+def drop_bit(table: Any, bit: Any, holders: bool, fleet_counts: Any, start: int, stop: int) -> None:
+    """``bit`` off the entries in rows ``start`` to ``stop`` (see :func:`forget`); ``holders``:
+    the fleet's table (an entry left with no bit goes; a remembered one stays)."""
     size = table.shape[0] - 3
-    for row in range(size + 2):
+    for row in range(start, min(stop, size + 2)):
         key = table[row, 0]
         if (key <= TOMB) if row < size else (key != PRESENT):
             continue
@@ -697,8 +798,8 @@ def forget(number: Any, fleet: Any, remembered: Any, fleet_counts: Any) -> bool:
     replica (a later store is ``evicted_elsewhere``, not ``new``). True when the fleet table is
     now mostly empty (the caller shrinks it)."""
     bit = np.uint64(1) << np.uint64(number)
-    _drop_bit(fleet, bit, True, fleet_counts)
-    _drop_bit(remembered, bit, False, fleet_counts)
+    drop_bit(fleet, bit, True, fleet_counts, 0, fleet.shape[0])
+    drop_bit(remembered, bit, False, fleet_counts, 0, remembered.shape[0])
     return _sparse(fleet)
 
 
@@ -717,9 +818,9 @@ APPLY, MALFORMED_EVENT, OTHER_GROUP_EVENT = range(3)  # E_OUTCOME
 # apply_events' tally: events of each type, then events malformed and of other groups
 TALLY = 5
 T_MALFORMED, T_OTHER_GROUP = 3, 4
-# why apply_events stopped: done, or the caller's turn (tables to grow or shrink, extra copies
-# to count, an event it applies itself) before calling again from the position it answered
-DONE, STOP_GROW, STOP_COPIES, STOP_SHRINK, STOP_CALLER, STOP_COPIES_ROOM, UNREAD = range(7)
+# why apply_events stopped: done, or the caller's turn (tables to grow or shrink, an event it
+# applies itself) before calling again from the position it answered
+DONE, STOP_GROW, STOP_SHRINK, STOP_CALLER, UNREAD = range(5)
 
 # The reader's arrays are as large as the payload (an integer takes a byte at least): a larger
 # payload is left to msgspec (a vLLM step's batch is well under it; source.MAX_MESSAGE_BYTES is 64)
@@ -777,7 +878,8 @@ def _strings(names: tuple[str, ...]) -> tuple[Any, Any]:
 
 _FIELD_BYTES, _FIELD_ENDS = _strings(STORED_FIELDS)
 _TYPE_BYTES, _TYPE_ENDS = _strings(EVENT_TYPES)
-_MEDIUM_BYTES, _MEDIUM_ENDS = _strings(("GPU", "CPU", "STORAGE"))  # tiers 0-2, anything else 3
+_MEDIUM_BYTES, _MEDIUM_ENDS = _strings(tuple(MEDIUM_TIERS))
+_MEDIUM_TIER = np.array(list(MEDIUM_TIERS.values()), np.int64)  # a name's tier; not named: OTHER_TIER
 _TAG_BYTES, _TAG_ENDS = _strings(("type",))
 
 
@@ -836,15 +938,15 @@ def _ascii(buf: Any, start: int, length: int) -> bool:
 
 @njit(cache=True, nogil=True)
 def _text_or_nil(buf: Any, pos: int, end: int) -> tuple[int, int]:
-    """A ``str | None`` field: (-2 for nil, -1 when unsure, else its tier: 0-2 one of vLLM's, 3
-    another text), the position after."""
+    """A ``str | None`` field: (-2 for nil, -1 when unsure, else its tier: index.MEDIUM_TIERS's,
+    OTHER_TIER for another text), the position after."""
     if pos < end and buf[pos] == 0xC0:
         return -2, pos + 1
     start, length, after = _read_str(buf, pos, end)
     if start < 0 or not _ascii(buf, start, length):
         return -1, pos
     found = _name(buf, start, length, _MEDIUM_BYTES, _MEDIUM_ENDS)
-    return (3 if found < 0 else found), after
+    return (OTHER_TIER if found < 0 else _MEDIUM_TIER[found]), after
 
 
 @njit(cache=True, nogil=True)
@@ -1039,13 +1141,12 @@ def _apply_events(
     tokens: Any,
     params: Any,
     replica: Any,
+    copies: Any,
     fleet: Any,
     remembered: Any,
     ring: Any,
     stats: Any,
     fleet_counts: Any,
-    copies: Any,
-    has_copies: bool,
     tally: Any,
 ) -> tuple[int, int, int]:
     """The events :func:`read_batch` read, from ``start``, as :func:`store` and :func:`remove` one
@@ -1062,7 +1163,7 @@ def _apply_events(
             params[P_BLOCK_SIZE] = row[E_BLOCK_SIZE]
             params[P_HAS_PARENT] = row[E_HAS_PARENT]
             params[P_PARENT] = parents[e]
-            copied = _store(
+            done = _store(
                 hashes[row[E_HASHES] : row[E_HASHES_END]],
                 tokens[row[E_TOKENS] : row[E_TOKENS_END]],
                 no_extras,
@@ -1074,17 +1175,16 @@ def _apply_events(
                 fleet_counts,
                 copies,
             )
-            if copied == GROW:
-                return e, STOP_GROW, 0
-            if copied < 0:  # the token ids do not fill its blocks (counted now: a call after a
+            if done == GROW or done == GROW_COPIES:  # noqa: SIM109 - a tuple's `in`: not in numba
+                return e, STOP_GROW, done
+            if done < 0:  # the token ids do not fill its blocks (counted now: a call after a
                 tally[T_MALFORMED] += 1  # stop reads the payload anew)
-            elif copied:
-                return e + 1, STOP_COPIES, 0
-        elif kind == REMOVED_EVENT and not has_copies:
+        elif kind == REMOVED_EVENT:
             done = _remove(
                 hashes[row[E_HASHES] : row[E_HASHES_END]],
                 params,
                 replica,
+                copies,
                 fleet,
                 remembered,
                 ring,
@@ -1092,7 +1192,7 @@ def _apply_events(
                 fleet_counts,
             )
             if done == GROW:
-                return e, STOP_GROW, 0
+                return e, STOP_GROW, GROW
             if done:
                 return e + 1, STOP_SHRINK, done
         else:
@@ -1113,29 +1213,25 @@ def apply_payload(
     start: int,
     params: Any,
     replica: Any,
+    copies: Any,
     fleet: Any,
     remembered: Any,
     ring: Any,
     stats: Any,
     fleet_counts: Any,
-    copies: Any,
-    has_copies: bool,
 ) -> tuple[int, int, int, int, int, int, int, int]:
     """A payload's events, from event ``start``, into ``replica``'s table (``params``' replica):
     read (:func:`read_batch`, :data:`UNREAD` when it is not sure of the payload: nothing changed),
     then applied as :func:`store` and :func:`remove` one by one would. Answers (position, why it
     stopped, a value, then the tally: events of each type, malformed, of other groups). Done:
     (events, :data:`DONE`, 0, tally). Else it is the caller's turn, then call again from the
-    position: :data:`STOP_COPIES_ROOM` (``copies`` must hold the value), :data:`STOP_GROW` (grow
-    the tables for the event at the position), :data:`STOP_COPIES` (the event before it held
-    some blocks already: ``copies``), :data:`STOP_SHRINK` (the event before it left tables
-    mostly empty: the value's flags), :data:`STOP_CALLER` (the caller applies the event at the
-    position: an ``AllBlocksCleared``, or a removal while the replica holds extra copies)."""
+    position: :data:`STOP_GROW` (grow the tables for the event at the position: the value is
+    :data:`GROW` or :data:`GROW_COPIES`, as :func:`store` answers), :data:`STOP_SHRINK` (the
+    event before it left tables mostly empty: the value's flags), :data:`STOP_CALLER` (the
+    caller applies the event at the position: an ``AllBlocksCleared``)."""
     ok, events, parents, hashes, tokens = read_batch(buf)
     if not ok:
         return 0, UNREAD, 0, 0, 0, 0, 0, 0
-    if hashes.size > copies.size:
-        return start, STOP_COPIES_ROOM, hashes.size, 0, 0, 0, 0, 0
     tally = np.zeros(TALLY, np.int64)
     position, stop, value = _apply_events(  # the tally: events malformed in this call, all at DONE
         start,
@@ -1145,13 +1241,12 @@ def apply_payload(
         tokens,
         params,
         replica,
+        copies,
         fleet,
         remembered,
         ring,
         stats,
         fleet_counts,
-        copies,
-        has_copies,
         tally,
     )
     return position, stop, value, tally[0], tally[1], tally[2], tally[3], tally[4]
@@ -1172,30 +1267,18 @@ def warm() -> None:
     params[P_SHARDS], params[P_BLOCK_SIZE], params[P_MAX_HELD] = 1, 1, 1
     hashes, tokens = np.ones(1, np.uint64), np.ones(1, np.uint64)
     raw = np.frombuffer(b"\x91\x01", np.uint8)  # token ids left as msgpack: a read-only array
-    store(hashes, raw, tokens, tokens, params, table, table, table, stats, counts, np.zeros(1, np.uint8))
-    store(
-        hashes,
-        np.zeros(0, np.uint8),
-        tokens,
-        tokens,
-        params,
-        table,
-        table,
-        table,
-        stats,
-        counts,
-        np.zeros(1, np.uint8),
-    )
-    remove(hashes, params, table, table, table, ring.keys, stats, counts)
-    clear(params, table, table, table, ring.keys, stats, counts)
+    store(hashes, raw, tokens, tokens, params, table, table, table, stats, counts, table)
+    store(hashes, np.zeros(0, np.uint8), tokens, tokens, params, table, table, table, stats, counts, table)
+    remove(hashes, params, table, table, table, table, ring.keys, stats, counts)
+    clear(params, table, table, 0, SLICE_ROWS, table, table, ring.keys, stats, counts)
     forget(np.uint64(0), table, table, counts)
+    drop_bit(table, np.uint64(1), True, counts, 0, SLICE_ROWS)
     lookup(table, hashes[0])
     payload = b"\x92\xcb" + bytes(8) + b"\x91\x81\xa4type\xb0AllBlocksCleared"
     read_batch(payload)
-    copies = np.zeros(1, np.uint8)
-    apply_payload(payload, 0, params, table, table, table, ring.keys, stats, counts, copies, False)
+    apply_payload(payload, 0, params, table, table, table, table, ring.keys, stats, counts)
     msgpack_ints(np.zeros(1, np.uint8))
-    _rebuild(table, MIN_SLOTS)
+    _rebuild_rows(table, new_table(MIN_SLOTS), 0, SLICE_ROWS)
     _room(table, 1)
     _sparse(table)
     _warm = True

@@ -37,7 +37,7 @@ from typing import Any, Final
 
 import msgspec
 
-from kvlens.fleet.index import FleetIndex
+from kvlens.fleet.index import MEDIUM_TIERS, OTHER_TIER, TIERS, FleetIndex
 
 _FLOAT64: Final = struct.Struct(">d")
 
@@ -339,16 +339,11 @@ def _decode_event(raw: bytes, out: Decoded) -> None:
         out.malformed_events += 1
 
 
-# `medium` becomes a label: a closed set (vLLM's tiers), anything else is "other".
-MEDIA: Final = frozenset({"GPU", "CPU", "STORAGE"})
-# SGLang's names of the same tiers (its host memory and its disk; a shared pool stays "other")
-_SGLANG_MEDIA: Final = {"CPU_PINNED": "CPU", "DISK": "STORAGE"}
-
-
 def medium_label(medium: str | None) -> str:
+    """`medium` as a label (index.MEDIUM_TIERS: a closed set, anything else is "other")."""
     if medium is None:
         return "GPU"  # vLLM before 0.10 sends none: its cache is the GPU's
-    return medium if medium in MEDIA else _SGLANG_MEDIA.get(medium, "other")
+    return TIERS[MEDIUM_TIERS.get(medium, OTHER_TIER)]
 
 
 def _keys(event: _Stored | _StoredArray | BlockStored) -> tuple[list[Any] | None, str | None]:

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import hmac
-import ipaddress
 import logging
 import os
 import resource
@@ -275,21 +273,3 @@ def run_until_stopped(server: uvicorn.Server) -> int:
     server.handle_exit = recorded  # type: ignore[method-assign]
     server.run()
     return 128 + signal.SIGINT if signal.SIGINT in signals else 0
-
-
-def loopback(host: str) -> bool:
-    """Whether a listen address reaches only this machine (a host name may resolve anywhere)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def bearer_matches(authorization: str, token: bytes) -> bool:
-    """Whether an ``Authorization`` header carries ``Bearer <token>``, compared in constant time."""
-    scheme, _, presented = authorization.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(
-        presented.strip().encode("utf-8", "replace"), token
-    )

@@ -44,10 +44,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from kvlens.http.access import bearer_matches
 from kvlens.http.bodies import RETRY_AFTER_SECONDS, ArrivingBodies, BodyLimits, IngestGate
-from kvlens.http.server import bearer_matches
 from kvlens.simulate.replica import INF
-from kvlens.simulate.serve import requests, tokenizer
+from kvlens.simulate.serve import requests
 from kvlens.simulate.serve.engine import RealTimeFleet, Ticket
 from kvlens.simulate.serve.metrics import FleetMetrics
 from kvlens.simulate.serve.requests import ApiError, Asked, Served
@@ -340,7 +340,7 @@ class Api:
         choices = [
             {
                 "index": i,
-                "text": tokenizer.generated_text(t.job.output_tokens),
+                "text": self.served.codec.generated_text(t.job.output_tokens),
                 "logprobs": None,
                 "finish_reason": "length",
                 "stop_reason": None,
@@ -375,7 +375,7 @@ class Api:
                     "index": 0,
                     "message": {
                         "role": "assistant",
-                        "content": tokenizer.generated_text(ticket.job.output_tokens),
+                        "content": self.served.codec.generated_text(ticket.job.output_tokens),
                         "tool_calls": [],
                     },
                     "logprobs": None,
@@ -405,7 +405,7 @@ class Api:
         deadline = loop.time() + limits.deadline_seconds
         raw = bytearray()
         with self._arriving.admit() as admitted:
-            if not admitted:
+            if admitted is None:
                 raise ApiError("too many request bodies arriving; retry", status=503)
             try:
                 while True:
@@ -511,7 +511,7 @@ class Api:
         # A chunk per token differs from the next only in its text: the JSON around it is made
         # once (the bytes are what orjson.dumps gives the whole chunk; a test compares them).
         opening = b"data: " + orjson.dumps(head)[:-1] + b',"choices":[{"index":'
-        texts = [orjson.dumps(character) for character in tokenizer.GENERATED]
+        texts = [orjson.dumps(piece) for piece in self.served.codec.generated_pieces()]
         going = b',"logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
         ending = b',"logprobs":null,"finish_reason":"length","stop_reason":null}]}\n\n'
         async for due in self._paced(tickets, client):
@@ -546,7 +546,7 @@ class Api:
         opening = b"data: " + orjson.dumps(head)[:-1] + b',"choices":[{"index":0,"delta":'
         role = opening + b'{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
         content = opening + b'{"content":'
-        texts = [orjson.dumps(character) for character in tokenizer.GENERATED]
+        texts = [orjson.dumps(piece) for piece in self.served.codec.generated_pieces()]
         going = b'},"logprobs":null,"finish_reason":null}]}\n\n'
         ending = b'},"logprobs":null,"finish_reason":"length","stop_reason":null}]}\n\n'
         async for due in self._paced(tickets, client):

@@ -21,6 +21,7 @@ from kvlens import bandwidth, logs
 from kvlens.config import Settings, load_settings
 from kvlens.errors import SettingsError
 from kvlens.http import server
+from kvlens.http.access import loopback
 from kvlens.http.bodies import ArrivingBodies, BodyLimits
 from kvlens.simulate.cache import CacheEvents
 from kvlens.simulate.memory import kv_blocks
@@ -71,7 +72,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="simulated", help="served model name")
     parser.add_argument("--max-model-len", type=int, default=32_768, help="context length")
     parser.add_argument(
-        "--vocab-size", type=int, default=tokenizer.DEFAULT_VOCAB_SIZE, help="token ids allowed in prompts"
+        "--vocab-size",
+        type=int,
+        help=f"token ids allowed in prompts: {tokenizer.DEFAULT_VOCAB_SIZE}, or the --tokenizer's vocabulary",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        metavar="DIR",
+        help="a Hugging Face tokenizer directory (its tokenizer.json): text prompts are counted as a "
+        "client reading the same directory counts them (kvlens[tokenizer]); default: one token a byte",
     )
     parser.add_argument("--speed", type=float, default=1.0, help="2: twice as fast as the modelled GPU")
     parser.add_argument("--no-prefix-caching", action="store_true", help="nothing is ever served from cache")
@@ -171,7 +181,13 @@ def _checked(args: argparse.Namespace) -> tuple[Fleet, Served]:
         raise ValueError("--block-size must be >= 1")
     if args.max_model_len < 2:
         raise ValueError("--max-model-len must be >= 2")
-    if args.vocab_size < tokenizer.FIRST_PLAIN_ID:
+    text: tokenizer.Tokenizer = tokenizer.BYTES
+    if args.tokenizer is not None:
+        if args.vocab_size is not None:
+            raise ValueError("--vocab-size is the --tokenizer's: give one of them")
+        text = tokenizer.HuggingFace.load(args.tokenizer)  # TokenizerUnavailable is a ValueError
+    vocab_size = text.vocab_size if args.vocab_size is None else args.vocab_size
+    if args.tokenizer is None and vocab_size < tokenizer.FIRST_PLAIN_ID:
         raise ValueError(f"--vocab-size must be >= {tokenizer.FIRST_PLAIN_ID} (bytes and special tokens)")
     if not (math.isfinite(args.speed) and args.speed > 0):
         raise ValueError("--speed must be a positive number")
@@ -179,7 +195,7 @@ def _checked(args: argparse.Namespace) -> tuple[Fleet, Served]:
         raise ValueError("--max-in-flight must be >= 1")
     service = service_model(args)
     fleet = Fleet(args.replicas, capacity_blocks(args, service), args.block_size, service, Guard())
-    return fleet, Served(args.model, args.max_model_len, args.vocab_size)
+    return fleet, Served(args.model, args.max_model_len, vocab_size, text)
 
 
 def record(ticket: Ticket, engine: RealTimeFleet, model: str, started_epoch: float) -> dict[str, Any]:
@@ -289,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
         timeout_keep_alive=server.KEEP_ALIVE_SECONDS,
         limit_concurrency=None,  # idle sockets must not count: the guard closes them
     )
-    if settings.admin_secret is None and not server.loopback(args.host):  # logging is set up now
+    if settings.admin_secret is None and not loopback(args.host):  # logging is set up now
         log.warning(
             "POST /reset_prefix_cache listens on %s without a token: anyone who reaches this port "
             "can empty every replica's prefix cache (and send it work). Set KVLENS_ADMIN_TOKEN (or "

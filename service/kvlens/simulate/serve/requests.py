@@ -11,6 +11,7 @@ against :data:`MAX_TOKEN_IDS`.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -30,6 +31,8 @@ class Served:
     model: str = "simulated"
     max_model_len: int = 32_768
     vocab_size: int = tokenizer.DEFAULT_VOCAB_SIZE
+    # the bytes of tokenizer.py, or --tokenizer DIR's (its vocab_size is then vocab_size)
+    codec: tokenizer.Tokenizer = tokenizer.BYTES
 
 
 class ApiError(Exception):
@@ -88,12 +91,14 @@ def tokenize(served: Served, raw: bytes) -> bytes:
         if type(prompt) is not str:
             raise ApiError("prompt must be a string", "prompt")
         text = prompt
-    count = tokenizer.count(text)
-    if count > MAX_TOKEN_IDS:
-        raise ApiError(
-            f"/tokenize takes a text of at most {MAX_TOKEN_IDS} tokens; this one has {count}", param
-        )
-    ids = tokenizer.encode(text)
+
+    def within(count: int) -> None:
+        if count > MAX_TOKEN_IDS:
+            raise ApiError(
+                f"/tokenize takes a text of at most {MAX_TOKEN_IDS} tokens; this one has {count}", param
+            )
+
+    ids = _bounded(served, text, param == "prompt", within)
     answer = {"count": len(ids), "max_model_len": served.max_model_len, "tokens": ids, "token_strs": None}
     return orjson.dumps(answer)
 
@@ -105,7 +110,7 @@ def detokenize(served: Served, raw: bytes) -> bytes:
         raise ApiError(
             f"/detokenize takes at most {MAX_TOKEN_IDS} token ids; this request has {len(ids)}", "tokens"
         )
-    return orjson.dumps({"prompt": tokenizer.decode(_token_ids(served, ids, "tokens"))})
+    return orjson.dumps({"prompt": served.codec.decode(_token_ids(served, ids, "tokens"))})
 
 
 def _asked(
@@ -156,9 +161,22 @@ def fits(served: Served, tokens: int, param: str) -> None:
 
 
 def _encode(served: Served, text: str, param: str) -> list[int]:
-    """The prompt's tokens; one past the context is refused before they are made."""
-    fits(served, tokenizer.count(text), param)
-    return tokenizer.encode(text)
+    """The prompt's tokens; one past the context is refused (by the byte tokenizer before they
+    are made). A completions prompt gets what the tokenizer's post-processor adds (a BOS), as
+    vLLM gives it; a rendered chat has its special tokens already."""
+    return _bounded(served, text, param == "prompt", lambda count: fits(served, count, param))
+
+
+def _bounded(served: Served, text: str, special: bool, check: Callable[[int], None]) -> list[int]:
+    """``text``'s ids once ``check`` has passed their count: the byte tokenizer counts without
+    building them (:func:`tokenizer.count`); another's count is its encoding, made once (the body
+    is bounded by MAX_BODY_BYTES, and a byte-level tokenizer makes at most a token a byte)."""
+    if isinstance(served.codec, tokenizer.Bytes):
+        check(tokenizer.count(text))
+        return tokenizer.encode(text)
+    ids = served.codec.encode(text, special)
+    check(len(ids))
+    return ids
 
 
 def _prompt_ids(served: Served, ids: list[Any], name: str) -> list[int]:

@@ -15,6 +15,12 @@ The chat template is ChatML, as Qwen's models use it: each message is
 ``<|im_start|>assistant\\n``; every one of those tokens is a prompt token and is cached like any
 other.
 
+With ``--tokenizer DIR`` (:class:`HuggingFace`) a Hugging Face tokenizer directory's
+``tokenizer.json`` counts and splits text instead, as the benchmark client that reads the same
+directory does (``vllm bench serve``, AIPerf); the chat template stays ChatML (a ``chat_template``
+in ``tokenizer_config.json`` is Jinja, which the ``tokenizers`` library does not run), and its
+special tokens are one token each when the tokenizer has them. :class:`Bytes` is the default.
+
 Block keys: the prompt's full blocks of ``block_size`` tokens, key ``i`` = hash of (key ``i-1``,
 the block's token ids): two prompts share key ``i`` exactly when their first ``(i+1) * B`` tokens
 are equal (Python hashes tuples of ints the same way in every process, unlike strings).
@@ -24,7 +30,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Final
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, Protocol
 
 ENDOFTEXT: Final = 256
 IM_START: Final = 257
@@ -104,3 +112,107 @@ def block_keys(ids: Sequence[int], block_size: int) -> tuple[int, ...]:
         key = hash((key, tuple(ids[start : start + block_size])))
         keys.append(key)
     return tuple(keys)
+
+
+class Tokenizer(Protocol):
+    """What the server asks of a tokenizer: prompts to ids (``special``: add what the tokenizer's
+    post-processor adds, as vLLM does for a completions prompt and not for a rendered chat), ids
+    to text, and the text of generated tokens, one piece per token."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str, special: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def generated_text(self, count: int, start: int = 0) -> str: ...
+
+    def generated_pieces(self) -> tuple[str, ...]: ...
+
+
+@dataclass(frozen=True)
+class Bytes:
+    """The byte tokenizer of this module (the default)."""
+
+    vocab_size: int = DEFAULT_VOCAB_SIZE
+
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        return encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return decode(ids)
+
+    def generated_text(self, count: int, start: int = 0) -> str:
+        return generated_text(count, start)
+
+    def generated_pieces(self) -> tuple[str, ...]:
+        return tuple(GENERATED)
+
+
+class TokenizerUnavailable(ValueError):
+    """``--tokenizer DIR`` that cannot be used: the extra missing, or no readable tokenizer.json."""
+
+
+@dataclass(frozen=True)
+class HuggingFace:
+    """A Hugging Face tokenizer directory's ``tokenizer.json``, read with the ``tokenizers``
+    library (the ``tokenizer`` extra) and nothing else: no model hub, no ``transformers``.
+
+    Generated text: a client counts an answer's tokens by tokenizing the whole text, so each
+    generated token's text must stay one token when pieces are joined. The pieces are the words
+    of :data:`GENERATED`, each with its leading space, that are one token alone and stay one
+    token each when the sentence is repeated; a tokenizer with none of those falls back to the
+    text of each of the sentence's tokens (then a client may count the answer a little apart)."""
+
+    path: Path
+    backend: Any = field(repr=False)
+    vocab_size: int
+    pieces: tuple[str, ...]
+
+    @classmethod
+    def load(cls, directory: Path) -> HuggingFace:
+        try:
+            import tokenizers
+        except ModuleNotFoundError:
+            from kvlens.console import install_hint
+
+            raise TokenizerUnavailable(
+                f"--tokenizer needs the tokenizer extra: {install_hint('tokenizer')}"
+            ) from None
+        file = directory / "tokenizer.json" if directory.is_dir() else directory
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(file))
+        except Exception as error:  # the library raises plain Exception for a bad file
+            reason = error.strerror if isinstance(error, OSError) else str(error).splitlines()[0][:200]
+            raise TokenizerUnavailable(f"--tokenizer: cannot read {file}: {reason}") from None
+        return cls(directory, backend, backend.get_vocab_size(with_added_tokens=True), _pieces(backend))
+
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        ids: list[int] = self.backend.encode(text, add_special_tokens=special).ids
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        text: str = self.backend.decode(list(ids), skip_special_tokens=False)
+        return text
+
+    def generated_text(self, count: int, start: int = 0) -> str:
+        size = len(self.pieces)
+        return "".join(self.pieces[i % size] for i in range(start, start + count))
+
+    def generated_pieces(self) -> tuple[str, ...]:
+        return self.pieces
+
+
+def _pieces(backend: Any) -> tuple[str, ...]:
+    def tokens(text: str) -> int:
+        return len(backend.encode(text, add_special_tokens=False).ids)
+
+    words = tuple(f" {word}" for word in GENERATED.split() if tokens(f" {word}") == 1)
+    if words and tokens("".join(words) * 3) == 3 * len(words):
+        return words
+    ids = backend.encode(GENERATED, add_special_tokens=False).ids
+    return tuple(backend.decode([token]) for token in ids) or tuple(GENERATED)
+
+
+BYTES: Final = Bytes()

@@ -1,0 +1,93 @@
+"""``kvlens import TOOL FILE``: another benchmark tool's per-request results as kvlens records
+(JSON lines), so that ``compare`` and ``analyze`` read runs made with ``vllm bench serve`` or AIPerf.
+(The module is not named ``import``: that is a Python keyword.)"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvlens.cli.common import check_writable, examples
+
+SHOWN_BAD = 20  # entries named one by one; the rest counted
+
+
+def add_parser(commands: Any) -> None:
+    command = commands.add_parser(
+        "import",
+        help="another benchmark tool's per-request results as kvlens records",
+        description="Write kvlens records (JSON lines) from vllm bench serve's --save-result "
+        "--save-detailed JSON or AIPerf's profile_export.jsonl. Entries that cannot be read are "
+        "named on stderr and left out (exit 1); the others are written. Then: kvlens compare --arm "
+        "off=off.jsonl --arm warm=warm.jsonl",
+        epilog=examples(
+            "kvlens import vllm-bench off.json -o off.jsonl",
+            "kvlens import aiperf artifacts/run/profile_export.jsonl -o warm.jsonl",
+        ),
+    )
+    command.add_argument("tool", choices=("vllm-bench", "aiperf"), help="the tool that wrote FILE")
+    command.add_argument("file", metavar="FILE", help="its result file (.gz read; - for stdin)")
+    command.add_argument("-o", "--output", type=Path, metavar="OUT", help="write here (default: stdout)")
+    command.add_argument("--model", help="model of every record (default: the file's, when it names one)")
+    command.add_argument(
+        "--missing-cached-is-zero",
+        action="store_true",
+        help="a request whose tool gave no cached-token count (vllm bench serve never does) has "
+        "cached_tokens 0: right only when the server ran with prefix caching off",
+    )
+    command.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import orjson
+
+    from kvlens.sources import bench_tools
+
+    check_writable(args.output)
+    try:
+        imported = bench_tools.read(
+            args.tool, args.file, model=args.model, missing_cached_is_zero=args.missing_cached_is_zero
+        )
+    except bench_tools.NotThisFormat as error:
+        print(f"kvlens import: {args.file}: {error}", file=sys.stderr)
+        return 2
+    lines = b"".join(orjson.dumps(record) + b"\n" for record in imported.records)
+    if args.output is None:
+        sys.stdout.buffer.write(lines)
+        sys.stdout.flush()
+    else:
+        args.output.write_bytes(lines)
+    for problem in imported.bad[:SHOWN_BAD]:
+        print(f"kvlens import: {args.file}: {problem}: left out", file=sys.stderr)
+    if len(imported.bad) > SHOWN_BAD:
+        print(
+            f"kvlens import: ... and {len(imported.bad) - SHOWN_BAD} more entries left out", file=sys.stderr
+        )
+    for line in summary(args.tool, imported, args.missing_cached_is_zero):
+        print(f"kvlens import: {line}", file=sys.stderr)
+    return 1 if imported.bad or not imported.records else 0
+
+
+def summary(tool: str, imported: Any, missing_cached_is_zero: bool) -> list[str]:
+    """What was written and what each part of it can answer."""
+    written = len(imported.records)
+    lines = [
+        f"{written} records written ({imported.failed} of failed requests, with their error and no "
+        f"timings), {len(imported.bad)} entries left out as unreadable"
+        + "".join(f", {count} {why} left out" for why, count in sorted(imported.left_out.items()))
+    ]
+    if imported.without_cached:
+        if missing_cached_is_zero:
+            lines.append(
+                f"{imported.without_cached} records have cached_tokens 0 (--missing-cached-is-zero): "
+                "hit ratios and the hit/miss split are right only if the server ran with prefix caching off"
+            )
+        else:
+            lines.append(
+                f"{imported.without_cached} records carry no cached_tokens ({tool} does not record "
+                "them): analyze and compare count them as skipped (cached_tokens missing), since a "
+                "hit ratio cannot be told; --missing-cached-is-zero for a run with prefix caching off"
+            )
+    return lines

@@ -1,0 +1,214 @@
+"""`kvlens import vllm-bench|aiperf`: the real tools' files (tests/fixtures/bench-tools, made by
+`vllm bench serve` and `aiperf profile` against `kvlens simulate serve --tokenizer`) become kvlens
+records whose counts and values are the tools' own summary figures; `compare` and `analyze` read
+them; an entry that cannot be read is named (which entry, which field) and the others are kept."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvlens.cli import main
+from kvlens.sources import bench_tools
+
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "bench-tools"
+VLLM = FIXTURES / "vllm-bench"
+AIPERF = FIXTURES / "aiperf"
+
+
+def imported(
+    capsys: pytest.CaptureFixture[str], *argv: str, code: int = 0
+) -> tuple[list[dict[str, Any]], str]:
+    assert main(["import", *argv]) == code
+    out, err = capsys.readouterr()
+    return [json.loads(line) for line in out.splitlines()], err
+
+
+def summary(run: str) -> dict[str, Any]:
+    return json.loads((AIPERF / run / "profile_export_aiperf.json").read_text())  # type: ignore[no-any-return]
+
+
+def test_vllm_bench_records_are_the_runs_requests(capsys: pytest.CaptureFixture[str]) -> None:
+    result = json.loads((VLLM / "on.json").read_text())
+    records, err = imported(capsys, "vllm-bench", str(VLLM / "on.json"))
+    assert len(records) == result["completed"] == 40
+    assert [r["request_id"] for r in records] == [str(i) for i in range(40)]
+    assert sum(r["prompt_tokens"] for r in records) == result["total_input_tokens"] == 30655
+    assert sum(r["output_tokens"] for r in records) == result["total_output_tokens"] == 634
+    ttfts = [r["ttft_seconds"] for r in records]
+    assert statistics.mean(ttfts) * 1000 == pytest.approx(result["mean_ttft_ms"], rel=1e-12)
+    assert statistics.median(ttfts) * 1000 == pytest.approx(result["median_ttft_ms"], rel=1e-12)
+    tpots = [r["client_tpot_seconds"] for r in records if r["output_tokens"] > 1]
+    assert statistics.mean(tpots) * 1000 == pytest.approx(result["mean_tpot_ms"], rel=1e-12)
+    assert records[0]["e2e_seconds"] == result["latencies"][0]
+    assert records[0]["decode_seconds"] == result["latencies"][0] - result["ttfts"][0]
+    assert {r["model"] for r in records} == {"simulated"}
+    assert not any("cached_tokens" in r or "arrival_time" in r for r in records)
+    assert err == (
+        "kvlens import: 40 records written (0 of failed requests, with their error and no timings), "
+        "0 entries left out as unreadable\n"
+        "kvlens import: 40 records carry no cached_tokens (vllm-bench does not record them): analyze "
+        "and compare count them as skipped (cached_tokens missing), since a hit ratio cannot be told; "
+        "--missing-cached-is-zero for a run with prefix caching off\n"
+    )
+    zeros, _ = imported(capsys, "vllm-bench", str(VLLM / "on.json"), "--missing-cached-is-zero")
+    assert {r["cached_tokens"] for r in zeros} == {0}
+
+
+def test_vllm_bench_failed_requests_are_records_with_their_error(capsys: pytest.CaptureFixture[str]) -> None:
+    result = json.loads((VLLM / "errors.json").read_text())
+    records, err = imported(capsys, "vllm-bench", str(VLLM / "errors.json"), "--missing-cached-is-zero")
+    failed = [r for r in records if "error" in r]
+    assert len(records) == 12 and len(failed) == result["failed"] == 5
+    assert [r["request_id"] for r in failed] == [str(i) for i, e in enumerate(result["errors"]) if e]
+    assert all(r == {**r, "error": "Bad Request", "finish_reason": "error"} for r in failed)
+    assert not any("ttft_seconds" in r or "cached_tokens" in r for r in failed)  # in no latency figure
+    assert "12 records written (5 of failed requests" in err
+
+
+def test_aiperf_records_are_the_runs_profiling_requests(capsys: pytest.CaptureFixture[str]) -> None:
+    figures = summary("on")
+    records, err = imported(capsys, "aiperf", str(AIPERF / "on" / "profile_export.jsonl"), "--model", "sim")
+    assert len(records) == figures["request_count"]["avg"] == 40
+    assert [r["request_id"] for r in records] == [str(i) for i in range(40)]  # session order
+    assert sum(r["prompt_tokens"] for r in records) == figures["usage_prompt_tokens"]["sum"] == 30144
+    assert (
+        sum(r["cached_tokens"] for r in records) == figures["usage_prompt_cache_read_tokens"]["sum"] == 21536
+    )
+    ttft_ms = [r["ttft_seconds"] * 1000 for r in records]
+    assert statistics.mean(ttft_ms) == pytest.approx(figures["time_to_first_token"]["avg"], rel=1e-12)
+    assert max(ttft_ms) == pytest.approx(figures["time_to_first_token"]["max"], rel=1e-12)
+    latency_ms = [r["e2e_seconds"] * 1000 for r in records]
+    assert sum(latency_ms) == pytest.approx(figures["request_latency"]["sum"], rel=1e-12)
+    itl_ms = [r["client_tpot_seconds"] * 1000 for r in records]  # AIPerf's ITL is vLLM's TPOT
+    assert statistics.mean(itl_ms) == pytest.approx(figures["inter_token_latency"]["avg"], rel=1e-9)
+    assert all(r["arrival_time"] > 1.7e9 and r["model"] == "sim" for r in records)
+    assert "0 entries left out as unreadable, 4 warm-up records left out\n" in err
+
+
+def test_aiperf_failed_requests_carry_the_servers_message(capsys: pytest.CaptureFixture[str]) -> None:
+    figures = summary("errors")
+    records, _ = imported(capsys, "aiperf", str(AIPERF / "errors" / "profile_export.jsonl"))
+    failed = [r for r in records if "error" in r]
+    assert len(records) == figures["request_count"]["avg"] + figures["error_request_count"]["avg"] == 12
+    assert len(failed) == sum(item["count"] for item in figures["error_summary"]) == 4
+    assert failed[0]["error"].startswith('400: Bad Request: {"error":{"message":"This model\'s maximum')
+    assert all(len(r["error"]) <= bench_tools.MAX_ERROR_CHARS for r in failed)
+
+
+def test_unreadable_entries_are_named_and_the_others_kept(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = json.loads((VLLM / "on.json").read_text())
+    result["ttfts"][3] = "fast"
+    result["itls"][5][2] = None
+    result["input_lens"][7] = -1
+    result["latencies"] = result["latencies"][:39]
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(result))
+    records, err = imported(capsys, "vllm-bench", str(path), "--missing-cached-is-zero", code=1)
+    assert [r["request_id"] for r in records] == [str(i) for i in range(39) if i not in (3, 5, 7)]
+    assert err.splitlines()[:4] == [
+        f"kvlens import: {path}: request 3: ttfts: must be a finite number: left out",
+        f"kvlens import: {path}: request 5: itls[2]: must be a finite number: left out",
+        f"kvlens import: {path}: request 7: input_lens: must be a whole number of tokens from 0 to "
+        "10000000: left out",
+        f"kvlens import: {path}: request 39: latencies: has 39 entries; this request has none: left out",
+    ]
+    lines = (AIPERF / "on" / "profile_export.jsonl").read_text().splitlines()
+    second = json.loads(lines[5])
+    second["metrics"]["time_to_first_token"]["unit"] = "furlongs"
+    lines[5] = json.dumps(second)
+    lines[6] = "{not json"
+    lines.append(lines[8])  # a session twice
+    path = tmp_path / "profile_export.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    records, err = imported(capsys, "aiperf", str(path), code=1)
+    assert len(records) == 38
+    assert err.splitlines()[:3] == [
+        f"kvlens import: {path}: line 6: metrics.time_to_first_token: has unit 'furlongs', not one of "
+        "ns, us, ms, s, sec: left out",
+        f"kvlens import: {path}: line 7: line: is not valid JSON: left out",
+        f"kvlens import: {path}: line 45: metadata.session_num: "
+        f"{json.loads(lines[8])['metadata']['session_num']} again (first on line 9): left out",
+    ]
+
+
+def test_a_file_that_is_not_the_tools_is_refused_whole(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = json.loads((VLLM / "on.json").read_text())
+    del result["itls"], result["errors"]
+    path = tmp_path / "summary.json"
+    path.write_text(json.dumps(result))
+    assert main(["import", "vllm-bench", str(path)]) == 2
+    assert capsys.readouterr().err == (
+        f"kvlens import: {path}: not a vllm bench serve result saved with --save-detailed: no itls, "
+        "errors (per-request arrays)\n"
+    )
+    path.write_text(json.dumps(result) + "\n" + json.dumps(result) + "\n")
+    assert main(["import", "vllm-bench", str(path)]) == 2
+    assert (
+        "holds 2 results (vllm bench serve --append-result): import one at a time" in capsys.readouterr().err
+    )
+    assert main(["import", "aiperf", str(VLLM / "on.json")]) == 1  # one line, not a record
+    assert (
+        "line 1: metadata: is missing: not an AIPerf profile_export.jsonl record" in capsys.readouterr().err
+    )
+
+
+def test_compare_and_analyze_read_the_imported_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for arm in ("off", "on"):
+        argv = [
+            "import",
+            "aiperf",
+            str(AIPERF / arm / "profile_export.jsonl"),
+            "-o",
+            str(tmp_path / f"{arm}.jsonl"),
+        ]
+        assert main(argv) == 0
+    capsys.readouterr()
+    assert (
+        main(
+            [
+                "compare",
+                "--arm",
+                f"off={tmp_path / 'off.jsonl'}",
+                "--arm",
+                f"on={tmp_path / 'on.jsonl'}",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    report = json.loads(capsys.readouterr().out)
+    records = [json.loads(line) for line in (tmp_path / "on.jsonl").read_text().splitlines()]
+    assert sum(group["requests"] for group in report["groups"]) == 40
+    assert main(["analyze", str(tmp_path / "on.jsonl"), "--json"]) == 0
+    analysis = json.loads(capsys.readouterr().out)
+    assert analysis["input"]["records"] == 40
+    reused = sum(r["cached_tokens"] for r in records) / sum(r["prompt_tokens"] for r in records)
+    assert analysis["overall"]["token_reuse_ratio"] == pytest.approx(reused, rel=1e-12)
+    for arm in ("off", "on"):  # vllm bench serve: no cached tokens; compared as all-miss when said so
+        argv = ["import", "vllm-bench", str(VLLM / f"{arm}.json"), "--missing-cached-is-zero"]
+        assert main([*argv, "-o", str(tmp_path / f"v{arm}.jsonl")]) == 0
+    assert (
+        main(
+            [
+                "compare",
+                "--arm",
+                f"off={tmp_path / 'voff.jsonl'}",
+                "--arm",
+                f"on={tmp_path / 'von.jsonl'}",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    assert sum(group["requests"] for group in json.loads(capsys.readouterr().out)["groups"]) == 40

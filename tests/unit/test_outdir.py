@@ -1,0 +1,208 @@
+"""An experiment's out-dir as the state of a resumable run: the plan and its refusal, steps
+finished only by their rename, the lock, the progress line for a log, the resume command."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from kvlens.experiment import outdir
+from kvlens.experiment.client import Progress
+from kvlens.experiment.protocol import ExperimentError
+from kvlens.simulate.trace import TraceRequest
+
+PLAN = outdir.Plan("quantization", {"trace": "abc", "rates": [4.0, 8.0], "seed": 0})
+
+
+def test_the_plan_hash_covers_the_plan_and_not_the_endpoints(tmp_path: Path) -> None:
+    requests = [TraceRequest(0, 0.0, 100, 8, (1, 2)), TraceRequest(1, 0.5, 100, 8, (1, 3))]
+    same = [TraceRequest(0, 0.0, 100, 8, (1, 2)), TraceRequest(1, 0.5, 100, 8, (1, 3))]
+    other = [TraceRequest(0, 0.0, 100, 8, (1, 2)), TraceRequest(1, 0.5, 100, 8, (1, 4))]
+    assert outdir.trace_identity(requests) == outdir.trace_identity(same)
+    assert outdir.trace_identity(requests) != outdir.trace_identity(other)
+    # the same plan in another order of fields is the same plan
+    assert outdir.Plan("quantization", {"seed": 0, "rates": [4.0, 8.0], "trace": "abc"}).digest == PLAN.digest
+    with outdir.OutDir(tmp_path, PLAN).open(["bf16"]):
+        pass
+    state = orjson.loads((tmp_path / "plan.json").read_bytes())
+    assert state == {
+        "schema": "kvlens.outdir/v1",
+        "experiment": "quantization",
+        "plan_hash": PLAN.digest,
+        "plan": {"trace": "abc", "rates": [4.0, 8.0], "seed": 0},
+        "endpoints": ["bf16"],
+    }
+    with outdir.OutDir(tmp_path, PLAN).open(["w4a16", "bf16"]):
+        pass
+    assert orjson.loads((tmp_path / "plan.json").read_bytes())["endpoints"] == ["bf16", "w4a16"]
+
+
+def test_another_plan_is_refused_naming_each_field_that_differs(tmp_path: Path) -> None:
+    with outdir.OutDir(tmp_path, PLAN).open(["bf16"]):
+        pass
+    other = outdir.Plan("quantization", {"trace": "def", "rates": [4.0], "seed": 0, "vocab_size": 1000})
+    with pytest.raises(ExperimentError) as refused, outdir.OutDir(tmp_path, other).open(["w4a16"]):
+        pytest.fail("opened")
+    assert str(refused.value) == (
+        f"{tmp_path} was run under another plan (hash {PLAN.digest}, this run's {other.digest}); its "
+        "steps would not be comparable with this run's. What differs (old -> new): rates: [4.0,8.0] -> "
+        '[4.0]; trace: "abc" -> "def"; vocab_size: (none) -> 1000. Run with the old plan\'s settings, '
+        "or into another --out-dir"
+    )
+    prefix = outdir.Plan("prefix-cache", PLAN.fields)
+    refusal = "holds a quantization experiment, not prefix-cache"
+    with pytest.raises(ExperimentError, match=refusal), outdir.OutDir(tmp_path, prefix).open(["off"]):
+        pytest.fail("opened")
+    assert orjson.loads((tmp_path / "plan.json").read_bytes())["endpoints"] == ["bf16"]  # untouched
+
+
+def write_records(path: Path, count: int) -> dict[str, Any]:
+    path.write_bytes(b"".join(orjson.dumps({"trace_index": i}) + b"\n" for i in range(count)))
+    return {"sample": {"scrapes": 1}}
+
+
+def test_a_step_is_finished_only_when_its_records_are_renamed_in(tmp_path: Path) -> None:
+    step = outdir.Step("rate-4-bf16", "bf16", "rate", 4.0)
+    with outdir.OutDir(tmp_path, PLAN).open(["bf16"]) as out:
+
+        def killed(staged: Path) -> dict[str, Any]:
+            write_records(staged, 3)  # three records written, then the run dies
+            raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            out.run(step, killed)
+        assert out.current == step
+        assert not (tmp_path / "rate-4-bf16.jsonl").exists()
+        assert len((tmp_path / ".unfinished" / "rate-4-bf16.jsonl").read_bytes().splitlines()) == 3
+        assert out.found() == []
+    with outdir.OutDir(tmp_path, PLAN).open(["bf16"]) as out:
+        found = out.run(step, lambda staged: write_records(staged, 5))
+        assert out.ran == [step] and out.kept == []
+    assert found.records == tmp_path / "rate-4-bf16.jsonl"
+    assert len(found.records.read_bytes().splitlines()) == 5
+    assert found.meta["sample"] == {"scrapes": 1} and found.meta["rate"] == 4.0
+    assert not (tmp_path / ".unfinished").exists()  # emptied and removed at the run's end
+    # a rerun skips it; --restart redoes it, once
+    with outdir.OutDir(tmp_path, PLAN).open(["bf16"]) as out:
+        again = out.run(step, lambda staged: pytest.fail("ran a finished step"))
+        assert out.kept == [step] and again.meta == found.meta
+    with outdir.OutDir(tmp_path, PLAN, restart=True).open(["bf16"]) as out:
+        redone = out.run(step, lambda staged: write_records(staged, 7))
+        assert out.ran == [step] and redone.meta["finished_at"] > found.meta["finished_at"]
+        assert out.finished(step) == redone.meta  # redone in this run: not redone twice
+    assert len((tmp_path / "rate-4-bf16.jsonl").read_bytes().splitlines()) == 7
+    # records without their metadata (an older kvlens's folder) are not a finished step
+    (tmp_path / "rate-8-bf16.jsonl").write_bytes(b"{}\n")
+    assert [f.step for f in outdir.finished_steps(tmp_path)] == [step]
+
+
+def test_a_second_run_into_the_folder_is_refused_naming_the_first(tmp_path: Path) -> None:
+    command = "kvlens experiment quantization shared-prefix --endpoint bf16=http://127.0.0.1:8000"
+    with outdir.OutDir(tmp_path, PLAN, command=command).open(["bf16"]):
+        # flock is per open file: a second open in this process is refused as another's would be
+        with pytest.raises(ExperimentError) as refused, outdir.OutDir(tmp_path, PLAN).open(["w4a16"]):
+            pytest.fail("opened")
+        assert str(refused.value) == (
+            f"{tmp_path} is in use by another run (pid {os.getpid()}: {command}); wait for it to end, "
+            "or stop it"
+        )
+    # ended: the lock went with its file descriptor, the file stays and does not block
+    with outdir.OutDir(tmp_path, PLAN).open(["w4a16"]):
+        pass
+
+
+def test_the_resume_command_leaves_secrets_out() -> None:
+    argv = [
+        "experiment",
+        "quantization",
+        "shared-prefix",
+        "--endpoint",
+        "w4a16=http://alice:s3cret@gpu:8000/",
+        "--api-key",
+        "sk-123",
+        "--api-key=sk-456",
+        "--out-dir",
+        "runs/quant 1",
+    ]
+    assert outdir.command_line(".venv/bin/kvlens", argv) == (
+        ".venv/bin/kvlens experiment quantization shared-prefix --endpoint "
+        "w4a16=http://USER:PASSWORD@gpu:8000/ --api-key KEY --api-key=KEY --out-dir 'runs/quant 1'"
+    )
+
+
+def test_ctrl_c_names_the_steps_kept_the_one_lost_and_the_command(tmp_path: Path) -> None:
+    command = "kvlens experiment quantization shared-prefix --out-dir D"
+    step = outdir.Step("rate-4-bf16", "bf16", "rate", 4.0)
+    with outdir.OutDir(tmp_path, PLAN, command=command).open(["bf16"]) as out:
+        out.run(outdir.Step("fixed-bf16", "bf16", "fixed"), lambda staged: write_records(staged, 2))
+
+        def interrupted(staged: Path) -> dict[str, Any]:
+            write_records(staged, 1)
+            raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            out.run(step, interrupted)
+        assert out.interrupted() == (
+            f"stopped: 1 finished step(s) kept in {tmp_path}: fixed-bf16\n"
+            f"the step under way, rate-4-bf16, was not finished: it runs again on resume (its records "
+            f"so far: {tmp_path / '.unfinished' / 'rate-4-bf16.jsonl'})\n"
+            f"to resume (finished steps are skipped): {command}"
+        )
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_progress_line_every_ten_seconds_and_one_at_each_steps_end() -> None:
+    clock, lines = Clock(), list[str]()
+    beat = outdir.Heartbeat(lines.append, clock)
+    progress = Progress()
+    beat("rate-4-bf16", progress, 200)  # the step starts: nothing to say yet
+    for second in range(1, 26):  # shown every 0.5 s by the replay; said every 10 s
+        clock.now = 100.0 + second
+        progress.sent, progress.done = 4 * second, 4 * second - 2
+        progress.errors = second // 10
+        beat("rate-4-bf16", progress, 200)
+    progress.sent = progress.done = 200
+    clock.now = 130.0
+    beat("rate-4-bf16", progress, 200)
+    beat("rate-4-bf16", progress, 200)  # shown once more after the end: said once
+    assert lines == [
+        "kvlens experiment: step rate-4-bf16: 40/200 sent, 38 answered, 1 errors, 0:10 elapsed, ETA 0:43",
+        "kvlens experiment: step rate-4-bf16: 80/200 sent, 78 answered, 2 errors, 0:20 elapsed, ETA 0:31",
+        "kvlens experiment: step rate-4-bf16: 200/200 sent, 200 answered, 2 errors, 0:30 elapsed, done",
+    ]
+
+
+def test_durations_read_as_a_clock() -> None:
+    assert [outdir.duration(s) for s in (0, 4.6, 65, 3600 + 62, 100 * 3600)] == [
+        "0:00",
+        "0:05",
+        "1:05",
+        "1:01:02",
+        "100:00:00",
+    ]
+
+
+def test_endpoints_whose_fixed_work_would_share_a_file_are_refused() -> None:
+    """``a``'s long fixed work is ``fixed-a-long``, as is the short one of an endpoint ``a-long``."""
+    from kvlens.experiment import quantization
+
+    assert [quantization.fixed_step("a", group).name for group in ("short", "long")] == [
+        "fixed-a",
+        "fixed-a-long",
+    ]
+    quantization.check_names(["a", "b-long", "long"])
+    with pytest.raises(
+        ExperimentError, match="'a-long' and 'a' would share the step fixed-a-long: rename one"
+    ):
+        quantization.check_names(["a", "b", "a-long"])
