@@ -76,7 +76,8 @@ def test_quantization_one_endpoint_at_a_time_merges_resumes_and_refuses_another_
     ended = re.findall(
         r"kvlens experiment: step (\S+): (\d+)/8 sent, (\d+) answered, 0 errors, .* done", first.err
     )
-    assert ended == [("fixed-bf16", "8", "8"), ("rate-8-bf16", "8", "8")]
+    # the trace has no long prompts: the fixed work makes its own (2 a slot), a step of its own
+    assert ended == [("fixed-bf16", "8", "8"), ("fixed-bf16-long", "8", "8"), ("rate-8-bf16", "8", "8")]
 
     w4a16 = simulated("--weight-bytes", "40GB", *SHAPE)
     try:
@@ -110,6 +111,7 @@ def test_quantization_one_endpoint_at_a_time_merges_resumes_and_refuses_another_
         redone = metas(out)
         assert {name for name in redone if redone[name] != before[name]} == {
             "fixed-w4a16.step.json",
+            "fixed-w4a16-long.step.json",
             "rate-8-w4a16.step.json",
         }
     finally:
@@ -134,6 +136,10 @@ def test_quantization_one_endpoint_at_a_time_merges_resumes_and_refuses_another_
     assert "fixed-fp8               fp8                 8          -  to run (4 in flight)" in table
     assert (
         "fixed-bf16              bf16                8          -  finished: skipped (4 in flight)" in table
+    )
+    assert (
+        "fixed-bf16-long         bf16                8          -  finished: skipped (4 in flight; made: "
+        "the trace has none)" in table
     )
     assert "rate-8-bf16             bf16                8       0:01  finished: skipped" in table
 
@@ -162,12 +168,16 @@ def test_dry_run_prints_the_plan_and_contacts_no_endpoint(
         "step                    endpoint     requests   arrivals  state\n"
         "fixed-bf16              bf16                8          -  to run (4 in flight)\n"
         "fixed-w4a16             w4a16               8          -  to run (4 in flight)\n"
+        "fixed-bf16-long         bf16                8          -  to run (4 in flight; made: the trace "
+        "has none)\n"
+        "fixed-w4a16-long        w4a16               8          -  to run (4 in flight; made: the trace "
+        "has none)\n"
         "rate-2-bf16             bf16                8       0:02  to run\n"
         "rate-2-w4a16            w4a16               8       0:02  to run\n"
         "rate-4-bf16             bf16                8       0:01  to run\n"
         "rate-4-w4a16            w4a16               8       0:01  to run\n"
         "\n"
-        "estimated duration: at least 0:07 (the arrivals of the steps to run), plus 2 fixed-work step(s) "
+        "estimated duration: at least 0:07 (the arrivals of the steps to run), plus 4 fixed-work step(s) "
         "whose time is the server's\n"
     )
 
@@ -212,20 +222,20 @@ def test_a_second_run_is_refused_ctrl_c_says_how_to_resume_and_the_resume_skips_
         assert run.returncode == 130
         assert "Traceback" not in err
         assert err.endswith(
-            f"kvlens experiment: stopped: 1 finished step(s) kept in {out}: fixed-bf16\n"
+            f"kvlens experiment: stopped: 2 finished step(s) kept in {out}: fixed-bf16-long, fixed-bf16\n"
             "the step under way, rate-1-bf16, was not finished: it runs again on resume (its records so far: "
             f"{staged})\n"
             f"to resume (finished steps are skipped): {command}\n"
         )
         assert not (out / "rate-1-bf16.jsonl").exists()
         kept = metas(out)
-        assert list(kept) == ["fixed-bf16.step.json"]
+        assert list(kept) == ["fixed-bf16-long.step.json", "fixed-bf16.step.json"]
 
         # the command it gave, run again: the fixed work is kept, the rate step runs whole
         assert main(argv) == 0
         resumed = capsys.readouterr().err
         assert "step fixed-bf16" not in resumed and "step rate-1-bf16: 8/8 sent, 8 answered" in resumed
-        assert metas(out)["fixed-bf16.step.json"] == kept["fixed-bf16.step.json"]
+        assert {name: metas(out)[name] for name in kept} == kept
         rows = [json.loads(line) for line in (out / "rate-1-bf16.jsonl").read_text().splitlines()]
         assert sorted(row["trace_index"] for row in rows) == list(range(8))
         assert not (out / ".unfinished").exists()

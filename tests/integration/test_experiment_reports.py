@@ -183,7 +183,7 @@ def test_quantization_writes_its_reports_and_its_plot_into_new_folders(
     assert result["schema"] == "kvlens.quantization/v1"
     assert result["errors"] == {
         name: {"requests": 4, "failed": 0, "reasons": {}}
-        for name in ("fixed-a", "fixed-b", "rate-20-a", "rate-20-b")
+        for name in ("fixed-a", "fixed-a-long", "fixed-b", "fixed-b-long", "rate-20-a", "rate-20-b")
     }
     assert "<title>kvlens quantization" in (out / "report.html").read_text()
     assert plot.read_text().startswith("<svg")

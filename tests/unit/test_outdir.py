@@ -191,3 +191,18 @@ def test_durations_read_as_a_clock() -> None:
         "1:01:02",
         "100:00:00",
     ]
+
+
+def test_endpoints_whose_fixed_work_would_share_a_file_are_refused() -> None:
+    """``a``'s long fixed work is ``fixed-a-long``, as is the short one of an endpoint ``a-long``."""
+    from kvlens.experiment import quantization
+
+    assert [quantization.fixed_step("a", group).name for group in ("short", "long")] == [
+        "fixed-a",
+        "fixed-a-long",
+    ]
+    quantization.check_names(["a", "b-long", "long"])
+    with pytest.raises(
+        ExperimentError, match="'a-long' and 'a' would share the step fixed-a-long: rename one"
+    ):
+        quantization.check_names(["a", "b", "a-long"])

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kvlens.experiment import plot, quantization
+from kvlens.experiment import plot, quantization, quantization_text
 from kvlens.experiment.protocol import ExperimentError
 
 TARGETS = quantization.Targets(attainment=0.9)
@@ -61,7 +61,7 @@ def test_the_step_limit_bounds_the_sweep() -> None:
     assert load["sweep"]["stopped"] == "the step limit (2 doublings) was reached at 8 req/s"
     assert load["sweep"]["never_fell_under"] == ["w4a16"]
     report = quantization.report(None, load, TARGETS, "bf16")
-    words = " ".join(quantization.text(report).split())  # the text is wrapped to 80 columns
+    words = " ".join(quantization_text.text(report).split())  # the text is wrapped to 80 columns
     assert "w4a16: highest rate meeting the targets: 8 req/s (never fell under: a lower bound)" in words
 
 

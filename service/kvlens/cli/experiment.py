@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvlens.analysis import run_facts
 from kvlens.cli import outdir as runs
@@ -33,6 +33,9 @@ from kvlens.experiment import run as arms
 from kvlens.experiment.client import Endpoint
 from kvlens.experiment.prompts import PromptSynthesizer
 from kvlens.experiment.protocol import ExperimentError, check_context, check_reachable
+
+if TYPE_CHECKING:
+    from kvlens.experiment.capacity import ByteModel
 
 
 def add_parser(commands: Any) -> None:
@@ -119,8 +122,27 @@ def add_parser(commands: Any) -> None:
     quant.add_argument("--max-output-tokens", type=int, help="cap the trace's output lengths")
     quant.add_argument("--json", action="store_true", help="print the report as JSON")
     error_rate_flag(quant)
+    byte_model_flags(quant)
     traffic_flags(quant)
     quant.set_defaults(run=_quantization, warmup_trace=None)
+
+
+def byte_model_flags(parser: argparse.ArgumentParser) -> None:
+    """The byte model (``kvlens bandwidth``) whose decode step the report shows beside the
+    measured ITL ratio."""
+    parser.add_argument(
+        "--weight-bytes",
+        action="append",
+        metavar="NAME=SIZE",
+        help="the weight bytes an endpoint's decode step reads, e.g. bf16=16GB (once per endpoint)",
+    )
+    parser.add_argument("--bandwidth", metavar="BW", help="the byte model's memory bandwidth, e.g. 3.35TB/s")
+    parser.add_argument("--kv-bytes-per-token", metavar="SIZE", help="c = 2*L*Hkv*D*bytes, e.g. 128KiB")
+    parser.add_argument(
+        "--step-overhead-ms",
+        type=float,
+        help="time per step beside the bytes (t0); 0 unless a run into --out-dir gave it",
+    )
 
 
 def _prefix_cache(args: argparse.Namespace) -> int:
@@ -215,7 +237,7 @@ def _prefix_cache_report(
 
 
 def _quantization(args: argparse.Namespace) -> int:
-    from kvlens.experiment import quantization
+    from kvlens.experiment import capacity, quantization, quantization_text
 
     reports.check_error_rate(args.max_error_rate)
     requests, _, block_size = read_requests(args)
@@ -247,10 +269,12 @@ def _quantization(args: argparse.Namespace) -> int:
         sweep=sweep,
     )
     out = runs.out_dir(args, plan)
+    byte_model = _byte_model(args, out, list(endpoints))
     if args.dry_run:
         planned = runs.planned_quantization(
             list(endpoints),
             requests,
+            long_context=args.long_context,
             concurrency=args.concurrency,
             rates=rates,
             sweep=sweep,
@@ -265,6 +289,8 @@ def _quantization(args: argparse.Namespace) -> int:
         check_reachable(each)
         check_context(each, requests)
     with out.open(endpoints), runs.resumable(out):  # a folder of another plan: refused first
+        if byte_model is not None:
+            out.keep_json(quantization.BYTE_MODEL, capacity.byte_model_json(byte_model))
         quantization.fixed_work(
             endpoints,
             requests,
@@ -302,7 +328,11 @@ def _quantization(args: argparse.Namespace) -> int:
             print(file=sys.stderr)  # past the progress line
         state = out.state() or {}
         result = quantization.merged(
-            out.found(), list(state.get("endpoints", endpoints)), targets, (load or {}).get("sweep")
+            out.found(),
+            list(state.get("endpoints", endpoints)),
+            targets,
+            (load or {}).get("sweep"),
+            byte_model=byte_model,
         )
     if len(result["fixed_work"] or {}) < 2:
         print(
@@ -314,7 +344,7 @@ def _quantization(args: argparse.Namespace) -> int:
     # arms' are (the folder holds only this plan's steps: plan.json refuses any other)
     steps = [*sorted(args.out_dir.glob("fixed-*.jsonl")), *sorted(args.out_dir.glob("rate-*.jsonl"))]
     result["errors"] = {path.stem: run_facts.errors_in(str(path), None) for path in steps}
-    text = reports.with_facts(quantization.text(result), result)
+    text = reports.with_facts(quantization_text.text(result), result)
     reports.write_reports(
         args.out_dir,
         markdown=text,
@@ -331,3 +361,24 @@ def _quantization(args: argparse.Namespace) -> int:
             return 2
     print(json.dumps(result, indent=2) if args.json else text, end="\n" if args.json else "")
     return failure_exit("experiment", list(result["errors"].items()), args.max_error_rate)
+
+
+def _byte_model(args: argparse.Namespace, out: outdir.OutDir, names: list[str]) -> ByteModel | None:
+    """The byte model of this run's flags over the one kept in the out-dir (None: none); the
+    endpoints' names checked against the folder's first (a name that would share a step's file)."""
+    from kvlens.experiment import capacity, quantization
+
+    known = list(dict.fromkeys([*names, *(out.state() or {}).get("endpoints", [])]))
+    quantization.check_names(known)
+    try:
+        kept = capacity.byte_model_of(out.kept_json(quantization.BYTE_MODEL))
+    except ValueError as error:
+        raise ExperimentError(
+            f"{out.path / quantization.BYTE_MODEL}: {error}; remove it and give the byte model's flags"
+        ) from None
+    try:
+        return capacity.byte_model_from(
+            args.weight_bytes, args.bandwidth, args.kv_bytes_per_token, args.step_overhead_ms, known, kept
+        )
+    except ValueError as error:
+        raise ExperimentError(str(error)) from None

@@ -98,18 +98,24 @@ def planned_quantization(
     names: list[str],
     requests: list[TraceRequest],
     *,
+    long_context: int,
     concurrency: int,
     rates: list[float] | None,
     sweep: tuple[float, int] | None,
     max_output_tokens: int | None,
     seed: int,
 ) -> list[outdir.PlannedStep]:
-    from kvlens.experiment import quantization  # as the command does: only when it runs
+    from kvlens.experiment import capacity, quantization  # as the command does: only when it runs
 
+    by_context = quantization.fixed_groups(requests, quantization.Targets(long_context=long_context))
+    groups = {group: (len(chosen), "") for group, chosen in by_context.items()}
+    if "long" not in groups:  # made by the run, unless an endpoint's context cannot take them
+        groups["long"] = (capacity.LONG_PER_SLOT * concurrency, "; made: the trace has none")
     steps = [
         outdir.PlannedStep(
-            outdir.Step(f"fixed-{name}", name, "fixed"), len(requests), None, f"{concurrency} in flight"
+            quantization.fixed_step(name, group), count, None, f"{concurrency} in flight{note}"
         )
+        for group, (count, note) in groups.items()
         for name in names
     ]
     ladder = rates or []

@@ -163,6 +163,20 @@ class OutDir:
             raise ExperimentError(f"{self.path / PLAN} is not a kvlens out-dir plan ({SCHEMA})")
         return state
 
+    def kept_json(self, name: str) -> Any:
+        """``NAME``, a JSON file an earlier run kept in the folder beside its steps (a setting of
+        the report, not a measurement: no part of the plan), or None when there is none."""
+        try:
+            return orjson.loads((self.path / name).read_bytes())
+        except FileNotFoundError:
+            return None
+        except (OSError, orjson.JSONDecodeError) as error:
+            raise ExperimentError(f"{self.path / name} cannot be read ({error})") from None
+
+    def keep_json(self, name: str, value: Any) -> None:
+        """Write ``NAME`` into the folder whole (under the lock: from within :meth:`open`)."""
+        _write_json(self.path / name, value)
+
     def records(self, step: Step) -> Path:
         return self.path / f"{step.name}.jsonl"
 

@@ -12,42 +12,40 @@ apart as it asks:
    ``/metrics`` is scraped during each step (KV cache usage, prefix-cache reuse), so the report
    can say whether a higher goodput came from faster steps or from holding more KV (a smaller
    checkpoint leaves memory for more cache).
+
+Every step (an endpoint's fixed work of one context group, an endpoint at one rate) runs through
+the out-dir (:mod:`kvlens.experiment.outdir`): its records and its engine sample (with the
+``/metrics`` series the capacity rule reads) are kept in the folder, so that :func:`merged`
+computes every comparison (ITL ratios, the byte model's, what a gain came from) from the finished
+steps, whichever run made each: endpoints may be run one at a time. The engine's sample is
+:mod:`kvlens.experiment.engine_metrics`'s, the text report
+:mod:`kvlens.experiment.quantization_text`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import logging
 import math
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import orjson
-from prometheus_client.parser import text_string_to_metric_families
 
-from kvlens.errors import ScrapeError
-from kvlens.experiment import calls, outdir
+from kvlens.experiment import capacity, outdir
+from kvlens.experiment.capacity import ByteModel
 from kvlens.experiment.client import MEASURE, Endpoint, Planned, Progress, RecordWriter, replay
+from kvlens.experiment.engine_metrics import SCRAPE_SECONDS, EngineSample, sampler
 from kvlens.experiment.prompts import PromptSynthesizer
-from kvlens.experiment.protocol import ExperimentError, check_reachable, reset_cache
+from kvlens.experiment.protocol import ExperimentError, check_reachable, max_model_len, reset_cache
 from kvlens.experiment.run import Schedule, with_progress
 from kvlens.simulate.trace import TraceRequest
-from kvlens.sources.vllm_metrics import MAX_LINE_CHARS, longest_line
-from kvlens.terminal import NARROWEST, wrap, wrapped
-
-log = logging.getLogger("kvlens.experiment")
 
 SCHEMA = "kvlens.quantization/v1"
-KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # 0.10+, 0.8/0.9
-QUERIES, HITS = "vllm:prefix_cache_queries", "vllm:prefix_cache_hits"
-NEAR_FULL = 0.9  # KV usage at which an engine starts to queue for memory, not for compute
+BYTE_MODEL = "byte-model.json"  # in the out-dir: the byte model the report uses, kept across runs
 SWEEP_DOUBLINGS = 6  # --rate-sweep: at most 64 times the start rate, so a run stays bounded
 MAX_DOUBLINGS = 20  # --sweep-doublings: past a million times the start, a typo, not a plan
 
@@ -60,20 +58,6 @@ class Targets:
     long_context: int = 4096  # prompts this long or longer are "long"
 
 
-@dataclass
-class EngineSample:
-    """What an endpoint's ``/metrics`` said during one step."""
-
-    kv_usage_max: float | None = None
-    queries: float = 0.0
-    hits: float = 0.0
-    scrapes: int = 0
-
-    @property
-    def token_reuse(self) -> float | None:
-        return self.hits / self.queries if self.queries > 0 else None
-
-
 def fixed_work(
     endpoints: dict[str, Endpoint],
     requests: list[TraceRequest],
@@ -84,31 +68,104 @@ def fixed_work(
     targets: Targets,
     max_output_tokens: int | None = None,
     steps: outdir.OutDir | None = None,
+    scrape_seconds: float = SCRAPE_SECONDS,
+    byte_model: ByteModel | None = None,
 ) -> dict[str, Any]:
-    """Experiment 1: every request, ``concurrency`` in flight (each starts when one ends), per
-    endpoint (cache emptied first where it can be); per endpoint x context group the medians.
-    A step finished in ``steps`` (the out-dir of a resumed run) is read, not run."""
-    planned = [Planned(r, 0.0, _output(r, max_output_tokens), MEASURE) for r in requests]
-    result: dict[str, Any] = {}
+    """Experiment 1: ``concurrency`` in flight (each starts when one ends), per endpoint (cache
+    emptied first where it can be), short and long contexts each a step of their own
+    (:func:`fixed_step`: the trace's requests; long ones made when it has none,
+    :func:`capacity.long_requests`, or why not kept in the short step's ``not_measured``), the
+    engine sampled throughout. A step finished in ``steps`` (the out-dir of a resumed run) is
+    read, not run. The fixed-work section over this run's endpoints (:func:`fixed_section`)."""
     runs = _steps_in(out_dir, steps)
     for endpoint in endpoints.values():
         check_reachable(endpoint)
-    for name, endpoint in endpoints.items():
-        # All due at once through `concurrency` slots: each request starts when one ends.
-        closed = dataclasses.replace(endpoint, max_concurrency=concurrency, late_after_seconds=math.inf)
+    groups = fixed_groups(requests, targets)
+    notes: list[str] = []
+    if "long" not in groups:
+        limits = {name: max_model_len(endpoint) for name, endpoint in endpoints.items()}
+        made, why = capacity.long_requests(
+            requests, targets.long_context, concurrency, limits, max_output_tokens, prompts.block_size
+        )
+        if made:
+            groups["long"] = made
+        else:
+            notes.append(why)
+    found: list[outdir.Found] = []
+    for group, chosen in groups.items():
+        planned = [Planned(r, 0.0, _output(r, max_output_tokens), MEASURE) for r in chosen]
+        for name, endpoint in endpoints.items():
+            # All due at once through `concurrency` slots: each request starts when one ends.
+            closed = dataclasses.replace(endpoint, max_concurrency=concurrency, late_after_seconds=math.inf)
+            step = fixed_step(name, group)
 
-        def body(staged: Path, name: str = name, closed: Endpoint = closed) -> dict[str, Any]:
-            reset_cache(closed)
-            _run(staged, name, planned, closed, prompts, runs.progress, f"fixed-{name}")
-            return {}
+            def body(
+                staged: Path,
+                closed: Endpoint = closed,
+                step: outdir.Step = step,
+                planned: list[Planned] = planned,
+            ) -> dict[str, Any]:
+                reset_cache(closed)
+                with sampler(closed, scrape_seconds) as sample:
+                    _run(staged, step.endpoint, planned, closed, prompts, runs.progress, step.name)
+                meta = {"concurrency": concurrency, "sample": sample.as_json()}
+                return meta | ({"not_measured": notes} if notes and group_of(step) == "short" else {})
 
-        found = runs.run(outdir.Step(f"fixed-{name}", name, "fixed"), body)
-        result[name] = _fixed_row(_read(found.records), targets)
+            found.append(runs.run(step, body))
+    return fixed_section(found, list(endpoints), byte_model)
+
+
+def fixed_step(name: str, group: str) -> outdir.Step:
+    """An endpoint's fixed work of one context group: ``fixed-NAME`` (short), ``fixed-NAME-long``."""
+    return outdir.Step(f"fixed-{name}" if group == "short" else f"fixed-{name}-{group}", name, "fixed")
+
+
+def group_of(step: outdir.Step) -> str:
+    suffix = step.name.removeprefix(f"fixed-{step.endpoint}")
+    return suffix.removeprefix("-") or "short"
+
+
+def fixed_groups(requests: list[TraceRequest], targets: Targets) -> dict[str, list[TraceRequest]]:
+    """The trace's requests by context group (short, long: ``targets.long_context`` or more),
+    the groups it has."""
+    groups: dict[str, list[TraceRequest]] = {"short": [], "long": []}
+    for request in requests:
+        groups["long" if request.prompt_tokens >= targets.long_context else "short"].append(request)
+    return {name: chosen for name, chosen in groups.items() if chosen}
+
+
+def fixed_section(
+    found: list[outdir.Found], names: list[str], byte_model: ByteModel | None
+) -> dict[str, Any]:
+    """Experiment 1 over the finished fixed steps of ``names`` (the first the baseline): per
+    endpoint x context group the medians and output tokens/s, and against the baseline's row of
+    the same group the ITL ratio beside the byte model's and what a gain came from."""
+    read = {
+        (f.step.endpoint, group_of(f.step)): (
+            _read(f.records),
+            _sample(f),
+            int(f.meta.get("concurrency") or 1),
+        )
+        for f in found
+        if f.step.kind == "fixed"
+    }
+    result: dict[str, Any] = {}
+    for name in names:
+        for group in ("short", "long"):
+            if (name, group) not in read:
+                continue
+            records, sample, concurrency = read[name, group]
+            row = _latency(records) | {"output_tokens_per_second": capacity.output_tokens_per_second(records)}
+            base = read.get((names[0], group))
+            if base is not None:
+                row |= capacity.fixed_work_comparison(
+                    (names[0], base[0], base[1].series),
+                    (name, records, sample.series),
+                    concurrency,
+                    byte_model,
+                )
+            result.setdefault(name, {})[group] = row
     return result
-
-
-def _fixed_row(records: list[dict[str, Any]], targets: Targets) -> dict[str, Any]:
-    return {group: _latency(rows) for group, rows in _by_context(records, targets).items()}
 
 
 def _steps_in(out_dir: Path, steps: outdir.OutDir | None) -> outdir.OutDir:
@@ -126,7 +183,7 @@ def rising_load(
     targets: Targets,
     max_output_tokens: int | None = None,
     seed: int = 0,
-    scrape_seconds: float = 0.5,
+    scrape_seconds: float = SCRAPE_SECONDS,
 ) -> dict[str, Any]:
     """Experiment 2: the trace at each rate (Poisson arrivals) on each endpoint; attainment,
     goodput and the engine's KV usage and reuse per step; the highest rate that meets the target."""
@@ -221,12 +278,13 @@ def stepper(
     targets: Targets,
     max_output_tokens: int | None = None,
     seed: int = 0,
-    scrape_seconds: float = 0.5,
+    scrape_seconds: float = SCRAPE_SECONDS,
     steps: outdir.OutDir | None = None,
 ) -> Callable[[float], dict[str, dict[str, Any]]]:
     """One step of experiment 2 at a rate: the same arrivals on each endpoint in turn (cache
     emptied first), its records in ``out_dir/rate-R-NAME.jsonl`` and the engine's sample in its
-    ``.step.json`` (a step finished in ``steps`` is read from them, not run)."""
+    ``.step.json`` (a step finished in ``steps`` is read from them, not run); each row with what
+    its endpoint gained over each other (:func:`rate_rows`)."""
     runs = _steps_in(out_dir, steps)
     for endpoint in endpoints.values():
         check_reachable(endpoint)
@@ -234,18 +292,17 @@ def stepper(
     def step(rate: float) -> dict[str, dict[str, Any]]:
         schedule = Schedule(rate=rate, max_output_tokens=max_output_tokens, seed=seed)
         planned = schedule.planned(requests, MEASURE)
-        rows = {}
+        found = []
         for name, endpoint in endpoints.items():
 
             def body(staged: Path, name: str = name, endpoint: Endpoint = endpoint) -> dict[str, Any]:
                 reset_cache(endpoint)
-                with _engine_sampler(endpoint, scrape_seconds) as sample:
+                with sampler(endpoint, scrape_seconds) as sample:
                     _run(staged, f"{name}@{rate:g}", planned, endpoint, prompts, runs.progress, staged.stem)
-                return {"sample": dataclasses.asdict(sample)}
+                return {"sample": sample.as_json()}
 
-            found = runs.run(rate_step(rate, name), body)
-            rows[name] = _rate_row(found, targets)
-        return rows
+            found.append(runs.run(rate_step(rate, name), body))
+        return rate_rows(found, targets)
 
     return step
 
@@ -254,34 +311,61 @@ def rate_step(rate: float, name: str) -> outdir.Step:
     return outdir.Step(f"rate-{rate:g}-{name}", name, "rate", rate)
 
 
-def _rate_row(found: outdir.Found, targets: Targets) -> dict[str, Any]:
-    sample = EngineSample(**found.meta.get("sample", {}))
-    return _step(float(found.meta["rate"]), _read(found.records), sample, targets)
+def rate_rows(found: list[outdir.Found], targets: Targets) -> dict[str, dict[str, Any]]:
+    """The rows of one rate's finished steps, one per endpoint, each with what it gained over
+    each other endpoint at that rate (``gain_over``: :func:`capacity.attribute`)."""
+    rows, seen = {}, {}
+    for each in found:
+        records, sample = _read(each.records), _sample(each)
+        rows[each.step.endpoint] = _step(float(each.meta["rate"]), records, sample, targets)
+        seen[each.step.endpoint] = (capacity.decodes(records), sample.series)
+    for name, row in rows.items():
+        row["gain_over"] = {
+            other: capacity.attribute(seen[other], seen[name], (other, name)).as_json()
+            for other in rows
+            if other != name
+        }
+    return rows
+
+
+def _sample(found: outdir.Found) -> EngineSample:
+    try:
+        return EngineSample.from_json(found.meta.get("sample"))
+    except ValueError as error:
+        raise ExperimentError(
+            f"{found.records.with_suffix(outdir.STEP_SUFFIX)}: its engine sample cannot be read ({error}); "
+            "redo the step with --restart"
+        ) from None
 
 
 def merged(
-    found: list[outdir.Found], names: list[str], targets: Targets, sweep: dict[str, Any] | None
+    found: list[outdir.Found],
+    names: list[str],
+    targets: Targets,
+    sweep: dict[str, Any] | None,
+    *,
+    byte_model: ByteModel | None = None,
 ) -> dict[str, Any]:
     """The report over every endpoint's finished steps in an out-dir (``names`` in the order
-    they were first run: the first is the baseline), whichever run made each step. A sweep run one
-    endpoint at a time doubles per endpoint: its halfway rates and the endpoints that never fell
-    under are taken from every endpoint's steps, its stop from the last run."""
+    they were first run: the first is the baseline), whichever run made each, every comparison
+    made here from the steps' records and engine samples. A sweep run one endpoint at a time
+    doubles per endpoint: its halfway rates and the endpoints that never fell under are taken
+    from every endpoint's steps, its stop from the last run."""
     names = [*names, *sorted({f.step.endpoint for f in found} - set(names))]
-    fixed = {
-        name: _fixed_row(_read(f.records), targets)
-        for name in names
-        for f in found
-        if f.step.kind == "fixed" and f.step.endpoint == name
-    }
-    steps = {name: [f for f in found if f.step.kind == "rate" and f.step.endpoint == name] for name in names}
+    fixed = fixed_section(found, names, byte_model)
+    by_rate: dict[float, list[outdir.Found]] = {}
+    for f in found:
+        if f.step.kind == "rate":
+            by_rate.setdefault(float(f.meta["rate"]), []).append(f)
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for rate in sorted(by_rate):
+        at = rate_rows(by_rate[rate], targets)
+        for name in names:
+            if name in at:
+                rows.setdefault(name, []).append(at[name])
     load = None
-    if any(steps.values()):
-        rows = {
-            name: sorted((_rate_row(f, targets) for f in each), key=lambda row: float(row["rate"]))
-            for name, each in steps.items()
-            if each
-        }
-        load = load_result(rows, targets)
+    if rows:
+        load = load_result({name: rows[name] for name in names if name in rows}, targets)
         if sweep is not None:
             ladder = {sweep["start"] * 2**k for k in range(sweep["max_doublings"] + 1)}
             load["sweep"] = {
@@ -293,7 +377,10 @@ def merged(
                     if all(r["attainment"] >= targets.attainment for r in each)
                 ],
             }
-    return report(fixed or None, load, targets, names[0])
+    notes = [note for f in found if f.step.kind == "fixed" for note in f.meta.get("not_measured") or []]
+    return report(
+        fixed or None, load, targets, names[0], byte_model=byte_model, not_measured=list(dict.fromkeys(notes))
+    )
 
 
 def _read(path: Path) -> list[dict[str, Any]]:
@@ -306,7 +393,13 @@ def load_result(steps: dict[str, list[dict[str, Any]]], targets: Targets) -> dic
 
 
 def report(
-    fixed: dict[str, Any] | None, load: dict[str, Any] | None, targets: Targets, baseline: str
+    fixed: dict[str, Any] | None,
+    load: dict[str, Any] | None,
+    targets: Targets,
+    baseline: str,
+    *,
+    byte_model: ByteModel | None = None,
+    not_measured: list[str] | None = None,
 ) -> dict[str, Any]:
     return {
         "schema": SCHEMA,
@@ -319,6 +412,8 @@ def report(
         },
         "fixed_work": fixed,
         "rising_load": load,
+        "byte_model": capacity.byte_model_json(byte_model),
+        "not_measured": not_measured or [],
     }
 
 
@@ -347,13 +442,6 @@ def _run(
             asyncio.run(task)
         else:
             asyncio.run(with_progress(task, lambda: progress(label or arm, state, len(planned))))
-
-
-def _by_context(records: list[dict[str, Any]], targets: Targets) -> dict[str, list[dict[str, Any]]]:
-    groups: dict[str, list[dict[str, Any]]] = {"short": [], "long": []}
-    for record in records:
-        groups["long" if record["prompt_tokens"] >= targets.long_context else "short"].append(record)
-    return {name: rows for name, rows in groups.items() if rows}
 
 
 def _values(rows: list[dict[str, Any]], key: str) -> np.ndarray[Any, np.dtype[np.float64]]:
@@ -404,8 +492,10 @@ def _step(
         "attainment": met / len(records) if records else 0.0,
         "goodput_rps": met / span if span > 0 else 0.0,
         **_latency(records),
+        "output_tokens_per_second": capacity.output_tokens_per_second(records),
         "engine_kv_usage_max": sample.kv_usage_max,
         "engine_token_reuse": sample.token_reuse,
+        **capacity.scheduler_summary(sample.series),
     }
 
 
@@ -429,110 +519,19 @@ def _attribution(
             failing = next(
                 (s for s in steps[loser] if s["attainment"] < targets.attainment and s["rate"] <= won), None
             )
-            usage = failing.get("engine_kv_usage_max") if failing else None
+            at = (
+                None
+                if failing is None
+                else next((s for s in steps[winner] if s["rate"] == failing["rate"]), None)
+            )
+            verdict = (at or {}).get("gain_over", {}).get(loser)
             why = (
-                f"{loser}'s KV cache was {usage:.0%} full at {failing['rate']:g} req/s: the gain came from "
-                "holding more KV (capacity), not from faster requests"
-                if failing and usage is not None and usage >= NEAR_FULL
-                else "faster steps (the byte model: fewer weight bytes read per decode step)"
-                if usage is not None
-                else "unknown: the endpoint reports no KV cache usage"
+                f"at {failing['rate']:g} req/s, {verdict['verdict']}: {'; '.join(verdict['reasons'])}"
+                if failing is not None and verdict is not None
+                else "cannot tell: no step at which both were measured"
             )
             lines.append(f"{winner} holds {won:g} req/s, {loser} {lost or 0:g}: {why}")
     return lines
-
-
-@contextlib.contextmanager
-def _engine_sampler(endpoint: Endpoint, every: float) -> Iterator[EngineSample]:
-    """Scrape the endpoint's ``/metrics`` every ``every`` seconds while the step runs, on a thread
-    of its own (the replay's loop only sends and times): the highest KV usage seen, and the
-    prefix-cache counters' increase over the step. Each scrape goes through the one bounded
-    client (SAMPLE_SECONDS in all, at most MAX_CALL_BYTES once inflated); the step's end cancels
-    the scrape under way, so a sampler never outlives its step by more than STOP_SECONDS."""
-    sample = EngineSample()
-    sampler = _Sampler(endpoint, every, sample)
-    sampler.start()
-    try:
-        yield sample
-    finally:
-        sampler.stop()
-
-
-STOP_SECONDS = 5.0  # a cancelled scrape ends at its next await; a parse under way runs to its end
-
-
-class _Sampler(threading.Thread):
-    def __init__(self, endpoint: Endpoint, every: float, sample: EngineSample) -> None:
-        super().__init__(name="kvlens-engine-sampler", daemon=True)
-        self._endpoint, self._every, self._sample = endpoint, every, sample
-        self._loop = asyncio.new_event_loop()
-        # made here, run by the thread: stop() may come before the thread has begun
-        self._task = self._loop.create_task(self._sampling())
-
-    def run(self) -> None:
-        try:
-            self._loop.run_until_complete(self._task)
-        except asyncio.CancelledError:
-            pass
-        except Exception:  # a bug must not end the step: the step goes on unsampled
-            log.exception("the engine sampler of %s failed", self._endpoint.url)
-        finally:
-            self._loop.close()
-
-    def stop(self) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop already ended and closed
-            self._loop.call_soon_threadsafe(self._task.cancel)
-        self.join(STOP_SECONDS)
-        if self.is_alive():
-            log.warning("the engine sampler of %s did not stop within %g s", self._endpoint.url, STOP_SECONDS)
-
-    async def _sampling(self) -> None:
-        sample, first = self._sample, dict[str, float]()
-        async with calls.client() as pool:
-            while True:
-                values = await _scrape(pool, self._endpoint)
-                if values is not None:
-                    sample.scrapes += 1
-                    if not first:
-                        first.update(values)
-                    usage = values.get("kv_usage")
-                    if usage is not None:
-                        sample.kv_usage_max = max(sample.kv_usage_max or 0.0, usage)
-                    sample.queries = values.get("queries", 0.0) - first.get("queries", 0.0)
-                    sample.hits = values.get("hits", 0.0) - first.get("hits", 0.0)
-                await asyncio.sleep(self._every)
-
-
-async def _scrape(pool: httpx.AsyncClient, endpoint: Endpoint) -> dict[str, float] | None:
-    try:
-        answer = await calls.call(
-            pool, endpoint.url, "GET", "/metrics", headers=endpoint.headers, seconds=calls.SAMPLE_SECONDS
-        )
-    except ScrapeError:
-        return None
-    if answer.status != 200:
-        return None
-    text = answer.body.decode("utf-8", "replace")
-    if longest_line(text) > MAX_LINE_CHARS:  # the parser holds several times a line
-        return None
-    return _engine_values(text)
-
-
-def _engine_values(text: str) -> dict[str, float]:
-    values: dict[str, float] = {}
-    try:
-        families = list(text_string_to_metric_families(text))
-    except (ValueError, TypeError, IndexError, KeyError):  # as the sidecar's parse: bad text
-        return values
-    for family in families:
-        for s in family.samples:
-            if s.name in KV_USAGE:
-                values["kv_usage"] = max(values.get("kv_usage", 0.0), s.value)
-            elif s.name == f"{QUERIES}_total":
-                values["queries"] = values.get("queries", 0.0) + s.value
-            elif s.name == f"{HITS}_total":
-                values["hits"] = values.get("hits", 0.0) + s.value
-    return values
 
 
 def endpoints_from(specs: list[str], make: Callable[[str], Endpoint]) -> dict[str, Endpoint]:
@@ -551,6 +550,18 @@ def endpoints_from(specs: list[str], make: Callable[[str], Endpoint]) -> dict[st
     return endpoints
 
 
+def check_names(names: Iterable[str]) -> None:
+    """Refuse endpoints whose steps would share a file: ``a``'s long fixed work is
+    ``fixed-a-long``, as is the short fixed work of an endpoint named ``a-long``."""
+    known = set(names)
+    for name in sorted(known):
+        if name.endswith("-long") and name.removesuffix("-long") in known:
+            raise ExperimentError(
+                f"--endpoint {name!r} and {name.removesuffix('-long')!r} would share the step "
+                f"fixed-{name}: rename one"
+            )
+
+
 def parse_rates(text: str) -> list[float]:
     try:
         rates = [float(part) for part in text.split(",") if part.strip()]
@@ -559,64 +570,3 @@ def parse_rates(text: str) -> list[float]:
     if not rates or not all(math.isfinite(rate) and rate > 0 for rate in rates):
         raise ExperimentError("--rates takes positive requests per second")
     return sorted(rates)
-
-
-def text(result: dict[str, Any]) -> str:
-    """The report for a terminal (80 columns): experiment 1 per endpoint and context group, then
-    experiment 2 per rate, the highest rates and what the gain came from."""
-
-    def ms(value: float | None) -> str:
-        return "-" if value is None else f"{value * 1000:.1f}"
-
-    lines = [f"# kvlens quantization (baseline: {result['baseline']})", ""]
-    fixed = result.get("fixed_work")
-    if fixed:
-        lines += ["Experiment 1, fixed work (ms, medians)", ""]
-        columns = "".join(f"{heading:>10}" for heading in ("TTFT", "ITL p50", "ITL p99", "e2e"))
-        lines.append(f"{'endpoint':<12}{'context':<8}{'requests':>9}{columns}")
-        for name, groups in fixed.items():
-            for group, stats in groups.items():
-                lines.append(
-                    f"{name[:11]:<12}{group:<8}{stats['requests']:>9}{ms(stats['ttft_p50_seconds']):>10}"
-                    f"{ms(stats['itl_p50_seconds']):>10}{ms(stats['itl_p99_seconds_median']):>10}"
-                    f"{ms(stats['e2e_p50_seconds']):>10}"
-                )
-        lines.append("")
-    load = result.get("rising_load")
-    if load:
-        targets = result["targets"]
-        lines += wrap(
-            f"Experiment 2, rising load (targets: TTFT <= {targets['ttft_seconds']:g} s, "
-            f"ITL mean <= {targets['tpot_seconds'] * 1000:g} ms, {targets['attainment']:.0%} of requests)",
-            NARROWEST,
-        )
-        lines += [
-            "",
-            f"{'endpoint':<12}{'req/s':>7}{'attain':>8}{'goodput':>9}{'TTFT p50':>10}"
-            f"{'KV max':>8}{'reuse':>8}",
-        ]
-        for name, steps in load["steps"].items():
-            for step in steps:
-                usage, reuse = step["engine_kv_usage_max"], step["engine_token_reuse"]
-                lines.append(
-                    f"{name[:11]:<12}{step['rate']:>7g}{step['attainment']:>8.0%}{step['goodput_rps']:>9.2f}"
-                    f"{ms(step['ttft_p50_seconds']):>10}{'-' if usage is None else f'{usage:.0%}':>8}"
-                    f"{'-' if reuse is None else f'{reuse:.0%}':>8}"
-                )
-        lines.append("")
-        sweep = load.get("sweep")
-        if sweep:
-            middles = ", ".join(f"{rate:g}" for rate in sweep["bisected"]) or "none"
-            lines += [
-                f"Sweep from {sweep['start']:g} req/s: {sweep['stopped']}; halfway steps: {middles}",
-                "",
-            ]
-        unbounded = (sweep or {}).get("never_fell_under", [])
-        for name, rate in load["highest_rate"].items():
-            lines += wrap(
-                f"{name}: highest rate meeting the targets: {'none' if rate is None else f'{rate:g} req/s'}"
-                + (" (never fell under: a lower bound)" if name in unbounded else ""),
-                NARROWEST,
-            )
-        lines += wrapped(load["attribution"], NARROWEST)
-    return "\n".join(lines) + "\n"

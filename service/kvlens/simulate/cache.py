@@ -8,6 +8,12 @@ its tail), and the least recently freed block is evicted first when room is need
 which there is no room (every cached block held by running requests) is not cached, and nor is
 anything after it in that request.
 
+Blocks a request holds outside the prefix cache (the part-filled last block of its prompt, and
+the blocks its output fills, which no other request can share) are counted, not keyed:
+:meth:`PrefixCache.reserve` takes them from the same memory, evicting cached blocks nobody holds
+as it must, and refuses when held blocks fill it (the scheduler then makes the request wait, or
+preempts one, as vLLM's does). They are nothing to the cache's contents otherwise.
+
 So the cache is prefix-closed: a block is freed no earlier than the blocks after it (a request
 holding a block holds its prefix, and frees its tail first), hence evicted no earlier, and a
 cached block's whole prefix is cached. :meth:`PrefixCache.acquire` relies on it; the property
@@ -32,7 +38,7 @@ class CacheEvents(Protocol):
 
 
 class PrefixCache:
-    __slots__ = ("_free", "_held", "capacity", "events", "evictions", "refused")
+    __slots__ = ("_free", "_held", "capacity", "events", "evictions", "private", "refused")
 
     def __init__(self, capacity_blocks: int | None, events: CacheEvents | None = None) -> None:
         """``capacity_blocks``: blocks the replica's KV memory holds; None: unbounded. ``events``
@@ -45,6 +51,7 @@ class PrefixCache:
         self._free: OrderedDict[object, None] = OrderedDict()  # cached, held by none; LRU first
         self.evictions = 0
         self.refused = 0  # blocks left uncached: no room (every cached block held by a request)
+        self.private = 0  # blocks running requests hold outside the cache (reserve)
         self.events = events
 
     def __len__(self) -> int:
@@ -55,8 +62,56 @@ class PrefixCache:
 
     @property
     def held_blocks(self) -> int:
-        """Blocks running requests hold (the rest of the cache could be evicted)."""
-        return len(self._held)
+        """Blocks running requests hold, in the cache or reserved beside it (the rest of the
+        memory is free or could be evicted: vLLM's ``kv_cache_usage_perc`` is this share)."""
+        return len(self._held) + self.private
+
+    def available(self) -> int | None:
+        """Blocks a request could still take: free ones and evictable cached ones (None:
+        unbounded)."""
+        return None if self.capacity is None else self.capacity - len(self._held) - self.private
+
+    def held_prefix(self, blocks: Sequence[object], limit: int) -> int:
+        """Leading blocks of ``blocks`` (at most ``limit``) that running requests hold: a request
+        starting now shares them and needs no memory for them."""
+        held = self._held
+        count = 0
+        for block in blocks:
+            if count >= limit or block not in held:
+                break
+            count += 1
+        return count
+
+    def reserve(self, count: int) -> bool:
+        """Take ``count`` blocks outside the cache, evicting cached blocks nobody holds (least
+        recently freed first) as room requires; False, and nothing taken, when held blocks leave
+        too few."""
+        if count <= 0:
+            return True
+        if self.capacity is not None:
+            available = self.capacity - len(self._held) - self.private
+            if count > available:
+                return False
+            self._evict(len(self._held) + len(self._free) + self.private + count - self.capacity)
+        self.private += count
+        return True
+
+    def unreserve(self, count: int) -> None:
+        """Blocks taken by :meth:`reserve` go back to the free memory."""
+        self.private -= count
+
+    def _evict(self, count: int) -> None:
+        free = self._free
+        count = min(count, len(free))
+        if count <= 0:
+            return
+        evict_oldest = free.popitem
+        if self.events is None:
+            for _ in range(count):
+                evict_oldest(False)
+        else:
+            self.events.removed([evict_oldest(False)[0] for _ in range(count)])
+        self.evictions += count
 
     def held(self, block: object) -> int:
         """Running requests holding ``block`` (0: free or not cached)."""
@@ -98,16 +153,10 @@ class PrefixCache:
         # they are cached at once, as many as there is room for once free blocks are evicted.
         rest = len(blocks) - count
         if self.capacity is not None:
-            room = self.capacity - len(held) - len(free)
+            room = self.capacity - len(held) - len(free) - self.private
             if room < rest:
                 evict = min(rest - room, len(free))
-                evict_oldest = free.popitem
-                if self.events is None:
-                    for _ in range(evict):
-                        evict_oldest(False)
-                else:
-                    self.events.removed([evict_oldest(False)[0] for _ in range(evict)])
-                self.evictions += evict
+                self._evict(evict)
                 self.refused += rest - room - evict
                 rest = room + evict
         stored = blocks[count : count + rest]

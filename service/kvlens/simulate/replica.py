@@ -55,6 +55,9 @@ class ServiceModel:
     decode: DecodeModel = DecodeModel()
     max_running: int = 256
     chunked_prefill: bool = True
+    # The replica's KV memory (its capacity blocks) bounds admission and decode, step by step, as
+    # vLLM's scheduler does (:mod:`kvlens.simulate.memory`); False: it bounds only the prefix cache.
+    admit_by_memory: bool = False
 
     def __post_init__(self) -> None:
         if self.prefill.unit != "seconds":
@@ -79,11 +82,13 @@ class Job:
         "estimate",
         "finish",
         "first_token",
+        "generated",
         "held",
         "index",
         "limit",
         "order",
         "output_tokens",
+        "private",
         "prompt_tokens",
         "replica",
         "start",
@@ -102,6 +107,10 @@ class Job:
         self.replica = -1
         self.cached_tokens = 0
         self.held = 0
+        # Stepped by a memory-bound replica: output tokens so far, and blocks held beside the
+        # cache (-1: its decode is timed whole, from the batch when it began)
+        self.generated = -1
+        self.private = 0
         self.start = self.first_token = self.finish = INF
 
 
@@ -118,6 +127,7 @@ class Replica:
         "due",
         "index",
         "model",
+        "preemptions",
         "prefill_end",
         "prefilled",
         "prefilling",
@@ -151,6 +161,7 @@ class Replica:
         self.backlog = 0.0  # the prefill seconds the waiting jobs were expected to take
         self.context_tokens = 0  # prompt + output tokens of the running jobs
         self.served = 0
+        self.preemptions = 0  # running requests sent back to wait (only when bound by memory)
         self.busy_seconds = 0.0  # prefill seconds
         # Jobs whose first token came, for a caller that must act on it (the real-time server
         # streams from then on); offline nothing needs it, so None.

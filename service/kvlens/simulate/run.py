@@ -24,8 +24,9 @@ from kvlens.definitions import Totals, safe_ratio
 from kvlens.records import RecordBatch
 from kvlens.reduce import reduce
 from kvlens.simulate.cache import CacheEvents, PrefixCache
+from kvlens.simulate.memory import make_replica
 from kvlens.simulate.policies import DEFAULT_GUARD, Guard, policy
-from kvlens.simulate.replica import DEFAULT_SERVICE, INF, Job, Replica, ServiceModel
+from kvlens.simulate.replica import DEFAULT_SERVICE, INF, Job, ServiceModel
 from kvlens.simulate.trace import TraceRequest
 
 CHUNK = 16_384  # finished requests reduced at a time
@@ -112,7 +113,7 @@ def simulate(
     choose = policy(policy_name, fleet.guard)
     done: list[Job] = []
     replicas = [
-        Replica(
+        make_replica(
             i,
             fleet.capacity_blocks,
             fleet.block_size,

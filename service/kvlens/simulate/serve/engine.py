@@ -10,7 +10,8 @@ due; late wake-ups only delay when a client hears of an event, never its virtual
 
 What a client hears: :class:`Ticket` futures resolve when its first token comes (prefill ended)
 and when it finishes; between them, :meth:`Ticket.tokens_due` paces the output tokens by the
-modelled decode step.
+modelled decode step (a replica bound by its memory steps each decode and wakes its clients at
+every step: :mod:`kvlens.simulate.memory`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from collections.abc import Callable
 from typing import cast
 
 from kvlens.simulate.cache import CacheEvents
+from kvlens.simulate.memory import make_replica
 from kvlens.simulate.policies import policy
-from kvlens.simulate.replica import INF, Job, Replica
+from kvlens.simulate.replica import INF, Job
 from kvlens.simulate.run import Fleet
 from kvlens.simulate.serve.tokenizer import block_keys
 from kvlens.simulate.trace import TraceRequest
@@ -51,6 +53,8 @@ class Ticket:
             return job.output_tokens
         if not self.started:
             return 0
+        if job.generated >= 0:  # stepped by a memory-bound replica: the tokens its steps made
+            return max(1, min(job.generated, job.output_tokens - 1))
         if job.output_tokens <= 1:
             return 0  # its only token comes when it finishes
         step = (job.finish - job.first_token) / (job.output_tokens - 1)
@@ -61,8 +65,8 @@ class Ticket:
         """Virtual time of output token ``emitted + 1`` while it is paced by the decode step
         (INF: it waits for an event: the first token, or the finish)."""
         job = self.job
-        if not self.started or emitted + 1 >= job.output_tokens:
-            return INF
+        if not self.started or emitted + 1 >= job.output_tokens or job.generated >= 0:
+            return INF  # (stepped: each step wakes it)
         step = (job.finish - job.first_token) / (job.output_tokens - 1)
         return job.first_token + emitted * step
 
@@ -92,7 +96,7 @@ class RealTimeFleet:
         self._done: list[Job] = []
         self._prefilled: list[Job] = []
         self.replicas = [
-            Replica(
+            make_replica(
                 i,
                 fleet.capacity_blocks,
                 fleet.block_size,

@@ -24,6 +24,7 @@ from kvlens.http import server
 from kvlens.http.access import loopback
 from kvlens.http.bodies import ArrivingBodies, BodyLimits
 from kvlens.simulate.cache import CacheEvents
+from kvlens.simulate.memory import kv_blocks
 from kvlens.simulate.policies import POLICIES, Guard
 from kvlens.simulate.replica import DEFAULT_SERVICE, ServiceModel
 from kvlens.simulate.run import Fleet
@@ -42,9 +43,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, default=1, help="replicas behind the endpoint")
     parser.add_argument(
         "--capacity-blocks",
-        default="1000",
         metavar="C",
-        help="KV cache blocks per replica, or 'unbounded'",
+        help="prefix cache blocks per replica, or 'unbounded'; 1000 unless --gpu-memory-bytes sizes "
+        "them. They bound the cache only, not who runs: --gpu-memory-bytes bounds both",
+    )
+    parser.add_argument(
+        "--gpu-memory-bytes",
+        metavar="M",
+        help="each replica's GPU memory, e.g. 80GB: its KV blocks are (M x --gpu-memory-utilization "
+        "- weights) / bytes per block, as vLLM sizes them, and bound admission and decode "
+        "(requests wait for blocks, the newest is preempted when decode runs out)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        metavar="U",
+        help="share of --gpu-memory-bytes for weights and KV (vLLM's default 0.9)",
     )
     parser.add_argument(
         "--policy",
@@ -130,13 +145,38 @@ def service_model(args: argparse.Namespace) -> ServiceModel:
         decode=decode,
         max_running=args.max_running,
         chunked_prefill=not args.no_chunked_prefill,
+        admit_by_memory=args.gpu_memory_bytes is not None,
     )
 
 
+def capacity_blocks(args: argparse.Namespace, service: ServiceModel) -> int | None:
+    """Blocks per replica: from the GPU memory the weights leave (``--gpu-memory-bytes``), else
+    ``--capacity-blocks`` (None: unbounded)."""
+    if args.gpu_memory_bytes is None:
+        text = (args.capacity_blocks or "1000").strip()
+        capacity = None if text == "unbounded" else int(text)
+        if capacity is not None and capacity < 0:
+            raise ValueError("--capacity-blocks takes a block count >= 0 or 'unbounded'")
+        return capacity
+    if args.capacity_blocks is not None:
+        raise ValueError("--capacity-blocks and --gpu-memory-bytes both size the KV cache: give one")
+    blocks = kv_blocks(
+        bandwidth.parse_bytes(args.gpu_memory_bytes),
+        args.gpu_memory_utilization,
+        service.decode.weight_bytes,
+        service.decode.kv_bytes_per_token,
+        args.block_size,
+    )
+    if blocks * args.block_size < args.max_model_len:  # vLLM refuses to start, the same way
+        raise ValueError(
+            f"the KV cache holds {blocks * args.block_size:,} tokens ({blocks:,} blocks), fewer than "
+            f"--max-model-len {args.max_model_len:,}: one request could never fit; lower "
+            "--max-model-len or give more memory"
+        )
+    return blocks
+
+
 def _checked(args: argparse.Namespace) -> tuple[Fleet, Served]:
-    capacity = None if args.capacity_blocks.strip() == "unbounded" else int(args.capacity_blocks)
-    if capacity is not None and capacity < 0:
-        raise ValueError("--capacity-blocks takes a block count >= 0 or 'unbounded'")
     if args.block_size < 1:
         raise ValueError("--block-size must be >= 1")
     if args.max_model_len < 2:
@@ -153,7 +193,8 @@ def _checked(args: argparse.Namespace) -> tuple[Fleet, Served]:
         raise ValueError("--speed must be a positive number")
     if args.max_in_flight < 1:
         raise ValueError("--max-in-flight must be >= 1")
-    fleet = Fleet(args.replicas, capacity, args.block_size, service_model(args), Guard())
+    service = service_model(args)
+    fleet = Fleet(args.replicas, capacity_blocks(args, service), args.block_size, service, Guard())
     return fleet, Served(args.model, args.max_model_len, vocab_size, text)
 
 

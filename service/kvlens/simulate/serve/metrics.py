@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvlens.simulate.replica import Replica
@@ -185,6 +185,9 @@ class _Gauges(Collector):
         usage = GaugeMetricFamily(
             "vllm:kv_cache_usage_perc", "KV-Cache usage. 1 means 100 percent usage.", labels=LABELS
         )
+        preemptions = CounterMetricFamily(
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine.", labels=LABELS
+        )
         info = GaugeMetricFamily(
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig",
@@ -193,6 +196,7 @@ class _Gauges(Collector):
         for replica in self.replicas:
             labels = [self.model, str(replica.index)]
             running.add_metric(labels, replica.running)
+            preemptions.add_metric(labels, replica.preemptions)
             waiting.add_metric(labels, replica.queued)
             capacity = replica.cache.capacity
             # vLLM counts cached blocks nobody holds as free: usage is the held share.
@@ -206,4 +210,4 @@ class _Gauges(Collector):
                 ],
                 1.0,
             )
-        yield from (running, waiting, usage, info)
+        yield from (running, waiting, usage, preemptions, info)
