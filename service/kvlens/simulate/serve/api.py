@@ -4,13 +4,9 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/model
 ``GET /health``, ``POST /tokenize``, ``POST /detokenize``, ``POST /reset_prefix_cache`` (vLLM
 mounts it only with ``VLLM_SERVER_DEV_MODE=1``; here it is always there), ``GET /metrics``.
 
-Shapes follow vLLM's protocol classes: usage carries ``prompt_tokens_details.cached_tokens`` (as
-vLLM with ``--enable-prompt-tokens-details``; several prompts: the last one's, streaming: the
-first to answer); a streamed answer is one ``data:`` event per token (a completion chunk
-``{"choices": [{"index", "text", "logprobs", "finish_reason", "stop_reason"}]}``, chat: a first
-``delta: {"role": "assistant", "content": ""}``), the usage chunk (empty ``choices``) last when
-``stream_options.include_usage`` asks, then ``data: [DONE]``. Errors are ``{"error": {"message",
-"type", "param", "code"}}``: 400 for a bad request (with the field), 404 for an unknown model.
+The answers' shapes are :mod:`.openai`'s (vLLM's protocol classes). Errors are ``{"error":
+{"message", "type", "param", "code"}}``: 400 for a bad request (with the field), 404 for an
+unknown model.
 
 What is modelled and what is not: every answer is exactly ``max_tokens`` long (the simulated
 model never emits EOS, so ``finish_reason`` is ``length``; ``min_tokens`` and ``ignore_eos`` are
@@ -47,7 +43,7 @@ from starlette.types import Receive, Scope, Send
 from kvlens.http.access import bearer_matches
 from kvlens.http.bodies import RETRY_AFTER_SECONDS, ArrivingBodies, BodyLimits, IngestGate
 from kvlens.simulate.replica import INF
-from kvlens.simulate.serve import requests
+from kvlens.simulate.serve import openai, requests
 from kvlens.simulate.serve.engine import RealTimeFleet, Ticket
 from kvlens.simulate.serve.metrics import FleetMetrics
 from kvlens.simulate.serve.requests import ApiError, Asked, Served
@@ -337,26 +333,8 @@ class Api:
             return self._completion_stream(answer, tickets, client)
         if not await self._all_finished(tickets, client):
             return b""  # its client went away
-        choices = [
-            {
-                "index": i,
-                "text": self.served.codec.generated_text(t.job.output_tokens),
-                "logprobs": None,
-                "finish_reason": "length",
-                "stop_reason": None,
-                "prompt_logprobs": None,
-            }
-            for i, t in enumerate(tickets)
-        ]
-        response = {
-            "id": answer.request_id,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.served.model,
-            "choices": choices,
-            "usage": _usage(tickets, tickets[-1]),
-        }
-        return orjson.dumps(response)
+        texts = [self.served.codec.generated_text(t.job.output_tokens) for t in tickets]
+        return openai.completion(answer.request_id, self.served.model, texts, _usage(tickets, tickets[-1]))
 
     async def chat(self, answer: Asked, client: Client) -> Generated:
         tickets = self._submit(answer, client)
@@ -365,28 +343,8 @@ class Api:
         if not await self._all_finished(tickets, client):
             return b""  # its client went away
         ticket = tickets[0]
-        response = {
-            "id": answer.request_id,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": self.served.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {
-                        "role": "assistant",
-                        "content": self.served.codec.generated_text(ticket.job.output_tokens),
-                        "tool_calls": [],
-                    },
-                    "logprobs": None,
-                    "finish_reason": "length",
-                    "stop_reason": None,
-                }
-            ],
-            "usage": _usage(tickets, ticket),
-            "prompt_logprobs": None,
-        }
-        return orjson.dumps(response)
+        text = self.served.codec.generated_text(ticket.job.output_tokens)
+        return openai.chat_completion(answer.request_id, self.served.model, text, _usage(tickets, ticket))
 
     # --- checking requests ------------------------------------------------------------------
 
@@ -501,26 +459,19 @@ class Api:
     async def _completion_stream(
         self, answer: Asked, tickets: list[Ticket], client: Client
     ) -> AsyncGenerator[bytes, None]:
-        head = {
-            "id": answer.request_id,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.served.model,
-        }
-        first: Ticket | None = None
-        # A chunk per token differs from the next only in its text: the JSON around it is made
-        # once (the bytes are what orjson.dumps gives the whole chunk; a test compares them).
-        opening = b"data: " + orjson.dumps(head)[:-1] + b',"choices":[{"index":'
+        opening = openai.head(answer.request_id, "text_completion", self.served.model)
+        events = openai.CompletionEvents(opening)
+        prefixes = [events.opening(index) for index in range(len(tickets))]
         texts = [orjson.dumps(piece) for piece in self.served.codec.generated_pieces()]
-        going = b',"logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
-        ending = b',"logprobs":null,"finish_reason":"length","stop_reason":null}]}\n\n'
+        going, ending = events.going, events.ending
+        first: Ticket | None = None
         async for due in self._paced(tickets, client):
             out: list[bytes] = []
             for index, start, end in due:
                 ticket = tickets[index]
                 first = first or ticket
                 last = ticket.job.output_tokens
-                prefix = opening + str(index).encode() + b',"text":'
+                prefix = prefixes[index]
                 for position in range(start, end):
                     out += (prefix, texts[position % len(texts)], ending if position == last - 1 else going)
                     if len(out) >= PIECE_PARTS:
@@ -529,26 +480,17 @@ class Api:
             if out:
                 yield b"".join(out)
         if answer.include_usage:
-            yield b"data: " + orjson.dumps({**head, "choices": [], "usage": _usage(tickets, first)}) + b"\n\n"
-        yield b"data: [DONE]\n\n"
+            yield openai.usage_chunk(opening, _usage(tickets, first))
+        yield openai.DONE
 
     async def _chat_stream(
         self, answer: Asked, tickets: list[Ticket], client: Client
     ) -> AsyncGenerator[bytes, None]:
-        head = {
-            "id": answer.request_id,
-            "object": "chat.completion.chunk",
-            "created": int(time.time()),
-            "model": self.served.model,
-        }
-        ticket = tickets[0]
-        # As for completions: the JSON around each token's text is made once.
-        opening = b"data: " + orjson.dumps(head)[:-1] + b',"choices":[{"index":0,"delta":'
-        role = opening + b'{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
-        content = opening + b'{"content":'
+        opening = openai.head(answer.request_id, "chat.completion.chunk", self.served.model)
+        events = openai.ChatEvents(opening)
         texts = [orjson.dumps(piece) for piece in self.served.codec.generated_pieces()]
-        going = b'},"logprobs":null,"finish_reason":null}]}\n\n'
-        ending = b'},"logprobs":null,"finish_reason":"length","stop_reason":null}]}\n\n'
+        role, content, going, ending = events.role, events.content, events.going, events.ending
+        ticket = tickets[0]
         async for due in self._paced(tickets, client):
             out: list[bytes] = []
             for _, start, end in due:
@@ -563,10 +505,8 @@ class Api:
             if out:
                 yield b"".join(out)
         if answer.include_usage:
-            yield (
-                b"data: " + orjson.dumps({**head, "choices": [], "usage": _usage(tickets, ticket)}) + b"\n\n"
-            )
-        yield b"data: [DONE]\n\n"
+            yield openai.usage_chunk(opening, _usage(tickets, ticket))
+        yield openai.DONE
 
 
 async def _before(receive: Receive, when: float) -> Any:
@@ -595,11 +535,10 @@ async def _before(receive: Receive, when: float) -> Any:
 
 
 def _usage(tickets: Sequence[Ticket], cached_from: Ticket | None) -> dict[str, Any]:
-    prompt = sum(len(t.prompt_ids) for t in tickets)
-    completion = sum(t.job.output_tokens for t in tickets)
-    return {
-        "prompt_tokens": prompt,
-        "total_tokens": prompt + completion,
-        "completion_tokens": completion,
-        "prompt_tokens_details": {"cached_tokens": cached_from.job.cached_tokens if cached_from else 0},
-    }
+    """The answer's usage: its prompts and outputs summed, the cached tokens of ``cached_from``
+    (vLLM's: several prompts, the last one's; streaming, the first to answer)."""
+    return openai.usage(
+        sum(len(t.prompt_ids) for t in tickets),
+        sum(t.job.output_tokens for t in tickets),
+        cached_from.job.cached_tokens if cached_from else 0,
+    )
