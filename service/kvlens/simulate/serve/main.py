@@ -27,7 +27,7 @@ from kvlens.simulate.cache import CacheEvents
 from kvlens.simulate.memory import kv_blocks
 from kvlens.simulate.policies import POLICIES, Guard
 from kvlens.simulate.replica import DEFAULT_SERVICE, ServiceModel
-from kvlens.simulate.run import Fleet
+from kvlens.simulate.run import Fleet, parse_capacity
 from kvlens.simulate.run import record as simulated_record
 from kvlens.simulate.serve import tokenizer
 from kvlens.simulate.serve.api import MAX_BODY_BYTES, MAX_IN_FLIGHT, Api
@@ -153,8 +153,7 @@ def capacity_blocks(args: argparse.Namespace, service: ServiceModel) -> int | No
     """Blocks per replica: from the GPU memory the weights leave (``--gpu-memory-bytes``), else
     ``--capacity-blocks`` (None: unbounded)."""
     if args.gpu_memory_bytes is None:
-        text = (args.capacity_blocks or "1000").strip()
-        capacity = None if text == "unbounded" else int(text)
+        capacity = parse_capacity(args.capacity_blocks or "1000")
         if capacity is not None and capacity < 0:
             raise ValueError("--capacity-blocks takes a block count >= 0 or 'unbounded'")
         return capacity
