@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any, Final
@@ -40,8 +41,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from kvlens.errors import ArrivingBytesFull, BodyTooSlow, Busy, ClientDisconnected, PayloadTooLarge
 from kvlens.http.access import bearer_matches
-from kvlens.http.bodies import RETRY_AFTER_SECONDS, ArrivingBodies, BodyLimits, IngestGate
+from kvlens.http.bodies import RETRY_AFTER_SECONDS, ArrivingBodies, BodyLimits, BodyReader, IngestGate
 from kvlens.simulate.replica import INF
 from kvlens.simulate.serve import openai, requests
 from kvlens.simulate.serve.engine import RealTimeFleet, Ticket
@@ -136,7 +138,7 @@ class Api:
         admin_token: bytes | None = None,
     ) -> None:
         """``body_limits`` and ``arriving``: what a request body may cost, as ``kvlens serve``'s
-        (its settings' deadline, pause and pace; MAX_BODY_BYTES here). ``max_in_flight``: the
+        (its settings' deadline and pause, no pace; MAX_BODY_BYTES here). ``max_in_flight``: the
         prompts the fleet holds at most (:data:`MAX_IN_FLIGHT`). ``admin_token``: the bearer
         token ``/reset_prefix_cache`` requires (None: none)."""
         self.served = served
@@ -144,6 +146,7 @@ class Api:
         self._admin_token = admin_token
         self._at_work = IngestGate(WORK_AT_ONCE)
         self._body_limits = body_limits
+        self._tokenize_limits = dataclasses.replace(body_limits, max_bytes=MAX_TOKENIZE_BODY_BYTES)
         self._arriving = arriving
         self._make_engine = make_engine
         self._prefix_caching = prefix_caching
@@ -195,7 +198,7 @@ class Api:
                 request_id = value.decode("latin-1")
         client = Client()
         try:
-            raw = await self._read_body(scope, receive, MAX_BODY_BYTES)
+            raw = await self._read_body(scope, receive, self._body_limits)
             asked = await self._checked(check, raw, request_id)
         except ApiError as error:
             await _send_error(send, error)
@@ -264,7 +267,7 @@ class Api:
         thread, WORK_AT_ONCE requests at once from their work to the end of their answer (503 past
         it), so unread answers cannot pile up beyond them."""
         try:
-            raw = await self._read_body(scope, receive, MAX_TOKENIZE_BODY_BYTES)
+            raw = await self._read_body(scope, receive, self._tokenize_limits)
             if raw is None:
                 return
             async with self._at_work.slot() as admitted:
@@ -348,44 +351,32 @@ class Api:
 
     # --- checking requests ------------------------------------------------------------------
 
-    async def _read_body(self, scope: Scope, receive: Receive, max_bytes: int) -> bytes | None:
-        """The request's body within ``kvlens serve``'s bounds for one: refused 413 once it passes
-        ``max_bytes`` (from its Content-Length, or as it arrives), 408 past ``deadline_seconds``
-        in all or a pause over ``stall_seconds``, 503 while too many bodies or bytes are arriving
-        (``arriving``). Not
-        :class:`~kvlens.http.bodies.BodyReader` (which also checks the pace): its task per
-        piece cost 200 us a request, a third of this server's. None: the client went away."""
-        limits = self._body_limits
+    async def _read_body(self, scope: Scope, receive: Receive, limits: BodyLimits) -> bytes | None:
+        """The request's body within ``kvlens serve``'s bounds for one, read by the same
+        :class:`~kvlens.http.bodies.BodyReader`: 413 past ``limits.max_bytes`` (from its
+        Content-Length, or as it arrives), 408 past the deadline or a pause, 503 while too many
+        bodies or bytes are arriving. None: the client went away."""
+        declared = None
         for name, value in scope["headers"]:
-            if name == b"content-length" and value.isdigit() and int(value) > max_bytes:
-                raise ApiError(f"the request body is larger than {max_bytes} bytes", status=413)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + limits.deadline_seconds
-        raw = bytearray()
-        with self._arriving.admit() as admitted:
-            if admitted is None:
-                raise ApiError("too many request bodies arriving; retry", status=503)
-            try:
-                while True:
-                    message = await _before(receive, min(deadline, loop.time() + limits.stall_seconds))
-                    if message is None:
-                        raise ApiError(
-                            f"the body did not arrive within {limits.deadline_seconds:g} s "
-                            f"or paused over {limits.stall_seconds:g} s",
-                            status=408,
-                        )
-                    if message["type"] == "http.disconnect":
-                        return None
-                    piece = message.get("body", b"")
-                    if len(raw) + len(piece) > max_bytes:
-                        raise ApiError(f"the request body is larger than {max_bytes} bytes", status=413)
-                    if not self._arriving.take(len(piece)):
-                        raise ApiError("request bodies arriving hold too many bytes; retry", status=503)
-                    raw += piece
-                    if not message.get("more_body"):
-                        return bytes(raw)
-            finally:
-                self._arriving.give_back(len(raw))
+            if name == b"content-length":
+                declared = value
+        try:
+            return await BodyReader(receive, declared, limits, self._arriving).body()
+        except PayloadTooLarge:
+            raise ApiError(f"the request body is larger than {limits.max_bytes} bytes", status=413) from None
+        except BodyTooSlow:  # past the deadline or a pause (this server asks no pace: main.body_limits)
+            limits = self._body_limits
+            raise ApiError(
+                f"the body did not arrive within {limits.deadline_seconds:g} s "
+                f"or paused over {limits.stall_seconds:g} s",
+                status=408,
+            ) from None
+        except ArrivingBytesFull:
+            raise ApiError("request bodies arriving hold too many bytes; retry", status=503) from None
+        except Busy:
+            raise ApiError("too many request bodies arriving; retry", status=503) from None
+        except ClientDisconnected:
+            return None
 
     def _submit(self, answer: Asked, client: Client) -> list[Ticket]:
         engine = self.engine
@@ -507,31 +498,6 @@ class Api:
         if answer.include_usage:
             yield openai.usage_chunk(opening, _usage(tickets, ticket))
         yield openai.DONE
-
-
-async def _before(receive: Receive, when: float) -> Any:
-    """``receive()``'s next message, or None once the loop's clock passes ``when``: a timer that
-    cancels this task, told from any other cancellation (cheaper than a task per message)."""
-    task = asyncio.current_task()
-    assert task is not None
-    expired = False
-
-    def expire() -> None:
-        nonlocal expired
-        expired = True
-        task.cancel()
-
-    timer = asyncio.get_running_loop().call_at(when, expire)
-    try:
-        return await receive()
-    except asyncio.CancelledError:
-        if not expired:
-            raise
-        if hasattr(task, "uncancel"):  # Python 3.11+: the cancellation was ours, taken back
-            task.uncancel()
-        return None
-    finally:
-        timer.cancel()
 
 
 def _usage(tickets: Sequence[Ticket], cached_from: Ticket | None) -> dict[str, Any]:

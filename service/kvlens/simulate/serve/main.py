@@ -215,12 +215,13 @@ def record(ticket: Ticket, engine: RealTimeFleet, model: str, started_epoch: flo
 
 
 def body_limits(settings: Settings) -> BodyLimits:
-    """``kvlens serve``'s rules for a request body (its settings), with this server's size cap."""
+    """``kvlens serve``'s rules for a request body (its settings), with this server's size cap and
+    no minimum pace (the README's limits say so; a pace of 0 arms no window timer)."""
     return BodyLimits(
         MAX_BODY_BYTES,
         settings.body_timeout_seconds,
         settings.header_timeout_seconds,
-        settings.body_min_bytes_per_second,
+        0,
         settings.body_rate_window_seconds,
     )
 
