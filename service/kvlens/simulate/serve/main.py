@@ -287,24 +287,12 @@ def run(args: argparse.Namespace) -> int:
     guard = server.ConnectionGuard(
         settings.max_connections, settings.header_timeout_seconds, settings.write_timeout_seconds
     )
-    if server.raise_open_files_limit() < settings.max_connections + 64:
-        log.warning("the open-files limit is under max_connections (%d): raise it", settings.max_connections)
     # an answer dropped at the write deadline (up to 10 MB of /detokenize, 33 MB of a batch) goes
     # back to the kernel, as kvlens serve's refused bodies do, rather than staying in the heap
-    server.return_large_buffers()
+    server.prepare_process(settings.max_connections)
     level = getattr(args, "log_level", None) or os.environ.get("KVLENS_LOG_LEVEL", "INFO").lower()
-    config = uvicorn.Config(
-        api.app(),
-        host=args.host,
-        port=args.port,
-        log_level=level,
-        log_config=logs.config(level, getattr(args, "log_format", "text")),
-        access_log=False,
-        lifespan="on",
-        http=server.guarded_protocol(guard),
-        timeout_keep_alive=server.KEEP_ALIVE_SECONDS,
-        limit_concurrency=None,  # idle sockets must not count: the guard closes them
-    )
+    log_config = logs.config(level, getattr(args, "log_format", "text"))
+    config = server.config(api.app(), args.host, args.port, guard, level, log_config)
     if settings.admin_secret is None and not loopback(args.host):  # logging is set up now
         log.warning(
             "POST /reset_prefix_cache listens on %s without a token: anyone who reaches this port "
