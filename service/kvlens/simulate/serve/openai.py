@@ -120,17 +120,25 @@ def _around_text(rendered: bytes) -> tuple[bytes, bytes]:
     return before, after
 
 
+# What follows a token's text depends on its finish only, never on the head (which comes first):
+# cut once from chunks of a sample head, so a stream renders only its opening.
+_SAMPLE: Final = head("sample", "sample", "sample")
+_, _COMPLETION_GOING = _around_text(completion_chunk(_SAMPLE, 0, _MARK, None))
+_, _COMPLETION_ENDING = _around_text(completion_chunk(_SAMPLE, 0, _MARK, FINISHED))
+_, _CHAT_GOING = _around_text(chat_chunk(_SAMPLE, {"content": _MARK}, None))
+_, _CHAT_ENDING = _around_text(chat_chunk(_SAMPLE, {"content": _MARK}, FINISHED))
+
+
 class CompletionEvents:
     """The events of a completions stream: prompt ``index``'s token is
     ``opening(index) + orjson.dumps(text) + (ending if it is the last else going)``."""
 
-    __slots__ = ("_head", "ending", "going")
+    __slots__ = ("_head",)
+    going: Final = _COMPLETION_GOING
+    ending: Final = _COMPLETION_ENDING
 
     def __init__(self, opening: dict[str, Any]) -> None:
         self._head = opening
-        before, self.going = _around_text(completion_chunk(opening, 0, _MARK, None))
-        finished, self.ending = _around_text(completion_chunk(opening, 0, _MARK, FINISHED))
-        assert before == finished  # the finish comes after the text: one opening for both
 
     def opening(self, index: int) -> bytes:
         return _around_text(completion_chunk(self._head, index, _MARK, None))[0]
@@ -140,10 +148,10 @@ class ChatEvents:
     """The events of a chat stream: ``role`` first, then each token
     ``content + orjson.dumps(text) + (ending if it is the last else going)``."""
 
-    __slots__ = ("content", "ending", "going", "role")
+    __slots__ = ("content", "role")
+    going: Final = _CHAT_GOING
+    ending: Final = _CHAT_ENDING
 
     def __init__(self, opening: dict[str, Any]) -> None:
         self.role = chat_chunk(opening, ASSISTANT_OPENS, None)
-        self.content, self.going = _around_text(chat_chunk(opening, {"content": _MARK}, None))
-        finished, self.ending = _around_text(chat_chunk(opening, {"content": _MARK}, FINISHED))
-        assert finished == self.content  # the finish comes after the text: one opening for both
+        self.content, _ = _around_text(chat_chunk(opening, {"content": _MARK}, None))
