@@ -57,7 +57,8 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from kvlens.exporter.collector import _kv_families
-from kvlens.fleet.index import MAX_HELD_BLOCKS, TIERS, FleetIndex
+from kvlens.fleet.index import FleetIndex
+from kvlens.fleet.limits import MAX_HELD_BLOCKS, TIERS
 from kvlens.fleet.publisher import EventPublisher
 from kvlens.fleet.simulated import SimulatedEngine
 from kvlens.fleet.source import Consumer, KVEvents, Publisher

@@ -30,14 +30,12 @@ from kvlens.fleet.index import (
     EVICTED_ELSEWHERE,
     EVICTED_HERE,
     HELD_ELSEWHERE,
-    HELD_ENTRY_BYTES,
     HELD_HERE,
-    MAX_REPLICAS,
     NEW,
-    REMEMBERED_ENTRY_BYTES,
     UNKNOWN,
     FleetIndex,
 )
+from kvlens.fleet.limits import HELD_ENTRY_BYTES, MAX_REPLICAS, REMEMBERED_ENTRY_BYTES
 from kvlens.fleet.simulated import SimulatedEngine, into_index
 from kvlens.simulate.run import Fleet, Outcome, simulate, walk
 from kvlens.simulate.trace import BUNDLED, MOONCAKE, Trace, TraceRequest

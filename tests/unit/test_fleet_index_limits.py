@@ -12,7 +12,8 @@ import tracemalloc
 import pytest
 
 from kvlens.fleet import kernels
-from kvlens.fleet.index import TIERS, FleetIndex
+from kvlens.fleet.index import FleetIndex
+from kvlens.fleet.limits import TIERS
 from kvlens.fleet.source import KVEvents, Publisher
 
 

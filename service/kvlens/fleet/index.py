@@ -78,8 +78,16 @@ from typing import TYPE_CHECKING, Any, Final, cast
 import msgspec
 import numpy as np
 
-from kvlens.console import install_hint
-from kvlens.errors import SettingsError
+from kvlens.errors import MissingExtra
+from kvlens.fleet.limits import (
+    MAX_BLOCK_SIZE,
+    MAX_HELD_BLOCKS,
+    MAX_REPLICAS,
+    PRIMARY,
+    REMEMBER_BLOCKS,
+    TIERS,
+    tier_number,
+)
 
 if TYPE_CHECKING:
     from kvlens.fleet import kernels
@@ -91,25 +99,7 @@ EVICTED_ELSEWHERE: Final = "evicted_elsewhere"
 NEW: Final = "new"
 UNKNOWN: Final = "unknown"
 CAUSES: Final = (NEW, EVICTED_HERE, HELD_ELSEWHERE, EVICTED_ELSEWHERE, HELD_HERE, UNKNOWN)
-PRIMARY: Final = "GPU"
-TIERS: Final = ("GPU", "CPU", "STORAGE", "other")  # a tier's bit in a replica table's value
-# A store's `medium` -> its tier in TIERS (a closed set: it becomes a label). vLLM's names, then
-# SGLang's for the same tiers (its host memory and its disk; a shared pool stays "other"). Both
-# readers of the wire take it from here, the compiled one and msgspec's.
-MEDIUM_TIERS: Final = {"GPU": 0, "CPU": 1, "STORAGE": 2, "CPU_PINNED": 1, "DISK": 2}
-OTHER_TIER: Final = len(TIERS) - 1
-MAX_REPLICAS: Final = 64  # one bit each in the fleet's 64-bit holder masks
-MAX_BLOCK_SIZE: Final = 1 << 31  # tokens a block: more is a malformed event
 MASK64: Final = (1 << 64) - 1
-# Default caps: 10M of each in 512 MiB (the most a table entry costs, below, times 10M).
-REMEMBER_BLOCKS: Final = 10_000_000
-MAX_HELD_BLOCKS: Final = 10_000_000
-# The most an entry costs, all tables counted (a table past 16,384 slots is rebuilt at 70 % full
-# when 85 % full; 16 bytes a slot: 23 bytes an entry at most): a (block, replica) held, with its share of the
-# fleet table when one replica holds it (more replicas share that), and a remembered block with
-# its place in the ring (8 bytes, the ring grown by a quarter); tested.
-HELD_ENTRY_BYTES: Final = 48
-REMEMBERED_ENTRY_BYTES: Final = 34
 
 EngineHash = int | bytes
 _encode = msgspec.msgpack.Encoder().encode
@@ -234,14 +224,8 @@ class IndexSnapshot:
     memory_bytes: int
 
 
-_TIER_NUMBERS: Final = {name: position for position, name in enumerate(TIERS)}
 _NO_TOKENS: Final = np.zeros(0, np.uint64)
 _NO_BYTES: Final = np.zeros(0, np.uint8)
-
-
-def _tier(name: str) -> tuple[str, int]:
-    number = _TIER_NUMBERS.get(name, len(TIERS) - 1)
-    return TIERS[number], number
 
 
 def compiled_loops_available() -> bool:
@@ -262,7 +246,7 @@ class FleetIndex:
         shard: tuple[int, int] = (0, 1),
     ) -> None:
         if not compiled_loops_available():  # before serving, not at the first event
-            raise SettingsError(f"the fleet index needs the kv-events extra: {install_hint('kv-events')}")
+            raise MissingExtra("the fleet index", "kv-events")
         from kvlens.fleet import kernels  # numba: only where KV events are followed
 
         kernels.warm()
@@ -369,7 +353,7 @@ class FleetIndex:
         if not 1 <= block_size <= MAX_BLOCK_SIZE:
             return False
         state = self._replicas.get(replica) or self.replica(replica)
-        tier = _tier(medium or PRIMARY)[1]
+        tier = tier_number(medium or PRIMARY)
         hashes = _hash_array(block_hashes)
         count = hashes.size
         if isinstance(token_ids, msgspec.Raw):
@@ -488,7 +472,7 @@ class FleetIndex:
         state = self._replicas.get(replica) or self.replica(replica)
         hashes = _hash_array(block_hashes)
         k = self._k
-        params = self._set(state, _tier(medium or PRIMARY)[1])
+        params = self._set(state, tier_number(medium or PRIMARY))
         while True:
             done = k.remove(
                 hashes,

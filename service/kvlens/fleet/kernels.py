@@ -26,7 +26,7 @@ from typing import Any, Final
 import numpy as np
 from numba import njit
 
-from kvlens.fleet.index import MAX_BLOCK_SIZE, MEDIUM_TIERS, OTHER_TIER
+from kvlens.fleet.limits import MAX_BLOCK_SIZE, MEDIUM_TIERS, OTHER_TIER
 
 EMPTY: Final = np.uint64(0)
 TOMB: Final = np.uint64(1)

@@ -77,7 +77,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 from kvlens.errors import SettingsError
-from kvlens.fleet.index import MAX_REPLICAS, FleetIndex, IndexSnapshot
+from kvlens.fleet.index import FleetIndex, IndexSnapshot
+from kvlens.fleet.limits import MAX_REPLICAS
 from kvlens.fleet.reorder import MAX_TIMESTAMP_LEAD_SECONDS, ReorderQueue, usable_timestamp
 from kvlens.fleet.replay import MAX_REPLAY_FRAMES, ReplayAnswer, ReplayBudget
 from kvlens.fleet.wire import (

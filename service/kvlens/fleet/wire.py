@@ -37,7 +37,8 @@ from typing import Any, Final
 
 import msgspec
 
-from kvlens.fleet.index import MEDIUM_TIERS, OTHER_TIER, TIERS, FleetIndex
+from kvlens.fleet.index import FleetIndex
+from kvlens.fleet.limits import medium_label
 
 _FLOAT64: Final = struct.Struct(">d")
 
@@ -337,13 +338,6 @@ def _decode_event(raw: bytes, out: Decoded) -> None:
         out.unknown_events += 1
     else:
         out.malformed_events += 1
-
-
-def medium_label(medium: str | None) -> str:
-    """`medium` as a label (index.MEDIUM_TIERS: a closed set, anything else is "other")."""
-    if medium is None:
-        return "GPU"  # vLLM before 0.10 sends none: its cache is the GPU's
-    return TIERS[MEDIUM_TIERS.get(medium, OTHER_TIER)]
 
 
 def _keys(event: _Stored | _StoredArray | BlockStored) -> tuple[list[Any] | None, str | None]:
