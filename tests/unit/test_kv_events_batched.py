@@ -15,8 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvlens.fleet import kernels, wire
+from kvlens.fleet import wire
 from kvlens.fleet.index import FleetIndex
+from kvlens.fleet.kernels import msgpack
 from kvlens.fleet.simulated import SimulatedEngine
 from kvlens.fleet.source import Consumer, Publisher
 from kvlens.fleet.wire import REMOVED_FIELDS, STORED_FIELDS
@@ -219,8 +220,8 @@ def test_the_usual_payloads_take_the_compiled_path_and_the_rest_msgspec() -> Non
 
 
 def test_the_compiled_reader_knows_the_fields_the_decoder_does() -> None:
-    assert kernels.STORED_FIELDS == STORED_FIELDS
-    assert kernels.REMOVED_FIELDS == REMOVED_FIELDS
+    assert msgpack.STORED_FIELDS == STORED_FIELDS
+    assert msgpack.REMOVED_FIELDS == REMOVED_FIELDS
 
 
 def trace_messages(replicas: int, capacity: int, per_batch: int) -> list[tuple[str, bytes]]:
@@ -291,7 +292,7 @@ def test_a_payload_past_the_readers_size_is_left_to_msgspec() -> None:
     publisher's 64 MiB message costs what it did, not 16 times its size."""
     many = [vllm.BlockStored([n], None, [1, 2], BLOCK, None, "GPU", None) for n in range(1, 12_000)]
     payload = vllm.encode(vllm.KVEventBatch(TS, many, 0))
-    assert kernels.MAX_READ_BYTES < len(payload) < 2 * kernels.MAX_READ_BYTES
+    assert msgpack.MAX_READ_BYTES < len(payload) < 2 * msgpack.MAX_READ_BYTES
     index = Counting()
     assert index.apply_payload("a", payload) is None
     assert index.apply_payload("a", vllm.encode(vllm.KVEventBatch(TS, many[:6_000], 0))) == [

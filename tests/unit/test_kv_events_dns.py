@@ -15,8 +15,9 @@ from kvlens.errors import SettingsError
 from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.background import BackgroundSources
 from kvlens.exporter.collector import _kv_families
-from kvlens.fleet import kernels, wire
+from kvlens.fleet import wire
 from kvlens.fleet.index import EVICTED_ELSEWHERE, HELD_ELSEWHERE, NEW, FleetIndex
+from kvlens.fleet.kernels import rules
 from kvlens.fleet.publisher import EventPublisher
 from kvlens.fleet.source import (
     MAX_DISCOVERED,
@@ -351,7 +352,7 @@ def test_a_vanished_replica_s_series_go_after_the_retention_and_a_comeback_keeps
     clock.now = 700.0
     consumer.release()
     assert exported_replicas(events) == {b, c}
-    assert memory - index.memory_bytes() == kernels.STATS * 8  # a's counter row, no more
+    assert memory - index.memory_bytes() == rules.STATS * 8  # a's counter row, no more
     assert set(consumer.status) == {b, c}
     snapshot = index.snapshot()
     assert {replica for replica, _ in snapshot.stored} == {b, c}
