@@ -67,7 +67,7 @@ def test_an_answer_of_the_most_addresses_allowed_is_followed_whole() -> None:
 
 CHILD = """
 import json, logging, resource, sys, time
-from kvlens.fleet import wire
+from kvlens.fleet import schema
 from kvlens.http.server import raise_open_files_limit
 from kvlens.fleet.index import FleetIndex
 from kvlens.fleet.publisher import EventPublisher
@@ -86,7 +86,7 @@ deadline = time.monotonic() + 30
 status = events.consumer.status
 # a batch sent before the subscription's handshake is lost (PUB/SUB): send until one is counted
 while not (name in status and status[name].batches) and time.monotonic() < deadline:
-    publisher.publish_events([wire.BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[1] * 4,
+    publisher.publish_events([schema.BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[1] * 4,
                                                block_size=4, lora_id=None, medium="GPU", lora_name=None)])
     time.sleep(0.05)
 source = events.source

@@ -15,7 +15,7 @@ from kvlens.errors import SettingsError
 from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.background import BackgroundSources
 from kvlens.exporter.collector import _kv_families
-from kvlens.fleet import wire
+from kvlens.fleet import schema
 from kvlens.fleet.index import EVICTED_ELSEWHERE, HELD_ELSEWHERE, NEW, FleetIndex
 from kvlens.fleet.kernels import rules
 from kvlens.fleet.publisher import EventPublisher
@@ -160,8 +160,8 @@ def test_a_target_parses() -> None:
     assert (settings.kv_events_dns, settings.kv_events_dns_interval_seconds) == (["a:1"], 5)
 
 
-def stored(block: int) -> wire.BlockStored:
-    return wire.BlockStored(
+def stored(block: int) -> schema.BlockStored:
+    return schema.BlockStored(
         block_hashes=[block],
         parent_block_hash=None,
         token_ids=[block] * 4,
@@ -194,7 +194,7 @@ def test_subscriptions_follow_the_answers_over_real_sockets() -> None:
         until(lambda: status[first].up == 0 and events.index.snapshot().removed.get((first, "GPU")) == 1)
         source.resolve_now()  # the lookup fails: 127.0.0.2 stays subscribed
         until(lambda: events.dns[0].failures == 1)
-        two.publish_events([wire.BlockRemoved(block_hashes=[2], medium="GPU")])
+        two.publish_events([schema.BlockRemoved(block_hashes=[2], medium="GPU")])
         until(lambda: status[second].batches == 2)
         snapshot = events.snapshot()
         assert snapshot.dns == {f"fleet:{port}": (1, 1)}

@@ -5,8 +5,13 @@
 
 from __future__ import annotations
 
-import numpy as np
+from types import ModuleType
 
+import numpy as np
+from numba.core.registry import CPUDispatcher
+
+from kvlens.fleet.kernels import msgpack, rules, stamp
+from kvlens.fleet.kernels import table as tables
 from kvlens.fleet.kernels.msgpack import msgpack_ints, read_batch
 from kvlens.fleet.kernels.rules import (
     FLEET_COUNTS,
@@ -61,4 +66,27 @@ def warm() -> None:
     _rebuild_rows(table, new_table(MIN_SLOTS), 0, SLICE_ROWS)
     _room(table, 1)
     _sparse(table)
+    _recompile_when_stale((tables, msgpack, rules))
     _warm = True
+
+
+def _recompile_when_stale(modules: tuple[ModuleType, ...]) -> None:
+    """Every loop compiled afresh (and cached so) when numba's cache held one built from other
+    sources than these (:mod:`.stamp`). Every cached loop is dropped first (a loop loaded from the
+    cache carries its callees' code, so they were never loaded themselves, and compiling a caller
+    would load their stale cache), then the loaded ones are compiled again, the files in the order
+    they call each other and each file's loops in the order they are defined, callees first."""
+    if all(module.built_from() == stamp.BUILT_FROM for module in modules):
+        return
+    loops = [
+        value
+        for module in modules
+        for value in vars(module).values()
+        if isinstance(value, CPUDispatcher) and value.__module__ == module.__name__
+    ]
+    for loop in loops:
+        if not loop.overloads:
+            loop.recompile()  # nothing to compile: its cache dropped
+    for loop in loops:
+        if loop.overloads:
+            loop.recompile()

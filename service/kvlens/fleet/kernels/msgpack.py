@@ -15,7 +15,10 @@ from typing import Any, Final
 import numpy as np
 from numba import njit
 
+from kvlens.fleet import schema
+from kvlens.fleet.kernels.stamp import BUILT_FROM
 from kvlens.fleet.limits import MAX_BLOCK_SIZE, MEDIUM_TIERS, OTHER_TIER
+from kvlens.fleet.schema import EXTRA, GROUP, HASHES, INT, INTS, MEDIUM, NIL, PARENT, SIZE, TOKENS
 
 E_TYPE, E_OUTCOME, E_TIER, E_BLOCK_SIZE, E_HAS_PARENT = range(5)
 E_HASHES, E_HASHES_END, E_TOKENS, E_TOKENS_END = range(5, 9)  # its slices of hashes and tokens
@@ -27,47 +30,19 @@ APPLY, MALFORMED_EVENT, OTHER_GROUP_EVENT = range(3)  # E_OUTCOME
 # payload is left to msgspec (a vLLM step's batch is well under it; subscriber.MAX_MESSAGE_BYTES is 16)
 MAX_READ_BYTES: Final = 1 << 20
 _MIN_EVENT_BYTES = 13  # the shortest event read: ["BlockStored", ...] (fixarray, fixstr tag)
-EVENT_TYPES: Final = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
-# BlockStored's fields in vLLM's order (the first eight are also SGLang's array order), then the tag
-STORED_FIELDS: Final = (
-    "block_hashes",
-    "parent_block_hash",
-    "token_ids",
-    "block_size",
-    "lora_id",
-    "medium",
-    "lora_name",
-    "extra_keys",
-    "group_idx",
-    "kv_cache_spec_kind",
-    "kv_cache_spec_sliding_window",
-    "locality",
-    "ownership",
-    "session_id",
-    "lookahead_token_ids",
-    "cache_salt",
-)
-REMOVED_FIELDS: Final = ("block_hashes", "medium", "group_idx", "locality", "ownership")
-(
-    F_HASHES,
-    F_PARENT,
-    F_TOKENS,
-    F_SIZE,
-    F_LORA_ID,
-    F_MEDIUM,
-    F_LORA_NAME,
-    F_EXTRA,
-    F_GROUP,
-    F_SPEC_KIND,
-    F_WINDOW,
-    F_LOCALITY,
-    F_OWNERSHIP,
-    F_SESSION,
-    F_LOOKAHEAD,
-    F_CACHE_SALT,
-) = range(16)
-_STORED_REQUIRED = (1 << F_HASHES) | (1 << F_PARENT) | (1 << F_TOKENS) | (1 << F_SIZE)
-_REMOVED_ALLOWED = sum(1 << STORED_FIELDS.index(name) for name in REMOVED_FIELDS)
+# The events' fields as kvlens.fleet.schema's table lists them: a field's number is its place in
+# the table (a bit in an event's fields seen), its action what _field does with its value.
+_ACTIONS = np.array(schema.FIELD_ACTIONS, np.int64)
+# per event type (E_TYPE's order): the fields it needs, the fields it may carry, and in the array
+# form each position's field number and how many positions (a required field is never after one
+# that is not)
+_REQUIRED = np.array([schema.STORED_REQUIRED, schema.REMOVED_REQUIRED, 0], np.int64)
+_ALLOWED = np.array([(1 << len(schema.FIELDS)) - 1, schema.REMOVED_ALLOWED, 0], np.int64)
+_ARRAY_LEAST = np.array([bin(int(mask)).count("1") for mask in _REQUIRED], np.int64)
+_ARRAY_MOST = np.array([len(schema.STORED_ARRAY), len(schema.REMOVED_ARRAY), 0], np.int64)
+_ARRAY_FIELDS = np.zeros((3, len(schema.FIELDS)), np.int64)
+_ARRAY_FIELDS[0, : len(schema.STORED_ARRAY)] = schema.STORED_ARRAY
+_ARRAY_FIELDS[1, : len(schema.REMOVED_ARRAY)] = schema.REMOVED_ARRAY
 
 
 def _strings(names: tuple[str, ...]) -> tuple[Any, Any]:
@@ -77,11 +52,17 @@ def _strings(names: tuple[str, ...]) -> tuple[Any, Any]:
     return np.frombuffer(b"".join(encoded), np.uint8).copy(), ends
 
 
-_FIELD_BYTES, _FIELD_ENDS = _strings(STORED_FIELDS)
-_TYPE_BYTES, _TYPE_ENDS = _strings(EVENT_TYPES)
+_FIELD_BYTES, _FIELD_ENDS = _strings(schema.FIELD_NAMES)
+_TYPE_BYTES, _TYPE_ENDS = _strings(schema.EVENT_TYPES)
 _MEDIUM_BYTES, _MEDIUM_ENDS = _strings(tuple(MEDIUM_TIERS))
 _MEDIUM_TIER = np.array(list(MEDIUM_TIERS.values()), np.int64)  # a name's tier; not named: OTHER_TIER
 _TAG_BYTES, _TAG_ENDS = _strings(("type",))
+
+
+@njit(cache=True, nogil=True)
+def built_from() -> int:
+    """The sources this file's loops were compiled from (:mod:`.stamp`)."""
+    return BUILT_FROM
 
 
 @njit(cache=True, nogil=True)
@@ -264,7 +245,7 @@ def _int_or_nil(buf: Any, pos: int, end: int) -> tuple[int, Any, int]:
 
 @njit(cache=True, nogil=True)
 def _field(
-    field: int,
+    action: int,
     buf: Any,
     pos: int,
     end: int,
@@ -276,38 +257,39 @@ def _field(
     nh: int,
     nt: int,
 ) -> tuple[bool, int, int, int]:
-    """One field's value into the event's row: (read, position after, hashes used, tokens used)."""
-    if field == F_HASHES:
+    """One field's value into the event's row, as its action (kvlens.fleet.schema) says: (read,
+    position after, hashes used, tokens used)."""
+    if action == HASHES:
         count, pos = _read_ints(buf, pos, end, hashes, nh)
         if count < 0:
             return False, pos, nh, nt
         row[E_HASHES], row[E_HASHES_END] = nh, nh + count
         return True, pos, nh + count, nt
-    if field == F_TOKENS:
+    if action == TOKENS:
         count, pos = _read_ints(buf, pos, end, tokens, nt)
         if count < 0:
             return False, pos, nh, nt
         row[E_TOKENS], row[E_TOKENS_END] = nt, nt + count
         return True, pos, nh, nt + count
-    if field == F_LOOKAHEAD:  # read to check it, not kept (written where tokens go next)
+    if action == INTS:  # read to check it, not kept (written where tokens go next)
         if pos < end and buf[pos] == 0xC0:
             return True, pos + 1, nh, nt
         count, pos = _read_ints(buf, pos, end, tokens, nt)
         return count >= 0, pos, nh, nt
-    if field == F_PARENT or field == F_SIZE or field == F_LORA_ID or field == F_GROUP or field == F_WINDOW:  # noqa: SIM109
+    if action == PARENT or action == SIZE or action == INT or action == GROUP:  # noqa: SIM109 - numba: no `in`
         kind, value, pos = _int_or_nil(buf, pos, end)
-        if kind == 0 or (kind == 3 and field == F_SIZE):
+        if kind == 0 or (kind == 3 and action == SIZE):
             return False, pos, nh, nt
-        if field == F_PARENT:
+        if action == PARENT:
             row[E_HAS_PARENT] = kind != 3
             parents[e] = value
-        elif field == F_SIZE:  # out of range: 0, a malformed event
+        elif action == SIZE:  # out of range: 0, a malformed event
             in_range = kind == 1 and value >= np.uint64(1) and value <= np.uint64(MAX_BLOCK_SIZE)
             row[E_BLOCK_SIZE] = np.int64(value) if in_range else 0
-        elif field == F_GROUP:
+        elif action == GROUP:
             row[E_GROUP] = kind != 3 and value != np.uint64(0)
         return True, pos, nh, nt
-    if field == F_EXTRA:  # nil, or no extra key for any block (a digest of 0, as none)
+    if action == EXTRA:  # nil, or no extra key for any block (a digest of 0, as none)
         if pos < end and buf[pos] == 0xC0:
             return True, pos + 1, nh, nt
         count, pos = _array_head(buf, pos, end)
@@ -319,14 +301,14 @@ def _field(
             pos += 1
         row[E_EXTRA] = count
         return True, pos, nh, nt
-    if field == F_LORA_NAME or field == F_CACHE_SALT:  # noqa: SIM109 (as above: numba) a name or salt: msgspec's path
+    if action == NIL:  # a LoRA name or a salt: msgspec's path
         if pos < end and buf[pos] == 0xC0:
             return True, pos + 1, nh, nt
         return False, pos, nh, nt
-    tier, pos = _text_or_nil(buf, pos, end)  # medium and the other texts
+    tier, pos = _text_or_nil(buf, pos, end)  # MEDIUM and the other texts (TEXT)
     if tier == -1:
         return False, pos, nh, nt
-    if field == F_MEDIUM:
+    if action == MEDIUM:
         row[E_TIER] = 0 if tier == -2 else tier
     return True, pos, nh, nt
 
@@ -362,29 +344,22 @@ def _event(
     if kind < 0:
         return False, pos, nh, nt
     row[E_TYPE] = kind
-    if not as_map:  # positional: BlockStored's first eight fields, BlockRemoved's hashes and medium
-        most = 8 if kind == STORED_EVENT else 2 if kind == REMOVED_EVENT else 0
-        least = 4 if kind == STORED_EVENT else 1 if kind == REMOVED_EVENT else 0
-        if not least <= fields <= most:
-            return False, pos, nh, nt
+    if not as_map and not _ARRAY_LEAST[kind] <= fields <= _ARRAY_MOST[kind]:  # positional
+        return False, pos, nh, nt
     seen = 0
     for i in range(fields):
         if as_map:
             start, length, pos = _read_str(buf, pos, end)
             field = -1 if start < 0 else _name(buf, start, length, _FIELD_BYTES, _FIELD_ENDS)
         else:
-            field = i if kind == STORED_EVENT else F_HASHES if i == 0 else F_MEDIUM
-        if field < 0 or seen >> field & 1:
-            return False, pos, nh, nt
-        if kind == CLEARED_EVENT or (kind == REMOVED_EVENT and not _REMOVED_ALLOWED >> field & 1):
+            field = _ARRAY_FIELDS[kind, i]
+        if field < 0 or seen >> field & 1 or not _ALLOWED[kind] >> field & 1:
             return False, pos, nh, nt
         seen |= 1 << field
-        ok, pos, nh, nt = _field(field, buf, pos, end, row, parents, e, hashes, tokens, nh, nt)
+        ok, pos, nh, nt = _field(_ACTIONS[field], buf, pos, end, row, parents, e, hashes, tokens, nh, nt)
         if not ok:
             return False, pos, nh, nt
-    if kind == STORED_EVENT and seen & _STORED_REQUIRED != _STORED_REQUIRED:
-        return False, pos, nh, nt
-    if kind == REMOVED_EVENT and not seen & 1:
+    if seen & _REQUIRED[kind] != _REQUIRED[kind]:
         return False, pos, nh, nt
     # wire.apply's order: another group first, then what makes a BlockStored malformed
     if row[E_GROUP]:

@@ -39,6 +39,7 @@ from kvlens.fleet.kernels.msgpack import (
     msgpack_ints,
     read_batch,
 )
+from kvlens.fleet.kernels.stamp import BUILT_FROM
 from kvlens.fleet.kernels.table import (
     _GOLDEN,
     MASK60,
@@ -94,6 +95,12 @@ DONE, STOP_GROW, STOP_SHRINK, STOP_CALLER, UNREAD = range(5)
 
 
 @njit(cache=True, nogil=True)
+def built_from() -> int:
+    """The sources this file's loops were compiled from (:mod:`.stamp`)."""
+    return BUILT_FROM
+
+
+@njit(cache=True, nogil=True)
 def content_keys(tokens: Any, block_size: int, parent: Any, extras: Any, out: Any) -> None:
     """Each block's content key, chained from its parent's: 60 bits (the top 4 of a replica
     table's value say which tiers hold the block). Tokens are hashed FNV-1a-like a token at a time,
@@ -146,20 +153,6 @@ def _release(key: Any, bit: Any, cap: int, fleet: Any, remembered: Any, ring: An
         else:
             _delete(fleet, row)
     _remember(key, bit, cap, remembered, ring, fleet_counts)
-
-
-@njit(cache=True, nogil=True)
-def store(hashes: Any, raw: Any, tokens: Any, extras: Any, arrays: Arrays) -> int:
-    """One ``BlockStored`` into ``replica``'s table (and ``copies``, its extra copies): classify
-    each block and hold it (see :meth:`FleetIndex.stored`). Tokens come as msgpack bytes
-    (``raw``, when not empty) or as ``tokens``; -1 (and nothing changed) when they are not
-    ``block_size`` integers a block, :data:`GROW` or :data:`GROW_COPIES` (nothing changed) when
-    a table needs room first, else 0; ``extras`` is empty or a digest a block."""
-    if raw.size:
-        ok, tokens = msgpack_ints(raw)
-        if not ok:
-            return -1
-    return _store(hashes, tokens, extras, arrays)
 
 
 @njit(cache=True, nogil=True)
@@ -279,12 +272,17 @@ def _store(hashes: Any, tokens: Any, extras: Any, arrays: Arrays) -> int:
 
 
 @njit(cache=True, nogil=True)
-def remove(hashes: Any, arrays: Arrays) -> int:
-    """One ``BlockRemoved``: an extra copy of a block goes first (the block stays held).
-    :data:`GROW` (nothing changed) when the remembered table or ring needs room first; else
-    :data:`SHRINK_REPLICA`, :data:`SHRINK_FLEET` and :data:`SHRINK_COPIES` set for the tables
-    now mostly empty."""
-    return _remove(hashes, arrays)
+def store(hashes: Any, raw: Any, tokens: Any, extras: Any, arrays: Arrays) -> int:
+    """One ``BlockStored`` into ``replica``'s table (and ``copies``, its extra copies): classify
+    each block and hold it (see :meth:`FleetIndex.stored`). Tokens come as msgpack bytes
+    (``raw``, when not empty) or as ``tokens``; -1 (and nothing changed) when they are not
+    ``block_size`` integers a block, :data:`GROW` or :data:`GROW_COPIES` (nothing changed) when
+    a table needs room first, else 0; ``extras`` is empty or a digest a block."""
+    if raw.size:
+        ok, tokens = msgpack_ints(raw)
+        if not ok:
+            return -1
+    return _store(hashes, tokens, extras, arrays)
 
 
 @njit(cache=True, nogil=True)
@@ -348,6 +346,15 @@ def _remove(hashes: Any, arrays: Arrays) -> int:
         | (SHRINK_FLEET if _sparse(fleet) else 0)
         | (SHRINK_COPIES if _sparse(copies) else 0)
     )
+
+
+@njit(cache=True, nogil=True)
+def remove(hashes: Any, arrays: Arrays) -> int:
+    """One ``BlockRemoved``: an extra copy of a block goes first (the block stays held).
+    :data:`GROW` (nothing changed) when the remembered table or ring needs room first; else
+    :data:`SHRINK_REPLICA`, :data:`SHRINK_FLEET` and :data:`SHRINK_COPIES` set for the tables
+    now mostly empty."""
+    return _remove(hashes, arrays)
 
 
 @njit(cache=True, nogil=True)

@@ -18,6 +18,8 @@ from typing import Any, Final
 import numpy as np
 from numba import njit
 
+from kvlens.fleet.kernels.stamp import BUILT_FROM
+
 EMPTY: Final = np.uint64(0)
 TOMB: Final = np.uint64(1)
 PRESENT: Final = np.uint64(2)
@@ -44,6 +46,12 @@ SMALL_SLOTS: Final = 1 << 14
 SLICE_ROWS: Final = 1 << 15
 _PAGE_VALUES: Final = 4096 // 8  # a page of uint64
 _FAULT_PAGES: Final = 2048  # pages mapped a slice (8 MiB, a few ms)
+
+
+@njit(cache=True, nogil=True)
+def built_from() -> int:
+    """The sources this file's loops were compiled from (:mod:`.stamp`)."""
+    return BUILT_FROM
 
 
 @njit(cache=True, nogil=True)
