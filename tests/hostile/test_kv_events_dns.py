@@ -14,15 +14,10 @@ import sys
 import pytest
 
 from kvlens.config import parse_dns_target
+from kvlens.fleet.discovery import MAX_DISCOVERED, DnsTarget
 from kvlens.fleet.index import FleetIndex
 from kvlens.fleet.publisher import EventPublisher
-from kvlens.fleet.source import (
-    FILES_KEPT_FREE,
-    FILES_PER_SUBSCRIPTION,
-    MAX_DISCOVERED,
-    DnsTarget,
-    KVEvents,
-)
+from kvlens.fleet.subscriber import FILES_KEPT_FREE, FILES_PER_SUBSCRIPTION, KVEvents
 from kvlens.http.server import raise_open_files_limit
 from tests import vllm_kv_events as vllm
 from tests.kv_publisher import TestPublisher
@@ -71,7 +66,8 @@ from kvlens.fleet import schema
 from kvlens.http.server import raise_open_files_limit
 from kvlens.fleet.index import FleetIndex
 from kvlens.fleet.publisher import EventPublisher
-from kvlens.fleet.source import DnsTarget, KVEvents
+from kvlens.fleet.discovery import DnsTarget
+from kvlens.fleet.subscriber import KVEvents
 
 port, count, files = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 logging.basicConfig(level=logging.INFO)

@@ -14,7 +14,8 @@ import pytest
 from kvlens.fleet.index import FleetIndex
 from kvlens.fleet.kernels import table
 from kvlens.fleet.limits import TIERS
-from kvlens.fleet.source import KVEvents, Publisher
+from kvlens.fleet.ordering import Publisher
+from kvlens.fleet.subscriber import KVEvents
 
 
 def test_extra_copies_of_a_hash_are_held_within_the_cap_and_past_it_untracked() -> None:

@@ -30,7 +30,7 @@ def test_settings_check_the_fleet_bounds_without_the_fleet_index() -> None:
         "load_settings(None, modelled_max_replicas=64, kv_events=[{'name': 'a', 'endpoint': 'tcp://h:1'}])"
     )
     assert "kvlens.fleet.limits" in loaded
-    assert not {"kvlens.fleet.index", "kvlens.fleet.source", "numba"} & loaded
+    assert not {"kvlens.fleet.index", "kvlens.fleet.subscriber", "numba"} & loaded
 
 
 @pytest.mark.timeout(120)

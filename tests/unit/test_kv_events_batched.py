@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from kvlens.fleet import schema
 from kvlens.fleet.index import FleetIndex
 from kvlens.fleet.kernels import msgpack
+from kvlens.fleet.ordering import Consumer, Publisher
 from kvlens.fleet.simulated import SimulatedEngine
-from kvlens.fleet.source import Consumer, Publisher
 from kvlens.simulate.run import Fleet, simulate
 from kvlens.simulate.trace import BUNDLED, MOONCAKE, Trace
 from tests import vllm_kv_events as vllm

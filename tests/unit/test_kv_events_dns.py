@@ -16,20 +16,13 @@ from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.background import BackgroundSources
 from kvlens.exporter.collector import _kv_families
 from kvlens.fleet import schema
+from kvlens.fleet.discovery import MAX_DISCOVERED, DnsTarget, resolve_addresses, wanted_publishers
 from kvlens.fleet.index import EVICTED_ELSEWHERE, HELD_ELSEWHERE, NEW, FleetIndex
 from kvlens.fleet.kernels import rules
+from kvlens.fleet.limits import MAX_VANISHED, VANISHED_RETENTION_SECONDS
+from kvlens.fleet.ordering import Consumer, Publisher
 from kvlens.fleet.publisher import EventPublisher
-from kvlens.fleet.source import (
-    MAX_DISCOVERED,
-    MAX_VANISHED,
-    VANISHED_RETENTION_SECONDS,
-    Consumer,
-    DnsTarget,
-    KVEvents,
-    Publisher,
-    resolve_addresses,
-    wanted_publishers,
-)
+from kvlens.fleet.subscriber import KVEvents
 from tests import vllm_kv_events as vllm
 from tests.live import free_port, until
 
@@ -68,7 +61,7 @@ def test_each_address_is_a_replica_and_a_failed_lookup_keeps_the_last_set(
     target.refresh()
     assert names(target) == ["10.0.0.5:5557", "10.0.0.6:5557"]
     assert [p.endpoint for p in target.publishers()] == ["tcp://10.0.0.5:5557", "tcp://10.0.0.6:5557"]
-    with caplog.at_level(logging.WARNING, logger="kvlens.fleet.source"):
+    with caplog.at_level(logging.WARNING, logger="kvlens.fleet.discovery"):
         target.refresh()  # NXDOMAIN
         target.refresh()  # an empty answer
     assert names(target) == ["10.0.0.5:5557", "10.0.0.6:5557"]
@@ -270,7 +263,7 @@ def test_a_replica_past_the_slots_in_use_is_refused_once_and_counted(
     consumer = Consumer(index, [])
     target.refresh()
     follow(consumer, target)
-    with caplog.at_level(logging.ERROR, logger="kvlens.fleet.source"):
+    with caplog.at_level(logging.ERROR, logger="kvlens.fleet.ordering"):
         for seq in range(2):
             for p, address in enumerate(many):
                 consumer.message(f"{address}:5557", seq, shared_and_own(1000 * (seq + 1) + p), None)

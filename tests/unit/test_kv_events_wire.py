@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from kvlens.fleet import wire
 from kvlens.fleet.index import EVICTED_HERE, HELD_ELSEWHERE, NEW, FleetIndex, token_array
+from kvlens.fleet.ordering import Consumer, Publisher
 from kvlens.fleet.reorder import MAX_WAITING_BYTES
-from kvlens.fleet.source import Consumer, Publisher
 from kvlens.fleet.wire import (
     APPLIED,
     MALFORMED,

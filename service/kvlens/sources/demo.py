@@ -23,7 +23,7 @@ import numpy.typing as npt
 from kvlens.definitions import DEFAULT_COST_MODEL, CostModel, reusable_full_block_tokens
 
 if TYPE_CHECKING:
-    from kvlens.fleet.source import KVEvents
+    from kvlens.fleet.subscriber import KVEvents
     from kvlens.simulate.trace import TraceRequest
 
 SOURCE = "demo"
