@@ -54,14 +54,17 @@ from kvlens.fleet.kernels.table import (
     _sparse,
     _touch,
 )
+from kvlens.fleet.limits import TIERS
 
 _TOKEN: Final = np.uint64(0x100000001B3)  # FNV-1a's 64-bit prime
 _SEED: Final = np.uint64(0xCBF29CE484222325)
 # A replica's row of counters (``stats[replica]``): blocks per cause (kvlens.fleet.index.CAUSES's
-# order), tokens per cause, then per tier (GPU, CPU, STORAGE, other) blocks stored, removed, held.
+# order), tokens per cause, then per tier (kvlens.fleet.limits.TIERS) blocks stored, removed, held.
 C_NEW, C_EVICTED_HERE, C_HELD_ELSEWHERE, C_EVICTED_ELSEWHERE, C_HELD_HERE, C_UNKNOWN = range(6)
-TOKENS, STORED, REMOVED, HELD = 6, 12, 16, 20
-STATS = 24
+_TIERS: Final = len(TIERS)  # each a bit of a replica table's value above TIER_SHIFT (4 at most)
+TOKENS = 6
+STORED, REMOVED, HELD = 2 * TOKENS, 2 * TOKENS + _TIERS, 2 * TOKENS + 2 * _TIERS
+STATS = 2 * TOKENS + 3 * _TIERS
 # The fleet's counters (``fleet_counts``)
 HELD_ENTRIES, DUPLICATED, UNTRACKED, UNKNOWN_REMOVED, FORGOTTEN = range(5)
 FLEET_COUNTS = 5
@@ -391,7 +394,7 @@ def clear(arrays: Arrays, start: int, stop: int) -> None:
             copy_row, copy_found = _find(copies, engine_hash)
             if copy_found:
                 counts = copies[copy_row, 1]
-        for t in range(4):
+        for t in range(_TIERS):
             if held & (np.uint64(1) << np.uint64(t)):
                 entries = 1 + np.int64((counts >> np.uint64(COPY_BITS * t)) & np.uint64(COPY_MAX))
                 fleet_counts[HELD_ENTRIES] -= entries
