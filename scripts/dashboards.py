@@ -980,9 +980,13 @@ def sidecar() -> dash.Dashboard:
             "percentunit",
             [
                 query(
-                    summed("kvlens_records_rejected_total", *by_sidecar, "reason")
-                    + f" / on ({promql.labels(by_sidecar)}) group_left "
-                    + summed("kvlens_records_received_total", *by_sidecar),
+                    promql.share(
+                        selector("kvlens_records_rejected_total", SEL),
+                        selector("kvlens_records_received_total", SEL),
+                        RATE,
+                        by_sidecar,
+                        ("reason",),
+                    ),
                     "{{instance}} {{source}} {{reason}}",
                 )
             ],

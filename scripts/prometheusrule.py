@@ -6,10 +6,11 @@ PrometheusRule.
         --runbook-url-pattern 'https://git.example.com/ops/kvlens/-/blob/main/RUNBOOK.md#{anchor}' \\
         --out /tmp/kvlens-rules
 
-Sources: deploy/prometheus/src/kvlens-alerts.yaml (alerts, without runbook_url) and
-kvlens.exporter.promql's RULE_GROUPS (the recording rules, built with the idioms, label and cause
-lists that scripts/dashboards.py uses too). Outputs: deploy/prometheus/kvlens-rules.yaml,
-deploy/prometheus/kvlens-alerts.yaml and deploy/kubernetes/prometheusrule.yaml, or, with --out,
+Sources: ALERT_RULES below (the alerts, each threshold explained, without runbook_url) and
+kvlens.exporter.promql's RULE_GROUPS (the recording rules), both built with the idioms, label and
+cause lists that scripts/dashboards.py uses too: edit there, then run this. Outputs:
+deploy/prometheus/kvlens-rules.yaml, deploy/prometheus/kvlens-alerts.yaml and
+deploy/kubernetes/prometheusrule.yaml, or, with --out,
 kvlens-rules.yaml, kvlens-alerts.yaml and prometheusrule.yaml in that directory (a fork's own
 runbook without editing the checkout). The runbook URL pattern is the one setting, as
 kubernetes-mixin's runbookURLPattern: `{alert}` is the alert's name, `{anchor}` the GitHub anchor
@@ -20,16 +21,17 @@ from the default pattern.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from kvlens.exporter import promql
+from kvlens.exporter.collector import RETRIED_REFUSALS
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMETHEUS = ROOT / "deploy" / "prometheus"
-ALERTS_SOURCE = PROMETHEUS / "src" / "kvlens-alerts.yaml"
 RECORDING = PROMETHEUS / "kvlens-rules.yaml"
 # The recording rules' file: what each level keeps, and why a hit ratio is 0 rather than absent.
 RECORDING_HEADER = """\
@@ -73,15 +75,228 @@ def runbook_url(pattern: str, alert: str) -> str:
     return pattern.format(alert=alert, anchor=alert.lower())
 
 
+# ------------------------------------------------------------------------------- alerts ---------
+# Thresholds are the literals marked "threshold"; README "Alerts" explains each and how to tune
+# it. Every alert keeps cluster, namespace and job (and instance where one sidecar can be broken
+# alone) so that Alertmanager can route it; labels a setup does not have are simply absent.
+# Sidecar-health alerts evaluate per instance: one broken sidecar among 200 must not hide in the
+# fleet's sum. Workload alerts (template change, queueing) evaluate per namespace and model. The
+# runbook_url of each is added from --runbook-url-pattern.
+@dataclass(frozen=True)
+class Alert:
+    name: str
+    expr: str
+    for_: str
+    severity: str
+    summary: str
+    description: str
+
+    def rule(self, pattern: str) -> dict[str, Any]:
+        return {
+            "alert": self.name,
+            "expr": self.expr,
+            "for": self.for_,
+            "labels": {"severity": self.severity},
+            "annotations": {
+                "summary": self.summary,
+                "description": self.description,
+                "runbook_url": runbook_url(pattern, self.name),
+            },
+        }
+
+
+SIDECAR = promql.SIDECAR
+NAMESPACE_MODEL = promql.LEVELS["namespace_model"]
+NAMESPACE = promql.LEVELS["namespace"]
+REUSE_5M = promql.NAMESPACE_MODEL_REUSE.record
+REUSE_6H = promql.NAMESPACE_MODEL_REUSE_6H.record
+HIT_5M = promql.NAMESPACE_MODEL_HIT.record
+HIT_6H = promql.NAMESPACE_MODEL_HIT_6H.record
+on, summed = promql.on, promql.summed
+
+ALERT_RULES = (
+    # A target that served kvlens's metrics in the last day is down, or (when no such target
+    # explains it: `or on ()`) Prometheus has no kvlens at all. Needs no job name:
+    # kvlens_build_info identifies kvlens targets.
+    Alert(
+        "KVLensDown",
+        f"(\n  up == 0\n  and {on(SIDECAR)} last_over_time(kvlens_build_info[1d])\n)\n"
+        "or on () absent(kvlens_build_info)\n",
+        "5m",
+        "warning",
+        "kvlens is down or not scraped ({{ $labels.instance }})",
+        "Prometheus cannot scrape kvlens on {{ $labels.instance }} (no instance: no kvlens target is "
+        "scraped at all); its metrics and the prefix-cache numbers are missing.",
+    ),
+    # Metric families fail to render and are left out of /metrics, for 10 minutes.
+    Alert(
+        "KVLensCollectorErrors",
+        f"{summed('kvlens_collector_errors_total', '5m', SIDECAR)} > 0\n",
+        "10m",
+        "warning",
+        "kvlens leaves metric families out of /metrics ({{ $labels.instance }})",
+        "kvlens on {{ $labels.instance }} failed to render {{ $value | humanize }} metric families "
+        "per second for 10 minutes; the dashboards miss what they hold.",
+    ),
+    # Token reuse fell below half (threshold) of its own 6 h average ending 1 h ago, while the
+    # request hit ratio stays high (>= 0.5, threshold) and moved by less than 0.1 (threshold):
+    # requests still touch the cache but reuse far less of their prompts, the signature of a
+    # template change that moved variable text ahead of the shared part. Quiet under a 0.02
+    # (threshold) baseline.
+    Alert(
+        "KVLensTokenReuseDropWhileHitHigh",
+        f"(\n  {REUSE_5M}\n    < 0.5 * ({REUSE_6H} offset 1h)\n)\n"
+        f"and {on(NAMESPACE_MODEL)} ({HIT_5M} >= 0.5)\n"
+        f"and {on(NAMESPACE_MODEL)} (\n  abs({HIT_5M}\n      - ({HIT_6H} offset 1h)) < 0.1\n)\n"
+        f"and {on(NAMESPACE_MODEL)} (({REUSE_6H} offset 1h) > 0.02)\n",
+        "15m",
+        "warning",
+        "Token reuse dropped while the request hit ratio held ({{ $labels.model }})",
+        "Token reuse of {{ $labels.model }} is {{ $value | humanizePercentage }}, under half its 6 h "
+        "baseline, while the request hit ratio is unchanged and high. Requests still hit the cache "
+        "but reuse less of their prompts: check for a prompt template change.",
+    ),
+    # More than 1 % (threshold) of a source's records are rejected by one sidecar.
+    Alert(
+        "KVLensRecordsRejected",
+        promql.share(
+            "kvlens_records_rejected_total",
+            "kvlens_records_received_total",
+            "5m",
+            (*SIDECAR, "source"),
+            ("reason",),
+            multiline=True,
+        )
+        + "\n  > 0.01\n",
+        "10m",
+        "warning",
+        "kvlens rejects {{ $labels.reason }} records from {{ $labels.source }} ({{ $labels.instance }})",
+        "{{ $value | humanizePercentage }} of the records from {{ $labels.source }} on "
+        "{{ $labels.instance }} are rejected as {{ $labels.reason }}; they are counted nowhere else.",
+    ),
+    # A sender (the vLLM plugin) dropped records before delivery; `for` keeps one burst during a
+    # sidecar restart from paging alone.
+    Alert(
+        "KVLensRecordsDropped",
+        f"{summed('kvlens_records_dropped_total', '15m', (*SIDECAR, 'source'), fn='increase')} > 0\n",
+        "5m",
+        "warning",
+        "{{ $labels.source }} dropped records before delivering them ({{ $labels.instance }})",
+        "{{ $labels.source }} reported {{ $value | humanize }} records dropped in 15 minutes to "
+        "{{ $labels.instance }} (its queue overflowed while kvlens was unreachable).",
+    ),
+    # The engine finishes requests (seen by --scrape) but this sidecar receives no records.
+    Alert(
+        "KVLensNoRecords",
+        f"{summed('kvlens_engine_requests_total', '10m', SIDECAR)} > 0\n"
+        f"unless {on(SIDECAR)}\n  {summed('kvlens_records_received_total', '10m', SIDECAR)} > 0\n",
+        "10m",
+        "warning",
+        "The engine serves traffic but kvlens receives no records ({{ $labels.instance }})",
+        "The engine finishes {{ $value | humanize }} requests/s and kvlens received none in 10 "
+        "minutes: the plugin, tail or trace path is broken.",
+    ),
+    # More models than the label cap: records are folded into model="other".
+    Alert(
+        "KVLensSeriesOverflow",
+        f"{summed('kvlens_series_overflow_total', '15m', SIDECAR, fn='increase')} > 0\n",
+        "5m",
+        "warning",
+        'kvlens folds models into "other" ({{ $labels.instance }})',
+        "{{ $value | humanize }} records in 15 minutes carried a model beyond the label cap and were "
+        'counted as model="other".',
+    ),
+    Alert(
+        "KVLensUpstreamDown",
+        "kvlens_upstream_up == 0",
+        "5m",
+        "warning",
+        "kvlens cannot scrape {{ $labels.target }} ({{ $labels.instance }})",
+        "The last scrapes of {{ $labels.target }}'s /metrics failed for 5 minutes.",
+    ),
+    # kvlens's token reuse and the engine's, both as one sidecar sees them, differ by more than
+    # 0.1 (threshold).
+    Alert(
+        "KVLensEngineReuseDisagrees",
+        f"abs(\n  {promql.INSTANCE_REUSE.record}\n"
+        f"    - {on(promql.LEVELS['instance_model'])} {promql.INSTANCE_ENGINE_REUSE.record}\n) > 0.1\n",
+        "30m",
+        "warning",
+        "kvlens and the engine disagree on token reuse ({{ $labels.model }}, {{ $labels.instance }})",
+        "Token reuse of {{ $labels.model }} on {{ $labels.instance }} differs by "
+        "{{ $value | humanizePercentage }} between kvlens's records and the engine's counters.",
+    ),
+    # More than half (threshold) of TTFT is queueing: a faster prefill cannot help much.
+    Alert(
+        "KVLensQueueDominatesTTFT",
+        f"{promql.TTFT_QUEUE_SHARE.record} > 0.5",
+        "15m",
+        "info",
+        "Queueing dominates TTFT ({{ $labels.model }})",
+        "{{ $value | humanizePercentage }} of {{ $labels.model }}'s TTFT is queueing; the prefix "
+        "cache cannot shorten that part.",
+    ),
+    # Ingest listens beyond loopback without a token: anyone who reaches it can push records.
+    Alert(
+        "KVLensIngestOpen",
+        f"max by ({promql.labels(SIDECAR)}) (kvlens_ingest_open) == 1",
+        "10m",
+        "warning",
+        "kvlens ingest is open without a token ({{ $labels.instance }})",
+        "kvlens on {{ $labels.instance }} accepts records beyond loopback without a bearer token: "
+        "anyone who reaches the port can push numbers into your dashboards.",
+    ),
+    # A tail cannot write its checkpoint: lines are counted, a restart would read them again.
+    Alert(
+        "KVLensTailCheckpointFailing",
+        "kvlens_tail_checkpoint_ok == 0",
+        "5m",
+        "warning",
+        "kvlens cannot checkpoint the tail {{ $labels.path }} ({{ $labels.instance }})",
+        "The checkpoint of {{ $labels.path }} has not been written for 5 minutes. Lines are still "
+        "counted, but a restart would count them again: give state_dir a writable volume.",
+    ),
+    # Whole requests refused for reasons a sender does not fix by retrying (the retried ones are
+    # left out): bombs, oversized or undecodable bodies, wrong tokens. More than 0 (threshold) in
+    # 15 minutes.
+    Alert(
+        "KVLensIngestRefused",
+        summed(
+            promql.selector("kvlens_ingest_refused_total", f'reason!~"{"|".join(RETRIED_REFUSALS)}"'),
+            "15m",
+            (*SIDECAR, "reason"),
+            indent="",
+            fn="increase",
+        )
+        + " > 0\n",
+        "5m",
+        "warning",
+        "kvlens refuses ingest requests as {{ $labels.reason }} ({{ $labels.instance }})",
+        "{{ $value | humanize }} requests to {{ $labels.instance }} were refused whole as "
+        "{{ $labels.reason }} in 15 minutes; their records were not counted.",
+    ),
+    # More than 20 % (threshold) of a namespace's reusable tokens were recomputed on a replica
+    # while another replica held them, for 15 minutes, while the request hit ratio held (moved by
+    # less than 0.1, threshold, from its 6 h mean an hour ago): routing, not the workload or
+    # capacity.
+    Alert(
+        "KVLensReuseLostToRouting",
+        f"{promql.ROUTING_SHARE_OF_REUSABLE.record} > 0.2\n"
+        f"and {on(NAMESPACE)} (\n  abs(\n    {promql.NAMESPACE_HIT.record}\n"
+        f"      - ({promql.NAMESPACE_HIT_6H.record} offset 1h)\n  ) < 0.1\n)\n",
+        "15m",
+        "warning",
+        "Routing loses {{ $value | humanizePercentage }} of the reusable tokens",
+        "{{ $value | humanizePercentage }} of the tokens the fleet could have reused were recomputed "
+        "on a replica while another replica held their blocks (KV events), and the request hit "
+        "ratio did not change: requests go where their prefix is not.",
+    ),
+)
+
+
 def alerts(pattern: str = RUNBOOK_URL_PATTERN) -> dict[str, Any]:
     """The alert rule file, each alert's annotations ending with its runbook_url."""
-    source = yaml.safe_load(ALERTS_SOURCE.read_text())
-    for group in source["groups"]:
-        for rule in group["rules"]:
-            if "runbook_url" in rule["annotations"]:
-                raise ValueError(f"{ALERTS_SOURCE}: {rule['alert']} sets runbook_url; the generator adds it")
-            rule["annotations"]["runbook_url"] = runbook_url(pattern, rule["alert"])
-    return source  # type: ignore[no-any-return]
+    return {"groups": [{"name": "kvlens-alerts", "rules": [alert.rule(pattern) for alert in ALERT_RULES]}]}
 
 
 def prometheus_rule(pattern: str = RUNBOOK_URL_PATTERN) -> dict[str, Any]:
@@ -115,16 +330,16 @@ def _dump(document: dict[str, Any], header: str) -> str:
 
 def render_alerts(pattern: str = RUNBOOK_URL_PATTERN) -> str:
     header = (
-        "# Generated by scripts/prometheusrule.py from deploy/prometheus/src/kvlens-alerts.yaml (the\n"
-        "# thresholds are explained there); do not edit.\n"
+        "# Generated by scripts/prometheusrule.py from its ALERT_RULES (the thresholds are explained\n"
+        "# there), built with kvlens.exporter.promql; do not edit.\n"
     )
     return _dump(alerts(pattern), header)
 
 
 def render(pattern: str = RUNBOOK_URL_PATTERN) -> str:
     header = (
-        "# Generated by scripts/prometheusrule.py from deploy/prometheus/kvlens-rules.yaml and\n"
-        "# deploy/prometheus/src/kvlens-alerts.yaml; do not edit.\n"
+        "# Generated by scripts/prometheusrule.py from kvlens.exporter.promql's RULE_GROUPS (the\n"
+        "# recording rules) and its own ALERT_RULES; do not edit.\n"
     )
     return _dump(prometheus_rule(pattern), header)
 

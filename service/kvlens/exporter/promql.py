@@ -78,17 +78,23 @@ def selector(metric: str, *matchers: str) -> str:
     return f"{metric}{{{matched}}}" if matched else metric
 
 
-def rate(series: str, window: str) -> str:
-    """Per second over a window; over a dashboard's whole range, the increase (one value)."""
-    return f"{'increase' if window == RANGE else 'rate'}({series}[{window}])"
+def rate(series: str, window: str, fn: str = "") -> str:
+    """Per second over a window; over a dashboard's whole range (or with ``fn="increase"``, an
+    alert's count of events in its window), the increase."""
+    return f"{fn or ('increase' if window == RANGE else 'rate')}({series}[{window}])"
 
 
-def summed(series: str, window: str, by: Sequence[str] = (), indent: str | None = None) -> str:
+def summed(series: str, window: str, by: Sequence[str] = (), indent: str | None = None, fn: str = "") -> str:
     """``sum by (...) (rate(series[window]))``; with ``indent``, the rate on a line of its own."""
     group = f" by ({labels(by)})" if by else ""
     if indent is None:
-        return f"sum{group} ({rate(series, window)})"
-    return f"sum{group} (\n{indent}  {rate(series, window)}\n{indent})"
+        return f"sum{group} ({rate(series, window, fn)})"
+    return f"sum{group} (\n{indent}  {rate(series, window, fn)}\n{indent})"
+
+
+def on(names: Sequence[str]) -> str:
+    """Vector matching on a level's labels: ``on (cluster, namespace)``."""
+    return f"on ({labels(names)})"
 
 
 def ratio(
@@ -98,6 +104,15 @@ def ratio(
     writes it, the division on the second line."""
     between = "\n  / " if multiline else " / "
     return summed(numerator, window, by) + between + summed(denominator, window, by)
+
+
+def share(
+    part: str, whole: str, window: str, by: Sequence[str], detail: Sequence[str], multiline: bool = False
+) -> str:
+    """Each part's share of its whole per ``by``, the part split further by ``detail`` (a reason):
+    ``sum by (by, detail) (part) / on (by) group_left sum by (by) (whole)``."""
+    between = f"\n  / {on(by)} group_left\n    " if multiline else f" / {on(by)} group_left "
+    return summed(part, window, (*by, *detail)) + between + summed(whole, window, by)
 
 
 REQUESTS: Final = "kvlens_requests_total"
