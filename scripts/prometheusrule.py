@@ -76,7 +76,7 @@ def runbook_url(pattern: str, alert: str) -> str:
 
 
 # ------------------------------------------------------------------------------- alerts ---------
-# Thresholds are the literals marked "threshold"; README "Alerts" explains each and how to tune
+# Thresholds are the literals marked "threshold"; docs/dashboards.md explains each and how to tune
 # it. Every alert keeps cluster, namespace and job (and instance where one sidecar can be broken
 # alone) so that Alertmanager can route it; labels a setup does not have are simply absent.
 # Sidecar-health alerts evaluate per instance: one broken sidecar among 200 must not hide in the

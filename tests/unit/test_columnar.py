@@ -664,7 +664,7 @@ def test_calibration_points_in_one_fetch_or_in_batches_fit_as_numpy_does(
 
 
 def test_an_empty_label_in_parquet_is_absent_as_in_json_lines(tmp_path: Path) -> None:
-    """README: an empty string counts as absent. A Parquet file written elsewhere (a warehouse
+    """docs/analyze.md: an empty string counts as absent. A Parquet file written elsewhere (a warehouse
     export) may hold '' where JSON lines hold "": the same records, the same report."""
     lines = [
         {"model": "", "prompt_tokens": 10, "cached_tokens": 1, "ttft_seconds": 0.5},

@@ -288,7 +288,7 @@ def test_kv_events_overlay_renders_with_kustomize() -> None:
 
 
 def test_the_fleet_kvlens_memory_limit_is_above_the_index_worst_case_at_the_default_caps() -> None:
-    """The worst case (README, KV events; measured by ``bench/kv_events.py --worst-case``): the
+    """The worst case (docs/kv-events.md; measured by ``bench/kv_events.py --worst-case``): the
     idle process with its compiled loops (201 MiB measured), both caps full at their most bytes an
     entry, and the largest table rebuilt (old and new held at once), with a fifth to spare."""
     from kvlens.fleet.index import HELD_ENTRY_BYTES, MAX_HELD_BLOCKS, REMEMBER_BLOCKS, REMEMBERED_ENTRY_BYTES
