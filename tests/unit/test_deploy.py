@@ -50,6 +50,15 @@ def test_prometheus_rule_is_generated_from_the_rule_files() -> None:
     assert documents()["PrometheusRule"]["spec"]["groups"] == rule_files
 
 
+def test_recording_rules_are_generated_from_kvlens_promql() -> None:
+    """The recording rules are written by the code that writes the dashboards' queries
+    (kvlens.exporter.promql): the file is its output, byte for byte, and parses to its table."""
+    script = runpy.run_path(str(ROOT / "scripts" / "prometheusrule.py"))
+    rules = DEPLOY / "prometheus" / "kvlens-rules.yaml"
+    assert rules.read_text() == script["render_rules"](), "run scripts/prometheusrule.py"
+    assert yaml.safe_load(rules.read_text())["groups"] == script["recording_rules"]()
+
+
 def containers() -> dict[str, dict[str, Any]]:
     pod = documents()["Deployment"]["spec"]["template"]["spec"]
     return {c["name"]: c for c in pod["containers"]}
