@@ -11,7 +11,6 @@ them to it).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -85,8 +84,14 @@ class GroupSums:
     last_row: int
 
 
-# the columns of :class:`kvlens.analysis.report.Decomposition`'s fields, in its order
-_DECOMPOSITION = ("complete_requests", "overlapped_requests", "queue_fixed", "prefill_fixed", "other_fixed")
+# the column of :func:`totals_sql` of each field of :class:`kvlens.analysis.report.Decomposition`
+_DECOMPOSITION = {
+    "requests": "complete_requests",
+    "overlapped": "overlapped_requests",
+    "queue": "queue_fixed",
+    "prefill": "prefill_fixed",
+    "other": "other_fixed",
+}
 
 
 def _int(value: Any) -> int:
@@ -184,7 +189,9 @@ def group_sums(engine: Engine, reduced: str, checks: bool = False) -> tuple[list
                     for name in RANKED
                     if row[f"{name}_count"]
                 },
-                decomposition=report.Decomposition(*(_int(row[name]) for name in _DECOMPOSITION)),
+                decomposition=report.Decomposition(
+                    **{name: _int(row[column]) for name, column in _DECOMPOSITION.items()}
+                ),
                 timed_prompt_tokens=_int(row["timed_prompt_tokens"]),
                 timed_cached_tokens=_int(row["timed_cached_tokens"]),
                 arrivals=Arrivals(
@@ -239,7 +246,7 @@ def summarize(
     cells: dict[report.Key, report.Cell] = {}
     bounds: dict[Part, tuple[int, float, float]] = {}
     sums: dict[Part, float] = {}  # of each part's values: only the first pass's bin scale reads them
-    decomposition = [0, 0, 0, 0, 0]
+    decomposition = dict.fromkeys(_DECOMPOSITION, 0)
     prefill_sums: dict[report.Group, tuple[int, int, int]] = {}
     timed_by_model: dict[str, int] = {}
     arrivals = Arrivals()
@@ -260,8 +267,8 @@ def summarize(
             widen((name, g, hit), values)
             if name == "ttft_seconds":
                 widen(("all_ttft", -1, False), values)
-        for index, value in enumerate(dataclasses.astuple(row.decomposition)):
-            decomposition[index] += value
+        for name in decomposition:
+            decomposition[name] += getattr(row.decomposition, name)
         timed = row.series["prefill_seconds"].count if "prefill_seconds" in row.series else 0
         if timed:
             before = prefill_sums.get((g, hit), (0, 0, 0))
@@ -324,7 +331,7 @@ def summarize(
         (per_token,) = quantiles_of(("prefill_per_computed_token", *group), (0.5,))
         prefill_groups[group] = report.PrefillGroup(count, n, h, median, per_token)
     summary = report.Summary(
-        cells, latency, report.Decomposition(*decomposition), threshold, slowest, prefill_groups
+        cells, latency, report.Decomposition(**decomposition), threshold, slowest, prefill_groups
     )
     return Summarized(summary, timed_by_model, arrivals)
 
