@@ -45,6 +45,7 @@ import numpy as np
 
 from kvlens import records, sqltext
 from kvlens.analysis import reader
+from kvlens.analysis.duckdb.engine import duckdb_module
 from kvlens.analysis.duckdb.sql import beyond_short_ascii, labels_to_check
 from kvlens.errors import InputError
 from kvlens.sources import jsonlines
@@ -236,8 +237,7 @@ class _Parser:
     def __init__(
         self, connection: Any, table: str, columns: Mapping[str, str], src: int, directory: Path
     ) -> None:
-        import duckdb
-
+        duckdb = duckdb_module()
         self.connection = connection
         self.table = table
         self.columns = columns

@@ -12,7 +12,7 @@ them to it).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -221,6 +221,73 @@ def _series(chunks: tuple[str, ...], sample: str | None = None) -> Series:
     )
 
 
+@dataclass
+class _Totals:
+    """The rows of :func:`totals_sql` added up over models: the report's cells and TTFT
+    decomposition, each part's count, min and max (the ranks to find) and sum (the first
+    pass's bin scale: :func:`kvlens.analysis.duckdb.order_statistics.at_ranks`), the prefill
+    groups' sums, each model's timed records, the arrival times' range, the last row number."""
+
+    cells: dict[report.Key, report.Cell] = field(default_factory=dict)
+    bounds: dict[Part, tuple[int, float, float]] = field(default_factory=dict)
+    sums: dict[Part, float] = field(default_factory=dict)
+    decomposition: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_DECOMPOSITION, 0))
+    prefill: dict[report.Group, tuple[int, int, int]] = field(default_factory=dict)  # requests, n, h
+    timed_by_model: dict[str, int] = field(default_factory=dict)
+    arrivals: Arrivals = field(default_factory=Arrivals)
+    last_row: int = 0
+
+    def add(self, row: GroupSums) -> None:
+        model, g, hit = row.key
+        self.cells[row.key] = row.cell
+        for name, values in row.series.items():
+            self._widen((name, g, hit), values)
+            if name == "ttft_seconds":
+                self._widen(("all_ttft", -1, False), values)
+        for name in self.decomposition:
+            self.decomposition[name] += getattr(row.decomposition, name)
+        timed = row.series["prefill_seconds"].count if "prefill_seconds" in row.series else 0
+        if timed:
+            before = self.prefill.get((g, hit), (0, 0, 0))
+            self.prefill[(g, hit)] = (
+                before[0] + timed,
+                before[1] + row.timed_prompt_tokens,
+                before[2] + row.timed_cached_tokens,
+            )
+            self.timed_by_model[model] = self.timed_by_model.get(model, 0) + timed
+        self.arrivals = self.arrivals.merged(row.arrivals)
+        self.last_row = max(self.last_row, row.last_row)
+
+    def _widen(self, part: Part, values: Bounds) -> None:
+        self.sums[part] = self.sums.get(part, 0.0) + values.total
+        count, low, high = values.count, values.low, values.high
+        if part in self.bounds:
+            known = self.bounds[part]
+            count, low, high = known[0] + count, min(known[1], low), max(known[2], high)
+        self.bounds[part] = (count, low, high)
+
+
+def _order_statistics(engine: Engine, totals: _Totals) -> tuple[dict[tuple[Part, int], float], Tail]:
+    """The values at the ranks the report reads of every part (the latency percentiles per
+    group, the prefill medians, the slowest requests' threshold), and the :class:`Tail` that
+    counts the slowest requests from the same read."""
+    records = sum(cell.requests for cell in totals.cells.values())
+    series = _series(
+        order_statistics.row_chunks(records, totals.last_row),
+        order_statistics.sample_rows(records, totals.last_row),
+    )
+    fractions = {name: tuple(q / 100 for q in report.QUANTILES) for name in report.LATENCY_COLUMNS}
+    fractions["prefill_per_computed_token"] = (0.5,)
+    fractions["all_ttft"] = (1 - report.SLOWEST_SHARE,)
+    wanted: dict[Part, list[int]] = {}
+    for part, (count, _, _) in totals.bounds.items():
+        ranks = [definitions.quantile_ranks(count, fraction) for fraction in fractions[part[0]]]
+        wanted[part] = sorted({rank for low, high, _ in ranks for rank in (low, high)})
+    means = {part: totals.sums[part] / totals.bounds[part][0] for part in totals.bounds}
+    tail = Tail(("all_ttft", -1, False))  # the slowest requests: counted from the same read
+    return order_statistics.at_ranks(engine, series, wanted, totals.bounds, means, tail), tail
+
+
 def summarize(
     engine: Engine, source: str, edges: Sequence[int], default_model: str, unchecked: Unchecked | None = None
 ) -> Summarized:
@@ -243,59 +310,13 @@ def summarize(
             f"({unchecked.source()}) AS records_checked", edges, default_model, (*KEPT, "rejection")
         )
         rows, rejected = group_sums(engine, checked, checks=True)
-    cells: dict[report.Key, report.Cell] = {}
-    bounds: dict[Part, tuple[int, float, float]] = {}
-    sums: dict[Part, float] = {}  # of each part's values: only the first pass's bin scale reads them
-    decomposition = dict.fromkeys(_DECOMPOSITION, 0)
-    prefill_sums: dict[report.Group, tuple[int, int, int]] = {}
-    timed_by_model: dict[str, int] = {}
-    arrivals = Arrivals()
-    last_row = 0
-
-    def widen(part: Part, values: Bounds) -> None:
-        sums[part] = sums.get(part, 0.0) + values.total
-        count, low, high = values.count, values.low, values.high
-        if part in bounds:
-            known = bounds[part]
-            count, low, high = known[0] + count, min(known[1], low), max(known[2], high)
-        bounds[part] = (count, low, high)
-
+    totals = _Totals()
     for row in rows:
-        model, g, hit = row.key
-        cells[row.key] = row.cell
-        for name, values in row.series.items():
-            widen((name, g, hit), values)
-            if name == "ttft_seconds":
-                widen(("all_ttft", -1, False), values)
-        for name in decomposition:
-            decomposition[name] += getattr(row.decomposition, name)
-        timed = row.series["prefill_seconds"].count if "prefill_seconds" in row.series else 0
-        if timed:
-            before = prefill_sums.get((g, hit), (0, 0, 0))
-            prefill_sums[(g, hit)] = (
-                before[0] + timed,
-                before[1] + row.timed_prompt_tokens,
-                before[2] + row.timed_cached_tokens,
-            )
-            timed_by_model[model] = timed_by_model.get(model, 0) + timed
-        arrivals = arrivals.merged(row.arrivals)
-        last_row = max(last_row, row.last_row)
+        totals.add(row)
     if unchecked is not None:
         unchecked.settle(engine, rejected)
-    records = sum(cell.requests for cell in cells.values())
-    series = _series(
-        order_statistics.row_chunks(records, last_row), order_statistics.sample_rows(records, last_row)
-    )
-    fractions = {name: tuple(q / 100 for q in report.QUANTILES) for name in report.LATENCY_COLUMNS}
-    fractions["prefill_per_computed_token"] = (0.5,)
-    fractions["all_ttft"] = (1 - report.SLOWEST_SHARE,)
-    wanted: dict[Part, list[int]] = {}
-    for part, (count, _, _) in bounds.items():
-        ranks = [definitions.quantile_ranks(count, fraction) for fraction in fractions[part[0]]]
-        wanted[part] = sorted({rank for low, high, _ in ranks for rank in (low, high)})
-    means = {part: sums[part] / bounds[part][0] for part in bounds}
-    tail = Tail(("all_ttft", -1, False))  # the slowest requests: counted from the same read
-    found = order_statistics.at_ranks(engine, series, wanted, bounds, means, tail)
+    bounds = totals.bounds
+    found, tail = _order_statistics(engine, totals)
 
     def quantiles_of(part: Part, fractions: tuple[float, ...]) -> list[float]:
         count = bounds[part][0]
@@ -305,7 +326,7 @@ def summarize(
         count = bounds[part][0] if part in bounds else 0
         return report.percentiles_of(count, lambda ranks: [found[(part, rank)] for rank in ranks])
 
-    groups = {(key[1], key[2]) for key in cells}
+    groups = {(key[1], key[2]) for key in totals.cells}
     latency = {
         group: {name: latency_of((name, *group)) for name in report.LATENCY_COLUMNS}
         for group in sorted(groups)
@@ -326,14 +347,19 @@ def summarize(
             ).fetchall()
         }
     prefill_groups: dict[report.Group, report.PrefillGroup] = {}
-    for group, (count, n, h) in sorted(prefill_sums.items()):
+    for group, (count, n, h) in sorted(totals.prefill.items()):
         (median,) = quantiles_of(("prefill_seconds", *group), (0.5,))
         (per_token,) = quantiles_of(("prefill_per_computed_token", *group), (0.5,))
         prefill_groups[group] = report.PrefillGroup(count, n, h, median, per_token)
     summary = report.Summary(
-        cells, latency, report.Decomposition(**decomposition), threshold, slowest, prefill_groups
+        totals.cells,
+        latency,
+        report.Decomposition(**totals.decomposition),
+        threshold,
+        slowest,
+        prefill_groups,
     )
-    return Summarized(summary, timed_by_model, arrivals)
+    return Summarized(summary, totals.timed_by_model, totals.arrivals)
 
 
 CALIBRATION_BATCH = 2_000_000  # points fetched into Python at once, about 32 bytes each
