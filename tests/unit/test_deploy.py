@@ -291,8 +291,8 @@ def test_the_fleet_kvlens_memory_limit_is_above_the_index_worst_case_at_the_defa
     """The worst case (docs/kv-events.md; measured by ``bench/kv_events.py --worst-case``): the
     idle process with its compiled loops (201 MiB measured), both caps full at their most bytes an
     entry, and the largest table rebuilt (old and new held at once), with a fifth to spare."""
-    from kvlens.fleet.index import HELD_ENTRY_BYTES, MAX_HELD_BLOCKS, REMEMBER_BLOCKS, REMEMBERED_ENTRY_BYTES
-    from kvlens.fleet.kernels import FILL
+    from kvlens.fleet.kernels.table import FILL
+    from kvlens.fleet.limits import HELD_ENTRY_BYTES, MAX_HELD_BLOCKS, REMEMBER_BLOCKS, REMEMBERED_ENTRY_BYTES
 
     fleet = overlay()["Deployment", "kvlens-fleet"]
     (container,) = fleet["spec"]["template"]["spec"]["containers"]

@@ -25,7 +25,7 @@ from kvlens.exporter.modelled import ModelledCauses
 from kvlens.exporter.runtime import LAG_BUCKETS, ServiceHealth
 from kvlens.exporter.upstream import UpstreamState
 from kvlens.fleet.index import CAUSES
-from kvlens.fleet.source import KVEvents
+from kvlens.fleet.subscriber import KVEvents
 from kvlens.sources.tail import SKIP_REASONS, TailStatus
 
 log = logging.getLogger(__name__)

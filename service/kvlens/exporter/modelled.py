@@ -7,7 +7,7 @@ they arrive: a sender that sorts by arrival gets the offline result of the same 
 record is left out, and counted by reason, when it has no ``replica`` (``no_replica``), a
 ``block_size`` other than ``modelled_block_size`` (``block_size``: one modelled block size, so a
 replica's blocks are comparable), or a replica past ``modelled_max_replicas`` (``replicas``; at
-most :data:`~kvlens.fleet.index.MAX_REPLICAS`, the index's slots: modelled replicas are never
+most :data:`~kvlens.fleet.limits.MAX_REPLICAS`, the index's slots: modelled replicas are never
 forgotten, a record's replica may come back any time).
 Records without ``prefix_hashes`` are not counted here at all.
 
@@ -22,7 +22,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Final
 
-from kvlens.fleet.index import MAX_REPLICAS, FleetIndex, IndexSnapshot
+from kvlens.fleet.index import FleetIndex, IndexSnapshot
+from kvlens.fleet.limits import MAX_REPLICAS
 from kvlens.fleet.modelled import ModelledFleet
 from kvlens.records import RecordBatch
 
