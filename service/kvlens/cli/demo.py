@@ -19,7 +19,7 @@ from kvlens.fleet.index import CAUSES, compiled_loops_available
 from kvlens.fleet.ordering import Publisher
 from kvlens.fleet.subscriber import KVEvents
 from kvlens.records import batch_from_objects
-from kvlens.sources import demo
+from kvlens.simulate import demo
 
 
 def add_parser(commands: Any) -> None:

@@ -1,6 +1,6 @@
 """Why reuse is lost, without KV events: live records that carry ``prefix_hashes`` and
 ``replica`` (a gateway's, LiteLLM's ``prefix_block_hashes``) through one modelled cache per
-replica (:class:`~kvlens.fleet.modelled.ModelledFleet`), when ``modelled_capacity_blocks`` is set.
+replica (:class:`~kvlens.simulate.modelled.ModelledFleet`), when ``modelled_capacity_blocks`` is set.
 
 The records are modelled in the order the sidecar counts them (a batch in its order, batches as
 they arrive: a sender that sorts by arrival gets the offline result of the same records). A
@@ -24,8 +24,8 @@ from typing import Final
 
 from kvlens.fleet.index import FleetIndex, IndexSnapshot
 from kvlens.fleet.limits import MAX_REPLICAS
-from kvlens.fleet.modelled import ModelledFleet
 from kvlens.records import RecordBatch
+from kvlens.simulate.modelled import ModelledFleet
 
 MODELLED: Final = "modelled"
 SKIP_REASONS: Final = ("no_replica", "block_size", "replicas")
