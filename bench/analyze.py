@@ -96,10 +96,11 @@ def run_case(case: str, path: str, memory_limit: str) -> dict[str, Any]:
             f"SELECT count(*), sum(prompt_tokens), sum(cached_tokens), sum(ttft_seconds) FROM '{path}'"
         ).fetchall()
     elif case == "jsonl_load_duckdb":  # the read phase alone: read, validate, load into DuckDB
-        from kvlens.analysis import columnar
+        from kvlens.analysis.duckdb import inputs
+        from kvlens.analysis.duckdb.engine import Engine
 
-        store = columnar.Engine(memory_limit=memory_limit)
-        count = columnar.load(store, [path]).records
+        store = Engine(memory_limit=memory_limit)
+        count = inputs.load(store, [path]).records
         store.close()
     elif case == "parquet_cli_duckdb":
         # the command as run (its imports included): kvlens analyze FILE --engine duckdb --json

@@ -71,9 +71,9 @@ def run_case(engine: str, paths: list[str], memory_limit: str, resamples: int) -
     settings = load_settings()
     start = time.perf_counter()
     if engine == "duckdb":
-        from kvlens.analysis import columnar_compare
+        from kvlens.analysis.duckdb import compare as in_duckdb
 
-        result = columnar_compare.compare_files(
+        result = in_duckdb.compare_files(
             list(zip(ARMS, paths, strict=True)), settings, warmup=1000, memory_limit=memory_limit
         )
     else:

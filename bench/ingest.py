@@ -37,8 +37,8 @@ from kvlens.config import load_settings
 from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.collector import KVLensCollector
 from kvlens.records import Record, batch_from_objects
+from kvlens.simulate.demo import DemoTraffic
 from kvlens.sources import push
-from kvlens.sources.demo import DemoTraffic
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCH = 1000

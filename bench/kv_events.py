@@ -57,19 +57,14 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from kvlens.exporter.collector import _kv_families
-from kvlens.fleet.index import MAX_HELD_BLOCKS, TIERS, FleetIndex
+from kvlens.fleet.index import FleetIndex
+from kvlens.fleet.limits import MAX_HELD_BLOCKS, TIERS
+from kvlens.fleet.ordering import Consumer, Publisher
 from kvlens.fleet.publisher import EventPublisher
+from kvlens.fleet.schema import AllBlocksCleared, BlockRemoved, BlockStored, Event, KVEventBatch
 from kvlens.fleet.simulated import SimulatedEngine
-from kvlens.fleet.source import Consumer, KVEvents, Publisher
-from kvlens.fleet.wire import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    Event,
-    KVEventBatch,
-    apply,
-    decode_batch,
-)
+from kvlens.fleet.subscriber import KVEvents
+from kvlens.fleet.wire import apply, decode_batch
 from kvlens.simulate.run import Fleet, simulate
 from kvlens.simulate.trace import BUNDLED, MOONCAKE, Trace
 

@@ -46,7 +46,7 @@ from tests.kv_publisher import TestPublisher
 from tests.live import free_port
 
 from kvlens.fleet.publisher import END_SEQ
-from kvlens.fleet.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvlens.fleet.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 HONEST = ("honest-0", "honest-1")
 LARGE = "large"

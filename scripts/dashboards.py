@@ -32,33 +32,35 @@ from grafana_foundation_sdk.models import dashboard as model
 from grafana_foundation_sdk.models.heatmap import HeatmapColorMode
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
+from kvlens.exporter import promql
+from kvlens.exporter.promql import RANGE, causes, selector
+
 OUT = Path(__file__).resolve().parent.parent / "dashboards"
 DATASOURCE = model.DataSourceRef(type_val="prometheus", uid="${datasource}")
 TAG = "kvlens"
-# Every query's selection; MODEL adds the model variable for per-model series.
-SEL = 'cluster=~"$cluster", namespace=~"$namespace", job=~"$job", instance=~"$instance"'
-MODEL = f'{SEL}, model=~"$model"'
-RATE = "$__rate_interval"
-RANGE = "$__range"
-# Labels that identify one sidecar across clusters (absent ones are simply absent).
-SIDECAR = "cluster, namespace, job, instance"
+# Every query's selection: one sidecar's labels on their variables; MODEL adds the model variable
+# for per-model series. The idioms (ratios of sums, the hit ratio, windows, label and cause lists)
+# are kvlens.exporter.promql's, which writes the recording rules too.
+SEL = promql.variables(promql.SIDECAR)
+MODEL = promql.variables(promql.LEVELS["instance_model"])
+RATE = promql.RATE_INTERVAL
+SIDECAR = promql.labels(promql.SIDECAR)
 
 
 # ------------------------------------------------------------------------------ PromQL ----------
+def summed(metric: str, *by: str, matchers: str = SEL, window: str = RATE) -> str:
+    """``sum by (...) (rate(metric{selection}[$__rate_interval]))``."""
+    return promql.summed(selector(metric, matchers), window, by)
+
+
 def ratio(numerator: str, denominator: str, window: str = RATE, by: str = "") -> str:
     """A ratio of sums over the window (never a mean of ratios)."""
-    group = f" by ({by})" if by else ""
-    fn = "increase" if window == RANGE else "rate"
-    return f"sum{group} ({fn}({numerator}[{window}])) / sum{group} ({fn}({denominator}[{window}]))"
+    return promql.ratio(numerator, denominator, window, (by,) if by else ())
 
 
 def hit_ratio(window: str = RATE, by: str = "") -> str:
     """The request hit ratio; 0 (not absent) where requests arrived and none hit."""
-    group = f" by ({by})" if by else ""
-    fn = "increase" if window == RANGE else "rate"
-    every = f"sum{group} ({fn}(kvlens_requests_total{{{MODEL}}}[{window}]))"
-    hits = f'sum{group} ({fn}(kvlens_requests_total{{{MODEL}, cache="hit"}}[{window}]))'
-    return f"({hits} or 0 * {every}) / {every}"
+    return promql.hit_ratio(window, (by,) if by else (), MODEL)
 
 
 REUSE = (f"kvlens_cached_tokens_total{{{MODEL}}}", f"kvlens_prompt_tokens_total{{{MODEL}}}")
@@ -90,10 +92,8 @@ def quantile(
     q: float, metric: str, selection: str = MODEL, window: str = RATE, by: str = "prompt_len, cache"
 ) -> str:
     """A quantile per model (never across models: an 8B and a 70B model make no one quantile)."""
-    fn = "increase" if window == RANGE else "rate"
-    return (
-        f"histogram_quantile({q}, sum by (model, {by}, le) ({fn}({metric}_bucket{{{selection}}}[{window}])))"
-    )
+    buckets = promql.rate(selector(f"{metric}_bucket", selection), window)
+    return f"histogram_quantile({q}, sum by (model, {by}, le) ({buckets}))"
 
 
 # ----------------------------------------------------------------------------- builders ---------
@@ -311,11 +311,10 @@ RECOMPUTED = "kvlens_kv_recomputed_tokens_total"
 # Without KV events: records' prefix_hashes through one modelled cache per replica. Its own
 # panels, titled modelled, never summed with the observed family.
 MODELLED_RECOMPUTED = "kvlens_kv_modelled_recomputed_tokens_total"
-LOST = 'cause=~"held_elsewhere|evicted_here|evicted_elsewhere"'  # reuse lost to routing or capacity
-LOST_OR_NEW = 'cause=~"new|held_elsewhere|evicted_here|evicted_elsewhere"'
+LOST = causes(promql.LOST)  # reuse lost to routing or capacity
+LOST_OR_NEW = causes(promql.RECOMPUTED)
 # The KV-event metrics come from the kvlens that subscribes to the replicas (--kv-events), not
 # from the sidecars: the fleet row selects cluster and namespace, and job/instance of that kvlens.
-NS = 'cluster=~"$cluster", namespace=~"$namespace"'
 
 
 def why_reuse_is_lost(board: dash.Dashboard) -> dash.Dashboard:
@@ -330,7 +329,7 @@ def why_reuse_is_lost(board: dash.Dashboard) -> dash.Dashboard:
             "short",
             [
                 query(
-                    f"sum by (cause) (rate({RECOMPUTED}{{{SEL}, {LOST_OR_NEW}}}[{RATE}]))",
+                    summed(RECOMPUTED, "cause", matchers=f"{SEL}, {LOST_OR_NEW}"),
                     "{{cause}}",
                 )
             ],
@@ -348,7 +347,7 @@ def why_reuse_is_lost(board: dash.Dashboard) -> dash.Dashboard:
             "short",
             [
                 query(
-                    f"sum by (replica, cause) (rate({RECOMPUTED}{{{SEL}, {LOST}}}[{RATE}]))",
+                    summed(RECOMPUTED, "replica", "cause", matchers=f"{SEL}, {LOST}"),
                     "{{replica}} {{cause}}",
                 )
             ],
@@ -364,13 +363,11 @@ def why_reuse_is_lost(board: dash.Dashboard) -> dash.Dashboard:
             "percentunit",
             [
                 query(
-                    f"namespace:kvlens_reachable_token_reuse_ratio:ratio_rate5m{{{NS}}}",
+                    promql.REACHABLE_REUSE.on_dashboard(),
                     "{{namespace}} reachable",
                     "A",
                 ),
-                query(
-                    f"namespace:kvlens_token_reuse_ratio:ratio_rate5m{{{NS}}}", "{{namespace}} delivered", "B"
-                ),
+                query(promql.NAMESPACE_REUSE.on_dashboard(), "{{namespace}} delivered", "B"),
             ],
             width=8,
         )
@@ -384,17 +381,17 @@ def why_reuse_is_lost(board: dash.Dashboard) -> dash.Dashboard:
             "percentunit",
             [
                 query(
-                    f"namespace:kvlens_kv_routing_loss_ratio:ratio_rate5m{{{NS}}}",
+                    promql.ROUTING_LOSS.on_dashboard(),
                     "{{namespace}} routing",
                     "A",
                 ),
                 query(
-                    f"namespace:kvlens_kv_capacity_loss_ratio:ratio_rate5m{{{NS}}}",
+                    promql.CAPACITY_LOSS.on_dashboard(),
                     "{{namespace}} capacity",
                     "B",
                 ),
                 query(
-                    f"namespace:kvlens_kv_routing_share_of_reusable:ratio_rate5m{{{NS}}}",
+                    promql.ROUTING_SHARE_OF_REUSABLE.on_dashboard(),
                     "{{namespace}} routing, share of reusable (the alert's)",
                     "C",
                 ),
@@ -429,17 +426,17 @@ def why_reuse_is_lost(board: dash.Dashboard) -> dash.Dashboard:
             "cps",
             [
                 query(
-                    f"sum by (replica) (rate(kvlens_kv_missed_batches_total{{{SEL}}}[{RATE}]))",
+                    summed("kvlens_kv_missed_batches_total", "replica"),
                     "missed {{replica}}",
                     "A",
                 ),
                 query(
-                    f"sum by (replica) (rate(kvlens_kv_publisher_restarts_total{{{SEL}}}[{RATE}]))",
+                    summed("kvlens_kv_publisher_restarts_total", "replica"),
                     "restarts {{replica}}",
                     "B",
                 ),
                 query(
-                    f"sum by (reason) (rate(kvlens_kv_events_rejected_total{{{SEL}}}[{RATE}]))",
+                    summed("kvlens_kv_events_rejected_total", "reason"),
                     "rejected: {{reason}}",
                     "C",
                 ),
@@ -471,7 +468,7 @@ def modelled_causes(board: dash.Dashboard) -> dash.Dashboard:
             "short",
             [
                 query(
-                    f"sum by (cause) (rate({MODELLED_RECOMPUTED}{{{SEL}, {LOST_OR_NEW}}}[{RATE}]))",
+                    summed(MODELLED_RECOMPUTED, "cause", matchers=f"{SEL}, {LOST_OR_NEW}"),
                     "{{cause}} (modelled)",
                 )
             ],
@@ -489,7 +486,7 @@ def modelled_causes(board: dash.Dashboard) -> dash.Dashboard:
             "short",
             [
                 query(
-                    f"sum by (replica, cause) (rate({MODELLED_RECOMPUTED}{{{SEL}, {LOST}}}[{RATE}]))",
+                    summed(MODELLED_RECOMPUTED, "replica", "cause", matchers=f"{SEL}, {LOST}"),
                     "{{replica}} {{cause}} (modelled)",
                 )
             ],
@@ -505,7 +502,7 @@ def modelled_causes(board: dash.Dashboard) -> dash.Dashboard:
             "reqps",
             [
                 query(
-                    f"sum by (outcome) (rate(kvlens_kv_modelled_records_total{{{SEL}}}[{RATE}]))",
+                    summed("kvlens_kv_modelled_records_total", "outcome"),
                     "{{outcome}}",
                 )
             ],
@@ -579,7 +576,6 @@ def overview() -> dash.Dashboard:
         )
     )
 
-    ns_selection = 'cluster=~"$cluster", namespace=~"$namespace", job=~"$job", model=~"$model"'
     board = board.with_row(dash.Row("Per pod: routing problems show here first"))
     board = board.with_panel(
         series(
@@ -590,7 +586,7 @@ def overview() -> dash.Dashboard:
             "percentunit",
             [
                 query(
-                    f"instance_model:kvlens_token_reuse_ratio:ratio_rate5m{{{MODEL}}}",
+                    promql.INSTANCE_REUSE.on_dashboard(),
                     "{{instance}} {{model}}",
                 )
             ],
@@ -605,7 +601,7 @@ def overview() -> dash.Dashboard:
             "percentunit",
             [
                 query(
-                    f"instance_model:kvlens_request_hit_ratio:ratio_rate5m{{{MODEL}}}",
+                    promql.INSTANCE_HIT.on_dashboard(),
                     "{{instance}} {{model}}",
                 )
             ],
@@ -621,22 +617,22 @@ def overview() -> dash.Dashboard:
             "percentunit",
             [
                 query(
-                    f"namespace_model:kvlens_token_reuse_ratio:ratio_rate5m{{{ns_selection}}}",
+                    promql.NAMESPACE_MODEL_REUSE.on_dashboard(),
                     "{{model}} token reuse 5m",
                     "A",
                 ),
                 query(
-                    f"namespace_model:kvlens_token_reuse_ratio:ratio_rate6h{{{ns_selection}}}",
+                    promql.NAMESPACE_MODEL_REUSE_6H.on_dashboard(),
                     "{{model}} token reuse 6h",
                     "B",
                 ),
                 query(
-                    f"namespace_model:kvlens_request_hit_ratio:ratio_rate5m{{{ns_selection}}}",
+                    promql.NAMESPACE_MODEL_HIT.on_dashboard(),
                     "{{model}} request hit 5m",
                     "C",
                 ),
                 query(
-                    f"namespace_model:kvlens_request_hit_ratio:ratio_rate6h{{{ns_selection}}}",
+                    promql.NAMESPACE_MODEL_HIT_6H.on_dashboard(),
                     "{{model}} request hit 6h",
                     "D",
                 ),
@@ -663,7 +659,7 @@ def overview() -> dash.Dashboard:
         .decimals(1)
         .with_target(
             query(
-                f"sum by (model) (increase(kvlens_requests_total{{{MODEL}}}[{RANGE}])) / $__range_s",
+                summed("kvlens_requests_total", "model", matchers=MODEL, window=RANGE) + " / $__range_s",
                 ref="A",
                 rows=True,
             )
@@ -692,7 +688,7 @@ def overview() -> dash.Dashboard:
     board = board.with_row(
         dash.Row("Latency of $model: hit beside miss at equal prompt length").repeat("model")
     )
-    one_model = f'{SEL}, model=~"$model"'
+    one_model = MODEL
     board = board.with_panel(latency_table(one_model))
     for metric, name, extra in (
         ("kvlens_ttft_seconds", "TTFT", "; the prefix cache shortens prefill, not queueing."),
@@ -720,10 +716,9 @@ def overview() -> dash.Dashboard:
             "percentunit",
             [
                 query(
-                    "sum by (model, component) "
-                    f"(rate(kvlens_ttft_component_seconds_total{{{one_model}}}[{RATE}]))"
-                    " / ignoring (component) group_left "
-                    f"sum by (model) (rate(kvlens_ttft_component_seconds_total{{{one_model}}}[{RATE}]))",
+                    summed("kvlens_ttft_component_seconds_total", "model", "component", matchers=one_model)
+                    + " / ignoring (component) group_left "
+                    + summed("kvlens_ttft_component_seconds_total", "model", matchers=one_model),
                     "{{component}}",
                 )
             ],
@@ -767,12 +762,12 @@ def overview() -> dash.Dashboard:
             "percentunit",
             [
                 query(
-                    f"instance_model:kvlens_token_reuse_ratio:ratio_rate5m{{{MODEL}}}",
+                    promql.INSTANCE_REUSE.on_dashboard(),
                     "{{instance}} {{model}} kvlens",
                     "A",
                 ),
                 query(
-                    f"instance_model:kvlens_engine_token_reuse_ratio:ratio_rate5m{{{MODEL}}}",
+                    promql.INSTANCE_ENGINE_REUSE.on_dashboard(),
                     "{{instance}} {{model}} engine",
                     "B",
                 ),
@@ -804,7 +799,7 @@ def overview() -> dash.Dashboard:
             "short",
             [
                 query(
-                    f"sum by (model) (rate(kvlens_saved_prefill_seconds_total{{{MODEL}}}[{RATE}]))",
+                    summed("kvlens_saved_prefill_seconds_total", "model", matchers=MODEL),
                     "{{model}} GPUs of prefill freed",
                 )
             ],
@@ -951,14 +946,14 @@ def sidecar() -> dash.Dashboard:
         ).thresholds(thresholds((None, "green"), (1, "red")))
     )
 
-    by_sidecar = f"{SIDECAR}, source"
+    by_sidecar = (*promql.SIDECAR, "source")
     board = board.with_row(dash.Row("Ingestion"))
     board = board.with_panel(
         series(
             "Records received by source",
             "Records per second reaching kvlens, valid or not.",
             "cps",
-            [query(f"sum by (source) (rate(kvlens_records_received_total{{{SEL}}}[{RATE}]))", "{{source}}")],
+            [query(summed("kvlens_records_received_total", "source"), "{{source}}")],
             width=6,
         )
     )
@@ -969,7 +964,7 @@ def sidecar() -> dash.Dashboard:
             "cps",
             [
                 query(
-                    f"sum by (source, reason) (rate(kvlens_records_rejected_total{{{SEL}}}[{RATE}]))",
+                    summed("kvlens_records_rejected_total", "source", "reason"),
                     "{{source}} {{reason}}",
                 )
             ],
@@ -985,9 +980,13 @@ def sidecar() -> dash.Dashboard:
             "percentunit",
             [
                 query(
-                    f"sum by ({by_sidecar}, reason) (rate(kvlens_records_rejected_total{{{SEL}}}[{RATE}]))"
-                    f" / on ({by_sidecar}) group_left "
-                    f"sum by ({by_sidecar}) (rate(kvlens_records_received_total{{{SEL}}}[{RATE}]))",
+                    promql.share(
+                        selector("kvlens_records_rejected_total", SEL),
+                        selector("kvlens_records_received_total", SEL),
+                        RATE,
+                        by_sidecar,
+                        ("reason",),
+                    ),
                     "{{instance}} {{source}} {{reason}}",
                 )
             ],
@@ -1002,7 +1001,7 @@ def sidecar() -> dash.Dashboard:
             "cps",
             [
                 query(
-                    f"sum by (source) (rate(kvlens_records_dropped_total{{{SEL}}}[{RATE}]))",
+                    summed("kvlens_records_dropped_total", "source"),
                     "dropped {{source}}",
                     "A",
                 ),
@@ -1019,7 +1018,7 @@ def sidecar() -> dash.Dashboard:
             "Whole requests refused per second: busy, displaced and batch_in_progress are retried by the "
             "sender; the others (bombs, oversized, undecodable, unauthorized) lose their records.",
             "reqps",
-            [query(f"sum by (reason) (rate(kvlens_ingest_refused_total{{{SEL}}}[{RATE}]))", "{{reason}}")],
+            [query(summed("kvlens_ingest_refused_total", "reason"), "{{reason}}")],
             width=8,
         )
     )
@@ -1046,7 +1045,7 @@ def sidecar() -> dash.Dashboard:
             "cps",
             [
                 query(
-                    f"sum by ({SIDECAR}) (rate(kvlens_collector_errors_total{{{SEL}}}[{RATE}]))",
+                    summed("kvlens_collector_errors_total", *promql.SIDECAR),
                     "{{instance}}",
                 )
             ],
@@ -1066,11 +1065,7 @@ def sidecar() -> dash.Dashboard:
             "Connections closed by the sidecar",
             "Connections closed per second: no whole request head in time, or evicted past max_connections.",
             "cps",
-            [
-                query(
-                    f"sum by (reason) (rate(kvlens_connections_closed_total{{{SEL}}}[{RATE}]))", "{{reason}}"
-                )
-            ],
+            [query(summed("kvlens_connections_closed_total", "reason"), "{{reason}}")],
         )
     )
     return board

@@ -31,6 +31,15 @@ from pydantic_settings import (
 from kvlens import bandwidth, shapes
 from kvlens.definitions import CostModel
 from kvlens.errors import SettingsError
+from kvlens.fleet.limits import (
+    HELD_ENTRY_BYTES,
+    MAX_HELD_BLOCKS,
+    MAX_REPLICAS,
+    MAX_VANISHED,
+    REMEMBER_BLOCKS,
+    REMEMBERED_ENTRY_BYTES,
+    VANISHED_RETENTION_SECONDS,
+)
 from kvlens.http.access import loopback
 from kvlens.records import valid_label
 from kvlens.sources import formats
@@ -408,27 +417,28 @@ class Settings(BaseSettings):
         30.0, gt=0, le=3600, description="Seconds between lookups of the kv_events_dns names."
     )
     kv_events_vanished_retention_seconds: float = Field(
-        900.0,  # kvlens.fleet.source.VANISHED_RETENTION_SECONDS (tested)
+        VANISHED_RETENTION_SECONDS,
         ge=0,
         le=7 * 24 * 3600,
         description="A replica gone from the kv_events_dns answer keeps its series this long (so a "
-        "scrape sees its last counts), then they are dropped; at most 1024 gone replicas kept, oldest "
-        "dropped first.",
+        f"scrape sees its last counts), then they are dropped; at most {MAX_VANISHED} gone replicas kept, "
+        "oldest dropped first.",
     )
     kv_events_hashes_alike: bool = Field(
         False, description="Every replica hashes blocks alike (same algorithm and seed): key by engine hash."
     )
     kv_events_remember_blocks: int = Field(
-        10_000_000,
+        REMEMBER_BLOCKS,
         ge=0,
-        description="Blocks remembered to have been held (at most 34 bytes each); oldest forgotten past it.",
+        description=f"Blocks remembered to have been held (at most {REMEMBERED_ENTRY_BYTES} bytes each); "
+        "oldest forgotten past it.",
     )
     kv_events_max_held_blocks: int = Field(
-        10_000_000,
+        MAX_HELD_BLOCKS,
         ge=0,
         description=(
-            "Holdings kept, a (block, replica, tier) or an extra copy of a hash (at most 48 bytes each); "
-            "stores past it not kept (counted untracked)."
+            "Holdings kept, a (block, replica, tier) or an extra copy of a hash (at most "
+            f"{HELD_ENTRY_BYTES} bytes each); stores past it not kept (counted untracked)."
         ),
     )
     kv_events_reorder_seconds: float = Field(
@@ -453,10 +463,10 @@ class Settings(BaseSettings):
         description="Tokens per block of the modelled caches (records of another are skipped).",
     )
     modelled_max_replicas: int = Field(
-        64,  # kvlens.fleet.index.MAX_REPLICAS (tested): the modelled caches feed a fleet index
+        MAX_REPLICAS,  # the modelled caches feed a fleet index
         ge=1,
-        description="Replicas modelled (at most 64: the fleet index's replicas); records of further "
-        "replicas are skipped (counted).",
+        description=f"Replicas modelled (at most {MAX_REPLICAS}: the fleet index's replicas); records of "
+        "further replicas are skipped (counted).",
     )
     modelled_partial_last_block: bool = Field(
         False,
@@ -594,8 +604,6 @@ class Settings(BaseSettings):
     def _distinct_replicas(cls, publishers: list[KVEventsPublisherSetting]) -> list[KVEventsPublisherSetting]:
         if not publishers:
             return publishers
-        from kvlens.fleet.index import MAX_REPLICAS
-
         if len({p.name for p in publishers}) != len(publishers):
             raise ValueError("KV events replica names must be distinct")
         if len(publishers) > MAX_REPLICAS:
@@ -605,8 +613,6 @@ class Settings(BaseSettings):
     @field_validator("modelled_max_replicas")
     @classmethod
     def _modelled_replicas_fit_the_index(cls, replicas: int) -> int:
-        from kvlens.fleet.index import MAX_REPLICAS
-
         if replicas > MAX_REPLICAS:
             raise ValueError(f"at most {MAX_REPLICAS} (one bit each in the fleet index's holder masks)")
         return replicas

@@ -10,11 +10,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-
-def install_hint(extra: str) -> str:
-    """How to install an extra: kvlens is installed from its repository (a checkout, a git URL or
-    a wheel built from it), so both forms are named."""
-    return f"pip install 'kvlens[{extra}]' (from a checkout: pip install '.[{extra}]')"
+from kvlens.errors import install_hint
 
 
 def main(argv: Sequence[str] | None = None) -> int:

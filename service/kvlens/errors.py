@@ -4,6 +4,7 @@
 
     KVLensError
     ├── SettingsError             invalid settings; every problem listed, no value echoed (exit 2)
+    │   └── MissingExtra          a feature asked for whose extra is not installed (what to install)
     ├── InputError                bytes from a client or a file that kvlens will not take
     │   ├── PayloadTooLarge       413: over max_body_bytes, also once decompressed
     │   ├── TooManyRecords        413: over max_records_per_request (records, lines, spans, objects)
@@ -36,6 +37,21 @@ class KVLensError(Exception):
 
 class SettingsError(KVLensError):
     """Invalid settings; ``str()`` lists every problem, one per line, without the values."""
+
+
+def install_hint(extra: str) -> str:
+    """How to install an extra: kvlens is installed from its repository (a checkout, a git URL or
+    a wheel built from it), so both forms are named."""
+    return f"pip install 'kvlens[{extra}]' (from a checkout: pip install '.[{extra}]')"
+
+
+class MissingExtra(SettingsError):
+    """``what`` needs the optional packages of ``extra``, not installed here; ``str()`` says how to
+    install them (:func:`install_hint`)."""
+
+    def __init__(self, what: str, extra: str) -> None:
+        super().__init__(f"{what} needs the {extra} extra: {install_hint(extra)}")
+        self.extra = extra
 
 
 class InputError(KVLensError):

@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from kvlens.sources import jsonscan
+from kvlens import jsonscan
 
 MAX_TOKENS: Final = 10_000_000
 MAX_SECONDS: Final = 86_400.0

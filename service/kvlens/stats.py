@@ -77,6 +77,15 @@ def percentile_name(value: float) -> str:
     return f"{value:g}"
 
 
+def named_percentiles(values: FloatArray, percentiles: tuple[float, ...]) -> dict[str, float | None]:
+    """``{"p50": ..., "p99": ...}`` of ``values`` as ``np.percentile`` gives them (linear
+    interpolation); None for each when there is no value."""
+    if not values.size:
+        return {f"p{percentile_name(q)}": None for q in percentiles}
+    found = np.percentile(values, percentiles)
+    return {f"p{percentile_name(q)}": float(v) for q, v in zip(percentiles, found, strict=True)}
+
+
 def noise_floor(baseline_seconds: FloatArray) -> FloatArray:
     """Each request's noise floor (see the module's docstring)."""
     return np.maximum(NOISE_FLOOR_SECONDS, NOISE_FLOOR_SHARE * baseline_seconds)

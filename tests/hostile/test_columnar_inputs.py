@@ -13,8 +13,11 @@ from typing import Any
 
 import pytest
 
-from kvlens.analysis import columnar, columnar_compare, compare, reader
+from kvlens.analysis import compare, reader
 from kvlens.analysis.analyze import analyze
+from kvlens.analysis.duckdb import compare as duckdb_compare
+from kvlens.analysis.duckdb import inputs, parquet
+from kvlens.analysis.duckdb.engine import Engine, engine_errors
 from kvlens.config import load_settings
 from kvlens.errors import InputError
 
@@ -159,7 +162,7 @@ def test_every_character_python_calls_printable_and_no_other_is_a_label(
     # the Parquet rule and records.valid_label agree on each code point (the engines' Unicode
     # tables differ in version: DuckDB's regular expressions know characters Python does not),
     # whether the distinct labels are few enough to check in Python or matched row by row
-    monkeypatch.setattr(columnar, "MAX_LABELS_CHECKED", checked_in_python)
+    monkeypatch.setattr(parquet, "MAX_LABELS_CHECKED", checked_in_python)
     points = [p for p in range(0x30000) if not 0xD800 <= p <= 0xDFFF]
     path = _write(
         tmp_path / "chars.parquet",
@@ -169,9 +172,9 @@ def test_every_character_python_calls_printable_and_no_other_is_a_label(
             "model": pa.array(["x" + chr(p) for p in points]),
         },
     )
-    engine = columnar.Engine()
+    engine = Engine()
     try:
-        columnar.load(engine, [str(path)])
+        inputs.load(engine, [str(path)])
         kept = {int(n) for (n,) in engine.connection.execute("SELECT prompt_tokens FROM records").fetchall()}
     finally:
         engine.close()
@@ -222,10 +225,10 @@ def test_a_file_named_twice_is_read_once(tmp_path: Path) -> None:
 def test_a_full_spill_directory_is_named_not_taken_for_too_little_memory(tmp_path: Path) -> None:
     # DuckDB's cap on its temporary files is the free space of their disk: a cap reached is a
     # full disk, which raising the memory limit is not the first cure of
-    engine = columnar.Engine(memory_limit="20MB", temp_directory=str(tmp_path))
+    engine = Engine(memory_limit="20MB", temp_directory=str(tmp_path))
     try:
         engine.connection.execute("SET max_temp_directory_size = '256KiB'")
-        with pytest.raises(InputError) as caught, columnar.engine_errors(engine.memory_limit, tmp_path):
+        with pytest.raises(InputError) as caught, engine_errors(engine.memory_limit, tmp_path):
             engine.connection.execute(
                 "CREATE TABLE spilled AS SELECT range AS i, random() AS v FROM range(3000000) ORDER BY v"
             )
@@ -267,7 +270,7 @@ def test_arm_names_that_look_like_sql_select_their_own_records(tmp_path: Path) -
         out.write(json.dumps(other) + "\n")
     specs = [(name, str(path)) for name in names]
     settings = load_settings()
-    in_duckdb = columnar_compare.compare_files(specs, settings)
+    in_duckdb = duckdb_compare.compare_files(specs, settings)
     in_numpy = compare.compare([compare.load_arm(name, str(path), settings) for name, _ in specs])
     assert in_duckdb == in_numpy
     assert (in_duckdb["arms"], in_duckdb["requests"]) == (names, 40)
@@ -299,7 +302,7 @@ def test_each_label_column_is_checked_as_a_json_line_is_in_each_load(
     """model, replica and tenant each take every label once; a row is kept when its three are
     valid, else counted under the first invalid field. A second load of the engine checks its
     rows as the first did (the invalid labels of both in one table)."""
-    monkeypatch.setattr(columnar, "MAX_LABELS_CHECKED", checked_in_python)
+    monkeypatch.setattr(parquet, "MAX_LABELS_CHECKED", checked_in_python)
     count = len(LABELS)
     rows = [[LABELS[(i + shift) % count] for shift in (0, 3, 5)] for i in range(count)]
     path = _write(
@@ -320,10 +323,10 @@ def test_each_label_column_is_checked_as_a_json_line_is_in_each_load(
         if i not in kept
     ]
     assert (len(kept), set(first_invalid)) == (2, {"model", "replica", "tenant"})  # rows of each kind
-    engine = columnar.Engine()
+    engine = Engine()
     try:
         for _ in range(2):
-            loaded = columnar.load(engine, [str(path)], columns=columnar.SCALAR_COLUMNS)
+            loaded = inputs.load(engine, [str(path)], columns=inputs.SCALAR_COLUMNS)
             prompts = engine.connection.execute("SELECT prompt_tokens FROM records").fetchall()
             assert {int(n) for (n,) in prompts} == kept
             assert loaded.read.skipped == {"invalid_label": 12}

@@ -19,7 +19,7 @@ import pytest
 
 from kvlens.analysis import analyze as analyze_module
 from kvlens.cli import main
-from kvlens.console import install_hint
+from kvlens.errors import install_hint
 
 pytest.importorskip("duckdb")
 pq = pytest.importorskip("pyarrow.parquet")

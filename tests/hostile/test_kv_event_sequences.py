@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from kvlens.fleet.source import MAX_REPLAY_FRAMES
+from kvlens.fleet.replay import MAX_REPLAY_FRAMES
 from tests.hostile.conftest import Serve
 from tests.hostile.test_kv_events import stored_batch
 from tests.kv_publisher import TestPublisher

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import zmq
 
-from kvlens.fleet.index import HELD_ENTRY_BYTES, REMEMBERED_ENTRY_BYTES
+from kvlens.fleet.limits import HELD_ENTRY_BYTES, REMEMBERED_ENTRY_BYTES
 from kvlens.fleet.reorder import MAX_WAITING_BYTES
 from tests import vllm_kv_events as vllm
 from tests.hostile.conftest import Serve

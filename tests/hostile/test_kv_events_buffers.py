@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from kvlens.fleet.replay import MAX_REPLAY_BYTES
-from kvlens.fleet.source import KV_RECEIVE_HWM, MAX_MESSAGE_BYTES
+from kvlens.fleet.subscriber import KV_RECEIVE_HWM, MAX_MESSAGE_BYTES
 from tests import vllm_kv_events as vllm
 from tests.hostile.conftest import Serve
 from tests.kv_publisher import TestPublisher

@@ -14,15 +14,10 @@ import sys
 import pytest
 
 from kvlens.config import parse_dns_target
+from kvlens.fleet.discovery import MAX_DISCOVERED, DnsTarget
 from kvlens.fleet.index import FleetIndex
 from kvlens.fleet.publisher import EventPublisher
-from kvlens.fleet.source import (
-    FILES_KEPT_FREE,
-    FILES_PER_SUBSCRIPTION,
-    MAX_DISCOVERED,
-    DnsTarget,
-    KVEvents,
-)
+from kvlens.fleet.subscriber import FILES_KEPT_FREE, FILES_PER_SUBSCRIPTION, KVEvents
 from kvlens.http.server import raise_open_files_limit
 from tests import vllm_kv_events as vllm
 from tests.kv_publisher import TestPublisher
@@ -67,11 +62,12 @@ def test_an_answer_of_the_most_addresses_allowed_is_followed_whole() -> None:
 
 CHILD = """
 import json, logging, resource, sys, time
-from kvlens.fleet import wire
+from kvlens.fleet import schema
 from kvlens.http.server import raise_open_files_limit
 from kvlens.fleet.index import FleetIndex
 from kvlens.fleet.publisher import EventPublisher
-from kvlens.fleet.source import DnsTarget, KVEvents
+from kvlens.fleet.discovery import DnsTarget
+from kvlens.fleet.subscriber import KVEvents
 
 port, count, files = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 logging.basicConfig(level=logging.INFO)
@@ -86,7 +82,7 @@ deadline = time.monotonic() + 30
 status = events.consumer.status
 # a batch sent before the subscription's handshake is lost (PUB/SUB): send until one is counted
 while not (name in status and status[name].batches) and time.monotonic() < deadline:
-    publisher.publish_events([wire.BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[1] * 4,
+    publisher.publish_events([schema.BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[1] * 4,
                                                block_size=4, lora_id=None, medium="GPU", lora_name=None)])
     time.sleep(0.05)
 source = events.source

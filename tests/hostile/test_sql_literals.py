@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from kvlens.analysis import columnar, sqltext
+from kvlens import sqltext
+from kvlens.analysis.duckdb import inputs
 from kvlens.cli import main
 from tests.unit.test_columnar import write_jsonl
 from tests.unit.test_warehouse import analyzed, comparable, export_datafusion, export_duckdb
@@ -110,7 +111,7 @@ def test_odd_names_read_alike_in_every_dialect_and_give_the_direct_report(
     ]
     jsonl = write_jsonl(tmp_path / "r.jsonl", records)
     parquet = tmp_path / "r.parquet"
-    columnar.convert([str(jsonl)], parquet)
+    inputs.convert([str(jsonl)], parquet)
     files = export(parquet, script, tmp_path, "json")
     direct = analyzed(capsys, str(jsonl), "--engine", "numpy", "--config", str(config))
     via = analyzed(capsys, "--from-aggregates", *map(str, files), "--config", str(config))

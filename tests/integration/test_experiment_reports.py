@@ -177,6 +177,7 @@ def test_quantization_writes_its_reports_and_its_plot_into_new_folders(
     assert code == 0, printed
     text = (out / "report.md").read_text()
     assert text.startswith("# kvlens quantization (baseline: a)\n")
+    assert max(len(line) for line in text.splitlines()) <= 80  # the text a terminal shows, whole
     assert text in printed
     result = json.loads((out / "report.json").read_text())
     validate(result)

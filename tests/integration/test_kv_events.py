@@ -14,9 +14,10 @@ import msgspec
 import pytest
 
 from kvlens.fleet.index import EVICTED_HERE, HELD_ELSEWHERE, NEW, FleetIndex
+from kvlens.fleet.ordering import Publisher
+from kvlens.fleet.schema import KVEventBatch
 from kvlens.fleet.simulated import SimulatedEngine
-from kvlens.fleet.source import KVEvents, Publisher
-from kvlens.fleet.wire import KVEventBatch
+from kvlens.fleet.subscriber import KVEvents
 from kvlens.simulate.run import Fleet, simulate
 from kvlens.simulate.trace import BUNDLED, MOONCAKE, Trace
 from tests import vllm_kv_events as vllm

@@ -1,6 +1,6 @@
 """Why reuse is lost without KV events, live: records with ``prefix_hashes`` and ``replica`` POSTed
 to a real ``kvlens serve`` with ``KVLENS_MODELLED_CAPACITY_BLOCKS`` give, on /metrics, exactly the
-causes :class:`~kvlens.fleet.modelled.ModelledFleet` gives offline for the same records."""
+causes :class:`~kvlens.simulate.modelled.ModelledFleet` gives offline for the same records."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from kvlens.fleet.index import CAUSES, EVICTED_ELSEWHERE, EVICTED_HERE, HELD_ELSEWHERE, NEW, FleetIndex
-from kvlens.fleet.modelled import ModelledFleet
+from kvlens.simulate.modelled import ModelledFleet
 from kvlens.simulate.trace import BUNDLED, MOONCAKE, Trace
 from tests.live import start_kvlens
 

@@ -14,7 +14,7 @@ import orjson
 import pytest
 import yaml
 
-from kvlens.sources.demo import REPLAY_SHAPE
+from kvlens.simulate.demo import REPLAY_SHAPE
 from tests.live import start_kvlens, total
 
 pytestmark = pytest.mark.integration

@@ -17,8 +17,8 @@ import httpx
 import orjson
 import pytest
 
-from kvlens.fleet.wire import BlockRemoved, BlockStored
-from kvlens.sources.demo import REPLAY_SHAPE
+from kvlens.fleet.schema import BlockRemoved, BlockStored
+from kvlens.simulate.demo import REPLAY_SHAPE
 from tests.article import article_records
 from tests.dashboards import DASHBOARDS, SUBSTITUTIONS, annotation_queries, load, queries, variable_queries
 from tests.integration.conftest import Running, free_port, start_kvlens

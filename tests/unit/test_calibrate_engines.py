@@ -1,5 +1,5 @@
 """``kvlens analyze --calibrate`` through the DuckDB engine: the points come from
-:func:`kvlens.analysis.columnar.calibration_inputs` (one model at a time, in input order), so
+:func:`kvlens.analysis.duckdb.summary.calibration_inputs` (one model at a time, in input order), so
 the written cost models are the numpy engine's to the last digit, from JSON lines and from
 Parquet; past ``CALIBRATION_MAX_POINTS`` records of a model an even sample of them is fitted."""
 
@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from kvlens.analysis import analyze as analyze_module
-from kvlens.analysis import columnar
+from kvlens.analysis.duckdb import inputs
+from kvlens.analysis.duckdb import summary as summarizer
+from kvlens.analysis.duckdb.engine import Engine
 from kvlens.cli import main
 from kvlens.config import load_settings
 from tests.unit.test_columnar import write_jsonl
@@ -40,7 +42,7 @@ def test_calibrate_writes_the_same_cost_models_from_both_engines(tmp_path: Path)
     records = [records[i] for i in np.random.default_rng(3).permutation(len(records))]  # models interleaved
     jsonl = write_jsonl(tmp_path / "r.jsonl", records)
     parquet = tmp_path / "r.parquet"
-    columnar.convert([str(jsonl)], parquet)
+    inputs.convert([str(jsonl)], parquet)
     written = []
     for engine, path in (("numpy", jsonl), ("duckdb", jsonl), ("duckdb", parquet)):
         out = tmp_path / f"{engine}-{path.suffix}.yaml"
@@ -60,10 +62,10 @@ def test_past_the_bound_an_even_sample_of_a_models_records_is_fitted(
     settings = load_settings()
     _, (whole,) = analyze_module.analyze([str(path)], settings)
     _, (sampled,) = analyze_module.analyze([str(path)], settings, engine="duckdb")
-    engine = columnar.Engine()
-    columnar.load(engine, [str(path)])
-    columnar.summarize(engine, "records", settings.prompt_length_edges, settings.default_model)
-    ((name, n, _, _),) = list(columnar.calibration_inputs(engine, 100))
+    engine = Engine()
+    inputs.load(engine, [str(path)])
+    summarized = summarizer.summarize(engine, "records", settings.prompt_length_edges, settings.default_model)
+    ((name, n, _, _),) = list(summarizer.calibration_inputs(engine, summarized.prefill_counts, 100))
     engine.close()
     assert (whole.requests, name, sampled.requests) == (1000, "llama", n.size)
     assert 50 <= sampled.requests <= 150  # about the bound: hash(src, row) % 1000 < 100

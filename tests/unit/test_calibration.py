@@ -52,7 +52,7 @@ def test_per_layer_times_are_scaled_by_the_layer_count() -> None:
 
 
 def test_saved_fraction_measured_below_flops_at_8192_4096() -> None:
-    """The README's numbers: time saved is below FLOPs saved for a request prefilled alone."""
+    """The numbers of docs/definitions.md: time saved is below FLOPs saved for a request prefilled alone."""
     expected = {  # measured from the table; FLOPs from the shape; the calibrated cost model (no c)
         "llama-3.1-8b-shape": (0.389, 0.467, 0.442),
         "qwen2.5-1.5b-shape": (0.321, 0.447, 0.430),

@@ -66,7 +66,10 @@ def test_simulate_emit_records_into_a_missing_folder(
 
 def test_compare_with_a_missing_arm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "warm.jsonl"
-    assert main(["compare", "--arm", f"warm={missing}"]) == 2
+    present = tmp_path / "off.jsonl"
+    present.write_text('{"prompt_tokens": 10, "cached_tokens": 0, "ttft_seconds": 0.1}\n')
+    # two arms: with one, compare says that it needs two (tests/hostile/test_experiment_errors.py)
+    assert main(["compare", "--arm", f"off={present}", "--arm", f"warm={missing}"]) == 2
     assert one_line(capsys) == f"kvlens: {missing}: no such file or directory"  # as analyze says
 
 

@@ -17,8 +17,11 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvlens.analysis import columnar, reader
+from kvlens.analysis import reader
 from kvlens.analysis.analyze import analyze
+from kvlens.analysis.duckdb import inputs, order_statistics, parquet
+from kvlens.analysis.duckdb import summary as summarizer
+from kvlens.analysis.duckdb.engine import Engine
 from kvlens.analysis.report import Derived, summarize
 from kvlens.cli import main
 from kvlens.config import Settings, load_settings
@@ -99,7 +102,7 @@ def test_duckdb_and_numpy_reports_are_identical(
     got, _ = analyze([str(path)], chosen, engine="duckdb")
     assert got == expected
     parquet = folder / "r.parquet"
-    columnar.convert([str(path)], parquet)
+    inputs.convert([str(path)], parquet)
     from_parquet, _ = analyze([str(parquet)], chosen, engine="duckdb")
     expected["input"]["skipped"], expected["input"]["skipped_total"] = {}, 0
     expected["input"]["skipped_examples"], expected["input"]["lines"] = [], len(records)
@@ -116,7 +119,7 @@ def test_goldens_through_every_input_form(tmp_path: Path, capsys: pytest.Capture
     hive = tmp_path / "hive"
     for day, part in (("2026-11-30", records[:40]), ("2026-12-01", records[40:])):
         (hive / f"day={day}" / "model=m").mkdir(parents=True)
-        columnar.convert(
+        inputs.convert(
             [str(write_jsonl(tmp_path / f"{day}.jsonl", part))], hive / f"day={day}" / "model=m" / "0.parquet"
         )
     forms = [
@@ -161,8 +164,8 @@ def test_parquet_rows_out_of_bounds_are_counted_like_bad_lines(
     """Copied into memory, or scanned in place (the rejected rows' numbers kept in a table and
     left out of every later scan by an anti-join): the same counts, examples and report."""
     if in_place:
-        monkeypatch.setattr(columnar, "MATERIALIZE_SHARE", 0.0)
-    engine = columnar.Engine()
+        monkeypatch.setattr(parquet, "MATERIALIZE_SHARE", 0.0)
+    engine = Engine()
     bad = tmp_path / "bad.parquet"
     engine.connection.execute(
         "COPY (SELECT * FROM (VALUES (10, 4, 0.5), (5, 9, 0.5), (-1, 0, 0.5), (10, 0, 'nan'::DOUBLE), "
@@ -212,7 +215,7 @@ def test_parquet_in_place_is_checked_by_the_sums_scan(
     files get no scan of their own to check them (one scan fewer than checking at load); with
     rejected rows, one scan after the sums keeps their numbers (to leave them out and name the
     first). The same summary, counts and examples either way."""
-    monkeypatch.setattr(columnar, "MATERIALIZE_SHARE", 0.0)  # in place
+    monkeypatch.setattr(parquet, "MATERIALIZE_SHARE", 0.0)  # in place
     rng = np.random.default_rng(5)
     records = [
         {
@@ -227,9 +230,9 @@ def test_parquet_in_place_is_checked_by_the_sums_scan(
     ]
     source = write_jsonl(tmp_path / "r.jsonl", records)
     path = tmp_path / "r.parquet"
-    columnar.convert([str(source)], path)
+    inputs.convert([str(source)], path)
     if bad_rows:
-        engine = columnar.Engine()
+        engine = Engine()
         scanned = f"read_parquet('{path}', file_row_number = true)"
         engine.connection.execute(  # the file's rows, then copies of its first with -1 tokens
             f"COPY (SELECT * EXCLUDE (k, file_row_number) FROM (SELECT *, 0 AS k FROM {scanned} UNION ALL "
@@ -242,14 +245,14 @@ def test_parquet_in_place_is_checked_by_the_sums_scan(
     chosen = load_settings()
     summaries, scans, reads = [], [], []
     for check_later in (False, True):
-        engine = columnar.Engine()
+        engine = Engine()
         spy = _Statements(engine.connection)
         engine.connection = spy
-        loaded = columnar.load(engine, [str(path)], check_later=check_later)
+        loaded = inputs.load(engine, [str(path)], check_later=check_later)
         summaries.append(
-            columnar.summarize(
+            summarizer.summarize(
                 engine, "records", chosen.prompt_length_edges, chosen.default_model, loaded.unchecked
-            )
+            ).summary
         )
         engine.close()
         reads.append((loaded.read.lines, dict(loaded.read.skipped), [e["row"] for e in loaded.read.examples]))
@@ -285,7 +288,7 @@ def test_rows_the_sums_would_overflow_on_are_checked_in_the_sums_scan_and_left_o
     """Parquet in place, checked by the sums scan: a rejected row's values never reach the
     sums (the square of 2^62 tokens, 1e300 seconds in fixed point would overflow 64 bits, a
     NaN or a refused name would make groups): the report is the one of the checked copy."""
-    engine = columnar.Engine()
+    engine = Engine()
     bad = tmp_path / "bad.parquet"
     engine.connection.execute(
         "COPY (SELECT * FROM (VALUES ('a', 10, 4, 0.5, 0.1, 0.2), "
@@ -297,7 +300,7 @@ def test_rows_the_sums_would_overflow_on_are_checked_in_the_sums_scan_and_left_o
     )
     engine.close()
     copied, _ = analyze([str(bad)], load_settings(), engine="duckdb")
-    monkeypatch.setattr(columnar, "MATERIALIZE_SHARE", 0.0)  # in place
+    monkeypatch.setattr(parquet, "MATERIALIZE_SHARE", 0.0)  # in place
     in_place, _ = analyze([str(bad)], load_settings(), engine="duckdb")
     assert in_place == copied
     assert in_place["overall"]["requests"] == 1
@@ -306,7 +309,7 @@ def test_rows_the_sums_would_overflow_on_are_checked_in_the_sums_scan_and_left_o
 
 
 def test_a_parquet_schema_mismatch_names_the_file_and_the_column(tmp_path: Path) -> None:
-    engine = columnar.Engine()
+    engine = Engine()
     good, wrong, lacking = tmp_path / "good.parquet", tmp_path / "wrong.parquet", tmp_path / "lacking.parquet"
     engine.connection.execute(
         f"COPY (SELECT 10 AS prompt_tokens, 2 AS cached_tokens) TO '{good}' (FORMAT parquet)"
@@ -382,17 +385,19 @@ def hundred_thousand(path: Path) -> Path:
 
 
 def test_records_read_as_one_chunk_count_the_slowest_requests_from_that_read(tmp_path: Path) -> None:
-    """Under :data:`columnar.CHUNK_ROWS` records the order statistics read every value once and
+    """Under :data:`order_statistics.CHUNK_ROWS` records the order statistics read every value once and
     keep it: the slowest requests per group are counted from those values, not by a scan."""
     path = hundred_thousand(tmp_path / "100k.jsonl")
     chosen = load_settings()
     read = reader.read([str(path)])
     derived = Derived.of(read.batch, chosen.prompt_length_edges, chosen.cost_model_for, chosen.default_model)
-    engine = columnar.Engine()
+    engine = Engine()
     spy = _Statements(engine.connection)
     engine.connection = spy
-    columnar.load(engine, [str(path)])
-    summary = columnar.summarize(engine, "records", chosen.prompt_length_edges, chosen.default_model)
+    inputs.load(engine, [str(path)])
+    summary = summarizer.summarize(
+        engine, "records", chosen.prompt_length_edges, chosen.default_model
+    ).summary
     engine.close()
     assert sum("ttft_seconds >= ?" in sql for sql in spy.run) == 0
     assert sum(summary.slowest.values()) == 5_000  # 5 % of 100k distinct values
@@ -418,35 +423,37 @@ def test_a_tiny_memory_limit_spills_and_the_answer_does_not_change(
     """The records spill past the limit, and the order statistics read them in 15 chunks of
     row numbers (the chunks cover every record once: the same percentiles), after a sample
     that predicts the bins whose values the first pass keeps. The slowest requests are counted
-    from that read when the threshold's bin was kept (:class:`columnar.Tail`), else by a scan."""
+    from that read when the threshold's bin was kept (:class:`order_statistics.Tail`), else by a scan."""
     if setting is not None:
-        monkeypatch.setattr(columnar, setting, value)
+        monkeypatch.setattr(order_statistics, setting, value)
     path = hundred_thousand(tmp_path / "100k.jsonl")
     chosen = load_settings()
     read = reader.read([str(path)])
     derived = Derived.of(read.batch, chosen.prompt_length_edges, chosen.cost_model_for, chosen.default_model)
-    monkeypatch.setattr(columnar, "CHUNK_ROWS", 7_000)
+    monkeypatch.setattr(order_statistics, "CHUNK_ROWS", 7_000)
     chunks: list[tuple[str, ...]] = []
-    split = columnar.row_chunks
+    split = order_statistics.row_chunks
 
     def counted(records: int, last_row: int) -> tuple[str, ...]:
         chunks.append(split(records, last_row))
         return chunks[-1]
 
-    monkeypatch.setattr(columnar, "row_chunks", counted)
+    monkeypatch.setattr(order_statistics, "row_chunks", counted)
     reads: list[int] = []
-    read = columnar._read
+    read = order_statistics._read
 
     def read_counted(*args: Any) -> Any:
         reads.append(len(args[3]) if len(args) > 3 else len(args[1].chunks))
         return read(*args)
 
-    monkeypatch.setattr(columnar, "_read", read_counted)
-    engine = columnar.Engine(memory_limit="8MiB", threads=1)
+    monkeypatch.setattr(order_statistics, "_read", read_counted)
+    engine = Engine(memory_limit="8MiB", threads=1)
     spy = _Statements(engine.connection)
     engine.connection = spy
-    columnar.load(engine, [str(path)])
-    summary = columnar.summarize(engine, "records", chosen.prompt_length_edges, chosen.default_model)
+    inputs.load(engine, [str(path)])
+    summary = summarizer.summarize(
+        engine, "records", chosen.prompt_length_edges, chosen.default_model
+    ).summary
     assert engine.spilled() > 0  # the 100k records (about 7.7 MB) did not fit
     engine.close()
     assert sum("ttft_seconds >= ?" in sql for sql in spy.run) == slowest_scans
@@ -491,7 +498,7 @@ def test_auto_engine_is_duckdb_for_parquet_and_large_input(
 
     small = write_jsonl(tmp_path / "small.jsonl", article_records())
     parquet = tmp_path / "a.parquet"
-    columnar.convert([str(small)], parquet)
+    inputs.convert([str(small)], parquet)
     assert module.choose_engine("auto", [str(small)]) == "numpy"
     assert module.choose_engine("auto", [str(small), str(parquet)]) == "duckdb"
     assert module.choose_engine("auto", reader.resolve([str(tmp_path)])) == "duckdb"  # a.parquet
@@ -539,11 +546,11 @@ def test_order_statistics_narrowed_over_many_passes_are_exact(
         for i, n in enumerate(rng.integers(0, 40_000, count))
     ]
     path = write_jsonl(tmp_path / "skewed.jsonl", records)
-    monkeypatch.setattr(columnar, "BIN_VALUES", 2)
-    monkeypatch.setattr(columnar, "FETCH_MAX", 3)
-    monkeypatch.setattr(columnar, "CHUNK_ROWS", 1000)  # one chunk would be ranked whole, in memory
+    monkeypatch.setattr(order_statistics, "BIN_VALUES", 2)
+    monkeypatch.setattr(order_statistics, "FETCH_MAX", 3)
+    monkeypatch.setattr(order_statistics, "CHUNK_ROWS", 1000)  # one chunk would be ranked whole, in memory
     passes: list[str] = []
-    original = columnar._next_pass
+    original = order_statistics._next_pass
 
     def counted(*args: Any) -> None:
         targets = args[1]
@@ -552,13 +559,13 @@ def test_order_statistics_narrowed_over_many_passes_are_exact(
         passes.append(f"{len(targets)} open: {kept} kept, {bounded} counted between bounds")
         original(*args)
 
-    monkeypatch.setattr(columnar, "_next_pass", counted)
+    monkeypatch.setattr(order_statistics, "_next_pass", counted)
     chosen = load_settings()
-    engine = columnar.Engine()
-    loaded = columnar.load(engine, [str(path)])
-    summary = columnar.summarize(
-        engine, columnar.working_set(engine, loaded), chosen.prompt_length_edges, chosen.default_model
-    )
+    engine = Engine()
+    inputs.load(engine, [str(path)])
+    summary = summarizer.summarize(
+        engine, "records", chosen.prompt_length_edges, chosen.default_model
+    ).summary
     engine.close()
     batch = reader.read([str(path)]).batch
     derived = Derived.of(batch, chosen.prompt_length_edges, chosen.cost_model_for, chosen.default_model)
@@ -593,20 +600,25 @@ def test_parquet_files_of_different_lengths_read_in_chunks_of_row_numbers(
             for i, n in enumerate(rng.integers(1, 40_000, count))
         ]
         source = write_jsonl(tmp_path / f"part-{index}.jsonl", records)
-        columnar.convert([str(source)], folder / f"part-{index}.parquet")
+        inputs.convert([str(source)], folder / f"part-{index}.parquet")
         lines.append(source.read_bytes())
     together = tmp_path / "all.jsonl"
     together.write_bytes(b"".join(lines))
-    monkeypatch.setattr(columnar, "MATERIALIZE_SHARE", 0.0)  # in place
-    monkeypatch.setattr(columnar, "CHUNK_ROWS", 400)
+    monkeypatch.setattr(parquet, "MATERIALIZE_SHARE", 0.0)  # in place
+    monkeypatch.setattr(order_statistics, "CHUNK_ROWS", 400)
     chosen = load_settings()
-    engine = columnar.Engine()
-    columnar.load(engine, [str(folder)])
-    summary = columnar.summarize(engine, "records", chosen.prompt_length_edges, chosen.default_model)
+    engine = Engine()
+    inputs.load(engine, [str(folder)])
+    summary = summarizer.summarize(
+        engine, "records", chosen.prompt_length_edges, chosen.default_model
+    ).summary
     engine.close()
     batch = reader.read([str(together)]).batch
     derived = Derived.of(batch, chosen.prompt_length_edges, chosen.cost_model_for, chosen.default_model)
-    assert columnar.row_chunks(4700, 2999)[:2] == ("row >= 0 AND row < 250", "row >= 250 AND row < 500")
+    assert order_statistics.row_chunks(4700, 2999)[:2] == (
+        "row >= 0 AND row < 250",
+        "row >= 250 AND row < 500",
+    )
     assert summary == summarize(derived)
 
 
@@ -646,15 +658,15 @@ def test_calibration_points_in_one_fetch_or_in_batches_fit_as_numpy_does(
             record["prefill_seconds"] = float(1e-3 + 2e-5 * (n - h) + 1e-9 * (n - h) * (n + h) * rng.random())
         records.append(record)
     path = write_jsonl(tmp_path / "r.jsonl", records)
-    monkeypatch.setattr(columnar, "CALIBRATION_BATCH", batch)
-    registered = columnar._registered
+    monkeypatch.setattr(summarizer, "CALIBRATION_BATCH", batch)
+    registered = Engine.registered
     calls: list[str] = []
 
-    def counted(engine: columnar.Engine, tables: dict[str, Any]) -> Any:
+    def counted(engine: Engine, tables: dict[str, Any]) -> Any:
         calls.extend(tables)
         return registered(engine, tables)
 
-    monkeypatch.setattr(columnar, "_registered", counted)
+    monkeypatch.setattr(Engine, "registered", counted)
     expected, _ = analyze([str(path)], load_settings())
     got, _ = analyze([str(path)], load_settings(), engine="duckdb")
     assert [fit["model"] for fit in got["calibration"]] == ["m0", "m1", "m2"]
@@ -664,7 +676,7 @@ def test_calibration_points_in_one_fetch_or_in_batches_fit_as_numpy_does(
 
 
 def test_an_empty_label_in_parquet_is_absent_as_in_json_lines(tmp_path: Path) -> None:
-    """README: an empty string counts as absent. A Parquet file written elsewhere (a warehouse
+    """docs/analyze.md: an empty string counts as absent. A Parquet file written elsewhere (a warehouse
     export) may hold '' where JSON lines hold "": the same records, the same report."""
     lines = [
         {"model": "", "prompt_tokens": 10, "cached_tokens": 1, "ttft_seconds": 0.5},
@@ -673,7 +685,7 @@ def test_an_empty_label_in_parquet_is_absent_as_in_json_lines(tmp_path: Path) ->
     ]
     source = write_jsonl(tmp_path / "r.jsonl", lines)
     path = tmp_path / "r.parquet"
-    engine = columnar.Engine()
+    engine = Engine()
     engine.connection.execute(
         "COPY (SELECT model, prompt_tokens, cached_tokens, CAST(ttft AS DOUBLE) AS ttft_seconds FROM "
         "(VALUES ('', 10, 1, 0.5), ('a', 20, 0, 0.25), (NULL, 30, 3, 0.125)) "

@@ -17,7 +17,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvlens.analysis import columnar, columnar_compare, compare
+from kvlens.analysis import compare
+from kvlens.analysis.duckdb import compare as duckdb_compare
+from kvlens.analysis.duckdb import inputs
+from kvlens.analysis.duckdb.engine import Engine
 from kvlens.cli import main
 from kvlens.config import Settings, load_settings
 from kvlens.definitions import prompt_length_labels
@@ -34,7 +37,7 @@ def numpy_engine(specs: Specs, chosen: Settings, **options: Any) -> dict[str, An
 
 
 def duckdb_engine(specs: Specs, chosen: Settings, **options: Any) -> dict[str, Any]:
-    return columnar_compare.compare_files(specs, chosen, **options)
+    return duckdb_compare.compare_files(specs, chosen, **options)
 
 
 ENGINES: list[Callable[..., dict[str, Any]]] = [numpy_engine, duckdb_engine]
@@ -122,7 +125,7 @@ def test_duckdb_and_numpy_comparisons_are_identical(
     if layout == "apart":  # the same records as Parquet
         parquet = []
         for name, path in specs:
-            columnar.convert([path], folder / f"{name}.parquet")
+            inputs.convert([path], folder / f"{name}.parquet")
             parquet.append((name, str(folder / f"{name}.parquet")))
         got = outcome(duckdb_engine, parquet, chosen, **options)
         if isinstance(expected, dict):
@@ -209,12 +212,12 @@ def test_every_input_form_compares_the_same(tmp_path: Path) -> None:
     expected = numpy_engine([(name, str(path)) for name, path in plain.items()], chosen, warmup=10)
     for name, path in plain.items():
         (tmp_path / f"{name}.jsonl.gz").write_bytes(gzip.compress(path.read_bytes()))
-        columnar.convert([str(path)], tmp_path / f"{name}.parquet")
+        inputs.convert([str(path)], tmp_path / f"{name}.parquet")
         for day, part in (("2026-11-30", slice(0, 25)), ("2026-12-01", slice(25, None))):
             hive = tmp_path / "hive" / name / f"day={day}"
             hive.mkdir(parents=True)
             rows = off[part] if name == "off" else warm[part]
-            columnar.convert([str(write_jsonl(tmp_path / f"{name}-{day}.jsonl", rows))], hive / "0.parquet")
+            inputs.convert([str(write_jsonl(tmp_path / f"{name}-{day}.jsonl", rows))], hive / "0.parquet")
         # a row the reader rejects (cached above prompt) among them: the records after it move up
         rows = off if name == "off" else warm
         rejected = write_jsonl(
@@ -279,7 +282,7 @@ def test_the_cli_chooses_the_engine_as_analyze_does_and_refuses_past_the_bound(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     off = write_jsonl(tmp_path / "off.jsonl", replay(0.2, 0))
-    columnar.convert([str(write_jsonl(tmp_path / "w.jsonl", replay(0.05, 768)))], tmp_path / "warm.parquet")
+    inputs.convert([str(write_jsonl(tmp_path / "w.jsonl", replay(0.05, 768)))], tmp_path / "warm.parquet")
     arms = ["--arm", f"off={off}", "--arm", f"warm={tmp_path / 'warm.parquet'}", "--warmup", "10"]
     for engine in ("auto", "duckdb"):  # auto: Parquet is read by duckdb
         assert main(["compare", *arms, "--engine", engine, "--json"]) == 0
@@ -316,11 +319,11 @@ def test_a_tiny_memory_limit_spills_and_the_answer_does_not_change(tmp_path: Pat
         for name, seed, hits in (("off", 1, False), ("warm", 2, True))
     ]
     expected = numpy_engine(specs, chosen, warmup=28_000)
-    engine = columnar.Engine(memory_limit="16MiB", threads=1)
+    engine = Engine(memory_limit="16MiB", threads=1)
     for index, (name, path) in enumerate(specs):
-        columnar_compare._load_arm(engine, index, name, path, None, None)
-    columnar_compare.check_same_sequence(engine, ["off", "warm"])
-    paired = columnar_compare.InDuckDB(engine, chosen, 2, 28_000, None)
+        duckdb_compare._load_arm(engine, index, name, path, None, None)
+    duckdb_compare.check_same_sequence(engine, ["off", "warm"])
+    paired = duckdb_compare.InDuckDB(engine, chosen, 2, 28_000, None)
     labels = prompt_length_labels(chosen.prompt_length_edges)
     got = compare.build(paired, ["off", "warm"], [path for _, path in specs], labels, 0)
     assert engine.spilled() > 0

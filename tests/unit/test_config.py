@@ -1,18 +1,15 @@
-"""Settings: sources and precedence, every error reported at once, README tables in sync."""
+"""Settings: sources and precedence, every error reported at once (the settings page's table and
+example: tests/unit/test_docs.py)."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 
 from kvlens.cli import main
-from kvlens.config import load_settings, settings_table
+from kvlens.config import load_settings
 from kvlens.errors import SettingsError
-from kvlens.exporter.metrics import metrics_table
-
-README = Path(__file__).parent.parent.parent / "README.md"
 
 
 def test_defaults() -> None:
@@ -115,42 +112,6 @@ def test_cli_exits_2_with_the_errors(
     monkeypatch.setenv("KVLENS_MAX_MODELS", "0")
     assert main(["serve"]) == 2
     assert "max_models" in capsys.readouterr().err
-
-
-def readme_section(name: str) -> str:
-    text = README.read_text()
-    match = re.search(rf"<!-- {name}:start -->\n(.*?)\n<!-- {name}:end -->", text, re.S)
-    assert match, f"README lacks the {name} markers"
-    return match.group(1)
-
-
-def test_readme_metrics_table_matches_the_metric_definitions() -> None:
-    assert readme_section("metrics") == metrics_table(), (
-        "regenerate: .venv/bin/python scripts/readme_tables.py"
-    )
-
-
-def test_readme_settings_table_matches_the_settings() -> None:
-    assert readme_section("settings") == settings_table(), (
-        "regenerate: .venv/bin/python scripts/readme_tables.py"
-    )
-
-
-def test_readme_otlp_attribute_table_matches_the_decoder() -> None:
-    from kvlens.sources.otlp import attributes_table
-
-    assert readme_section("otlp") == attributes_table(), (
-        "regenerate: .venv/bin/python scripts/readme_tables.py"
-    )
-
-
-def test_readme_example_settings_file_loads(tmp_path: Path) -> None:
-    example = re.search(r"Example `kvlens.yaml`:\n\n```yaml\n(.*?)```", README.read_text(), re.S)
-    assert example, "README lacks the example settings file"
-    path = tmp_path / "kvlens.yaml"
-    path.write_text(example.group(1))
-    settings = load_settings(path)
-    assert settings.tails and settings.scrape_targets and settings.models
 
 
 def test_cost_models_by_priority_and_only_configured_names_remembered() -> None:

@@ -10,7 +10,7 @@ from kvlens.cli.demo import causes_summary, in_process_kv_events
 from kvlens.config import load_settings
 from kvlens.fleet.index import FleetIndex
 from kvlens.fleet.simulated import SimulatedEngine, into_index
-from kvlens.sources.demo import ReplayKVEvents, ReplayTraffic
+from kvlens.simulate.demo import ReplayKVEvents, ReplayTraffic
 
 WINDOW = 200.0  # trace seconds of each loop fed (a fifth of the trace: the test stays fast)
 

@@ -50,6 +50,15 @@ def test_prometheus_rule_is_generated_from_the_rule_files() -> None:
     assert documents()["PrometheusRule"]["spec"]["groups"] == rule_files
 
 
+def test_recording_rules_are_generated_from_kvlens_promql() -> None:
+    """The recording rules are written by the code that writes the dashboards' queries
+    (kvlens.exporter.promql): the file is its output, byte for byte, and parses to its table."""
+    script = runpy.run_path(str(ROOT / "scripts" / "prometheusrule.py"))
+    rules = DEPLOY / "prometheus" / "kvlens-rules.yaml"
+    assert rules.read_text() == script["render_rules"](), "run scripts/prometheusrule.py"
+    assert yaml.safe_load(rules.read_text())["groups"] == script["recording_rules"]()
+
+
 def containers() -> dict[str, dict[str, Any]]:
     pod = documents()["Deployment"]["spec"]["template"]["spec"]
     return {c["name"]: c for c in pod["containers"]}
@@ -279,11 +288,11 @@ def test_kv_events_overlay_renders_with_kustomize() -> None:
 
 
 def test_the_fleet_kvlens_memory_limit_is_above_the_index_worst_case_at_the_default_caps() -> None:
-    """The worst case (README, KV events; measured by ``bench/kv_events.py --worst-case``): the
+    """The worst case (docs/kv-events.md; measured by ``bench/kv_events.py --worst-case``): the
     idle process with its compiled loops (201 MiB measured), both caps full at their most bytes an
     entry, and the largest table rebuilt (old and new held at once), with a fifth to spare."""
-    from kvlens.fleet.index import HELD_ENTRY_BYTES, MAX_HELD_BLOCKS, REMEMBER_BLOCKS, REMEMBERED_ENTRY_BYTES
-    from kvlens.fleet.kernels import FILL
+    from kvlens.fleet.kernels.table import FILL
+    from kvlens.fleet.limits import HELD_ENTRY_BYTES, MAX_HELD_BLOCKS, REMEMBER_BLOCKS, REMEMBERED_ENTRY_BYTES
 
     fleet = overlay()["Deployment", "kvlens-fleet"]
     (container,) = fleet["spec"]["template"]["spec"]["containers"]

@@ -30,14 +30,12 @@ from kvlens.fleet.index import (
     EVICTED_ELSEWHERE,
     EVICTED_HERE,
     HELD_ELSEWHERE,
-    HELD_ENTRY_BYTES,
     HELD_HERE,
-    MAX_REPLICAS,
     NEW,
-    REMEMBERED_ENTRY_BYTES,
     UNKNOWN,
     FleetIndex,
 )
+from kvlens.fleet.limits import HELD_ENTRY_BYTES, MAX_REPLICAS, REMEMBERED_ENTRY_BYTES
 from kvlens.fleet.simulated import SimulatedEngine, into_index
 from kvlens.simulate.run import Fleet, Outcome, simulate, walk
 from kvlens.simulate.trace import BUNDLED, MOONCAKE, Trace, TraceRequest
@@ -562,27 +560,28 @@ def test_the_tables_keep_the_plain_rules_through_clears_lost_replicas_and_growth
 @settings(max_examples=30, deadline=None)
 @given(st.integers(0, 2**32))
 def test_forgetting_a_replica_drops_its_bit_from_every_key_of_the_fleet_table(seed: int) -> None:
-    """``forget`` walks the fleet table and deletes the keys whose last holder it drops: each
+    """``drop_bit`` walks the fleet table and deletes the keys whose last holder it drops: each
     key has the bit dropped, the ones left with no holder are gone, the rest findable, and the
     table's counters are what it holds."""
-    from kvlens.fleet import kernels
+    from kvlens.fleet.kernels import rules, table
 
     rng = random.Random(seed)
-    fleet, remembered = kernels.Table(), kernels.Table()
-    counts = np.zeros(kernels.FLEET_COUNTS, np.int64)
+    fleet, remembered = table.Table(), table.Table()
+    counts = np.zeros(rules.FLEET_COUNTS, np.int64)
     masks: dict[int, int] = {}
     for key in [*rng.sample(range(2**40), rng.randrange(150, 217)), 0, 1]:  # up to 85 % full
         masks[key] = rng.choice([0b01, 0b10, 0b11])
-        row, _ = kernels._find(fleet.rows, np.uint64(key))
-        kernels._insert(fleet.rows, row, np.uint64(key), np.uint64(masks[key]))
-    counts[kernels.DUPLICATED] = sum(mask == 0b11 for mask in masks.values())
-    kernels.forget(np.uint64(0), fleet.rows, remembered.rows, counts)
+        row, _ = table._find(fleet.rows, np.uint64(key))
+        table._insert(fleet.rows, row, np.uint64(key), np.uint64(masks[key]))
+    counts[rules.DUPLICATED] = sum(mask == 0b11 for mask in masks.values())
+    for rows, holders in ((fleet.rows, True), (remembered.rows, False)):  # as forget_replica does
+        rules.drop_bit(rows, np.uint64(1), holders, counts, 0, rows.shape[0])
     left = {key: mask & ~1 for key, mask in masks.items() if mask & ~1}
     well_formed(fleet.rows)
     assert fleet.live == len(left)
-    assert counts[kernels.DUPLICATED] == 0
+    assert counts[rules.DUPLICATED] == 0
     for key in masks:
-        assert kernels.lookup(fleet.rows, np.uint64(key)) == (key in left, left.get(key, 0))
+        assert table.lookup(fleet.rows, np.uint64(key)) == (key in left, left.get(key, 0))
 
 
 def test_more_replicas_than_the_masks_hold_is_an_error_naming_the_replica() -> None:

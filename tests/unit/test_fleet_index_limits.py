@@ -11,9 +11,11 @@ import tracemalloc
 
 import pytest
 
-from kvlens.fleet import kernels
-from kvlens.fleet.index import TIERS, FleetIndex
-from kvlens.fleet.source import KVEvents, Publisher
+from kvlens.fleet.index import FleetIndex
+from kvlens.fleet.kernels import table
+from kvlens.fleet.limits import TIERS
+from kvlens.fleet.ordering import Publisher
+from kvlens.fleet.subscriber import KVEvents
 
 
 def test_extra_copies_of_a_hash_are_held_within_the_cap_and_past_it_untracked() -> None:
@@ -81,7 +83,7 @@ def test_a_scrape_waiting_during_a_clear_gets_the_lock_at_the_next_slice(
     """The consumer clears a replica of 50,000 blocks under the index's lock, 1,024 rows a slice;
     a scrape (both of its takings of the lock) asks after the third slice and answers with the
     clear half done, not after it."""
-    monkeypatch.setattr(kernels, "SLICE_ROWS", 1024, raising=False)
+    monkeypatch.setattr(table, "SLICE_ROWS", 1024, raising=False)
     index = FleetIndex()
     blocks = list(range(50_000))
     index.stored("a", blocks, None, blocks, 1)
@@ -121,7 +123,7 @@ def test_a_scrape_waiting_during_a_clear_gets_the_lock_at_the_next_slice(
 
 
 def test_tables_rebuilt_and_replicas_forgotten_pause_between_slices(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kernels, "SLICE_ROWS", 1024, raising=False)
+    monkeypatch.setattr(table, "SLICE_ROWS", 1024, raising=False)
     index = FleetIndex()
     pauses: list[None] = []
     monkeypatch.setattr(index.lock, "pause", lambda: pauses.append(None))
@@ -141,7 +143,7 @@ def test_tables_rebuilt_and_replicas_forgotten_pause_between_slices(monkeypatch:
 def test_a_clear_grows_the_remembered_table_a_slice_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
     """Remembered blocks full, a replica holding as many cleared: the remembered table never
     takes room for both at once (it holds ``remember_blocks`` at most), only for a slice more."""
-    monkeypatch.setattr(kernels, "SLICE_ROWS", 1024, raising=False)
+    monkeypatch.setattr(table, "SLICE_ROWS", 1024, raising=False)
     index = FleetIndex(remember_blocks=20_000)
     for first in (0, 20_000):
         blocks = list(range(first, first + 20_000))
@@ -149,4 +151,4 @@ def test_a_clear_grows_the_remembered_table_a_slice_at_a_time(monkeypatch: pytes
         index.cleared("a")
     snapshot = index.snapshot()
     assert (snapshot.remembered_blocks, snapshot.forgotten_blocks) == (20_000, 20_000)
-    assert index._remembered.rows.shape[0] - 3 <= math.ceil((20_000 + 1024) / kernels.FILL)
+    assert index._remembered.rows.shape[0] - 3 <= math.ceil((20_000 + 1024) / table.FILL)

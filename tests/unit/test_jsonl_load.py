@@ -1,4 +1,4 @@
-"""JSON lines into DuckDB (``analysis/jsonl_load.py``): chunks the strict decoder accepts are
+"""JSON lines into DuckDB (``analysis/duckdb/jsonl.py``): chunks the strict decoder accepts are
 parsed by DuckDB's ``read_json``, the others read by the Python validator. Whatever the lines
 hold, the table must equal what the Python validator alone makes of the file (``reader.read``),
 value for value (the sign of a zero included), row for row, with the same lines, skips, reasons
@@ -20,11 +20,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvlens import records
-from kvlens.analysis import columnar, jsonl_load, reader
+from kvlens.analysis import reader
+from kvlens.analysis.duckdb import inputs, jsonl
+from kvlens.analysis.duckdb.engine import Engine
 
 pytest.importorskip("duckdb")
 
-COLUMNS = columnar.SCALAR_COLUMNS  # every field but prefix_hashes: what `kvlens convert` keeps
+COLUMNS = inputs.SCALAR_COLUMNS  # every field but prefix_hashes: what `kvlens convert` keeps
 
 
 def expected(path: Path) -> tuple[reader.ReadResult, list[str]]:
@@ -53,15 +55,15 @@ def expected(path: Path) -> tuple[reader.ReadResult, list[str]]:
 def loaded(
     path: Path, threads: int = 2, whole_file: bool = True
 ) -> tuple[reader.ReadResult, list[str], list[int | str | None]]:
-    """The table ``columnar.load`` makes of ``path``, and what each DuckDB parse returned: a
+    """The table ``inputs.load`` makes of ``path``, and what each DuckDB parse returned: a
     chunk's count (None: left to the validator), or "file" when the whole file was inserted
     in one statement (``whole_file=False``: never tried, every chunk is parsed on its own)."""
-    engine = columnar.Engine(threads=threads)
+    engine = Engine(threads=threads)
     parses: list[int | str | None] = []
-    parse = jsonl_load._Parser.__call__
-    whole = jsonl_load._whole_file
+    parse = jsonl._Parser.__call__
+    whole = jsonl._whole_file
 
-    def counted(self: jsonl_load._Parser, chunk: bytes, lines: int) -> int | None:
+    def counted(self: jsonl._Parser, chunk: bytes, lines: int) -> int | None:
         parses.append(parse(self, chunk, lines))
         return parses[-1]  # type: ignore[return-value]
 
@@ -73,9 +75,9 @@ def loaded(
 
     try:
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(jsonl_load._Parser, "__call__", counted)
-            patch.setattr(jsonl_load, "_whole_file", whole_counted)
-            result = columnar.load(engine, [str(path)], columns=COLUMNS).read
+            patch.setattr(jsonl._Parser, "__call__", counted)
+            patch.setattr(jsonl, "_whole_file", whole_counted)
+            result = inputs.load(engine, [str(path)], columns=COLUMNS).read
         rows = engine.connection.execute(
             f"SELECT {', '.join(COLUMNS)}, src, row FROM jsonl_records ORDER BY row"
         ).fetchall()
@@ -363,7 +365,7 @@ def test_a_chunk_duckdb_refuses_within_a_transaction_keeps_the_chunks_before_it(
     lines[13] = duplicate  # the 7th, the 1st of the third (the one after the refusal)
     path = tmp_path / "r.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
-    monkeypatch.setattr(jsonl_load, "COMMIT_CHUNKS", 3)
+    monkeypatch.setattr(jsonl, "COMMIT_CHUNKS", 3)
     assert assert_same(path) == [2, 2, 2, 2, None, 2, None, 2, 2, 2]
 
 
@@ -381,9 +383,9 @@ def test_progress_counts_each_byte_once_when_the_file_is_read_again_a_chunk_at_a
     path = tmp_path / "r.jsonl"
     path.write_bytes(b"\n".join([VALID] * 9 + [b"{broken"]) + b"\n")
     steps: list[int] = []
-    engine = columnar.Engine()
+    engine = Engine()
     try:
-        columnar.load(engine, [str(path)], progress=steps.append)
+        inputs.load(engine, [str(path)], progress=steps.append)
     finally:
         engine.close()
     size = path.stat().st_size
@@ -430,11 +432,11 @@ def test_ctrl_c_while_the_lines_are_proven_stops_duckdb_and_inserts_nothing(
     def interrupted(chunk: bytes) -> int | None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(jsonl_load.records, "strict_records", interrupted)
-    engine = columnar.Engine()
+    monkeypatch.setattr(jsonl.records, "strict_records", interrupted)
+    engine = Engine()
     try:
         with pytest.raises(KeyboardInterrupt):
-            columnar.load(engine, [str(path)])
+            inputs.load(engine, [str(path)])
         assert [t.name for t in threading.enumerate() if t.name == "kvlens-read-json"] == []
         assert engine.connection.execute("SELECT count(*) FROM jsonl_records").fetchall() == [(0,)]
     finally:
@@ -451,7 +453,7 @@ def test_once_duckdb_refuses_the_file_the_rest_is_not_proven_first(
     monkeypatch.setattr(reader, "CHUNK_BYTES", 2 * (len(duplicate) + 1))
     path = tmp_path / "r.jsonl"
     path.write_bytes(b"\n".join([duplicate] + [VALID.ljust(len(duplicate))] * 9) + b"\n")
-    strict = jsonl_load.records.strict_records
+    strict = jsonl.records.strict_records
     proven: list[int | None] = []
 
     def after_duckdb(chunk: bytes) -> int | None:
@@ -462,7 +464,7 @@ def test_once_duckdb_refuses_the_file_the_rest_is_not_proven_first(
         return proven[-1]
 
     with monkeypatch.context() as patch:
-        patch.setattr(jsonl_load.records, "strict_records", after_duckdb)
+        patch.setattr(jsonl.records, "strict_records", after_duckdb)
         assert assert_same(path) == [None, 2, 2, 2, 2]
     assert proven == [2]
 
@@ -497,9 +499,9 @@ def test_a_file_named_like_a_pattern_is_read_as_that_file(tmp_path: Path) -> Non
     (tmp_path / "log1.jsonl").write_bytes(b"\n".join([other] * 3) + b"\n")
     path = tmp_path / "log[12].jsonl"
     path.write_bytes(b"\n".join([VALID] * 3) + b"\n")
-    engine = columnar.Engine()
+    engine = Engine()
     try:
-        loaded = columnar.load(engine, [str(tmp_path)], columns=COLUMNS)
+        loaded = inputs.load(engine, [str(tmp_path)], columns=COLUMNS)
         models = engine.connection.execute(
             "SELECT src, list(model ORDER BY row) FROM jsonl_records GROUP BY src ORDER BY src"
         ).fetchall()
@@ -517,9 +519,9 @@ def test_ctrl_c_while_waiting_for_duckdb_stops_it_and_inserts_nothing(
     DuckDB's insert is made endless here; the wait is what Ctrl-C interrupts."""
     path = tmp_path / "r.jsonl"
     path.write_bytes(b"\n".join([VALID] * 10) + b"\n")
-    insert = jsonl_load._Parser.insert_checked
+    insert = jsonl._Parser.insert_checked
 
-    def endless(self: jsonl_load._Parser, lines_query: str, labels: list[str]) -> int:
+    def endless(self: jsonl._Parser, lines_query: str, labels: list[str]) -> int:
         self.connection.execute("SELECT max(md5(range::VARCHAR)) FROM range(1000000000000)")
         return insert(self, lines_query, labels)
 
@@ -530,12 +532,12 @@ def test_ctrl_c_while_waiting_for_duckdb_stops_it_and_inserts_nothing(
                 raise KeyboardInterrupt
             super().join(timeout)
 
-    monkeypatch.setattr(jsonl_load._Parser, "insert_checked", endless)
-    monkeypatch.setattr(jsonl_load.threading, "Thread", Interrupted)
-    engine = columnar.Engine()
+    monkeypatch.setattr(jsonl._Parser, "insert_checked", endless)
+    monkeypatch.setattr(jsonl.threading, "Thread", Interrupted)
+    engine = Engine()
     try:
         with pytest.raises(KeyboardInterrupt):
-            columnar.load(engine, [str(path)])
+            inputs.load(engine, [str(path)])
         running = [t for t in threading.enumerate() if t.name == "kvlens-read-json"]
         for thread in running:  # on failure, not left running
             engine.connection.interrupt()
@@ -555,15 +557,15 @@ def test_a_file_rewritten_before_its_labels_past_ascii_are_read_again_is_read_as
     accented = VALID.replace(b'"model":"m"', b'"model":"\xc3\xa9"')
     path = tmp_path / "r.jsonl"
     path.write_bytes(b"\n".join([VALID, accented, VALID]) + b"\n")
-    staged = jsonl_load._Parser._staged
+    staged = jsonl._Parser._staged
 
-    def rewritten_first(self: jsonl_load._Parser, lines_query: str, labels: list[str]) -> int | None:
+    def rewritten_first(self: jsonl._Parser, lines_query: str, labels: list[str]) -> int | None:
         negative = accented.replace(b'"queue_seconds":0.1', b'"queue_seconds":-0.1')
         path.write_bytes(b"\n".join([VALID, negative, VALID]) + b"\n")
-        monkeypatch.setattr(jsonl_load._Parser, "_staged", staged)  # once
+        monkeypatch.setattr(jsonl._Parser, "_staged", staged)  # once
         return staged(self, lines_query, labels)
 
-    monkeypatch.setattr(jsonl_load._Parser, "_staged", rewritten_first)
+    monkeypatch.setattr(jsonl._Parser, "_staged", rewritten_first)
     _, rows, parses = loaded(path)
     monkeypatch.undo()
     want, want_rows = expected(path)
@@ -578,7 +580,7 @@ def test_labels_past_ascii_are_fetched_into_python_a_bounded_number_at_a_time(
     """Each distinct label past printable ASCII is checked in Python: for a file read whole
     (millions of distinct tenants) they are fetched LABELS_AT_A_TIME at a time, never all the
     file's at once; the first invalid one stops the check."""
-    monkeypatch.setattr(jsonl_load, "LABELS_AT_A_TIME", 2, raising=False)
+    monkeypatch.setattr(jsonl, "LABELS_AT_A_TIME", 2, raising=False)
     lines = [VALID.replace(b'"model":"m"', b'"model":"\xc3\xa9%d"' % i) for i in range(6)]
     path = tmp_path / "r.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
@@ -617,10 +619,10 @@ def test_duckdb_stopped_before_its_statement_starts_does_not_parse_the_whole_fil
     interrupted again."""
     path = tmp_path / "r.jsonl"
     path.write_bytes(b"\r\n".join([VALID] * 3) + b"\r\n")
-    engine = columnar.Engine(threads=1)
+    engine = Engine(threads=1)
     interrupted = threading.Event()
     ran: list[str] = []
-    insert = jsonl_load._Parser.insert_checked
+    insert = jsonl._Parser.insert_checked
 
     class Connection:
         def __init__(self, connection: Any) -> None:
@@ -633,7 +635,7 @@ def test_duckdb_stopped_before_its_statement_starts_does_not_parse_the_whole_fil
         def __getattr__(self, name: str) -> Any:
             return getattr(self.connection, name)
 
-    def late(self: jsonl_load._Parser, lines_query: str, labels: list[str]) -> int:
+    def late(self: jsonl._Parser, lines_query: str, labels: list[str]) -> int:
         interrupted.wait()  # the statement starts only after the first interrupt
         try:
             self.connection.execute("SELECT max(md5(range::VARCHAR)) FROM range(3000000)")
@@ -643,10 +645,10 @@ def test_duckdb_stopped_before_its_statement_starts_does_not_parse_the_whole_fil
         ran.append("whole statement")
         return insert(self, lines_query, labels)
 
-    monkeypatch.setattr(jsonl_load._Parser, "insert_checked", late)
+    monkeypatch.setattr(jsonl._Parser, "insert_checked", late)
     engine.connection = Connection(engine.connection)
     try:
-        columnar.load(engine, [str(path)], columns=COLUMNS)
+        inputs.load(engine, [str(path)], columns=COLUMNS)
     finally:
         engine.connection = engine.connection.connection
         engine.close()

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlens.sources import jsonscan
+from kvlens import jsonscan
 
 json_values = st.recursive(
     st.none()

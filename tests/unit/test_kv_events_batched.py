@@ -15,11 +15,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvlens.fleet import kernels, wire
+from kvlens.fleet import schema
 from kvlens.fleet.index import FleetIndex
+from kvlens.fleet.kernels import msgpack
+from kvlens.fleet.ordering import Consumer, Publisher
 from kvlens.fleet.simulated import SimulatedEngine
-from kvlens.fleet.source import Consumer, Publisher
-from kvlens.fleet.wire import REMOVED_FIELDS, STORED_FIELDS
 from kvlens.simulate.run import Fleet, simulate
 from kvlens.simulate.trace import BUNDLED, MOONCAKE, Trace
 from tests import vllm_kv_events as vllm
@@ -108,7 +108,7 @@ def shaped(draw: st.DrawFn, event: dict[str, Any]) -> Any:
     if shape == "shuffled":
         return dict(draw(st.permutations(list(event.items()))))
     if shape.startswith("array"):
-        names = STORED_FIELDS[:8] if event["type"] == "BlockStored" else ("block_hashes", "medium")
+        names = schema.FIELD_NAMES[:8] if event["type"] == "BlockStored" else ("block_hashes", "medium")
         values = [event["type"], *(event.get(name) for name in names)]
         return values[: draw(st.integers(1, len(values)))] if shape == "array_cut" else values
     return event
@@ -218,11 +218,6 @@ def test_the_usual_payloads_take_the_compiled_path_and_the_rest_msgspec() -> Non
     same(tables(index), before)
 
 
-def test_the_compiled_reader_knows_the_fields_the_decoder_does() -> None:
-    assert kernels.STORED_FIELDS == STORED_FIELDS
-    assert kernels.REMOVED_FIELDS == REMOVED_FIELDS
-
-
 def trace_messages(replicas: int, capacity: int, per_batch: int) -> list[tuple[str, bytes]]:
     """The bundled trace's blocks as vLLM payloads of up to ``per_batch`` events of one replica,
     then each replica evicting all it holds (its table mostly empty: shrunk)."""
@@ -239,7 +234,7 @@ def trace_messages(replicas: int, capacity: int, per_batch: int) -> list[tuple[s
         if pending and (pending[0][0] != replica or len(pending) == per_batch):
             flush()
         pending.append((replica, event))
-        if isinstance(event, wire.BlockStored):
+        if isinstance(event, schema.BlockStored):
             held[replica].update(event.block_hashes)
         else:
             held[replica].difference_update(event.block_hashes)
@@ -251,7 +246,7 @@ def trace_messages(replicas: int, capacity: int, per_batch: int) -> list[tuple[s
     for replica, blocks in held.items():
         ordered = sorted(blocks)
         for start in range(0, len(ordered), 100):
-            emit(replica, wire.BlockRemoved(block_hashes=ordered[start : start + 100], medium="GPU"))
+            emit(replica, schema.BlockRemoved(block_hashes=ordered[start : start + 100], medium="GPU"))
         flush()
     return out
 
@@ -291,7 +286,7 @@ def test_a_payload_past_the_readers_size_is_left_to_msgspec() -> None:
     publisher's 64 MiB message costs what it did, not 16 times its size."""
     many = [vllm.BlockStored([n], None, [1, 2], BLOCK, None, "GPU", None) for n in range(1, 12_000)]
     payload = vllm.encode(vllm.KVEventBatch(TS, many, 0))
-    assert kernels.MAX_READ_BYTES < len(payload) < 2 * kernels.MAX_READ_BYTES
+    assert msgpack.MAX_READ_BYTES < len(payload) < 2 * msgpack.MAX_READ_BYTES
     index = Counting()
     assert index.apply_payload("a", payload) is None
     assert index.apply_payload("a", vllm.encode(vllm.KVEventBatch(TS, many[:6_000], 0))) == [

@@ -15,20 +15,14 @@ from kvlens.errors import SettingsError
 from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.background import BackgroundSources
 from kvlens.exporter.collector import _kv_families
-from kvlens.fleet import kernels, wire
+from kvlens.fleet import schema
+from kvlens.fleet.discovery import MAX_DISCOVERED, DnsTarget, resolve_addresses, wanted_publishers
 from kvlens.fleet.index import EVICTED_ELSEWHERE, HELD_ELSEWHERE, NEW, FleetIndex
+from kvlens.fleet.kernels import rules
+from kvlens.fleet.limits import MAX_VANISHED, VANISHED_RETENTION_SECONDS
+from kvlens.fleet.ordering import Consumer, Publisher
 from kvlens.fleet.publisher import EventPublisher
-from kvlens.fleet.source import (
-    MAX_DISCOVERED,
-    MAX_VANISHED,
-    VANISHED_RETENTION_SECONDS,
-    Consumer,
-    DnsTarget,
-    KVEvents,
-    Publisher,
-    resolve_addresses,
-    wanted_publishers,
-)
+from kvlens.fleet.subscriber import KVEvents
 from tests import vllm_kv_events as vllm
 from tests.live import free_port, until
 
@@ -67,7 +61,7 @@ def test_each_address_is_a_replica_and_a_failed_lookup_keeps_the_last_set(
     target.refresh()
     assert names(target) == ["10.0.0.5:5557", "10.0.0.6:5557"]
     assert [p.endpoint for p in target.publishers()] == ["tcp://10.0.0.5:5557", "tcp://10.0.0.6:5557"]
-    with caplog.at_level(logging.WARNING, logger="kvlens.fleet.source"):
+    with caplog.at_level(logging.WARNING, logger="kvlens.fleet.discovery"):
         target.refresh()  # NXDOMAIN
         target.refresh()  # an empty answer
     assert names(target) == ["10.0.0.5:5557", "10.0.0.6:5557"]
@@ -159,8 +153,8 @@ def test_a_target_parses() -> None:
     assert (settings.kv_events_dns, settings.kv_events_dns_interval_seconds) == (["a:1"], 5)
 
 
-def stored(block: int) -> wire.BlockStored:
-    return wire.BlockStored(
+def stored(block: int) -> schema.BlockStored:
+    return schema.BlockStored(
         block_hashes=[block],
         parent_block_hash=None,
         token_ids=[block] * 4,
@@ -193,7 +187,7 @@ def test_subscriptions_follow_the_answers_over_real_sockets() -> None:
         until(lambda: status[first].up == 0 and events.index.snapshot().removed.get((first, "GPU")) == 1)
         source.resolve_now()  # the lookup fails: 127.0.0.2 stays subscribed
         until(lambda: events.dns[0].failures == 1)
-        two.publish_events([wire.BlockRemoved(block_hashes=[2], medium="GPU")])
+        two.publish_events([schema.BlockRemoved(block_hashes=[2], medium="GPU")])
         until(lambda: status[second].batches == 2)
         snapshot = events.snapshot()
         assert snapshot.dns == {f"fleet:{port}": (1, 1)}
@@ -269,7 +263,7 @@ def test_a_replica_past_the_slots_in_use_is_refused_once_and_counted(
     consumer = Consumer(index, [])
     target.refresh()
     follow(consumer, target)
-    with caplog.at_level(logging.ERROR, logger="kvlens.fleet.source"):
+    with caplog.at_level(logging.ERROR, logger="kvlens.fleet.ordering"):
         for seq in range(2):
             for p, address in enumerate(many):
                 consumer.message(f"{address}:5557", seq, shared_and_own(1000 * (seq + 1) + p), None)
@@ -351,7 +345,7 @@ def test_a_vanished_replica_s_series_go_after_the_retention_and_a_comeback_keeps
     clock.now = 700.0
     consumer.release()
     assert exported_replicas(events) == {b, c}
-    assert memory - index.memory_bytes() == kernels.STATS * 8  # a's counter row, no more
+    assert memory - index.memory_bytes() == rules.STATS * 8  # a's counter row, no more
     assert set(consumer.status) == {b, c}
     snapshot = index.snapshot()
     assert {replica for replica, _ in snapshot.stored} == {b, c}

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from kvlens.fleet.index import FleetIndex
-from kvlens.fleet.source import MAX_SEQUENCE_GAP, MAX_TIMESTAMP_LEAD_SECONDS, Consumer, Publisher
+from kvlens.fleet.ordering import MAX_SEQUENCE_GAP, Consumer, Publisher
+from kvlens.fleet.reorder import MAX_TIMESTAMP_LEAD_SECONDS
 from tests import vllm_kv_events as vllm
 from tests.unit.test_kv_events_wire import FIRST, SECOND, stored
 

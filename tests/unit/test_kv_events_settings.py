@@ -44,7 +44,8 @@ def test_without_pyzmq_serving_kv_events_is_a_clear_settings_error(monkeypatch: 
     import importlib.util
 
     from kvlens.fleet.index import FleetIndex
-    from kvlens.fleet.source import KVEvents, Publisher
+    from kvlens.fleet.ordering import Publisher
+    from kvlens.fleet.subscriber import KVEvents
 
     real = importlib.util.find_spec
     monkeypatch.setattr(

@@ -12,9 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvlens.fleet import wire
 from kvlens.fleet.index import EVICTED_HERE, HELD_ELSEWHERE, NEW, FleetIndex, token_array
+from kvlens.fleet.ordering import Consumer, Publisher
 from kvlens.fleet.reorder import MAX_WAITING_BYTES
-from kvlens.fleet.source import Consumer, Publisher
 from kvlens.fleet.wire import (
     APPLIED,
     MALFORMED,
@@ -68,7 +69,7 @@ def test_vllm_events_round_trip() -> None:
     assert tokens_of(first) == FIRST + SECOND  # left as msgpack by the decoder, read by the index
     assert (first.medium, first.extra_keys, first.group_idx) == ("GPU", [["cache_salt", "s"], None], 0)
     assert (second.block_hashes, second.medium) == ([12], "GPU")
-    assert type(third).__name__ == "_Cleared"
+    assert type(third) is wire._Cleared
     assert (decoded.unknown_events, decoded.unknown_fields, decoded.malformed_events) == (0, 0, 0)
 
 
@@ -97,7 +98,7 @@ def test_the_map_envelope_and_sglangs_array_events_decode_alike() -> None:
     assert as_map[0] & 0xF0 == 0x80
     index = FleetIndex()
     events = decode_batch(sglang).events
-    assert [type(e).__name__ for e in events] == ["_StoredArray", "_RemovedArray", "_ClearedArray"]
+    assert [type(e) for e in events] == [wire._StoredArray, wire._RemovedArray, wire._ClearedArray]
     assert (events[0].block_hashes, tokens_of(events[0]), events[0].medium) == ([1], FIRST, None)
     for event in [*events, *decode_batch(as_map).events]:
         assert apply(index, "a", event) == APPLIED
@@ -330,10 +331,10 @@ def test_a_payload_whose_stamp_reads_but_events_do_not_is_counted_when_applied()
 def test_kvlens_publishes_the_bytes_vllm_does() -> None:
     """kvlens's copy of vLLM's structs (what ``simulate serve`` publishes with) encodes exactly as
     the engine's own definitions do, defaults left out alike."""
-    from kvlens.fleet import wire
+    from kvlens.fleet import schema
 
     def both(cls: str, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        return getattr(wire, cls)(*args, **kwargs), getattr(vllm, cls)(*args, **kwargs)
+        return getattr(schema, cls)(*args, **kwargs), getattr(vllm, cls)(*args, **kwargs)
 
     cases = [
         both("BlockStored", [1, 2], None, FIRST + SECOND, 4, None, "GPU", None),
@@ -353,7 +354,7 @@ def test_kvlens_publishes_the_bytes_vllm_does() -> None:
         both("BlockRemoved", [1], None, group_idx=2, locality="LOCAL"),
         both("AllBlocksCleared"),
     ]
-    ours = wire.KVEventBatch(ts=TS, events=[c[0] for c in cases], data_parallel_rank=3)
+    ours = schema.KVEventBatch(ts=TS, events=[c[0] for c in cases], data_parallel_rank=3)
     theirs = vllm.KVEventBatch(ts=TS, events=[c[1] for c in cases], data_parallel_rank=3)
     assert msgspec.msgpack.Encoder().encode(ours) == vllm.encode(theirs)
 

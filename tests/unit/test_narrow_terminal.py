@@ -28,8 +28,8 @@ from kvlens.cli.demo import banner, print_summary
 from kvlens.config import load_settings
 from kvlens.exporter.aggregator import Aggregator
 from kvlens.records import batch_from_objects
+from kvlens.simulate import demo
 from kvlens.simulate.trace import BUNDLED
-from kvlens.sources import demo
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 H200 = Path(__file__).resolve().parent.parent / "fixtures" / "h200"

@@ -21,7 +21,7 @@ from kvlens.records import (
     batch_from_json_lines,
     batch_from_objects,
 )
-from kvlens.sources.demo import DemoTraffic
+from kvlens.simulate.demo import DemoTraffic
 
 GOOD = {"prompt_tokens": 128, "cached_tokens": 16}
 

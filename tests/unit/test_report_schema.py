@@ -1,4 +1,4 @@
-"""`kvlens analyze --json` keeps the schema the README documents (kvlens.analyze/v1: fields are
+"""`kvlens analyze --json` keeps the schema docs/analyze.md documents (kvlens.analyze/v1: fields are
 only ever added), with its empty values, its group labels and the slowest groups in order."""
 
 from __future__ import annotations

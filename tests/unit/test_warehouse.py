@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 from kvlens import definitions
-from kvlens.analysis import columnar, report, warehouse
+from kvlens.analysis import report, warehouse
+from kvlens.analysis.duckdb import inputs
+from kvlens.analysis.duckdb.engine import Engine
 from kvlens.cli import main
 from kvlens.config import load_settings
 from kvlens.errors import InputError
@@ -31,7 +33,7 @@ def statements(script: str) -> list[str]:
 
 def export_duckdb(parquet: Path, script: str, out: Path, kind: str) -> list[Path]:
     """Each result written by DuckDB's COPY (CSV with a header, or JSON lines)."""
-    engine = columnar.Engine()
+    engine = Engine()
     engine.connection.execute(f"CREATE VIEW records AS SELECT * FROM '{parquet}'")
     files = []
     for index, statement in enumerate(statements(script)):
@@ -117,7 +119,7 @@ def test_printed_sql_run_elsewhere_gives_the_direct_report(
     assert not re.search(r"\bduckdb\b|read_parquet|GROUP BY ALL", script)  # nothing engine-specific
     jsonl = write_jsonl(tmp_path / "r.jsonl", records)
     parquet = tmp_path / "r.parquet"
-    columnar.convert([str(jsonl)], parquet)
+    inputs.convert([str(jsonl)], parquet)
     files = export(parquet, script, tmp_path, kind)
 
     direct = analyzed(capsys, str(jsonl), "--engine", "numpy", "--config", str(config))
@@ -141,7 +143,7 @@ def test_printed_sql_run_elsewhere_gives_the_direct_report(
 def test_aggregates_left_out_or_broken_are_clear_errors(tmp_path: Path) -> None:
     jsonl = write_jsonl(tmp_path / "r.jsonl", random_records(50))
     parquet = tmp_path / "r.parquet"
-    columnar.convert([str(jsonl)], parquet)
+    inputs.convert([str(jsonl)], parquet)
     out = tmp_path / "out"
     out.mkdir()
     cells, _, decomposition, order, slowest, prefill = export_duckdb(

@@ -2,7 +2,7 @@
 
 Two engines compute the report's :class:`~kvlens.analysis.report.Summary`: ``numpy`` holds the
 records in memory (the live exporter's reducer, called); ``duckdb`` (the ``scale`` extra) runs
-the reducer as SQL out of core (:mod:`kvlens.analysis.columnar`). Everything after the summary
+the reducer as SQL out of core (:mod:`kvlens.analysis.duckdb`). Everything after the summary
 is one code path.
 """
 
@@ -41,25 +41,29 @@ def analyze(
     each model that has prefill times and of each model in the ``prefill_points`` tables."""
     labels = prompt_length_labels(settings.prompt_length_edges)
     if engine == "duckdb":
-        from kvlens.analysis import columnar
+        from kvlens.analysis.duckdb import inputs
+        from kvlens.analysis.duckdb import summary as in_duckdb
+        from kvlens.analysis.duckdb.engine import DEFAULT_MEMORY_LIMIT, Engine, engine_errors
 
-        store = columnar.Engine(memory_limit=memory_limit or columnar.DEFAULT_MEMORY_LIMIT)
+        store = Engine(memory_limit=memory_limit or DEFAULT_MEMORY_LIMIT)
         try:
-            with columnar.engine_errors(store.memory_limit, store.spill_directory):
-                loaded = columnar.load(
+            with engine_errors(store.memory_limit, store.spill_directory):
+                loaded = inputs.load(
                     store, paths, format_name=format_name, model=model, progress=progress, check_later=True
                 )
-                table = columnar.working_set(store, loaded)
-                summary = columnar.summarize(
-                    store, table, settings.prompt_length_edges, settings.default_model, loaded.unchecked
+                summarized = in_duckdb.summarize(
+                    store, "records", settings.prompt_length_edges, settings.default_model, loaded.unchecked
                 )
+                summary = summarized.summary
                 read, records = loaded.read, sum(cell.requests for cell in summary.cells.values())
                 # one model's points at a time, fitted as they come
                 fits = [
                     calibration.fit(*points)
-                    for points in columnar.calibration_inputs(store, CALIBRATION_MAX_POINTS)
+                    for points in in_duckdb.calibration_inputs(
+                        store, summarized.prefill_counts, CALIBRATION_MAX_POINTS
+                    )
                 ]
-                span = time_range(*store.arrivals)
+                span = time_range(*summarized.arrivals)
                 result = _report(summary, settings, labels, read, records, paths, span, lambda: None)
         finally:
             store.close()

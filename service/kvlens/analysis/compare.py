@@ -14,7 +14,7 @@ speedup, and the report puts the two side by side so that a reader does not take
 
 Two engines answer what :func:`build` asks (:class:`Paired`): ``numpy`` holds every arm in
 memory (:class:`InMemory`); ``duckdb`` (the ``scale`` extra) reads the arms into DuckDB and
-streams one group's values at a time (:mod:`kvlens.analysis.columnar_compare`). A group of more
+streams one group's values at a time (:mod:`kvlens.analysis.duckdb.compare`). A group of more
 than :data:`MAX_GROUP_REQUESTS` timed requests is refused by both.
 """
 
@@ -119,7 +119,7 @@ class Arm:
 
 
 # ---------------------------------------------------------------------------------------------
-# What an engine answers (numpy here, SQL in kvlens.analysis.columnar_compare); the report is
+# What an engine answers (numpy here, SQL in kvlens.analysis.duckdb.compare); the report is
 # built from these answers alone, by :func:`build`, so both engines share every step after them.
 
 

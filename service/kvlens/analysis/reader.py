@@ -22,8 +22,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kvlens.console import install_hint
-from kvlens.errors import InputError
+from kvlens.errors import InputError, install_hint
 from kvlens.records import (
     RecordBatch,
     Rejections,

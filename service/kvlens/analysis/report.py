@@ -103,7 +103,7 @@ def _order_statistics(values: npt.NDArray[np.float64], ranks: list[int]) -> list
 
 
 # ---------------------------------------------------------------------------------------------
-# What an engine computes from the records (numpy here, SQL in kvlens.analysis.columnar); the
+# What an engine computes from the records (numpy here, SQL in kvlens.analysis.duckdb); the
 # report is built from a Summary alone, so both engines share every step after the scan.
 
 Key = tuple[str, int, bool]  # (model by raw name, prompt-length group, hit)

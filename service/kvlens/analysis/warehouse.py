@@ -3,11 +3,12 @@ warehouse or a distributed engine (Spark SQL, Trino, DataFusion, DuckDB) over a 
 ``records`` with the record's columns; and ``kvlens analyze --from-aggregates``: their results
 turned into the report.
 
-The statements are the ones the duckdb engine runs (:mod:`kvlens.analysis.columnar` builds
-both): exact sums as ``DECIMAL(38,0)``, durations summed in fixed point, and order statistics
-by ``ROW_NUMBER()``, returned a few ranks either side of each wanted one so that the report's
-quantile (numpy's type 7, :func:`kvlens.definitions.quantile_ranks`) can be taken from them
-exactly whatever the engine's decimal or float arithmetic. Cost models are a VALUES list.
+The records are reduced by the view the duckdb engine scans (:mod:`kvlens.reduce_sql` builds
+both) and summed by its spelling of an exact sum in any engine: ``DECIMAL(38,0)``, durations
+summed in fixed point; order statistics by ``ROW_NUMBER()``, returned a few ranks either side
+of each wanted one so that the report's quantile (numpy's type 7,
+:func:`kvlens.definitions.quantile_ranks`) can be taken from them exactly whatever the engine's
+decimal or float arithmetic. Cost models are a VALUES list.
 
 Every result row starts with a ``query`` column naming its statement, so the results can be
 saved as one file or several, as CSV with a header row or as JSON lines, in any order: the
@@ -24,8 +25,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvlens import definitions
-from kvlens.analysis import columnar, report, sqltext
+from kvlens import definitions, reduce_sql, sqltext
+from kvlens.analysis import report
 from kvlens.config import Settings
 from kvlens.errors import InputError
 
@@ -43,21 +44,59 @@ def _near(fraction: float, count: str, rank: str) -> str:
     return f"({rank} BETWEEN {low} - {MARGIN - 1} AND {low} + {MARGIN})"
 
 
+def cells_sql(reduced: str) -> str:
+    """Exact sums per (model, length group, hit)."""
+    return f"""SELECT model, length_group, hit,
+  COUNT(*) AS requests,
+  {_exact("prompt_tokens")} AS prompt_tokens,
+  {_exact("cached_tokens")} AS cached_tokens,
+  {_exact("prompt_squares")} AS prompt_squares,
+  {_exact("cached_squares")} AS cached_squares
+FROM ({reduced}) AS reduced_rows GROUP BY model, length_group, hit"""
+
+
+def decomposition_sql(reduced: str) -> str:
+    return f"""SELECT COUNT(*) AS requests,
+  SUM(CASE WHEN ttft_overlapped THEN 1 ELSE 0 END) AS overlapped,
+  {_fixed("queue_seconds")} AS queue, {_fixed("prefill_seconds")} AS prefill, {_fixed("ttft_other")} AS other
+FROM ({reduced}) AS reduced_rows WHERE ttft_complete"""
+
+
+def _exact(column: str) -> str:
+    return reduce_sql.exact_sum(column, in_duckdb=False)
+
+
+def _fixed(column: str) -> str:
+    return reduce_sql.fixed_sum(column, in_duckdb=False)
+
+
+def cost_models_sql(
+    names: Sequence[str], cost_for: Callable[[str], definitions.CostModel], text: Callable[[str], str]
+) -> str:
+    """The cost models of ``names`` as a VALUES list, text written by ``text``
+    (:mod:`kvlens.sqltext`)."""
+    rows = []
+    for name in names:
+        cost = cost_for(name)
+        rows.append(f"({text(name)}, {sqltext.number(cost.a)}, {sqltext.number(cost.b)}, {text(cost.unit)})")
+    return "(VALUES " + ", ".join(rows) + ") AS cost_models(model, a, b, unit)"
+
+
 def _portable(what: str) -> Callable[[str], str]:
     return lambda value: sqltext.portable_text(value, what)
 
 
 def script(settings: Settings) -> str:
-    """The statements, every literal written by :mod:`kvlens.analysis.sqltext` for any dialect:
+    """The statements, every literal written by :mod:`kvlens.sqltext` for any dialect:
     a name from the settings that no dialect-neutral literal can hold is refused
     (:class:`~kvlens.errors.SettingsError`), never printed."""
     text = _portable("the SQL's text")
     default_model = sqltext.portable_text(settings.default_model, "default_model")
-    reduced = columnar.reduced_sql(
+    reduced = reduce_sql.reduced_sql(
         "records", settings.prompt_length_edges, settings.default_model, text=_portable("default_model")
     )
     names = sorted({*settings.cost_models, *settings.model_shapes})
-    costs = columnar.cost_models_sql(
+    costs = cost_models_sql(
         [*names, DEFAULT_COST],
         lambda name: (
             settings.default_cost_model.to_cost_model()
@@ -66,7 +105,7 @@ def script(settings: Settings) -> str:
         ),
         _portable("model name (cost_models, model_shapes)"),
     )
-    cells = columnar.cells_sql("SELECT * FROM reduced")
+    cells = cells_sql("SELECT * FROM reduced")
     fractions = sorted({q / 100 for q in report.QUANTILES} | {0.5, 1 - report.SLOWEST_SHARE})
     near = " OR ".join(_near(fraction, "c", "r") for fraction in fractions)
     ranked = " UNION ALL ".join(
@@ -108,7 +147,7 @@ CROSS JOIN (SELECT * FROM {costs} WHERE cost_models.model = {text(DEFAULT_COST)}
 GROUP BY COALESCE(named.unit, fallback.unit);
 
 -- 3. TTFT decomposition, durations in units of 2^-40 s.
-SELECT 'decomposition' AS query, d.* FROM ({columnar.decomposition_sql("SELECT * FROM reduced")}) d;
+SELECT 'decomposition' AS query, d.* FROM ({decomposition_sql("SELECT * FROM reduced")}) d;
 
 -- 4. order statistics near every wanted rank (c values in the part, r the 0-based rank).
 SELECT 'order_statistics' AS query, series, g, hit, c, r, v FROM (

@@ -16,8 +16,7 @@ from types import ModuleType
 
 from kvlens.cli import blas  # noqa: F401  # first: before numpy is imported
 from kvlens.cli.common import Parser, configure_logging, examples, log_flags
-from kvlens.console import install_hint
-from kvlens.errors import InputError, SettingsError
+from kvlens.errors import InputError, SettingsError, install_hint
 
 # The interpreter's last garbage collections walk every object alive at exit (pydantic's
 # schemas, numpy's and DuckDB's modules): 0.1-0.15 s at the end of every command. Frozen first,

@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # the server's modules load when a server is built: offline c
     import uvicorn
 
     from kvlens.exporter.aggregator import Aggregator
-    from kvlens.fleet.source import KVEvents
+    from kvlens.fleet.subscriber import KVEvents
 
 log = logging.getLogger("kvlens")
 

@@ -90,9 +90,9 @@ def run(args: argparse.Namespace) -> int:
     engine = choose_engine(args.engine, files)
     try:
         if engine == "duckdb":
-            from kvlens.analysis import columnar_compare
+            from kvlens.analysis.duckdb import compare as in_duckdb
 
-            result = columnar_compare.compare_files(
+            result = in_duckdb.compare_files(
                 specs,
                 settings,
                 format_name=args.input_format,

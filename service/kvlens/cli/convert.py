@@ -34,14 +34,14 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvlens.analysis import columnar
+    from kvlens.analysis.duckdb import inputs
 
     target, out = args.to
     if target != "parquet":
         print(f"kvlens convert: --to takes parquet, not {target!r}", file=sys.stderr)
         return 2
     settings = load_settings(args.config)
-    loaded, written = columnar.convert(
+    loaded, written = inputs.convert(
         args.files,
         Path(out),
         format_name=args.input_format,

@@ -12,13 +12,14 @@ from typing import Any, TextIO
 from kvlens import terminal
 from kvlens.cli.common import build_server, examples, server_flags, settings_from
 from kvlens.config import Settings
-from kvlens.console import install_hint
+from kvlens.errors import install_hint
 from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.background import fleet_index
 from kvlens.fleet.index import CAUSES, compiled_loops_available
-from kvlens.fleet.source import KVEvents, Publisher
+from kvlens.fleet.ordering import Publisher
+from kvlens.fleet.subscriber import KVEvents
 from kvlens.records import batch_from_objects
-from kvlens.sources import demo
+from kvlens.simulate import demo
 
 
 def add_parser(commands: Any) -> None:

@@ -121,6 +121,7 @@ def add_parser(commands: Any) -> None:
     quant.add_argument("--long-context", type=int, default=4096, help="prompts this long are long")
     quant.add_argument("--max-output-tokens", type=int, help="cap the trace's output lengths")
     quant.add_argument("--json", action="store_true", help="print the report as JSON")
+    percentiles_flag(quant)
     error_rate_flag(quant)
     byte_model_flags(quant)
     traffic_flags(quant)
@@ -333,6 +334,7 @@ def _quantization(args: argparse.Namespace) -> int:
             targets,
             (load or {}).get("sweep"),
             byte_model=byte_model,
+            percentiles=args.percentiles,
         )
     if len(result["fixed_work"] or {}) < 2:
         print(

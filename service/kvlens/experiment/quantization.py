@@ -30,7 +30,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import orjson
@@ -43,6 +43,7 @@ from kvlens.experiment.prompts import PromptSynthesizer
 from kvlens.experiment.protocol import ExperimentError, check_reachable, max_model_len, reset_cache
 from kvlens.experiment.run import Schedule, with_progress
 from kvlens.simulate.trace import TraceRequest
+from kvlens.stats import DEFAULT_PERCENTILES, named_percentiles
 
 SCHEMA = "kvlens.quantization/v1"
 BYTE_MODEL = "byte-model.json"  # in the out-dir: the byte model the report uses, kept across runs
@@ -135,7 +136,10 @@ def fixed_groups(requests: list[TraceRequest], targets: Targets) -> dict[str, li
 
 
 def fixed_section(
-    found: list[outdir.Found], names: list[str], byte_model: ByteModel | None
+    found: list[outdir.Found],
+    names: list[str],
+    byte_model: ByteModel | None,
+    percentiles: tuple[float, ...] = DEFAULT_PERCENTILES,
 ) -> dict[str, Any]:
     """Experiment 1 over the finished fixed steps of ``names`` (the first the baseline): per
     endpoint x context group the medians and output tokens/s, and against the baseline's row of
@@ -155,7 +159,9 @@ def fixed_section(
             if (name, group) not in read:
                 continue
             records, sample, concurrency = read[name, group]
-            row = _latency(records) | {"output_tokens_per_second": capacity.output_tokens_per_second(records)}
+            row = _latency(records, percentiles) | {
+                "output_tokens_per_second": capacity.output_tokens_per_second(records)
+            }
             base = read.get((names[0], group))
             if base is not None:
                 row |= capacity.fixed_work_comparison(
@@ -311,13 +317,15 @@ def rate_step(rate: float, name: str) -> outdir.Step:
     return outdir.Step(f"rate-{rate:g}-{name}", name, "rate", rate)
 
 
-def rate_rows(found: list[outdir.Found], targets: Targets) -> dict[str, dict[str, Any]]:
+def rate_rows(
+    found: list[outdir.Found], targets: Targets, percentiles: tuple[float, ...] = DEFAULT_PERCENTILES
+) -> dict[str, dict[str, Any]]:
     """The rows of one rate's finished steps, one per endpoint, each with what it gained over
     each other endpoint at that rate (``gain_over``: :func:`capacity.attribute`)."""
     rows, seen = {}, {}
     for each in found:
         records, sample = _read(each.records), _sample(each)
-        rows[each.step.endpoint] = _step(float(each.meta["rate"]), records, sample, targets)
+        rows[each.step.endpoint] = _step(float(each.meta["rate"]), records, sample, targets, percentiles)
         seen[each.step.endpoint] = (capacity.decodes(records), sample.series)
     for name, row in rows.items():
         row["gain_over"] = {
@@ -345,6 +353,7 @@ def merged(
     sweep: dict[str, Any] | None,
     *,
     byte_model: ByteModel | None = None,
+    percentiles: tuple[float, ...] = DEFAULT_PERCENTILES,
 ) -> dict[str, Any]:
     """The report over every endpoint's finished steps in an out-dir (``names`` in the order
     they were first run: the first is the baseline), whichever run made each, every comparison
@@ -352,14 +361,14 @@ def merged(
     doubles per endpoint: its halfway rates and the endpoints that never fell under are taken
     from every endpoint's steps, its stop from the last run."""
     names = [*names, *sorted({f.step.endpoint for f in found} - set(names))]
-    fixed = fixed_section(found, names, byte_model)
+    fixed = fixed_section(found, names, byte_model, percentiles)
     by_rate: dict[float, list[outdir.Found]] = {}
     for f in found:
         if f.step.kind == "rate":
             by_rate.setdefault(float(f.meta["rate"]), []).append(f)
     rows: dict[str, list[dict[str, Any]]] = {}
     for rate in sorted(by_rate):
-        at = rate_rows(by_rate[rate], targets)
+        at = rate_rows(by_rate[rate], targets, percentiles)
         for name in names:
             if name in at:
                 rows.setdefault(name, []).append(at[name])
@@ -378,9 +387,11 @@ def merged(
                 ],
             }
     notes = [note for f in found if f.step.kind == "fixed" for note in f.meta.get("not_measured") or []]
-    return report(
+    result = report(
         fixed or None, load, targets, names[0], byte_model=byte_model, not_measured=list(dict.fromkeys(notes))
     )
+    result["percentiles"] = list(percentiles)
+    return result
 
 
 def _read(path: Path) -> list[dict[str, Any]]:
@@ -452,7 +463,18 @@ def _median(values: np.ndarray[Any, np.dtype[np.float64]]) -> float | None:
     return float(np.median(values)) if values.size else None
 
 
-def _latency(rows: list[dict[str, Any]]) -> dict[str, Any]:
+# The per-request figures whose percentiles over the requests a row gives (--percentiles): TTFT,
+# the request's mean inter-token latency (vLLM's TPOT, what the ITL target counts) and end to end.
+PERCENTILE_METRICS: Final = {
+    "ttft_seconds": "ttft_seconds",
+    "tpot_seconds": "client_tpot_seconds",
+    "e2e_seconds": "e2e_seconds",
+}
+
+
+def _latency(
+    rows: list[dict[str, Any]], percentiles: tuple[float, ...] = DEFAULT_PERCENTILES
+) -> dict[str, Any]:
     finished = [row for row in rows if "error" not in row]
     return {
         "requests": len(rows),
@@ -461,6 +483,10 @@ def _latency(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "itl_p50_seconds": _median(_values(finished, "client_itl_p50_seconds")),
         "itl_p99_seconds_median": _median(_values(finished, "client_itl_p99_seconds")),
         "e2e_p50_seconds": _median(_values(finished, "e2e_seconds")),
+        "latency_percentiles": {
+            metric: named_percentiles(_values(finished, field), percentiles)
+            for metric, field in PERCENTILE_METRICS.items()
+        },
     }
 
 
@@ -478,7 +504,11 @@ def meets(record: dict[str, Any], targets: Targets) -> bool:
 
 
 def _step(
-    rate: float, records: list[dict[str, Any]], sample: EngineSample, targets: Targets
+    rate: float,
+    records: list[dict[str, Any]],
+    sample: EngineSample,
+    targets: Targets,
+    percentiles: tuple[float, ...] = DEFAULT_PERCENTILES,
 ) -> dict[str, Any]:
     met = sum(meets(record, targets) for record in records)
     starts = _values(records, "arrival_time")
@@ -491,7 +521,7 @@ def _step(
         "requests": len(records),
         "attainment": met / len(records) if records else 0.0,
         "goodput_rps": met / span if span > 0 else 0.0,
-        **_latency(records),
+        **_latency(records, percentiles),
         "output_tokens_per_second": capacity.output_tokens_per_second(records),
         "engine_kv_usage_max": sample.kv_usage_max,
         "engine_token_reuse": sample.token_reuse,

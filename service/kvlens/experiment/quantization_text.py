@@ -14,9 +14,6 @@ def text(result: dict[str, Any]) -> str:
     """The report for a terminal (80 columns): experiment 1 per endpoint and context group, then
     experiment 2 per rate, the highest rates and what the gain came from."""
 
-    def ms(value: float | None) -> str:
-        return "-" if value is None else f"{value * 1000:.1f}"
-
     lines = [f"# kvlens quantization (baseline: {result['baseline']})", ""]
     fixed = result.get("fixed_work")
     if fixed:
@@ -26,11 +23,20 @@ def text(result: dict[str, Any]) -> str:
         for name, groups in fixed.items():
             for group, stats in groups.items():
                 lines.append(
-                    f"{name[:11]:<12}{group:<8}{stats['requests']:>9}{ms(stats['ttft_p50_seconds']):>10}"
-                    f"{ms(stats['itl_p50_seconds']):>10}{ms(stats['itl_p99_seconds_median']):>10}"
-                    f"{ms(stats['e2e_p50_seconds']):>10}"
+                    f"{name[:11]:<12}{group:<8}{stats['requests']:>9}{_ms(stats['ttft_p50_seconds']):>10}"
+                    f"{_ms(stats['itl_p50_seconds']):>10}{_ms(stats['itl_p99_seconds_median']):>10}"
+                    f"{_ms(stats['e2e_p50_seconds']):>10}"
                 )
         lines.append("")
+        lines += percentile_lines(
+            "Experiment 1 by percentile of the requests (ms)",
+            [
+                (f"{name[:11]:<12}{group:<7}", stats)
+                for name, groups in fixed.items()
+                for group, stats in groups.items()
+            ],
+            result,
+        )
         lines += fixed_work_lines(result)
     load = result.get("rising_load")
     if load:
@@ -50,10 +56,19 @@ def text(result: dict[str, Any]) -> str:
                 usage, reuse = step["engine_kv_usage_max"], step["engine_token_reuse"]
                 lines.append(
                     f"{name[:11]:<12}{step['rate']:>7g}{step['attainment']:>8.0%}{step['goodput_rps']:>9.2f}"
-                    f"{ms(step['ttft_p50_seconds']):>10}{'-' if usage is None else f'{usage:.0%}':>8}"
+                    f"{_ms(step['ttft_p50_seconds']):>10}{'-' if usage is None else f'{usage:.0%}':>8}"
                     f"{'-' if reuse is None else f'{reuse:.0%}':>8}"
                 )
         lines.append("")
+        lines += percentile_lines(
+            "Experiment 2 by percentile of the requests (ms)",
+            [
+                (f"{name[:11]:<12}{step['rate']:<7g}", step)
+                for name, steps in load["steps"].items()
+                for step in steps
+            ],
+            result,
+        )
         sweep = load.get("sweep")
         if sweep:
             middles = ", ".join(f"{rate:g}" for rate in sweep["bisected"]) or "none"
@@ -71,6 +86,40 @@ def text(result: dict[str, Any]) -> str:
         lines += step_lines(result)
         lines += wrapped(load["attribution"], NARROWEST)
     return "\n".join(lines) + "\n"
+
+
+# The metrics of a row's latency_percentiles, as the table names them
+_PERCENTILE_METRICS = (("ttft_seconds", "TTFT"), ("tpot_seconds", "TPOT"), ("e2e_seconds", "e2e"))
+_PERCENTILE_WIDTH = 8
+
+
+def percentile_lines(title: str, rows: list[tuple[str, dict[str, Any]]], result: dict[str, Any]) -> list[str]:
+    """A table of TTFT, TPOT (a request's mean inter-token latency) and e2e at each of the
+    report's percentiles (--percentiles), one row per labelled row and metric; past 80 columns
+    the percentiles go on in a second block of columns."""
+    names = [f"p{q:g}" for q in result.get("percentiles") or []]
+    if not names or not any("latency_percentiles" in row for _, row in rows):
+        return []
+    label_width = max(len(label) for label, _ in rows) + 5
+    per_block = max(1, (NARROWEST - label_width) // _PERCENTILE_WIDTH)
+    lines = [title, ""]
+    for start in range(0, len(names), per_block):
+        shown = names[start : start + per_block]
+        lines.append(" " * label_width + "".join(f"{name:>{_PERCENTILE_WIDTH}}" for name in shown))
+        for label, row in rows:
+            values = row.get("latency_percentiles") or {}
+            for metric, heading in _PERCENTILE_METRICS:
+                cells = (values.get(metric) or {}).get
+                lines.append(
+                    f"{label}{heading:<5}"
+                    + "".join(f"{_ms(cells(name)):>{_PERCENTILE_WIDTH}}" for name in shown)
+                )
+        lines.append("")
+    return lines
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.1f}"
 
 
 def fixed_work_lines(result: dict[str, Any]) -> list[str]:

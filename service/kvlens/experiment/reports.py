@@ -19,6 +19,7 @@ from typing import Any, Final
 from kvlens.analysis import run_facts
 from kvlens.analysis.html_report import STYLE
 from kvlens.experiment.protocol import ExperimentError
+from kvlens.terminal import NARROWEST, wrap
 
 REPORTS: Final = ("report.md", "report.html", "report.json")
 DEFAULT_MAX_ERROR_RATE: Final = 0.05
@@ -54,9 +55,9 @@ def text_page(title: str, text: str) -> str:
 
 def with_facts(text: str, report: dict[str, Any]) -> str:
     """A report's text with its failed requests and the reminder that latency is not quality."""
-    failed = run_facts.error_lines(report)
-    lines = ["Failed requests:", *(f"- {line}" for line in failed), ""] if failed else []
-    return text + "\n".join([*lines, run_facts.PRESUMES_QUALITY, ""])
+    failed = [folded for line in run_facts.error_lines(report) for folded in wrap(f"- {line}", NARROWEST)]
+    lines = ["Failed requests:", *failed, ""] if failed else []
+    return text + "\n".join([*lines, *wrap(run_facts.PRESUMES_QUALITY, NARROWEST, indent=""), ""])
 
 
 def check_error_rate(rate: float) -> None:

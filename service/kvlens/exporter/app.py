@@ -36,7 +36,7 @@ from kvlens.exporter.background import BackgroundSources
 from kvlens.exporter.collector import KVLensCollector
 from kvlens.exporter.ingest import BatchLedger, IngestWorker, LogThrottle, RecentRecords
 from kvlens.exporter.runtime import ScrapeRenderer, ServiceHealth
-from kvlens.fleet.source import KVEvents
+from kvlens.fleet.subscriber import KVEvents
 from kvlens.http.access import bearer_matches
 from kvlens.http.bodies import RETRY_AFTER_SECONDS, ArrivingBodies, BodyLimits, BodyReader, IngestGate
 from kvlens.http.server import ConnectionGuard

@@ -15,8 +15,10 @@ from kvlens.errors import ScrapeError
 from kvlens.exporter.aggregator import Aggregator, ModelLabels
 from kvlens.exporter.modelled import ModelledCauses
 from kvlens.exporter.upstream import UpstreamState
+from kvlens.fleet.discovery import DnsTarget
 from kvlens.fleet.index import FleetIndex
-from kvlens.fleet.source import DnsTarget, KVEvents, Publisher
+from kvlens.fleet.ordering import Publisher
+from kvlens.fleet.subscriber import KVEvents
 from kvlens.records import Validated
 from kvlens.sources import tail, vllm_metrics
 from kvlens.sources.encoding import DecodeLimits

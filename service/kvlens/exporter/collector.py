@@ -25,7 +25,7 @@ from kvlens.exporter.modelled import ModelledCauses
 from kvlens.exporter.runtime import LAG_BUCKETS, ServiceHealth
 from kvlens.exporter.upstream import UpstreamState
 from kvlens.fleet.index import CAUSES
-from kvlens.fleet.source import KVEvents
+from kvlens.fleet.subscriber import KVEvents
 from kvlens.sources.tail import SKIP_REASONS, TailStatus
 
 log = logging.getLogger(__name__)
@@ -388,10 +388,11 @@ def _service_families(health: ServiceHealth) -> list[Metric]:
     return families
 
 
+# Refusals a sender retries (503: no room now, or this batch id is in progress); the others lose
+# the request's records, and the KVLensIngestRefused alert counts only those.
+RETRIED_REFUSALS = ("busy", "displaced", "batch_in_progress")
 INGEST_REFUSALS = (
-    "busy",
-    "displaced",
-    "batch_in_progress",
+    *RETRIED_REFUSALS,
     "unauthorized",
     "too_large",
     "too_many_records",

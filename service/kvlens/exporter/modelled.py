@@ -1,13 +1,13 @@
 """Why reuse is lost, without KV events: live records that carry ``prefix_hashes`` and
 ``replica`` (a gateway's, LiteLLM's ``prefix_block_hashes``) through one modelled cache per
-replica (:class:`~kvlens.fleet.modelled.ModelledFleet`), when ``modelled_capacity_blocks`` is set.
+replica (:class:`~kvlens.simulate.modelled.ModelledFleet`), when ``modelled_capacity_blocks`` is set.
 
 The records are modelled in the order the sidecar counts them (a batch in its order, batches as
 they arrive: a sender that sorts by arrival gets the offline result of the same records). A
 record is left out, and counted by reason, when it has no ``replica`` (``no_replica``), a
 ``block_size`` other than ``modelled_block_size`` (``block_size``: one modelled block size, so a
 replica's blocks are comparable), or a replica past ``modelled_max_replicas`` (``replicas``; at
-most :data:`~kvlens.fleet.index.MAX_REPLICAS`, the index's slots: modelled replicas are never
+most :data:`~kvlens.fleet.limits.MAX_REPLICAS`, the index's slots: modelled replicas are never
 forgotten, a record's replica may come back any time).
 Records without ``prefix_hashes`` are not counted here at all.
 
@@ -22,9 +22,10 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Final
 
-from kvlens.fleet.index import MAX_REPLICAS, FleetIndex, IndexSnapshot
-from kvlens.fleet.modelled import ModelledFleet
+from kvlens.fleet.index import FleetIndex, IndexSnapshot
+from kvlens.fleet.limits import MAX_REPLICAS
 from kvlens.records import RecordBatch
+from kvlens.simulate.modelled import ModelledFleet
 
 MODELLED: Final = "modelled"
 SKIP_REASONS: Final = ("no_replica", "block_size", "replicas")

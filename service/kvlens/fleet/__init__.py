@@ -2,8 +2,16 @@
 
 - :mod:`.index`: the content-keyed block index and the causes (new, evicted_here, held_elsewhere,
   evicted_elsewhere; held_here, unknown);
-- :mod:`.wire`: vLLM's and SGLang's event format, decoded (and vLLM's structs, for publishing);
-- :mod:`.source`: ZeroMQ subscriptions, sequence gaps, replays and restarts (``kv-events`` extra);
+- :mod:`.limits`: the fleet's limits and tiers (imports nothing: the settings read them);
+- :mod:`.schema`: the events' fields, one table, from which vLLM's structs (for publishing) and
+  both readers are built;
+- :mod:`.wire`: vLLM's and SGLang's event format, decoded by msgspec (every payload the compiled
+  reader of :mod:`.kernels` leaves), and the rules that apply an event;
+- :mod:`.kernels`: the index's compiled loops (hash tables, the usual payload read in place, the
+  rules), numba's (``kv-events`` extra);
+- :mod:`.ordering`: a publisher's sequence, gaps, restarts and the reorder window;
+- :mod:`.discovery`: the replicas behind a DNS name;
+- :mod:`.subscriber`: the ZeroMQ subscriptions and replays (``kv-events`` extra);
 - :mod:`.simulated`: the simulator's caches as engines that publish KV events;
 - :mod:`.modelled`: the causes without KV events, from records' prefix ids through modelled caches.
 """

@@ -41,7 +41,7 @@ zero, a new series). Past
 :data:`MAX_REPLICAS` live replicas :meth:`FleetIndex.replica` raises and :meth:`FleetIndex.admit`
 says no (the caller drops that replica's events, counted).
 
-Memory (the tables are :class:`kvlens.fleet.kernels.Table`, 16 bytes a slot, 70-85 % full past
+Memory (the tables are :class:`kvlens.fleet.kernels.table.Table`, 16 bytes a slot, 70-85 % full past
 16,384 slots; a smaller one, at most 256 KiB, doubles when it grows): per
 replica, a table of the blocks it holds (engine hash -> content key and the tiers holding it);
 for the fleet, a table of the blocks some replica holds (content key -> bits of the replicas
@@ -78,11 +78,20 @@ from typing import TYPE_CHECKING, Any, Final, cast
 import msgspec
 import numpy as np
 
-from kvlens.console import install_hint
-from kvlens.errors import SettingsError
+from kvlens.errors import MissingExtra
+from kvlens.fleet.limits import (
+    MAX_BLOCK_SIZE,
+    MAX_HELD_BLOCKS,
+    MAX_REPLICAS,
+    PRIMARY,
+    REMEMBER_BLOCKS,
+    TIERS,
+    tier_number,
+)
 
 if TYPE_CHECKING:
-    from kvlens.fleet import kernels
+    from kvlens.fleet.kernels import table as tables
+    from kvlens.fleet.kernels.rules import Arrays
 
 HELD_HERE: Final = "held_here"
 HELD_ELSEWHERE: Final = "held_elsewhere"
@@ -91,25 +100,7 @@ EVICTED_ELSEWHERE: Final = "evicted_elsewhere"
 NEW: Final = "new"
 UNKNOWN: Final = "unknown"
 CAUSES: Final = (NEW, EVICTED_HERE, HELD_ELSEWHERE, EVICTED_ELSEWHERE, HELD_HERE, UNKNOWN)
-PRIMARY: Final = "GPU"
-TIERS: Final = ("GPU", "CPU", "STORAGE", "other")  # a tier's bit in a replica table's value
-# A store's `medium` -> its tier in TIERS (a closed set: it becomes a label). vLLM's names, then
-# SGLang's for the same tiers (its host memory and its disk; a shared pool stays "other"). Both
-# readers of the wire take it from here, the compiled one and msgspec's.
-MEDIUM_TIERS: Final = {"GPU": 0, "CPU": 1, "STORAGE": 2, "CPU_PINNED": 1, "DISK": 2}
-OTHER_TIER: Final = len(TIERS) - 1
-MAX_REPLICAS: Final = 64  # one bit each in the fleet's 64-bit holder masks
-MAX_BLOCK_SIZE: Final = 1 << 31  # tokens a block: more is a malformed event
 MASK64: Final = (1 << 64) - 1
-# Default caps: 10M of each in 512 MiB (the most a table entry costs, below, times 10M).
-REMEMBER_BLOCKS: Final = 10_000_000
-MAX_HELD_BLOCKS: Final = 10_000_000
-# The most an entry costs, all tables counted (a table past 16,384 slots is rebuilt at 70 % full
-# when 85 % full; 16 bytes a slot: 23 bytes an entry at most): a (block, replica) held, with its share of the
-# fleet table when one replica holds it (more replicas share that), and a remembered block with
-# its place in the ring (8 bytes, the ring grown by a quarter); tested.
-HELD_ENTRY_BYTES: Final = 48
-REMEMBERED_ENTRY_BYTES: Final = 34
 
 EngineHash = int | bytes
 _encode = msgspec.msgpack.Encoder().encode
@@ -135,10 +126,10 @@ def token_array(token_ids: Sequence[int] | msgspec.Raw) -> np.ndarray[Any, np.dt
     """Token ids as uint64 (negative ones in two's complement), from a decoded list or straight
     from the msgpack bytes (:mod:`kvlens.fleet.wire` leaves them raw: parsing them here is
     cheaper than building a list of ints); None when they are not all integers."""
-    from kvlens.fleet import kernels
+    from kvlens.fleet.kernels.msgpack import msgpack_ints
 
     if isinstance(token_ids, msgspec.Raw):
-        ok, tokens = kernels.msgpack_ints(np.frombuffer(token_ids, dtype=np.uint8))
+        ok, tokens = msgpack_ints(np.frombuffer(token_ids, dtype=np.uint8))
         return tokens if ok else None
     try:
         return np.array(token_ids, dtype=np.int64).view(np.uint64)
@@ -162,8 +153,8 @@ def _extra_digest(lora_name: str | None, extra: Any) -> int:
 class _Replica:
     name: str
     number: int  # its bit in the fleet's masks, its row of counters
-    table: kernels.Table  # engine hash -> content key | the tiers holding it << 60
-    copies: kernels.Table  # engine hash -> its extra copies, kernels.COPY_BITS a tier
+    table: tables.Table  # engine hash -> content key | the tiers holding it << 60
+    copies: tables.Table  # engine hash -> its extra copies, kernels.rules.COPY_BITS a tier
 
 
 class IndexLock:
@@ -234,14 +225,8 @@ class IndexSnapshot:
     memory_bytes: int
 
 
-_TIER_NUMBERS: Final = {name: position for position, name in enumerate(TIERS)}
 _NO_TOKENS: Final = np.zeros(0, np.uint64)
 _NO_BYTES: Final = np.zeros(0, np.uint8)
-
-
-def _tier(name: str) -> tuple[str, int]:
-    number = _TIER_NUMBERS.get(name, len(TIERS) - 1)
-    return TIERS[number], number
 
 
 def compiled_loops_available() -> bool:
@@ -262,8 +247,9 @@ class FleetIndex:
         shard: tuple[int, int] = (0, 1),
     ) -> None:
         if not compiled_loops_available():  # before serving, not at the first event
-            raise SettingsError(f"the fleet index needs the kv-events extra: {install_hint('kv-events')}")
+            raise MissingExtra("the fleet index", "kv-events")
         from kvlens.fleet import kernels  # numba: only where KV events are followed
+        from kvlens.fleet.kernels import msgpack, rules, table
 
         kernels.warm()
         if remember_blocks < 0 or max_held_blocks < 0:
@@ -271,23 +257,23 @@ class FleetIndex:
         index, count = shard
         if count < 1 or not 0 <= index < count:
             raise ValueError(f"shard {index}/{count}: need 0 <= i < N")
-        self._k = kernels
+        self._k, self._tables, self._reader = rules, table, msgpack
         self.hashes_alike = hashes_alike
         self.remember_cap = remember_blocks
         self.max_held = max_held_blocks
         self.shard_index, self.shard_count = shard
         self.lock = IndexLock()
         self._replicas: dict[str, _Replica] = {}
-        self._fleet = kernels.Table()  # content key -> bits of the replicas holding it
-        self._remembered = kernels.Table()  # content key -> bits of replicas that removed it
-        self._ring = kernels.Ring(remember_blocks)  # remembered keys, oldest first
-        self._stats = np.zeros((MAX_REPLICAS, kernels.STATS), np.int64)  # a row per replica
-        self._counts = np.zeros(kernels.FLEET_COUNTS, np.int64)
-        self._params = np.zeros(kernels.PARAMS, np.uint64)
+        self._fleet = table.Table()  # content key -> bits of the replicas holding it
+        self._remembered = table.Table()  # content key -> bits of replicas that removed it
+        self._ring = table.Ring(remember_blocks)  # remembered keys, oldest first
+        self._stats = np.zeros((MAX_REPLICAS, rules.STATS), np.int64)  # a row per replica
+        self._counts = np.zeros(rules.FLEET_COUNTS, np.int64)
+        self._params = np.zeros(rules.PARAMS, np.uint64)
         params = self._params
-        params[kernels.P_ALIKE] = hashes_alike
-        params[kernels.P_SHARDS], params[kernels.P_SHARD] = count, index
-        params[kernels.P_MAX_HELD], params[kernels.P_CAP] = max_held_blocks, remember_blocks
+        params[rules.P_ALIKE] = hashes_alike
+        params[rules.P_SHARDS], params[rules.P_SHARD] = count, index
+        params[rules.P_MAX_HELD], params[rules.P_CAP] = max_held_blocks, remember_blocks
         self._free = list(range(MAX_REPLICAS - 1, -1, -1))  # slots, the lowest taken first
         # the counters of forgotten replicas, by name: exported counters never go back
         self._retired: dict[str, np.ndarray[Any, np.dtype[np.int64]]] = {}
@@ -299,7 +285,9 @@ class FleetIndex:
         if state is None:
             if not self._free:
                 raise ValueError(f"replica {name!r}: the index follows at most {MAX_REPLICAS} replicas")
-            state = self._replicas[name] = _Replica(name, self._free.pop(), self._k.Table(), self._k.Table())
+            state = self._replicas[name] = _Replica(
+                name, self._free.pop(), self._tables.Table(), self._tables.Table()
+            )
         return state
 
     def admit(self, name: str) -> bool:
@@ -326,9 +314,11 @@ class FleetIndex:
             self.cleared(name)
         bit, pause = np.uint64(1) << np.uint64(state.number), self.lock.pause
         for table, holders in ((self._fleet, True), (self._remembered, False)):
-            for start in range(0, table.rows.shape[0], self._k.SLICE_ROWS):
+            for start in range(0, table.rows.shape[0], self._tables.SLICE_ROWS):
                 pause()
-                self._k.drop_bit(table.rows, bit, holders, self._counts, start, start + self._k.SLICE_ROWS)
+                self._k.drop_bit(
+                    table.rows, bit, holders, self._counts, start, start + self._tables.SLICE_ROWS
+                )
         self._fleet.shrink(pause)
         row = self._stats[state.number]
         earlier = self._retired.get(name)
@@ -345,11 +335,24 @@ class FleetIndex:
     def _mine(self, key: int) -> bool:
         return self.shard_count == 1 or key % self.shard_count == self.shard_index
 
-    def _set(self, state: _Replica, tier: int) -> np.ndarray[Any, np.dtype[np.uint64]]:
+    def _set(self, state: _Replica, tier: int) -> None:
         params = self._params
         params[self._k.P_REPLICA] = state.number
         params[self._k.P_TIER] = tier
-        return params
+
+    def _arrays(self, state: _Replica) -> Arrays:
+        """What every loop takes (:data:`kvlens.fleet.kernels.rules.Arrays`), with ``state``'s
+        tables: built a call, as a table is replaced when it grows or shrinks."""
+        return (
+            self._params,
+            state.table.rows,
+            state.copies.rows,
+            self._fleet.rows,
+            self._remembered.rows,
+            self._ring.keys,
+            self._stats,
+            self._counts,
+        )
 
     def stored(
         self,
@@ -369,7 +372,7 @@ class FleetIndex:
         if not 1 <= block_size <= MAX_BLOCK_SIZE:
             return False
         state = self._replicas.get(replica) or self.replica(replica)
-        tier = _tier(medium or PRIMARY)[1]
+        tier = tier_number(medium or PRIMARY)
         hashes = _hash_array(block_hashes)
         count = hashes.size
         if isinstance(token_ids, msgspec.Raw):
@@ -391,24 +394,13 @@ class FleetIndex:
                 dtype=np.uint64,
             )
         k = self._k
-        params = self._set(state, tier)
+        self._set(state, tier)
+        params = self._params
         params[k.P_BLOCK_SIZE] = block_size
         params[k.P_HAS_PARENT] = parent_block_hash is not None
         params[k.P_PARENT] = 0 if parent_block_hash is None else engine_key(parent_block_hash)
         while True:
-            done = k.store(
-                hashes,
-                raw,
-                tokens,
-                extras,
-                params,
-                state.table.rows,
-                self._fleet.rows,
-                self._remembered.rows,
-                self._stats,
-                self._counts,
-                state.copies.rows,
-            )
+            done = k.store(hashes, raw, tokens, extras, self._arrays(state))
             if done not in (k.GROW, k.GROW_COPIES):
                 break
             self._room_to_store(state, count, done)
@@ -437,7 +429,7 @@ class FleetIndex:
 
     def apply_payload(self, replica: str, payload: bytes) -> list[int] | None:
         """Every event of a payload, read and applied in one compiled call (the usual payload:
-        :func:`kvlens.fleet.kernels.read_batch` says which), as
+        :func:`kvlens.fleet.kernels.msgpack.read_batch` says which), as
         :func:`kvlens.fleet.wire.decode_batch` then :meth:`stored`, :meth:`removed` and
         :meth:`cleared` event by event would (tested); the loop hands back what it leaves to this
         class (growing and shrinking tables, ``AllBlocksCleared``). Returns what
@@ -450,18 +442,7 @@ class FleetIndex:
         position = 0
         malformed = 0  # by earlier calls (each call reads the payload anew)
         while True:
-            position, stop, value, *tally = k.apply_payload(
-                payload,
-                position,
-                params,
-                state.table.rows,
-                state.copies.rows,
-                self._fleet.rows,
-                self._remembered.rows,
-                self._ring.keys,
-                self._stats,
-                self._counts,
-            )
+            position, stop, value, *tally = k.apply_payload(payload, position, self._arrays(state))
             if stop == k.DONE:
                 tally[k.T_MALFORMED] += malformed
                 return cast("list[int]", tally)  # numba answers ints
@@ -471,10 +452,11 @@ class FleetIndex:
             if stop == k.STOP_SHRINK:
                 self._shrink(state, value)
             elif stop == k.STOP_GROW:
-                events = k.read_batch(payload)[1]  # the event it stopped at (rare)
+                reader = self._reader
+                events = reader.read_batch(payload)[1]  # the event it stopped at (rare)
                 row = events[position]
-                blocks = int(row[k.E_HASHES_END] - row[k.E_HASHES])
-                if row[k.E_TYPE] == k.STORED_EVENT:
+                blocks = int(row[reader.E_HASHES_END] - row[reader.E_HASHES])
+                if row[reader.E_TYPE] == reader.STORED_EVENT:
                     self._room_to_store(state, blocks, value)
                 else:
                     self._room_to_remove(blocks)
@@ -488,19 +470,9 @@ class FleetIndex:
         state = self._replicas.get(replica) or self.replica(replica)
         hashes = _hash_array(block_hashes)
         k = self._k
-        params = self._set(state, _tier(medium or PRIMARY)[1])
+        self._set(state, tier_number(medium or PRIMARY))
         while True:
-            done = k.remove(
-                hashes,
-                params,
-                state.table.rows,
-                state.copies.rows,
-                self._fleet.rows,
-                self._remembered.rows,
-                self._ring.keys,
-                self._stats,
-                self._counts,
-            )
+            done = k.remove(hashes, self._arrays(state))
             if done != k.GROW:
                 break
             self._room_to_remove(hashes.size)
@@ -508,15 +480,15 @@ class FleetIndex:
 
     def cleared(self, replica: str) -> None:
         """``AllBlocksCleared``, or the publisher restarted: the replica holds nothing now.
-        Its table is gone through :data:`~kvlens.fleet.kernels.SLICE_ROWS` rows at a time, the
+        Its table is gone through :data:`~kvlens.fleet.kernels.table.SLICE_ROWS` rows at a time, the
         lock handed to a waiting scrape between slices (:meth:`IndexLock.pause`): a scrape
         meanwhile sees the blocks of the slices done removed, the rest still held. The remembered
         table grows a slice at a time too, so never past ``remember_blocks`` and a slice."""
         state = self._replicas.get(replica)
         if state is None:  # nothing stored (or refused a slot): nothing to clear
             return
-        k, pause = self._k, self.lock.pause
-        table, copies = state.table, state.copies
+        k, pause, slice_rows = self._k, self.lock.pause, self._tables.SLICE_ROWS
+        table = state.table
         # grown once to what it will hold (the slices' own room then rebuilds it only when
         # forgetting at the cap left tombstones), not to that plus the replica's blocks
         remembered = self._remembered
@@ -525,23 +497,13 @@ class FleetIndex:
         )
         self._ring.reserve(table.live)
         rows = table.rows.shape[0]
-        for start in range(0, rows, k.SLICE_ROWS):
-            pause()
-            stop = min(rows, start + k.SLICE_ROWS)
+        for start in range(0, rows, slice_rows):
+            pause()  # whoever took the lock meanwhile may have set the parameters and grown tables
+            stop = min(rows, start + slice_rows)
             self._room_to_remove(stop - start)
-            k.clear(
-                self._set(state, 0),
-                table.rows,
-                copies.rows,
-                start,
-                stop,
-                self._fleet.rows,
-                self._remembered.rows,
-                self._ring.keys,
-                self._stats,
-                self._counts,
-            )
-        state.table, state.copies = k.Table(), k.Table()
+            self._set(state, 0)
+            k.clear(self._arrays(state), start, stop)
+        state.table, state.copies = self._tables.Table(), self._tables.Table()
         self._fleet.shrink(pause)
 
     # --- reading ---------------------------------------------------------------------------
@@ -592,7 +554,7 @@ class FleetIndex:
 
     def holders(self, key: int) -> list[str]:
         """The replicas that hold the block of content key ``key`` now."""
-        _, mask = self._k.lookup(self._fleet.rows, np.uint64(key))
+        _, mask = self._tables.lookup(self._fleet.rows, np.uint64(key))
         return [state.name for state in self._replicas.values() if int(mask) >> state.number & 1]
 
     def snapshot(self) -> IndexSnapshot:

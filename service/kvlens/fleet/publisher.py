@@ -19,7 +19,7 @@ from typing import Any, Final
 
 import msgspec
 
-from kvlens.fleet.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvlens.fleet.schema import Event, KVEventBatch
 
 END_SEQ: Final = (-1).to_bytes(8, "big", signed=True)
 
@@ -70,9 +70,7 @@ class EventPublisher:
             raise TimeoutError(f"no subscriber came to {self.endpoint}")
         self.pub.recv()
 
-    def publish_events(
-        self, events: Sequence[BlockStored | BlockRemoved | AllBlocksCleared], ts: float | None = None
-    ) -> int:
+    def publish_events(self, events: Sequence[Event], ts: float | None = None) -> int:
         """One ``EventBatch`` of ``events``; returns its sequence number."""
         batch = KVEventBatch(
             ts=time.time() if ts is None else ts, events=list(events), data_parallel_rank=self.rank

@@ -7,7 +7,7 @@ frames as they come and ends the replay at the first frame that is not the next 
 wrong sequence, a broken frame, the end mark before the gap is filled), or as soon as the gap
 is filled (what the endpoint sends after it also comes live).
 
-A replay runs beside the live streams (:class:`~kvlens.fleet.source.KVEventsSource` polls its
+A replay runs beside the live streams (:class:`~kvlens.fleet.subscriber.KVEventsSource` polls its
 socket with the others): only the gappy replica's stream waits for it, the others are read and
 applied meanwhile. It is bounded (:class:`ReplayBudget`): an answer within the replay timeout
 (2 s), at most :data:`MAX_REPLAY_FRAMES` batches and :data:`MAX_REPLAY_BYTES`; at most

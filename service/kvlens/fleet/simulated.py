@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from kvlens.fleet.index import MASK64, FleetIndex
-from kvlens.fleet.wire import APPLIED, BlockRemoved, BlockStored, Event, apply
+from kvlens.fleet.schema import BlockRemoved, BlockStored, Event
+from kvlens.fleet.wire import APPLIED, apply
 
 Emit = Callable[[str, Event], None]
 

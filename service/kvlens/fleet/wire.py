@@ -23,10 +23,12 @@ fields of the event still count), an event whose known fields are wrong is count
 and dropped, and a payload that is not an ``EventBatch`` at all is dropped whole.
 
 The consumer first hands a payload to :meth:`kvlens.fleet.index.FleetIndex.apply_payload`, whose
-compiled reader (``kernels.read_batch``) takes the usual one (integer hashes, ASCII texts, no LoRA
-name nor extra keys, every event and field known, at most ``kernels.MAX_READ_BYTES``) and applies
-it in one call, with this module's rules (:func:`apply`'s order of outcomes, :func:`medium_label`'s
-tiers); every other payload comes here. A property test holds both paths equal.
+compiled reader (:func:`kvlens.fleet.kernels.msgpack.read_batch`) takes the usual one (integer
+hashes, ASCII texts, no LoRA name nor extra keys, every event and field known, at most
+``MAX_READ_BYTES``) and applies it in one call, with this module's rules (:func:`apply`'s order of
+outcomes, :func:`kvlens.fleet.limits.medium_label`'s tiers); every other payload comes here. Both
+readers are built from one table of the events' fields (:mod:`kvlens.fleet.schema`, where vLLM's
+own structs are too); a property test holds their counts equal.
 """
 
 from __future__ import annotations
@@ -37,183 +39,63 @@ from typing import Any, Final
 
 import msgspec
 
-from kvlens.fleet.index import MEDIUM_TIERS, OTHER_TIER, TIERS, FleetIndex
+from kvlens.fleet.index import FleetIndex
+from kvlens.fleet.limits import medium_label
+from kvlens.fleet.schema import (
+    CLEARED,
+    EVENT_TYPES,
+    REMOVED,
+    STORED,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    list_of,
+    reader,
+    union,
+)
 
 _FLOAT64: Final = struct.Struct(">d")
 
-# --- vLLM 0.33's definitions (vllm/distributed/kv_events.py), for publishing ------------------
-# Field names, order, defaults and struct options as the engine declares them, so that encoding
-# these gives the engine's bytes. The fields after ``kv_cache_spec_sliding_window`` are those
-# 0.33 adds (``reference/engines.md`` section 5); their types are read as optional.
-
-BlockHash = int | bytes
-
-
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    """Base of the events; the tag (``type``) is the class name."""
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[BlockHash]
-    parent_block_hash: BlockHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-    lookahead_token_ids: list[int] | None = None
+# --- msgspec's readers, built from the table (kvlens.fleet.schema) -----------------------------
+_Stored = reader(STORED)
+_Removed = reader(REMOVED)
+_Cleared = reader(CLEARED)
+_StoredArray = reader(STORED, array=True)
+_RemovedArray = reader(REMOVED, array=True)
+_ClearedArray = reader(CLEARED, array=True)
+_MAPS: Final = (_Stored, _Removed, _Cleared)
+_LOOSE: Final = tuple(reader(event, strict=False) for event in EVENT_TYPES)
+_ARRAYS: Final = (_StoredArray, _RemovedArray, _ClearedArray)
+# Each event struct's type (vLLM's own too: the simulated engines make those), for apply()
+_KIND: Final = {
+    struct: event
+    for structs in (_MAPS, _LOOSE, _ARRAYS, (BlockStored, BlockRemoved, AllBlocksCleared))
+    for struct, event in zip(structs, EVENT_TYPES, strict=True)
+}
 
 
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[BlockHash]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
+def _envelope_of(events: Any, *, array: bool = True) -> Any:
+    """An ``EventBatch`` whose events are ``events`` (an array; or a map, as some vLLM builds send)."""
+    return msgspec.defstruct(
+        "EventBatch",
+        [("ts", float), ("events", events), ("data_parallel_rank", int | None, None)],
+        array_like=array,
+        module=__name__,
+    )
 
 
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
-
-# --- what kvlens reads: the fields it uses, every other one optional ----------------------------
-
-
-class _Stored(msgspec.Struct, tag="BlockStored", forbid_unknown_fields=True):
-    block_hashes: list[BlockHash]
-    parent_block_hash: BlockHash | None
-    token_ids: msgspec.Raw  # read by token_array(): cheaper than a list of ints
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-    lookahead_token_ids: list[int] | None = None
-    cache_salt: str | None = None  # SGLang's maps (sglang#37482)
-
-
-class _Removed(msgspec.Struct, tag="BlockRemoved", forbid_unknown_fields=True):
-    block_hashes: list[BlockHash]
-    medium: str | None = None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class _Cleared(msgspec.Struct, tag="AllBlocksCleared", forbid_unknown_fields=True):
-    pass
-
-
-# the compiled reader's field tables (kernels.STORED_FIELDS, REMOVED_FIELDS) must be these (tested)
-STORED_FIELDS: Final = _Stored.__struct_fields__
-REMOVED_FIELDS: Final = _Removed.__struct_fields__
-
-
-class _StoredLoose(_Stored, tag="BlockStored", forbid_unknown_fields=False):
-    pass
-
-
-class _RemovedLoose(_Removed, tag="BlockRemoved", forbid_unknown_fields=False):
-    pass
-
-
-class _ClearedLoose(_Cleared, tag="AllBlocksCleared", forbid_unknown_fields=False):
-    pass
-
-
-# SGLang's and old vLLM's array form: the tag first, then the fields in order (trailing ones
-# this kvlens does not know are ignored by msgspec for array-like structs).
-class _StoredArray(msgspec.Struct, tag="BlockStored", array_like=True):
-    block_hashes: list[BlockHash]
-    parent_block_hash: BlockHash | None
-    token_ids: msgspec.Raw
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | dict[str, Any] | None = None  # SGLang 0.5.18+: {"cache_salt": ...} here
-    extra_keys: list[Any] | None = None
-
-
-class _RemovedArray(msgspec.Struct, tag="BlockRemoved", array_like=True):
-    block_hashes: list[BlockHash]
-    medium: str | None = None
-
-
-class _ClearedArray(msgspec.Struct, tag="AllBlocksCleared", array_like=True):
-    pass
-
-
+KNOWN_TYPES: Final = frozenset(EVENT_TYPES)
+_strict = msgspec.msgpack.Decoder(union(*_MAPS))
+_loose = msgspec.msgpack.Decoder(union(*_LOOSE))
+_array = msgspec.msgpack.Decoder(union(*_ARRAYS))
+_envelope = msgspec.msgpack.Decoder(_envelope_of(list[msgspec.Raw]))
+_map_envelope = msgspec.msgpack.Decoder(_envelope_of(list[msgspec.Raw], array=False))
+_any = msgspec.msgpack.Decoder()
 # The usual payload in one decode: every event known, no unknown field (else the slow path
 # below takes the payload apart event by event, and counts what it skips).
-class _FastEnvelope(msgspec.Struct, array_like=True):
-    ts: float
-    events: list[_Stored | _Removed | _Cleared]
-    data_parallel_rank: int | None = None
-
-
-class _FastArrayEnvelope(msgspec.Struct, array_like=True):
-    ts: float
-    events: list[_StoredArray | _RemovedArray | _ClearedArray]
-    data_parallel_rank: int | None = None
-
-
-class _Envelope(msgspec.Struct, array_like=True):
-    ts: float
-    events: list[msgspec.Raw]
-    data_parallel_rank: int | None = None
-
-
-class _MapEnvelope(msgspec.Struct):
-    ts: float
-    events: list[msgspec.Raw]
-    data_parallel_rank: int | None = None
-
-
-# What apply() takes: the decoded forms, and vLLM's own (the simulated engines make those).
-Event = (
-    _Stored
-    | _Removed
-    | _Cleared
-    | _StoredArray
-    | _RemovedArray
-    | _ClearedArray
-    | BlockStored
-    | BlockRemoved
-    | AllBlocksCleared
-)
-EVENT_TYPES: Final = ("BlockStored", "BlockRemoved", "AllBlocksCleared")  # kernels.EVENT_TYPES: its order
-KNOWN_TYPES: Final = frozenset(EVENT_TYPES)
-_strict = msgspec.msgpack.Decoder(_Stored | _Removed | _Cleared)
-_loose = msgspec.msgpack.Decoder(_StoredLoose | _RemovedLoose | _ClearedLoose)
-_array = msgspec.msgpack.Decoder(_StoredArray | _RemovedArray | _ClearedArray)
-_envelope = msgspec.msgpack.Decoder(_Envelope)
-_map_envelope = msgspec.msgpack.Decoder(_MapEnvelope)
-_any = msgspec.msgpack.Decoder()
-_fast = msgspec.msgpack.Decoder(_FastEnvelope)
-_fast_array = msgspec.msgpack.Decoder(_FastArrayEnvelope)
+_fast = msgspec.msgpack.Decoder(_envelope_of(list_of(*_MAPS)))
+_fast_array = msgspec.msgpack.Decoder(_envelope_of(list_of(*_ARRAYS)))
 
 
 class MalformedPayload(ValueError):
@@ -229,7 +111,7 @@ _UNREADABLE: Final = (msgspec.DecodeError, msgspec.ValidationError, RecursionErr
 class Decoded:
     ts: float
     data_parallel_rank: int | None
-    events: list[Event] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)  # readers' structs
     unknown_events: int = 0  # events of a type kvlens does not know, skipped
     unknown_fields: int = 0  # events with fields kvlens does not know (their known ones used)
     malformed_events: int = 0  # events whose known fields are wrong, dropped
@@ -296,9 +178,7 @@ def decode_batch(payload: bytes) -> Decoded:
                 continue
             return Decoded(whole.ts, whole.data_parallel_rank, list(whole.events))
     try:
-        envelope: _Envelope | _MapEnvelope = (
-            _envelope.decode(payload) if _is_array(payload) else _map_envelope.decode(payload)
-        )
+        envelope = _envelope.decode(payload) if _is_array(payload) else _map_envelope.decode(payload)
     except _UNREADABLE as error:
         raise MalformedPayload(str(error)) from None
     out = Decoded(envelope.ts, envelope.data_parallel_rank)
@@ -319,7 +199,7 @@ def _decode_event(raw: bytes, out: Decoded) -> None:
                 out.malformed_events += 1
                 return
             out.unknown_fields += 1
-            out.events.append(loose)  # a subclass of the strict one: apply() takes it alike
+            out.events.append(loose)
             return
     except (msgspec.DecodeError, RecursionError):
         out.malformed_events += 1
@@ -339,14 +219,7 @@ def _decode_event(raw: bytes, out: Decoded) -> None:
         out.malformed_events += 1
 
 
-def medium_label(medium: str | None) -> str:
-    """`medium` as a label (index.MEDIUM_TIERS: a closed set, anything else is "other")."""
-    if medium is None:
-        return "GPU"  # vLLM before 0.10 sends none: its cache is the GPU's
-    return TIERS[MEDIUM_TIERS.get(medium, OTHER_TIER)]
-
-
-def _keys(event: _Stored | _StoredArray | BlockStored) -> tuple[list[Any] | None, str | None]:
+def _keys(event: Any) -> tuple[list[Any] | None, str | None]:
     """(extra keys, LoRA name) of a store as the index takes them: SGLang's cache salt (a field
     of its maps, or the metadata map its arrays send where vLLM's have ``lora_name``) folded
     into each block's extra keys, as vLLM's salt is in its own."""
@@ -370,26 +243,28 @@ def apply(index: FleetIndex, replica: str, event: Event) -> str:
     Only the first KV cache group is followed (``group_idx`` 0 or absent): a hybrid model (full
     and sliding-window attention) announces a block once per group, and the groups evict
     differently; counting every group would count each block several times."""
-    if getattr(event, "group_idx", None) not in (None, 0):
+    fields: Any = event  # a struct built from the table (kvlens.fleet.schema): read by name
+    if getattr(fields, "group_idx", None) not in (None, 0):
         return OTHER_GROUP
-    if isinstance(event, (_Stored, _StoredArray, BlockStored)):
-        extra = event.extra_keys
-        if extra is not None and len(extra) != len(event.block_hashes):
+    kind = _KIND[type(event)]
+    if kind == STORED:
+        extra = fields.extra_keys
+        if extra is not None and len(extra) != len(fields.block_hashes):
             return MALFORMED
-        extra, lora_name = _keys(event)
+        extra, lora_name = _keys(fields)
         if not index.stored(  # it checks the token ids (left as msgpack by the decoder)
             replica,
-            event.block_hashes,
-            event.parent_block_hash,
-            event.token_ids,
-            event.block_size,
-            medium=medium_label(event.medium),
+            fields.block_hashes,
+            fields.parent_block_hash,
+            fields.token_ids,
+            fields.block_size,
+            medium=medium_label(fields.medium),
             extra_keys=extra,
             lora_name=lora_name,
         ):
             return MALFORMED
-    elif isinstance(event, (_Removed, _RemovedArray, BlockRemoved)):
-        index.removed(replica, event.block_hashes, medium=medium_label(event.medium))
+    elif kind == REMOVED:
+        index.removed(replica, fields.block_hashes, medium=medium_label(fields.medium))
     else:
         index.cleared(replica)
     return APPLIED

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from kvlens.console import install_hint
+from kvlens.errors import install_hint
 from kvlens.terminal import NARROWEST, wrapped
 
 BAR_WIDTH = 40

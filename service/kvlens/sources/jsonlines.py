@@ -18,8 +18,8 @@ from typing import IO, Any
 import numpy as np
 import orjson
 
+from kvlens import jsonscan
 from kvlens.records import Rejections, Validated, batch_from_objects
-from kvlens.sources import jsonscan
 from kvlens.sources.formats import NOT_A_REQUEST
 
 UNDECODABLE: Any = object()

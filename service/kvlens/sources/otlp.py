@@ -30,9 +30,9 @@ from typing import Any, Final
 import msgspec
 import orjson
 
+from kvlens import jsonscan
 from kvlens.errors import PayloadUndecodable, TooManyRecords, UnsupportedMediaType
 from kvlens.records import Rejections, Validated, batch_from_objects
-from kvlens.sources import jsonscan
 
 SOURCE = "otlp"
 PROTOBUF = "application/x-protobuf"

@@ -2,7 +2,7 @@
 
 A payload is first tried whole by the all-or-nothing fast path of
 :func:`kvlens.records.batch_from_json_array` (or ``batch_from_json_lines`` for NDJSON). When that fails,
-it is split into its records (array elements by :mod:`kvlens.sources.jsonscan`, lines by newline)
+it is split into its records (array elements by :mod:`kvlens.jsonscan`, lines by newline)
 and each is decoded and reduced on its own: a record that does not decode is reported by its index
 and the records beside it still count.
 
@@ -24,6 +24,7 @@ from typing import Any, Final
 
 import msgspec
 
+from kvlens import jsonscan
 from kvlens.errors import PayloadUndecodable, TooManyRecords
 from kvlens.records import (
     FIELD_NAMES,
@@ -35,7 +36,6 @@ from kvlens.records import (
     decode_prefix_hashes,
     reduce_to_known,
 )
-from kvlens.sources import jsonscan
 from kvlens.sources.jsonlines import UNDECODABLE, loads
 
 SOURCE = "push"

@@ -8,7 +8,7 @@ A file is known by its device and inode, not its name, and kept open while it is
   written between the copy and the truncation are lost, as with every shipper);
 - a partial last line waits for its newline and is counted once;
 - a line longer than ``max_line_bytes`` is not held whole: its small top-level fields are kept as
-  it streams past (:class:`~kvlens.sources.jsonscan.FieldExtractor`) and the line is counted from
+  it streams past (:class:`~kvlens.jsonscan.FieldExtractor`) and the line is counted from
   them (a "shortened" line), so SGLang's lines, whose ``request_parameters`` carry the whole
   prompt, are never lost to their size; a long line that is not a JSON object is skipped and
   counted as ``too_long``. Either way it is counted once, also across a restart in its middle.
@@ -49,9 +49,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Final
 
+from kvlens.jsonscan import FieldExtractor
 from kvlens.records import Rejections, Validated
 from kvlens.sources.jsonlines import records_from_lines
-from kvlens.sources.jsonscan import FieldExtractor
 
 log = logging.getLogger(__name__)
 

@@ -175,7 +175,7 @@ class HuggingFace:
         try:
             import tokenizers
         except ModuleNotFoundError:
-            from kvlens.console import install_hint
+            from kvlens.errors import install_hint
 
             raise TokenizerUnavailable(
                 f"--tokenizer needs the tokenizer extra: {install_hint('tokenizer')}"

@@ -23,7 +23,7 @@ import numpy.typing as npt
 from kvlens.definitions import DEFAULT_COST_MODEL, CostModel, reusable_full_block_tokens
 
 if TYPE_CHECKING:
-    from kvlens.fleet.source import KVEvents
+    from kvlens.fleet.subscriber import KVEvents
     from kvlens.simulate.trace import TraceRequest
 
 SOURCE = "demo"
@@ -246,7 +246,7 @@ class ReplayKVEvents:
         return [f"r{i}" for i in range(replicas)]
 
     def _emit(self, replica: str, event: Any) -> None:
-        from kvlens.fleet.wire import KVEventBatch
+        from kvlens.fleet.schema import KVEventBatch
 
         rank = int(replica[1:])
         batch = KVEventBatch(ts=time.time(), events=[event], data_parallel_rank=rank)
@@ -255,7 +255,7 @@ class ReplayKVEvents:
 
     def feed(self, start: float, end: float) -> None:
         from kvlens.fleet.index import MASK64
-        from kvlens.fleet.wire import AllBlocksCleared
+        from kvlens.fleet.schema import AllBlocksCleared
 
         for loop, (_, replica, stored, blocks, parent) in self.traffic.cache_events(start, end):
             if loop != self.loop:

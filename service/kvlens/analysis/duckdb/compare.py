@@ -1,6 +1,6 @@
 """``kvlens compare`` out of core: the arms in DuckDB (the ``scale`` extra), compared in SQL.
 
-Each arm is read by :func:`kvlens.analysis.columnar.load` (the same reader and validator as
+Each arm is read by :func:`kvlens.analysis.duckdb.inputs.load` (the same reader and validator as
 ``analyze``: JSON lines, gz, Parquet, directories) into a table of its valid records
 numbered in input order, the arm's own records when the file holds several arms. The sameness
 check (count, prompt lengths position by position, request ids) is three queries per arm, each
@@ -9,7 +9,7 @@ into one table (``paired``: the baseline's length group and hit, the warm-up, ea
 request id, tokens, model and latencies; spilled past the memory limit) and every answer
 :class:`kvlens.analysis.compare.Paired` asks for is a query on it: exact integer sums for
 reuse and modelled work, exact order statistics for the warm-up's median
-(:func:`kvlens.analysis.columnar.order_statistics`), and, for the paired bootstrap, one group's
+(:func:`kvlens.analysis.duckdb.order_statistics.at_ranks`), and, for the paired bootstrap, one group's
 values of one metric of two arms at a time, in request order. Python therefore holds at most
 two columns of the largest group (16 bytes a request; a group is at most
 :data:`kvlens.analysis.compare.MAX_GROUP_REQUESTS`) beside the bootstrap's chunk, and the report
@@ -24,13 +24,15 @@ from typing import Any
 
 import numpy as np
 
-from kvlens import definitions, stats
-from kvlens.analysis import columnar, compare, per_request, sqltext
+from kvlens import definitions, reduce_sql, sqltext, stats
+from kvlens.analysis import compare, per_request
+from kvlens.analysis.duckdb import inputs, order_statistics
+from kvlens.analysis.duckdb.engine import DEFAULT_MEMORY_LIMIT, Engine, engine_errors
 from kvlens.analysis.report import Cell, Key, totals_of
 from kvlens.config import Settings
 from kvlens.definitions import Totals, prompt_length_labels
 
-COLUMNS = (*columnar.ANALYSIS_COLUMNS, "request_id", "arm")
+COLUMNS = (*inputs.ANALYSIS_COLUMNS, "request_id", "arm")
 _PER_ARM = ("model", "prompt_tokens", "cached_tokens", *compare.METRICS)
 
 
@@ -48,9 +50,9 @@ def compare_files(
 ) -> dict[str, Any]:
     """The comparison of ``arms`` (name, records path; the first is the baseline): the report
     :func:`kvlens.analysis.compare.compare` makes of the same records."""
-    engine = columnar.Engine(memory_limit=memory_limit or columnar.DEFAULT_MEMORY_LIMIT)
+    engine = Engine(memory_limit=memory_limit or DEFAULT_MEMORY_LIMIT)
     try:
-        with columnar.engine_errors(engine.memory_limit, engine.spill_directory):
+        with engine_errors(engine.memory_limit, engine.spill_directory):
             for index, (name, path) in enumerate(arms):
                 _load_arm(engine, index, name, path, format_name, model)
             names = [name for name, _ in arms]
@@ -63,12 +65,12 @@ def compare_files(
 
 
 def _load_arm(
-    engine: columnar.Engine, index: int, name: str, path: str, format_name: str | None, model: str | None
+    engine: Engine, index: int, name: str, path: str, format_name: str | None, model: str | None
 ) -> None:
     """Table ``arm_<index>``: the valid records of ``path`` (of arm ``name`` only when some
     record names an arm), ``pos`` numbering them from 0 in input order."""
     con = engine.connection
-    loaded = columnar.load(engine, [path], columns=COLUMNS, format_name=format_name, model=model)
+    loaded = inputs.load(engine, [path], columns=COLUMNS, format_name=format_name, model=model)
     ((named,),) = con.execute("SELECT count(arm) FROM records").fetchall()
     columns = ", ".join(COLUMNS)
     if named or (loaded.parquet and loaded.read.skipped_total):
@@ -98,7 +100,7 @@ def _load_arm(
             raise compare.NoRecordsOfArm(compare.no_records_of(path, name))
 
 
-def check_same_sequence(engine: columnar.Engine, names: list[str]) -> None:
+def check_same_sequence(engine: Engine, names: list[str]) -> None:
     """:func:`kvlens.analysis.compare.check_same_sequence` of the arms' tables."""
     con = engine.connection
     ((base_count,),) = con.execute("SELECT count(*) FROM arm_0").fetchall()
@@ -130,13 +132,15 @@ class InDuckDB:
     ``paired`` (the arms' own tables are dropped)."""
 
     def __init__(
-        self, engine: columnar.Engine, settings: Settings, arms: int, warmup: int, warmup_until: float | None
+        self, engine: Engine, settings: Settings, arms: int, warmup: int, warmup_until: float | None
     ) -> None:
         self.engine, self.arms, self.cost_for = engine, arms, settings.cost_model_for
         con = engine.connection
         edges, default = settings.prompt_length_edges, settings.default_model
         keep = ("pos", "arrival_time", "request_id")
-        sources = [f"({columnar.reduced_sql(f'arm_{i}', edges, default, keep)}) AS a{i}" for i in range(arms)]
+        sources = [
+            f"({reduce_sql.reduced_sql(f'arm_{i}', edges, default, keep)}) AS a{i}" for i in range(arms)
+        ]
         warm = [f"a0.pos < {int(warmup)}"]
         if warmup_until is not None:
             until = f"CAST({sqltext.number(float(warmup_until))} AS DOUBLE)"
@@ -177,17 +181,21 @@ class InDuckDB:
         return np.asarray(got["b"], dtype=np.float64), np.asarray(got["a"], dtype=np.float64)
 
     def _totals(self, arm: int, where: str, parameters: Sequence[Any] = ()) -> Totals:
-        """The arm's totals over the rows of ``where``, from exact sums per model and hit
-        (squares fit in BIGINT, records.MAX_TOKENS; DuckDB sums them in HUGEINT)."""
+        """The arm's totals over the rows of ``where``, from exact sums per model and hit."""
         n, h = f"prompt_tokens_{arm}", f"cached_tokens_{arm}"
+        sums = ", ".join(
+            reduce_sql.exact_sum(term, in_duckdb=True) for term in (n, h, f"{n} * {n}", f"{h} * {h}")
+        )
         cells: dict[Key, Cell] = {}
         for name, hit, count, tokens, cached, squares, cached_squares in self._rows(
-            f"SELECT model_{arm}, {h} > 0, count(*), sum({n}), sum({h}), sum({n} * {n}), sum({h} * {h}) "
-            f"FROM paired WHERE {where} GROUP BY ALL",
+            f"SELECT model_{arm}, {h} > 0, count(*), {sums} FROM paired WHERE {where} GROUP BY ALL",
             parameters,
         ):
             tokens, cached = int(tokens), int(cached)
-            pairs, cached_pairs = (int(squares) + tokens) // 2, (int(cached_squares) + cached) // 2
+            pairs, cached_pairs = (
+                reduce_sql.pairs(tokens, int(squares)),
+                reduce_sql.pairs(cached, int(cached_squares)),
+            )
             cells[(str(name), 0, bool(hit))] = Cell(int(count), tokens, cached, pairs, cached_pairs)
         return totals_of(cells, self.cost_for)
 
@@ -198,11 +206,11 @@ class InDuckDB:
     def warmup(self) -> list[tuple[Totals, float | None]]:
         parts = [("ttft_seconds", arm, False) for arm in range(self.arms)]
         series = " UNION ALL ".join(
-            f"SELECT CAST({columnar._part_key(part)} AS BIGINT) AS k, ttft_seconds_{part[1]} AS v "
+            f"SELECT CAST({order_statistics.part_key(part)} AS BIGINT) AS k, ttft_seconds_{part[1]} AS v "
             f"FROM paired WHERE warm AND ttft_seconds_{part[1]} IS NOT NULL"
             for part in parts
         )
-        keys = {columnar._part_key(part): part for part in parts}
+        keys = {order_statistics.part_key(part): part for part in parts}
         bounds = {
             keys[int(k)]: (int(count), float(low), float(high))
             for k, count, low, high in self._rows(
@@ -213,10 +221,10 @@ class InDuckDB:
             part: sorted(set(definitions.quantile_ranks(count, 0.5)[:2]))
             for part, (count, _, _) in bounds.items()
         }
-        read = columnar.Series(
+        read = order_statistics.Series(
             sql=lambda where: f"SELECT k AS g, v AS v0 FROM ({series}) AS s", keys=(0,), grouped=(True,)
         )
-        found = columnar.order_statistics(self.engine, read, wanted, bounds)
+        found = order_statistics.at_ranks(self.engine, read, wanted, bounds)
         return [
             (
                 self._totals(part[1], "warm"),

@@ -1,4 +1,4 @@
-"""JSON lines into a DuckDB table, for the ``duckdb`` engine (:func:`kvlens.analysis.columnar.load`).
+"""JSON lines into a DuckDB table, for the ``duckdb`` engine (:func:`kvlens.analysis.duckdb.inputs.load`).
 
 A regular file (plain or gzip) whose every line is a record the strict decoder accepts is
 inserted in one ``read_json`` statement, which DuckDB runs in a thread while the decoder proves
@@ -43,8 +43,10 @@ from typing import Any
 
 import numpy as np
 
-from kvlens import records
-from kvlens.analysis import reader, sqltext
+from kvlens import records, sqltext
+from kvlens.analysis import reader
+from kvlens.analysis.duckdb.engine import duckdb_module
+from kvlens.analysis.duckdb.sql import beyond_short_ascii, labels_to_check
 from kvlens.errors import InputError
 from kvlens.sources import jsonlines
 
@@ -59,21 +61,6 @@ INTERRUPT_EVERY = 0.01  # seconds between interrupts of a DuckDB statement being
 # that a file of millions of distinct such names is never held in Python at once (2M fetched
 # at once took 1.4 GB more RSS).
 LABELS_AT_A_TIME = 65_536
-
-
-def _beyond_short_ascii(name: str) -> str:
-    """SQL: the text column ``name`` holds a character outside ' '..'~' (a native GLOB, no RE2)
-    or more than :data:`~kvlens.records.MAX_LABEL_BYTES` bytes. Short printable ASCII is a valid
-    label; the others are for :func:`kvlens.records.valid_label`."""
-    return f"({name} GLOB '*[! -~]*' OR strlen({name}) > {records.MAX_LABEL_BYTES})"
-
-
-def labels_to_check(source: str, labels: list[str]) -> str:
-    """A query of the distinct values of the ``labels`` columns of the query or table
-    ``source`` that are not short printable ASCII (:func:`_beyond_short_ascii`)."""
-    return " UNION ".join(
-        f"SELECT DISTINCT {name} AS label FROM {source} WHERE {_beyond_short_ascii(name)}" for name in labels
-    )
 
 
 def load_file(
@@ -250,8 +237,7 @@ class _Parser:
     def __init__(
         self, connection: Any, table: str, columns: Mapping[str, str], src: int, directory: Path
     ) -> None:
-        import duckdb
-
+        duckdb = duckdb_module()
         self.connection = connection
         self.table = table
         self.columns = columns
@@ -362,7 +348,7 @@ class _Parser:
     def insert_checked(self, lines_query: str, labels: list[str]) -> int:
         """Insert the rows of ``lines_query`` that pass both checks (labels as printable
         ASCII only); their number."""
-        ascii_labels = " AND ".join(f"({name} IS NULL OR NOT {_beyond_short_ascii(name)})" for name in labels)
+        ascii_labels = " AND ".join(f"({name} IS NULL OR NOT {beyond_short_ascii(name)})" for name in labels)
         # no error() for a failed check: an error aborts the transaction the insert is in
         ((count,),) = self.connection.execute(
             f"{self._insert_statement()} ({lines_query}) "

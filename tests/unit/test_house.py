@@ -1,0 +1,146 @@
+"""The plan of the house (DESIGN section 2), held by the import graph: a room imports only rooms
+on its own floor or lower, and no import closes a cycle, imports inside functions and under
+TYPE_CHECKING included (a cycle closed inside a function is still a cycle).
+
+Imports that still run up a floor are listed in ``UP_A_FLOOR_STILL`` with why: the test fails on
+any other, and on a listed one that is gone (so the list shrinks as the house is mended, and
+never hides a new one)."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "service" / "kvlens"
+
+# The floors of DESIGN section 2, by the module or package right under kvlens.
+FLOORS = {
+    1: {"definitions", "stats", "errors", "logs", "terminal", "nnls", "outputs"},
+    2: {"http", "records", "jsonscan", "reduce", "reduce_sql", "sqltext", "bandwidth", "shapes"},
+    3: {"sources", "fleet"},
+    4: {"exporter", "analysis", "simulate", "experiment"},
+    5: {"config"},
+    6: {"cli", "console", "healthcheck"},
+}
+ROOM_FLOOR = {room: floor for floor, rooms in FLOORS.items() for room in rooms}
+
+# Up a floor, still: the rooms read the composed settings (config.py, floor 5) instead of a small
+# settings model of their own (issue 28 item 2, not done yet).
+UP_A_FLOOR_STILL = {
+    ("kvlens.analysis.analyze", "kvlens.config"),
+    ("kvlens.analysis.compare", "kvlens.config"),
+    ("kvlens.analysis.duckdb.compare", "kvlens.config"),
+    ("kvlens.analysis.warehouse", "kvlens.config"),
+    ("kvlens.experiment.run", "kvlens.config"),
+    ("kvlens.exporter.aggregator", "kvlens.config"),
+    ("kvlens.exporter.app", "kvlens.config"),
+    ("kvlens.exporter.background", "kvlens.config"),
+    ("kvlens.exporter.collector", "kvlens.config"),
+    ("kvlens.exporter.server", "kvlens.config"),
+    ("kvlens.simulate.serve.main", "kvlens.config"),
+}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> Iterator[str]:
+    """The kvlens modules ``name`` imports, anywhere in it."""
+
+    def module_of(dotted: str) -> str:
+        while dotted not in known and "." in dotted:
+            dotted = dotted.rsplit(".", 1)[0]
+        return dotted
+
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from (module_of(alias.name) for alias in node.names if alias.name.startswith("kvlens."))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                source = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                source = node.module or ""
+            if source == "kvlens" or source.startswith("kvlens."):
+                for alias in node.names:  # `from kvlens.x import y`: y may be a module of x
+                    yield module_of(f"{source}.{alias.name}")
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {
+        name: {m for m in imports(name, path, known) if m not in (name, "kvlens")}
+        for name, path in known.items()
+    }
+
+
+def room(name: str) -> str:
+    return name.split(".")[1] if name.count(".") else ""
+
+
+def test_every_room_has_a_floor() -> None:
+    rooms = {room(name) for name in modules()} - {""}
+    assert rooms <= set(ROOM_FLOOR), (
+        f"place these in DESIGN section 2's floors: {sorted(rooms - set(ROOM_FLOOR))}"
+    )
+
+
+def test_no_import_runs_up_a_floor_but_the_listed_ones() -> None:
+    up = {
+        (name, target)
+        for name, targets in graph().items()
+        for target in targets
+        if room(name) and room(target) and ROOM_FLOOR[room(target)] > ROOM_FLOOR[room(name)]
+    }
+    assert up - UP_A_FLOOR_STILL == set(), "imports up a floor (DESIGN section 2)"
+    assert UP_A_FLOOR_STILL - up == set(), "mended: take these off UP_A_FLOOR_STILL"
+
+
+def test_no_import_closes_a_cycle() -> None:
+    edges = graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in edges.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    assert cycles == []
+
+
+def test_the_graph_is_read_whole() -> None:
+    # the reader of the graph itself: a function-level import and a TYPE_CHECKING one are edges
+    edges = graph()
+    assert "kvlens.definitions" in edges["kvlens.reduce"]
+    assert len(edges) > 100
