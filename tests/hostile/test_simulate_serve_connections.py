@@ -83,3 +83,34 @@ def test_a_body_that_stops_is_answered_408(server: Running) -> None:
             pass
     assert answer.startswith(b"HTTP/1.1 408 "), answer
     assert httpx.post(f"{server.url}/v1/completions", json=COMPLETION, timeout=10).status_code == 200
+
+
+def test_a_body_under_kvlens_serves_pace_is_held_to_the_pause_deadline_only() -> None:
+    """simulate serve reads its bodies with kvlens serve's reader but asks no minimum pace (the
+    README's limits): a body that sends 10 of its 1,000 bytes and waits is answered 408 at its
+    pause deadline (2 s), not at the end of a pace window (0.5 s), with the message it had."""
+    env = {
+        "KVLENS_HEADER_TIMEOUT_SECONDS": "2",
+        "KVLENS_BODY_MIN_BYTES_PER_SECOND": "1000",
+        "KVLENS_BODY_RATE_WINDOW_SECONDS": "0.5",
+    }
+    running = start_kvlens("simulate", "serve", "--speed", "1000", env=env, ready="/health")
+    try:
+        with socket.create_connection(("127.0.0.1", running.port), timeout=20) as sock:
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 1000\r\n\r\n{"prompt":'
+            )
+            started = time.monotonic()
+            answer = b""
+            while b'"code":408' not in answer:
+                more = sock.recv(4096)
+                if not more:
+                    break
+                answer += more
+            waited = time.monotonic() - started
+        assert answer.startswith(b"HTTP/1.1 408 "), answer
+        assert b'"the body did not arrive within 30 s or paused over 2 s"' in answer, answer
+        assert 1.9 < waited < 10, waited
+    finally:
+        running.output()

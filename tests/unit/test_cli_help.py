@@ -28,14 +28,18 @@ def leaves(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser
 
 
 def every_command() -> dict[str, argparse.ArgumentParser]:
-    return {**leaves(parser_of([])), **leaves(parser_of(["simulate", "serve"]))}
+    return {
+        **leaves(parser_of([])),
+        **leaves(parser_of(["simulate", "run"])),
+        **leaves(parser_of(["simulate", "serve"])),
+    }
 
 
 def test_every_command_is_walked() -> None:
     assert sorted(every_command()) == [
         "kvlens analyze", "kvlens bandwidth", "kvlens compare", "kvlens convert", "kvlens demo",
         "kvlens experiment prefix-cache", "kvlens experiment quantization", "kvlens import", "kvlens replay",
-        "kvlens serve", "kvlens simulate", "kvlens simulate serve",
+        "kvlens serve", "kvlens simulate", "kvlens simulate run", "kvlens simulate serve",
     ]  # fmt: skip
 
 
@@ -54,6 +58,7 @@ def test_every_command_is_walked() -> None:
                 "--nope",
             ],
         ),
+        ("simulate run", ["simulate", "run", "--nope"]),
         ("simulate serve", ["simulate", "serve", "--nope"]),
     ],
 )

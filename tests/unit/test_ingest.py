@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from starlette.requests import Request
 from starlette.types import Message
 
-from kvlens.errors import ArrivingBytesFull, BodyDisplaced, BodyTooSlow, ClientDisconnected
+from kvlens.errors import ArrivingBytesFull, BodyDisplaced, BodyTooSlow, ClientDisconnected, PayloadTooLarge
 from kvlens.exporter.ingest import BatchLedger, LogThrottle, RecentRecords
 from kvlens.exporter.runtime import LoopLag, ScrapeRenderer
 from kvlens.http.bodies import ArrivingBodies, BodyLimits, BodyReader, IngestGate
@@ -182,7 +182,7 @@ def read_all(
 ) -> bytes:
     async def run() -> bytes:
         clock = Clock()
-        reader = BodyReader(arriving(pieces, clock), limits, budget or ArrivingBodies(1, 1 << 30), clock)
+        reader = BodyReader.of(arriving(pieces, clock), limits, budget or ArrivingBodies(1, 1 << 30), clock)
         return await reader.body()
 
     return asyncio.run(run())
@@ -202,7 +202,9 @@ def test_a_sender_that_bursts_then_trickles_is_closed_at_the_end_of_the_window_i
     async def run() -> float:
         clock = Clock()
         pieces: list[tuple[float, bytes | None]] = [(0.1, b" " * 20_000), (1.5, b" " * 10), (2.5, b" " * 10)]
-        reader = BodyReader(arriving([*pieces, (2.6, b"")], clock), PACE, ArrivingBodies(1, 1 << 30), clock)
+        reader = BodyReader.of(
+            arriving([*pieces, (2.6, b"")], clock), PACE, ArrivingBodies(1, 1 << 30), clock
+        )
         with pytest.raises(BodyTooSlow):
             await reader.body()
         return clock.now
@@ -308,7 +310,7 @@ def test_a_body_that_loses_its_place_is_refused_at_once_and_its_bytes_are_free()
         patient = BodyLimits(
             1 << 20, deadline_seconds=60, stall_seconds=30, min_bytes_per_second=1000, window_seconds=30
         )
-        reader = asyncio.ensure_future(BodyReader(request, patient, budget, clock).body())
+        reader = asyncio.ensure_future(BodyReader.of(request, patient, budget, clock).body())
         while budget.bytes < 100:
             await asyncio.sleep(0)  # until the reader has its first piece
         clock.now = 0.5  # 400 bytes behind 1,000 bytes/s; its next deadline is 29.5 s away
@@ -340,3 +342,23 @@ def test_the_log_throttle_lets_one_line_per_interval_and_counts_the_others() -> 
     assert throttle.allow() == 5  # the line that goes out says how many were held back
     clock.now = 30.0
     assert throttle.allow() == 0
+
+
+def test_a_declared_body_over_the_size_is_refused_before_it_asks_for_a_place() -> None:
+    """413 (a retry would be refused again), not 503 (retry), while every place is taken; as
+    simulate serve answered before both servers shared the reader."""
+
+    async def run() -> None:
+        budget = ArrivingBodies(max_bodies=1, max_bytes=1 << 20)
+
+        async def receive() -> Message:
+            raise AssertionError("nothing of the body is read")
+
+        headers = [(b"content-length", str(PACE.max_bytes + 1).encode())]
+        request = Request({"type": "http", "method": "POST", "path": "/", "headers": headers}, receive)
+        with budget.admit() as taken:
+            assert taken is not None
+            with pytest.raises(PayloadTooLarge):
+                await BodyReader.of(request, PACE, budget).body()
+
+    asyncio.run(run())

@@ -122,3 +122,28 @@ def test_a_cost_model_that_is_not_in_seconds_is_refused(
     config.write_text(yaml.safe_dump({"cost_models": {"m": {"a": 1, "b": 0.001}}}))
     assert main(["simulate", "--config", str(config), "--model", "m"]) == 2
     assert "a cost model in seconds, not work_units" in capsys.readouterr().err
+
+
+def test_simulate_run_is_the_explicit_form_of_simulate_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvlens simulate` is a group (`run`, `serve`); `kvlens simulate [TRACE]` stays `run`'s."""
+    small = tmp_path / "small.jsonl"
+    small.write_text(
+        "".join(
+            json.dumps(
+                {"timestamp": i * 100, "input_length": 1500, "output_length": 8, "hash_ids": [1, 2, i]}
+            )
+            + "\n"
+            for i in range(40)
+        )
+    )
+    flags = [str(small), "--capacity-blocks", "4,unbounded", "--policy", "prefix_affinity"]
+    implicit = run_json(capsys, *flags)
+    explicit = run_json(capsys, "run", *flags)
+    assert explicit == implicit and implicit["trace"]["requests"] == 40
+    with pytest.raises(SystemExit) as exit:
+        main(["simulate", "run", "--nope"])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: kvlens simulate run ") and "unrecognized arguments: --nope" in err

@@ -51,8 +51,7 @@ def command_modules(argv: Sequence[str]) -> list[ModuleType]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    serving = argv[:2] == ["simulate", "serve"]
-    args = parser_of(argv).parse_args(argv[2:] if serving else argv)
+    args = parser_of(argv).parse_args(argv[2:] if _simulate_group(argv) else argv)
     args.argv = argv  # a command that can be resumed names itself (kvlens experiment)
     try:
         configure_logging(args)
@@ -101,11 +100,12 @@ class _Version(argparse.Action):
 
 
 def parser_of(argv: Sequence[str]) -> argparse.ArgumentParser:
-    """``kvlens``'s parser, or ``simulate serve``'s: `simulate`'s optional TRACE would take
-    `serve` for a trace, so the server has its own parser (given ``simulate serve``'s argv)."""
-    if list(argv[:2]) == ["simulate", "serve"]:
+    """``kvlens``'s parser, or ``simulate run``'s or ``simulate serve``'s: `simulate`'s optional
+    TRACE would take `run` or `serve` for a trace, so each has its own parser (given the argv
+    after them)."""
+    if _simulate_group(argv):
         (simulate,) = command_modules(["simulate"])
-        parser: argparse.ArgumentParser = simulate.serve_parser()
+        parser: argparse.ArgumentParser = simulate.group_parser(argv[1])
     else:
         parser = Parser(
             prog="kvlens",
@@ -118,6 +118,12 @@ def parser_of(argv: Sequence[str]) -> argparse.ArgumentParser:
             command.add_parser(commands)
     _log_flags_on_each_command(parser)
     return parser
+
+
+def _simulate_group(argv: Sequence[str]) -> bool:
+    """Whether ``argv`` is ``simulate run ...`` or ``simulate serve ...``
+    (:func:`kvlens.cli.simulate.group_parser`)."""
+    return len(argv) >= 2 and argv[0] == "simulate" and argv[1] in ("run", "serve")
 
 
 def _log_flags_on_each_command(parser: argparse.ArgumentParser) -> None:

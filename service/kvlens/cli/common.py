@@ -241,20 +241,13 @@ def build_server(
 
     from kvlens.exporter import server
     from kvlens.exporter.app import create_app
-    from kvlens.http.server import raise_open_files_limit, return_large_buffers
+    from kvlens.http.server import prepare_process
 
     check_port_free(settings)
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)  # process_start_time_seconds shows restarts
     app = create_app(settings, registry, aggregator, kv_events)
-    sockets = raise_open_files_limit()
-    return_large_buffers()  # a refused bomb's 16 MiB goes back to the kernel
-    if sockets < settings.max_connections + 64:
-        log.warning(
-            "kvlens: the open-files limit (%d) is under max_connections (%d): raise it or lower the cap",
-            sockets,
-            settings.max_connections,
-        )
+    prepare_process(settings.max_connections)  # a refused bomb's 16 MiB goes back to the kernel
     if settings.ingest_open:
         log.warning(
             "ingest (POST /v1/records, /v1/traces) listens on %s without a token: anyone "

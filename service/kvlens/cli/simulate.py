@@ -1,4 +1,10 @@
-"""``kvlens simulate``: a trace on a fleet, reachable vs delivered reuse per policy and capacity."""
+"""``kvlens simulate``: a command group over one simulated fleet (:class:`kvlens.simulate.run.Fleet`,
+built by its ``build`` for both clocks): ``run`` replays a trace in virtual time, reachable vs
+delivered reuse per policy and capacity (also ``kvlens simulate [TRACE]``, as before the group);
+``serve`` puts the fleet behind the OpenAI API in real time.
+
+Each subcommand has a parser of its own (:func:`group_parser`): `simulate`'s optional TRACE would
+take `run` or `serve` for a trace (a trace file of that name is given as ``./run``)."""
 
 from __future__ import annotations
 
@@ -26,6 +32,10 @@ def add_parser(commands: Any) -> None:
             "kvlens simulate serve --help",
         ),
     )
+    _add_run_arguments(sim)
+
+
+def _add_run_arguments(sim: argparse.ArgumentParser) -> None:
     sim.add_argument(
         "trace",
         nargs="?",
@@ -71,6 +81,26 @@ def add_parser(commands: Any) -> None:
     sim.set_defaults(run=run)
 
 
+def group_parser(name: str) -> argparse.ArgumentParser:
+    """The parser of ``kvlens simulate NAME`` (``run`` or ``serve``), given the argv after it."""
+    return {"run": run_parser, "serve": serve_parser}[name]()
+
+
+def run_parser() -> argparse.ArgumentParser:
+    """``kvlens simulate run``: the explicit form of ``kvlens simulate [TRACE]``."""
+    parser = Parser(
+        prog="kvlens simulate run",
+        description="replay a trace on a fleet: reachable vs delivered reuse per policy and capacity "
+        "(the same as kvlens simulate [TRACE])",
+        epilog=examples(
+            "kvlens simulate run",
+            "kvlens simulate run trace.jsonl --replicas 8 --policy prefix_affinity --json",
+        ),
+    )
+    _add_run_arguments(parser)
+    return parser
+
+
 def serve_parser() -> argparse.ArgumentParser:
     """``kvlens simulate serve``: the simulated fleet behind vLLM's OpenAI API, in real time."""
     from kvlens.simulate.serve import main as serve
@@ -92,13 +122,11 @@ def run(args: argparse.Namespace) -> int:
     from kvlens.simulate import render, sweep
     from kvlens.simulate.policies import POLICIES, Guard
     from kvlens.simulate.replica import DEFAULT_SERVICE, ServiceModel
-    from kvlens.simulate.run import write_records
+    from kvlens.simulate.run import parse_capacity, write_records
     from kvlens.simulate.trace import BUNDLED, open_trace
 
     try:
-        capacities = [
-            None if c.strip() == "unbounded" else int(c) for c in args.capacity_blocks.split(",") if c.strip()
-        ]
+        capacities = [parse_capacity(c) for c in args.capacity_blocks.split(",") if c.strip()]
         if not capacities or any(c is not None and c < 0 for c in capacities):
             raise ValueError("--capacity-blocks takes block counts >= 0 (or 'unbounded'), comma-separated")
         if args.replicas < 1:

@@ -126,7 +126,7 @@ class Sidecar:
             settings.body_rate_window_seconds,
         )
         try:
-            return await BodyReader(request, limits, self.health.arriving).body()
+            return await BodyReader.of(request, limits, self.health.arriving).body()
         except InputError as error:
             return _refused(self, error)
 

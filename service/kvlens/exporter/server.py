@@ -12,7 +12,8 @@ from typing import Any
 import uvicorn
 
 from kvlens.config import Settings
-from kvlens.http.server import KEEP_ALIVE_SECONDS, ConnectionGuard, guarded_protocol
+from kvlens.http import server as http_server
+from kvlens.http.server import ConnectionGuard
 
 log = logging.getLogger(__name__)
 
@@ -69,19 +70,8 @@ def build_server(
     """``log_config``: the command line's logging (``kvlens.logs``), so uvicorn's lines share its
     format; None keeps uvicorn's own."""
     tls = tls_context(settings)
-    protocol = guarded_protocol(guard, tls)
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=log_level,
-        log_config=uvicorn.config.LOGGING_CONFIG if log_config is None else log_config,
-        access_log=False,
-        workers=1,  # counters live in this process; more workers would split them
-        http=protocol,
-        timeout_keep_alive=KEEP_ALIVE_SECONDS,
-        limit_concurrency=None,  # idle sockets must not count: the app admits work itself
-    )
+    logging_config = uvicorn.config.LOGGING_CONFIG if log_config is None else log_config
+    config = http_server.config(app, settings.host, settings.port, guard, log_level, logging_config, tls)
     if tls is not None:
         log.info("kvlens: serving HTTPS on port %d", settings.port)
     return KVLensServer(config, settings, tls)

@@ -30,7 +30,7 @@ import signal
 import ssl
 from collections import Counter
 from types import FrameType
-from typing import ClassVar, Final, Protocol
+from typing import Any, ClassVar, Final, Protocol
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -219,6 +219,47 @@ def guarded_protocol(guard: ConnectionGuard, tls: ssl.SSLContext | None = None) 
     ``guard`` (and terminating TLS with ``tls``); uvicorn's own keep-alive and concurrency settings
     go with it as :func:`build_server` sets them."""
     return type("GuardedH11Protocol", (GuardedH11Protocol,), {"guard": guard, "tls": tls})
+
+
+def config(
+    app: Any,
+    host: str,
+    port: int,
+    guard: ConnectionGuard,
+    log_level: str,
+    log_config: dict[str, Any],
+    tls: ssl.SSLContext | None = None,
+) -> uvicorn.Config:
+    """uvicorn's settings for every server of the package: the guarded protocol (deadlines, the
+    cap, TLS), no access log, one worker (counters and the simulated fleet live in this process),
+    and no ``limit_concurrency``: idle sockets must not count, the guard closes them and the app
+    admits work itself."""
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        log_config=log_config,
+        access_log=False,
+        workers=1,
+        http=guarded_protocol(guard, tls),
+        timeout_keep_alive=KEEP_ALIVE_SECONDS,
+        limit_concurrency=None,
+    )
+
+
+def prepare_process(max_connections: int) -> None:
+    """What a server's process does before it listens: as many sockets as the hard limit allows
+    (a warning when that is under the connection cap), and large buffers back to the kernel when
+    freed (a refused or dropped body or answer of 16 MiB, rather than kept in the heap)."""
+    sockets = raise_open_files_limit()
+    return_large_buffers()
+    if sockets < max_connections + 64:
+        log.warning(
+            "kvlens: the open-files limit (%d) is under max_connections (%d): raise it or lower the cap",
+            sockets,
+            max_connections,
+        )
 
 
 def raise_open_files_limit() -> int:

@@ -25,12 +25,20 @@ from kvlens.records import RecordBatch
 from kvlens.reduce import reduce
 from kvlens.simulate.cache import CacheEvents, PrefixCache
 from kvlens.simulate.memory import make_replica
-from kvlens.simulate.policies import DEFAULT_GUARD, Guard, policy
-from kvlens.simulate.replica import DEFAULT_SERVICE, INF, Job, ServiceModel
+from kvlens.simulate.policies import DEFAULT_GUARD, Choose, Guard, policy
+from kvlens.simulate.replica import DEFAULT_SERVICE, INF, Job, Replica, ServiceModel
 from kvlens.simulate.trace import TraceRequest
 
 CHUNK = 16_384  # finished requests reduced at a time
 MODEL = "simulated"
+UNBOUNDED = "unbounded"
+
+
+def parse_capacity(text: str) -> int | None:
+    """A ``--capacity-blocks`` value: blocks per replica, or ``unbounded`` (None). Raises
+    ValueError on anything else; each command says what it takes (a count, or a list)."""
+    text = text.strip()
+    return None if text == UNBOUNDED else int(text)
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,29 @@ class Fleet:
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError("a fleet needs one replica or more")
+
+    def build(
+        self, policy_name: str, done: list[Job], events: Callable[[int], CacheEvents] | None = None
+    ) -> tuple[list[Replica], Choose]:
+        """The replicas (each with its cache, bound by its memory when the service model says so)
+        and the routing policy, made here for both clocks: :func:`simulate` steps them through a
+        trace, ``simulate serve``'s :class:`~kvlens.simulate.serve.engine.RealTimeFleet` on the wall
+        clock, so a request's route, cached tokens and timings are the same on both. Finished jobs
+        go to ``done``; ``events(i)``, when given, is told what replica i's cache stores and
+        evicts."""
+        choose = policy(policy_name, self.guard)  # an unknown name fails before anything is built
+        replicas = [
+            make_replica(
+                i,
+                self.capacity_blocks,
+                self.block_size,
+                self.service,
+                done,
+                None if events is None else events(i),
+            )
+            for i in range(self.replicas)
+        ]
+        return replicas, choose
 
 
 @dataclass
@@ -110,19 +141,8 @@ def simulate(
     of replica i's KV events (:class:`~kvlens.simulate.cache.CacheEvents`)."""
     arm = arm or policy_name
     writer = None if records is None else _InArrivalOrder(records, fleet.block_size, arm)
-    choose = policy(policy_name, fleet.guard)
     done: list[Job] = []
-    replicas = [
-        make_replica(
-            i,
-            fleet.capacity_blocks,
-            fleet.block_size,
-            fleet.service,
-            done,
-            None if events is None else events(i),
-        )
-        for i in range(fleet.replicas)
-    ]
+    replicas, choose = fleet.build(policy_name, done, events)
     outcome = Outcome(policy_name, fleet.capacity_blocks)
     order = 0
     for request in requests:

@@ -4,13 +4,9 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/model
 ``GET /health``, ``POST /tokenize``, ``POST /detokenize``, ``POST /reset_prefix_cache`` (vLLM
 mounts it only with ``VLLM_SERVER_DEV_MODE=1``; here it is always there), ``GET /metrics``.
 
-Shapes follow vLLM's protocol classes: usage carries ``prompt_tokens_details.cached_tokens`` (as
-vLLM with ``--enable-prompt-tokens-details``; several prompts: the last one's, streaming: the
-first to answer); a streamed answer is one ``data:`` event per token (a completion chunk
-``{"choices": [{"index", "text", "logprobs", "finish_reason", "stop_reason"}]}``, chat: a first
-``delta: {"role": "assistant", "content": ""}``), the usage chunk (empty ``choices``) last when
-``stream_options.include_usage`` asks, then ``data: [DONE]``. Errors are ``{"error": {"message",
-"type", "param", "code"}}``: 400 for a bad request (with the field), 404 for an unknown model.
+The answers' shapes are :mod:`.openai`'s (vLLM's protocol classes). Errors are ``{"error":
+{"message", "type", "param", "code"}}``: 400 for a bad request (with the field), 404 for an
+unknown model.
 
 What is modelled and what is not: every answer is exactly ``max_tokens`` long (the simulated
 model never emits EOS, so ``finish_reason`` is ``length``; ``min_tokens`` and ``ignore_eos`` are
@@ -32,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any, Final
@@ -44,10 +41,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from kvlens.errors import ArrivingBytesFull, BodyTooSlow, Busy, ClientDisconnected, PayloadTooLarge
 from kvlens.http.access import bearer_matches
-from kvlens.http.bodies import RETRY_AFTER_SECONDS, ArrivingBodies, BodyLimits, IngestGate
+from kvlens.http.bodies import RETRY_AFTER_SECONDS, ArrivingBodies, BodyLimits, BodyReader, IngestGate
 from kvlens.simulate.replica import INF
-from kvlens.simulate.serve import requests
+from kvlens.simulate.serve import openai, requests
 from kvlens.simulate.serve.engine import RealTimeFleet, Ticket
 from kvlens.simulate.serve.metrics import FleetMetrics
 from kvlens.simulate.serve.requests import ApiError, Asked, Served
@@ -140,7 +138,7 @@ class Api:
         admin_token: bytes | None = None,
     ) -> None:
         """``body_limits`` and ``arriving``: what a request body may cost, as ``kvlens serve``'s
-        (its settings' deadline, pause and pace; MAX_BODY_BYTES here). ``max_in_flight``: the
+        (its settings' deadline and pause, no pace; MAX_BODY_BYTES here). ``max_in_flight``: the
         prompts the fleet holds at most (:data:`MAX_IN_FLIGHT`). ``admin_token``: the bearer
         token ``/reset_prefix_cache`` requires (None: none)."""
         self.served = served
@@ -148,6 +146,7 @@ class Api:
         self._admin_token = admin_token
         self._at_work = IngestGate(WORK_AT_ONCE)
         self._body_limits = body_limits
+        self._tokenize_limits = dataclasses.replace(body_limits, max_bytes=MAX_TOKENIZE_BODY_BYTES)
         self._arriving = arriving
         self._make_engine = make_engine
         self._prefix_caching = prefix_caching
@@ -199,7 +198,7 @@ class Api:
                 request_id = value.decode("latin-1")
         client = Client()
         try:
-            raw = await self._read_body(scope, receive, MAX_BODY_BYTES)
+            raw = await self._read_body(scope, receive, self._body_limits)
             asked = await self._checked(check, raw, request_id)
         except ApiError as error:
             await _send_error(send, error)
@@ -268,7 +267,7 @@ class Api:
         thread, WORK_AT_ONCE requests at once from their work to the end of their answer (503 past
         it), so unread answers cannot pile up beyond them."""
         try:
-            raw = await self._read_body(scope, receive, MAX_TOKENIZE_BODY_BYTES)
+            raw = await self._read_body(scope, receive, self._tokenize_limits)
             if raw is None:
                 return
             async with self._at_work.slot() as admitted:
@@ -337,26 +336,8 @@ class Api:
             return self._completion_stream(answer, tickets, client)
         if not await self._all_finished(tickets, client):
             return b""  # its client went away
-        choices = [
-            {
-                "index": i,
-                "text": self.served.codec.generated_text(t.job.output_tokens),
-                "logprobs": None,
-                "finish_reason": "length",
-                "stop_reason": None,
-                "prompt_logprobs": None,
-            }
-            for i, t in enumerate(tickets)
-        ]
-        response = {
-            "id": answer.request_id,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.served.model,
-            "choices": choices,
-            "usage": _usage(tickets, tickets[-1]),
-        }
-        return orjson.dumps(response)
+        texts = [self.served.codec.generated_text(t.job.output_tokens) for t in tickets]
+        return openai.completion(answer.request_id, self.served.model, texts, _usage(tickets, tickets[-1]))
 
     async def chat(self, answer: Asked, client: Client) -> Generated:
         tickets = self._submit(answer, client)
@@ -365,69 +346,37 @@ class Api:
         if not await self._all_finished(tickets, client):
             return b""  # its client went away
         ticket = tickets[0]
-        response = {
-            "id": answer.request_id,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": self.served.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {
-                        "role": "assistant",
-                        "content": self.served.codec.generated_text(ticket.job.output_tokens),
-                        "tool_calls": [],
-                    },
-                    "logprobs": None,
-                    "finish_reason": "length",
-                    "stop_reason": None,
-                }
-            ],
-            "usage": _usage(tickets, ticket),
-            "prompt_logprobs": None,
-        }
-        return orjson.dumps(response)
+        text = self.served.codec.generated_text(ticket.job.output_tokens)
+        return openai.chat_completion(answer.request_id, self.served.model, text, _usage(tickets, ticket))
 
     # --- checking requests ------------------------------------------------------------------
 
-    async def _read_body(self, scope: Scope, receive: Receive, max_bytes: int) -> bytes | None:
-        """The request's body within ``kvlens serve``'s bounds for one: refused 413 once it passes
-        ``max_bytes`` (from its Content-Length, or as it arrives), 408 past ``deadline_seconds``
-        in all or a pause over ``stall_seconds``, 503 while too many bodies or bytes are arriving
-        (``arriving``). Not
-        :class:`~kvlens.http.bodies.BodyReader` (which also checks the pace): its task per
-        piece cost 200 us a request, a third of this server's. None: the client went away."""
-        limits = self._body_limits
+    async def _read_body(self, scope: Scope, receive: Receive, limits: BodyLimits) -> bytes | None:
+        """The request's body within ``kvlens serve``'s bounds for one, read by the same
+        :class:`~kvlens.http.bodies.BodyReader`: 413 past ``limits.max_bytes`` (from its
+        Content-Length, or as it arrives), 408 past the deadline or a pause, 503 while too many
+        bodies or bytes are arriving. None: the client went away."""
+        declared = None
         for name, value in scope["headers"]:
-            if name == b"content-length" and value.isdigit() and int(value) > max_bytes:
-                raise ApiError(f"the request body is larger than {max_bytes} bytes", status=413)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + limits.deadline_seconds
-        raw = bytearray()
-        with self._arriving.admit() as admitted:
-            if admitted is None:
-                raise ApiError("too many request bodies arriving; retry", status=503)
-            try:
-                while True:
-                    message = await _before(receive, min(deadline, loop.time() + limits.stall_seconds))
-                    if message is None:
-                        raise ApiError(
-                            f"the body did not arrive within {limits.deadline_seconds:g} s "
-                            f"or paused over {limits.stall_seconds:g} s",
-                            status=408,
-                        )
-                    if message["type"] == "http.disconnect":
-                        return None
-                    piece = message.get("body", b"")
-                    if len(raw) + len(piece) > max_bytes:
-                        raise ApiError(f"the request body is larger than {max_bytes} bytes", status=413)
-                    if not self._arriving.take(len(piece)):
-                        raise ApiError("request bodies arriving hold too many bytes; retry", status=503)
-                    raw += piece
-                    if not message.get("more_body"):
-                        return bytes(raw)
-            finally:
-                self._arriving.give_back(len(raw))
+            if name == b"content-length":
+                declared = value
+        try:
+            return await BodyReader(receive, declared, limits, self._arriving).body()
+        except PayloadTooLarge:
+            raise ApiError(f"the request body is larger than {limits.max_bytes} bytes", status=413) from None
+        except BodyTooSlow:  # past the deadline or a pause (this server asks no pace: main.body_limits)
+            limits = self._body_limits
+            raise ApiError(
+                f"the body did not arrive within {limits.deadline_seconds:g} s "
+                f"or paused over {limits.stall_seconds:g} s",
+                status=408,
+            ) from None
+        except ArrivingBytesFull:
+            raise ApiError("request bodies arriving hold too many bytes; retry", status=503) from None
+        except Busy:
+            raise ApiError("too many request bodies arriving; retry", status=503) from None
+        except ClientDisconnected:
+            return None
 
     def _submit(self, answer: Asked, client: Client) -> list[Ticket]:
         engine = self.engine
@@ -501,26 +450,19 @@ class Api:
     async def _completion_stream(
         self, answer: Asked, tickets: list[Ticket], client: Client
     ) -> AsyncGenerator[bytes, None]:
-        head = {
-            "id": answer.request_id,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.served.model,
-        }
-        first: Ticket | None = None
-        # A chunk per token differs from the next only in its text: the JSON around it is made
-        # once (the bytes are what orjson.dumps gives the whole chunk; a test compares them).
-        opening = b"data: " + orjson.dumps(head)[:-1] + b',"choices":[{"index":'
+        opening = openai.head(answer.request_id, "text_completion", self.served.model)
+        events = openai.CompletionEvents(opening)
+        prefixes = [events.opening(index) for index in range(len(tickets))]
         texts = [orjson.dumps(piece) for piece in self.served.codec.generated_pieces()]
-        going = b',"logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
-        ending = b',"logprobs":null,"finish_reason":"length","stop_reason":null}]}\n\n'
+        going, ending = events.going, events.ending
+        first: Ticket | None = None
         async for due in self._paced(tickets, client):
             out: list[bytes] = []
             for index, start, end in due:
                 ticket = tickets[index]
                 first = first or ticket
                 last = ticket.job.output_tokens
-                prefix = opening + str(index).encode() + b',"text":'
+                prefix = prefixes[index]
                 for position in range(start, end):
                     out += (prefix, texts[position % len(texts)], ending if position == last - 1 else going)
                     if len(out) >= PIECE_PARTS:
@@ -529,26 +471,17 @@ class Api:
             if out:
                 yield b"".join(out)
         if answer.include_usage:
-            yield b"data: " + orjson.dumps({**head, "choices": [], "usage": _usage(tickets, first)}) + b"\n\n"
-        yield b"data: [DONE]\n\n"
+            yield openai.usage_chunk(opening, _usage(tickets, first))
+        yield openai.DONE
 
     async def _chat_stream(
         self, answer: Asked, tickets: list[Ticket], client: Client
     ) -> AsyncGenerator[bytes, None]:
-        head = {
-            "id": answer.request_id,
-            "object": "chat.completion.chunk",
-            "created": int(time.time()),
-            "model": self.served.model,
-        }
-        ticket = tickets[0]
-        # As for completions: the JSON around each token's text is made once.
-        opening = b"data: " + orjson.dumps(head)[:-1] + b',"choices":[{"index":0,"delta":'
-        role = opening + b'{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
-        content = opening + b'{"content":'
+        opening = openai.head(answer.request_id, "chat.completion.chunk", self.served.model)
+        events = openai.ChatEvents(opening)
         texts = [orjson.dumps(piece) for piece in self.served.codec.generated_pieces()]
-        going = b'},"logprobs":null,"finish_reason":null}]}\n\n'
-        ending = b'},"logprobs":null,"finish_reason":"length","stop_reason":null}]}\n\n'
+        role, content, going, ending = events.role, events.content, events.going, events.ending
+        ticket = tickets[0]
         async for due in self._paced(tickets, client):
             out: list[bytes] = []
             for _, start, end in due:
@@ -563,43 +496,15 @@ class Api:
             if out:
                 yield b"".join(out)
         if answer.include_usage:
-            yield (
-                b"data: " + orjson.dumps({**head, "choices": [], "usage": _usage(tickets, ticket)}) + b"\n\n"
-            )
-        yield b"data: [DONE]\n\n"
-
-
-async def _before(receive: Receive, when: float) -> Any:
-    """``receive()``'s next message, or None once the loop's clock passes ``when``: a timer that
-    cancels this task, told from any other cancellation (cheaper than a task per message)."""
-    task = asyncio.current_task()
-    assert task is not None
-    expired = False
-
-    def expire() -> None:
-        nonlocal expired
-        expired = True
-        task.cancel()
-
-    timer = asyncio.get_running_loop().call_at(when, expire)
-    try:
-        return await receive()
-    except asyncio.CancelledError:
-        if not expired:
-            raise
-        if hasattr(task, "uncancel"):  # Python 3.11+: the cancellation was ours, taken back
-            task.uncancel()
-        return None
-    finally:
-        timer.cancel()
+            yield openai.usage_chunk(opening, _usage(tickets, ticket))
+        yield openai.DONE
 
 
 def _usage(tickets: Sequence[Ticket], cached_from: Ticket | None) -> dict[str, Any]:
-    prompt = sum(len(t.prompt_ids) for t in tickets)
-    completion = sum(t.job.output_tokens for t in tickets)
-    return {
-        "prompt_tokens": prompt,
-        "total_tokens": prompt + completion,
-        "completion_tokens": completion,
-        "prompt_tokens_details": {"cached_tokens": cached_from.job.cached_tokens if cached_from else 0},
-    }
+    """The answer's usage: its prompts and outputs summed, the cached tokens of ``cached_from``
+    (vLLM's: several prompts, the last one's; streaming, the first to answer)."""
+    return openai.usage(
+        sum(len(t.prompt_ids) for t in tickets),
+        sum(t.job.output_tokens for t in tickets),
+        cached_from.job.cached_tokens if cached_from else 0,
+    )

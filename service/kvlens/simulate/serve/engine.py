@@ -22,8 +22,6 @@ from collections.abc import Callable
 from typing import cast
 
 from kvlens.simulate.cache import CacheEvents
-from kvlens.simulate.memory import make_replica
-from kvlens.simulate.policies import policy
 from kvlens.simulate.replica import INF, Job
 from kvlens.simulate.run import Fleet
 from kvlens.simulate.serve.tokenizer import block_keys
@@ -92,20 +90,9 @@ class RealTimeFleet:
         self.prefix_caching = prefix_caching
         self._loop = loop or asyncio.get_running_loop()
         self._start_wall = self._loop.time()
-        self._choose = policy(policy_name, fleet.guard)
         self._done: list[Job] = []
         self._prefilled: list[Job] = []
-        self.replicas = [
-            make_replica(
-                i,
-                fleet.capacity_blocks,
-                fleet.block_size,
-                fleet.service,
-                self._done,
-                None if events is None else events(i),
-            )
-            for i in range(fleet.replicas)
-        ]
+        self.replicas, self._choose = fleet.build(policy_name, self._done, events)
         for replica in self.replicas:
             replica.prefilled = self._prefilled
         self._tickets: dict[int, Ticket] = {}  # id(job) -> ticket, while in flight

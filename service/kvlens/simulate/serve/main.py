@@ -27,7 +27,7 @@ from kvlens.simulate.cache import CacheEvents
 from kvlens.simulate.memory import kv_blocks
 from kvlens.simulate.policies import POLICIES, Guard
 from kvlens.simulate.replica import DEFAULT_SERVICE, ServiceModel
-from kvlens.simulate.run import Fleet
+from kvlens.simulate.run import Fleet, parse_capacity
 from kvlens.simulate.run import record as simulated_record
 from kvlens.simulate.serve import tokenizer
 from kvlens.simulate.serve.api import MAX_BODY_BYTES, MAX_IN_FLIGHT, Api
@@ -153,8 +153,7 @@ def capacity_blocks(args: argparse.Namespace, service: ServiceModel) -> int | No
     """Blocks per replica: from the GPU memory the weights leave (``--gpu-memory-bytes``), else
     ``--capacity-blocks`` (None: unbounded)."""
     if args.gpu_memory_bytes is None:
-        text = (args.capacity_blocks or "1000").strip()
-        capacity = None if text == "unbounded" else int(text)
+        capacity = parse_capacity(args.capacity_blocks or "1000")
         if capacity is not None and capacity < 0:
             raise ValueError("--capacity-blocks takes a block count >= 0 or 'unbounded'")
         return capacity
@@ -216,12 +215,13 @@ def record(ticket: Ticket, engine: RealTimeFleet, model: str, started_epoch: flo
 
 
 def body_limits(settings: Settings) -> BodyLimits:
-    """``kvlens serve``'s rules for a request body (its settings), with this server's size cap."""
+    """``kvlens serve``'s rules for a request body (its settings), with this server's size cap and
+    no minimum pace (the README's limits say so; a pace of 0 arms no window timer)."""
     return BodyLimits(
         MAX_BODY_BYTES,
         settings.body_timeout_seconds,
         settings.header_timeout_seconds,
-        settings.body_min_bytes_per_second,
+        0,
         settings.body_rate_window_seconds,
     )
 
@@ -287,24 +287,12 @@ def run(args: argparse.Namespace) -> int:
     guard = server.ConnectionGuard(
         settings.max_connections, settings.header_timeout_seconds, settings.write_timeout_seconds
     )
-    if server.raise_open_files_limit() < settings.max_connections + 64:
-        log.warning("the open-files limit is under max_connections (%d): raise it", settings.max_connections)
     # an answer dropped at the write deadline (up to 10 MB of /detokenize, 33 MB of a batch) goes
     # back to the kernel, as kvlens serve's refused bodies do, rather than staying in the heap
-    server.return_large_buffers()
+    server.prepare_process(settings.max_connections)
     level = getattr(args, "log_level", None) or os.environ.get("KVLENS_LOG_LEVEL", "INFO").lower()
-    config = uvicorn.Config(
-        api.app(),
-        host=args.host,
-        port=args.port,
-        log_level=level,
-        log_config=logs.config(level, getattr(args, "log_format", "text")),
-        access_log=False,
-        lifespan="on",
-        http=server.guarded_protocol(guard),
-        timeout_keep_alive=server.KEEP_ALIVE_SECONDS,
-        limit_concurrency=None,  # idle sockets must not count: the guard closes them
-    )
+    log_config = logs.config(level, getattr(args, "log_format", "text"))
+    config = server.config(api.app(), args.host, args.port, guard, level, log_config)
     if settings.admin_secret is None and not loopback(args.host):  # logging is set up now
         log.warning(
             "POST /reset_prefix_cache listens on %s without a token: anyone who reaches this port "
