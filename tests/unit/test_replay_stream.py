@@ -338,8 +338,22 @@ def _holds(path: tuple[str | int, ...], value: object) -> bool:
     return type(value) in SHAPES[path]  # exactly: true and false are no counts, 2.0 is none
 
 
+def _decodable(value: object) -> bool:
+    """Whether orjson decodes the JSON of ``value``: its integers are 64-bit (signed, or unsigned
+    when positive); a longer one makes the whole line no JSON the client reads."""
+    if type(value) is int:
+        return -(2**63) <= value < 2**64
+    if isinstance(value, dict):
+        return all(_decodable(item) for item in value.values())
+    if isinstance(value, list):
+        return all(_decodable(item) for item in value)
+    return True
+
+
 def _well_formed(chunk: dict[str, Any]) -> bool:
     """Every place of SHAPES holds one of its types; the choice's rules hold for every choice."""
+    if not _decodable(chunk):
+        return False
     choices = chunk.get("choices", [])
     if not _holds(("choices",), choices):
         return False
