@@ -12,6 +12,7 @@ from typing import Any
 from kvlens import terminal
 from kvlens.cli.common import Parser, examples, run_progress
 from kvlens.config import load_settings
+from kvlens.errors import MissingExtra
 
 
 def add_parser(commands: Any) -> None:
@@ -133,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         try:
             render.write_plot(result, args.plot)
-        except ValueError as error:
+        except (ValueError, MissingExtra) as error:
             print(f"kvlens simulate: {error}", file=sys.stderr)
             return 2
     if args.json:

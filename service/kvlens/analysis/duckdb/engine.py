@@ -11,18 +11,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlens import sqltext
-from kvlens.analysis import reader
-from kvlens.errors import InputError
+from kvlens.errors import InputError, MissingExtra
 
 DEFAULT_MEMORY_LIMIT = "2GiB"
 
 
 def duckdb_module() -> Any:
-    """The ``duckdb`` module, or an :class:`InputError` naming the extra that installs it."""
+    """The ``duckdb`` module, or :class:`MissingExtra` (the scale extra)."""
     try:
         import duckdb
     except ModuleNotFoundError as error:
-        raise InputError(f"this needs {reader.scale_extra()}") from error
+        raise MissingExtra("the duckdb engine", "scale") from error
     return duckdb
 
 

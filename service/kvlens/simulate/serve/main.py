@@ -19,7 +19,7 @@ import uvicorn
 
 from kvlens import bandwidth, logs
 from kvlens.config import Settings, load_settings
-from kvlens.errors import SettingsError
+from kvlens.errors import MissingExtra, SettingsError
 from kvlens.http import server
 from kvlens.http.access import loopback
 from kvlens.http.bodies import ArrivingBodies, BodyLimits
@@ -247,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
     started_epoch = time.time()
     try:
         publishers = kv_event_publishers(args.kv_events, fleet.replicas)
-    except ValueError as error:
+    except (ValueError, MissingExtra) as error:
         print(f"kvlens simulate serve: {error}", file=sys.stderr)
         return 2
     events = None if not publishers else kv_event_sinks(publishers, fleet.block_size)
@@ -334,11 +334,14 @@ def kv_event_publishers(endpoint: str | None, replicas: int) -> list[Any]:
         raise ValueError(
             f"--kv-events takes tcp://HOST:PORT with room for {replicas} ports, not {endpoint!r}"
         )
-    try:
-        from kvlens.fleet.publisher import EventPublisher
-    except ModuleNotFoundError:  # pyzmq
-        raise ValueError("--kv-events needs the kv-events extra: pip install 'kvlens[kv-events]'") from None
-    return [EventPublisher(f"tcp://{host}:{int(port) + i}", data_parallel_rank=i) for i in range(replicas)]
+    from kvlens.fleet.publisher import EventPublisher
+
+    try:  # pyzmq is imported by the first publisher, which says what --kv-events needs without it
+        return [
+            EventPublisher(f"tcp://{host}:{int(port) + i}", data_parallel_rank=i) for i in range(replicas)
+        ]
+    except MissingExtra:
+        raise MissingExtra("--kv-events", "kv-events") from None
 
 
 def kv_event_sinks(publishers: list[Any], block_size: int) -> Callable[[int], CacheEvents]:
