@@ -16,9 +16,9 @@ from kvlens import definitions
 from kvlens.definitions import CostModel, Totals, prompt_length_labels
 from kvlens.records import RecordBatch
 from kvlens.reduce import Reduced, reduce
+from kvlens.stats import order_statistics, percentiles
 
 SCHEMA = "kvlens.analyze/v1"
-QUANTILES = (50, 95, 99)
 SLOWEST_SHARE = 0.05
 
 
@@ -81,25 +81,6 @@ def ratios(totals: Totals) -> dict[str, Any]:
         "token_reuse_ratio": totals.token_reuse_ratio,
         "compute_saved_ratio": totals.compute_saved_ratio,
     }
-
-
-def percentiles(values: npt.NDArray[np.float64]) -> dict[str, Any]:
-    """Exact percentiles (linear between order statistics) of the present values."""
-    present = values[~np.isnan(values)]
-    return percentiles_of(int(present.size), lambda ranks: _order_statistics(present, ranks))
-
-
-def percentiles_of(count: int, pick: Callable[[list[int]], list[float]]) -> dict[str, Any]:
-    """:func:`percentiles` of ``count`` values whose order statistics ``pick`` returns (any
-    engine's)."""
-    if not count:
-        return {"count": 0, **{f"p{q}": None for q in QUANTILES}}
-    found = definitions.quantiles(count, tuple(q / 100 for q in QUANTILES), pick)
-    return {"count": count, **{f"p{q}": v for q, v in zip(QUANTILES, found, strict=True)}}
-
-
-def _order_statistics(values: npt.NDArray[np.float64], ranks: list[int]) -> list[float]:
-    return [float(v) for v in np.partition(values, ranks)[ranks]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,7 +214,7 @@ def summarize(derived: Derived) -> Summary:
     present_ttft = ttft[~np.isnan(ttft)]
     if present_ttft.size:
         (threshold,) = definitions.quantiles(
-            int(present_ttft.size), (1 - SLOWEST_SHARE,), lambda r: _order_statistics(present_ttft, r)
+            int(present_ttft.size), (1 - SLOWEST_SHARE,), lambda r: order_statistics(present_ttft, r)
         )
         slow = ~np.isnan(ttft) & (ttft >= threshold)
         slowest = {group: int((slow & rows).sum()) for group, rows in rows_of.items()}
@@ -255,7 +236,7 @@ def summarize(derived: Derived) -> Summary:
 
 
 def _median(values: npt.NDArray[np.float64]) -> float:
-    (median,) = definitions.quantiles(int(values.size), (0.5,), lambda r: _order_statistics(values, r))
+    (median,) = definitions.quantiles(int(values.size), (0.5,), lambda r: order_statistics(values, r))
     return median
 
 

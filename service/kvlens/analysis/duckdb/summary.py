@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvlens import definitions, reduce_sql
+from kvlens import definitions, reduce_sql, stats
 from kvlens.analysis import report
 from kvlens.analysis.duckdb import order_statistics
 from kvlens.analysis.duckdb.engine import Engine
@@ -276,7 +276,7 @@ def _order_statistics(engine: Engine, totals: _Totals) -> tuple[dict[tuple[Part,
         order_statistics.row_chunks(records, totals.last_row),
         order_statistics.sample_rows(records, totals.last_row),
     )
-    fractions = {name: tuple(q / 100 for q in report.QUANTILES) for name in report.LATENCY_COLUMNS}
+    fractions = {name: tuple(q / 100 for q in stats.QUANTILES) for name in report.LATENCY_COLUMNS}
     fractions["prefill_per_computed_token"] = (0.5,)
     fractions["all_ttft"] = (1 - report.SLOWEST_SHARE,)
     wanted: dict[Part, list[int]] = {}
@@ -324,7 +324,7 @@ def summarize(
 
     def latency_of(part: Part) -> dict[str, Any]:
         count = bounds[part][0] if part in bounds else 0
-        return report.percentiles_of(count, lambda ranks: [found[(part, rank)] for rank in ranks])
+        return stats.percentiles_of(count, lambda ranks: [found[(part, rank)] for rank in ranks])
 
     groups = {(key[1], key[2]) for key in totals.cells}
     latency = {
