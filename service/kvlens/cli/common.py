@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from kvlens import logs
 from kvlens.config import ENV_PREFIX, Settings, load_settings
 from kvlens.errors import SettingsError
+from kvlens.limits import DEFAULT_MEMORY_LIMIT
 
 if TYPE_CHECKING:  # the server's modules load when a server is built: offline commands skip them
     import uvicorn
@@ -144,7 +145,10 @@ def scale_flags(sub: argparse.ArgumentParser) -> None:
     sub.add_argument(
         "--memory-limit",
         metavar="SIZE",
-        help="DuckDB's memory before it spills, e.g. 4GiB (default: analyze_memory_limit, 2GiB)",
+        help=(
+            "DuckDB's memory before it spills, e.g. 4GiB "
+            f"(default: analyze_memory_limit, {DEFAULT_MEMORY_LIMIT})"
+        ),
     )
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import uvicorn
 
-from kvlens import bandwidth, logs
+from kvlens import limits, logs
 from kvlens.config import Settings, load_settings
 from kvlens.errors import MissingExtra, SettingsError
 from kvlens.http import server
@@ -139,7 +139,7 @@ def service_model(args: argparse.Namespace) -> ServiceModel:
                 weight_bytes=weights if weights is not None else decode.weight_bytes,
             )
     if args.weight_bytes is not None:
-        decode = dataclasses.replace(decode, weight_bytes=bandwidth.parse_bytes(args.weight_bytes))
+        decode = dataclasses.replace(decode, weight_bytes=limits.parse_size(args.weight_bytes))
     return ServiceModel(
         prefill=prefill,
         decode=decode,
@@ -161,7 +161,7 @@ def capacity_blocks(args: argparse.Namespace, service: ServiceModel) -> int | No
     if args.capacity_blocks is not None:
         raise ValueError("--capacity-blocks and --gpu-memory-bytes both size the KV cache: give one")
     blocks = kv_blocks(
-        bandwidth.parse_bytes(args.gpu_memory_bytes),
+        limits.parse_size(args.gpu_memory_bytes),
         args.gpu_memory_utilization,
         service.decode.weight_bytes,
         service.decode.kv_bytes_per_token,
