@@ -224,7 +224,7 @@ class Settings(BaseSettings):
     )  # configured names; "": the default
 
     host: str = Field("127.0.0.1", description="Listen address (loopback unless you open it).")
-    port: int = Field(9433, ge=1, le=65535, description="Listen port for ingest and /metrics.")
+    port: int = Field(limits.DEFAULT_PORT, ge=1, le=65535, description="Listen port for ingest and /metrics.")
     ingest_token: SecretStr | None = Field(
         None, description="Bearer token required on POST /v1/records and /v1/traces when set."
     )

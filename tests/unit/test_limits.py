@@ -51,3 +51,29 @@ def test_the_default_memory_limit_and_port_have_one_owner() -> None:
     defaults = (limits.DEFAULT_MEMORY_LIMIT, limits.DEFAULT_PORT)
     assert (settings.analyze_memory_limit, settings.port) == defaults
     assert (limits.DEFAULT_MEMORY_LIMIT, limits.DEFAULT_PORT) == ("2GiB", 9433)
+
+
+def test_only_limits_spells_the_default_port() -> None:
+    import ast
+    from pathlib import Path
+
+    package = Path(limits.__file__).parent
+    spelled = []
+    for path in sorted(package.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+            and node.body
+            and isinstance(node.body[0], ast.Expr)
+        }
+        spelled += [
+            f"{path.relative_to(package)}:{node.lineno}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant)
+            and id(node) not in docstrings
+            and (node.value == limits.DEFAULT_PORT or "9433" in str(node.value))
+            and path.name != "limits.py"
+        ]
+    assert spelled == []
