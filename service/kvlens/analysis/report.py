@@ -15,7 +15,7 @@ import numpy.typing as npt
 from kvlens import definitions
 from kvlens.definitions import CostModel, Totals, prompt_length_labels
 from kvlens.records import RecordBatch
-from kvlens.reduce import Reduced, reduce
+from kvlens.reduce import Reduced, pack_hit, reduce, unpack_hit
 from kvlens.stats import order_statistics, percentiles
 
 SCHEMA = "kvlens.analyze/v1"
@@ -169,7 +169,7 @@ def cells_of(derived: Derived, rows: npt.NDArray[np.bool_] | None = None) -> dic
     """The exact sums of the records in ``rows`` (all by default), per :data:`Key`."""
     reduced = derived.reduced
     groups = len(derived.length_labels)
-    code = (reduced.model_codes.astype(np.int64) * groups + reduced.length_group) * 2 + reduced.hit
+    code = pack_hit(reduced.model_codes.astype(np.int64) * groups + reduced.length_group, reduced.hit)
     n, h = derived.batch.prompt_tokens, derived.batch.cached_tokens
     if rows is not None:
         code, n, h = code[rows], n[rows], h[rows]
@@ -180,9 +180,9 @@ def cells_of(derived: Derived, rows: npt.NDArray[np.bool_] | None = None) -> dic
     ]
     cells = {}
     for i, value in enumerate(keys.tolist()):
-        rest, hit = divmod(value, 2)
+        rest, hit = unpack_hit(value)
         model, group = divmod(rest, groups)
-        cells[(reduced.model_names[model], group, bool(hit))] = Cell(*(column[i] for column in sums))
+        cells[(reduced.model_names[model], group, hit)] = Cell(*(column[i] for column in sums))
     return cells
 
 
