@@ -35,6 +35,7 @@ from kvlens.analysis.render import _md_table, _pct
 from kvlens.analysis.report import Derived, cells_of, totals_of
 from kvlens.config import Settings
 from kvlens.definitions import Totals
+from kvlens.errors import ArmsDiffer
 from kvlens.records import RecordBatch
 
 SCHEMA = "kvlens.compare/v1"
@@ -50,10 +51,6 @@ REUSE_IS_NOT_SPEEDUP = (
     "Reuse is not speedup: cached tokens save prefill work, and TTFT falls only where prefill, "
     "not queueing, was the wait."
 )
-
-
-class ArmsDiffer(ValueError):
-    """The arms do not replay the same request sequence."""
 
 
 class NoRecordsOfArm(ValueError):

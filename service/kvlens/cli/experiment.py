@@ -28,7 +28,7 @@ from kvlens.cli.replay import (
     traffic_flags,
 )
 from kvlens.config import Settings, load_settings
-from kvlens.errors import MissingExtra
+from kvlens.errors import ArmsDiffer, MissingExtra
 from kvlens.experiment import outdir, reports
 from kvlens.experiment import run as arms
 from kvlens.experiment.client import Endpoint
@@ -221,7 +221,7 @@ def _prefix_cache_report(
 
     try:
         report = arms.compare_arms(found, settings, percentiles=args.percentiles)
-    except (compare.ArmsDiffer, compare.NoRecordsOfArm, compare.GroupTooLarge) as error:
+    except (ArmsDiffer, compare.NoRecordsOfArm, compare.GroupTooLarge) as error:
         failed = failure_exit("experiment", ran, args.max_error_rate)  # maybe why the arms differ
         if not failed:
             raise ExperimentError(f"no report: {error}") from None
