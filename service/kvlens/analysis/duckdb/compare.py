@@ -27,11 +27,12 @@ import numpy as np
 from kvlens import definitions, reduce_sql, sqltext, stats
 from kvlens.analysis import compare, per_request
 from kvlens.analysis.duckdb import inputs, order_statistics
-from kvlens.analysis.duckdb.engine import DEFAULT_MEMORY_LIMIT, Engine, engine_errors
+from kvlens.analysis.duckdb.engine import Engine, engine_errors
 from kvlens.analysis.report import Cell, Key, totals_of
 from kvlens.config import Settings
 from kvlens.definitions import Totals, prompt_length_labels
 from kvlens.errors import ArmsDiffer
+from kvlens.limits import DEFAULT_MEMORY_LIMIT
 
 COLUMNS = (*inputs.ANALYSIS_COLUMNS, "request_id", "arm")
 _PER_ARM = ("model", "prompt_tokens", "cached_tokens", *compare.METRICS)
