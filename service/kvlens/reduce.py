@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -94,6 +94,14 @@ def reduce(
 
 
 HIT_STRIDE = 2  # codes a group takes in a pack_hit numbering: its miss and its hit
+
+
+@overload
+def pack_hit(prefix: int, hit: int | bool) -> int: ...
+
+
+@overload
+def pack_hit(prefix: npt.NDArray[Any], hit: npt.NDArray[np.bool_]) -> npt.NDArray[np.intp]: ...
 
 
 def pack_hit(prefix: Any, hit: Any) -> Any:
