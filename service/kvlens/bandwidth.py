@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from kvlens import limits
+
 GIB = 1024**3
 
 
@@ -276,37 +278,12 @@ KERNEL_LIMITS_BELOW = 0.8
 # --- units ------------------------------------------------------------------------------
 
 
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 1e3,
-    "mb": 1e6,
-    "gb": 1e9,
-    "tb": 1e12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-
-
-def parse_bytes(text: str) -> float:
-    """``14GiB``, ``16 GB``, ``1.5e10`` -> bytes."""
-    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([kmgt]i?b|b)?\s*", text.lower())
-    if not match or (match.group(2) not in _SIZE_UNITS and match.group(2) is not None):
-        raise ValueError(f"not a size: {text!r} (examples: 14GiB, 16GB, 1.5e10)")
-    value = float(match.group(1)) * _SIZE_UNITS[match.group(2) or ""]
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"not a positive size: {text!r}")
-    return value
-
-
 def parse_bandwidth(text: str) -> float:
     """``4.8TB/s``, ``1TiB/s``, ``900 GB/s`` -> bytes per second."""
     stripped = text.strip()
     if not stripped.lower().endswith("/s"):
         raise ValueError(f"not a bandwidth: {text!r} (examples: 4.8TB/s, 1TiB/s)")
-    return parse_bytes(stripped[:-2])
+    return limits.parse_size(stripped[:-2])
 
 
 def parse_count(text: str) -> float:

@@ -28,7 +28,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from kvlens import bandwidth, shapes
+from kvlens import limits, shapes
 from kvlens.definitions import CostModel
 from kvlens.errors import SettingsError
 from kvlens.fleet.limits import (
@@ -180,7 +180,7 @@ class ModelShapeSetting(BaseModel):
     @field_validator("weight_bytes", mode="before")
     @classmethod
     def _size(cls, value: Any) -> Any:
-        return bandwidth.parse_bytes(value) if isinstance(value, str) else value
+        return limits.parse_size(value) if isinstance(value, str) else value
 
     def shape(self) -> shapes.ModelShape:
         return shapes.ModelShape(
@@ -224,7 +224,7 @@ class Settings(BaseSettings):
     )  # configured names; "": the default
 
     host: str = Field("127.0.0.1", description="Listen address (loopback unless you open it).")
-    port: int = Field(9433, ge=1, le=65535, description="Listen port for ingest and /metrics.")
+    port: int = Field(limits.DEFAULT_PORT, ge=1, le=65535, description="Listen port for ingest and /metrics.")
     ingest_token: SecretStr | None = Field(
         None, description="Bearer token required on POST /v1/records and /v1/traces when set."
     )
@@ -367,8 +367,7 @@ class Settings(BaseSettings):
     max_models: int = Field(50, ge=1, le=10_000, description="Cap on `model` values without allow-list.")
     default_model: str = Field("unknown", description="`model` label of records that carry none.")
     analyze_memory_limit: str = Field(
-        "2GiB",
-        pattern=r"^[0-9]+(\.[0-9]+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)$",
+        limits.DEFAULT_MEMORY_LIMIT,
         description="Memory `kvlens analyze --engine duckdb` holds before it spills (`--memory-limit`).",
     )
     scrape_targets: list[str] = Field(
@@ -536,6 +535,15 @@ class Settings(BaseSettings):
         # a scrape URL may carry its password: never in a repr, a traceback or a log line
         for name, value in super().__repr_args__():
             yield name, [_redacted(url) for url in value] if name == "scrape_targets" else value
+
+    @field_validator("analyze_memory_limit")
+    @classmethod
+    def _a_size(cls, text: str) -> str:
+        try:
+            limits.parse_size(text)  # the parser the engine reads it with
+        except ValueError:
+            raise ValueError("must be a size such as 2GiB, 16GB or 1.5e10") from None
+        return text
 
     @field_validator("prompt_length_edges")
     @classmethod

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from kvlens.errors import install_hint
+from kvlens.errors import MissingExtra
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -19,10 +19,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ModuleNotFoundError as error:
         if (error.name or "kvlens").split(".")[0] == "kvlens":
             raise
-        print(
-            f"kvlens: the command line needs the sidecar's packages ({error.name} is not installed): "
-            f"{install_hint('serve')}; the bare install is only the vLLM plugin",
-            file=sys.stderr,
-        )
+        # the bare install is the vLLM plugin alone: every command is the serve extra's
+        what = f"the command line ({error.name} is not installed)"
+        print(f"kvlens: {MissingExtra(what, 'serve')}", file=sys.stderr)
         return 2
     return run(argv)

@@ -14,10 +14,12 @@ import sys
 import urllib.request
 from collections.abc import Mapping
 
+from kvlens.limits import DEFAULT_PORT
+
 
 def healthz_url(environ: Mapping[str, str]) -> str:
     scheme = "https" if environ.get("KVLENS_TLS_CERT_FILE") else "http"
-    return f"{scheme}://127.0.0.1:{environ.get('KVLENS_PORT') or '9433'}/healthz"
+    return f"{scheme}://127.0.0.1:{environ.get('KVLENS_PORT') or DEFAULT_PORT}/healthz"
 
 
 def main(environ: Mapping[str, str] = os.environ) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -90,3 +91,28 @@ def reduce(
         ttft=ttft,
         ttft_complete=np.isfinite(ttft.queue) & np.isfinite(ttft.prefill) & np.isfinite(ttft.other),
     )
+
+
+HIT_STRIDE = 2  # codes a group takes in a pack_hit numbering: its miss and its hit
+
+
+@overload
+def pack_hit(prefix: int, hit: int | bool) -> int: ...
+
+
+@overload
+def pack_hit(prefix: npt.NDArray[Any], hit: npt.NDArray[np.bool_]) -> npt.NDArray[np.intp]: ...
+
+
+def pack_hit(prefix: Any, hit: Any) -> Any:
+    """One integer of a group and whether its requests hit: ``prefix * 2 + hit``, the hit in the
+    low bit, so a group's miss and hit codes are neighbours and the hits are the odd codes.
+    ``prefix`` is what a consumer groups by above the hit (a length group, a model's slot and
+    length group); ints or numpy arrays. :func:`kvlens.reduce_sql.pack_hit_sql` is its SQL."""
+    return prefix * HIT_STRIDE + hit
+
+
+def unpack_hit(code: int) -> tuple[int, bool]:
+    """(prefix, hit) of a :func:`pack_hit` code."""
+    prefix, hit = divmod(code, HIT_STRIDE)
+    return prefix, bool(hit)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from kvlens import definitions, sqltext
+from kvlens.reduce import HIT_STRIDE
 
 FIXED = float(definitions.FIXED_POINT_SECONDS)
 
@@ -74,3 +75,8 @@ def pairs(tokens: int, squares: int) -> int:
     """``sum(n * (n + 1) / 2)`` (what ``C(n)`` sums, :class:`kvlens.analysis.report.Cell`) from
     the exact sums of ``n`` and of :func:`reduced_sql`'s squares."""
     return (squares + tokens) // 2
+
+
+def pack_hit_sql(prefix: str, hit: str) -> str:
+    """:func:`kvlens.reduce.pack_hit` of two SQL expressions (``hit`` a boolean)."""
+    return f"({prefix}) * {HIT_STRIDE} + CAST({hit} AS INTEGER)"

@@ -1,5 +1,7 @@
-"""Statistics shared by the reports: the percentiles a report shows (``--percentiles``, one
-parser for every command) and the paired statistics of two arms that replayed the same requests.
+"""Statistics shared by the reports: the report's latency percentiles (:data:`QUANTILES`, exact,
+shown by ``kvlens analyze`` and ``kvlens simulate`` alike), the percentiles a report shows
+(``--percentiles``, one parser for every command) and the paired statistics of two arms that
+replayed the same requests.
 
 Paired, per request: the difference ``arm TTFT - baseline TTFT`` of the same request
 (matched by ``request_id``). A request *waited less* when the difference is below minus the
@@ -21,12 +23,16 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 from fractions import Fraction
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
 
+from kvlens import definitions
+
+QUANTILES: Final = (50, 95, 99)  # the latency percentiles of a report's groups
 DEFAULT_PERCENTILES: Final = (50.0, 90.0, 95.0, 99.0)  # as vllm bench serve, GuideLLM, AIPerf
 MAX_PERCENTILES: Final = 10  # each is a column of every table (and a bootstrap of its own)
 NOISE_FLOOR_SECONDS: Final = 0.001
@@ -37,6 +43,26 @@ CONFIDENCE: Final = 0.95
 EXACT_RANKS_UP_TO: Final = 1000
 
 FloatArray = npt.NDArray[np.float64]
+
+
+def percentiles(values: FloatArray) -> dict[str, Any]:
+    """Exact :data:`QUANTILES` (linear between order statistics) of the present values."""
+    present = values[~np.isnan(values)]
+    return percentiles_of(int(present.size), lambda ranks: order_statistics(present, ranks))
+
+
+def percentiles_of(count: int, pick: Callable[[list[int]], list[float]]) -> dict[str, Any]:
+    """:func:`percentiles` of ``count`` values whose order statistics ``pick`` returns (any
+    engine's)."""
+    if not count:
+        return {"count": 0, **{f"p{q}": None for q in QUANTILES}}
+    found = definitions.quantiles(count, tuple(q / 100 for q in QUANTILES), pick)
+    return {"count": count, **{f"p{q}": v for q, v in zip(QUANTILES, found, strict=True)}}
+
+
+def order_statistics(values: FloatArray, ranks: list[int]) -> list[float]:
+    """The values at ``ranks`` (0-based) of ``values`` sorted, found without sorting them all."""
+    return [float(v) for v in np.partition(values, ranks)[ranks]]
 
 
 def parse_percentiles(text: str) -> tuple[float, ...]:

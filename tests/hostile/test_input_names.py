@@ -19,7 +19,7 @@ import pytest
 
 from kvlens.analysis import analyze as analyze_module
 from kvlens.cli import main
-from kvlens.errors import install_hint
+from kvlens.errors import MissingExtra
 
 pytest.importorskip("duckdb")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -149,7 +149,8 @@ def _parquet(path: Path) -> Path:
     return path
 
 
-SCALE_MISSING = f"the scale extra (DuckDB): {install_hint('scale')}"
+def scale_missing(what: str) -> str:
+    return str(MissingExtra(what, "scale"))
 
 
 @pytest.mark.parametrize("name", ["records.parquet", "records.jsonl", "records"])
@@ -160,12 +161,12 @@ def test_parquet_without_duckdb_names_the_extra(
     path = _parquet(tmp_path / name)
     monkeypatch.setitem(sys.modules, "duckdb", None)  # `import duckdb` fails as when not installed
     code, _, err = _analyze(capsys, str(path))
-    assert (code, err) == (2, f"kvlens: {path} is Parquet: reading it needs {SCALE_MISSING}\n")
+    assert (code, err) == (2, f"kvlens: {scale_missing(f'{path} is Parquet: reading it (DuckDB)')}\n")
     arms = ["--arm", f"off={path}", "--arm", f"on={path}"]
     assert main(["compare", *arms]) == 2
-    assert capsys.readouterr().err == f"kvlens: {path} is Parquet: reading it needs {SCALE_MISSING}\n"
+    assert capsys.readouterr().err == f"kvlens: {scale_missing(f'{path} is Parquet: reading it (DuckDB)')}\n"
     assert main(["convert", str(path), "--to", "parquet", str(tmp_path / "out.parquet")]) == 2
-    assert capsys.readouterr().err == f"kvlens: this needs {SCALE_MISSING}\n"
+    assert capsys.readouterr().err == f"kvlens: {scale_missing('the duckdb engine')}\n"
 
 
 def test_parquet_given_to_the_numpy_engine_is_refused(

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kvlens.bandwidth import parse_bytes
 from kvlens.cli import main
+from kvlens.limits import parse_size
 from tests.json_outputs import validate
 from tests.live import Running, start_kvlens
 
@@ -179,7 +179,7 @@ def test_one_endpoint_at_a_time_into_one_out_dir_merges_the_capacity_verdict(
     )
     assert any(reason.startswith(signs) for reason in gain["reasons"]), gain
     assert result["byte_model"] == {
-        "weight_bytes": {"bf16": parse_bytes(BF16), "w4a16": parse_bytes(BF16)},
+        "weight_bytes": {"bf16": parse_size(BF16), "w4a16": parse_size(BF16)},
         "bandwidth_bytes_per_second": 3.27e12,
         "kv_bytes_per_token": 131_072.0,
         "step_overhead_seconds": 0.0017,

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvlens import bandwidth as bw
+from kvlens import limits
 from kvlens.cli import main
 from kvlens.shapes import ModelShape
 from tests.unit.test_shapes import LLAMA_31_8B
@@ -74,7 +75,7 @@ def test_bad_units_are_refused() -> None:
     for bad in ("fast", "4.8TB", "-1GB/s"):
         with pytest.raises(ValueError):
             bw.parse_bandwidth(bad)
-    assert bw.parse_bytes("14GiB") == 14 * GIB
+    assert limits.parse_size("14GiB") == 14 * GIB
     assert bw.parse_count("8B") == 8e9
 
 

@@ -24,7 +24,7 @@ from kvlens.analysis.duckdb.engine import Engine
 from kvlens.cli import main
 from kvlens.config import Settings, load_settings
 from kvlens.definitions import prompt_length_labels
-from kvlens.errors import InputError
+from kvlens.errors import ArmsDiffer, InputError
 from tests.unit.test_columnar import config_file, models, seconds, tokens, write_jsonl
 
 duckdb = pytest.importorskip("duckdb")
@@ -47,7 +47,7 @@ def outcome(run: Callable[..., dict[str, Any]], specs: Specs, chosen: Settings, 
     """The report, or the refusal's type and message."""
     try:
         return run(specs, chosen, **options)
-    except (compare.ArmsDiffer, compare.NoRecordsOfArm, compare.GroupTooLarge) as error:
+    except (ArmsDiffer, compare.NoRecordsOfArm, compare.GroupTooLarge) as error:
         return type(error).__name__, str(error)
 
 
@@ -198,7 +198,7 @@ def test_goldens_through_both_engines(tmp_path: Path, run: Callable[..., dict[st
     ]
     for change, message in changes:
         changed = str(write_jsonl(tmp_path / "changed.jsonl", change(replay(0.05, 768))))
-        with pytest.raises(compare.ArmsDiffer) as caught:
+        with pytest.raises(ArmsDiffer) as caught:
             run([("off", off), ("warm", changed)], chosen)
         assert str(caught.value) == message
 

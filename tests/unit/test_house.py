@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "service" / "kvlens"
 
 # The floors of DESIGN section 2, by the module or package right under kvlens.
 FLOORS = {
-    1: {"definitions", "stats", "errors", "logs", "terminal", "nnls", "outputs"},
+    1: {"definitions", "stats", "errors", "limits", "logs", "terminal", "nnls", "outputs"},
     2: {"http", "records", "jsonscan", "reduce", "reduce_sql", "sqltext", "bandwidth", "shapes"},
     3: {"sources", "fleet"},
     4: {"exporter", "analysis", "simulate", "experiment"},

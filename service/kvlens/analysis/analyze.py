@@ -43,7 +43,8 @@ def analyze(
     if engine == "duckdb":
         from kvlens.analysis.duckdb import inputs
         from kvlens.analysis.duckdb import summary as in_duckdb
-        from kvlens.analysis.duckdb.engine import DEFAULT_MEMORY_LIMIT, Engine, engine_errors
+        from kvlens.analysis.duckdb.engine import Engine, engine_errors
+        from kvlens.limits import DEFAULT_MEMORY_LIMIT
 
         store = Engine(memory_limit=memory_limit or DEFAULT_MEMORY_LIMIT)
         try:

@@ -30,11 +30,12 @@ import numpy as np
 import numpy.typing as npt
 
 from kvlens import definitions, stats
-from kvlens.analysis import per_request, report, run_facts
+from kvlens.analysis import per_request, run_facts
 from kvlens.analysis.render import _md_table, _pct
 from kvlens.analysis.report import Derived, cells_of, totals_of
 from kvlens.config import Settings
 from kvlens.definitions import Totals
+from kvlens.errors import ArmsDiffer
 from kvlens.records import RecordBatch
 
 SCHEMA = "kvlens.compare/v1"
@@ -50,10 +51,6 @@ REUSE_IS_NOT_SPEEDUP = (
     "Reuse is not speedup: cached tokens save prefill work, and TTFT falls only where prefill, "
     "not queueing, was the wait."
 )
-
-
-class ArmsDiffer(ValueError):
-    """The arms do not replay the same request sequence."""
 
 
 class NoRecordsOfArm(ValueError):
@@ -396,7 +393,7 @@ class InMemory:
         for arm in self.arms:
             ttft = arm.derived.batch.ttft_seconds[self.warm]
             present = ttft[~np.isnan(ttft)]
-            median = median_of(present.size, functools.partial(report._order_statistics, present))
+            median = median_of(present.size, functools.partial(stats.order_statistics, present))
             out.append((totals_of(cells_of(arm.derived, self.warm), arm.derived.cost_for), median))
         return out
 

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kvlens.errors import InputError, install_hint
+from kvlens.errors import InputError, MissingExtra
 from kvlens.records import (
     RecordBatch,
     Rejections,
@@ -163,11 +163,6 @@ def is_parquet(path: str) -> bool:
         return probe.read(len(_PARQUET_MAGIC)) == _PARQUET_MAGIC
 
 
-def scale_extra() -> str:
-    """The extra that reads Parquet and runs the duckdb engine, and how to install it."""
-    return f"the scale extra (DuckDB): {install_hint('scale')}"
-
-
 def refuse_parquet(paths: Sequence[str]) -> None:
     """Refuse Parquet among ``paths`` (resolved) before anything is read: this reader takes JSON
     lines, and read as lines a Parquet file is only "malformed_json" lines."""
@@ -176,7 +171,7 @@ def refuse_parquet(paths: Sequence[str]) -> None:
             try:
                 import duckdb  # noqa: F401
             except ModuleNotFoundError:
-                raise InputError(f"{path} is Parquet: reading it needs {scale_extra()}") from None
+                raise MissingExtra(f"{path} is Parquet: reading it (DuckDB)", "scale") from None
             raise InputError(
                 f"{path} is Parquet: the numpy engine reads JSON lines only; use --engine duckdb (or auto)"
             )

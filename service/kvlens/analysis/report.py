@@ -15,10 +15,10 @@ import numpy.typing as npt
 from kvlens import definitions
 from kvlens.definitions import CostModel, Totals, prompt_length_labels
 from kvlens.records import RecordBatch
-from kvlens.reduce import Reduced, reduce
+from kvlens.reduce import Reduced, pack_hit, reduce, unpack_hit
+from kvlens.stats import order_statistics, percentiles
 
 SCHEMA = "kvlens.analyze/v1"
-QUANTILES = (50, 95, 99)
 SLOWEST_SHARE = 0.05
 
 
@@ -81,25 +81,6 @@ def ratios(totals: Totals) -> dict[str, Any]:
         "token_reuse_ratio": totals.token_reuse_ratio,
         "compute_saved_ratio": totals.compute_saved_ratio,
     }
-
-
-def percentiles(values: npt.NDArray[np.float64]) -> dict[str, Any]:
-    """Exact percentiles (linear between order statistics) of the present values."""
-    present = values[~np.isnan(values)]
-    return percentiles_of(int(present.size), lambda ranks: _order_statistics(present, ranks))
-
-
-def percentiles_of(count: int, pick: Callable[[list[int]], list[float]]) -> dict[str, Any]:
-    """:func:`percentiles` of ``count`` values whose order statistics ``pick`` returns (any
-    engine's)."""
-    if not count:
-        return {"count": 0, **{f"p{q}": None for q in QUANTILES}}
-    found = definitions.quantiles(count, tuple(q / 100 for q in QUANTILES), pick)
-    return {"count": count, **{f"p{q}": v for q, v in zip(QUANTILES, found, strict=True)}}
-
-
-def _order_statistics(values: npt.NDArray[np.float64], ranks: list[int]) -> list[float]:
-    return [float(v) for v in np.partition(values, ranks)[ranks]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,7 +169,7 @@ def cells_of(derived: Derived, rows: npt.NDArray[np.bool_] | None = None) -> dic
     """The exact sums of the records in ``rows`` (all by default), per :data:`Key`."""
     reduced = derived.reduced
     groups = len(derived.length_labels)
-    code = (reduced.model_codes.astype(np.int64) * groups + reduced.length_group) * 2 + reduced.hit
+    code = pack_hit(reduced.model_codes.astype(np.int64) * groups + reduced.length_group, reduced.hit)
     n, h = derived.batch.prompt_tokens, derived.batch.cached_tokens
     if rows is not None:
         code, n, h = code[rows], n[rows], h[rows]
@@ -199,9 +180,9 @@ def cells_of(derived: Derived, rows: npt.NDArray[np.bool_] | None = None) -> dic
     ]
     cells = {}
     for i, value in enumerate(keys.tolist()):
-        rest, hit = divmod(value, 2)
+        rest, hit = unpack_hit(value)
         model, group = divmod(rest, groups)
-        cells[(reduced.model_names[model], group, bool(hit))] = Cell(*(column[i] for column in sums))
+        cells[(reduced.model_names[model], group, hit)] = Cell(*(column[i] for column in sums))
     return cells
 
 
@@ -233,7 +214,7 @@ def summarize(derived: Derived) -> Summary:
     present_ttft = ttft[~np.isnan(ttft)]
     if present_ttft.size:
         (threshold,) = definitions.quantiles(
-            int(present_ttft.size), (1 - SLOWEST_SHARE,), lambda r: _order_statistics(present_ttft, r)
+            int(present_ttft.size), (1 - SLOWEST_SHARE,), lambda r: order_statistics(present_ttft, r)
         )
         slow = ~np.isnan(ttft) & (ttft >= threshold)
         slowest = {group: int((slow & rows).sum()) for group, rows in rows_of.items()}
@@ -255,7 +236,7 @@ def summarize(derived: Derived) -> Summary:
 
 
 def _median(values: npt.NDArray[np.float64]) -> float:
-    (median,) = definitions.quantiles(int(values.size), (0.5,), lambda r: _order_statistics(values, r))
+    (median,) = definitions.quantiles(int(values.size), (0.5,), lambda r: order_statistics(values, r))
     return median
 
 

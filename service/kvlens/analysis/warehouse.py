@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvlens import definitions, reduce_sql, sqltext
+from kvlens import definitions, reduce_sql, sqltext, stats
 from kvlens.analysis import report
 from kvlens.config import Settings
 from kvlens.errors import InputError
@@ -106,7 +106,7 @@ def script(settings: Settings) -> str:
         _portable("model name (cost_models, model_shapes)"),
     )
     cells = cells_sql("SELECT * FROM reduced")
-    fractions = sorted({q / 100 for q in report.QUANTILES} | {0.5, 1 - report.SLOWEST_SHARE})
+    fractions = sorted({q / 100 for q in stats.QUANTILES} | {0.5, 1 - report.SLOWEST_SHARE})
     near = " OR ".join(_near(fraction, "c", "r") for fraction in fractions)
     ranked = " UNION ALL ".join(
         f"SELECT {text(name)} AS series, length_group AS g, hit, {name} AS v "
@@ -313,7 +313,7 @@ def summary_from(
     groups = sorted({(key[1], key[2]) for key in cells})
     latency = {
         group: {
-            name: report.percentiles_of(counts.get((name, *group), 0), pick((name, *group)))
+            name: stats.percentiles_of(counts.get((name, *group), 0), pick((name, *group)))
             for name in report.LATENCY_COLUMNS
         }
         for group in groups

@@ -16,7 +16,7 @@ from types import ModuleType
 
 from kvlens.cli import blas  # noqa: F401  # first: before numpy is imported
 from kvlens.cli.common import Parser, configure_logging, examples, log_flags
-from kvlens.errors import InputError, SettingsError, install_hint
+from kvlens.errors import InputError, MissingExtra, SettingsError
 
 # The interpreter's last garbage collections walk every object alive at exit (pydantic's
 # schemas, numpy's and DuckDB's modules): 0.1-0.15 s at the end of every command. Frozen first,
@@ -80,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ModuleNotFoundError as error:
         if (error.name or "").split(".")[0] != "rich":
             raise
-        print(f"kvlens: this command needs the analyze extra: {install_hint('analyze')}", file=sys.stderr)
+        print(f"kvlens: {MissingExtra('this command', 'analyze')}", file=sys.stderr)
         return 2
 
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvlens import terminal
+from kvlens import limits, terminal
 from kvlens.cli.common import examples
 
 
@@ -122,7 +122,7 @@ def _bandwidth_model(args: argparse.Namespace) -> dict[str, Any]:
     if args.kv_bytes_per_sequence:
         if len(contexts) > 1:
             raise ValueError("--kv-bytes-per-sequence is K at one --context")
-        kv_per_token = bw.parse_bytes(args.kv_bytes_per_sequence) / contexts[0]
+        kv_per_token = limits.parse_size(args.kv_bytes_per_sequence) / contexts[0]
     elif args.config_json:
         shape = shapes.from_hf_config(json.loads(args.config_json.read_text()))
         if args.kv_dtype_bytes:
@@ -133,9 +133,12 @@ def _bandwidth_model(args: argparse.Namespace) -> dict[str, Any]:
         kv_per_token = shape.kv_bytes_per_token
     else:
         raise ValueError("give --config-json, --layers/--kv-heads/--head-dim, or --kv-bytes-per-sequence")
-    weights_16 = bw.parse_bytes(args.weight_bytes) if args.weight_bytes else 2 * bw.parse_count(args.params)
+    if args.weight_bytes:
+        weights_16 = limits.parse_size(args.weight_bytes)
+    else:
+        weights_16 = 2 * bw.parse_count(args.params)
     if args.quantized_weight_bytes:
-        weights_q = bw.parse_bytes(args.quantized_weight_bytes)
+        weights_q = limits.parse_size(args.quantized_weight_bytes)
     else:
         weights_q = weights_16 * bw.quantized_weight_ratio(
             args.quantized_fraction, args.bits, args.group_size

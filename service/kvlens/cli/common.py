@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from kvlens import logs
 from kvlens.config import ENV_PREFIX, Settings, load_settings
 from kvlens.errors import SettingsError
+from kvlens.limits import DEFAULT_MEMORY_LIMIT, DEFAULT_PORT
 
 if TYPE_CHECKING:  # the server's modules load when a server is built: offline commands skip them
     import uvicorn
@@ -119,7 +120,7 @@ def configure_logging(args: argparse.Namespace) -> dict[str, Any]:
 
 def server_flags(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--host", help=f"listen address (env {ENV_PREFIX}HOST; default: 127.0.0.1)")
-    sub.add_argument("--port", type=int, help=f"listen port (env {ENV_PREFIX}PORT; default: 9433)")
+    sub.add_argument("--port", type=int, help=f"listen port (env {ENV_PREFIX}PORT; default: {DEFAULT_PORT})")
     sub.add_argument(
         "--config",
         type=Path,
@@ -144,7 +145,10 @@ def scale_flags(sub: argparse.ArgumentParser) -> None:
     sub.add_argument(
         "--memory-limit",
         metavar="SIZE",
-        help="DuckDB's memory before it spills, e.g. 4GiB (default: analyze_memory_limit, 2GiB)",
+        help=(
+            "DuckDB's memory before it spills, e.g. 4GiB "
+            f"(default: analyze_memory_limit, {DEFAULT_MEMORY_LIMIT})"
+        ),
     )
 
 

@@ -12,7 +12,7 @@ from typing import Any, TextIO
 from kvlens import terminal
 from kvlens.cli.common import build_server, examples, server_flags, settings_from
 from kvlens.config import Settings
-from kvlens.errors import install_hint
+from kvlens.errors import MissingExtra
 from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.background import fleet_index
 from kvlens.fleet.index import CAUSES, compiled_loops_available
@@ -80,8 +80,7 @@ def run(args: argparse.Namespace) -> int:
         kv_events = in_process_kv_events(settings, demo.ReplayKVEvents.names(traffic.replicas))
         feed = demo.ReplayKVEvents(traffic, kv_events)
     elif isinstance(traffic, demo.ReplayTraffic):
-        extra = install_hint("kv-events")
-        note = f"why reuse is lost (the replicas' KV events) needs the kv-events extra: {extra}"
+        note = str(MissingExtra("why reuse is lost (the replicas' KV events)", "kv-events"))
     # its summary lines speak: uvicorn's at warning at least
     server = build_server(settings, aggregator, args, quieter="warning", kv_events=kv_events)
     stop = threading.Event()

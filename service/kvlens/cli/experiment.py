@@ -28,6 +28,7 @@ from kvlens.cli.replay import (
     traffic_flags,
 )
 from kvlens.config import Settings, load_settings
+from kvlens.errors import ArmsDiffer, MissingExtra
 from kvlens.experiment import outdir, reports
 from kvlens.experiment import run as arms
 from kvlens.experiment.client import Endpoint
@@ -220,7 +221,7 @@ def _prefix_cache_report(
 
     try:
         report = arms.compare_arms(found, settings, percentiles=args.percentiles)
-    except (compare.ArmsDiffer, compare.NoRecordsOfArm, compare.GroupTooLarge) as error:
+    except (ArmsDiffer, compare.NoRecordsOfArm, compare.GroupTooLarge) as error:
         failed = failure_exit("experiment", ran, args.max_error_rate)  # maybe why the arms differ
         if not failed:
             raise ExperimentError(f"no report: {error}") from None
@@ -358,7 +359,7 @@ def _quantization(args: argparse.Namespace) -> int:
 
         try:
             write_plot(result, args.plot)
-        except ValueError as error:  # a PNG without matplotlib
+        except (ValueError, MissingExtra) as error:  # a PNG without matplotlib
             print(f"kvlens experiment: {error}", file=sys.stderr)
             return 2
     print(json.dumps(result, indent=2) if args.json else text, end="\n" if args.json else "")

@@ -18,6 +18,8 @@ from typing import Any
 from kvlens import terminal
 from kvlens.cli.common import Parser, examples, run_progress
 from kvlens.config import load_settings
+from kvlens.errors import MissingExtra
+from kvlens.limits import DEFAULT_PORT
 
 
 def add_parser(commands: Any) -> None:
@@ -110,7 +112,7 @@ def serve_parser() -> argparse.ArgumentParser:
         description="a simulated vLLM fleet behind the OpenAI API, in real time",
         epilog=examples(
             "kvlens simulate serve --replicas 2 --policy prefix_affinity --port 8000",
-            "kvlens simulate serve --push http://127.0.0.1:9433 --kv-events tcp://127.0.0.1:5557",
+            f"kvlens simulate serve --push http://127.0.0.1:{DEFAULT_PORT} --kv-events tcp://127.0.0.1:5557",
         ),
     )
     serve.add_arguments(parser)
@@ -161,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         try:
             render.write_plot(result, args.plot)
-        except ValueError as error:
+        except (ValueError, MissingExtra) as error:
             print(f"kvlens simulate: {error}", file=sys.stderr)
             return 2
     if args.json:

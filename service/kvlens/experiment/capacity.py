@@ -36,7 +36,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from kvlens import bandwidth
+from kvlens import bandwidth, limits
 from kvlens.simulate.trace import TraceRequest
 
 BATCH_BAND: Final = 1.25
@@ -415,7 +415,7 @@ def byte_model_from(
                 f"--weight-bytes takes ENDPOINT=SIZE for an endpoint of this run or of --out-dir "
                 f"({', '.join(names)})"
             )
-        weights[name] = bandwidth.parse_bytes(size)
+        weights[name] = limits.parse_size(size)
     if not weights:
         return None
     bandwidth_bps = (
@@ -425,7 +425,7 @@ def byte_model_from(
         if kept is not None
         else None
     )
-    kv = bandwidth.parse_bytes(kv_text) if kv_text is not None else kept.kv_bytes_per_token if kept else None
+    kv = limits.parse_size(kv_text) if kv_text is not None else kept.kv_bytes_per_token if kept else None
     if bandwidth_bps is None or kv is None:
         raise ValueError("--weight-bytes needs --bandwidth and --kv-bytes-per-token for the byte model")
     if overhead_ms is not None and not (math.isfinite(overhead_ms) and overhead_ms >= 0):

@@ -17,13 +17,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvlens.errors import ScrapeError
 from kvlens.experiment import calls
 from kvlens.experiment.capacity import Sample
 from kvlens.experiment.client import Endpoint
-from kvlens.sources.vllm_metrics import MAX_LINE_CHARS, longest_line
+from kvlens.sources.vllm_metrics import families
 
 log = logging.getLogger("kvlens.experiment")
 
@@ -165,19 +164,23 @@ async def _scrape(pool: httpx.AsyncClient, endpoint: Endpoint) -> dict[str, floa
         return None
     if answer.status != 200:
         return None
-    text = answer.body.decode("utf-8", "replace")
-    if longest_line(text) > MAX_LINE_CHARS:  # the parser holds several times a line
+    try:
+        return engine_values(answer.body.decode("utf-8", "replace"))
+    except ScrapeError:  # a line past the reader's limit: no sample
         return None
-    return engine_values(text)
 
 
 def engine_values(text: str) -> dict[str, float]:
+    """The sampled gauges and counters of an exposition, summed over engines; none when the text
+    does not parse, ScrapeError("too_large") past the reader's line limit."""
     values: dict[str, float] = {}
     try:
-        families = list(text_string_to_metric_families(text))
-    except (ValueError, TypeError, IndexError, KeyError):  # as the sidecar's parse: bad text
+        found = list(families(text))
+    except ScrapeError as error:
+        if error.reason != "parse":
+            raise
         return values
-    for family in families:
+    for family in found:
         for s in family.samples:
             if s.name in KV_USAGE:
                 values["kv_usage"] = max(values.get("kv_usage", 0.0), s.value)

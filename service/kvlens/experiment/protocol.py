@@ -23,13 +23,12 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import orjson
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvlens.errors import InputError, ScrapeError
 from kvlens.experiment import calls
 from kvlens.experiment.client import MEASURE, Endpoint, Planned
 from kvlens.simulate.trace import TraceRequest
-from kvlens.sources.vllm_metrics import MAX_LINE_CHARS, longest_line
+from kvlens.sources.vllm_metrics import families
 
 log = logging.getLogger("kvlens.experiment")
 
@@ -196,13 +195,10 @@ def engine_block_size(endpoint: Endpoint) -> int | None:
         answer = calls.call_now(
             endpoint.url, "GET", "/metrics", headers=endpoint.headers, seconds=calls.CHECK_SECONDS
         )
-        text = answer.body.decode("utf-8", "replace")
-        if longest_line(text) > MAX_LINE_CHARS:  # the parser holds several times a line
-            return None
-        families = list(text_string_to_metric_families(text)) if answer.status == 200 else []
-    except (ScrapeError, ValueError, TypeError, IndexError, KeyError):
+        found = list(families(answer.body.decode("utf-8", "replace"))) if answer.status == 200 else []
+    except ScrapeError:
         return None
-    for family in families:
+    for family in found:
         for sample in family.samples:
             if sample.name == "vllm:cache_config_info" and sample.labels.get("block_size", "").isdigit():
                 return int(sample.labels["block_size"])

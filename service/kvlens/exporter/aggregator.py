@@ -21,7 +21,7 @@ from kvlens import definitions
 from kvlens.config import Settings
 from kvlens.definitions import UNITS, prompt_length_labels
 from kvlens.records import REASONS, RecordBatch, Validated, valid_label
-from kvlens.reduce import Reduced, reduce
+from kvlens.reduce import HIT_STRIDE, Reduced, pack_hit, reduce, unpack_hit
 
 Int64Array = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
@@ -171,13 +171,13 @@ class Snapshot:
     def active_groups(self) -> list[tuple[int, list[str]]]:
         """(group index, [model, prompt_len, cache]) of every group that has seen a request, and
         of every group of an allow-listed model, so that rate() never loses a first increment."""
-        declared = self.declared_models * len(self.prompt_len_labels) * 2
+        declared = self.declared_models * len(self.prompt_len_labels) * HIT_STRIDE
         groups = sorted({*range(declared), *np.flatnonzero(self.state.requests).tolist()})
         return [(group, list(self.group_labels(group))) for group in groups]
 
     def group_labels(self, group: int) -> tuple[str, str, str]:
         """(model, prompt_len, cache) of a flat group index."""
-        model_len, hit = divmod(group, 2)
+        model_len, hit = unpack_hit(group)
         model, length = divmod(model_len, len(self.prompt_len_labels))
         return self.model_labels[model], self.prompt_len_labels[length], CACHE_LABELS[hit]
 
@@ -186,7 +186,7 @@ class Snapshot:
         state = self.state
         return definitions.Totals(
             requests=int(state.requests.sum()),
-            hit_requests=int(state.requests[1::2].sum()),
+            hit_requests=int(state.requests[1::HIT_STRIDE].sum()),  # the odd codes (pack_hit)
             prompt_tokens=int(state.prompt_tokens.sum()),
             cached_tokens=int(state.cached_tokens.sum()),
             prompt_work=tuple(state.prompt_work.sum(axis=1).tolist()),
@@ -216,7 +216,7 @@ class Aggregator:
         self._latency_edges = np.asarray(settings.latency_buckets_seconds, np.float64)
         self._reuse_edges = np.asarray(settings.reuse_ratio_buckets, np.float64)
         self._model_slots = self._models.capacity + 1  # + other
-        self._groups = self._model_slots * len(self._length_labels) * 2
+        self._groups = self._model_slots * len(self._length_labels) * HIT_STRIDE
         self._state = GroupState.zeros(
             self._groups, self._model_slots, self._latency_edges.size, self._reuse_edges.size
         )
@@ -274,7 +274,7 @@ class Aggregator:
     def _sum(self, batch: RecordBatch, reduced: Reduced, model_slots: npt.NDArray[np.intp]) -> GroupState:
         """The batch's sums per group (label slot x prompt_len x cache)."""
         model_length = model_slots * len(self._length_labels) + reduced.length_group
-        group = model_length * 2 + reduced.hit
+        group = pack_hit(model_length, reduced.hit)
         groups = self._groups
 
         def by_group(weights: npt.NDArray[Any] | None = None) -> npt.NDArray[Any]:

@@ -19,6 +19,7 @@ from typing import Any, Final
 
 import msgspec
 
+from kvlens.errors import MissingExtra
 from kvlens.fleet.schema import Event, KVEventBatch
 
 END_SEQ: Final = (-1).to_bytes(8, "big", signed=True)
@@ -35,7 +36,10 @@ class EventPublisher:
         data_parallel_rank: int = 0,
     ) -> None:
         """``endpoint`` (and ``replay_endpoint``) are bound, e.g. ``tcp://127.0.0.1:5557``."""
-        import zmq
+        try:
+            import zmq
+        except ModuleNotFoundError:
+            raise MissingExtra("publishing KV events", "kv-events") from None
 
         self._zmq = zmq
         self.context = zmq.Context()

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from kvlens.errors import install_hint
+from kvlens.errors import MissingExtra
 from kvlens.terminal import NARROWEST, wrapped
 
 BAR_WIDTH = 40
@@ -182,14 +182,14 @@ def svg(result: dict[str, Any], width: int = 640, height: int = 360) -> str:
 
 
 def pyplot() -> Any:
-    """matplotlib's pyplot drawing to files (no display), or a ValueError saying what to install."""
+    """matplotlib's pyplot drawing to files (no display), or :class:`MissingExtra` (the plot extra)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ModuleNotFoundError:
-        raise ValueError(f"a PNG needs matplotlib: {install_hint('plot')} (or write .svg)") from None
+        raise MissingExtra("a PNG (an SVG needs nothing)", "plot") from None
     return plt
 
 

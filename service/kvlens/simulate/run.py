@@ -19,7 +19,6 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 
-from kvlens.analysis.report import percentiles
 from kvlens.definitions import Totals, safe_ratio
 from kvlens.records import RecordBatch
 from kvlens.reduce import reduce
@@ -28,6 +27,7 @@ from kvlens.simulate.memory import make_replica
 from kvlens.simulate.policies import DEFAULT_GUARD, Choose, Guard, policy
 from kvlens.simulate.replica import DEFAULT_SERVICE, INF, Job, Replica, ServiceModel
 from kvlens.simulate.trace import TraceRequest
+from kvlens.stats import percentiles
 
 CHUNK = 16_384  # finished requests reduced at a time
 MODEL = "simulated"

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import math
 import urllib.parse
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
 import httpx
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvlens.errors import ScrapeError
@@ -163,14 +165,25 @@ def longest_line(text: str) -> int:
     return max(longest, len(text) - start)
 
 
-def parse(text: str) -> EngineScrape:
-    """The engine counters and the running batch in a vLLM exposition; raises ScrapeError."""
+def families(text: str) -> Iterator[Metric]:
+    """The metric families of an engine's exposition, read within its limits by every reader (the
+    sidecar's scrape, the experiment's sampler and block-size check): a line past
+    :data:`MAX_LINE_CHARS` is ScrapeError("too_large") before any is parsed (the parser holds
+    several times a line), text prometheus_client cannot read ScrapeError("parse")."""
     if longest_line(text) > MAX_LINE_CHARS:
         raise ScrapeError("too_large", f"a line of the exposition is longer than {MAX_LINE_CHARS} characters")
+    try:
+        yield from text_string_to_metric_families(text)
+    except (ValueError, TypeError, IndexError, KeyError) as error:
+        raise ScrapeError("parse", f"exposition does not parse: {type(error).__name__}") from None
+
+
+def parse(text: str) -> EngineScrape:
+    """The engine counters and the running batch in a vLLM exposition; raises ScrapeError."""
     counters: list[EngineSample] = []
     running: dict[str, float] = {}
     try:
-        for family in text_string_to_metric_families(text):
+        for family in families(text):
             name = family.name
             if name in COUNTERS and family.type == "counter":
                 tokens, blocks = COUNTERS[name]

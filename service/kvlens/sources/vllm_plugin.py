@@ -61,13 +61,15 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+from kvlens.limits import DEFAULT_PORT
+
 log = logging.getLogger("kvlens.vllm_plugin")
 
 SOURCE = "vllm_plugin"
 SOURCE_HEADER = "kvlens-source"
 DROPPED_HEADER = "kvlens-dropped"
 BATCH_HEADER = "kvlens-batch-id"
-DEFAULT_URL = "http://127.0.0.1:9433/v1/records"
+DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}/v1/records"
 
 # (attribute on FinishedRequestStats, kvlens record field); request_id first, then numbers.
 _FIELD_MAP = (

@@ -27,10 +27,12 @@ import numpy as np
 from kvlens import definitions, reduce_sql, sqltext, stats
 from kvlens.analysis import compare, per_request
 from kvlens.analysis.duckdb import inputs, order_statistics
-from kvlens.analysis.duckdb.engine import DEFAULT_MEMORY_LIMIT, Engine, engine_errors
+from kvlens.analysis.duckdb.engine import Engine, engine_errors
 from kvlens.analysis.report import Cell, Key, totals_of
 from kvlens.config import Settings
 from kvlens.definitions import Totals, prompt_length_labels
+from kvlens.errors import ArmsDiffer
+from kvlens.limits import DEFAULT_MEMORY_LIMIT
 
 COLUMNS = (*inputs.ANALYSIS_COLUMNS, "request_id", "arm")
 _PER_ARM = ("model", "prompt_tokens", "cached_tokens", *compare.METRICS)
@@ -107,7 +109,7 @@ def check_same_sequence(engine: Engine, names: list[str]) -> None:
     for index, name in enumerate(names[1:], start=1):
         ((count,),) = con.execute(f"SELECT count(*) FROM arm_{index}").fetchall()
         if count != base_count:
-            raise compare.ArmsDiffer(compare.count_differs(name, int(count), names[0], int(base_count)))
+            raise ArmsDiffer(compare.count_differs(name, int(count), names[0], int(base_count)))
         joined = f"FROM arm_0 a JOIN arm_{index} b ON a.pos = b.pos"
         first = con.execute(
             f"SELECT a.pos, b.prompt_tokens, a.prompt_tokens {joined} "
@@ -115,7 +117,7 @@ def check_same_sequence(engine: Engine, names: list[str]) -> None:
         ).fetchall()
         if first:
             ((position, prompt, base_prompt),) = first
-            raise compare.ArmsDiffer(
+            raise ArmsDiffer(
                 compare.prompt_differs(name, names[0], int(position), int(prompt), int(base_prompt))
             )
         first = con.execute(
@@ -124,7 +126,7 @@ def check_same_sequence(engine: Engine, names: list[str]) -> None:
         ).fetchall()
         if first:
             ((request_id, base_id),) = first
-            raise compare.ArmsDiffer(compare.id_differs(name, names[0], request_id, base_id))
+            raise ArmsDiffer(compare.id_differs(name, names[0], request_id, base_id))
 
 
 class InDuckDB:

@@ -11,18 +11,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlens import sqltext
-from kvlens.analysis import reader
-from kvlens.errors import InputError
-
-DEFAULT_MEMORY_LIMIT = "2GiB"
+from kvlens.errors import InputError, MissingExtra
+from kvlens.limits import DEFAULT_MEMORY_LIMIT, parse_size
 
 
 def duckdb_module() -> Any:
-    """The ``duckdb`` module, or an :class:`InputError` naming the extra that installs it."""
+    """The ``duckdb`` module, or :class:`MissingExtra` (the scale extra)."""
     try:
         import duckdb
     except ModuleNotFoundError as error:
-        raise InputError(f"this needs {reader.scale_extra()}") from error
+        raise MissingExtra("the duckdb engine", "scale") from error
     return duckdb
 
 
@@ -38,6 +36,12 @@ class Engine:
 
     def __post_init__(self) -> None:
         duckdb = duckdb_module()
+        refused = f"memory limit {self.memory_limit!r} is not a size DuckDB takes"
+        try:
+            # in bytes, as the one size parser reads it: the settings take what DuckDB is handed
+            limit = f"{round(parse_size(self.memory_limit))}B"
+        except ValueError as error:
+            raise InputError(refused) from error
         if self.temp_directory is None:
             try:
                 self._spill = tempfile.TemporaryDirectory(prefix="kvlens-duckdb-")
@@ -49,9 +53,10 @@ class Engine:
         self.connection = duckdb.connect(":memory:")
         spill = self.temp_directory or self._spill.name  # type: ignore[union-attr]
         try:
-            self.connection.execute(f"SET memory_limit = {sqltext.duckdb_text(self.memory_limit)}")
+            self.connection.execute(f"SET memory_limit = {sqltext.duckdb_text(limit)}")
         except duckdb.Error as error:
-            raise InputError(f"memory limit {self.memory_limit!r} is not a size DuckDB takes") from error
+            self.close()  # the spill directory with it
+            raise InputError(refused) from error
         self.connection.execute(f"SET temp_directory = {sqltext.duckdb_text(spill)}")
         self.connection.execute("SET preserve_insertion_order = false")
         self.connection.execute("SET enable_progress_bar = false")
@@ -75,8 +80,7 @@ class Engine:
     def memory_limit_bytes(self) -> float:
         """The memory limit as DuckDB holds it (``'1.8 GiB'``), in bytes."""
         ((limit,),) = self.connection.execute("SELECT current_setting('memory_limit')").fetchall()
-        number, _, unit = str(limit).partition(" ")
-        return float(number) * _UNITS.get(unit, 1)
+        return parse_size(str(limit))
 
     @contextlib.contextmanager
     def registered(self, tables: dict[str, dict[str, Any]]) -> Iterator[None]:
@@ -93,19 +97,6 @@ class Engine:
         self.connection.close()
         if self._spill is not None:
             self._spill.cleanup()
-
-
-_UNITS = {
-    "bytes": 1,
-    "KiB": 2**10,
-    "MiB": 2**20,
-    "GiB": 2**30,
-    "TiB": 2**40,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-}
 
 
 @contextlib.contextmanager

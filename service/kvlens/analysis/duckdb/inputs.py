@@ -12,10 +12,11 @@ from pathlib import Path
 from kvlens import records, sqltext
 from kvlens.analysis import reader
 from kvlens.analysis.duckdb import jsonl, parquet
-from kvlens.analysis.duckdb.engine import DEFAULT_MEMORY_LIMIT, Engine, engine_errors
+from kvlens.analysis.duckdb.engine import Engine, engine_errors
 from kvlens.analysis.duckdb.parquet import Unchecked
 from kvlens.analysis.duckdb.sql import sql_type
 from kvlens.errors import InputError
+from kvlens.limits import DEFAULT_MEMORY_LIMIT
 
 # The columns the analysis reads, in the record's order. `src`/`row` keep the input order
 # (file, line or row), which calibration's residual sample follows.

@@ -23,6 +23,7 @@ import numpy.typing as npt
 
 from kvlens.analysis import report
 from kvlens.analysis.duckdb.engine import Engine
+from kvlens.reduce import pack_hit
 
 BINS = 1 << 18  # histogram bins of a part a pass, at most (a part past 268M values gets fuller bins)
 BIN_VALUES = 1024  # values a bin is sized for: a pass leaves ranges of about that many to fetch
@@ -32,11 +33,11 @@ Part = tuple[str, int, bool]  # (series, length group or -1 for all records, hit
 
 
 SERIES = (*report.LATENCY_COLUMNS, "prefill_per_computed_token", "all_ttft")
-_PART_STRIDE = 1 << 20  # parts are keyed by one integer: series * stride + (group + 1) * 2 + hit
+_PART_STRIDE = 1 << 20  # parts are keyed by one integer: series * stride + pack_hit(group + 1, hit)
 
 
 def part_key(part: Part) -> int:
-    return SERIES.index(part[0]) * _PART_STRIDE + (part[1] + 1) * 2 + int(part[2])
+    return SERIES.index(part[0]) * _PART_STRIDE + pack_hit(part[1] + 1, int(part[2]))
 
 
 CHUNK_ROWS = 1 << 20  # records read into numpy at once by the order statistics: ~50 MB of arrays

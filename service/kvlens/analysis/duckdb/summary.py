@@ -17,12 +17,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvlens import definitions, reduce_sql
+from kvlens import definitions, reduce_sql, stats
 from kvlens.analysis import report
 from kvlens.analysis.duckdb import order_statistics
 from kvlens.analysis.duckdb.engine import Engine
 from kvlens.analysis.duckdb.order_statistics import SERIES, Part, Series, Tail, part_key
 from kvlens.analysis.duckdb.parquet import Unchecked
+from kvlens.reduce import unpack_hit
 
 KEPT = ("src", "row", "arrival_time")  # columns of the records the reduced view keeps as they are
 RANKED = SERIES[:-1]  # the series read from a record (all_ttft is ttft_seconds over every group)
@@ -208,7 +209,7 @@ def group_sums(engine: Engine, reduced: str, checks: bool = False) -> tuple[list
 def _series(chunks: tuple[str, ...], sample: str | None = None) -> Series:
     """Each latency value of the ``reduced`` view once per series it is ranked in (per group;
     TTFT also over all records): one read of a record serves every series."""
-    group = "(length_group + 1) * 2 + CAST(hit AS INTEGER)"
+    group = reduce_sql.pack_hit_sql("length_group + 1", "hit")
     selected = ", ".join(f"{name} AS v{index}" for index, name in enumerate(RANKED))
     return Series(
         sql=lambda where: f"SELECT {group} AS g, {selected} FROM reduced WHERE {where}",
@@ -276,7 +277,7 @@ def _order_statistics(engine: Engine, totals: _Totals) -> tuple[dict[tuple[Part,
         order_statistics.row_chunks(records, totals.last_row),
         order_statistics.sample_rows(records, totals.last_row),
     )
-    fractions = {name: tuple(q / 100 for q in report.QUANTILES) for name in report.LATENCY_COLUMNS}
+    fractions = {name: tuple(q / 100 for q in stats.QUANTILES) for name in report.LATENCY_COLUMNS}
     fractions["prefill_per_computed_token"] = (0.5,)
     fractions["all_ttft"] = (1 - report.SLOWEST_SHARE,)
     wanted: dict[Part, list[int]] = {}
@@ -324,7 +325,7 @@ def summarize(
 
     def latency_of(part: Part) -> dict[str, Any]:
         count = bounds[part][0] if part in bounds else 0
-        return report.percentiles_of(count, lambda ranks: [found[(part, rank)] for rank in ranks])
+        return stats.percentiles_of(count, lambda ranks: [found[(part, rank)] for rank in ranks])
 
     groups = {(key[1], key[2]) for key in totals.cells}
     latency = {
@@ -336,8 +337,8 @@ def summarize(
     if ("all_ttft", -1, False) in bounds:
         (threshold,) = quantiles_of(("all_ttft", -1, False), (1 - report.SLOWEST_SHARE,))
         counted = tail.at_least(threshold)
-        if counted is not None:  # g = (length group + 1) * 2 + hit (:func:`_series`)
-            slowest = {(g // 2 - 1, bool(g % 2)): count for g, count in counted.items()}
+        if counted is not None:  # g = pack_hit(length group + 1, hit) (:func:`_series`)
+            slowest = {_group_of(g): count for g, count in counted.items()}
     if threshold is not None and counted is None:
         slowest = {
             (int(g), bool(hit)): int(count)
@@ -423,3 +424,9 @@ def calibration_inputs(
                 yield names[index], n[low:high], h[low:high], seconds[low:high]
     finally:
         con.execute("DROP TABLE IF EXISTS calibration_points")
+
+
+def _group_of(code: int) -> report.Group:
+    """The (length group, hit) of a :func:`_series` row's ``g``."""
+    shifted, hit = unpack_hit(code)
+    return shifted - 1, hit

@@ -17,9 +17,9 @@ from typing import Any
 
 import uvicorn
 
-from kvlens import bandwidth, logs
+from kvlens import limits, logs
 from kvlens.config import Settings, load_settings
-from kvlens.errors import SettingsError
+from kvlens.errors import MissingExtra, SettingsError
 from kvlens.http import server
 from kvlens.http.access import loopback
 from kvlens.http.bodies import ArrivingBodies, BodyLimits
@@ -139,7 +139,7 @@ def service_model(args: argparse.Namespace) -> ServiceModel:
                 weight_bytes=weights if weights is not None else decode.weight_bytes,
             )
     if args.weight_bytes is not None:
-        decode = dataclasses.replace(decode, weight_bytes=bandwidth.parse_bytes(args.weight_bytes))
+        decode = dataclasses.replace(decode, weight_bytes=limits.parse_size(args.weight_bytes))
     return ServiceModel(
         prefill=prefill,
         decode=decode,
@@ -160,7 +160,7 @@ def capacity_blocks(args: argparse.Namespace, service: ServiceModel) -> int | No
     if args.capacity_blocks is not None:
         raise ValueError("--capacity-blocks and --gpu-memory-bytes both size the KV cache: give one")
     blocks = kv_blocks(
-        bandwidth.parse_bytes(args.gpu_memory_bytes),
+        limits.parse_size(args.gpu_memory_bytes),
         args.gpu_memory_utilization,
         service.decode.weight_bytes,
         service.decode.kv_bytes_per_token,
@@ -247,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
     started_epoch = time.time()
     try:
         publishers = kv_event_publishers(args.kv_events, fleet.replicas)
-    except ValueError as error:
+    except (ValueError, MissingExtra) as error:
         print(f"kvlens simulate serve: {error}", file=sys.stderr)
         return 2
     events = None if not publishers else kv_event_sinks(publishers, fleet.block_size)
@@ -322,11 +322,14 @@ def kv_event_publishers(endpoint: str | None, replicas: int) -> list[Any]:
         raise ValueError(
             f"--kv-events takes tcp://HOST:PORT with room for {replicas} ports, not {endpoint!r}"
         )
-    try:
-        from kvlens.fleet.publisher import EventPublisher
-    except ModuleNotFoundError:  # pyzmq
-        raise ValueError("--kv-events needs the kv-events extra: pip install 'kvlens[kv-events]'") from None
-    return [EventPublisher(f"tcp://{host}:{int(port) + i}", data_parallel_rank=i) for i in range(replicas)]
+    from kvlens.fleet.publisher import EventPublisher
+
+    try:  # pyzmq is imported by the first publisher, which says what --kv-events needs without it
+        return [
+            EventPublisher(f"tcp://{host}:{int(port) + i}", data_parallel_rank=i) for i in range(replicas)
+        ]
+    except MissingExtra:
+        raise MissingExtra("--kv-events", "kv-events") from None
 
 
 def kv_event_sinks(publishers: list[Any], block_size: int) -> Callable[[int], CacheEvents]:

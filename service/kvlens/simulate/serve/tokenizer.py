@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Protocol
 
+from kvlens.errors import MissingExtra
+
 ENDOFTEXT: Final = 256
 IM_START: Final = 257
 IM_END: Final = 258
@@ -151,7 +153,7 @@ class Bytes:
 
 
 class TokenizerUnavailable(ValueError):
-    """``--tokenizer DIR`` that cannot be used: the extra missing, or no readable tokenizer.json."""
+    """``--tokenizer DIR`` without a readable tokenizer.json (the extra missing is a MissingExtra)."""
 
 
 @dataclass(frozen=True)
@@ -175,11 +177,7 @@ class HuggingFace:
         try:
             import tokenizers
         except ModuleNotFoundError:
-            from kvlens.errors import install_hint
-
-            raise TokenizerUnavailable(
-                f"--tokenizer needs the tokenizer extra: {install_hint('tokenizer')}"
-            ) from None
+            raise MissingExtra("--tokenizer", "tokenizer") from None
         file = directory / "tokenizer.json" if directory.is_dir() else directory
         try:
             backend = tokenizers.Tokenizer.from_file(str(file))
