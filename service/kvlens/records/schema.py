@@ -201,4 +201,4 @@ def _number(value: float | None) -> str:
     return str(int(value)) if float(value).is_integer() else str(value)
 
 
-ABSENT_INT: Final = -1
+ABSENT_INT: Final = -1  # an absent optional count in a batch (NaN for an absent duration)
