@@ -41,7 +41,7 @@ from kvlens.fleet.limits import (
     VANISHED_RETENTION_SECONDS,
 )
 from kvlens.http.access import loopback
-from kvlens.records import valid_label
+from kvlens.records import MAX_LABEL_BYTES, valid_label
 from kvlens.sources import formats
 
 if TYPE_CHECKING:
@@ -112,7 +112,9 @@ class KVEventsPublisherSetting(BaseModel):
     @classmethod
     def _label(cls, name: str) -> str:
         if not name or not valid_label(name):
-            raise ValueError("a replica name must be non-empty printable UTF-8 of at most 128 bytes")
+            raise ValueError(
+                f"a replica name must be non-empty printable UTF-8 of at most {MAX_LABEL_BYTES} bytes"
+            )
         return name
 
     @field_validator("endpoint", "replay_endpoint")
@@ -673,7 +675,8 @@ class Settings(BaseSettings):
         bad = [name for name in names if not name or not valid_label(name) or name == "other"]
         if bad:
             raise ValueError(
-                "model names must be non-empty printable UTF-8 of at most 128 bytes, not 'other'"
+                "model names must be non-empty printable UTF-8 "
+                f"of at most {MAX_LABEL_BYTES} bytes, not 'other'"
             )
         return value
 

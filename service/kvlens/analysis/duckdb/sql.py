@@ -2,19 +2,19 @@
 makes (:mod:`kvlens.records`) written as SQL for rows that no Python reads (Parquet scanned in
 place, JSON lines parsed by DuckDB).
 
-A label (a model's or tenant's name) is checked in three spellings: Python's
-:func:`kvlens.records.valid_label` decides; :func:`printable_pattern` is its RE2 pattern, for
-when too many distinct labels are too many for Python; :func:`beyond_short_ascii` is the cheap
-GLOB that leaves only the labels Python must see (short printable ASCII is valid).
+A label (a model's or tenant's name) is checked in three spellings, all built from the one rule
+in :mod:`kvlens.records.labels`: Python's :func:`~kvlens.records.labels.valid_label` decides;
+:func:`~kvlens.records.labels.invalid_label_sql` is its RE2 spelling, for when distinct labels
+are too many for Python; :func:`~kvlens.records.labels.beyond_short_ascii` is the cheap GLOB
+that leaves only the labels Python must see (short printable ASCII is valid).
 """
 
 from __future__ import annotations
 
-import functools
-import sys
 from collections.abc import Sequence
 
 from kvlens import records, sqltext
+from kvlens.records.labels import beyond_short_ascii, invalid_label_sql
 
 _SQL_TYPE = {int: "BIGINT", float: "DOUBLE", str: "VARCHAR"}
 SPEC = {spec.name: spec for spec in records.FIELDS}
@@ -30,7 +30,7 @@ def rejection_sql(columns: set[str] | Sequence[str], invalid_labels: bool | None
     NULL: the bounds are read off :data:`kvlens.records.FIELDS`, the schema's own.
     ``invalid_labels`` (:func:`kvlens.analysis.duckdb.parquet.invalid_labels`): False, every
     label is valid; True, the invalid ones are in the table ``invalid_labels``; None, unknown:
-    each row's length is checked and the row matched by :func:`printable_pattern`."""
+    each row is checked by :func:`~kvlens.records.labels.invalid_label_sql`."""
     rules: list[tuple[str, str, str]] = []
     for spec in records.FIELDS:
         if spec.name not in columns:
@@ -48,14 +48,7 @@ def rejection_sql(columns: set[str] | Sequence[str], invalid_labels: bool | None
             rules.append((f"{name} > {sqltext.number(spec.high)}", name, "out_of_range"))
         if spec.kind is str and spec.is_label:
             if invalid_labels is None:
-                rules.append(
-                    (
-                        f"(octet_length(encode({name})) > {records.MAX_LABEL_BYTES} "
-                        f"OR NOT regexp_full_match({name}, '{printable_pattern()}'))",
-                        name,
-                        "invalid_label",
-                    )
-                )
+                rules.append((invalid_label_sql(name), name, "invalid_label"))
             elif invalid_labels:
                 rules.append((f"{name} IN (SELECT label FROM invalid_labels)", name, "invalid_label"))
         elif spec.kind is str and spec.max_length is not None:
@@ -64,33 +57,6 @@ def rejection_sql(columns: set[str] | Sequence[str], invalid_labels: bool | None
             rules.append(("cached_tokens > prompt_tokens", name, "cached_exceeds_prompt"))
     cases = " ".join(f"WHEN {condition} THEN '{name}:{reason}'" for condition, name, reason in rules)
     return f"CASE {cases} END"
-
-
-@functools.cache
-def printable_pattern() -> str:
-    """A regular expression (RE2, DuckDB's) of the strings :func:`kvlens.records.valid_label`
-    calls printable, built from Python's own ``str.isprintable`` code point by code point:
-    RE2's Unicode classes are of another Unicode version (they know thousands of characters
-    Python 3.11 does not, which a JSON line would then have refused and Parquet kept)."""
-    ranges, start = [], None
-    for point in range(sys.maxunicode + 1):
-        printable = chr(point).isprintable() and not 0xD800 <= point <= 0xDFFF
-        if not printable and start is None:
-            start = point
-        elif printable and start is not None:
-            ranges.append((start, point - 1))
-            start = None
-    if start is not None:
-        ranges.append((start, sys.maxunicode))
-    excluded = "".join(f"\\x{{{low:x}}}-\\x{{{high:x}}}" for low, high in ranges)
-    return f"[^{excluded}]*"
-
-
-def beyond_short_ascii(name: str) -> str:
-    """SQL: the text column ``name`` holds a character outside ' '..'~' (a native GLOB, no RE2)
-    or more than :data:`~kvlens.records.MAX_LABEL_BYTES` bytes. Short printable ASCII is a valid
-    label; the others are for :func:`kvlens.records.valid_label`."""
-    return f"({name} GLOB '*[! -~]*' OR strlen({name}) > {records.MAX_LABEL_BYTES})"
 
 
 def labels_to_check(source: str, labels: list[str]) -> str:
