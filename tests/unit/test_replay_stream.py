@@ -10,8 +10,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import orjson
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvlens.experiment.stream import _HEAD_LIMIT, MAX_LINE_BYTES, Exchange, Failed, StreamClient, _Connection
@@ -338,22 +339,8 @@ def _holds(path: tuple[str | int, ...], value: object) -> bool:
     return type(value) in SHAPES[path]  # exactly: true and false are no counts, 2.0 is none
 
 
-def _decodable(value: object) -> bool:
-    """Whether orjson decodes the JSON of ``value``: its integers are 64-bit (signed, or unsigned
-    when positive); a longer one makes the whole line no JSON the client reads."""
-    if type(value) is int:
-        return -(2**63) <= value < 2**64
-    if isinstance(value, dict):
-        return all(_decodable(item) for item in value.values())
-    if isinstance(value, list):
-        return all(_decodable(item) for item in value)
-    return True
-
-
 def _well_formed(chunk: dict[str, Any]) -> bool:
     """Every place of SHAPES holds one of its types; the choice's rules hold for every choice."""
-    if not _decodable(chunk):
-        return False
     choices = chunk.get("choices", [])
     if not _holds(("choices",), choices):
         return False
@@ -379,6 +366,10 @@ def _well_formed(chunk: dict[str, Any]) -> bool:
 
 @settings(max_examples=400, deadline=None)
 @given(path=st.sampled_from(sorted(SHAPES, key=str)), value=JSON_VALUES)
+# integers past 64 bits, which orjson reads as floats: a count that is then no count, and one in
+# a place nobody reads (both found by Hypothesis on CI's machine)
+@example(path=("usage", "completion_tokens"), value=-(2**63) - 1)
+@example(path=("choices", 0), value={"": -(2**63) - 1})
 def test_any_json_shape_anywhere_in_a_chunk_is_malformed_stream_or_taken_never_an_exception(
     path: tuple[str | int, ...], value: object
 ) -> None:
@@ -392,7 +383,8 @@ def test_any_json_shape_anywhere_in_a_chunk_is_malformed_stream_or_taken_never_a
         + b"\n\ndata: [DONE]\n\n"
     )
     got, _ = drive(sized(events), [])
-    if _well_formed(_chunk_with(path, value)):
+    # judged as the client reads it: orjson takes an integer past 64 bits for a float
+    if _well_formed(orjson.loads(json.dumps(_chunk_with(path, value)))):
         assert isinstance(got, Exchange), got
     else:
         assert got == "malformed_stream"
