@@ -212,3 +212,19 @@ def test_compare_and_analyze_read_the_imported_runs(
         == 0
     )
     assert sum(group["requests"] for group in json.loads(capsys.readouterr().out)["groups"]) == 40
+
+
+@pytest.mark.timeout(20)
+def test_an_aiperf_line_that_never_ends_stops_the_read_at_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvlens.sources import jsonlines
+
+    monkeypatch.setattr(jsonlines, "MAX_LINE_BYTES", 10_000)
+    good = (AIPERF / "on" / "profile_export.jsonl").read_text().splitlines()[0]
+    path = tmp_path / "endless.jsonl"
+    path.write_bytes(good.encode() + b"\n" + b"0" * (8 << 20))  # /dev/zero's kind: no newline
+    assert main(["import", "aiperf", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == f"kvlens import: {path}: line 2 is longer than 10,000 bytes: not read\n"

@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from kvlens.definitions import quantiles
 from kvlens.records import MAX_SECONDS, MAX_TOKENS, MAX_UNIX_TIME
+from kvlens.sources import jsonlines
 from kvlens.sources.jsonlines import UNDECODABLE, line_chunks, loads, open_file
 
 TOOLS: Final = ("vllm-bench", "aiperf")
@@ -325,9 +326,13 @@ def _whole(path: str) -> Any:
     return value
 
 
+def _too_long(line: int) -> None:
+    # Raising is what ends line_chunks' read: a line that never ends (/dev/zero) is not read for good.
+    raise NotThisFormat(f"line {line} is longer than {jsonlines.MAX_LINE_BYTES:,} bytes: not read")
+
+
 def _lines(stream: Any, path: str) -> Iterator[tuple[int, Any]]:
-    too_long: Callable[[int], None] = lambda _line: None  # noqa: E731  # told as malformed below
-    for first, chunk in line_chunks(stream, _CHUNK_BYTES, path=path, too_long=too_long):
+    for first, chunk in line_chunks(stream, _CHUNK_BYTES, path=path, too_long=_too_long):
         for offset, line in enumerate(chunk.split(b"\n")):
             if line.strip():
                 yield first + offset, loads(line)
