@@ -228,3 +228,16 @@ def test_an_aiperf_line_that_never_ends_stops_the_read_at_once(
     out, err = capsys.readouterr()
     assert out == ""
     assert err == f"kvlens import: {path}: line 2 is longer than 10,000 bytes: not read\n"
+
+
+def test_an_output_that_is_the_input_itself_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "on.json"
+    path.write_bytes((VLLM / "on.json").read_bytes())
+    link = tmp_path / "link.json"
+    link.symlink_to(path)
+    for out in (path, link):
+        assert main(["import", "vllm-bench", str(path), "-o", str(out)]) == 2
+        assert capsys.readouterr().err == f"kvlens import: {out} is {path} itself: not overwritten\n"
+        assert path.read_bytes() == (VLLM / "on.json").read_bytes()

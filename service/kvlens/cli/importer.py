@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,9 @@ def run(args: argparse.Namespace) -> int:
     from kvlens.sources import bench_tools
 
     check_writable(args.output)
+    if args.output is not None and args.file != "-" and _same_file(args.output, args.file):
+        print(f"kvlens import: {args.output} is {args.file} itself: not overwritten", file=sys.stderr)
+        return 2
     try:
         imported = bench_tools.read(
             args.tool, args.file, model=args.model, missing_cached_is_zero=args.missing_cached_is_zero
@@ -68,6 +72,14 @@ def run(args: argparse.Namespace) -> int:
     for line in summary(args.tool, imported, args.missing_cached_is_zero):
         print(f"kvlens import: {line}", file=sys.stderr)
     return 1 if imported.bad or not imported.records else 0
+
+
+def _same_file(output: Path, file: str) -> bool:
+    # samefile, not a name compare: a symlink or another spelling of the input is the input too.
+    try:
+        return os.path.samefile(output, file)
+    except OSError:  # one of them does not exist (yet): not the same file
+        return False
 
 
 def summary(tool: str, imported: Any, missing_cached_is_zero: bool) -> list[str]:
