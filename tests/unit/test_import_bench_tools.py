@@ -5,7 +5,9 @@ them; an entry that cannot be read is named (which entry, which field) and the o
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -241,3 +243,26 @@ def test_an_output_that_is_the_input_itself_is_refused(
         assert main(["import", "vllm-bench", str(path), "-o", str(out)]) == 2
         assert capsys.readouterr().err == f"kvlens import: {out} is {path} itself: not overwritten\n"
         assert path.read_bytes() == (VLLM / "on.json").read_bytes()
+
+
+def test_an_output_that_cannot_be_written_is_one_line_and_the_old_one_kept(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    on = str(VLLM / "on.json")
+    assert main(["import", "vllm-bench", on, "-o", "/dev/full"]) == 2
+    assert capsys.readouterr().err == "kvlens import: cannot write /dev/full: No space left on device\n"
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(b"the last run\n")
+
+    def full(_fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)  # the disk fills while OUT is written
+    assert main(["import", "vllm-bench", on, "-o", str(out)]) == 2
+    assert capsys.readouterr().err == f"kvlens import: cannot write {out}: No space left on device\n"
+    assert out.read_bytes() == b"the last run\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["out.jsonl"]  # no temporary left beside it
+    monkeypatch.undo()
+    assert main(["import", "vllm-bench", on, "-o", str(out)]) == 0
+    assert len(out.read_bytes().splitlines()) == 40
+    assert [p.name for p in tmp_path.iterdir()] == ["out.jsonl"]

@@ -62,7 +62,11 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.buffer.write(lines)
         sys.stdout.flush()
     else:
-        args.output.write_bytes(lines)
+        try:
+            _write(args.output, lines)
+        except OSError as error:
+            print(f"kvlens import: cannot write {args.output}: {error.strerror or error}", file=sys.stderr)
+            return 2
     for problem in imported.bad[:SHOWN_BAD]:
         print(f"kvlens import: {args.file}: {problem}: left out", file=sys.stderr)
     if len(imported.bad) > SHOWN_BAD:
@@ -72,6 +76,26 @@ def run(args: argparse.Namespace) -> int:
     for line in summary(args.tool, imported, args.missing_cached_is_zero):
         print(f"kvlens import: {line}", file=sys.stderr)
     return 1 if imported.bad or not imported.records else 0
+
+
+def _write(path: Path, data: bytes) -> None:
+    """``data`` into ``path``; a regular path is written beside it and renamed over it, so a
+    write that fails (a full disk) leaves the last OUT whole and no half file. A device or a pipe
+    (/dev/stdout, a FIFO) is written to directly: it cannot be renamed over."""
+    if path.exists() and not path.is_file():
+        with path.open("wb") as stream:
+            stream.write(data)
+        return
+    staged = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # open(): the umask's mode, as OUT's
+    try:
+        with staged.open("xb") as stream:
+            stream.write(data)
+            stream.flush()
+            os.fsync(stream.fileno())  # the bytes on disk before the name points at them
+        os.replace(staged, path)
+    except BaseException:
+        staged.unlink(missing_ok=True)
+        raise
 
 
 def _same_file(output: Path, file: str) -> bool:
