@@ -266,3 +266,34 @@ def test_an_output_that_cannot_be_written_is_one_line_and_the_old_one_kept(
     assert main(["import", "vllm-bench", on, "-o", str(out)]) == 0
     assert len(out.read_bytes().splitlines()) == 40
     assert [p.name for p in tmp_path.iterdir()] == ["out.jsonl"]
+
+
+def test_a_huge_integer_in_a_number_field_is_a_bad_entry(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    huge = 10**400  # float() of it overflows
+    result = json.loads((VLLM / "on.json").read_text())
+    result["ttfts"][3] = huge
+    result["itls"][5][0] = huge
+    path = tmp_path / "huge.json"
+    path.write_text(json.dumps(result))
+    records, err = imported(capsys, "vllm-bench", str(path), code=1)
+    assert [r["request_id"] for r in records] == [str(i) for i in range(40) if i not in (3, 5)]
+    assert err.splitlines()[:2] == [
+        f"kvlens import: {path}: request 3: ttfts: must be a finite number: left out",
+        f"kvlens import: {path}: request 5: itls[0]: must be a finite number: left out",
+    ]
+    lines = (AIPERF / "on" / "profile_export.jsonl").read_text().splitlines()
+    ttft, start = json.loads(lines[5]), json.loads(lines[6])
+    ttft["metrics"]["time_to_first_token"]["value"] = huge
+    start["metadata"]["request_start_ns"] = huge  # like any start out of range: no arrival_time
+    lines[5], lines[6] = json.dumps(ttft), json.dumps(start)
+    path = tmp_path / "profile_export.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    records, err = imported(capsys, "aiperf", str(path), code=1)
+    assert len(records) == 39
+    assert err.splitlines()[0] == (
+        f"kvlens import: {path}: line 6: metrics.time_to_first_token: must be a finite number: left out"
+    )
+    session = str(start["metadata"]["session_num"])
+    assert next(r for r in records if r["request_id"] == session).get("arrival_time") is None

@@ -188,7 +188,7 @@ def _aiperf_record(session: int, line: dict[str, Any], model: str | None) -> dic
     if model is not None:
         record["model"] = model
     start = metadata.get("request_start_ns")
-    if type(start) is int and 0 <= start / 1e9 <= MAX_UNIX_TIME:
+    if type(start) is int and 0 <= start <= MAX_UNIX_TIME * 1e9:  # compared as an int: no overflow
         record["arrival_time"] = start / 1e9
     prompt = _metric(metrics, "usage_prompt_tokens", "input_sequence_length", "error_isl")
     if prompt is None:
@@ -279,9 +279,14 @@ def _timings(ttft: float, latency: float, output: int, itls: list[float]) -> dic
 
 
 def _number(value: Any, name: str) -> float:
-    if type(value) not in (int, float) or not math.isfinite(value):
+    # float() first: an int past float's range (a 401-digit one) overflows, in isfinite too.
+    try:
+        number = float(value) if type(value) in (int, float) else math.nan
+    except OverflowError:
+        number = math.nan
+    if not math.isfinite(number):
         raise BadEntry(name, "must be a finite number")
-    return float(value)
+    return number
 
 
 def _seconds(value: Any, name: str) -> float:
