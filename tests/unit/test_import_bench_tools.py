@@ -297,3 +297,23 @@ def test_a_huge_integer_in_a_number_field_is_a_bad_entry(
     )
     session = str(start["metadata"]["session_num"])
     assert next(r for r in records if r["request_id"] == session).get("arrival_time") is None
+
+
+def test_an_aiperf_unit_that_is_not_a_string_is_a_bad_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lines = (AIPERF / "on" / "profile_export.jsonl").read_text().splitlines()
+    for number, unit in ((5, ["ms"]), (6, {"ms": 1})):
+        line = json.loads(lines[number])
+        line["metrics"]["time_to_first_token"]["unit"] = unit
+        lines[number] = json.dumps(line)
+    path = tmp_path / "profile_export.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    records, err = imported(capsys, "aiperf", str(path), code=1)
+    assert len(records) == 38
+    assert err.splitlines()[:2] == [
+        f"kvlens import: {path}: line 6: metrics.time_to_first_token: has unit \"['ms']\", not one of "
+        "ns, us, ms, s, sec: left out",
+        f"kvlens import: {path}: line 7: metrics.time_to_first_token: has unit \"{{'ms': 1}}\", not one of "
+        "ns, us, ms, s, sec: left out",
+    ]

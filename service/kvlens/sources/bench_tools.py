@@ -232,7 +232,7 @@ def _metric(metrics: dict[str, Any], *names: str) -> tuple[str, Any] | None:
 
 def _scale(metrics: dict[str, Any], name: str) -> float:
     unit = metrics[name].get("unit")
-    if unit not in _TIME_UNITS:
+    if not isinstance(unit, str) or unit not in _TIME_UNITS:  # a list or object is unhashable
         raise BadEntry(f"metrics.{name}", f"has unit {str(unit)[:20]!r}, not one of {', '.join(_TIME_UNITS)}")
     return _TIME_UNITS[unit]
 
