@@ -109,17 +109,15 @@ def test_unreadable_entries_are_named_and_the_others_kept(
     result["ttfts"][3] = "fast"
     result["itls"][5][2] = None
     result["input_lens"][7] = -1
-    result["latencies"] = result["latencies"][:39]
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(result))
     records, err = imported(capsys, "vllm-bench", str(path), "--missing-cached-is-zero", code=1)
-    assert [r["request_id"] for r in records] == [str(i) for i in range(39) if i not in (3, 5, 7)]
-    assert err.splitlines()[:4] == [
+    assert [r["request_id"] for r in records] == [str(i) for i in range(40) if i not in (3, 5, 7)]
+    assert err.splitlines()[:3] == [
         f"kvlens import: {path}: request 3: ttfts: must be a finite number: left out",
         f"kvlens import: {path}: request 5: itls[2]: must be a finite number: left out",
         f"kvlens import: {path}: request 7: input_lens: must be a whole number of tokens from 0 to "
         "10000000: left out",
-        f"kvlens import: {path}: request 39: latencies: has 39 entries; this request has none: left out",
     ]
     lines = (AIPERF / "on" / "profile_export.jsonl").read_text().splitlines()
     second = json.loads(lines[5])
@@ -317,3 +315,43 @@ def test_an_aiperf_unit_that_is_not_a_string_is_a_bad_field(
         f"kvlens import: {path}: line 7: metrics.time_to_first_token: has unit \"{{'ms': 1}}\", not one of "
         "ns, us, ms, s, sec: left out",
     ]
+
+
+def test_per_request_arrays_of_different_lengths_refuse_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = json.loads((VLLM / "on.json").read_text())
+    result["input_lens"] = [0] * 200_000  # a 39 KB gzip held 20 million: one bad entry each
+    result["output_lens"] = []
+    path = tmp_path / "lengths.json"
+    path.write_text(json.dumps(result))
+    assert main(["import", "vllm-bench", str(path)]) == 2
+    assert capsys.readouterr() == (
+        "",
+        f"kvlens import: {path}: per-request arrays of different lengths (input_lens 200000, "
+        "output_lens 0, ttfts 40, itls 40, latencies 40, errors 40): not one run's requests\n",
+    )
+
+
+def test_only_the_first_bad_entries_are_kept_the_rest_counted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    count = 5000
+    result = {name: [0] * count for name in ("input_lens", "output_lens", "ttfts", "itls", "latencies")}
+    result["errors"] = [None] * count  # every entry bad
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(result))
+    read = bench_tools.read("vllm-bench", str(path))
+    assert (read.bad_count, len(read.bad), read.records) == (count, bench_tools.KEPT_BAD, [])
+    assert (
+        read.bad[-1]
+        == f"request {bench_tools.KEPT_BAD - 1}: errors: must be a string (empty when the request succeeded)"
+    )
+    assert main(["import", "vllm-bench", str(path)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == bench_tools.KEPT_BAD + 2
+    assert err[-2] == f"kvlens import: ... and {count - bench_tools.KEPT_BAD} more entries left out"
+    assert err[-1] == (
+        "kvlens import: 0 records written (0 of failed requests, with their error and no timings), "
+        f"{count} entries left out as unreadable"
+    )

@@ -12,8 +12,6 @@ from typing import Any
 
 from kvlens.cli.common import check_writable, examples
 
-SHOWN_BAD = 20  # entries named one by one; the rest counted
-
 
 def add_parser(commands: Any) -> None:
     command = commands.add_parser(
@@ -67,15 +65,14 @@ def run(args: argparse.Namespace) -> int:
         except OSError as error:
             print(f"kvlens import: cannot write {args.output}: {error.strerror or error}", file=sys.stderr)
             return 2
-    for problem in imported.bad[:SHOWN_BAD]:
+    for problem in imported.bad:
         print(f"kvlens import: {args.file}: {problem}: left out", file=sys.stderr)
-    if len(imported.bad) > SHOWN_BAD:
-        print(
-            f"kvlens import: ... and {len(imported.bad) - SHOWN_BAD} more entries left out", file=sys.stderr
-        )
+    if imported.bad_count > len(imported.bad):
+        more = imported.bad_count - len(imported.bad)
+        print(f"kvlens import: ... and {more} more entries left out", file=sys.stderr)
     for line in summary(args.tool, imported, args.missing_cached_is_zero):
         print(f"kvlens import: {line}", file=sys.stderr)
-    return 1 if imported.bad or not imported.records else 0
+    return 1 if imported.bad_count or not imported.records else 0
 
 
 def _write(path: Path, data: bytes) -> None:
@@ -111,7 +108,7 @@ def summary(tool: str, imported: Any, missing_cached_is_zero: bool) -> list[str]
     written = len(imported.records)
     lines = [
         f"{written} records written ({imported.failed} of failed requests, with their error and no "
-        f"timings), {len(imported.bad)} entries left out as unreadable"
+        f"timings), {imported.bad_count} entries left out as unreadable"
         + "".join(f", {count} {why} left out" for why, count in sorted(imported.left_out.items()))
     ]
     if imported.without_cached:

@@ -43,6 +43,7 @@ from kvlens.sources.jsonlines import UNDECODABLE, line_chunks, loads, open_file
 TOOLS: Final = ("vllm-bench", "aiperf")
 MAX_RESULT_BYTES: Final = 512 * 1024 * 1024  # one vllm-bench JSON, read whole
 MAX_ERROR_CHARS: Final = 200
+KEPT_BAD: Final = 20  # unreadable entries named one by one; the rest only counted (bounded memory)
 _CHUNK_BYTES: Final = 1 << 20
 _TIME_UNITS: Final = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "sec": 1.0}
 
@@ -63,10 +64,17 @@ class Imported:
     """Records in the tool's request order, and what was not made a record."""
 
     records: list[dict[str, Any]] = field(default_factory=list)
-    bad: list[str] = field(default_factory=list)  # "request 7: ttfts: must be ..."
+    bad: list[str] = field(default_factory=list)  # the first KEPT_BAD: "request 7: ttfts: must be ..."
+    bad_count: int = 0  # every unreadable entry, named in bad or not
     failed: int = 0  # records of requests that failed in the run (kept, with their error)
     left_out: Counter[str] = field(default_factory=Counter)  # e.g. warm-up records
     without_cached: int = 0  # records whose tool gave no cached-token count
+
+    def reject(self, problem: str) -> None:
+        # Only the first few are held: a small gzip can hold millions of bad entries.
+        self.bad_count += 1
+        if len(self.bad) < KEPT_BAD:
+            self.bad.append(problem)
 
     def keep(self, record: dict[str, Any], missing_cached_is_zero: bool) -> None:
         if "error" in record:
@@ -104,15 +112,19 @@ def vllm_bench(result: Any, *, model: str | None = None, missing_cached_is_zero:
             "(per-request arrays)"
         )
     arrays = {name: result[name] for name in _VLLM_ARRAYS}
-    count = max(len(values) for values in arrays.values())
+    lengths = {len(values) for values in arrays.values()}
+    if len(lengths) > 1:  # vLLM writes one entry per request in each: not one run's requests
+        told = ", ".join(f"{name} {len(values)}" for name, values in arrays.items())
+        raise NotThisFormat(f"per-request arrays of different lengths ({told}): not one run's requests")
+    count = lengths.pop()
     model = model if model is not None else _label(result.get("model_id"))
     out = Imported()
     for index in range(count):
         try:
-            entry = {name: _at(values, index, name) for name, values in arrays.items()}
+            entry = {name: values[index] for name, values in arrays.items()}
             record = _vllm_record(index, entry, model)
         except BadEntry as error:
-            out.bad.append(f"request {index}: {error}")
+            out.reject(f"request {index}: {error}")
             continue
         out.keep(record, missing_cached_is_zero)
     return out
@@ -135,12 +147,6 @@ def _vllm_record(index: int, entry: dict[str, Any], model: str | None) -> dict[s
         raise BadEntry("itls", "must be a list of seconds")
     itls = [_seconds(gap, f"itls[{position}]") for position, gap in enumerate(gaps)]
     return record | _timings(ttft, latency, _tokens(entry["output_lens"], "output_lens"), itls)
-
-
-def _at(values: list[Any], index: int, name: str) -> Any:
-    if index >= len(values):
-        raise BadEntry(name, f"has {len(values)} entries; this request has none")
-    return values[index]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,7 +180,7 @@ def aiperf(
             seen[session] = number
             numbered.append((session, _aiperf_record(session, line, model)))
         except BadEntry as error:
-            out.bad.append(f"line {number}: {error}")
+            out.reject(f"line {number}: {error}")
     for _, record in sorted(numbered, key=lambda pair: pair[0]):
         out.keep(record, missing_cached_is_zero)
     return out
