@@ -5,7 +5,9 @@ them; an entry that cannot be read is named (which entry, which field) and the o
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -107,17 +109,15 @@ def test_unreadable_entries_are_named_and_the_others_kept(
     result["ttfts"][3] = "fast"
     result["itls"][5][2] = None
     result["input_lens"][7] = -1
-    result["latencies"] = result["latencies"][:39]
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(result))
     records, err = imported(capsys, "vllm-bench", str(path), "--missing-cached-is-zero", code=1)
-    assert [r["request_id"] for r in records] == [str(i) for i in range(39) if i not in (3, 5, 7)]
-    assert err.splitlines()[:4] == [
+    assert [r["request_id"] for r in records] == [str(i) for i in range(40) if i not in (3, 5, 7)]
+    assert err.splitlines()[:3] == [
         f"kvlens import: {path}: request 3: ttfts: must be a finite number: left out",
         f"kvlens import: {path}: request 5: itls[2]: must be a finite number: left out",
         f"kvlens import: {path}: request 7: input_lens: must be a whole number of tokens from 0 to "
         "10000000: left out",
-        f"kvlens import: {path}: request 39: latencies: has 39 entries; this request has none: left out",
     ]
     lines = (AIPERF / "on" / "profile_export.jsonl").read_text().splitlines()
     second = json.loads(lines[5])
@@ -212,3 +212,146 @@ def test_compare_and_analyze_read_the_imported_runs(
         == 0
     )
     assert sum(group["requests"] for group in json.loads(capsys.readouterr().out)["groups"]) == 40
+
+
+@pytest.mark.timeout(20)
+def test_an_aiperf_line_that_never_ends_stops_the_read_at_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvlens.sources import jsonlines
+
+    monkeypatch.setattr(jsonlines, "MAX_LINE_BYTES", 10_000)
+    good = (AIPERF / "on" / "profile_export.jsonl").read_text().splitlines()[0]
+    path = tmp_path / "endless.jsonl"
+    path.write_bytes(good.encode() + b"\n" + b"0" * (8 << 20))  # /dev/zero's kind: no newline
+    assert main(["import", "aiperf", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == f"kvlens import: {path}: line 2 is longer than 10,000 bytes: not read\n"
+
+
+def test_an_output_that_is_the_input_itself_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "on.json"
+    path.write_bytes((VLLM / "on.json").read_bytes())
+    link = tmp_path / "link.json"
+    link.symlink_to(path)
+    for out in (path, link):
+        assert main(["import", "vllm-bench", str(path), "-o", str(out)]) == 2
+        assert capsys.readouterr().err == f"kvlens import: {out} is {path} itself: not overwritten\n"
+        assert path.read_bytes() == (VLLM / "on.json").read_bytes()
+
+
+def test_an_output_that_cannot_be_written_is_one_line_and_the_old_one_kept(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    on = str(VLLM / "on.json")
+    assert main(["import", "vllm-bench", on, "-o", "/dev/full"]) == 2
+    assert capsys.readouterr().err == "kvlens import: cannot write /dev/full: No space left on device\n"
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(b"the last run\n")
+
+    def full(_fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)  # the disk fills while OUT is written
+    assert main(["import", "vllm-bench", on, "-o", str(out)]) == 2
+    assert capsys.readouterr().err == f"kvlens import: cannot write {out}: No space left on device\n"
+    assert out.read_bytes() == b"the last run\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["out.jsonl"]  # no temporary left beside it
+    monkeypatch.undo()
+    assert main(["import", "vllm-bench", on, "-o", str(out)]) == 0
+    assert len(out.read_bytes().splitlines()) == 40
+    assert [p.name for p in tmp_path.iterdir()] == ["out.jsonl"]
+
+
+def test_a_huge_integer_in_a_number_field_is_a_bad_entry(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    huge = 10**400  # float() of it overflows
+    result = json.loads((VLLM / "on.json").read_text())
+    result["ttfts"][3] = huge
+    result["itls"][5][0] = huge
+    path = tmp_path / "huge.json"
+    path.write_text(json.dumps(result))
+    records, err = imported(capsys, "vllm-bench", str(path), code=1)
+    assert [r["request_id"] for r in records] == [str(i) for i in range(40) if i not in (3, 5)]
+    assert err.splitlines()[:2] == [
+        f"kvlens import: {path}: request 3: ttfts: must be a finite number: left out",
+        f"kvlens import: {path}: request 5: itls[0]: must be a finite number: left out",
+    ]
+    lines = (AIPERF / "on" / "profile_export.jsonl").read_text().splitlines()
+    ttft, start = json.loads(lines[5]), json.loads(lines[6])
+    ttft["metrics"]["time_to_first_token"]["value"] = huge
+    start["metadata"]["request_start_ns"] = huge  # like any start out of range: no arrival_time
+    lines[5], lines[6] = json.dumps(ttft), json.dumps(start)
+    path = tmp_path / "profile_export.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    records, err = imported(capsys, "aiperf", str(path), code=1)
+    assert len(records) == 39
+    assert err.splitlines()[0] == (
+        f"kvlens import: {path}: line 6: metrics.time_to_first_token: must be a finite number: left out"
+    )
+    session = str(start["metadata"]["session_num"])
+    assert next(r for r in records if r["request_id"] == session).get("arrival_time") is None
+
+
+def test_an_aiperf_unit_that_is_not_a_string_is_a_bad_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lines = (AIPERF / "on" / "profile_export.jsonl").read_text().splitlines()
+    for number, unit in ((5, ["ms"]), (6, {"ms": 1})):
+        line = json.loads(lines[number])
+        line["metrics"]["time_to_first_token"]["unit"] = unit
+        lines[number] = json.dumps(line)
+    path = tmp_path / "profile_export.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    records, err = imported(capsys, "aiperf", str(path), code=1)
+    assert len(records) == 38
+    assert err.splitlines()[:2] == [
+        f"kvlens import: {path}: line 6: metrics.time_to_first_token: has unit \"['ms']\", not one of "
+        "ns, us, ms, s, sec: left out",
+        f"kvlens import: {path}: line 7: metrics.time_to_first_token: has unit \"{{'ms': 1}}\", not one of "
+        "ns, us, ms, s, sec: left out",
+    ]
+
+
+def test_per_request_arrays_of_different_lengths_refuse_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = json.loads((VLLM / "on.json").read_text())
+    result["input_lens"] = [0] * 200_000  # a 39 KB gzip held 20 million: one bad entry each
+    result["output_lens"] = []
+    path = tmp_path / "lengths.json"
+    path.write_text(json.dumps(result))
+    assert main(["import", "vllm-bench", str(path)]) == 2
+    assert capsys.readouterr() == (
+        "",
+        f"kvlens import: {path}: per-request arrays of different lengths (input_lens 200000, "
+        "output_lens 0, ttfts 40, itls 40, latencies 40, errors 40): not one run's requests\n",
+    )
+
+
+def test_only_the_first_bad_entries_are_kept_the_rest_counted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    count = 5000
+    result = {name: [0] * count for name in ("input_lens", "output_lens", "ttfts", "itls", "latencies")}
+    result["errors"] = [None] * count  # every entry bad
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(result))
+    read = bench_tools.read("vllm-bench", str(path))
+    assert (read.bad_count, len(read.bad), read.records) == (count, bench_tools.KEPT_BAD, [])
+    assert (
+        read.bad[-1]
+        == f"request {bench_tools.KEPT_BAD - 1}: errors: must be a string (empty when the request succeeded)"
+    )
+    assert main(["import", "vllm-bench", str(path)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == bench_tools.KEPT_BAD + 2
+    assert err[-2] == f"kvlens import: ... and {count - bench_tools.KEPT_BAD} more entries left out"
+    assert err[-1] == (
+        "kvlens import: 0 records written (0 of failed requests, with their error and no timings), "
+        f"{count} entries left out as unreadable"
+    )

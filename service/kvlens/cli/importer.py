@@ -5,13 +5,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from kvlens.cli.common import check_writable, examples
-
-SHOWN_BAD = 20  # entries named one by one; the rest counted
 
 
 def add_parser(commands: Any) -> None:
@@ -46,6 +45,9 @@ def run(args: argparse.Namespace) -> int:
     from kvlens.sources import bench_tools
 
     check_writable(args.output)
+    if args.output is not None and args.file != "-" and _same_file(args.output, args.file):
+        print(f"kvlens import: {args.output} is {args.file} itself: not overwritten", file=sys.stderr)
+        return 2
     try:
         imported = bench_tools.read(
             args.tool, args.file, model=args.model, missing_cached_is_zero=args.missing_cached_is_zero
@@ -58,16 +60,47 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.buffer.write(lines)
         sys.stdout.flush()
     else:
-        args.output.write_bytes(lines)
-    for problem in imported.bad[:SHOWN_BAD]:
+        try:
+            _write(args.output, lines)
+        except OSError as error:
+            print(f"kvlens import: cannot write {args.output}: {error.strerror or error}", file=sys.stderr)
+            return 2
+    for problem in imported.bad:
         print(f"kvlens import: {args.file}: {problem}: left out", file=sys.stderr)
-    if len(imported.bad) > SHOWN_BAD:
-        print(
-            f"kvlens import: ... and {len(imported.bad) - SHOWN_BAD} more entries left out", file=sys.stderr
-        )
+    if imported.bad_count > len(imported.bad):
+        more = imported.bad_count - len(imported.bad)
+        print(f"kvlens import: ... and {more} more entries left out", file=sys.stderr)
     for line in summary(args.tool, imported, args.missing_cached_is_zero):
         print(f"kvlens import: {line}", file=sys.stderr)
-    return 1 if imported.bad or not imported.records else 0
+    return 1 if imported.bad_count or not imported.records else 0
+
+
+def _write(path: Path, data: bytes) -> None:
+    """``data`` into ``path``; a regular path is written beside it and renamed over it, so a
+    write that fails (a full disk) leaves the last OUT whole and no half file. A device or a pipe
+    (/dev/stdout, a FIFO) is written to directly: it cannot be renamed over."""
+    if path.exists() and not path.is_file():
+        with path.open("wb") as stream:
+            stream.write(data)
+        return
+    staged = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # open(): the umask's mode, as OUT's
+    try:
+        with staged.open("xb") as stream:
+            stream.write(data)
+            stream.flush()
+            os.fsync(stream.fileno())  # the bytes on disk before the name points at them
+        os.replace(staged, path)
+    except BaseException:
+        staged.unlink(missing_ok=True)
+        raise
+
+
+def _same_file(output: Path, file: str) -> bool:
+    # samefile, not a name compare: a symlink or another spelling of the input is the input too.
+    try:
+        return os.path.samefile(output, file)
+    except OSError:  # one of them does not exist (yet): not the same file
+        return False
 
 
 def summary(tool: str, imported: Any, missing_cached_is_zero: bool) -> list[str]:
@@ -75,7 +108,7 @@ def summary(tool: str, imported: Any, missing_cached_is_zero: bool) -> list[str]
     written = len(imported.records)
     lines = [
         f"{written} records written ({imported.failed} of failed requests, with their error and no "
-        f"timings), {len(imported.bad)} entries left out as unreadable"
+        f"timings), {imported.bad_count} entries left out as unreadable"
         + "".join(f", {count} {why} left out" for why, count in sorted(imported.left_out.items()))
     ]
     if imported.without_cached:

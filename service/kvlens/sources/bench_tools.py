@@ -31,17 +31,19 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from kvlens.definitions import quantiles
 from kvlens.records import MAX_SECONDS, MAX_TOKENS, MAX_UNIX_TIME
+from kvlens.sources import jsonlines
 from kvlens.sources.jsonlines import UNDECODABLE, line_chunks, loads, open_file
 
 TOOLS: Final = ("vllm-bench", "aiperf")
 MAX_RESULT_BYTES: Final = 512 * 1024 * 1024  # one vllm-bench JSON, read whole
 MAX_ERROR_CHARS: Final = 200
+KEPT_BAD: Final = 20  # unreadable entries named one by one; the rest only counted (bounded memory)
 _CHUNK_BYTES: Final = 1 << 20
 _TIME_UNITS: Final = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "sec": 1.0}
 
@@ -62,10 +64,17 @@ class Imported:
     """Records in the tool's request order, and what was not made a record."""
 
     records: list[dict[str, Any]] = field(default_factory=list)
-    bad: list[str] = field(default_factory=list)  # "request 7: ttfts: must be ..."
+    bad: list[str] = field(default_factory=list)  # the first KEPT_BAD: "request 7: ttfts: must be ..."
+    bad_count: int = 0  # every unreadable entry, named in bad or not
     failed: int = 0  # records of requests that failed in the run (kept, with their error)
     left_out: Counter[str] = field(default_factory=Counter)  # e.g. warm-up records
     without_cached: int = 0  # records whose tool gave no cached-token count
+
+    def reject(self, problem: str) -> None:
+        # Only the first few are held: a small gzip can hold millions of bad entries.
+        self.bad_count += 1
+        if len(self.bad) < KEPT_BAD:
+            self.bad.append(problem)
 
     def keep(self, record: dict[str, Any], missing_cached_is_zero: bool) -> None:
         if "error" in record:
@@ -103,15 +112,19 @@ def vllm_bench(result: Any, *, model: str | None = None, missing_cached_is_zero:
             "(per-request arrays)"
         )
     arrays = {name: result[name] for name in _VLLM_ARRAYS}
-    count = max(len(values) for values in arrays.values())
+    lengths = {len(values) for values in arrays.values()}
+    if len(lengths) > 1:  # vLLM writes one entry per request in each: not one run's requests
+        told = ", ".join(f"{name} {len(values)}" for name, values in arrays.items())
+        raise NotThisFormat(f"per-request arrays of different lengths ({told}): not one run's requests")
+    count = lengths.pop()
     model = model if model is not None else _label(result.get("model_id"))
     out = Imported()
     for index in range(count):
         try:
-            entry = {name: _at(values, index, name) for name, values in arrays.items()}
+            entry = {name: values[index] for name, values in arrays.items()}
             record = _vllm_record(index, entry, model)
         except BadEntry as error:
-            out.bad.append(f"request {index}: {error}")
+            out.reject(f"request {index}: {error}")
             continue
         out.keep(record, missing_cached_is_zero)
     return out
@@ -134,12 +147,6 @@ def _vllm_record(index: int, entry: dict[str, Any], model: str | None) -> dict[s
         raise BadEntry("itls", "must be a list of seconds")
     itls = [_seconds(gap, f"itls[{position}]") for position, gap in enumerate(gaps)]
     return record | _timings(ttft, latency, _tokens(entry["output_lens"], "output_lens"), itls)
-
-
-def _at(values: list[Any], index: int, name: str) -> Any:
-    if index >= len(values):
-        raise BadEntry(name, f"has {len(values)} entries; this request has none")
-    return values[index]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,7 +180,7 @@ def aiperf(
             seen[session] = number
             numbered.append((session, _aiperf_record(session, line, model)))
         except BadEntry as error:
-            out.bad.append(f"line {number}: {error}")
+            out.reject(f"line {number}: {error}")
     for _, record in sorted(numbered, key=lambda pair: pair[0]):
         out.keep(record, missing_cached_is_zero)
     return out
@@ -187,7 +194,7 @@ def _aiperf_record(session: int, line: dict[str, Any], model: str | None) -> dic
     if model is not None:
         record["model"] = model
     start = metadata.get("request_start_ns")
-    if type(start) is int and 0 <= start / 1e9 <= MAX_UNIX_TIME:
+    if type(start) is int and 0 <= start <= MAX_UNIX_TIME * 1e9:  # compared as an int: no overflow
         record["arrival_time"] = start / 1e9
     prompt = _metric(metrics, "usage_prompt_tokens", "input_sequence_length", "error_isl")
     if prompt is None:
@@ -231,7 +238,7 @@ def _metric(metrics: dict[str, Any], *names: str) -> tuple[str, Any] | None:
 
 def _scale(metrics: dict[str, Any], name: str) -> float:
     unit = metrics[name].get("unit")
-    if unit not in _TIME_UNITS:
+    if not isinstance(unit, str) or unit not in _TIME_UNITS:  # a list or object is unhashable
         raise BadEntry(f"metrics.{name}", f"has unit {str(unit)[:20]!r}, not one of {', '.join(_TIME_UNITS)}")
     return _TIME_UNITS[unit]
 
@@ -278,9 +285,14 @@ def _timings(ttft: float, latency: float, output: int, itls: list[float]) -> dic
 
 
 def _number(value: Any, name: str) -> float:
-    if type(value) not in (int, float) or not math.isfinite(value):
+    # float() first: an int past float's range (a 401-digit one) overflows, in isfinite too.
+    try:
+        number = float(value) if type(value) in (int, float) else math.nan
+    except OverflowError:
+        number = math.nan
+    if not math.isfinite(number):
         raise BadEntry(name, "must be a finite number")
-    return float(value)
+    return number
 
 
 def _seconds(value: Any, name: str) -> float:
@@ -325,9 +337,13 @@ def _whole(path: str) -> Any:
     return value
 
 
+def _too_long(line: int) -> None:
+    # Raising is what ends line_chunks' read: a line that never ends (/dev/zero) is not read for good.
+    raise NotThisFormat(f"line {line} is longer than {jsonlines.MAX_LINE_BYTES:,} bytes: not read")
+
+
 def _lines(stream: Any, path: str) -> Iterator[tuple[int, Any]]:
-    too_long: Callable[[int], None] = lambda _line: None  # noqa: E731  # told as malformed below
-    for first, chunk in line_chunks(stream, _CHUNK_BYTES, path=path, too_long=too_long):
+    for first, chunk in line_chunks(stream, _CHUNK_BYTES, path=path, too_long=_too_long):
         for offset, line in enumerate(chunk.split(b"\n")):
             if line.strip():
                 yield first + offset, loads(line)
