@@ -206,3 +206,35 @@ def test_endpoints_whose_fixed_work_would_share_a_file_are_refused() -> None:
         ExperimentError, match="'a-long' and 'a' would share the step fixed-a-long: rename one"
     ):
         quantization.check_names(["a", "b", "a-long"])
+
+
+def finished_step(path: Path, name: str = "rate-4-bf16", **meta: Any) -> Path:
+    """A finished step written by hand: its records and its ``.step.json`` holding ``meta``."""
+    (path / f"{name}.jsonl").write_bytes(b"{}\n")
+    step_json = path / f"{name}.step.json"
+    step_json.write_bytes(orjson.dumps(meta))
+    return step_json
+
+
+def test_a_plan_or_step_file_that_is_not_a_small_regular_file_is_refused_unread(tmp_path: Path) -> None:
+    (tmp_path / "plan.json").symlink_to("/dev/zero")
+    with pytest.raises(ExperimentError) as refused:
+        outdir.OutDir(tmp_path, PLAN).check_plan()
+    assert str(refused.value) == f"{tmp_path / 'plan.json'}: not a regular file: not an out-dir"
+    (tmp_path / "plan.json").unlink()
+    step_json = finished_step(tmp_path)
+    step_json.unlink()
+    step_json.symlink_to("/dev/zero")
+    redo = "; redo the step with --restart"
+    with pytest.raises(ExperimentError) as refused:
+        outdir.finished_steps(tmp_path)
+    assert str(refused.value) == f"{step_json}: not a regular file{redo}"
+    step_json.unlink()
+    with step_json.open("wb") as sparse:  # past the cap without writing 64 MiB
+        sparse.truncate(outdir.MAX_STATE_BYTES + 1)
+    with pytest.raises(ExperimentError) as refused:
+        outdir.finished_steps(tmp_path)
+    assert str(refused.value) == f"{step_json}: over {outdir.MAX_STATE_BYTES} bytes{redo}"
+    step_json.write_bytes(b"{")
+    with pytest.raises(ExperimentError, match=r"rate-4-bf16\.step\.json: not JSON \(.*\); redo the step"):
+        outdir.finished_steps(tmp_path)

@@ -27,6 +27,7 @@ import fcntl
 import hashlib
 import os
 import shlex
+import stat
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -44,6 +45,10 @@ PLAN = "plan.json"
 LOCK = ".kvlens.lock"
 UNFINISHED = ".unfinished"
 STEP_SUFFIX = ".step.json"
+# The most a plan.json or NAME.step.json may hold: a step's engine sample keeps up to 50,000
+# samples (engine_metrics.MAX_SAMPLES), ~15 MB as written with indentation; past the cap (or not
+# a regular file: a FIFO, /dev/zero) the file is refused unread rather than read whole.
+MAX_STATE_BYTES = 64 * 1024 * 1024
 PROGRESS_SECONDS = 10.0  # a progress line this often when stderr is a log, not a terminal
 
 
@@ -154,11 +159,9 @@ class OutDir:
     def state(self) -> dict[str, Any] | None:
         """``plan.json`` as written, or None in a folder without one."""
         try:
-            state = orjson.loads((self.path / PLAN).read_bytes())
+            state = read_state_json(self.path / PLAN, ": not an out-dir")
         except FileNotFoundError:
             return None
-        except (OSError, orjson.JSONDecodeError) as error:
-            raise ExperimentError(f"{self.path / PLAN} cannot be read ({error}): not an out-dir") from None
         if not isinstance(state, dict) or state.get("schema") != SCHEMA:
             raise ExperimentError(f"{self.path / PLAN} is not a kvlens out-dir plan ({SCHEMA})")
         return state
@@ -167,11 +170,9 @@ class OutDir:
         """``NAME``, a JSON file an earlier run kept in the folder beside its steps (a setting of
         the report, not a measurement: no part of the plan), or None when there is none."""
         try:
-            return orjson.loads((self.path / name).read_bytes())
+            return read_state_json(self.path / name, "")
         except FileNotFoundError:
             return None
-        except (OSError, orjson.JSONDecodeError) as error:
-            raise ExperimentError(f"{self.path / name} cannot be read ({error})") from None
 
     def keep_json(self, name: str, value: Any) -> None:
         """Write ``NAME`` into the folder whole (under the lock: from within :meth:`open`)."""
@@ -242,10 +243,40 @@ def _finished_meta(path: Path, name: str) -> dict[str, Any] | None:
     if not (path / f"{name}.jsonl").is_file():
         return None
     try:
-        meta = orjson.loads((path / f"{name}{STEP_SUFFIX}").read_bytes())
-    except (OSError, orjson.JSONDecodeError):
+        meta = read_state_json(path / f"{name}{STEP_SUFFIX}", "; redo the step with --restart")
+    except FileNotFoundError:
         return None  # records without their metadata: from an older kvlens, or not ours
     return meta if isinstance(meta, dict) and meta.get("step") == name and "endpoint" in meta else None
+
+
+def read_state_json(path: Path, advice: str) -> Any:
+    """``path``, a JSON file of the out-dir's state, parsed; FileNotFoundError when there is none.
+    Anything but a regular file of at most MAX_STATE_BYTES is refused unread, as is a file that
+    is not JSON: an ExperimentError naming the file, ending with ``advice``."""
+    try:
+        # O_NONBLOCK: a FIFO in its place must not block the open; O_NOFOLLOW is not wanted (a
+        # symlink to a regular file is a fair way to share a folder's state)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as error:
+        raise ExperimentError(f"{path}: cannot be read ({error.strerror or error}){advice}") from None
+    with os.fdopen(fd, "rb") as file:
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise ExperimentError(f"{path}: not a regular file{advice}")
+            if info.st_size > MAX_STATE_BYTES:
+                raise ExperimentError(f"{path}: over {MAX_STATE_BYTES} bytes{advice}")
+            data = file.read(MAX_STATE_BYTES + 1)  # the size may have grown since fstat
+        except OSError as error:
+            raise ExperimentError(f"{path}: cannot be read ({error.strerror or error}){advice}") from None
+    if len(data) > MAX_STATE_BYTES:
+        raise ExperimentError(f"{path}: over {MAX_STATE_BYTES} bytes{advice}")
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError as error:
+        raise ExperimentError(f"{path}: not JSON ({error}){advice}") from None
 
 
 def _same_plan(path: Path, state: dict[str, Any], plan: Plan) -> None:
