@@ -238,3 +238,29 @@ def test_a_plan_or_step_file_that_is_not_a_small_regular_file_is_refused_unread(
     step_json.write_bytes(b"{")
     with pytest.raises(ExperimentError, match=r"rate-4-bf16\.step\.json: not JSON \(.*\); redo the step"):
         outdir.finished_steps(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "why"),
+    [
+        ("endpoints", [1, None], "endpoints must be a list of names"),
+        ("endpoints", "zz", "endpoints must be a list of names"),
+        ("plan", [1], "plan must be an object"),
+        ("plan_hash", 7, "plan_hash must be a string"),
+        ("experiment", None, "experiment must be a string"),
+    ],
+)
+def test_a_plan_json_of_the_wrong_shape_is_refused_naming_the_field(
+    tmp_path: Path, field: str, value: Any, why: str
+) -> None:
+    with outdir.OutDir(tmp_path, PLAN).open(["bf16"]):
+        pass
+    state = orjson.loads((tmp_path / "plan.json").read_bytes())
+    (tmp_path / "plan.json").write_bytes(orjson.dumps(state | {field: value}))
+    message = f"{tmp_path / 'plan.json'}: not a kvlens out-dir plan: {why}"
+    with pytest.raises(ExperimentError) as refused, outdir.OutDir(tmp_path, PLAN).open(["w4a16"]):
+        pytest.fail("opened")
+    assert str(refused.value) == message
+    with pytest.raises(ExperimentError) as refused:
+        outdir.OutDir(tmp_path, PLAN).check_plan()
+    assert str(refused.value) == message

@@ -164,6 +164,9 @@ class OutDir:
             return None
         if not isinstance(state, dict) or state.get("schema") != SCHEMA:
             raise ExperimentError(f"{self.path / PLAN} is not a kvlens out-dir plan ({SCHEMA})")
+        wrong = _wrong_plan_field(state)
+        if wrong:
+            raise ExperimentError(f"{self.path / PLAN}: not a kvlens out-dir plan: {wrong}")
         return state
 
     def kept_json(self, name: str) -> Any:
@@ -277,6 +280,20 @@ def read_state_json(path: Path, advice: str) -> Any:
         return orjson.loads(data)
     except orjson.JSONDecodeError as error:
         raise ExperimentError(f"{path}: not JSON ({error}){advice}") from None
+
+
+def _wrong_plan_field(state: dict[str, Any]) -> str | None:
+    """What is wrong with the shape of a ``plan.json`` (checked once, where it is read, so the
+    rest takes its fields as written: a string of endpoints is not split into characters)."""
+    endpoints = state.get("endpoints")
+    if not isinstance(endpoints, list) or not all(isinstance(name, str) for name in endpoints):
+        return "endpoints must be a list of names"
+    if not isinstance(state.get("plan"), dict):
+        return "plan must be an object"
+    for name in ("experiment", "plan_hash"):
+        if not isinstance(state.get(name), str):
+            return f"{name} must be a string"
+    return None
 
 
 def _same_plan(path: Path, state: dict[str, Any], plan: Plan) -> None:
