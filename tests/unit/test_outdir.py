@@ -264,3 +264,50 @@ def test_a_plan_json_of_the_wrong_shape_is_refused_naming_the_field(
     with pytest.raises(ExperimentError) as refused:
         outdir.OutDir(tmp_path, PLAN).check_plan()
     assert str(refused.value) == message
+
+
+@pytest.mark.parametrize(
+    ("meta", "why"),
+    [
+        ({"step": "rate-4-bf16", "endpoint": "bf16", "rate": 4.0}, "kind must be one of arm, fixed, rate"),
+        ({"step": "rate-4-bf16", "endpoint": "bf16", "kind": "rate", "rate": "abc"}, "rate must be a number"),
+        ({"step": "rate-4-bf16", "endpoint": "bf16", "kind": "rate", "rate": [1]}, "rate must be a number"),
+        ({"step": "rate-4-bf16", "endpoint": "bf16", "kind": "rate", "rate": None}, "rate must be a number"),
+        (
+            {"step": "rate-4-bf16", "endpoint": "bf16", "kind": "fixed", "concurrency": "x"},
+            "concurrency must be a whole number of 1 or more",
+        ),
+        (
+            {"step": "rate-4-bf16", "endpoint": "bf16", "kind": "arm", "files": "w"},
+            "files must be a list of names",
+        ),
+        ({"step": "rate-4-bf16", "endpoint": 3, "kind": "arm"}, "endpoint must be a string"),
+        ({"step": "other", "endpoint": "bf16", "kind": "arm"}, "step must be rate-4-bf16"),
+        ([1], "not an object"),
+    ],
+)
+def test_a_step_json_of_the_wrong_shape_is_refused_where_it_is_read(
+    tmp_path: Path, meta: Any, why: str
+) -> None:
+    step_json = tmp_path / "rate-4-bf16.step.json"
+    (tmp_path / "rate-4-bf16.jsonl").write_bytes(b"{}\n")
+    step_json.write_bytes(orjson.dumps(meta))
+    message = f"{step_json}: {why}; redo the step with --restart"
+    with pytest.raises(ExperimentError) as refused:
+        outdir.finished_steps(tmp_path)
+    assert str(refused.value) == message
+    # what --dry-run asks: the same answer the run gets
+    with outdir.OutDir(tmp_path, PLAN).open(["bf16"]) as out, pytest.raises(ExperimentError) as refused:
+        out.finished(outdir.Step("rate-4-bf16", "bf16", "rate", 4.0))
+    assert str(refused.value) == message
+
+
+def test_a_step_json_of_each_kind_as_written_is_read_back(tmp_path: Path) -> None:
+    finished_step(tmp_path, "a", step="a", endpoint="on", kind="arm", rate=None, files=["a.warmup.jsonl"])
+    finished_step(tmp_path, "f", step="f", endpoint="bf16", kind="fixed", rate=None, concurrency=4)
+    finished_step(tmp_path, "r", step="r", endpoint="bf16", kind="rate", rate=2)
+    assert [f.step for f in outdir.finished_steps(tmp_path)] == [
+        outdir.Step("a", "on", "arm"),
+        outdir.Step("f", "bf16", "fixed"),
+        outdir.Step("r", "bf16", "rate", 2.0),
+    ]

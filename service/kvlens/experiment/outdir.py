@@ -25,6 +25,7 @@ import dataclasses
 import errno
 import fcntl
 import hashlib
+import math
 import os
 import shlex
 import stat
@@ -237,7 +238,7 @@ def finished_steps(path: Path) -> list[Found]:
         meta = _finished_meta(path, name)
         if meta is not None:
             rate = meta.get("rate")
-            step = Step(name, str(meta["endpoint"]), str(meta["kind"]), None if rate is None else float(rate))
+            step = Step(name, meta["endpoint"], meta["kind"], None if rate is None else float(rate))
             found.append(Found(step, path / f"{name}.jsonl", meta))
     return found
 
@@ -245,11 +246,48 @@ def finished_steps(path: Path) -> list[Found]:
 def _finished_meta(path: Path, name: str) -> dict[str, Any] | None:
     if not (path / f"{name}.jsonl").is_file():
         return None
+    redo = "; redo the step with --restart"
     try:
-        meta = read_state_json(path / f"{name}{STEP_SUFFIX}", "; redo the step with --restart")
+        meta = read_state_json(path / f"{name}{STEP_SUFFIX}", redo)
     except FileNotFoundError:
         return None  # records without their metadata: from an older kvlens, or not ours
-    return meta if isinstance(meta, dict) and meta.get("step") == name and "endpoint" in meta else None
+    wrong = _wrong_step_field(meta, name)
+    if wrong:
+        raise ExperimentError(f"{path / name}{STEP_SUFFIX}: {wrong}{redo}")
+    return meta
+
+
+STEP_KINDS = ("arm", "fixed", "rate")
+
+
+def _wrong_step_field(meta: Any, name: str) -> str | None:
+    """What is wrong with a step's metadata, checked once where it is read, so a dry run and the
+    run agree and the readers of a step (the reports) take its fields as written."""
+    if not isinstance(meta, dict):
+        return "not an object"
+    if meta.get("step") != name:
+        return f"step must be {name}"
+    if not isinstance(meta.get("endpoint"), str):
+        return "endpoint must be a string"
+    kind = meta.get("kind")
+    if kind not in STEP_KINDS:
+        return f"kind must be one of {', '.join(STEP_KINDS)}"
+    rate = meta.get("rate")
+    if (kind == "rate" or rate is not None) and not _is_number(rate):
+        return "rate must be a number"
+    concurrency = meta.get("concurrency")
+    if concurrency is not None and (
+        not isinstance(concurrency, int) or isinstance(concurrency, bool) or concurrency < 1
+    ):
+        return "concurrency must be a whole number of 1 or more"
+    files = meta.get("files", [])
+    if not isinstance(files, list) or not all(isinstance(file, str) for file in files):
+        return "files must be a list of names"
+    return None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def read_state_json(path: Path, advice: str) -> Any:
