@@ -311,3 +311,11 @@ def test_a_step_json_of_each_kind_as_written_is_read_back(tmp_path: Path) -> Non
         outdir.Step("f", "bf16", "fixed"),
         outdir.Step("r", "bf16", "rate", 2.0),
     ]
+
+
+def test_a_lock_file_that_is_not_a_regular_file_is_refused(tmp_path: Path) -> None:
+    lock = tmp_path / ".kvlens.lock"
+    lock.symlink_to("/dev/zero")
+    with pytest.raises(ExperimentError) as refused, outdir._locked(lock, "kvlens"):
+        pytest.fail("locked")
+    assert str(refused.value) == f"cannot lock {lock}: not a regular file"

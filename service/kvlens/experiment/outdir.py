@@ -360,6 +360,8 @@ def _locked(path: Path, command: str) -> Iterator[None]:
     except OSError as error:
         raise ExperimentError(f"cannot lock {path}: {error.strerror or error}") from None
     with lock:
+        if not stat.S_ISREG(os.fstat(lock.fileno()).st_mode):  # /dev/zero: no pid to write in it
+            raise ExperimentError(f"cannot lock {path}: not a regular file")
         try:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as error:
@@ -370,10 +372,13 @@ def _locked(path: Path, command: str) -> Iterator[None]:
                 f"{path.parent} is in use by another run (pid {pid.strip() or 'unknown'}: "
                 f"{other.strip() or 'command unknown'}); wait for it to end, or stop it"
             ) from None
-        lock.seek(0)
-        lock.truncate()
-        lock.write(f"{os.getpid()}\n{command}\n")
-        lock.flush()
+        try:
+            lock.seek(0)
+            lock.truncate()
+            lock.write(f"{os.getpid()}\n{command}\n")
+            lock.flush()
+        except OSError as error:
+            raise ExperimentError(f"cannot lock {path}: {error.strerror or error}") from None
         yield  # closing the file releases the lock; the file stays (removing it would race)
 
 
