@@ -356,7 +356,7 @@ def _locked(path: Path, command: str) -> Iterator[None]:
     """Hold ``flock`` on ``path`` (holding our pid and command) for the run; refuse when another
     process holds it, naming it."""
     try:
-        lock = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644), "r+")
+        lock = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644), "r+", errors="replace")
     except OSError as error:
         raise ExperimentError(f"cannot lock {path}: {error.strerror or error}") from None
     with lock:
@@ -369,8 +369,8 @@ def _locked(path: Path, command: str) -> Iterator[None]:
                 raise ExperimentError(f"cannot lock {path}: {error.strerror or error}") from None
             pid, _, other = lock.read(4096).partition("\n")
             raise ExperimentError(
-                f"{path.parent} is in use by another run (pid {pid.strip() or 'unknown'}: "
-                f"{other.strip() or 'command unknown'}); wait for it to end, or stop it"
+                f"{path.parent} is in use by another run (pid {_shown(pid) or 'unknown'}: "
+                f"{_shown(other) or 'command unknown'}); wait for it to end, or stop it"
             ) from None
         try:
             lock.seek(0)
@@ -380,6 +380,15 @@ def _locked(path: Path, command: str) -> Iterator[None]:
         except OSError as error:
             raise ExperimentError(f"cannot lock {path}: {error.strerror or error}") from None
         yield  # closing the file releases the lock; the file stays (removing it would race)
+
+
+MAX_HOLDER_CHARS = 200  # of the lock holder's pid, and of its command, as shown
+
+
+def _shown(text: str) -> str:
+    """The lock file's text as it may be printed: anyone may write that file, so no escape
+    sequence or line break reaches the terminal, and no more than MAX_HOLDER_CHARS of it."""
+    return "".join(char for char in text.strip() if char.isprintable())[:MAX_HOLDER_CHARS]
 
 
 def _write_json(path: Path, value: Any) -> None:
