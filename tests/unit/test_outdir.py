@@ -324,10 +324,10 @@ def test_a_lock_file_that_is_not_a_regular_file_is_refused(tmp_path: Path) -> No
 def test_the_lock_holders_text_is_shown_printable_and_bounded(tmp_path: Path) -> None:
     lock = tmp_path / ".kvlens.lock"
     with outdir._locked(lock, "kvlens"):
-        lock.write_bytes(b"12\x1b[2J3\xff\n" + b"kvlens \x07run\r" + b"x" * 500 + b"\n")
+        lock.write_bytes(b"12\x1b[2J3\xff\n" + b"kvlens \x07run\r" + b"x" * 2000 + b"\n")
         with pytest.raises(ExperimentError) as refused, outdir._locked(lock, "kvlens"):
             pytest.fail("locked")
-    shown = "kvlens run" + "x" * 190
+    shown = "kvlens run" + "x" * 990
     assert str(refused.value) == (
         f"{tmp_path} is in use by another run (pid 12[2J3\ufffd: {shown}); wait for it to end, or stop it"
     )

@@ -254,6 +254,7 @@ def _finished_meta(path: Path, name: str) -> dict[str, Any] | None:
     wrong = _wrong_step_field(meta, name)
     if wrong:
         raise ExperimentError(f"{path / name}{STEP_SUFFIX}: {wrong}{redo}")
+    assert isinstance(meta, dict)  # checked by _wrong_step_field (for mypy)
     return meta
 
 
@@ -382,7 +383,9 @@ def _locked(path: Path, command: str) -> Iterator[None]:
         yield  # closing the file releases the lock; the file stays (removing it would race)
 
 
-MAX_HOLDER_CHARS = 200  # of the lock holder's pid, and of its command, as shown
+# Of the lock holder's pid, and of its command, as shown: a real run's command (its resume
+# command, placeholders for secrets) runs to several hundred characters and is shown whole.
+MAX_HOLDER_CHARS = 1000
 
 
 def _shown(text: str) -> str:
