@@ -206,3 +206,128 @@ def test_endpoints_whose_fixed_work_would_share_a_file_are_refused() -> None:
         ExperimentError, match="'a-long' and 'a' would share the step fixed-a-long: rename one"
     ):
         quantization.check_names(["a", "b", "a-long"])
+
+
+def finished_step(path: Path, name: str = "rate-4-bf16", **meta: Any) -> Path:
+    """A finished step written by hand: its records and its ``.step.json`` holding ``meta``."""
+    (path / f"{name}.jsonl").write_bytes(b"{}\n")
+    step_json = path / f"{name}.step.json"
+    step_json.write_bytes(orjson.dumps(meta))
+    return step_json
+
+
+def test_a_plan_or_step_file_that_is_not_a_small_regular_file_is_refused_unread(tmp_path: Path) -> None:
+    (tmp_path / "plan.json").symlink_to("/dev/zero")
+    with pytest.raises(ExperimentError) as refused:
+        outdir.OutDir(tmp_path, PLAN).check_plan()
+    assert str(refused.value) == f"{tmp_path / 'plan.json'}: not a regular file: not an out-dir"
+    (tmp_path / "plan.json").unlink()
+    step_json = finished_step(tmp_path)
+    step_json.unlink()
+    step_json.symlink_to("/dev/zero")
+    redo = "; redo the step with --restart"
+    with pytest.raises(ExperimentError) as refused:
+        outdir.finished_steps(tmp_path)
+    assert str(refused.value) == f"{step_json}: not a regular file{redo}"
+    step_json.unlink()
+    with step_json.open("wb") as sparse:  # past the cap without writing 64 MiB
+        sparse.truncate(outdir.MAX_STATE_BYTES + 1)
+    with pytest.raises(ExperimentError) as refused:
+        outdir.finished_steps(tmp_path)
+    assert str(refused.value) == f"{step_json}: over {outdir.MAX_STATE_BYTES} bytes{redo}"
+    step_json.write_bytes(b"{")
+    with pytest.raises(ExperimentError, match=r"rate-4-bf16\.step\.json: not JSON \(.*\); redo the step"):
+        outdir.finished_steps(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "why"),
+    [
+        ("endpoints", [1, None], "endpoints must be a list of names"),
+        ("endpoints", "zz", "endpoints must be a list of names"),
+        ("plan", [1], "plan must be an object"),
+        ("plan_hash", 7, "plan_hash must be a string"),
+        ("experiment", None, "experiment must be a string"),
+    ],
+)
+def test_a_plan_json_of_the_wrong_shape_is_refused_naming_the_field(
+    tmp_path: Path, field: str, value: Any, why: str
+) -> None:
+    with outdir.OutDir(tmp_path, PLAN).open(["bf16"]):
+        pass
+    state = orjson.loads((tmp_path / "plan.json").read_bytes())
+    (tmp_path / "plan.json").write_bytes(orjson.dumps(state | {field: value}))
+    message = f"{tmp_path / 'plan.json'}: not a kvlens out-dir plan: {why}"
+    with pytest.raises(ExperimentError) as refused, outdir.OutDir(tmp_path, PLAN).open(["w4a16"]):
+        pytest.fail("opened")
+    assert str(refused.value) == message
+    with pytest.raises(ExperimentError) as refused:
+        outdir.OutDir(tmp_path, PLAN).check_plan()
+    assert str(refused.value) == message
+
+
+@pytest.mark.parametrize(
+    ("meta", "why"),
+    [
+        ({"step": "rate-4-bf16", "endpoint": "bf16", "rate": 4.0}, "kind must be one of arm, fixed, rate"),
+        ({"step": "rate-4-bf16", "endpoint": "bf16", "kind": "rate", "rate": "abc"}, "rate must be a number"),
+        ({"step": "rate-4-bf16", "endpoint": "bf16", "kind": "rate", "rate": [1]}, "rate must be a number"),
+        ({"step": "rate-4-bf16", "endpoint": "bf16", "kind": "rate", "rate": None}, "rate must be a number"),
+        (
+            {"step": "rate-4-bf16", "endpoint": "bf16", "kind": "fixed", "concurrency": "x"},
+            "concurrency must be a whole number of 1 or more",
+        ),
+        (
+            {"step": "rate-4-bf16", "endpoint": "bf16", "kind": "arm", "files": "w"},
+            "files must be a list of names",
+        ),
+        ({"step": "rate-4-bf16", "endpoint": 3, "kind": "arm"}, "endpoint must be a string"),
+        ({"step": "other", "endpoint": "bf16", "kind": "arm"}, "step must be rate-4-bf16"),
+        ([1], "not an object"),
+    ],
+)
+def test_a_step_json_of_the_wrong_shape_is_refused_where_it_is_read(
+    tmp_path: Path, meta: Any, why: str
+) -> None:
+    step_json = tmp_path / "rate-4-bf16.step.json"
+    (tmp_path / "rate-4-bf16.jsonl").write_bytes(b"{}\n")
+    step_json.write_bytes(orjson.dumps(meta))
+    message = f"{step_json}: {why}; redo the step with --restart"
+    with pytest.raises(ExperimentError) as refused:
+        outdir.finished_steps(tmp_path)
+    assert str(refused.value) == message
+    # what --dry-run asks: the same answer the run gets
+    with outdir.OutDir(tmp_path, PLAN).open(["bf16"]) as out, pytest.raises(ExperimentError) as refused:
+        out.finished(outdir.Step("rate-4-bf16", "bf16", "rate", 4.0))
+    assert str(refused.value) == message
+
+
+def test_a_step_json_of_each_kind_as_written_is_read_back(tmp_path: Path) -> None:
+    finished_step(tmp_path, "a", step="a", endpoint="on", kind="arm", rate=None, files=["a.warmup.jsonl"])
+    finished_step(tmp_path, "f", step="f", endpoint="bf16", kind="fixed", rate=None, concurrency=4)
+    finished_step(tmp_path, "r", step="r", endpoint="bf16", kind="rate", rate=2)
+    assert [f.step for f in outdir.finished_steps(tmp_path)] == [
+        outdir.Step("a", "on", "arm"),
+        outdir.Step("f", "bf16", "fixed"),
+        outdir.Step("r", "bf16", "rate", 2.0),
+    ]
+
+
+def test_a_lock_file_that_is_not_a_regular_file_is_refused(tmp_path: Path) -> None:
+    lock = tmp_path / ".kvlens.lock"
+    lock.symlink_to("/dev/zero")
+    with pytest.raises(ExperimentError) as refused, outdir._locked(lock, "kvlens"):
+        pytest.fail("locked")
+    assert str(refused.value) == f"cannot lock {lock}: not a regular file"
+
+
+def test_the_lock_holders_text_is_shown_printable_and_bounded(tmp_path: Path) -> None:
+    lock = tmp_path / ".kvlens.lock"
+    with outdir._locked(lock, "kvlens"):
+        lock.write_bytes(b"12\x1b[2J3\xff\n" + b"kvlens \x07run\r" + b"x" * 2000 + b"\n")
+        with pytest.raises(ExperimentError) as refused, outdir._locked(lock, "kvlens"):
+            pytest.fail("locked")
+    shown = "kvlens run" + "x" * 990
+    assert str(refused.value) == (
+        f"{tmp_path} is in use by another run (pid 12[2J3\ufffd: {shown}); wait for it to end, or stop it"
+    )

@@ -25,8 +25,10 @@ import dataclasses
 import errno
 import fcntl
 import hashlib
+import math
 import os
 import shlex
+import stat
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -44,6 +46,10 @@ PLAN = "plan.json"
 LOCK = ".kvlens.lock"
 UNFINISHED = ".unfinished"
 STEP_SUFFIX = ".step.json"
+# The most a plan.json or NAME.step.json may hold: a step's engine sample keeps up to 50,000
+# samples (engine_metrics.MAX_SAMPLES), ~15 MB as written with indentation; past the cap (or not
+# a regular file: a FIFO, /dev/zero) the file is refused unread rather than read whole.
+MAX_STATE_BYTES = 64 * 1024 * 1024
 PROGRESS_SECONDS = 10.0  # a progress line this often when stderr is a log, not a terminal
 
 
@@ -154,24 +160,23 @@ class OutDir:
     def state(self) -> dict[str, Any] | None:
         """``plan.json`` as written, or None in a folder without one."""
         try:
-            state = orjson.loads((self.path / PLAN).read_bytes())
+            state = read_state_json(self.path / PLAN, ": not an out-dir")
         except FileNotFoundError:
             return None
-        except (OSError, orjson.JSONDecodeError) as error:
-            raise ExperimentError(f"{self.path / PLAN} cannot be read ({error}): not an out-dir") from None
         if not isinstance(state, dict) or state.get("schema") != SCHEMA:
             raise ExperimentError(f"{self.path / PLAN} is not a kvlens out-dir plan ({SCHEMA})")
+        wrong = _wrong_plan_field(state)
+        if wrong:
+            raise ExperimentError(f"{self.path / PLAN}: not a kvlens out-dir plan: {wrong}")
         return state
 
     def kept_json(self, name: str) -> Any:
         """``NAME``, a JSON file an earlier run kept in the folder beside its steps (a setting of
         the report, not a measurement: no part of the plan), or None when there is none."""
         try:
-            return orjson.loads((self.path / name).read_bytes())
+            return read_state_json(self.path / name, "")
         except FileNotFoundError:
             return None
-        except (OSError, orjson.JSONDecodeError) as error:
-            raise ExperimentError(f"{self.path / name} cannot be read ({error})") from None
 
     def keep_json(self, name: str, value: Any) -> None:
         """Write ``NAME`` into the folder whole (under the lock: from within :meth:`open`)."""
@@ -233,7 +238,7 @@ def finished_steps(path: Path) -> list[Found]:
         meta = _finished_meta(path, name)
         if meta is not None:
             rate = meta.get("rate")
-            step = Step(name, str(meta["endpoint"]), str(meta["kind"]), None if rate is None else float(rate))
+            step = Step(name, meta["endpoint"], meta["kind"], None if rate is None else float(rate))
             found.append(Found(step, path / f"{name}.jsonl", meta))
     return found
 
@@ -241,11 +246,93 @@ def finished_steps(path: Path) -> list[Found]:
 def _finished_meta(path: Path, name: str) -> dict[str, Any] | None:
     if not (path / f"{name}.jsonl").is_file():
         return None
+    redo = "; redo the step with --restart"
     try:
-        meta = orjson.loads((path / f"{name}{STEP_SUFFIX}").read_bytes())
-    except (OSError, orjson.JSONDecodeError):
+        meta = read_state_json(path / f"{name}{STEP_SUFFIX}", redo)
+    except FileNotFoundError:
         return None  # records without their metadata: from an older kvlens, or not ours
-    return meta if isinstance(meta, dict) and meta.get("step") == name and "endpoint" in meta else None
+    wrong = _wrong_step_field(meta, name)
+    if wrong:
+        raise ExperimentError(f"{path / name}{STEP_SUFFIX}: {wrong}{redo}")
+    assert isinstance(meta, dict)  # checked by _wrong_step_field (for mypy)
+    return meta
+
+
+STEP_KINDS = ("arm", "fixed", "rate")
+
+
+def _wrong_step_field(meta: Any, name: str) -> str | None:
+    """What is wrong with a step's metadata, checked once where it is read, so a dry run and the
+    run agree and the readers of a step (the reports) take its fields as written."""
+    if not isinstance(meta, dict):
+        return "not an object"
+    if meta.get("step") != name:
+        return f"step must be {name}"
+    if not isinstance(meta.get("endpoint"), str):
+        return "endpoint must be a string"
+    kind = meta.get("kind")
+    if kind not in STEP_KINDS:
+        return f"kind must be one of {', '.join(STEP_KINDS)}"
+    rate = meta.get("rate")
+    if (kind == "rate" or rate is not None) and not _is_number(rate):
+        return "rate must be a number"
+    concurrency = meta.get("concurrency")
+    if concurrency is not None and (
+        not isinstance(concurrency, int) or isinstance(concurrency, bool) or concurrency < 1
+    ):
+        return "concurrency must be a whole number of 1 or more"
+    files = meta.get("files", [])
+    if not isinstance(files, list) or not all(isinstance(file, str) for file in files):
+        return "files must be a list of names"
+    return None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def read_state_json(path: Path, advice: str) -> Any:
+    """``path``, a JSON file of the out-dir's state, parsed; FileNotFoundError when there is none.
+    Anything but a regular file of at most MAX_STATE_BYTES is refused unread, as is a file that
+    is not JSON: an ExperimentError naming the file, ending with ``advice``."""
+    try:
+        # O_NONBLOCK: a FIFO in its place must not block the open; O_NOFOLLOW is not wanted (a
+        # symlink to a regular file is a fair way to share a folder's state)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as error:
+        raise ExperimentError(f"{path}: cannot be read ({error.strerror or error}){advice}") from None
+    with os.fdopen(fd, "rb") as file:
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise ExperimentError(f"{path}: not a regular file{advice}")
+            if info.st_size > MAX_STATE_BYTES:
+                raise ExperimentError(f"{path}: over {MAX_STATE_BYTES} bytes{advice}")
+            data = file.read(MAX_STATE_BYTES + 1)  # the size may have grown since fstat
+        except OSError as error:
+            raise ExperimentError(f"{path}: cannot be read ({error.strerror or error}){advice}") from None
+    if len(data) > MAX_STATE_BYTES:
+        raise ExperimentError(f"{path}: over {MAX_STATE_BYTES} bytes{advice}")
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError as error:
+        raise ExperimentError(f"{path}: not JSON ({error}){advice}") from None
+
+
+def _wrong_plan_field(state: dict[str, Any]) -> str | None:
+    """What is wrong with the shape of a ``plan.json`` (checked once, where it is read, so the
+    rest takes its fields as written: a string of endpoints is not split into characters)."""
+    endpoints = state.get("endpoints")
+    if not isinstance(endpoints, list) or not all(isinstance(name, str) for name in endpoints):
+        return "endpoints must be a list of names"
+    if not isinstance(state.get("plan"), dict):
+        return "plan must be an object"
+    for name in ("experiment", "plan_hash"):
+        if not isinstance(state.get(name), str):
+            return f"{name} must be a string"
+    return None
 
 
 def _same_plan(path: Path, state: dict[str, Any], plan: Plan) -> None:
@@ -270,10 +357,12 @@ def _locked(path: Path, command: str) -> Iterator[None]:
     """Hold ``flock`` on ``path`` (holding our pid and command) for the run; refuse when another
     process holds it, naming it."""
     try:
-        lock = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644), "r+")
+        lock = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644), "r+", errors="replace")
     except OSError as error:
         raise ExperimentError(f"cannot lock {path}: {error.strerror or error}") from None
     with lock:
+        if not stat.S_ISREG(os.fstat(lock.fileno()).st_mode):  # /dev/zero: no pid to write in it
+            raise ExperimentError(f"cannot lock {path}: not a regular file")
         try:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as error:
@@ -281,14 +370,28 @@ def _locked(path: Path, command: str) -> Iterator[None]:
                 raise ExperimentError(f"cannot lock {path}: {error.strerror or error}") from None
             pid, _, other = lock.read(4096).partition("\n")
             raise ExperimentError(
-                f"{path.parent} is in use by another run (pid {pid.strip() or 'unknown'}: "
-                f"{other.strip() or 'command unknown'}); wait for it to end, or stop it"
+                f"{path.parent} is in use by another run (pid {_shown(pid) or 'unknown'}: "
+                f"{_shown(other) or 'command unknown'}); wait for it to end, or stop it"
             ) from None
-        lock.seek(0)
-        lock.truncate()
-        lock.write(f"{os.getpid()}\n{command}\n")
-        lock.flush()
+        try:
+            lock.seek(0)
+            lock.truncate()
+            lock.write(f"{os.getpid()}\n{command}\n")
+            lock.flush()
+        except OSError as error:
+            raise ExperimentError(f"cannot lock {path}: {error.strerror or error}") from None
         yield  # closing the file releases the lock; the file stays (removing it would race)
+
+
+# Of the lock holder's pid, and of its command, as shown: a real run's command (its resume
+# command, placeholders for secrets) runs to several hundred characters and is shown whole.
+MAX_HOLDER_CHARS = 1000
+
+
+def _shown(text: str) -> str:
+    """The lock file's text as it may be printed: anyone may write that file, so no escape
+    sequence or line break reaches the terminal, and no more than MAX_HOLDER_CHARS of it."""
+    return "".join(char for char in text.strip() if char.isprintable())[:MAX_HOLDER_CHARS]
 
 
 def _write_json(path: Path, value: Any) -> None:
