@@ -27,10 +27,26 @@ WRITE_TIMEOUT = 1.0
 LARGE_DETOKENIZE = orjson.dumps({"tokens": [31_999] * MAX_TOKEN_IDS})
 
 
+# Long enough that the unread answers surely hold their slots while the test looks (on a busy
+# 2-core CI machine the slots were freed at a 1 s deadline before the first look came)
+HOLDING_WRITE_TIMEOUT = 10.0
+
+
+def simulated(write_timeout: float) -> Running:
+    env = {"KVLENS_WRITE_TIMEOUT_SECONDS": str(write_timeout)}
+    return start_kvlens("simulate", "serve", "--speed", "1000", env=env, ready="/health")
+
+
 @pytest.fixture
 def server() -> Iterator[Running]:
-    env = {"KVLENS_WRITE_TIMEOUT_SECONDS": str(WRITE_TIMEOUT)}
-    running = start_kvlens("simulate", "serve", "--speed", "1000", env=env, ready="/health")
+    running = simulated(WRITE_TIMEOUT)
+    yield running
+    running.output()
+
+
+@pytest.fixture
+def holding_server() -> Iterator[Running]:
+    running = simulated(HOLDING_WRITE_TIMEOUT)
     yield running
     running.output()
 
@@ -140,21 +156,24 @@ def test_a_token_id_prompt_past_the_context_is_refused_from_its_length_before_it
     assert message.startswith("This model's maximum context length is 32768 tokens."), message
 
 
-def test_heavy_requests_at_work_are_bounded_and_the_rest_refused_503(server: Running) -> None:
+def test_heavy_requests_at_work_are_bounded_and_the_rest_refused_503(holding_server: Running) -> None:
     """WORK_AT_ONCE unread 9.4 MB answers hold every slot until their write deadline: one
     more /detokenize is refused 503 with Retry-After (small ones included; /health still
     answers), and once the deadline dropped them it is served. Before: any number were worked on
     at once, on the event loop."""
-    holders = [unread(server, "/detokenize", LARGE_DETOKENIZE) for _ in range(WORK_AT_ONCE)]
+    holders = [unread(holding_server, "/detokenize", LARGE_DETOKENIZE) for _ in range(WORK_AT_ONCE)]
     try:
+        for sock in holders:  # each admitted and answering before anything else asks for a slot
+            sock.settimeout(30)
+            assert sock.recv(12, socket.MSG_PEEK) == b"HTTP/1.1 200"
 
         def refused() -> bool:
-            answer = httpx.post(f"{server.url}/detokenize", json={"tokens": [65]}, timeout=30)
+            answer = httpx.post(f"{holding_server.url}/detokenize", json={"tokens": [65]}, timeout=30)
             return answer.status_code == 503 and answer.headers.get("retry-after") == "1"
 
         until(refused, timeout=20)
-        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
-        until(lambda: not refused(), timeout=10 * WRITE_TIMEOUT)
+        assert httpx.get(f"{holding_server.url}/health", timeout=10).status_code == 200
+        until(lambda: not refused(), timeout=3 * HOLDING_WRITE_TIMEOUT)
     finally:
         for sock in holders:
             sock.close()
