@@ -239,7 +239,7 @@ def _prefix_cache_report(
 
 
 def _quantization(args: argparse.Namespace) -> int:
-    from kvlens.experiment import capacity, quantization, quantization_text
+    from kvlens.experiment import capacity, quantization, quantization_report, quantization_text
 
     reports.check_error_rate(args.max_error_rate)
     requests, _, block_size = read_requests(args)
@@ -247,7 +247,7 @@ def _quantization(args: argparse.Namespace) -> int:
     endpoints = quantization.endpoints_from(
         args.endpoint, lambda url: Endpoint(url.rstrip("/"), args.model, api_key(args, url), args.timeout)
     )
-    targets = quantization.Targets(args.slo_ttft, args.slo_itl, args.slo_attainment, args.long_context)
+    targets = quantization_report.Targets(args.slo_ttft, args.slo_itl, args.slo_attainment, args.long_context)
     if args.concurrency < 1:
         raise ExperimentError("--concurrency must be at least 1")
     rates = quantization.parse_rates(args.rates) if args.rates else None
@@ -329,7 +329,7 @@ def _quantization(args: argparse.Namespace) -> int:
         if sys.stderr.isatty():
             print(file=sys.stderr)  # past the progress line
         state = out.state() or {}
-        result = quantization.merged(
+        result = quantization_report.merged(
             out.found(),
             list(state.get("endpoints", endpoints)),
             targets,
