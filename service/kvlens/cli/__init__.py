@@ -39,7 +39,7 @@ COMMANDS = (
     "bandwidth",
     "import",
 )
-MODULES = {"import": "importer"}
+MODULES = {"import": "importer"}  # `import` is a Python keyword: no module can have that name
 # Errors of a write to an open file: a full disk, a quota, a file past its size limit, a failing device.
 _WRITE_FAILURES = {
     errno.ENOSPC,
