@@ -46,7 +46,6 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 
-from kvlens.definitions import quantiles
 from kvlens.errors import InputError, ScrapeError
 from kvlens.experiment import calls
 from kvlens.experiment.prompts import PromptSynthesizer
@@ -54,6 +53,7 @@ from kvlens.experiment.stream import MAX_LINE_BYTES as MAX_LINE_BYTES  # the rep
 from kvlens.experiment.stream import Exchange, Failed, StreamClient
 from kvlens.simulate.trace import TraceRequest
 from kvlens.sources.usage import Usage, read_usage
+from kvlens.stats import itl_percentiles
 
 log = logging.getLogger("kvlens.experiment")
 
@@ -382,14 +382,10 @@ def _fill(
     record["ttft_seconds"] = ttft
     record["e2e_seconds"] = end
     record["decode_seconds"] = end - ttft
-    # Plain Python: a few dozen gaps; numpy's percentile costs ~100 us a call on the client's loop.
-    gaps = sorted(later - earlier for earlier, later in itertools.pairwise(times))
     record["output_tokens"] = len(stream.token_times)
-    if gaps:
-        p50, p99 = quantiles(len(gaps), (0.5, 0.99), lambda ranks: [gaps[rank] for rank in ranks])
-        record["client_itl_p50_seconds"] = p50
-        record["client_itl_p99_seconds"] = p99
-        record["client_tpot_seconds"] = (times[-1] - times[0]) / len(gaps)  # vLLM's time per output token
+    record.update(itl_percentiles(later - earlier for earlier, later in itertools.pairwise(times)))
+    if len(times) > 1:  # vLLM's time per output token: the mean gap
+        record["client_tpot_seconds"] = (times[-1] - times[0]) / (len(times) - 1)
     record.update(usage.counts())
     if usage.cached_tokens is not None:
         return
