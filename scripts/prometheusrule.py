@@ -263,7 +263,9 @@ ALERT_RULES = (
     Alert(
         "KVLensIngestRefused",
         summed(
-            promql.selector(metrics.INGEST_REFUSED.exposed_name, f'reason!~"{"|".join(RETRIED_REFUSALS)}"'),
+            promql.selector(
+                metrics.INGEST_REFUSED.exposed_name, promql.one_of("reason", RETRIED_REFUSALS, negate=True)
+            ),
             "15m",
             (*SIDECAR, "reason"),
             indent="",
