@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import gc
+import json
 import tracemalloc
+from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvlens.analysis.tenants import cross_tenant
+from kvlens.cli import main
 from kvlens.config import load_settings
 from kvlens.errors import SettingsError
 from kvlens.exporter.aggregator import Aggregator
@@ -18,7 +23,8 @@ from kvlens.exporter.app import create_app
 from kvlens.exporter.collector import KVLensCollector
 from kvlens.records import Validated, batch_from_objects
 from kvlens.tenancy import BYTES_PER_BLOCK, BlockStorers, CrossTenantHit, tenant_key
-from tests.tenants import CROSS_TENANT_TOKENS, scenario
+from tests.json_outputs import validate
+from tests.tenants import CROSS_TENANT_TOKENS, PAIRS, scenario
 
 
 def batch_of(records: list[dict[str, Any]]) -> Validated:
@@ -185,3 +191,56 @@ def test_bad_tenants_are_rejected_by_field_and_the_records_beside_them_count(fas
     assert answer["rejected"][0]["message"] == "must be printable UTF-8 of at most 128 bytes"
     assert "line" not in str(answer)  # the value is never echoed
     assert 'kvlens_tenant_requests_total{cache="miss",tenant="A"} 2.0' in metrics
+
+
+def test_analyze_reports_the_same_pairs_and_tokens(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "records.jsonl"
+    shuffled = scenario()[::-1]  # analyze takes them in arrival order, whatever the file's order
+    path.write_bytes(b"".join(orjson.dumps(record) + b"\n" for record in shuffled))
+    assert main(["analyze", str(path), "--engine", "numpy", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    validate(report)
+    section = report["cross_tenant"]
+    assert section["cross_tenant_cached_tokens"] == sum(CROSS_TENANT_TOKENS.values())
+    assert {
+        (p["storer"], p["getter"]): (p["cached_tokens"], p["example_request_ids"]) for p in section["pairs"]
+    } == PAIRS
+    assert [p["getter"] for p in section["pairs"]] == ["B", "A"]  # most tokens first
+    assert (section["records_checked"], section["remember_blocks"], section["pairs_left_out"]) == (7, 20, 0)
+    assert main(["analyze", str(path), "--engine", "numpy", "--markdown"]) == 0
+    assert "| A | B | 112 | 4 | r2, r3, r6, r9 |" in capsys.readouterr().out
+
+
+def test_analyze_lists_at_most_the_first_pairs_and_examples() -> None:
+    records = [
+        {
+            "request_id": f"s{i}",
+            "tenant": f"s{i}",
+            "prompt_tokens": 16,
+            "cached_tokens": 0,
+            "prefix_hashes": [i],
+        }
+        for i in range(30)
+    ] + [
+        {
+            "request_id": f"g{i}-{k}",
+            "tenant": "g",
+            "prompt_tokens": 16,
+            "cached_tokens": 16,
+            "prefix_hashes": [i],
+        }
+        for i in range(30)
+        for k in range(7)
+    ]
+    section = cross_tenant(batch_of(records).batch)
+    assert section is not None and len(section["pairs"]) == 20 and section["pairs_left_out"] == 10
+    assert section["pairs"][0] == {
+        "storer": "s0",
+        "getter": "g",
+        "cached_tokens": 7 * 16,
+        "requests": 7,
+        "example_request_ids": [f"g0-{k}" for k in range(5)],
+    }
+    assert cross_tenant(batch_of([{"tenant": "a", "prompt_tokens": 1, "cached_tokens": 0}]).batch) is None

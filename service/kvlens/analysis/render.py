@@ -142,11 +142,44 @@ def _terminal_records(console: Any, report: dict[str, Any]) -> None:
     console.print(models)
     for item in report["diagnosis"]:
         console.print(f"[bold]{item['severity'].upper()}[/bold] {item['title']}\n  {item['detail']}")
+    if "cross_tenant" in report:
+        console.print(_cross_tenant_line(report["cross_tenant"]), markup=False)
+        if report["cross_tenant"]["pairs"]:
+            shared = _table("Tenants sharing a cache scope", CROSS_TENANT_HEADER)
+            for row in _cross_tenant_rows(report["cross_tenant"]):
+                shared.add_row(*row)
+            console.print(shared)
     for example in report["input"]["skipped_examples"][:5]:
         console.print(
             f"skipped {example['file']}:{example['line']}: {example['field'] or 'line'} {example['message']}",
             markup=False,
         )
+
+
+CROSS_TENANT_HEADER = ["storer", "getter", "cached tokens", "requests", "first request ids"]
+
+
+def _cross_tenant_line(section: dict[str, Any]) -> str:
+    return (
+        f"Cross-tenant cache reuse: {section['cross_tenant_cached_tokens']:,} cached tokens over blocks "
+        f"another tenant stored, in {section['records_checked']:,} records with a tenant and prefix_hashes"
+    )
+
+
+def _cross_tenant_rows(section: dict[str, Any]) -> list[list[str]]:
+    rows = [
+        [
+            p["storer"],
+            p["getter"],
+            f"{p['cached_tokens']:,}",
+            f"{p['requests']:,}",
+            ", ".join(p["example_request_ids"]),
+        ]
+        for p in section["pairs"]
+    ]
+    if section["pairs_left_out"]:
+        rows.append(["", f"{section['pairs_left_out']:,} more pairs", "", "", ""])
+    return rows
 
 
 def _table(title: str, header: list[str]) -> Any:
@@ -234,6 +267,11 @@ def _markdown_records(report: dict[str, Any]) -> list[str]:
     out += [f"- **{d['severity']}** {d['title']}: {d['detail']}" for d in report["diagnosis"]] or [
         "- nothing found"
     ]
+    if "cross_tenant" in report:
+        section = report["cross_tenant"]
+        out += ["", "## Tenants sharing a cache scope", "", f"- {_cross_tenant_line(section)}"]
+        if section["pairs"]:
+            out += ["", _md_table(CROSS_TENANT_HEADER, _cross_tenant_rows(section))]
     return [*out, ""]
 
 
