@@ -22,6 +22,7 @@ from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.app import create_app
 from kvlens.exporter.collector import KVLensCollector
 from kvlens.records import Validated, batch_from_objects
+from kvlens.sources import formats
 from kvlens.tenancy import BYTES_PER_BLOCK, BlockStorers, CrossTenantHit, tenant_key
 from tests.json_outputs import validate
 from tests.tenants import CROSS_TENANT_TOKENS, PAIRS, scenario
@@ -244,3 +245,17 @@ def test_analyze_lists_at_most_the_first_pairs_and_examples() -> None:
         "example_request_ids": [f"g0-{k}" for k in range(5)],
     }
     assert cross_tenant(batch_of([{"tenant": "a", "prompt_tokens": 1, "cached_tokens": 0}]).batch) is None
+
+
+def test_a_tail_field_mapping_reads_the_tenant_from_a_gateway_log() -> None:
+    convert = formats.converter(
+        "kvlens",
+        fields={
+            "tenant": "metadata.team",
+            "prompt_tokens": "usage.prompt_tokens",
+            "cached_tokens": "usage.cached",
+        },
+    )
+    line = {"metadata": {"team": "A", "cache_salt": "s"}, "usage": {"prompt_tokens": 32, "cached": 16}}
+    validated = batch_from_objects([convert(line)])
+    assert validated.batch.tenant == ["A"] and len(validated.rejections) == 0

@@ -60,7 +60,11 @@ class Record(BaseModel):
         None, description="Arrival, unix seconds (for ordering and replay, not for latency)."
     )
     replica: LabelText | None = Field(None, description="Engine replica or data-parallel rank.")
-    tenant: LabelText | None = Field(None, description="Tenant; a label only when enabled.")
+    tenant: LabelText | None = Field(
+        None,
+        description="Tenant (a label of the kvlens_tenant_* families, bounded by tenants / max_tenants "
+        "as model is; never a user id or a salt).",
+    )
     finish_reason: Annotated[str, Field(max_length=32)] | None = Field(
         None, description="stop, length, abort, error, ..."
     )
