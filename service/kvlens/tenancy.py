@@ -108,8 +108,10 @@ class BlockStorers:
         others = [] if mine.issuperset(found) else [i for i, s in enumerate(found) if s not in mine]
         for position in others:
             storer = found[position]
+            if storer is None:  # never: None is one of mine
+                continue
             if position < cached:
-                got[storer] = got.get(storer, 0) + 1  # type: ignore[index]
+                got[storer] = got.get(storer, 0) + 1
             else:  # this tenant computed its own copy
                 storers[keys[position]] = _SEVERAL
         deque(map(storers.move_to_end, [k for k, s in zip(keys, found, strict=True) if s is not None]), 0)

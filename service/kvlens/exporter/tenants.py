@@ -89,7 +89,8 @@ class TenantAccounts:
 
             def by_unit(values: npt.NDArray[np.float64] | None) -> npt.NDArray[np.float64]:
                 weights = None if values is None else values[rows]
-                return np.bincount(unit_slot, weights, minlength=size).reshape(len(UNITS), self._slots)
+                sums = np.bincount(unit_slot, weights, minlength=size).astype(np.float64)
+                return sums.reshape(len(UNITS), self._slots)
 
             self._requests += np.bincount(slots * 2 + hit, minlength=self._slots * 2).reshape(self._slots, 2)
             self._prompt_tokens += by_slot(reduced.prompt_tokens)
