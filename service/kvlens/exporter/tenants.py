@@ -77,9 +77,11 @@ class TenantAccounts:
             return
         names = list(dict.fromkeys(tenants))
         with self._lock:  # labels are admitted in arrival order
-            slot_of = {name: self._labels.index_of(name) for name in names if name is not None}
-            rows = np.fromiter((name is not None for name in tenants), bool, len(tenants))
-            slots = np.fromiter((slot_of[name] for name in tenants if name is not None), np.intp)
+            slot_of: dict[str | None, int] = {name: self._labels.index_of(name) for name in names if name}
+            slot_of[None] = -1
+            codes = np.fromiter(map(slot_of.__getitem__, tenants), np.intp, len(tenants))
+            rows = codes >= 0
+            slots = codes[rows]
             hit = reduced.hit[rows].astype(np.intp)
             unit_slot = reduced.unit[rows].astype(np.intp) * self._slots + slots
             size = len(UNITS) * self._slots
