@@ -78,34 +78,39 @@ class TenantAccounts:
         names = list(dict.fromkeys(tenants))
         with self._lock:  # labels are admitted in arrival order
             slot_of: dict[str | None, int] = {name: self._labels.index_of(name) for name in names if name}
-            slot_of[None] = -1
-            codes = np.fromiter(map(slot_of.__getitem__, tenants), np.intp, len(tenants))
-            rows = codes >= 0
-            slots = codes[rows]
-            hit = reduced.hit[rows].astype(np.intp)
-            unit_slot = reduced.unit[rows].astype(np.intp) * self._slots + slots
-            size = len(UNITS) * self._slots
+        slot_of[None] = -1
+        codes = np.fromiter(map(slot_of.__getitem__, tenants), np.intp, len(tenants))
+        rows = codes >= 0
+        take: npt.NDArray[np.bool_] | slice = slice(None) if rows.all() else rows  # often all: no copies
+        slots = codes[take]
+        width = self._slots
+        unit_slot = reduced.unit[take].astype(np.intp) * width + slots
+        size = len(UNITS) * width
 
-            def by_slot(values: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-                return np.bincount(slots, values[rows], minlength=self._slots).astype(np.int64)
+        def by_slot(values: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+            return np.bincount(slots, values[take], minlength=width).astype(np.int64)
 
-            def by_unit(values: npt.NDArray[np.float64] | None) -> npt.NDArray[np.float64]:
-                weights = None if values is None else values[rows]
-                sums = np.bincount(unit_slot, weights, minlength=size).astype(np.float64)
-                return sums.reshape(len(UNITS), self._slots)
+        def by_unit(values: npt.NDArray[np.float64] | None) -> npt.NDArray[np.float64]:
+            weights = None if values is None else values[take]
+            return (
+                np.bincount(unit_slot, weights, minlength=size).astype(np.float64).reshape(len(UNITS), width)
+            )
 
-            self._requests += np.bincount(slots * 2 + hit, minlength=self._slots * 2).reshape(self._slots, 2)
-            self._prompt_tokens += by_slot(reduced.prompt_tokens)
-            self._cached_tokens += by_slot(reduced.cached_tokens)
-            self._prompt_work += by_unit(reduced.prompt_work)
-            self._reused_work += by_unit(reduced.reused_work)
-            self._work_requests += by_unit(None).astype(np.int64)
-            self._overflow += int(np.count_nonzero(slots == self._labels.other))
-            if self.storers is not None:
+        requests = np.bincount(slots * 2 + reduced.hit[take], minlength=width * 2).reshape(width, 2)
+        prompt_tokens, cached_tokens = by_slot(reduced.prompt_tokens), by_slot(reduced.cached_tokens)
+        prompt_work, reused_work = by_unit(reduced.prompt_work), by_unit(reduced.reused_work)
+        work_requests = by_unit(None).astype(np.int64)
+        with self._lock:
+            self._requests += requests
+            self._prompt_tokens += prompt_tokens
+            self._cached_tokens += cached_tokens
+            self._prompt_work += prompt_work
+            self._reused_work += reused_work
+            self._work_requests += work_requests
+            self._overflow += int(requests[self._labels.other].sum())
+            if self.storers is not None:  # in the order batches are counted, as the labels
                 for found in self.storers.add(batch):
-                    getter = tenants[found.row]
-                    if getter is not None:  # always: the storers take only records with a tenant
-                        self._cross[slot_of[getter]] += found.tokens
+                    self._cross[slot_of[tenants[found.row]]] += found.tokens
 
     def snapshot(self) -> TenantSnapshot:
         with self._lock:
