@@ -294,6 +294,21 @@ ALERT_RULES = (
         "on a replica while another replica held their blocks (KV events), and the request hit "
         "ratio did not change: requests go where their prefix is not.",
     ),
+    # A tenant's requests got cached tokens over blocks only another tenant had stored (records'
+    # prefix_hashes, with tenant_remember_blocks): more than 0 (threshold) in 15 minutes. Any such
+    # hit breaks "never put different tenants in one shared cache scope"; no `for`, as a hit is
+    # not a level that settles. Per sidecar and tenant: the sidecar that saw it names the path.
+    Alert(
+        "KVLensCrossTenantReuse",
+        summed("kvlens_cross_tenant_cached_tokens_total", "15m", (*SIDECAR, "tenant"), fn="increase")
+        + " > 0\n",
+        "0m",
+        "warning",
+        "Tenant {{ $labels.tenant }} got cached tokens stored by another tenant ({{ $labels.instance }})",
+        "{{ $value | humanize }} prompt tokens of tenant {{ $labels.tenant }}'s requests in 15 minutes came "
+        "from blocks only another tenant had stored: two tenants share a cache scope (a salt dropped, "
+        "or none set). kvlens analyze on the records names the pairs and the first request ids.",
+    ),
 )
 
 

@@ -27,6 +27,7 @@ from scripts.dashboards.queries import (
     series_of,
     summed,
 )
+from scripts.dashboards.tenants import tenants
 
 
 def overview() -> dash.Dashboard:
@@ -37,7 +38,16 @@ def overview() -> dash.Dashboard:
         "model by prompt length, hit beside miss; reconciliation with the engine's counters.",
         with_model=True,
     )
-    for row in (paying_off, per_pod, per_model, latency, against_the_engine, why_reuse_is_lost, gpu_time):
+    for row in (
+        paying_off,
+        per_pod,
+        per_model,
+        latency,
+        against_the_engine,
+        why_reuse_is_lost,
+        gpu_time,
+        tenants,
+    ):
         board = row(board)
     return board
 

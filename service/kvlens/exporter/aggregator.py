@@ -20,46 +20,18 @@ import numpy.typing as npt
 from kvlens import definitions
 from kvlens.config import Settings
 from kvlens.definitions import UNITS, prompt_length_labels
-from kvlens.records import REASONS, RecordBatch, Validated, valid_label
+from kvlens.exporter.labels import OTHER_MODEL, ClosedLabels
+from kvlens.exporter.tenants import TenantAccounts
+from kvlens.records import REASONS, RecordBatch, Validated
 from kvlens.reduce import HIT_CODES, Reduced, codes_of, pack_hit, prefixes_of, reduce, unpack_hit
 
 Int64Array = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
 
-OTHER_MODEL = "other"
 CONTEXT_WINDOW = 1000  # requests: the weight of the context-length mean
 CACHE_LABELS = ("miss", "hit")
 TTFT_COMPONENTS = ("queue", "prefill", "other")
 LATENCY_FIELDS = ("queue_seconds", "prefill_seconds", "ttft_seconds", "e2e_seconds")
-
-
-class ModelLabels:
-    """The closed set of ``model`` label values: an allow-list, or the first K names seen.
-    Everything else becomes ``other`` (the last index), and so does a name that is ``other``
-    itself (the overflow value is reserved: it never takes a slot of its own, so no series is
-    exported twice) or that is not a valid label value."""
-
-    def __init__(self, settings: Settings, capacity: int | None = None) -> None:
-        self.fixed = bool(settings.models)
-        self.capacity = len(settings.models) if self.fixed else capacity or settings.max_models
-        self.default = settings.default_model
-        self.names: list[str] = list(settings.models)
-        self._index = {name: i for i, name in enumerate(self.names)}
-        self.other = self.capacity
-
-    def index_of(self, name: str) -> int:
-        """Label index for ``name``; admits new names while there is room. Call under a lock."""
-        found = self._index.get(name)
-        if found is not None:
-            return found
-        if self.fixed or len(self.names) >= self.capacity or name == OTHER_MODEL or not valid_label(name):
-            return self.other
-        self._index[name] = len(self.names)
-        self.names.append(name)
-        return self._index[name]
-
-    def label(self, index: int) -> str:
-        return OTHER_MODEL if index == self.other else self.names[index]
 
 
 @dataclass
@@ -210,7 +182,7 @@ class Aggregator:
         self.settings = settings
         self.sources = ("push", "vllm_plugin", "otlp", *(("tail",) if settings.tails else ()), *extra_sources)
         self._lock = threading.Lock()
-        self._models = ModelLabels(settings)
+        self._models = ClosedLabels(settings.models, settings.max_models, settings.default_model)
         self._length_edges = np.asarray(settings.prompt_length_edges, np.int64)
         self._length_labels = prompt_length_labels(settings.prompt_length_edges)
         self._latency_edges = np.asarray(settings.latency_buckets_seconds, np.float64)
@@ -221,6 +193,7 @@ class Aggregator:
             self._groups, self._model_slots, self._latency_edges.size, self._reuse_edges.size
         )
         self._health = _HealthCounts()
+        self.tenants = TenantAccounts(settings.tenants, settings.max_tenants, settings.tenant_remember_blocks)
         # Context length (prompt + output) per model, an exponentially weighted mean over about
         # the last CONTEXT_WINDOW requests: the decode traffic estimate needs "now", not a lifetime.
         self._context = np.full(self._model_slots, np.nan)
@@ -241,6 +214,7 @@ class Aggregator:
             slots = lookup[reduced.model_codes]
             overflow = int(np.count_nonzero(slots == self._models.other))
             sums = self._sum(batch, reduced, slots)
+            self.tenants.add(batch, reduced)
             context = self._context_means(batch, slots)
         rejected = validated.rejections.counts_by_reason()
         with self._lock:
