@@ -191,7 +191,7 @@ def test_the_usual_payloads_take_the_compiled_path_and_the_rest_msgspec() -> Non
     usual = [
         vllm.BlockStored([1, 2], None, tokens, BLOCK, None, "GPU", None),
         vllm.BlockStored([3], 2, tokens[:2], BLOCK, None, "CPU", None, [None], 0, "full_attention", 0),
-        vllm.BlockRemoved([1], "GPU", group_idx=1),
+        vllm.BlockRemoved([1], "GPU", group_idx=0),
         vllm.AllBlocksCleared(),
     ]
     sglang = [["BlockStored", [4], None, tokens[:2], BLOCK, None, None, None], ["BlockRemoved", [4]]]
@@ -208,9 +208,12 @@ def test_the_usual_payloads_take_the_compiled_path_and_the_rest_msgspec() -> Non
         {"block_hashes": [5], "type": "BlockRemoved"},  # the tag not first
         {"type": "BlockRemoved", "block_hashes": [5], "surprise": 1},  # an unknown field
         {"type": "BlockMoved"},
+        # a hybrid model's other KV cache groups and kinds (kvlens.fleet.groups)
+        vllm.BlockRemoved([1], "GPU", group_idx=1),
+        vllm.BlockStored([5], None, tokens[:2], BLOCK, None, "GPU", None, None, 0, "sliding_window"),
     ]
     index = Counting()
-    assert index.apply_payload("a", vllm.encode(vllm.KVEventBatch(TS, usual, 0))) == [2, 1, 1, 0, 1]
+    assert index.apply_payload("a", vllm.encode(vllm.KVEventBatch(TS, usual, 0))) == [2, 1, 1, 0, 0]
     assert index.apply_payload("a", msgspec.msgpack.encode([TS, sglang])) == [1, 1, 0, 0, 0]
     before = tables(index)
     for event in unusual:

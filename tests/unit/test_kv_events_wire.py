@@ -512,3 +512,47 @@ def test_the_first_epoch_seen_and_a_comeback_after_vanishing_are_no_restart() ->
     c.add(Publisher("a", "tcp://a:5557"))
     c.message("a", 0, batch(), None, b"e2")
     assert (c.status["a"].restarts, c.status["a"].gaps) == (0, 0)
+
+
+def test_a_hybrid_models_prefix_is_held_only_where_every_full_attention_group_holds_it() -> None:
+    """vLLM 0.33's hybrid model (two full-attention groups, a sliding-window and a Mamba group),
+    its events encoded with vLLM's own structs: a removal from any full-attention group ends the
+    hit; the other kinds' events change nothing held; the stores of one group are followed."""
+    c = consumer()
+    kinds = ["full_attention", "mla_attention", "sliding_window", "mamba"]
+    c.message(
+        "a",
+        0,
+        batch(
+            *(
+                stored([1, 2], None, FIRST + SECOND, group_idx=g, kv_cache_spec_kind=k)
+                for g, k in enumerate(kinds)
+            )
+        ),
+        None,
+    )
+    assert c.index.recomputed == {("a", NEW): 2}
+    assert c.index.snapshot().held == {("a", "GPU"): 2}
+    c.message(
+        "a",
+        1,
+        batch(vllm.BlockRemoved([1], "GPU", group_idx=2), vllm.BlockRemoved([1], "GPU", group_idx=3)),
+        None,
+    )
+    assert c.index.snapshot().held == {("a", "GPU"): 2}  # a window's or a state's eviction: still a prefix
+    c.message("a", 2, batch(vllm.BlockRemoved([2], "GPU", group_idx=1)), None)
+    assert c.index.snapshot().held == {("a", "GPU"): 1}  # group 1 lost it: no hit on block 2 here
+    c.message("a", 3, batch(stored([2], 1, SECOND, group_idx=0, kv_cache_spec_kind="full_attention")), None)
+    assert c.index.recomputed == {("a", NEW): 2, ("a", EVICTED_HERE): 1}
+    assert c.status["a"].other_group_events == 5  # groups 1-3's stores, groups 2-3's removals
+
+
+def test_a_hybrid_model_whose_first_group_is_a_sliding_window_follows_its_full_attention_group() -> None:
+    c = consumer()
+    window = stored([1], None, FIRST, group_idx=0, kv_cache_spec_kind="sliding_window")
+    full = stored([1], None, FIRST, group_idx=1, kv_cache_spec_kind="full_attention")
+    c.message("a", 0, batch(window, full), None)
+    c.message("a", 1, batch(vllm.BlockRemoved([1], "GPU", group_idx=0)), None)  # the window's: no loss
+    assert c.index.recomputed == {("a", NEW): 1}
+    assert c.index.snapshot().held == {("a", "GPU"): 1}
+    assert c.index.unknown_removed == 0

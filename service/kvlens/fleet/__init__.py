@@ -3,6 +3,7 @@
 - :mod:`.index`: the content-keyed block index and the causes (new, evicted_here, held_elsewhere,
   evicted_elsewhere; held_here, unknown);
 - :mod:`.limits`: the fleet's limits and tiers (imports nothing: the settings read them);
+- :mod:`.groups`: a hybrid model's KV cache groups, which of their events the index follows;
 - :mod:`.schema`: the events' fields, one table, from which vLLM's structs (for publishing) and
   both readers are built;
 - :mod:`.wire`: vLLM's and SGLang's event format, decoded by msgspec (every payload the compiled

@@ -79,6 +79,7 @@ import msgspec
 import numpy as np
 
 from kvlens.errors import MissingExtra
+from kvlens.fleet.groups import KVCacheGroups
 from kvlens.fleet.limits import (
     MAX_BLOCK_SIZE,
     MAX_HELD_BLOCKS,
@@ -277,6 +278,7 @@ class FleetIndex:
         self._free = list(range(MAX_REPLICAS - 1, -1, -1))  # slots, the lowest taken first
         # the counters of forgotten replicas, by name: exported counters never go back
         self._retired: dict[str, np.ndarray[Any, np.dtype[np.int64]]] = {}
+        self.groups = KVCacheGroups()  # a hybrid model's KV cache groups, per replica (kvlens.fleet.groups)
 
     # --- feeding ---------------------------------------------------------------------------
 
@@ -326,6 +328,7 @@ class FleetIndex:
         row[:] = 0
         del self._replicas[name]
         self._free.append(state.number)
+        self.groups.forget(name)
 
     def drop_forgotten(self, name: str) -> None:
         """Drop the counters kept for ``name``, a forgotten replica (not one followed now)."""
@@ -435,6 +438,8 @@ class FleetIndex:
         class (growing and shrinking tables, ``AllBlocksCleared``). Returns what
         became of the events (events of each type, malformed, of other KV cache groups: left out),
         or None, nothing changed, for a payload the loop leaves to msgspec."""
+        if replica in self.groups.hybrid:  # its removals need its groups' kinds: msgspec's path
+            return None
         k = self._k
         state = self._replicas.get(replica) or self.replica(replica)
         params = self._params

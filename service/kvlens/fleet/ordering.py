@@ -90,7 +90,7 @@ class PublisherStatus:
     malformed_events: int = 0
     unknown_events: int = 0
     unknown_fields: int = 0
-    other_group_events: int = 0  # events of KV cache groups past the first, left out
+    other_group_events: int = 0  # events of KV cache groups not followed (kvlens.fleet.groups)
     errors: int = 0  # messages whose handling failed unexpectedly (a kvlens bug; logged)
     refused_batches: int = 0  # dropped: every replica slot of the index in use by others
     last_message: float = 0.0

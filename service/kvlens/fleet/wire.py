@@ -39,6 +39,7 @@ from typing import Any, Final
 
 import msgspec
 
+from kvlens.fleet.groups import FOLLOW
 from kvlens.fleet.index import FleetIndex
 from kvlens.fleet.limits import medium_label
 from kvlens.fleet.schema import (
@@ -234,19 +235,25 @@ def _keys(event: Any) -> tuple[list[Any] | None, str | None]:
 
 APPLIED: Final = "applied"
 MALFORMED: Final = "malformed"  # token ids that do not fill its blocks: dropped
-OTHER_GROUP: Final = "other_group"  # a KV cache group past the first: left out
+OTHER_GROUP: Final = "other_group"  # a KV cache group the index does not follow (kvlens.fleet.groups)
 
 
 def apply(index: FleetIndex, replica: str, event: Event) -> str:
     """Feed one decoded event to ``index``: :data:`APPLIED`, or why not.
 
-    Only the first KV cache group is followed (``group_idx`` 0 or absent): a hybrid model (full
-    and sliding-window attention) announces a block once per group, and the groups evict
-    differently; counting every group would count each block several times."""
+    A hybrid model's KV cache groups (full attention, sliding window, Mamba) announce a block once
+    per group and evict differently: :class:`kvlens.fleet.groups.KVCacheGroups` says which events
+    the index follows (the stores of one full-attention group, the removals of all of them)."""
     fields: Any = event  # a struct built from the table (kvlens.fleet.schema): read by name
-    if getattr(fields, "group_idx", None) not in (None, 0):
-        return OTHER_GROUP
     kind = _KIND[type(event)]
+    if kind != CLEARED:
+        group = getattr(fields, "group_idx", None)
+        spec = getattr(fields, "kv_cache_spec_kind", None) if kind == STORED else None
+        groups = index.groups  # a model of one group (the usual) costs the test alone
+        if (group not in (None, 0) or spec is not None or replica in groups.hybrid) and groups.role(
+            replica, group, spec, store=kind == STORED
+        ) != FOLLOW:
+            return OTHER_GROUP
     if kind == STORED:
         extra = fields.extra_keys
         if extra is not None and len(extra) != len(fields.block_hashes):
