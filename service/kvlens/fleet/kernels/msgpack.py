@@ -17,9 +17,9 @@ import numpy as np
 from numba import njit
 
 from kvlens.fleet import schema
+from kvlens.fleet.groups import PREFIX_KINDS
 from kvlens.fleet.kernels.stamp import BUILT_FROM
 from kvlens.fleet.limits import MAX_BLOCK_SIZE, MEDIUM_TIERS, OTHER_TIER
-from kvlens.fleet.groups import PREFIX_KINDS
 from kvlens.fleet.schema import EXTRA, GROUP, HASHES, INT, INTS, KIND, MEDIUM, NIL, PARENT, SIZE, TOKENS
 
 E_TYPE, E_OUTCOME, E_TIER, E_BLOCK_SIZE, E_HAS_PARENT = range(5)
