@@ -448,6 +448,11 @@ class Settings(BaseSettings):
         le=60,
         description="Batches from different replicas are applied in timestamp order after this wait.",
     )
+    kv_events_require_cache_salt: bool = Field(
+        False,
+        description="Every tenant must be salted: blocks of GPU stores that start a chain without a cache "
+        "salt are counted (kvlens_kv_unsalted_blocks_stored_total, alert KVLensUnsaltedCacheBlocks).",
+    )
     kv_events_shard: str = Field(
         "0/1", description="i/N: keep only the blocks of shard i of N (N kvlens on the same publishers)."
     )

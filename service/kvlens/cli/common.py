@@ -196,6 +196,7 @@ def settings_from(args: argparse.Namespace, **overrides: Any) -> Settings:
         kv_events=kv_events_from(getattr(args, "kv_events", None)),
         kv_events_dns=getattr(args, "kv_events_dns", None),
         kv_events_shard=getattr(args, "kv_events_shard", None),
+        kv_events_require_cache_salt=getattr(args, "require_cache_salt", None),
         tails=tails_from(
             getattr(args, "tail", None), getattr(args, "formats", None), getattr(args, "model", None)
         ),

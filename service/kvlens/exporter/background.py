@@ -33,6 +33,7 @@ def fleet_index(settings: Settings) -> FleetIndex:
         remember_blocks=settings.kv_events_remember_blocks,
         max_held_blocks=settings.kv_events_max_held_blocks,
         shard=parse_shard(settings.kv_events_shard),
+        require_cache_salt=settings.kv_events_require_cache_salt,
     )
 
 

@@ -378,6 +378,13 @@ KV_UNKNOWN_REMOVED = MetricSpec(
     (),
     "Removed blocks whose store kvlens never saw (it started later, or a gap lost it).",
 )
+KV_UNSALTED_BLOCKS = MetricSpec(
+    "kvlens_kv_unsalted_blocks_stored",
+    "counter",
+    ("replica",),
+    "Blocks of GPU stores that start a chain without a cache salt (vLLM's extra keys, SGLang's "
+    "cache_salt): a tenant's prefix in the shared cache scope. Exported with require_cache_salt only.",
+)
 KV_DNS_REPLICAS = MetricSpec(
     "kvlens_kv_dns_replicas",
     "gauge",
@@ -411,6 +418,7 @@ KV: Final = (
     KV_FORGOTTEN,
     KV_UNTRACKED,
     KV_UNKNOWN_REMOVED,
+    KV_UNSALTED_BLOCKS,
     KV_DNS_REPLICAS,
     KV_DNS_FAILURES,
 )  # with --kv-events

@@ -71,7 +71,7 @@ import importlib.util
 import threading
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, cast
 
@@ -224,6 +224,9 @@ class IndexSnapshot:
     untracked_blocks: int
     unknown_removed: int
     memory_bytes: int
+    # replica -> blocks of primary-tier stores that start a chain without a cache salt (counted
+    # with ``require_cache_salt`` only, by shard 0 only)
+    unsalted_blocks: dict[str, int] = field(default_factory=dict)
 
 
 _NO_TOKENS: Final = np.zeros(0, np.uint64)
@@ -246,6 +249,7 @@ class FleetIndex:
         remember_blocks: int = REMEMBER_BLOCKS,
         max_held_blocks: int = MAX_HELD_BLOCKS,
         shard: tuple[int, int] = (0, 1),
+        require_cache_salt: bool = False,
     ) -> None:
         if not compiled_loops_available():  # before serving, not at the first event
             raise MissingExtra("the fleet index", "kv-events")
@@ -278,6 +282,9 @@ class FleetIndex:
         self._free = list(range(MAX_REPLICAS - 1, -1, -1))  # slots, the lowest taken first
         # the counters of forgotten replicas, by name: exported counters never go back
         self._retired: dict[str, np.ndarray[Any, np.dtype[np.int64]]] = {}
+        # with it, blocks stored at the start of a chain without a salt are counted (note_chain_start)
+        self.require_cache_salt = require_cache_salt
+        self._unsalted: Counter[str] = Counter()  # replica -> blocks; kept when it is forgotten
         self.groups = KVCacheGroups()  # a hybrid model's KV cache groups, per replica (kvlens.fleet.groups)
 
     # --- feeding ---------------------------------------------------------------------------
@@ -334,6 +341,7 @@ class FleetIndex:
         """Drop the counters kept for ``name``, a forgotten replica (not one followed now)."""
         if name not in self._replicas:
             self._retired.pop(name, None)
+            self._unsalted.pop(name, None)
 
     def _mine(self, key: int) -> bool:
         return self.shard_count == 1 or key % self.shard_count == self.shard_index
@@ -450,6 +458,8 @@ class FleetIndex:
             position, stop, value, *tally = k.apply_payload(payload, position, self._arrays(state))
             if stop == k.DONE:
                 tally[k.T_MALFORMED] += malformed
+                if self.require_cache_salt and tally[k.STORED_EVENT]:
+                    self._count_unsalted(replica, payload)
                 return cast("list[int]", tally)  # numba answers ints
             malformed += tally[k.T_MALFORMED]
             if stop == k.UNREAD:
@@ -469,6 +479,36 @@ class FleetIndex:
                 self.cleared(replica)
                 params[k.P_REPLICA] = state.number
                 position += 1
+
+    def note_chain_start(self, replica: str, blocks: int, *, salted: bool) -> None:
+        """A primary-tier store of ``blocks`` blocks whose first has no parent (a chain's start),
+        with a cache salt or not: the unsalted ones counted with ``require_cache_salt`` (shard 0
+        only, so that shards' counts add up to the fleet's). The salt itself is never kept."""
+        if self.require_cache_salt and not salted and self.shard_index == 0:
+            self._unsalted[replica] += blocks
+
+    def _count_unsalted(self, replica: str, payload: bytes) -> None:
+        """The chain starts of a payload the compiled loop applied: none of its stores carried a
+        salt (a salt, in extra keys or SGLang's fields, leaves the payload to msgspec), so each
+        primary-tier store applied without a parent is unsalted. The payload is read again (only
+        with ``require_cache_salt``: its cost, about a third of the loop's, is paid then only)."""
+        reader = self._reader
+        events = reader.read_batch(payload)[1]
+        starts = (
+            (events[:, reader.E_TYPE] == reader.STORED_EVENT)
+            & (events[:, reader.E_OUTCOME] == reader.APPLY)
+            & (events[:, reader.E_HAS_PARENT] == 0)
+            & (events[:, reader.E_TIER] == 0)
+            # the loop drops a store whose token ids do not fill its blocks (malformed)
+            & (
+                events[:, reader.E_TOKENS_END] - events[:, reader.E_TOKENS]
+                == (events[:, reader.E_HASHES_END] - events[:, reader.E_HASHES])
+                * events[:, reader.E_BLOCK_SIZE]
+            )
+        )
+        blocks = int((events[starts, reader.E_HASHES_END] - events[starts, reader.E_HASHES]).sum())
+        if blocks:
+            self.note_chain_start(replica, blocks, salted=False)
 
     def removed(self, replica: str, block_hashes: Sequence[EngineHash], *, medium: str | None = None) -> None:
         """One ``BlockRemoved``."""
@@ -578,6 +618,7 @@ class FleetIndex:
                 untracked_blocks=self.untracked,
                 unknown_removed=self.unknown_removed,
                 memory_bytes=self.memory_bytes(),
+                unsalted_blocks={name: count for name, count in self._unsalted.items() if count},
             )
 
     def memory_bytes(self) -> int:

@@ -41,7 +41,7 @@ import msgspec
 
 from kvlens.fleet.groups import FOLLOW
 from kvlens.fleet.index import FleetIndex
-from kvlens.fleet.limits import medium_label
+from kvlens.fleet.limits import PRIMARY, medium_label
 from kvlens.fleet.schema import (
     CLEARED,
     EVENT_TYPES,
@@ -220,17 +220,30 @@ def _decode_event(raw: bytes, out: Decoded) -> None:
         out.malformed_events += 1
 
 
-def _keys(event: Any) -> tuple[list[Any] | None, str | None]:
-    """(extra keys, LoRA name) of a store as the index takes them: SGLang's cache salt (a field
-    of its maps, or the metadata map its arrays send where vLLM's have ``lora_name``) folded
-    into each block's extra keys, as vLLM's salt is in its own."""
+def _keys(event: Any) -> tuple[list[Any] | None, str | None, bool]:
+    """(extra keys, LoRA name, whether salted) of a store as the index takes them: SGLang's cache
+    salt (a field of its maps, or the metadata map its arrays send where vLLM's have
+    ``lora_name``) folded into each block's extra keys, as vLLM's salt is in its own."""
     extra, lora_name = event.extra_keys, event.lora_name
     salt = getattr(event, "cache_salt", None)
     if isinstance(lora_name, dict):
         salt, lora_name = lora_name.get("cache_salt"), None
     if salt is None:
-        return extra, lora_name
-    return [[key, "cache_salt", salt] for key in extra or [None] * len(event.block_hashes)], lora_name
+        return extra, lora_name, _salted(extra, lora_name)
+    keys = [[key, "cache_salt", salt] for key in extra or [None] * len(event.block_hashes)]
+    return keys, lora_name, True
+
+
+def _salted(extra: list[Any] | None, lora_name: str | None) -> bool:
+    """Whether vLLM's extra keys carry a cache salt on the first block. vLLM 0.33 publishes them
+    untagged, in order: the LoRA name (when ``lora_name`` is set), the multimodal ``(identifier,
+    offset)`` pairs (arrays), the salt (a text), the prompt-embedding digests (bytes): a text past
+    the LoRA name is the salt. Its value is not looked at (it is no label, log line or report)."""
+    first = extra[0] if extra else None
+    if not isinstance(first, list | tuple):
+        return False
+    texts = sum(isinstance(key, str) for key in first)
+    return texts > (1 if lora_name is not None and first[0] == lora_name else 0)
 
 
 APPLIED: Final = "applied"
@@ -258,18 +271,21 @@ def apply(index: FleetIndex, replica: str, event: Event) -> str:
         extra = fields.extra_keys
         if extra is not None and len(extra) != len(fields.block_hashes):
             return MALFORMED
-        extra, lora_name = _keys(fields)
+        extra, lora_name, salted = _keys(fields)
+        medium = medium_label(fields.medium)
         if not index.stored(  # it checks the token ids (left as msgpack by the decoder)
             replica,
             fields.block_hashes,
             fields.parent_block_hash,
             fields.token_ids,
             fields.block_size,
-            medium=medium_label(fields.medium),
+            medium=medium,
             extra_keys=extra,
             lora_name=lora_name,
         ):
             return MALFORMED
+        if fields.parent_block_hash is None and medium == PRIMARY:
+            index.note_chain_start(replica, len(fields.block_hashes), salted=salted)
     elif kind == REMOVED:
         index.removed(replica, fields.block_hashes, medium=medium_label(fields.medium))
     else:
