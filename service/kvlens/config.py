@@ -40,6 +40,7 @@ from kvlens.fleet.limits import (
     REMEMBERED_ENTRY_BYTES,
     VANISHED_RETENTION_SECONDS,
 )
+from kvlens.fleet.settings import TrtllmEventsSetting
 from kvlens.http.access import loopback
 from kvlens.records import MAX_LABEL_BYTES, valid_label
 from kvlens.sources import formats
@@ -447,6 +448,14 @@ class Settings(BaseSettings):
         ge=0,
         le=60,
         description="Batches from different replicas are applied in timestamp order after this wait.",
+    )
+    kv_events_trtllm: list[TrtllmEventsSetting] = Field(
+        [],
+        description="TensorRT-LLM servers whose KV cache events are drained (`--kv-events-trtllm NAME=URL`): "
+        "POST URL/kv_cache_events every kv_events_trtllm_poll_seconds; no other client may drain them.",
+    )
+    kv_events_trtllm_poll_seconds: float = Field(
+        1.0, gt=0, le=60, description="Seconds between drains of each kv_events_trtllm server."
     )
     kv_events_require_cache_salt: bool = Field(
         False,

@@ -297,7 +297,7 @@ class Consumer:
                 self.index.drop_forgotten(name)
             self._last_ts.pop(name, None)
 
-    def _admitted(self, replica: str, status: PublisherStatus) -> bool:
+    def admitted(self, replica: str, status: PublisherStatus) -> bool:
         """Whether the index has a slot for ``replica`` (called under the index's lock); else its
         batch is dropped and counted, and the refusal logged once (not per batch) until a slot
         frees up and takes it."""
@@ -318,7 +318,7 @@ class Consumer:
     def _apply(self, replica: str, status: PublisherStatus, payload: bytes) -> None:
         status.batches += 1
         with self.index.lock:
-            if not self._admitted(replica, status):
+            if not self.admitted(replica, status):
                 return
             # the usual payload: read and applied in one compiled call
             tally = self.index.apply_payload(replica, payload)
