@@ -556,3 +556,46 @@ def test_a_hybrid_model_whose_first_group_is_a_sliding_window_follows_its_full_a
     assert c.index.recomputed == {("a", NEW): 1}
     assert c.index.snapshot().held == {("a", "GPU"): 1}
     assert c.index.unknown_removed == 0
+
+
+def test_a_removal_of_one_copy_leaves_the_chain_another_copy_backs() -> None:
+    """vLLM #55092's case, as vLLM 0.33's block pool publishes it: request A caches H1 -> H2 -> H3;
+    the same prompt again recomputes its last block, a second physical copy of H3; request B
+    extends the chain to H5. Evicting A's copy of H3 announces BlockRemoved(H3), while the other
+    copy still backs the chain: the replica still holds H1..H5 (another replica storing them
+    finds all five held elsewhere); the second removal ends it."""
+    c = consumer()
+    third = [9, 8, 7, 6]
+    c.message("a", 0, batch(stored([1, 2, 3], None, FIRST + SECOND + third)), None)
+    c.message("a", 1, batch(stored([3], 2, third)), None)  # the recomputed last block: a copy
+    c.message("a", 2, batch(stored([4, 5], 3, FIRST + SECOND)), None)
+    c.message("a", 3, batch(vllm.BlockRemoved([3], "GPU")), None)
+    assert c.index.snapshot().held == {("a", "GPU"): 5}
+    c.message("b", 0, batch(stored([1, 2, 3, 4, 5], None, FIRST + SECOND + third + FIRST + SECOND)), None)
+    assert c.index.recomputed[("b", HELD_ELSEWHERE)] == 5
+    c.message("a", 4, batch(vllm.BlockRemoved([3], "GPU")), None)
+    assert c.index.snapshot().held == {("a", "GPU"): 4, ("b", "GPU"): 5}
+    assert c.index.unknown_removed == 0
+
+
+def removal(hashes: list[int], left: list[int]) -> dict[str, Any]:
+    """vLLM #48933's BlockRemoved (open upstream): each hash's physical copies left after it."""
+    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU", "remaining_copy_counts": left}
+
+
+def test_remaining_copy_counts_say_how_many_copies_stay() -> None:
+    """With the counts a removal is exact whatever the engine's policy: one announced after the
+    last copy went (vLLM #55092's fix) drops every copy kvlens holds; a count kvlens cannot reach
+    (it missed a store) removes nothing more; a count per hash or the event is malformed."""
+    c = consumer()
+    c.message("a", 0, batch(stored([1, 2], None, FIRST + SECOND)), None)
+    c.message("a", 1, batch(stored([2], 1, SECOND), stored([2], 1, SECOND)), None)  # 3 copies of 2
+    c.message("a", 2, batch(removal([2], [2])), None)
+    assert c.index.snapshot().held == {("a", "GPU"): 3}  # block 1, and 2 copies of block 2
+    c.message("a", 3, batch(removal([2], [0])), None)  # the last copy went: all of them
+    assert c.index.snapshot().held == {("a", "GPU"): 1}
+    c.message("a", 4, batch(removal([1], [3]), removal([1, 2], [0])), None)
+    assert c.index.snapshot().held == {("a", "GPU"): 1}
+    assert c.status["a"].malformed_events == 1
+    c.message("a", 5, batch(stored([2], 1, SECOND)), None)
+    assert c.index.recomputed[("a", EVICTED_HERE)] == 1

@@ -13,7 +13,8 @@
 - :mod:`.ordering`: a publisher's sequence, gaps, restarts and the reorder window;
 - :mod:`.discovery`: the replicas behind a DNS name;
 - :mod:`.subscriber`: the ZeroMQ subscriptions and replays (``kv-events`` extra);
-- :mod:`.trtllm`: TensorRT-LLM's KV cache events (JSON drains of ``POST /kv_cache_events``), into the same index;
+- :mod:`.trtllm`: TensorRT-LLM's KV cache events (JSON drains of ``POST /kv_cache_events``);
+- :mod:`.lock`: the index's lock, handed to a waiting scrape between slices;
 - :mod:`.settings`: the room's own settings models;
 - :mod:`.simulated`: the simulator's caches as engines that publish KV events;
 - :mod:`.modelled`: the causes without KV events, from records' prefix ids through modelled caches.

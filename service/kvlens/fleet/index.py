@@ -68,11 +68,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import threading
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, cast
 
 import msgspec
@@ -89,6 +87,7 @@ from kvlens.fleet.limits import (
     TIERS,
     tier_number,
 )
+from kvlens.fleet.lock import IndexLock
 
 if TYPE_CHECKING:
     from kvlens.fleet.kernels import table as tables
@@ -156,58 +155,6 @@ class _Replica:
     number: int  # its bit in the fleet's masks, its row of counters
     table: tables.Table  # engine hash -> content key | the tiers holding it << 60
     copies: tables.Table  # engine hash -> its extra copies, kernels.rules.COPY_BITS a tier
-
-
-class IndexLock:
-    """The index's lock (a ``threading.Lock``: ``with index.lock:``), which its holder can hand
-    over between the slices of a long operation (:meth:`pause`): a scrape waiting for it then
-    gets it at the next slice, not after a clear of 10M blocks (seconds). A plain lock released
-    and taken again is no hand-over: the releasing thread, running, takes it back first."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._count_lock = threading.Lock()  # for ``_waiting`` (an int += is no atomic step)
-        self._waiting = 0  # threads blocked in acquire
-        self._taken = threading.Event()  # a waiter got the lock (after a pause released it)
-        self._owner: int | None = None
-
-    def acquire(self) -> None:
-        if not self._lock.acquire(blocking=False):
-            with self._count_lock:
-                self._waiting += 1
-            self._lock.acquire()
-            with self._count_lock:
-                self._waiting -= 1
-            self._taken.set()
-        self._owner = threading.get_ident()
-
-    def release(self) -> None:
-        self._owner = None
-        self._lock.release()
-
-    def locked(self) -> bool:
-        return self._lock.locked()
-
-    def __enter__(self) -> IndexLock:
-        self.acquire()
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.release()
-
-    def pause(self) -> None:
-        """Called by the holder between slices: a thread waiting for the lock now takes it (the
-        holder waits until it has, at most a second: a waiter may have given up), then the
-        holder takes it back when that one is done. Nothing when this thread does not hold it
-        (the index fed without its lock: tests, offline) or nobody waits."""
-        if not self._waiting or self._owner != threading.get_ident():
-            return
-        self._taken.clear()
-        self.release()
-        self._taken.wait(1.0)
-        self.acquire()
 
 
 @dataclass
@@ -510,10 +457,21 @@ class FleetIndex:
         if blocks:
             self.note_chain_start(replica, blocks, salted=False)
 
-    def removed(self, replica: str, block_hashes: Sequence[EngineHash], *, medium: str | None = None) -> None:
-        """One ``BlockRemoved``."""
+    def removed(
+        self,
+        replica: str,
+        block_hashes: Sequence[EngineHash],
+        *,
+        medium: str | None = None,
+        remaining: Sequence[int] | None = None,
+    ) -> None:
+        """One ``BlockRemoved``: a copy of each hash goes (its extra copies first). With
+        ``remaining`` (vLLM's ``remaining_copy_counts``, #48933: the engine's physical copies of
+        each hash left after it), as many go as leave that many held here (at least none)."""
         state = self._replicas.get(replica) or self.replica(replica)
         hashes = _hash_array(block_hashes)
+        if remaining is not None:
+            hashes = self._to_remaining(state, hashes, tier_number(medium or PRIMARY), remaining)
         k = self._k
         self._set(state, tier_number(medium or PRIMARY))
         while True:
@@ -522,6 +480,25 @@ class FleetIndex:
                 break
             self._room_to_remove(hashes.size)
         self._shrink(state, done)
+
+    def _to_remaining(
+        self,
+        state: _Replica,
+        hashes: np.ndarray[Any, np.dtype[np.uint64]],
+        tier: int,
+        left: Sequence[int],
+    ) -> np.ndarray[Any, np.dtype[np.uint64]]:
+        """Each hash repeated as often as copies must go for ``left`` of it to be held here."""
+        lookup, copy_bits = self._tables.lookup, self._k.COPY_BITS
+        repeated: list[int] = []
+        for engine_hash, copies_left in zip(hashes.tolist(), left, strict=True):
+            key = np.uint64(engine_hash)
+            found, value = lookup(state.table.rows, key)
+            held = int(found and int(value) >> (60 + tier) & 1)
+            _, counts = lookup(state.copies.rows, key)
+            held += int(counts) >> (copy_bits * tier) & ((1 << copy_bits) - 1)
+            repeated += [engine_hash] * max(0, held - max(0, copies_left))
+        return np.array(repeated, dtype=np.uint64)
 
     def cleared(self, replica: str) -> None:
         """``AllBlocksCleared``, or the publisher restarted: the replica holds nothing now.

@@ -72,6 +72,8 @@ FIELDS: Final = (
     EventField("session_id", str | None, TEXT, str | None),
     EventField("lookahead_token_ids", list[int] | None, INTS, list[int] | None),
     EventField("cache_salt", str | None, NIL),  # SGLang's maps (sglang#37482)
+    # vLLM #48933 (open): each removed hash's physical copies left; msgspec's path reads it
+    EventField("remaining_copy_counts", list[int] | None, NIL, removed=True),
 )
 REMOVED_FIELDS: Final = tuple(field for field in FIELDS if field.removed)
 _OF: Final = {STORED: FIELDS, REMOVED: REMOVED_FIELDS, CLEARED: ()}

@@ -287,7 +287,10 @@ def apply(index: FleetIndex, replica: str, event: Event) -> str:
         if fields.parent_block_hash is None and medium == PRIMARY:
             index.note_chain_start(replica, len(fields.block_hashes), salted=salted)
     elif kind == REMOVED:
-        index.removed(replica, fields.block_hashes, medium=medium_label(fields.medium))
+        remaining = getattr(fields, "remaining_copy_counts", None)
+        if remaining is not None and len(remaining) != len(fields.block_hashes):
+            return MALFORMED
+        index.removed(replica, fields.block_hashes, medium=medium_label(fields.medium), remaining=remaining)
     else:
         index.cleared(replica)
     return APPLIED
