@@ -457,6 +457,13 @@ class Settings(BaseSettings):
     kv_events_trtllm_poll_seconds: float = Field(
         1.0, gt=0, le=60, description="Seconds between drains of each kv_events_trtllm server."
     )
+    kv_events_sessions: int = Field(
+        0,
+        ge=0,
+        le=1_000_000,
+        description="Keep the tokens of each of the last N sessions' GPU stores by cause (vLLM's session_id "
+        "on KV events), for the per-request view; 0: off (payloads with a session id read more slowly).",
+    )
     kv_events_require_cache_salt: bool = Field(
         False,
         description="Every tenant must be salted: blocks of GPU stores that start a chain without a cache "

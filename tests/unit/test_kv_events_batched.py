@@ -172,7 +172,13 @@ def test_the_compiled_path_counts_and_holds_what_the_event_by_event_one_does(
 ) -> None:
     publishers = [Publisher("a", "tcp://a:1"), Publisher("b", "tcp://b:1")]
     # small caps: the remembered ring wraps (forgotten blocks), held blocks pass the cap (untracked)
-    caps = {"hashes_alike": alike, "remember_blocks": 5, "max_held_blocks": 9, "require_cache_salt": True}
+    caps = {
+        "hashes_alike": alike,
+        "remember_blocks": 5,
+        "max_held_blocks": 9,
+        "require_cache_salt": True,
+        "sessions": 3,
+    }
     compiled = Consumer(Counting(**caps), publishers)
     reference = Consumer(EventByEvent(**caps), publishers)
     seqs = dict.fromkeys("ab", 0)

@@ -599,3 +599,36 @@ def test_remaining_copy_counts_say_how_many_copies_stay() -> None:
     assert c.status["a"].malformed_events == 1
     c.message("a", 5, batch(stored([2], 1, SECOND)), None)
     assert c.index.recomputed[("a", EVICTED_HERE)] == 1
+
+
+@pytest.mark.parametrize("capacity", [2, 1])
+def test_each_sessions_stores_are_kept_by_cause_for_the_per_request_view(capacity: int) -> None:
+    """vLLM 0.33's session_id on BlockStored: the last sessions' GPU stores by cause, bounded."""
+    c = Consumer(
+        FleetIndex(sessions=capacity), [Publisher("a", "tcp://a:5557"), Publisher("b", "tcp://b:5557")]
+    )
+    c.message("a", 0, batch(stored([1, 2], None, FIRST + SECOND, session_id="s1")), None)
+    c.message("b", 0, batch(stored([1, 2], None, FIRST + SECOND, session_id="s2")), None)
+    c.message(
+        "b",
+        1,
+        batch(stored([3], 2, FIRST, session_id="s2"), stored([4], None, SECOND, session_id="x" * 257)),
+        None,
+    )
+    sessions = c.index.sessions
+    assert sessions is not None
+    view = sessions.get("s2")
+    assert view is not None and view.replica == "b"
+    assert view.tokens == {
+        NEW: 4,
+        EVICTED_HERE: 0,
+        HELD_ELSEWHERE: 8,
+        "evicted_elsewhere": 0,
+        "held_here": 0,
+        "unknown": 0,
+    }
+    first = sessions.get("s1")
+    assert (first is None) == (capacity == 1)
+    assert first is None or first.tokens[NEW] == 8
+    assert (sessions.too_long, sessions.forgotten) == (1, capacity == 1)
+    assert c.index.recomputed == {("a", NEW): 2, ("b", HELD_ELSEWHERE): 2, ("b", NEW): 2}

@@ -36,6 +36,7 @@ def fleet_index(settings: Settings) -> FleetIndex:
         max_held_blocks=settings.kv_events_max_held_blocks,
         shard=parse_shard(settings.kv_events_shard),
         require_cache_salt=settings.kv_events_require_cache_salt,
+        sessions=settings.kv_events_sessions,
     )
 
 

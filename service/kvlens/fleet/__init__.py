@@ -14,6 +14,7 @@
 - :mod:`.discovery`: the replicas behind a DNS name;
 - :mod:`.subscriber`: the ZeroMQ subscriptions and replays (``kv-events`` extra);
 - :mod:`.trtllm`: TensorRT-LLM's KV cache events (JSON drains of ``POST /kv_cache_events``);
+- :mod:`.sessions`: each session's stores by cause (vLLM's ``session_id``), for the per-request view;
 - :mod:`.lock`: the index's lock, handed to a waiting scrape between slices;
 - :mod:`.settings`: the room's own settings models;
 - :mod:`.simulated`: the simulator's caches as engines that publish KV events;

@@ -88,6 +88,7 @@ from kvlens.fleet.limits import (
     tier_number,
 )
 from kvlens.fleet.lock import IndexLock
+from kvlens.fleet.sessions import SessionLedger
 
 if TYPE_CHECKING:
     from kvlens.fleet.kernels import table as tables
@@ -197,6 +198,7 @@ class FleetIndex:
         max_held_blocks: int = MAX_HELD_BLOCKS,
         shard: tuple[int, int] = (0, 1),
         require_cache_salt: bool = False,
+        sessions: int = 0,
     ) -> None:
         if not compiled_loops_available():  # before serving, not at the first event
             raise MissingExtra("the fleet index", "kv-events")
@@ -232,7 +234,11 @@ class FleetIndex:
         # with it, blocks stored at the start of a chain without a salt are counted (note_chain_start)
         self.require_cache_salt = require_cache_salt
         self._unsalted: Counter[str] = Counter()  # replica -> blocks; kept when it is forgotten
-        self.groups = KVCacheGroups()  # a hybrid model's KV cache groups, per replica (kvlens.fleet.groups)
+        self.groups = KVCacheGroups()
+        # the last ``sessions`` sessions' stores by cause (vLLM's session_id; kvlens.fleet.sessions)
+        self.sessions = (
+            SessionLedger(sessions, CAUSES) if sessions > 0 else None
+        )  # a hybrid model's KV cache groups, per replica (kvlens.fleet.groups)
 
     # --- feeding ---------------------------------------------------------------------------
 
@@ -395,6 +401,8 @@ class FleetIndex:
         or None, nothing changed, for a payload the loop leaves to msgspec."""
         if replica in self.groups.hybrid:  # its removals need its groups' kinds: msgspec's path
             return None
+        if self.sessions is not None and b"session_id" in payload:  # causes an event: msgspec's path
+            return None
         k = self._k
         state = self._replicas.get(replica) or self.replica(replica)
         params = self._params
@@ -553,6 +561,13 @@ class FleetIndex:
     def recomputed(self) -> Counter[tuple[str, str]]:
         """(replica, cause) -> blocks."""
         return self._by_replica(self._k.C_NEW, CAUSES)
+
+    def cause_tokens(self, replica: str) -> list[int]:
+        """The replica's tokens recomputed so far by cause (:data:`CAUSES`' order)."""
+        state = self._replicas.get(replica) or self.replica(replica)
+        return cast(
+            "list[int]", self._stats[state.number, self._k.TOKENS : self._k.TOKENS + len(CAUSES)].tolist()
+        )
 
     @property
     def recomputed_tokens(self) -> Counter[tuple[str, str]]:
