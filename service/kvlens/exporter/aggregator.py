@@ -21,7 +21,7 @@ from kvlens import definitions
 from kvlens.config import Settings
 from kvlens.definitions import UNITS, prompt_length_labels
 from kvlens.records import REASONS, RecordBatch, Validated, valid_label
-from kvlens.reduce import HIT_STRIDE, Reduced, pack_hit, reduce, unpack_hit
+from kvlens.reduce import HIT_CODES, Reduced, codes_of, pack_hit, prefixes_of, reduce, unpack_hit
 
 Int64Array = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
@@ -107,7 +107,7 @@ class GroupState:
             reused_work=np.zeros((len(UNITS), groups), np.float64),
             work_requests=np.zeros((len(UNITS), groups), np.int64),
             latency={name: Histograms.zeros(groups, latency_buckets) for name in LATENCY_FIELDS},
-            reuse=Histograms.zeros(groups // 2, reuse_buckets),
+            reuse=Histograms.zeros(prefixes_of(groups), reuse_buckets),
             ttft_components=np.zeros((model_slots, len(TTFT_COMPONENTS)), np.float64),
             ttft_overlap=np.zeros(model_slots, np.int64),
         )
@@ -171,7 +171,7 @@ class Snapshot:
     def active_groups(self) -> list[tuple[int, list[str]]]:
         """(group index, [model, prompt_len, cache]) of every group that has seen a request, and
         of every group of an allow-listed model, so that rate() never loses a first increment."""
-        declared = self.declared_models * len(self.prompt_len_labels) * HIT_STRIDE
+        declared = codes_of(self.declared_models * len(self.prompt_len_labels))
         groups = sorted({*range(declared), *np.flatnonzero(self.state.requests).tolist()})
         return [(group, list(self.group_labels(group))) for group in groups]
 
@@ -186,7 +186,7 @@ class Snapshot:
         state = self.state
         return definitions.Totals(
             requests=int(state.requests.sum()),
-            hit_requests=int(state.requests[1::HIT_STRIDE].sum()),  # the odd codes (pack_hit)
+            hit_requests=int(state.requests[HIT_CODES].sum()),
             prompt_tokens=int(state.prompt_tokens.sum()),
             cached_tokens=int(state.cached_tokens.sum()),
             prompt_work=tuple(state.prompt_work.sum(axis=1).tolist()),
@@ -216,7 +216,7 @@ class Aggregator:
         self._latency_edges = np.asarray(settings.latency_buckets_seconds, np.float64)
         self._reuse_edges = np.asarray(settings.reuse_ratio_buckets, np.float64)
         self._model_slots = self._models.capacity + 1  # + other
-        self._groups = self._model_slots * len(self._length_labels) * HIT_STRIDE
+        self._groups = codes_of(self._model_slots * len(self._length_labels))
         self._state = GroupState.zeros(
             self._groups, self._model_slots, self._latency_edges.size, self._reuse_edges.size
         )
@@ -299,7 +299,7 @@ class Aggregator:
             model_length,
             definitions.request_reuse_fraction(reduced.prompt_tokens, reduced.cached_tokens),
             self._reuse_edges,
-            groups // 2,
+            prefixes_of(groups),
         )
         components, complete = reduced.ttft, reduced.ttft_complete
         slots_complete = model_slots[complete]

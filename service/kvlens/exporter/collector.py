@@ -26,6 +26,7 @@ from kvlens.exporter.runtime import LAG_BUCKETS, ServiceHealth
 from kvlens.exporter.upstream import UpstreamState
 from kvlens.fleet.index import CAUSES
 from kvlens.fleet.subscriber import KVEvents
+from kvlens.reduce import pack_hit
 from kvlens.sources.tail import SKIP_REASONS, TailStatus
 
 log = logging.getLogger(__name__)
@@ -186,7 +187,8 @@ def _latency_histogram(spec: metrics.MetricSpec, field: str) -> Callable[[Snapsh
 
 def _reuse_ratio(snapshot: Snapshot) -> Metric:
     model_lengths = np.flatnonzero(snapshot.state.reuse.counts.sum(axis=1)).tolist()
-    rows = ((row, list(snapshot.group_labels(row * 2)[:2])) for row in model_lengths)
+    # a (model, prompt_len) row's labels: those of its miss code, less the cache label
+    rows = ((row, list(snapshot.group_labels(pack_hit(row, False))[:2])) for row in model_lengths)
     return _histogram_family(metrics.REUSE_RATIO, snapshot.state.reuse, snapshot.reuse_buckets, rows)
 
 
