@@ -445,23 +445,9 @@ class FleetIndex:
     def _count_unsalted(self, replica: str, payload: bytes) -> None:
         """The chain starts of a payload the compiled loop applied: none of its stores carried a
         salt (a salt, in extra keys or SGLang's fields, leaves the payload to msgspec), so each
-        primary-tier store applied without a parent is unsalted. The payload is read again (only
-        with ``require_cache_salt``: its cost, about a third of the loop's, is paid then only)."""
-        reader = self._reader
-        events = reader.read_batch(payload)[1]
-        starts = (
-            (events[:, reader.E_TYPE] == reader.STORED_EVENT)
-            & (events[:, reader.E_OUTCOME] == reader.APPLY)
-            & (events[:, reader.E_HAS_PARENT] == 0)
-            & (events[:, reader.E_TIER] == 0)
-            # the loop drops a store whose token ids do not fill its blocks (malformed)
-            & (
-                events[:, reader.E_TOKENS_END] - events[:, reader.E_TOKENS]
-                == (events[:, reader.E_HASHES_END] - events[:, reader.E_HASHES])
-                * events[:, reader.E_BLOCK_SIZE]
-            )
-        )
-        blocks = int((events[starts, reader.E_HASHES_END] - events[starts, reader.E_HASHES]).sum())
+        GPU store applied without a parent is unsalted. The payload is read again, only with
+        ``require_cache_salt`` (measured: the consumer then takes 1.07-1.13 times the CPU)."""
+        blocks = int(self._reader.chain_start_blocks(payload))
         if blocks:
             self.note_chain_start(replica, blocks, salted=False)
 

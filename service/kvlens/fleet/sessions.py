@@ -12,7 +12,8 @@ cap the least recently stored-for session is forgotten (counted in :attr:`Sessio
 An entry costs about 400 bytes, so 10,000 sessions about 4 MB.
 
 Cost: a payload carrying a session id goes msgspec's path (the compiled loop applies a payload in
-one call, not an event at a time), about three times slower; so it is off by default.
+one call, not an event at a time), about 1.3-1.6 times the CPU a block (bench/kv_events.py); so it
+is off by default.
 """
 
 from __future__ import annotations

@@ -273,8 +273,9 @@ def apply(index: FleetIndex, replica: str, event: Event) -> str:
             return MALFORMED
         extra, lora_name, salted = _keys(fields)
         medium = medium_label(fields.medium)
-        session, sessions = getattr(fields, "session_id", None), index.sessions
-        before = index.cause_tokens(replica) if session is not None and sessions is not None else None
+        ledger = index.sessions  # a GPU store's causes for its session (kvlens.fleet.sessions)
+        session: str | None = getattr(fields, "session_id", None) if medium == PRIMARY else None
+        before = index.cause_tokens(replica) if ledger is not None and session is not None else None
         if not index.stored(  # it checks the token ids (left as msgpack by the decoder)
             replica,
             fields.block_hashes,
@@ -286,9 +287,9 @@ def apply(index: FleetIndex, replica: str, event: Event) -> str:
             lora_name=lora_name,
         ):
             return MALFORMED
-        if before is not None and sessions is not None and medium == PRIMARY:
+        if ledger is not None and session is not None and before is not None:
             after = index.cause_tokens(replica)
-            sessions.add(session, replica, [now - then for now, then in zip(after, before, strict=True)])
+            ledger.add(session, replica, [now - then for now, then in zip(after, before, strict=True)])
         if fields.parent_block_hash is None and medium == PRIMARY:
             index.note_chain_start(replica, len(fields.block_hashes), salted=salted)
     elif kind == REMOVED:
