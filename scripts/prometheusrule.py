@@ -309,6 +309,26 @@ ALERT_RULES = (
         "from blocks only another tenant had stored: two tenants share a cache scope (a salt dropped, "
         "or none set). kvlens analyze on the records names the pairs and the first request ids.",
     ),
+    # A fleet where every tenant must be salted (kvlens serve --require-cache-salt): a replica
+    # stored a chain of blocks that starts without a cache salt in the last 15 minutes (any is a
+    # breach of the rule: threshold 0). Per replica, so the alert says which engine serves it.
+    Alert(
+        "KVLensUnsaltedCacheBlocks",
+        summed(
+            metrics.KV_UNSALTED_BLOCKS.exposed_name,
+            "15m",
+            (*SIDECAR, "replica"),
+            indent="",
+            fn="increase",
+        )
+        + " > 0\n",
+        "0m",
+        "warning",
+        "Replica {{ $labels.replica }} caches blocks without a tenant's salt",
+        "{{ $value | humanize }} blocks stored by {{ $labels.replica }} in 15 minutes start a chain "
+        "without a cache salt (KV events): requests without cache_salt share the cache scope of "
+        "every other unsalted request, against the fleet's rule that every tenant is salted.",
+    ),
 )
 
 

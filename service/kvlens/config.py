@@ -40,6 +40,7 @@ from kvlens.fleet.limits import (
     REMEMBERED_ENTRY_BYTES,
     VANISHED_RETENTION_SECONDS,
 )
+from kvlens.fleet.settings import TrtllmEventsSetting
 from kvlens.http.access import loopback
 from kvlens.records import MAX_LABEL_BYTES, valid_label
 from kvlens.sources import formats
@@ -461,6 +462,26 @@ class Settings(BaseSettings):
         ge=0,
         le=60,
         description="Batches from different replicas are applied in timestamp order after this wait.",
+    )
+    kv_events_trtllm: list[TrtllmEventsSetting] = Field(
+        [],
+        description="TensorRT-LLM servers whose KV cache events are drained (`--kv-events-trtllm NAME=URL`): "
+        "POST URL/kv_cache_events every kv_events_trtllm_poll_seconds; no other client may drain them.",
+    )
+    kv_events_trtllm_poll_seconds: float = Field(
+        1.0, gt=0, le=60, description="Seconds between drains of each kv_events_trtllm server."
+    )
+    kv_events_sessions: int = Field(
+        0,
+        ge=0,
+        le=1_000_000,
+        description="Keep the tokens of each of the last N sessions' GPU stores by cause (vLLM's session_id "
+        "on KV events), for the per-request view; 0: off (payloads with a session id read more slowly).",
+    )
+    kv_events_require_cache_salt: bool = Field(
+        False,
+        description="Every tenant must be salted: blocks of GPU stores that start a chain without a cache "
+        "salt are counted (kvlens_kv_unsalted_blocks_stored_total, alert KVLensUnsaltedCacheBlocks).",
     )
     kv_events_shard: str = Field(
         "0/1", description="i/N: keep only the blocks of shard i of N (N kvlens on the same publishers)."

@@ -333,6 +333,11 @@ def _kv_families(kv_events: KVEvents) -> list[Metric]:
         dns_replicas.add_metric([name], replicas)
         dns_failures.add_metric([name], failures)
     families = [recomputed, stored, removed, held, fleet, events, rejected, *per_publisher.values(), *singles]
+    if kv_events.index.require_cache_salt:  # every replica's series, 0 until an unsalted store
+        unsalted = _counter(metrics.KV_UNSALTED_BLOCKS)
+        for replica in sorted(publishers):
+            unsalted.add_metric([replica], index.unsalted_blocks.get(replica, 0))
+        families.append(unsalted)
     return families + ([dns_replicas, dns_failures] if snapshot.dns else [])
 
 

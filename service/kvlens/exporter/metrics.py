@@ -316,7 +316,8 @@ KV_REJECTED = MetricSpec(
     ("replica", "reason"),
     "KV event input not used whole: malformed_payload (batch dropped), malformed_event (event "
     "dropped), unknown_event (type skipped), unknown_field (field skipped, event used), "
-    "other_group (a KV cache group past the first: left out), replica_limit (batch dropped: the "
+    "other_group (an event of a KV cache group the index does not follow: a second full-attention "
+    "group's store, a sliding-window or Mamba group's events), replica_limit (batch dropped: the "
     "index's 64 replica slots all in use by live replicas), bad_timestamp (a batch's ts not from 0 "
     "to 10 s ahead of kvlens's clock: not used to order it, its events used), error (a kvlens bug, "
     "logged).",
@@ -377,6 +378,13 @@ KV_UNKNOWN_REMOVED = MetricSpec(
     (),
     "Removed blocks whose store kvlens never saw (it started later, or a gap lost it).",
 )
+KV_UNSALTED_BLOCKS = MetricSpec(
+    "kvlens_kv_unsalted_blocks_stored",
+    "counter",
+    ("replica",),
+    "Blocks of GPU stores that start a chain without a cache salt (vLLM's extra keys, SGLang's "
+    "cache_salt): a tenant's prefix in the shared cache scope. Exported with require_cache_salt only.",
+)
 KV_DNS_REPLICAS = MetricSpec(
     "kvlens_kv_dns_replicas",
     "gauge",
@@ -410,6 +418,7 @@ KV: Final = (
     KV_FORGOTTEN,
     KV_UNTRACKED,
     KV_UNKNOWN_REMOVED,
+    KV_UNSALTED_BLOCKS,
     KV_DNS_REPLICAS,
     KV_DNS_FAILURES,
 )  # with --kv-events
