@@ -463,6 +463,21 @@ class Settings(BaseSettings):
         description="Set: records with prefix_hashes and replica go through one modelled cache of this "
         "many blocks per replica: kvlens_kv_modelled_recomputed_tokens_total (causes without KV events).",
     )
+    diagnosis_requests: int = Field(
+        10_000,
+        ge=0,
+        le=1_000_000,
+        description="Diagnoses of the last requests kept for GET /v1/requests/{request_id}/diagnosis "
+        "(records with prefix_hashes and request_id; about 700 bytes each); 0: none kept, "
+        "kvlens_request_misses_total still counted.",
+    )
+    diagnosis_remember_blocks: int = Field(
+        200_000,
+        ge=1,
+        le=100_000_000,
+        description="Block ids remembered to diagnose requests' misses (about 200 bytes each; the oldest "
+        "forgotten first: a block forgotten is new again).",
+    )
     modelled_block_size: int = Field(
         16,
         ge=1,

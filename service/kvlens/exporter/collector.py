@@ -21,6 +21,7 @@ from kvlens.definitions import DEFAULT_COST_MODEL, UNITS, CostModel
 from kvlens.exporter import metrics
 from kvlens.exporter.aggregator import TTFT_COMPONENTS, Aggregator, Histograms, Snapshot
 from kvlens.exporter.background import BackgroundSources
+from kvlens.exporter.diagnoses import RequestDiagnoses
 from kvlens.exporter.modelled import ModelledCauses
 from kvlens.exporter.runtime import LAG_BUCKETS, ServiceHealth
 from kvlens.exporter.upstream import UpstreamState
@@ -44,6 +45,7 @@ class KVLensCollector(Collector):
         self.tails = background.tails if background is not None else []
         self.kv_events = background.kv_events if background is not None else None
         self.modelled = background.modelled if background is not None else None
+        self.diagnoses = background.diagnoses if background is not None else None
         self.health = health
         self.errors = 0
 
@@ -90,6 +92,8 @@ class KVLensCollector(Collector):
             yield from self._safely(lambda kv_events: _kv_families(kv_events, cost), self.kv_events)
         if self.modelled is not None:
             yield from self._safely(_modelled_families, self.modelled)
+        if self.diagnoses is not None:
+            yield from self._safely(_miss_family, self.diagnoses)
         if self.aggregator.settings.model_shapes:
             shapes = self.aggregator.settings.model_shapes
             yield from self._safely(lambda snap: _decode_families(snap, self.upstream, shapes), snapshot)
@@ -338,6 +342,13 @@ def _kv_families(kv_events: KVEvents, cost: CostModel = DEFAULT_COST_MODEL) -> l
     families = [recomputed, work, depth_unknown, stored, removed, held, fleet, events, rejected]
     families += [*per_publisher.values(), *singles]
     return families + ([dns_replicas, dns_failures] if snapshot.dns else [])
+
+
+def _miss_family(diagnoses: RequestDiagnoses) -> Metric:
+    family = _counter(metrics.REQUEST_MISSES)
+    for cause, count in diagnoses.counts().items():
+        family.add_metric([cause], count)
+    return family
 
 
 def _modelled_families(modelled: ModelledCauses) -> list[Metric]:

@@ -296,6 +296,15 @@ KV_DEPTH_UNKNOWN = MetricSpec(
     "Recomputed tokens whose position is unknown (their chain's start was never seen, or past 65,534 "
     "blocks): counted in kvlens_kv_recomputed_tokens_total, not in kvlens_kv_recomputed_work_total.",
 )
+REQUEST_MISSES = MetricSpec(
+    "kvlens_request_misses",
+    "counter",
+    ("cause",),
+    "Records with prefix_hashes that recomputed a block a cache could have held, by the cause of the "
+    "first such block: new, evicted_here, held_elsewhere, evicted_elsewhere (with KV events by engine "
+    "hash), seen_elsewhere (records alone: held or evicted on another replica).",
+)
+DIAGNOSES: Final = (REQUEST_MISSES,)  # with the app's sources (serve): records' diagnoses
 KV_BLOCKS_STORED = MetricSpec(
     "kvlens_kv_blocks_stored",
     "counter",
@@ -468,6 +477,7 @@ ALL: Final = (
     DROPPED,
     UNKNOWN_FIELDS,
     OVERFLOW,
+    *DIAGNOSES,
     *SERVICE,
     *UPSTREAM,
     *TAIL,
