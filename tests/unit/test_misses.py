@@ -3,8 +3,14 @@ and the tokens and work of each cause, by hand."""
 
 from __future__ import annotations
 
+import json
 import tracemalloc
+from pathlib import Path
 
+import orjson
+import pytest
+
+from kvlens.cli import main
 from kvlens.definitions import CostModel
 from kvlens.exporter.diagnoses import DIAGNOSIS_BYTES, RequestDiagnoses
 from kvlens.fleet.misses import (
@@ -21,6 +27,7 @@ from kvlens.fleet.misses import (
     block_pairs,
 )
 from kvlens.records import RecordBatch, batch_from_objects
+from tests.json_outputs import validate
 
 B = 4
 COST = CostModel(a=1.0, b=1.0 / 1024.0)
@@ -127,3 +134,62 @@ def test_the_sidecar_keeps_the_last_n_diagnoses_in_the_documented_bytes() -> Non
     assert kept is not None and kept.first_missed_block == 1
     assert diagnoses.counts()[NEW] == 30_000
     assert 200 < used / 10_000 <= DIAGNOSIS_BYTES
+
+
+def test_analyze_lists_the_misses_per_length_group_with_the_worst_requests(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Records out of arrival order: classified by arrival. q2 finds its prefix only on a (seen
+    elsewhere, from the records alone); q3 comes back to a after its second block left."""
+    records = [
+        {"request_id": "q3", "replica": "a", "prompt_tokens": 3 * B, "cached_tokens": B,
+         "block_size": B, "prefix_hashes": ["x1", "x2", "x9"], "arrival_time": 3.0},
+        {"request_id": "q1", "replica": "a", "prompt_tokens": 2 * B, "cached_tokens": 0,
+         "block_size": B, "prefix_hashes": ["x1", "x2"], "arrival_time": 1.0},
+        {"request_id": "q2", "replica": "b", "prompt_tokens": 2 * B, "cached_tokens": 0,
+         "block_size": B, "prefix_hashes": ["x1", "x2"], "arrival_time": 2.0},
+        {"request_id": "q4", "prompt_tokens": 2 * B, "cached_tokens": 0, "arrival_time": 4.0},
+    ]  # fmt: skip
+    path = tmp_path / "records.jsonl"
+    path.write_bytes(b"\n".join(orjson.dumps(r) for r in records) + b"\n")
+    assert main(["analyze", str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    validate(report)
+    misses = report["misses"]
+    assert misses["records"] == 3
+    (label, group), *_ = misses["groups"].items()
+    assert (label, list(misses["groups"])) == ("0-511", ["0-511"])
+    assert group["first_miss"] == {
+        "hit": 0, "new": 1, "evicted_here": 1,
+        "held_elsewhere": 0, "evicted_elsewhere": 0, "seen_elsewhere": 1,
+    }  # fmt: skip
+    assert group["tokens"] == {
+        "new": 3 * B, "evicted_here": B, "held_elsewhere": 0, "evicted_elsewhere": 0, "seen_elsewhere": 2 * B,
+    }  # fmt: skip
+    lost_q2 = 2 * B + pairs_of(0, 2 * B) / 1024
+    lost_q3 = B + pairs_of(B, 2 * B) / 1024
+    assert group["work"] == {
+        "work_units": {
+            "new": 2 * B + pairs_of(0, 2 * B) / 1024 + B + pairs_of(2 * B, 3 * B) / 1024,
+            "evicted_here": lost_q3,
+            "held_elsewhere": 0.0,
+            "evicted_elsewhere": 0.0,
+            "seen_elsewhere": lost_q2,
+        }
+    }
+    assert [
+        (w["request_id"], w["cause"], w["first_missed_block"], w["lost_work"]) for w in group["worst"]
+    ] == [
+        ("q2", "seen_elsewhere", 0, lost_q2),
+        ("q3", "evicted_here", 1, lost_q3),
+    ]
+    assert "only the engines' KV events tell apart" in misses["note"]
+    assert main(["analyze", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "Why requests missed" in out
+    assert "0-511: q2 on b lost" in out
+
+
+def pairs_of(before: int, last: int) -> int:
+    """Causal pairs of the tokens at positions before+1..last."""
+    return sum(range(before + 1, last + 1))

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from kvlens.analysis import calibration, diagnosis, reader, report
+from kvlens.analysis import calibration, diagnosis, misses, reader, report
 from kvlens.config import Settings
 from kvlens.definitions import prompt_length_labels
 from kvlens.records import batch_from_objects
@@ -66,6 +66,7 @@ def analyze(
                 ]
                 span = time_range(*summarized.arrivals)
                 result = _report(summary, settings, labels, read, records, paths, span, lambda: None)
+                result["misses"] = None  # the numpy engine reads prefix_hashes (--engine numpy)
         finally:
             store.close()
     else:
@@ -90,6 +91,7 @@ def analyze(
             span,
             lambda: diagnosis.prefix_potential(derived),
         )
+        result["misses"] = misses.request_misses(derived)
         fits = [
             calibration.fit(
                 name,
