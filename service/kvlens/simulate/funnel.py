@@ -45,11 +45,10 @@ def funnel(outcome: Outcome, index: FleetIndex, cost: CostModel) -> dict[str, An
     snapshot = index.snapshot()
     tokens: dict[str, int] = {}
     work: dict[str, float] = {}
-    by_work = snapshot.recomputed_work(cost)
-    for (_, cause), value in snapshot.recomputed_tokens.items():
-        tokens[cause] = tokens.get(cause, 0) + value
-    for (_, cause), value in by_work.items():
-        work[cause] = work.get(cause, 0.0) + value
+    for (_, cause), count in snapshot.recomputed_tokens.items():
+        tokens[cause] = tokens.get(cause, 0) + count
+    for (_, cause), amount in snapshot.recomputed_work(cost).items():
+        work[cause] = work.get(cause, 0.0) + amount
     totals = outcome.totals
     unit = UNITS.index(cost.unit)
     reused = (totals.cached_tokens, totals.reused_work[unit])
