@@ -475,7 +475,7 @@ class Settings(BaseSettings):
         200_000,
         ge=1,
         le=100_000_000,
-        description="Block ids remembered to diagnose requests' misses (about 200 bytes each; the oldest "
+        description="Block ids remembered to diagnose requests' misses (about 260 bytes each; the oldest "
         "forgotten first: a block forgotten is new again).",
     )
     modelled_block_size: int = Field(

@@ -21,12 +21,14 @@ block cache) are counted ``new``. A block's modelled work is its position's: ``a
 the pairs of its tokens at positions ``j*B + 1 .. (j+1)*B`` (the cost model of compute saved).
 
 Memory: the block ids seen, at most ``remember_blocks`` (the oldest forgotten first: a block
-forgotten is ``new`` again), about :data:`SEEN_BLOCK_BYTES` each (a dict of Python ints), and at
+forgotten is ``new`` again), about :data:`SEEN_BLOCK_BYTES` each (an ``OrderedDict`` of Python
+ints: a plain dict forgets its oldest key in time growing with the keys deleted before it), and at
 most :data:`MAX_REPLICAS` replica names (a record of a replica past them is not classified).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -42,8 +44,9 @@ EVICTED_ELSEWHERE: Final = "evicted_elsewhere"
 SEEN_ELSEWHERE: Final = "seen_elsewhere"
 MISS_CAUSES: Final = (NEW, EVICTED_HERE, HELD_ELSEWHERE, EVICTED_ELSEWHERE, SEEN_ELSEWHERE)
 LOST_CAUSES: Final = (EVICTED_HERE, HELD_ELSEWHERE, EVICTED_ELSEWHERE, SEEN_ELSEWHERE)  # reuse lost
+_POSITION: Final = {cause: i for i, cause in enumerate(MISS_CAUSES)}
 REMEMBER_BLOCKS: Final = 200_000
-SEEN_BLOCK_BYTES: Final = 200  # measured (tests/unit/test_misses.py)
+SEEN_BLOCK_BYTES: Final = 260  # measured (tests/unit/test_misses.py)
 
 Holders = Callable[[int], Sequence[str]]  # a block id -> the replicas that hold it now
 
@@ -107,7 +110,8 @@ class MissClassifier:
             raise ValueError("remember_blocks must be >= 1")
         self.remember_blocks = remember_blocks
         self.holders = holders
-        self._seen: dict[int, int] = {}  # block id -> bits of the replicas that had it; oldest first
+        # block id -> bits of the replicas that had it, the least recently seen first
+        self._seen: OrderedDict[int, int] = OrderedDict()
         self._replicas: dict[str, int] = {}
         self.forgotten = 0
 
@@ -155,7 +159,7 @@ class MissClassifier:
             cause = self._cause(keys[depth], bit, replica)
             if depth == first:
                 first_cause = cause
-            i = MISS_CAUSES.index(cause)
+            i = _POSITION[cause]
             tokens[i] += block_size
             pairs[i] += block_pairs(depth, block_size)
         tail = prompt_tokens - max(cached_tokens, full * block_size)
@@ -180,8 +184,12 @@ class MissClassifier:
     def _remember(self, keys: Sequence[int], bit: int) -> None:
         seen = self._seen
         for key in keys:
-            bits = seen.pop(key, 0)
-            seen[key] = bits | bit  # to the end: recently seen
+            bits = seen.get(key)
+            if bits is None:
+                seen[key] = bit
+            else:
+                seen[key] = bits | bit
+                seen.move_to_end(key)  # recently seen: forgotten last
         while len(seen) > self.remember_blocks:
-            del seen[next(iter(seen))]
+            seen.popitem(last=False)
             self.forgotten += 1
