@@ -440,6 +440,12 @@ class Settings(BaseSettings):
         f"scrape sees its last counts), then they are dropped; at most {MAX_VANISHED} gone replicas kept, "
         "oldest dropped first.",
     )
+    kv_events_model: str = Field(
+        "",
+        description="The model the followed fleet serves: its recomputed blocks' work "
+        "(kvlens_kv_recomputed_work_total) is counted by that model's cost model, as compute saved is "
+        "(cost_models, else FLOPs from model_shapes, else default_cost_model).",
+    )
     kv_events_hashes_alike: bool = Field(
         False, description="Every replica hashes blocks alike (same algorithm and seed): key by engine hash."
     )
@@ -491,6 +497,21 @@ class Settings(BaseSettings):
         ge=1,
         description="Set: records with prefix_hashes and replica go through one modelled cache of this "
         "many blocks per replica: kvlens_kv_modelled_recomputed_tokens_total (causes without KV events).",
+    )
+    diagnosis_requests: int = Field(
+        10_000,
+        ge=0,
+        le=1_000_000,
+        description="Diagnoses of the last requests kept for GET /v1/requests/{request_id}/diagnosis "
+        "(records with prefix_hashes and request_id; about 700 bytes each); 0: none kept, "
+        "kvlens_request_misses_total still counted.",
+    )
+    diagnosis_remember_blocks: int = Field(
+        200_000,
+        ge=1,
+        le=100_000_000,
+        description="Block ids remembered to diagnose requests' misses (about 260 bytes each; the oldest "
+        "forgotten first: a block forgotten is new again).",
     )
     modelled_block_size: int = Field(
         16,
