@@ -20,7 +20,7 @@ import numpy as np
 
 from kvlens.analysis.report import Derived
 from kvlens.fleet.misses import HIT, LOST_CAUSES, MISS_CAUSES, Diagnosis, MissClassifier
-from kvlens.simulate.modelled import prefix_key
+from kvlens.records import prefix_key
 
 WORST: Final = 5  # requests listed per length group
 REMEMBER_BLOCKS: Final = 50_000_000  # offline: every block of a large file (about 200 bytes each)

@@ -20,8 +20,7 @@ from typing import Final
 
 from kvlens.fleet.index import FleetIndex
 from kvlens.fleet.misses import HIT, MISS_CAUSES, Diagnosis, MissClassifier
-from kvlens.records import RecordBatch
-from kvlens.simulate.modelled import prefix_key
+from kvlens.records import RecordBatch, prefix_key
 
 DIAGNOSIS_BYTES: Final = 700  # measured (tests/unit/test_diagnoses_endpoint.py), ids included
 

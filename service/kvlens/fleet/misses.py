@@ -145,7 +145,7 @@ class MissClassifier:
         model: str | None = None,
     ) -> Diagnosis | None:
         """One finished request (its block ids as ints, see
-        :func:`kvlens.simulate.modelled.prefix_key`), then its blocks remembered as seen on
+        :func:`kvlens.records.prefix_key`), then its blocks remembered as seen on
         ``replica``; None (nothing remembered) for a replica past :data:`MAX_REPLICAS`."""
         bit = self._bit(replica)
         if bit is None or block_size < 1:
