@@ -44,10 +44,11 @@ def compared(name: str, tmp_path: Path) -> list[str]:
     """``--arm`` flags of two arms, the second named ``name``, whose request ids are ``name`` and
     ``name`` with a number: each pairs, and some did not benefit (listed by request id)."""
     flags = []
+    label = "m" if any(c < " " for c in name) else name  # a label refuses control characters
     for arm, ttft in (("base", 0.1), (name, 0.1)):
         rows = [
             {"request_id": f"{name}{i}", "prompt_tokens": 600, "cached_tokens": 0 if i % 2 else 512,
-             "ttft_seconds": ttft, "model": name}
+             "ttft_seconds": ttft, "model": label}
             for i in range(8)
         ]  # fmt: skip
         path = write_records(tmp_path / f"arm{len(flags)}.jsonl", rows)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from kvlens.terminal import console as terminal_console
@@ -278,7 +279,23 @@ def _markdown_records(report: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
+# What Markdown would read in a cell: the backslash itself, the cell's end (|), code (`),
+# emphasis (* and ~ anywhere, _ at a word's edge: between letters it is text), HTML and entities
+# (< and &), a link's or image's target (]( ); a newline ends the row, so it becomes <br>.
+_MD_SPECIAL = re.compile(r"[\\|`*~<&]|\](?=\()|(?<![0-9A-Za-z])_|_(?![0-9A-Za-z])")
+_NEWLINE = re.compile(r"\r\n|\r|\n")
+
+
+def md_cell(text: str) -> str:
+    """A Markdown table's cell showing ``text`` as written, whatever it holds: names from the
+    records and the command line (a model ``a|b``, a request id with a newline, an arm
+    ``[l](url)``) never split the row or become markup. Numbers and words pass unchanged."""
+    return _NEWLINE.sub("<br>", _MD_SPECIAL.sub(lambda found: "\\" + found.group(), text))
+
+
 def _md_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    """Every Markdown table of kvlens (analyze, compare, an experiment's report.md): each cell
+    through :func:`md_cell`."""
+    lines = ["| " + " | ".join(map(md_cell, header)) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(map(md_cell, row)) + " |" for row in rows]
     return "\n".join(lines)
