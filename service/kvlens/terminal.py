@@ -1,5 +1,6 @@
 """Plain-text output that fits the terminal: its width (``COLUMNS`` when set, as rich reads it;
-80 when stdout is no terminal) and lines wrapped between words, never through a number."""
+80 when stdout is no terminal) and lines wrapped between words, never through a number; and a
+ratio as every text report spells it (:func:`percent`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,11 @@ import shutil
 import textwrap
 
 NARROWEST = 80  # what every text output is laid out to fit; wider terminals may show more
+
+
+def percent(value: float | None, digits: int = 2) -> str:
+    """A ratio as a percentage (``0.0154`` -> ``1.54 %``); ``n/a`` where there is none."""
+    return "n/a" if value is None else f"{100 * value:.{digits}f} %"
 
 
 def width() -> int:

@@ -86,7 +86,7 @@ class KVLensCollector(Collector):
         if self.tails:
             yield from self._safely(_tail_families, self.tails)
         if self.kv_events is not None:
-            yield from self._safely(_kv_families, self.kv_events)
+            yield from self._safely(kv_families, self.kv_events)
         if self.modelled is not None:
             yield from self._safely(_modelled_families, self.modelled)
         if self.aggregator.settings.model_shapes:
@@ -261,7 +261,7 @@ def _upstream_families(upstream: UpstreamState) -> list[Metric]:
     return [*families, up, running, errors, scrapes, rejected]
 
 
-def _kv_families(kv_events: KVEvents) -> list[Metric]:
+def kv_families(kv_events: KVEvents) -> list[Metric]:
     snapshot = kv_events.snapshot()
     index, publishers = snapshot.index, snapshot.publishers
     recomputed = _counter(metrics.KV_RECOMPUTED_TOKENS)
