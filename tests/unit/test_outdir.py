@@ -315,10 +315,27 @@ def test_a_step_json_of_each_kind_as_written_is_read_back(tmp_path: Path) -> Non
 
 def test_a_lock_file_that_is_not_a_regular_file_is_refused(tmp_path: Path) -> None:
     lock = tmp_path / ".kvlens.lock"
-    lock.symlink_to("/dev/zero")
+    os.mkfifo(lock)
     with pytest.raises(ExperimentError) as refused, outdir._locked(lock, "kvlens"):
         pytest.fail("locked")
     assert str(refused.value) == f"cannot lock {lock}: not a regular file"
+
+
+@pytest.mark.parametrize("target", ["victim.txt", "/dev/zero", "missing"])
+def test_a_lock_file_that_is_a_symlink_is_refused_and_its_target_untouched(
+    tmp_path: Path, target: str
+) -> None:
+    """Taking the lock truncates the file and writes a pid in it: through a symlink that was
+    whatever file it named (another run's records, a file of the user's)."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's data\n")
+    lock = tmp_path / ".kvlens.lock"
+    lock.symlink_to(target if target.startswith("/") else tmp_path / target)
+    with pytest.raises(ExperimentError) as refused, outdir._locked(lock, "kvlens"):
+        pytest.fail("locked")
+    assert str(refused.value) == f"cannot lock {lock}: a symbolic link, not a regular file (remove it)"
+    assert victim.read_text() == "the user's data\n"
+    assert not (tmp_path / "missing").exists()  # not created through the link either
 
 
 def test_the_lock_holders_text_is_shown_printable_and_bounded(tmp_path: Path) -> None:

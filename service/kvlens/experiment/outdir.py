@@ -357,12 +357,19 @@ def _locked(path: Path, command: str) -> Iterator[None]:
     """Hold ``flock`` on ``path`` (holding our pid and command) for the run; refuse when another
     process holds it, naming it."""
     try:
-        lock = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644), "r+", errors="replace")
+        # O_NOFOLLOW: the lock is truncated and written, which through a symlink would be done to
+        # whatever file it names (and O_CREAT would create its target)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
     except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise ExperimentError(
+                f"cannot lock {path}: a symbolic link, not a regular file (remove it)"
+            ) from None
         raise ExperimentError(f"cannot lock {path}: {error.strerror or error}") from None
-    with lock:
-        if not stat.S_ISREG(os.fstat(lock.fileno()).st_mode):  # /dev/zero: no pid to write in it
-            raise ExperimentError(f"cannot lock {path}: not a regular file")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # /dev/zero, a FIFO: no pid to write in it
+        os.close(fd)
+        raise ExperimentError(f"cannot lock {path}: not a regular file")
+    with os.fdopen(fd, "r+", errors="replace") as lock:
         try:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as error:
