@@ -296,9 +296,15 @@ def test_a_step_json_of_the_wrong_shape_is_refused_where_it_is_read(
     with pytest.raises(ExperimentError) as refused:
         outdir.finished_steps(tmp_path)
     assert str(refused.value) == message
-    # what --dry-run asks: the same answer the run gets
-    with outdir.OutDir(tmp_path, PLAN).open(["bf16"]) as out, pytest.raises(ExperimentError) as refused:
-        out.finished(outdir.Step("rate-4-bf16", "bf16", "rate", 4.0))
+    # the run refuses it at open, before anything is sent; --dry-run asks the same check
+    if not isinstance(meta, dict) or not isinstance(meta.get("endpoint"), str):  # whose: not told
+        message += " (a run of its endpoint into this out-dir), or remove rate-4-bf16.step.json and "
+        message += "rate-4-bf16.jsonl to go on without it"
+    with pytest.raises(ExperimentError) as refused, outdir.OutDir(tmp_path, PLAN).open(["bf16"]):
+        pytest.fail("opened")
+    assert str(refused.value) == message
+    with pytest.raises(ExperimentError) as refused:
+        outdir.OutDir(tmp_path, PLAN).check_steps(["bf16"])
     assert str(refused.value) == message
 
 
@@ -347,4 +353,40 @@ def test_the_lock_holders_text_is_shown_printable_and_bounded(tmp_path: Path) ->
     shown = "kvlens run" + "x" * 990
     assert str(refused.value) == (
         f"{tmp_path} is in use by another run (pid 12[2J3\ufffd: {shown}); wait for it to end, or stop it"
+    )
+
+
+def test_a_broken_step_of_another_endpoint_is_refused_before_this_run_naming_it(tmp_path: Path) -> None:
+    """--restart redoes this run's own steps: another endpoint's broken step file is no step this
+    run can redo (its URL is that run's). Refused at open, before anything is sent, naming the
+    file and the endpoint and how to mend it. Before: the run sent all its steps, then the report
+    over the folder stopped at that file saying to redo it with --restart, which had just been
+    done; a broken step of this run's own endpoint is redone by --restart, as before."""
+    ours = outdir.Step("rate-4-w4", "w4", "rate", 4.0)
+    broken = finished_step(tmp_path, step="rate-4-bf16", endpoint="bf16", kind="rate", rate="4")
+    with outdir.OutDir(tmp_path, PLAN, restart=True).open(["bf16"]):
+        pass  # its own: redone by this run (not run here), not refused
+    for restart in (True, False):
+        with (
+            pytest.raises(ExperimentError) as refused,
+            outdir.OutDir(tmp_path, PLAN, restart=restart).open(["w4"]),
+        ):
+            pytest.fail("opened")
+        assert str(refused.value) == (
+            f"{broken}: rate must be a number; a step of endpoint 'bf16', which this run does not "
+            "redo (--restart redoes this run's own steps): run 'bf16' into this out-dir again with "
+            "--restart, or remove rate-4-bf16.step.json and rate-4-bf16.jsonl to go on without it"
+        )
+    assert not (tmp_path / "rate-4-w4.jsonl").exists()
+    (tmp_path / "rate-4-bf16.jsonl").unlink()  # removed as the message says: the run goes on
+    with outdir.OutDir(tmp_path, PLAN, restart=True).open(["w4"]) as out:
+        out.run(ours, lambda staged: write_records(staged, 2))
+        assert [f.step for f in out.found()] == [ours]
+    broken.write_bytes(b"{")  # not JSON: whose it is cannot be told; this run may be its endpoint's
+    (tmp_path / "rate-4-bf16.jsonl").write_bytes(b"{}\n")
+    with pytest.raises(ExperimentError) as refused, outdir.OutDir(tmp_path, PLAN).open(["w4"]):
+        pytest.fail("opened")
+    assert str(refused.value).endswith(
+        "; redo the step with --restart (a run of its endpoint into this out-dir), or remove "
+        "rate-4-bf16.step.json and rate-4-bf16.jsonl to go on without it"
     )
