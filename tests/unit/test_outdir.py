@@ -10,6 +10,7 @@ from typing import Any
 import orjson
 import pytest
 
+from kvlens.experiment import lock as lock_file
 from kvlens.experiment import outdir
 from kvlens.experiment.client import Progress
 from kvlens.experiment.protocol import ExperimentError
@@ -322,7 +323,7 @@ def test_a_step_json_of_each_kind_as_written_is_read_back(tmp_path: Path) -> Non
 def test_a_lock_file_that_is_not_a_regular_file_is_refused(tmp_path: Path) -> None:
     lock = tmp_path / ".kvlens.lock"
     os.mkfifo(lock)
-    with pytest.raises(ExperimentError) as refused, outdir._locked(lock, "kvlens"):
+    with pytest.raises(ExperimentError) as refused, lock_file.locked(lock, "kvlens"):
         pytest.fail("locked")
     assert str(refused.value) == f"cannot lock {lock}: not a regular file"
 
@@ -337,7 +338,7 @@ def test_a_lock_file_that_is_a_symlink_is_refused_and_its_target_untouched(
     victim.write_text("the user's data\n")
     lock = tmp_path / ".kvlens.lock"
     lock.symlink_to(target if target.startswith("/") else tmp_path / target)
-    with pytest.raises(ExperimentError) as refused, outdir._locked(lock, "kvlens"):
+    with pytest.raises(ExperimentError) as refused, lock_file.locked(lock, "kvlens"):
         pytest.fail("locked")
     assert str(refused.value) == f"cannot lock {lock}: a symbolic link, not a regular file (remove it)"
     assert victim.read_text() == "the user's data\n"
@@ -346,9 +347,9 @@ def test_a_lock_file_that_is_a_symlink_is_refused_and_its_target_untouched(
 
 def test_the_lock_holders_text_is_shown_printable_and_bounded(tmp_path: Path) -> None:
     lock = tmp_path / ".kvlens.lock"
-    with outdir._locked(lock, "kvlens"):
+    with lock_file.locked(lock, "kvlens"):
         lock.write_bytes(b"12\x1b[2J3\xff\n" + b"kvlens \x07run\r" + b"x" * 2000 + b"\n")
-        with pytest.raises(ExperimentError) as refused, outdir._locked(lock, "kvlens"):
+        with pytest.raises(ExperimentError) as refused, lock_file.locked(lock, "kvlens"):
             pytest.fail("locked")
     shown = "kvlens run" + "x" * 990
     assert str(refused.value) == (
