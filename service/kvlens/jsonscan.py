@@ -322,6 +322,11 @@ class FieldExtractor:
             self._take(piece[cursor:])
         return elements
 
+    @property
+    def broken(self) -> bool:
+        """The text is no JSON object (or what follows it is no JSON value): reading on is no use."""
+        return self._state == "broken"
+
     def finish(self) -> bytes | None:
         """The kept fields as a JSON object, or None when the text was not one."""
         if self._state != "after":

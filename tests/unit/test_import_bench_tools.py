@@ -392,3 +392,11 @@ def test_a_vllm_bench_result_is_read_as_it_streams_not_held_whole(tmp_path: Path
     assert len(read.records) == 1000 and read.bad_count == 0
     assert read.records[999]["prompt_tokens"] == 1099
     assert peak < size / 2, f"peak {peak / 2**20:.1f} MiB for a {size / 2**20:.1f} MiB file"
+
+
+def test_a_file_that_is_no_json_object_stops_the_read_at_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """/dev/zero is refused at its first bytes, not read to the 512 MiB bound first."""
+    assert main(["import", "vllm-bench", "/dev/zero"]) == 2
+    assert capsys.readouterr().err == (
+        "kvlens import: /dev/zero: not a vllm bench serve result (one JSON object)\n"
+    )

@@ -153,7 +153,7 @@ def _vllm_streamed(path: str) -> tuple[dict[str, Any], dict[str, list[Any]]]:
     arrays: dict[str, list[Any]] = {}
     read = 0
     with open_file(path) as stream:
-        while piece := stream.read(_CHUNK_BYTES):
+        while not extractor.broken and (piece := stream.read(_CHUNK_BYTES)):
             read += len(piece)
             if read > MAX_RESULT_BYTES:  # counted decompressed: a small gzip can hold gigabytes
                 raise NotThisFormat(f"larger than {MAX_RESULT_BYTES // (1 << 20)} MiB: not read")
