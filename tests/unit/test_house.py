@@ -144,3 +144,40 @@ def test_the_graph_is_read_whole() -> None:
     edges = graph()
     assert "kvlens.definitions" in edges["kvlens.reduce"]
     assert len(edges) > 100
+
+
+def private_names_borrowed(path: Path, known: dict[str, Path]) -> Iterator[str]:
+    """``_name``s of another kvlens module that ``path`` imports or reads through a module:
+    a name used across modules is part of its owner's interface and says so."""
+    tree = ast.parse(path.read_text(), str(path))
+    modules_bound: set[str] = set()  # local names of kvlens modules
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("kvlens.") and alias.asname:
+                    modules_bound.add(alias.asname)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvlens"):
+            for alias in node.names:
+                if f"{node.module}.{alias.name}" in known:
+                    modules_bound.add(alias.asname or alias.name)
+                elif alias.name.startswith("_") and not alias.name.startswith("__"):
+                    yield f"{node.module}.{alias.name}"
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in modules_bound
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
+            yield f"{node.value.id}.{node.attr}"
+
+
+def test_no_module_borrows_another_modules_private_names() -> None:
+    known = modules()
+    root = PACKAGE.parents[1]
+    paths = [*known.values(), *(root / "bench").rglob("*.py"), *(root / "scripts").rglob("*.py")]
+    borrowed = {
+        f"{path.relative_to(root)}: {name}" for path in paths for name in private_names_borrowed(path, known)
+    }
+    assert sorted(borrowed) == []

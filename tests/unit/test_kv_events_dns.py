@@ -14,7 +14,7 @@ from kvlens.config import load_settings, parse_dns_target
 from kvlens.errors import SettingsError
 from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.background import BackgroundSources
-from kvlens.exporter.collector import _kv_families
+from kvlens.exporter.collector import kv_families
 from kvlens.fleet import schema
 from kvlens.fleet.discovery import MAX_DISCOVERED, DnsTarget, resolve_addresses, wanted_publishers
 from kvlens.fleet.index import EVICTED_ELSEWHERE, HELD_ELSEWHERE, NEW, FleetIndex
@@ -298,7 +298,7 @@ def exported_replicas(events: KVEvents) -> set[str]:
     """The replicas any KV-event series on /metrics names."""
     return {
         sample.labels["replica"]
-        for family in _kv_families(events)
+        for family in kv_families(events)
         for sample in family.samples
         if "replica" in sample.labels
     }

@@ -34,7 +34,7 @@ from kvlens.analysis import per_request, run_facts
 from kvlens.analysis.report import Derived, cells_of, totals_of
 from kvlens.config import Settings
 from kvlens.definitions import Totals
-from kvlens.errors import ArmsDiffer
+from kvlens.errors import ArmsDiffer, GroupTooLarge, NoRecordsOfArm
 from kvlens.records import RecordBatch
 
 SCHEMA = "kvlens.compare/v1"
@@ -46,14 +46,6 @@ METRICS = ("ttft_seconds", "queue_seconds", "prefill_seconds")
 # (16 bytes a request) beside the bootstrap's chunk (about 160 MB).
 MAX_GROUP_REQUESTS = 5_000_000
 FloatArray = npt.NDArray[np.float64]
-
-
-class NoRecordsOfArm(ValueError):
-    """A file of several arms holds none of the arm asked for."""
-
-
-class GroupTooLarge(ValueError):
-    """A group holds more timed requests than :data:`MAX_GROUP_REQUESTS`."""
 
 
 def load_arm(

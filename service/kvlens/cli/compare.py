@@ -18,7 +18,7 @@ from kvlens.cli.common import (
     scale_flags,
 )
 from kvlens.config import load_settings
-from kvlens.errors import ArmsDiffer
+from kvlens.errors import ArmsDiffer, GroupTooLarge, NoRecordsOfArm
 
 
 def add_parser(commands: Any) -> None:
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
             result = compare.compare(
                 arms, warmup=args.warmup, warmup_until=args.warmup_until, percentiles=args.percentiles
             )
-    except (compare.NoRecordsOfArm, ArmsDiffer, compare.GroupTooLarge) as error:
+    except (NoRecordsOfArm, ArmsDiffer, GroupTooLarge) as error:
         print(f"kvlens compare: {error}", file=sys.stderr)
         return 2
     run_facts.add_file_facts(result, specs, left_out)

@@ -28,7 +28,7 @@ from kvlens.cli.replay import (
     traffic_flags,
 )
 from kvlens.config import Settings, load_settings
-from kvlens.errors import ArmsDiffer, MissingExtra
+from kvlens.errors import ArmsDiffer, GroupTooLarge, MissingExtra, NoRecordsOfArm
 from kvlens.experiment import outdir, reports
 from kvlens.experiment import run as arms
 from kvlens.experiment.client import Endpoint
@@ -217,11 +217,11 @@ def _prefix_cache_report(
 ) -> int:
     """The compare report of every arm in the out-dir, into it (and --html) and printed; the exit
     code from the failures of the arms this run ran (``ran``), once the report is written."""
-    from kvlens.analysis import compare, compare_text, html_compare
+    from kvlens.analysis import compare_text, html_compare
 
     try:
         report = arms.compare_arms(found, settings, percentiles=args.percentiles)
-    except (ArmsDiffer, compare.NoRecordsOfArm, compare.GroupTooLarge) as error:
+    except (ArmsDiffer, NoRecordsOfArm, GroupTooLarge) as error:
         failed = failure_exit("experiment", ran, args.max_error_rate)  # maybe why the arms differ
         if not failed:
             raise ExperimentError(f"no report: {error}") from None

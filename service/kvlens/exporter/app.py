@@ -38,7 +38,7 @@ from kvlens.exporter.ingest import BatchLedger, IngestWorker, LogThrottle, Recen
 from kvlens.exporter.runtime import ScrapeRenderer, ServiceHealth
 from kvlens.fleet.subscriber import KVEvents
 from kvlens.http.access import bearer_matches
-from kvlens.http.bodies import RETRY_AFTER_SECONDS, ArrivingBodies, BodyLimits, BodyReader, IngestGate
+from kvlens.http.bodies import RETRY_AFTER_SECONDS, BodyReader, IngestGate, arriving_bodies, body_limits
 from kvlens.http.server import ConnectionGuard
 from kvlens.records import Record, Rejections, Validated
 from kvlens.sources import encoding, otlp, push, vllm_plugin
@@ -95,11 +95,7 @@ class Sidecar:
         self.health = ServiceHealth(
             ingest_open=settings.ingest_open,
             gate=IngestGate(settings.max_concurrent_ingest),
-            arriving=ArrivingBodies(
-                settings.max_arriving_bodies,
-                settings.max_arriving_body_bytes,
-                settings.body_min_bytes_per_second_when_full if settings.body_min_bytes_per_second else 0,
-            ),
+            arriving=arriving_bodies(settings),
             connections=ConnectionGuard(
                 settings.max_connections, settings.header_timeout_seconds, settings.write_timeout_seconds
             ),
@@ -117,14 +113,7 @@ class Sidecar:
         """The request's whole body, received at the pace the settings ask while it counts against
         the arriving bodies' caps; or the answer that refuses it. Until it has arrived the request
         holds no ingest slot: a slot is the decoding's, which a slow sender must not hold."""
-        settings = self.settings
-        limits = BodyLimits(
-            settings.max_body_bytes,
-            settings.body_timeout_seconds,
-            settings.header_timeout_seconds,
-            settings.body_min_bytes_per_second,
-            settings.body_rate_window_seconds,
-        )
+        limits = body_limits(self.settings, self.settings.max_body_bytes)
         try:
             return await BodyReader.of(request, limits, self.health.arriving).body()
         except InputError as error:

@@ -91,7 +91,7 @@ class KVLensCollector(Collector):
         if self.kv_events is not None:
             settings = self.aggregator.settings
             cost = settings.cost_model_for(settings.kv_events_model)
-            yield from self._safely(lambda kv_events: _kv_families(kv_events, cost), self.kv_events)
+            yield from self._safely(lambda kv_events: kv_families(kv_events, cost), self.kv_events)
         if self.modelled is not None:
             yield from self._safely(_modelled_families, self.modelled)
         yield from self._safely(_tenant_families, self.aggregator.tenants)
@@ -269,7 +269,7 @@ def _upstream_families(upstream: UpstreamState) -> list[Metric]:
     return [*families, up, running, errors, scrapes, rejected]
 
 
-def _kv_families(kv_events: KVEvents, cost: CostModel = DEFAULT_COST_MODEL) -> list[Metric]:
+def kv_families(kv_events: KVEvents, cost: CostModel = DEFAULT_COST_MODEL) -> list[Metric]:
     """``cost``: the followed fleet's model's cost model (``kv_events_model``), for the work."""
     snapshot = kv_events.snapshot()
     index, publishers = snapshot.index, snapshot.publishers

@@ -31,7 +31,7 @@ from kvlens.analysis.duckdb.engine import Engine, engine_errors
 from kvlens.analysis.report import Cell, Key, totals_of
 from kvlens.config import Settings
 from kvlens.definitions import Totals, prompt_length_labels
-from kvlens.errors import ArmsDiffer
+from kvlens.errors import ArmsDiffer, NoRecordsOfArm
 from kvlens.limits import DEFAULT_MEMORY_LIMIT
 
 COLUMNS = (*inputs.ANALYSIS_COLUMNS, "request_id", "arm")
@@ -99,7 +99,7 @@ def _load_arm(
     if named:
         ((kept,),) = con.execute(f"SELECT count(*) FROM arm_{index}").fetchall()
         if not kept:
-            raise compare.NoRecordsOfArm(compare.no_records_of(path, name))
+            raise NoRecordsOfArm(compare.no_records_of(path, name))
 
 
 def check_same_sequence(engine: Engine, names: list[str]) -> None:

@@ -18,11 +18,10 @@ from typing import Any
 import uvicorn
 
 from kvlens import limits, logs
-from kvlens.config import Settings, load_settings
+from kvlens.config import load_settings
 from kvlens.errors import MissingExtra, SettingsError
-from kvlens.http import server
+from kvlens.http import bodies, server
 from kvlens.http.access import loopback
-from kvlens.http.bodies import ArrivingBodies, BodyLimits
 from kvlens.simulate.cache import CacheEvents
 from kvlens.simulate.memory import kv_blocks
 from kvlens.simulate.policies import POLICIES, Guard
@@ -214,18 +213,6 @@ def record(ticket: Ticket, engine: RealTimeFleet, model: str, started_epoch: flo
     }
 
 
-def body_limits(settings: Settings) -> BodyLimits:
-    """``kvlens serve``'s rules for a request body (its settings), with this server's size cap and
-    no minimum pace (the README's limits say so; a pace of 0 arms no window timer)."""
-    return BodyLimits(
-        MAX_BODY_BYTES,
-        settings.body_timeout_seconds,
-        settings.header_timeout_seconds,
-        0,
-        settings.body_rate_window_seconds,
-    )
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         fleet, served = _checked(args)
@@ -275,8 +262,8 @@ def run(args: argparse.Namespace) -> int:
         make_engine,
         prefix_caching=not args.no_prefix_caching,
         on_record=push if shipper else None,
-        body_limits=body_limits(settings),
-        arriving=ArrivingBodies(settings.max_arriving_bodies, settings.max_arriving_body_bytes),
+        body_limits=bodies.body_limits(settings, MAX_BODY_BYTES),
+        arriving=bodies.arriving_bodies(settings),
         max_in_flight=args.max_in_flight,
         admin_token=settings.admin_secret,
     )
