@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlens.analysis import run_facts
-from kvlens.cli.common import examples
+from kvlens.cli.common import examples, trace_format_flags
 from kvlens.experiment import reports
 from kvlens.experiment import run as arms
 from kvlens.experiment.client import CHAT, COMPLETIONS, Endpoint, Progress, base_url
@@ -55,8 +55,11 @@ def trace_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "trace",
         metavar="TRACE",
-        help=f"Mooncake, Bailian or kvlens-record JSONL, or '{arms.SHARED_PREFIX}' (built-in traffic)",
+        help="a trace file (Mooncake, agentic Mooncake, Bailian, BurstGPT, kvlens records), "
+        "kv-cache-tester conversations (a file or a directory), "
+        f"or '{arms.SHARED_PREFIX}' (built-in traffic)",
     )
+    trace_format_flags(parser)
     parser.add_argument("--speed", type=float, default=1.0, help="play the trace this much faster")
     parser.add_argument("--rate", type=float, help="requests per second instead of the trace's times")
     parser.add_argument("--burstiness", type=float, default=1.0, help="with --rate: 1 Poisson, <1 burstier")
@@ -198,7 +201,7 @@ def read_requests(args: argparse.Namespace) -> tuple[list[TraceRequest], list[Tr
         )
         requests, block_size = traffic.trace(), arms.SHARED_PREFIX_BLOCK
     else:
-        trace = open_trace(args.trace)
+        trace = open_trace(args.trace, trace_format=args.trace_format, session_rate=args.session_rate)
         requests, block_size = list(itertools.islice(trace.requests(), args.requests)), trace.block_size
     warmup = None
     if args.warmup_trace:
