@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from kvlens.analysis import calibration, diagnosis, reader, report
+from kvlens.analysis import calibration, diagnosis, reader, report, sessions
 from kvlens.config import Settings
 from kvlens.definitions import prompt_length_labels
 from kvlens.records import batch_from_objects
@@ -90,6 +90,7 @@ def analyze(
             span,
             lambda: diagnosis.prefix_potential(derived),
         )
+        result["sessions"] = sessions.session_report(read.batch)
         fits = [
             calibration.fit(
                 name,
@@ -180,6 +181,7 @@ def _report(
         "time_range": span,
     }
     result["diagnosis"] = diagnosis.diagnose(summary, labels, result, potential)
+    result["sessions"] = None  # the numpy engine's, from each record (see sessions.session_report)
     return result
 
 

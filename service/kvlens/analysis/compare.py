@@ -30,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvlens import definitions, stats
-from kvlens.analysis import per_request, run_facts
+from kvlens.analysis import per_request, run_facts, sessions
 from kvlens.analysis.render import _md_table, _pct
 from kvlens.analysis.report import Derived, cells_of, totals_of
 from kvlens.config import Settings
@@ -346,7 +346,7 @@ def compare(
     for arm in arms[1:]:
         warm |= warmup_mask(arm.derived.batch, warmup, warmup_until)
     paired = InMemory(arms, warm)
-    return build(
+    result = build(
         paired,
         [arm.name for arm in arms],
         [arm.path for arm in arms],
@@ -354,6 +354,10 @@ def compare(
         seed,
         percentiles,
     )
+    by_arm = {arm.name: sessions.session_report(arm.derived.batch.select(~warm)) for arm in arms}
+    if any(by_arm.values()):
+        result["sessions"] = by_arm  # the measured requests' (the warm-up's apart)
+    return result
 
 
 class InMemory:
@@ -553,6 +557,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines.append("")
     lines += [f"- {line}" for line in warmup_lines(result)]
     lines += [f"- {line}" for line in run_facts.error_lines(result)]
+    lines += [f"- {line}" for line in sessions.arm_lines(result.get("sessions"))]
     lines += ["", _md_table(table_header(result), table_rows(result)), ""]
     lines += [f"- {metric.removesuffix('_seconds')}: {UNMEASURED}" for metric in unmeasured(result)]
     lines += ["", REUSE_IS_NOT_SPEEDUP, "", run_facts.PRESUMES_QUALITY]
@@ -570,7 +575,12 @@ def terminal(result: dict[str, Any], console: Any = None) -> None:
     console.print(f"kvlens compare (baseline: {result['baseline']})", markup=False)
     if "paired" in result:
         per_request.terminal(result["paired"], result["baseline"], console)
-    for line in verdict(result) + warmup_lines(result) + run_facts.error_lines(result):
+    for line in (
+        verdict(result)
+        + warmup_lines(result)
+        + run_facts.error_lines(result)
+        + sessions.arm_lines(result.get("sessions"))
+    ):
         console.print(line, markup=False)
     rows = table_rows(result)
     names = [f"p{stats.percentile_name(q)}" for q in percentiles_of(result)]

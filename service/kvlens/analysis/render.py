@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvlens.analysis import sessions
+
 RATIO_NAMES = (
     ("request_hit_ratio", "Request hit ratio"),
     ("token_reuse_ratio", "Token reuse ratio"),
@@ -117,7 +119,7 @@ def _summary_lines(report: dict[str, Any]) -> list[str]:
             f"{g['prompt_len']} {g['cache']} {_pct(g['share'], 0)}" for g in slowest["groups"][:4]
         )
         lines.append(f"Slowest 5 % (TTFT >= {_ms(slowest['threshold_seconds'])} ms): {where}")
-    return lines
+    return lines + sessions.lines(report.get("sessions"))
 
 
 def terminal(report: dict[str, Any]) -> None:

@@ -248,9 +248,7 @@ def setup(args: argparse.Namespace, *, warms: bool) -> tuple[Window, PromptSynth
     except ValueError as error:
         raise ExperimentError(str(error)) from None
     if args.schedule is None and kind == SESSIONS:
-        log.info(
-            "schedule: sessions (its requests wait for answers; --schedule timestamps to send by time)"
-        )
+        log.info("schedule: sessions (its requests wait for answers; --schedule timestamps to send by time)")
     schedule = arms.Schedule(
         args.speed,
         args.rate,

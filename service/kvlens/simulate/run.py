@@ -291,6 +291,8 @@ def _batch(count: int, block_size: int, **columns: Any) -> RecordBatch:
         model_names=[MODEL],
         tenant=[None] * count,
         finish_reason=[None] * count,
+        session_id=[None] * count,
+        trace_reusable_tokens=np.full(count, -1, np.int64),
         prefix_hashes=[None] * count,
         **columns,
     )
