@@ -223,3 +223,37 @@ def test_a_conversation_with_a_bad_request_names_it(tmp_path: Path) -> None:
     path.write_bytes(orjson.dumps(value))
     with pytest.raises(TraceError, match=r"bad.json: trace_0291/agent_001 request 2: in must be an integer"):
         open_trace(path).requests().__next__()
+
+
+def test_the_bundled_agentic_slice_and_the_demo_on_it() -> None:
+    from kvlens.simulate.demo import CAPACITY_TOKENS, ReplayTraffic
+    from kvlens.simulate.trace import BUNDLED_AGENTIC
+
+    assert (BUNDLED_AGENTIC / "NOTICE").read_text().count("Apache License 2.0") == 1
+    trace = open_trace(BUNDLED_AGENTIC, session_rate=1 / 30)
+    requests = list(trace.requests())
+    assert (trace.format, trace.block_size, len(requests)) == ("kv-cache-tester", 64, 104)
+    assert len({r.session for r in requests if r.parent is None}) == 8
+    assert sorted(r.arrival for r in requests if r.turn == 0 and r.parent is None) == [
+        30.0 * i for i in range(8)
+    ]
+    replay = ReplayTraffic(speed=1.0, trace=str(BUNDLED_AGENTIC), session_rate=1 / 30, origin=0.0)
+    assert (replay.block_size, replay.capacity_blocks) == (64, CAPACITY_TOKENS // 64)
+    first = replay.records(0.0, replay.loop_seconds)  # one loop (speed 1, from 0)
+    assert len(first) == 104 and first[0]["request_id"] == "kv-cache-tester-0-0"
+    assert first[0]["cached_tokens"] == 0 and sum(r["cached_tokens"] for r in first) > 0
+
+
+def test_simulate_keeps_each_session_in_order(tmp_path: Path) -> None:
+    from kvlens.cli import main
+
+    out = tmp_path / "records.jsonl"
+    flags = ["--replicas", "2", "--policy", "round_robin", "--capacity-blocks", "unbounded"]
+    assert main(["simulate", str(CONVERSATIONS), *flags, "--emit-records", str(out), "--json"]) == 0
+    records = [orjson.loads(line) for line in out.read_bytes().splitlines()]
+    requests = list(open_trace(CONVERSATIONS).requests())
+    assert len(records) == len(requests)
+    arrival = {int(r["request_id"]): r["arrival_time"] for r in records}
+    for r in requests:  # a turn arrives no sooner than the requests it waits for
+        assert all(arrival[i] <= arrival[r.index] for i in r.after)
+    assert [arrival[r.index] for r in requests] == [r.arrival for r in requests]

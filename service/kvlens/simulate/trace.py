@@ -68,6 +68,9 @@ _CHUNK_BYTES: Final = 1024 * 1024  # read at a time (a trace line is a few KiB)
 # The Mooncake synthetic trace (kvcache-ai/Mooncake, Apache-2.0; data/NOTICE), bundled for
 # `kvlens demo` and for `kvlens simulate` without a trace.
 BUNDLED: Final = Path(__file__).resolve().parent / "data" / "mooncake_synthetic_trace.jsonl.gz"
+# Eight kv-cache-tester conversations (callanjfox/kv-cache-tester, Apache-2.0; data/agentic/NOTICE),
+# bundled for `kvlens demo --traffic agentic`.
+BUNDLED_AGENTIC: Final = BUNDLED.parent / "agentic"
 
 
 @dataclass(frozen=True)
