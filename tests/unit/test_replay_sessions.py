@@ -195,3 +195,44 @@ def test_the_timestamp_schedule_stays_the_default_for_mooncake(tmp_path: Path) -
     conversations = schedule(FIXTURES, "--salt-per-session", "--think-scale", "0.5")
     assert conversations.sessions == SessionPlan(think_scale=0.5) and conversations.salt is not None
     assert schedule(FIXTURES, "--schedule", "timestamps").sessions is None
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupted_session_replay_records_nothing_for_what_was_in_flight() -> None:
+    """Ctrl-C during a session replay: the requests in flight are not measured (no record, not an
+    error), as the timestamp schedule leaves them."""
+    trace = open_trace(FIXTURES / "trace_0504.json")
+    requests = list(trace.requests())
+
+    async def run() -> list[dict[str, Any]]:
+        received = asyncio.Event()
+        never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def gate(body: dict[str, Any]) -> asyncio.Future[None] | None:
+            if body["prompt_tokens"] == requests[1].prompt_tokens:
+                received.set()
+                return never  # the second turn is never answered
+            return None
+
+        server = Server(gate)
+        listening = await asyncio.start_server(server.handle, "127.0.0.1", 0)
+        port = listening.sockets[0].getsockname()[1]
+        out = io.BytesIO()
+        plan = SessionPlan(think_scale=0.0)
+        planned = Schedule(sessions=plan).planned(requests, MEASURE)
+        endpoint = Endpoint(f"http://127.0.0.1:{port}", "m", timeout_seconds=60)
+        replaying = asyncio.ensure_future(
+            replay_sessions(planned, PromptSynthesizer(64), endpoint, "arm", RecordWriter(out), plan)
+        )
+        await received.wait()
+        replaying.cancel()
+        await asyncio.gather(replaying, return_exceptions=True)
+        listening.close()
+        for connection in server.connections:
+            connection.cancel()
+        await asyncio.gather(*server.connections, return_exceptions=True)
+        return [orjson.loads(line) for line in out.getvalue().splitlines()]
+
+    records = asyncio.run(run())
+    assert [r["trace_index"] for r in records] == [0]  # the first answered; the second not recorded
+    assert "error" not in records[0]

@@ -257,3 +257,24 @@ def test_simulate_keeps_each_session_in_order(tmp_path: Path) -> None:
     for r in requests:  # a turn arrives no sooner than the requests it waits for
         assert all(arrival[i] <= arrival[r.index] for i in r.after)
     assert [arrival[r.index] for r in requests] == [r.arrival for r in requests]
+
+
+def test_sub_agents_nested_past_the_bound_and_too_many_files_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvlens.simulate import conversations
+
+    leaf: dict[str, object] = {"t": 0.0, "in": 64, "out": 1, "hash_ids": [1]}
+    entries: list[dict[str, object]] = [leaf]
+    for depth in range(conversations.MAX_DEPTH + 1):
+        entries = [leaf, {"type": "subagent", "agent_id": f"a{depth}", "t": 1.0, "requests": entries}]
+    deep = tmp_path / "deep" / "c.json"
+    deep.parent.mkdir()
+    deep.write_bytes(orjson.dumps({"block_size": 64, "requests": entries}))
+    with pytest.raises(TraceError, match=f"sub-agents nested deeper than {conversations.MAX_DEPTH}"):
+        list(open_trace(deep).requests())
+    monkeypatch.setattr(conversations, "MAX_FILES", 2)
+    for name in ("a.json", "b.json", "c.json"):
+        shutil.copy(CONVERSATIONS / "trace_0504.json", tmp_path / name)
+    with pytest.raises(TraceError, match="more than 2 conversation files"):
+        open_trace(tmp_path)

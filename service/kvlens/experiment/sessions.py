@@ -46,7 +46,7 @@ from kvlens.experiment.client import (
     completions_body,
 )
 from kvlens.experiment.prompts import PromptSynthesizer
-from kvlens.experiment.stream import StreamClient
+from kvlens.experiment.stream import Exchange, StreamClient
 from kvlens.simulate.trace import TraceRequest
 
 
@@ -130,6 +130,7 @@ async def replay_sessions(
                 dependents.setdefault(i, []).append(p.index)
     ended: dict[int, float] = {}
     tasks: set[asyncio.Task[None]] = set()
+    in_flight: set[asyncio.Future[Exchange]] = set()
     all_done = asyncio.Event()
     start = time.perf_counter()
     wall_start = time.time()
@@ -179,9 +180,11 @@ async def replay_sessions(
         record = _record(endpoint, arm, request, lag, wall_start + (sent - start))
         try:
             answer = client.begin(endpoint.path, body, sent, request.output_tokens)
+            in_flight.add(answer)
             answer.add_done_callback(
                 functools.partial(_ended, record=record, endpoint=endpoint, writer=writer, progress=progress)
             )
+            answer.add_done_callback(in_flight.discard)
             await asyncio.wait({answer})
         finally:
             slots.release()
@@ -196,7 +199,9 @@ async def replay_sessions(
                 schedule(p.index, p.due)
         await all_done.wait()
     finally:
-        for task in list(tasks):  # interrupted: what was in flight is not measured, not an error
+        for answer in list(in_flight):  # interrupted: what was in flight is not measured, not an error
+            answer.cancel()
+        for task in list(tasks):
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await client.aclose()
