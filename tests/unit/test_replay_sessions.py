@@ -236,3 +236,19 @@ def test_an_interrupted_session_replay_records_nothing_for_what_was_in_flight() 
     records = asyncio.run(run())
     assert [r["trace_index"] for r in records] == [0]  # the first answered; the second not recorded
     assert "error" not in records[0]
+
+
+def test_every_experiment_reads_every_trace_format() -> None:
+    """`experiment quantization` reads its trace as `replay` does (conversations included)."""
+    from kvlens.cli import experiment
+    from kvlens.cli.common import Parser
+    from kvlens.cli.replay import read_requests
+
+    parser = Parser(prog="kvlens")
+    experiment.add_parser(parser.add_subparsers())
+    flags = ["--endpoint", "a=http://127.0.0.1:1", "--model", "m", "--out-dir", "unused"]
+    args = parser.parse_args(
+        ["experiment", "quantization", str(FIXTURES), *flags, "--trace-format", "kv-cache-tester"]
+    )
+    requests, _, block_size = read_requests(args)
+    assert (len(requests), block_size) == (38, 64)
