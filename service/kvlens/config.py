@@ -368,6 +368,20 @@ class Settings(BaseSettings):
     )
     max_models: int = Field(50, ge=1, le=10_000, description="Cap on `model` values without allow-list.")
     default_model: str = Field("unknown", description="`model` label of records that carry none.")
+    tenants: list[str] = Field(
+        [],
+        description="Allow-list of `tenant` label values (kvlens_tenant_*); empty: the first "
+        "`max_tenants` seen.",
+    )
+    max_tenants: int = Field(50, ge=1, le=10_000, description="Cap on `tenant` values without allow-list.")
+    tenant_remember_blocks: int = Field(
+        0,
+        ge=0,
+        le=100_000_000,
+        description="Set: blocks whose storing tenant is remembered (about 160 bytes each, least "
+        "recently seen forgotten first), from records' tenant and prefix_hashes: "
+        "kvlens_cross_tenant_cached_tokens_total.",
+    )
     analyze_memory_limit: str = Field(
         limits.DEFAULT_MEMORY_LIMIT,
         description="Memory `kvlens analyze --engine duckdb` holds before it spills (`--memory-limit`).",
@@ -668,15 +682,15 @@ class Settings(BaseSettings):
             for url in self.scrape_targets
         ]
 
-    @field_validator("models", "cost_models", "default_model", "model_shapes")
+    @field_validator("models", "cost_models", "default_model", "model_shapes", "tenants")
     @classmethod
-    def _label_values(cls, value: Any) -> Any:
+    def _label_values(cls, value: Any, info: ValidationInfo) -> Any:
         names = [value] if isinstance(value, str) else list(value)
         bad = [name for name in names if not name or not valid_label(name) or name == "other"]
         if bad:
             raise ValueError(
-                "model names must be non-empty printable UTF-8 "
-                f"of at most {MAX_LABEL_BYTES} bytes, not 'other'"
+                f"{'tenant' if info.field_name == 'tenants' else 'model'} names must be non-empty "
+                f"printable UTF-8 of at most {MAX_LABEL_BYTES} bytes, not 'other'"
             )
         return value
 

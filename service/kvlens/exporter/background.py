@@ -12,7 +12,8 @@ import httpx
 
 from kvlens.config import Settings, TailSetting, parse_dns_target, parse_shard
 from kvlens.errors import ScrapeError
-from kvlens.exporter.aggregator import Aggregator, ModelLabels
+from kvlens.exporter.aggregator import Aggregator
+from kvlens.exporter.labels import ClosedLabels
 from kvlens.exporter.modelled import ModelledCauses
 from kvlens.exporter.upstream import UpstreamState
 from kvlens.fleet.discovery import DnsTarget
@@ -50,7 +51,7 @@ class BackgroundSources:
         self.upstream = (
             UpstreamState(
                 tuple(self.targets),
-                ModelLabels(settings, capacity=settings.upstream_max_models),
+                ClosedLabels(settings.models, settings.upstream_max_models, settings.default_model),
                 max_series=settings.upstream_max_series,
             )
             if self.targets
@@ -101,6 +102,12 @@ class BackgroundSources:
             await asyncio.to_thread(self.kv_events.stop)
         for thread in self._threads:  # each writes its last checkpoint as it ends
             await asyncio.to_thread(thread.join, 10)
+
+    @property
+    def reads_prefix_hashes(self) -> bool:
+        """Whether anything live reads records' ``prefix_hashes`` (else ingest checks and drops
+        them): the modelled caches, or the tenants' block storers."""
+        return self.modelled is not None or self.aggregator.tenants.storers is not None
 
     def count(self, validated: Validated, source: str) -> None:
         """Add records to the sums, and to the modelled caches when they are on."""
