@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from kvlens.analysis import calibration, diagnosis, misses, reader, report, tenants
+from kvlens.analysis import calibration, diagnosis, misses, reader, report, sessions, tenants
 from kvlens.config import Settings
 from kvlens.definitions import prompt_length_labels
 from kvlens.records import batch_from_objects
@@ -67,7 +67,6 @@ def analyze(
                 ]
                 span = time_range(*summarized.arrivals)
                 result = _report(summary, settings, labels, read, records, paths, span, lambda: None)
-                result["misses"] = None  # the numpy engine reads prefix_hashes (--engine numpy)
         finally:
             store.close()
     else:
@@ -92,6 +91,7 @@ def analyze(
             span,
             lambda: diagnosis.prefix_potential(derived),
         )
+        result["sessions"] = sessions.session_report(read.batch)
         shared = tenants.cross_tenant(read.batch, settings.tenant_remember_blocks)
         if shared is not None:  # only records with a tenant and prefix_hashes add the section
             result["cross_tenant"] = shared
@@ -186,6 +186,8 @@ def _report(
         "time_range": span,
     }
     result["diagnosis"] = diagnosis.diagnose(summary, labels, result, potential)
+    result["sessions"] = None  # the numpy engine's, from each record (see sessions.session_report)
+    result["misses"] = None  # the numpy engine's, from each record's prefix_hashes (misses.request_misses)
     return result
 
 

@@ -30,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvlens import definitions, stats
-from kvlens.analysis import per_request, run_facts
+from kvlens.analysis import per_request, run_facts, sessions
 from kvlens.analysis.report import Derived, cells_of, totals_of
 from kvlens.config import Settings
 from kvlens.definitions import Totals
@@ -333,7 +333,7 @@ def compare(
     for arm in arms[1:]:
         warm |= warmup_mask(arm.derived.batch, warmup, warmup_until)
     paired = InMemory(arms, warm)
-    return build(
+    result = build(
         paired,
         [arm.name for arm in arms],
         [arm.path for arm in arms],
@@ -341,6 +341,10 @@ def compare(
         seed,
         percentiles,
     )
+    by_arm = {arm.name: sessions.session_report(arm.derived.batch.select(~warm)) for arm in arms}
+    if any(by_arm.values()):
+        result["sessions"] = by_arm  # the measured requests' (the warm-up's apart)
+    return result
 
 
 class InMemory:

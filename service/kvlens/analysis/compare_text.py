@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvlens import stats
-from kvlens.analysis import per_request, run_facts
+from kvlens.analysis import per_request, run_facts, sessions
 from kvlens.analysis.compare import METRICS
 from kvlens.analysis.render import markdown_table
 from kvlens.terminal import console as terminal_console
@@ -145,6 +145,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines.append("")
     lines += [f"- {line}" for line in warmup_lines(result)]
     lines += [f"- {line}" for line in run_facts.error_lines(result)]
+    lines += [f"- {line}" for line in sessions.arm_lines(result.get("sessions"))]
     lines += ["", markdown_table(table_header(result), table_rows(result)), ""]
     lines += [f"- {metric.removesuffix('_seconds')}: {UNMEASURED}" for metric in unmeasured(result)]
     lines += ["", REUSE_IS_NOT_SPEEDUP, "", run_facts.PRESUMES_QUALITY]
@@ -161,7 +162,12 @@ def terminal(result: dict[str, Any], console: Any = None) -> None:
     console.print(f"kvlens compare (baseline: {result['baseline']})", markup=False)
     if "paired" in result:
         per_request.terminal(result["paired"], result["baseline"], console)
-    for line in verdict(result) + warmup_lines(result) + run_facts.error_lines(result):
+    for line in (
+        verdict(result)
+        + warmup_lines(result)
+        + run_facts.error_lines(result)
+        + sessions.arm_lines(result.get("sessions"))
+    ):
         console.print(line, markup=False)
     rows = table_rows(result)
     names = [f"p{stats.percentile_name(q)}" for q in shown_percentiles(result)]

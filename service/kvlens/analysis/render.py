@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from kvlens.analysis import sessions
 from kvlens.terminal import console as terminal_console
 from kvlens.terminal import percent
 
@@ -118,7 +119,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             f"{g['prompt_len']} {g['cache']} {percent(g['share'], 0)}" for g in slowest["groups"][:4]
         )
         lines.append(f"Slowest 5 % (TTFT >= {milliseconds(slowest['threshold_seconds'])} ms): {where}")
-    return lines
+    return lines + sessions.lines(report.get("sessions"))
 
 
 def terminal(report: dict[str, Any]) -> None:

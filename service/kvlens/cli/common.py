@@ -361,3 +361,22 @@ def check_port_free(settings: Settings) -> None:
                 f"cannot listen on {settings.host}:{settings.port} ({error.strerror or error}): "
                 f"pick another port with --port (or {ENV_PREFIX}PORT)"
             ) from None
+
+
+def trace_format_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags that say how a trace is read (``simulate``, ``replay``, ``experiment``)."""
+    from kvlens.simulate.trace import CONVERSATIONS, FORMATS
+
+    parser.add_argument(
+        "--trace-format",
+        choices=FORMATS,
+        metavar="FORMAT",
+        help=f"read the trace as this format: {', '.join(FORMATS)} (default: told by its content)",
+    )
+    parser.add_argument(
+        "--session-rate",
+        type=float,
+        metavar="PER_S",
+        help=f"{CONVERSATIONS} conversations: start one every 1/PER_S s, in file-name order "
+        "(default: all at 0, the files recording no offset between them)",
+    )

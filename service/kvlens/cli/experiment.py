@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvlens.analysis import run_facts
 from kvlens.cli import outdir as runs
-from kvlens.cli.common import examples, make_room_for, percentiles_flag, print_report
+from kvlens.cli.common import examples, make_room_for, percentiles_flag, print_report, trace_format_flags
 from kvlens.cli.replay import (
     api_key,
     api_key_flags,
@@ -86,7 +86,11 @@ def add_parser(commands: Any) -> None:
             "--endpoint w4a16=http://127.0.0.1:8001 --model simulated --out-dir quant/ --rates 2,4,8",
         ),
     )
-    quant.add_argument("trace", metavar="TRACE", help=f"a trace file, or '{arms.SHARED_PREFIX}'")
+    quant.add_argument(
+        "trace",
+        metavar="TRACE",
+        help=f"a trace (a file or a directory of conversations), or '{arms.SHARED_PREFIX}'",
+    )
     quant.add_argument(
         "--endpoint",
         action="append",
@@ -126,6 +130,7 @@ def add_parser(commands: Any) -> None:
     error_rate_flag(quant)
     byte_model_flags(quant)
     traffic_flags(quant)
+    trace_format_flags(quant)
     quant.set_defaults(run=_quantization, warmup_trace=None)
 
 

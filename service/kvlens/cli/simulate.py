@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlens import terminal
-from kvlens.cli.common import Parser, examples, run_progress
+from kvlens.cli.common import Parser, examples, run_progress, trace_format_flags
 from kvlens.config import load_settings
 from kvlens.errors import MissingExtra
 from kvlens.limits import DEFAULT_PORT
@@ -42,9 +42,11 @@ def _add_run_arguments(sim: argparse.ArgumentParser) -> None:
         "trace",
         nargs="?",
         metavar="TRACE",
-        help="Mooncake, Bailian or kvlens-record JSONL (default: bundled Mooncake); "
+        help="a trace file (Mooncake, agentic Mooncake, Bailian, BurstGPT, kvlens records) or "
+        "kv-cache-tester conversations (a file or a directory) (default: bundled Mooncake); "
         "'kvlens simulate serve --help': the fleet behind the OpenAI API",
     )
+    trace_format_flags(sim)
     sim.add_argument("--replicas", type=int, default=4, help="replicas in the fleet")
     sim.add_argument(
         "--capacity-blocks",
@@ -141,7 +143,12 @@ def run(args: argparse.Namespace) -> int:
             prefill=prefill, max_running=args.max_running, chunked_prefill=not args.no_chunked_prefill
         )
         trace = open_trace(
-            args.trace or BUNDLED, block_size=args.block_size, time_scale=args.time_scale, rate=args.rate
+            args.trace or BUNDLED,
+            block_size=args.block_size,
+            time_scale=args.time_scale,
+            rate=args.rate,
+            trace_format=args.trace_format,
+            session_rate=args.session_rate,
         )
     except ValueError as error:  # TraceError is an InputError: main reports it
         print(f"kvlens simulate: {error}", file=sys.stderr)

@@ -72,6 +72,16 @@ class Record(BaseModel):
         None,
         description="Experiment arm (a routing policy of `kvlens simulate`, a `compare` arm); never a label.",
     )
+    session_id: Annotated[str, Field(max_length=256)] | None = Field(
+        None,
+        description="Conversation (session) the request belongs to: a sub-agent's is its own; "
+        "`analyze` and `compare` report reuse per session. Never a label.",
+    )
+    trace_reusable_tokens: Tokens | None = Field(
+        None,
+        description="Prompt tokens an unbounded prefix cache would have served, the trace's requests "
+        "taken in the run's order (the trace's theoretical reuse; written by `kvlens replay`).",
+    )
     block_size: Annotated[int, Field(ge=1, le=MAX_TOKENS)] | None = Field(
         None, description="KV block size in tokens of the engine that served the request."
     )

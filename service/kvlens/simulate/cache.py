@@ -27,6 +27,12 @@ from collections.abc import Sequence
 from typing import Protocol
 
 
+def hit_limit(prompt_tokens: int, block_size: int) -> int:
+    """The most blocks of a prompt a prefix cache serves: vLLM recomputes a prompt's last token
+    (to get its logits), so at most ``(n - 1) // B`` blocks hit."""
+    return (prompt_tokens - 1) // block_size
+
+
 class CacheEvents(Protocol):
     """What a cache tells of its contents, as an engine's KV events do (vLLM's ``BlockStored`` and
     ``BlockRemoved``): blocks newly cached, each run after ``parent`` (None: from the first

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from kvlens import bandwidth
 from kvlens.definitions import CostModel
-from kvlens.simulate.cache import CacheEvents, PrefixCache
+from kvlens.simulate.cache import CacheEvents, PrefixCache, hit_limit
 from kvlens.simulate.trace import TraceRequest
 
 INF = math.inf
@@ -101,8 +101,7 @@ class Job:
         self.prompt_tokens = request.prompt_tokens
         self.output_tokens = request.output_tokens
         self.blocks = request.blocks
-        # vLLM recomputes a prompt's last token (to get its logits): at most (n-1)//B blocks hit.
-        self.limit = (request.prompt_tokens - 1) // block_size
+        self.limit = hit_limit(request.prompt_tokens, block_size)
         self.estimate = 0.0  # the prefill seconds the router expected here
         self.replica = -1
         self.cached_tokens = 0
