@@ -219,3 +219,51 @@ def test_a_gzip_trace_cut_short_is_named(tmp_path: Path) -> None:
     assert str(raised.value).startswith(
         f"{path}: the gzip stream ends before its end (the file was cut short)"
     )
+
+
+def test_salts_are_mixed_into_the_first_key_and_inherited_as_vllm_does() -> None:
+    """vLLM 0.33 mixes ``cache_salt`` into the first block's hash only; later blocks inherit it
+    through the chain. So one salt shares the whole common prefix, two salts share nothing, and
+    no salt (None or empty) keys the blocks as they were."""
+    from kvlens.simulate.trace import salted
+
+    blocks = chain((1, 2, 3, 4))
+    assert salted(blocks, None) == blocks and salted(blocks, "") == blocks
+    a, b = salted(blocks, "tenant-a"), salted(blocks, "tenant-b")
+    assert a == salted(blocks, "tenant-a")  # the same salt: every block shared
+    assert not set(a) & set(b) and not set(a) & set(blocks)  # different salts, or none: nothing
+    assert salted(blocks[:2], "tenant-a") == a[:2]  # a shorter prompt shares the salted prefix
+    assert salted(chain((1, 2, 9)), "tenant-a")[:2] == a[:2]  # and a diverging one up to the fork
+    # a digest of the salt, not hash(str): the same keys in every process (records carry them)
+    script = "from kvlens.simulate.trace import salted; print(salted((1, 2), 's'))"
+    env = {**os.environ, "PYTHONHASHSEED": "random"}
+    runs = {
+        subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+        ).stdout
+        for _ in range(2)
+    }
+    assert runs == {f"{salted((1, 2), 's')}\n"}
+
+
+def test_a_trace_lines_cache_salt_partitions_the_offline_fleet(tmp_path: Path) -> None:
+    from kvlens.simulate.run import Fleet, simulate
+
+    line = {"input_length": 1100, "output_length": 1, "hash_ids": [1, 2, 3]}
+    salts = [None, "a", "a", "b", None, "a"]
+    path = write(
+        tmp_path / "t.jsonl",
+        [
+            {"timestamp": 1000 * i, **line, **({"cache_salt": salt} if salt else {})}
+            for i, salt in enumerate(salts)
+        ],
+    )
+    records: list[dict[str, Any]] = []
+    requests = list(open_trace(path).requests())
+    assert [r.cache_salt for r in requests] == salts
+    simulate(requests, Fleet(1, None, 512), "round_robin", records=records.extend)
+    # 1100 tokens: 2 full blocks of 512 can hit. The first of each scope misses, the rest hit.
+    assert [r["cached_tokens"] for r in records] == [0, 0, 1024, 0, 1024, 1024]
+    bad = write(tmp_path / "bad.jsonl", [{"timestamp": 0, **line, "cache_salt": 7}])
+    with pytest.raises(TraceError, match="line 1: cache_salt must be a string"):
+        list(open_trace(bad).requests())

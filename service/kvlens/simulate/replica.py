@@ -100,7 +100,7 @@ class Job:
         self.arrival = request.arrival
         self.prompt_tokens = request.prompt_tokens
         self.output_tokens = request.output_tokens
-        self.blocks = request.blocks
+        self.blocks = request.keys  # salted as the engine keys them
         # vLLM recomputes a prompt's last token (to get its logits): at most (n-1)//B blocks hit.
         self.limit = (request.prompt_tokens - 1) // block_size
         self.estimate = 0.0  # the prefill seconds the router expected here

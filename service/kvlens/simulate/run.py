@@ -185,8 +185,9 @@ def walk(
     outcome = Outcome(name, capacity_blocks)
     for request in requests:
         limit = (request.prompt_tokens - 1) // block_size
-        reused, held = cache.acquire(request.blocks, limit)
-        cache.release(request.blocks, held)
+        keys = request.keys
+        reused, held = cache.acquire(keys, limit)
+        cache.release(keys, held)
         prompt.append(request.prompt_tokens)
         cached.append(reused * block_size)
         if len(prompt) >= CHUNK:

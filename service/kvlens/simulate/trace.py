@@ -14,6 +14,9 @@ DESIGN section 1). A key stands for the block and its whole prefix:
 - kvlens records with ``prefix_hashes`` (chained by the engine, as vLLM's are) and
   ``block_size``; ``arrival_time`` orders them.
 
+A Mooncake or Bailian line may carry ``cache_salt`` (a string, vLLM's request field): its keys
+are then :func:`salted` as vLLM salts them, in ``kvlens simulate`` as in ``simulate serve``.
+
 A trace's lines must arrive in time order (Mooncake and Bailian files do); kvlens records are
 read whole and sorted, since they are written as requests finish. A line that is not a request
 of the trace's format raises :class:`TraceError` naming the file, the line and the field; so do
@@ -68,6 +71,14 @@ class TraceRequest:
     prompt_tokens: int
     output_tokens: int
     blocks: tuple[int, ...]  # keys of the prompt's full blocks, each standing for its prefix
+    # vLLM's ``cache_salt`` (None: unsalted): mixed into the first block's key, so the keys a
+    # cache sees are :attr:`keys`, never ``blocks`` (which the experiment's prompts are made from)
+    cache_salt: str | None = None
+
+    @property
+    def keys(self) -> tuple[int, ...]:
+        """The blocks as the engine keys them: :func:`salted` by the request's ``cache_salt``."""
+        return salted(self.blocks, self.cache_salt)
 
 
 @dataclass(frozen=True)
@@ -248,6 +259,7 @@ def _mooncake(line: dict[str, Any], index: int, block_size: int) -> TraceRequest
         prompt_tokens=prompt,
         output_tokens=_count(line.get("output_length"), "output_length"),
         blocks=_integers(ids, "hash_ids"),
+        cache_salt=_salt(line),
     )
 
 
@@ -263,6 +275,7 @@ def _bailian(line: dict[str, Any], index: int, block_size: int) -> TraceRequest:
         prompt_tokens=prompt,
         output_tokens=_count(line.get("output_length"), "output_length"),
         blocks=chain(ids),  # a later turn shares its chat's blocks through them, not through the ids
+        cache_salt=_salt(line),
     )
 
 
@@ -290,14 +303,35 @@ def _stable_key(text: str) -> int:
     return int.from_bytes(digest, "little", signed=True)
 
 
-def chain(ids: tuple[int, ...]) -> tuple[int, ...]:
-    """Keys that stand for each block and everything before it: ``key[i] = hash((key[i-1], id[i]))``."""
+def chain(ids: tuple[int, ...], start: int = 0) -> tuple[int, ...]:
+    """Keys that stand for each block and everything before it: ``key[i] = hash((key[i-1], id[i]))``,
+    ``key[-1]`` being ``start``."""
     keys = []
-    key = 0
+    key = start
     for block in ids:
         key = hash((key, block))
         keys.append(key)
     return tuple(keys)
+
+
+def salted(blocks: tuple[int, ...], salt: str | None) -> tuple[int, ...]:
+    """``blocks`` (chained keys) as a cache keys them under ``salt``, as vLLM 0.33 does: the salt
+    is mixed into the first block's key only (``generate_block_hash_extra_keys`` adds it where
+    ``start_token_idx == 0``) and every later key inherits it through the chain, so two salts never
+    share a block and one salt shares all of a common prefix. No salt (None or empty: vLLM tests
+    ``if request.cache_salt``) leaves the keys as they are. The salt enters as a stable digest
+    (Python's ``hash(str)`` changes per process; records carry these keys)."""
+    if not salt:
+        return blocks
+    return chain(blocks, _stable_key(f"cache_salt\0{salt}"))
+
+
+def _salt(line: dict[str, Any]) -> str | None:
+    """A trace line's optional ``cache_salt``: a string, or none."""
+    salt = line.get("cache_salt")
+    if salt is not None and type(salt) is not str:
+        raise ValueError("cache_salt must be a string")
+    return salt or None
 
 
 def _scaled(request: TraceRequest, scale: float) -> TraceRequest:
@@ -307,6 +341,7 @@ def _scaled(request: TraceRequest, scale: float) -> TraceRequest:
         request.prompt_tokens,
         request.output_tokens,
         request.blocks,
+        request.cache_salt,
     )
 
 

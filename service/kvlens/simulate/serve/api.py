@@ -390,7 +390,9 @@ class Api:
         wake = client.wake = asyncio.Event()
         many = len(answer.prompts) > 1
         return [
-            engine.submit(ids, out, wake, f"{answer.request_id}-{i}" if many else answer.request_id)
+            engine.submit(
+                ids, out, wake, f"{answer.request_id}-{i}" if many else answer.request_id, answer.cache_salt
+            )
             for i, (ids, out) in enumerate(zip(answer.prompts, answer.outputs, strict=True))
         ]
 

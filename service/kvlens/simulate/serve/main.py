@@ -85,6 +85,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--speed", type=float, default=1.0, help="2: twice as fast as the modelled GPU")
     parser.add_argument("--no-prefix-caching", action="store_true", help="nothing is ever served from cache")
+    parser.add_argument(
+        "--leak-salt",
+        action="store_true",
+        help="drop each request's cache_salt before its blocks are keyed (a fault, as LMCache #4825 "
+        "measured): tenants then share cached prefixes, for `kvlens audit isolation` to catch",
+    )
     parser.add_argument("--max-running", type=int, default=256, help="requests holding KV per replica")
     parser.add_argument(
         "--max-in-flight",
@@ -258,6 +264,7 @@ def run(args: argparse.Namespace) -> int:
             args.policy,
             speed=args.speed,
             prefix_caching=not args.no_prefix_caching,
+            honour_salt=not args.leak_salt,
             loop=asyncio.get_running_loop(),
             on_finish=on_finish,
             events=events,

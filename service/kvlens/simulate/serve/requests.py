@@ -50,6 +50,7 @@ class Asked:
     stream: bool
     include_usage: bool
     request_id: str
+    cache_salt: str | None = None  # vLLM's request field, checked as vLLM 0.33 checks it
 
 
 def parse(served: Served, raw: bytes) -> dict[str, Any]:
@@ -147,7 +148,29 @@ def _asked(
         raise ApiError(
             f"min_tokens ({minimum}) must be less than or equal to max_tokens ({asked})", "min_tokens"
         )
-    return Asked(prompts, outputs, stream, include_usage, f"{prefix}-{header or uuid.uuid4().hex}")
+    request_id = f"{prefix}-{header or uuid.uuid4().hex}"
+    return Asked(prompts, outputs, stream, include_usage, request_id, cache_salt(body))
+
+
+MAX_SALT_CHARS: Final = 128
+_SALT_FORBIDDEN: Final = frozenset("@/\\\0")
+
+
+def cache_salt(body: dict[str, Any]) -> str | None:
+    """The body's ``cache_salt``, refused as vLLM 0.33's ``validate_cache_salt`` refuses it: not a
+    string, empty, over MAX_SALT_CHARS characters, or holding ``@ / \\`` or NUL. The message never
+    holds the salt (it is a tenant's secret)."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if type(salt) is not str or not salt:
+        raise ApiError("cache_salt must be a non-empty string", "cache_salt")
+    if len(salt) > MAX_SALT_CHARS or not _SALT_FORBIDDEN.isdisjoint(salt):
+        raise ApiError(
+            f"cache_salt must be at most {MAX_SALT_CHARS} characters, without '@', '/', '\\' or NUL",
+            "cache_salt",
+        )
+    return salt
 
 
 def fits(served: Served, tokens: int, param: str) -> None:
