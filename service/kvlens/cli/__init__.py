@@ -37,6 +37,7 @@ COMMANDS = (
     "experiment",
     "bandwidth",
     "import",
+    "audit",
 )
 MODULES = {"import": "importer"}  # `import` is a Python keyword: no module can have that name
 

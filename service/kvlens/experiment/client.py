@@ -296,10 +296,17 @@ def _generation(output_tokens: int) -> dict[str, Any]:
     }
 
 
-def completions_body(model: str, prompt: npt.NDArray[np.uint64], output_tokens: int) -> bytes:
-    """The request as vLLM's ``/v1/completions`` takes it: token ids, exact lengths."""
+def completions_body(
+    model: str,
+    prompt: npt.NDArray[np.uint64] | list[int],
+    output_tokens: int,
+    extra: dict[str, Any] | None = None,
+) -> bytes:
+    """The request as vLLM's ``/v1/completions`` takes it: token ids, exact lengths; ``extra``
+    fields beside them (the isolation audit's ``cache_salt``)."""
     return orjson.dumps(
-        {"model": model, "prompt": prompt, **_generation(output_tokens)}, option=orjson.OPT_SERIALIZE_NUMPY
+        {"model": model, "prompt": prompt, **_generation(output_tokens), **(extra or {})},
+        option=orjson.OPT_SERIALIZE_NUMPY,
     )
 
 
