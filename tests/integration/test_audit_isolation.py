@@ -173,3 +173,47 @@ def test_a_hit_hidden_from_cached_tokens_is_a_leak_by_timing(capsys: pytest.Capt
     ] * 3
     assert cases["different_salt"]["cached_tokens"] == [0] * 5
     assert cases["timing"]["verdict"] == "leak" and cases["timing"]["p_value"] == pytest.approx(1 / 252)
+
+
+def test_the_sidecar_probes_in_the_background_and_exports_the_verdicts() -> None:
+    """`kvlens serve --isolation-probe`: an honest and a leaking fleet, each audited in the
+    background; /metrics answers meanwhile and carries each case's verdict."""
+    honest, leaking = fleet(), fleet("--leak-salt")
+    sidecar = None
+    try:
+        sidecar = start_kvlens(
+            "serve",
+            "--isolation-probe",
+            f"honest={honest.url}#simulated",
+            "--isolation-probe",
+            f"leaking={leaking.url}",  # the model: the one it serves
+            "--isolation-every",
+            "1",
+        )
+        deadline = time.monotonic() + 60
+        name = "kvlens_isolation_probe_last_success_timestamp_seconds"
+        while time.monotonic() < deadline:
+            started = time.monotonic()
+            samples = sidecar.samples()
+            assert time.monotonic() - started < 5  # a probe in flight never holds /metrics
+            if {keys for found, keys in samples if found == name} == {
+                frozenset({("target", "honest")}),
+                frozenset({("target", "leaking")}),
+            }:
+                break
+            time.sleep(0.2)
+        results = {
+            (dict(keys)["target"], dict(keys)["case"]): value
+            for (found, keys), value in samples.items()
+            if found == "kvlens_isolation_probe_result"
+        }
+        assert results == {
+            **{("honest", case): 1.0 for case in ("same_salt", "different_salt", "salt_vs_none", "timing")},
+            ("leaking", "same_salt"): 1.0,
+            **{("leaking", case): 0.0 for case in ("different_salt", "salt_vs_none", "timing")},
+        }
+    finally:
+        if sidecar is not None:
+            sidecar.output()
+        honest.output()
+        leaking.output()

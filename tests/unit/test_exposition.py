@@ -82,7 +82,7 @@ def test_golden_exposition_values() -> None:
 def test_every_exported_family_is_in_the_metric_table() -> None:
     registry, _ = article_registry()
     names = {family.name for family in text_string_to_metric_families(generate_latest(registry).decode())}
-    # with --scrape, model_shapes, tails, --kv-events, and the app (ServiceHealth)
+    # with --scrape, model_shapes, tails, --kv-events, --isolation-probe, and the app (ServiceHealth)
     optional = {
         spec.name
         for spec in (
@@ -91,6 +91,7 @@ def test_every_exported_family_is_in_the_metric_table() -> None:
             *metrics.TAIL,
             *metrics.KV,
             *metrics.KV_MODELLED,
+            *metrics.ISOLATION,
             *metrics.SERVICE,
         )
     }

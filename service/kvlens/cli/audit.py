@@ -44,14 +44,14 @@ def add_parser(commands: Any) -> None:
         help="the engine's KV block size (default: its /metrics' vllm:cache_config_info, else "
         f"{DEFAULT_BLOCK_SIZE})",
     )
-    isolation.add_argument("--repeats", type=int, default=5, help="pairs per case (1 to 30; default 5)")
+    isolation.add_argument("--repeats", type=int, default=5, help="pairs per case (1 to 30)")
     isolation.add_argument(
         "--canary-tokens",
         type=int,
         default=1024,
         metavar="N",
-        help="canary length, rounded up to whole blocks, at least 4 (default 1024: a prefill long "
-        "enough for a hit to be measurably faster)",
+        help="canary length, rounded up to whole blocks, at least 4: a prefill long enough for a hit "
+        "to be measurably faster",
     )
     isolation.add_argument(
         "--salt-field",
@@ -63,7 +63,7 @@ def add_parser(commands: Any) -> None:
         "--lora", metavar="NAME", help="also probe this LoRA adapter against the base model"
     )
     isolation.add_argument(
-        "--rate", type=float, default=5.0, help="requests per second at most (one at a time; default 5)"
+        "--rate", type=float, default=5.0, help="requests per second at most (one at a time)"
     )
     isolation.add_argument("--timeout", type=float, default=60.0, help="seconds for one probe request")
     isolation.add_argument("--json", action="store_true", help="the audit as JSON")

@@ -196,6 +196,8 @@ def settings_from(args: argparse.Namespace, **overrides: Any) -> Settings:
         kv_events=kv_events_from(getattr(args, "kv_events", None)),
         kv_events_dns=getattr(args, "kv_events_dns", None),
         kv_events_shard=getattr(args, "kv_events_shard", None),
+        isolation_probes=getattr(args, "isolation_probe", None),
+        isolation_every_seconds=getattr(args, "isolation_every", None),
         tails=tails_from(
             getattr(args, "tail", None), getattr(args, "formats", None), getattr(args, "model", None)
         ),
