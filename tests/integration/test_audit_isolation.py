@@ -41,13 +41,13 @@ def verdicts(report: dict[str, Any]) -> dict[str, str]:
 
 @pytest.fixture
 def honest() -> Iterator[Running]:
-    running = fleet()
+    running = fleet("--lora-modules", "sql=/adapters/sql")
     yield running
     running.output()
 
 
 def test_an_honest_fleet_passes(honest: Running, capsys: pytest.CaptureFixture[str]) -> None:
-    code, report = audit(honest.url, capsys)
+    code, report = audit(honest.url, capsys, "--lora", "sql")
     assert (code, report["verdict"]) == (0, "pass")
     assert verdicts(report) == {
         "same_salt": "pass",
@@ -55,6 +55,8 @@ def test_an_honest_fleet_passes(honest: Running, capsys: pytest.CaptureFixture[s
         "salt_vs_none": "pass",
         "no_salt": "shared",
         "timing": "pass",
+        "lora_same": "pass",
+        "lora_vs_base": "pass",
     }
     cases = {case["case"]: case for case in report["cases"]}
     # the block size read from the endpoint's /metrics; 512 tokens are 32 blocks, plus one token

@@ -524,8 +524,14 @@ def test_speed_paces_the_stream() -> None:
         running.output()
 
 
-def salted(running: Running, prompt: list[int], salt: str | None, path: str = "/v1/completions") -> int:
-    body: dict[str, object] = {"model": "simulated", "max_tokens": 2}
+def salted(
+    running: Running,
+    prompt: list[int],
+    salt: str | None,
+    path: str = "/v1/completions",
+    model: str = "simulated",
+) -> int:
+    body: dict[str, object] = {"model": model, "max_tokens": 2}
     if path == "/v1/completions":
         body["prompt"] = prompt
     else:
@@ -541,7 +547,7 @@ def salted(running: Running, prompt: list[int], salt: str | None, path: str = "/
 def test_cache_salt_partitions_the_cache_as_vllm_and_leak_salt_drops_it() -> None:
     """vLLM mixes ``cache_salt`` into the first block's hash: a salt shares with itself only, and
     an unsalted request with no salted one; ``--leak-salt`` (LMCache #4825's fault) shares all."""
-    honest = serve("--speed", "1000")
+    honest = serve("--speed", "1000", "--lora-modules", "sql=/adapters/sql")
     leaking = None
     try:
         leaking = serve("--speed", "1000", "--leak-salt")
@@ -552,6 +558,13 @@ def test_cache_salt_partitions_the_cache_as_vllm_and_leak_salt_drops_it() -> Non
             got = [salted(honest, prompt, salt, path) for salt, _ in steps]
             assert got == [full * hit for _, hit in steps]
             assert [salted(leaking, prompt, salt, path) for salt, _ in steps] == [0, *[full] * 5]
+        # a LoRA adapter keys its blocks apart from the base model's, as vLLM's name in every block
+        prompt = ids(70, 9)
+        models = ["simulated", "sql", "sql", "simulated"]
+        got = [salted(honest, prompt, None, model=model) for model in models]
+        assert got == [0, 0, 64, 64]
+        cards = httpx.get(f"{honest.url}/v1/models").json()["data"]
+        assert [(card["id"], card["parent"]) for card in cards] == [("simulated", None), ("sql", "simulated")]
         for bad in ("", "x" * 129, "a/b", "a@b", "a\\b", "a\0b", 7):
             answer = httpx.post(f"{honest.url}/v1/completions", json={"prompt": [5] * 20, "cache_salt": bad})
             assert answer.status_code == 400 and answer.json()["error"]["param"] == "cache_salt"

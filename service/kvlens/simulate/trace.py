@@ -74,11 +74,13 @@ class TraceRequest:
     # vLLM's ``cache_salt`` (None: unsalted): mixed into the first block's key, so the keys a
     # cache sees are :attr:`keys`, never ``blocks`` (which the experiment's prompts are made from)
     cache_salt: str | None = None
+    lora: str | None = None  # the LoRA adapter it runs on (``simulate serve --lora-modules``)
 
     @property
     def keys(self) -> tuple[int, ...]:
-        """The blocks as the engine keys them: :func:`salted` by the request's ``cache_salt``."""
-        return salted(self.blocks, self.cache_salt)
+        """The blocks as the engine keys them: :func:`salted` by the request's ``cache_salt`` and
+        LoRA."""
+        return salted(self.blocks, self.cache_salt, self.lora)
 
 
 @dataclass(frozen=True)
@@ -314,16 +316,18 @@ def chain(ids: tuple[int, ...], start: int = 0) -> tuple[int, ...]:
     return tuple(keys)
 
 
-def salted(blocks: tuple[int, ...], salt: str | None) -> tuple[int, ...]:
-    """``blocks`` (chained keys) as a cache keys them under ``salt``, as vLLM 0.33 does: the salt
-    is mixed into the first block's key only (``generate_block_hash_extra_keys`` adds it where
-    ``start_token_idx == 0``) and every later key inherits it through the chain, so two salts never
-    share a block and one salt shares all of a common prefix. No salt (None or empty: vLLM tests
-    ``if request.cache_salt``) leaves the keys as they are. The salt enters as a stable digest
-    (Python's ``hash(str)`` changes per process; records carry these keys)."""
-    if not salt:
+def salted(blocks: tuple[int, ...], salt: str | None, lora: str | None = None) -> tuple[int, ...]:
+    """``blocks`` (chained keys) as a cache keys them under ``salt`` and ``lora``, as vLLM 0.33
+    does: the salt is mixed into the first block's key only (``generate_block_hash_extra_keys``
+    adds it where ``start_token_idx == 0``) and every later key inherits it through the chain, so
+    two salts never share a block and one salt shares all of a common prefix. vLLM mixes a LoRA's
+    name into every block; through the chain, mixing it into the first gives the same sharing.
+    No salt (None or empty: vLLM tests ``if request.cache_salt``) and no LoRA leave the keys as
+    they are. They enter as a stable digest (Python's ``hash(str)`` changes per process; records
+    carry these keys)."""
+    if not salt and not lora:
         return blocks
-    return chain(blocks, _stable_key(f"cache_salt\0{salt}"))
+    return chain(blocks, _stable_key(f"cache_salt\0{salt or ''}\0lora\0{lora or ''}"))
 
 
 def _salt(line: dict[str, Any]) -> str | None:
@@ -342,6 +346,7 @@ def _scaled(request: TraceRequest, scale: float) -> TraceRequest:
         request.output_tokens,
         request.blocks,
         request.cache_salt,
+        request.lora,
     )
 
 

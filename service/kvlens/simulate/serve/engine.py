@@ -127,15 +127,18 @@ class RealTimeFleet:
         wake: asyncio.Event,
         request_id: str,
         cache_salt: str | None = None,
+        lora: str | None = None,
     ) -> Ticket:
         """A prompt arrives now: it is routed and queued (the replica may start it at once). Its
-        blocks are keyed under ``cache_salt`` as offline (:func:`kvlens.simulate.trace.salted`)."""
+        blocks are keyed under ``cache_salt`` and ``lora`` as offline
+        (:func:`kvlens.simulate.trace.salted`)."""
         now = self.now()
         self._play(now)
         size = self.fleet.block_size
         blocks = block_keys(prompt_ids, size) if self.prefix_caching else _unshared(len(prompt_ids) // size)
         salt = cache_salt if self.honour_salt and self.prefix_caching else None
-        request = TraceRequest(self._order, now, len(prompt_ids), output_tokens, blocks, salt)
+        lora = lora if self.prefix_caching else None
+        request = TraceRequest(self._order, now, len(prompt_ids), output_tokens, blocks, salt, lora)
         job = Job(request, self._order, self.fleet.block_size)
         if not self.prefix_caching:
             job.limit = 0

@@ -70,6 +70,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--model", default="simulated", help="served model name")
+    parser.add_argument(
+        "--lora-modules",
+        action="append",
+        metavar="NAME[=PATH]",
+        help="a LoRA adapter served beside the model, as vLLM's (the path is not read): a request "
+        "naming it as its model has its blocks keyed apart (repeatable)",
+    )
     parser.add_argument("--max-model-len", type=int, default=32_768, help="context length")
     parser.add_argument(
         "--vocab-size",
@@ -200,7 +207,10 @@ def _checked(args: argparse.Namespace) -> tuple[Fleet, Served]:
         raise ValueError("--max-in-flight must be >= 1")
     service = service_model(args)
     fleet = Fleet(args.replicas, capacity_blocks(args, service), args.block_size, service, Guard())
-    return fleet, Served(args.model, args.max_model_len, vocab_size, text)
+    loras = tuple(dict.fromkeys(spec.partition("=")[0] for spec in args.lora_modules or ()))
+    if any(not name or name == args.model for name in loras):
+        raise ValueError("--lora-modules takes NAME[=PATH], a NAME other than --model")
+    return fleet, Served(args.model, args.max_model_len, vocab_size, text, loras)
 
 
 def record(ticket: Ticket, engine: RealTimeFleet, model: str, started_epoch: float) -> dict[str, Any]:

@@ -33,6 +33,7 @@ class Served:
     vocab_size: int = tokenizer.DEFAULT_VOCAB_SIZE
     # the bytes of tokenizer.py, or --tokenizer DIR's (its vocab_size is then vocab_size)
     codec: tokenizer.Tokenizer = tokenizer.BYTES
+    loras: tuple[str, ...] = ()  # LoRA adapters served beside the model (--lora-modules)
 
 
 class ApiError(Exception):
@@ -51,6 +52,7 @@ class Asked:
     include_usage: bool
     request_id: str
     cache_salt: str | None = None  # vLLM's request field, checked as vLLM 0.33 checks it
+    lora: str | None = None  # the adapter asked for as the model, or None: the base model
 
 
 def parse(served: Served, raw: bytes) -> dict[str, Any]:
@@ -61,7 +63,7 @@ def parse(served: Served, raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     model = body.get("model")
-    if model is not None and model != served.model:
+    if model is not None and model != served.model and model not in served.loras:
         raise ApiError(f"The model `{model}` does not exist.", "model", status=404)
     return body
 
@@ -149,7 +151,8 @@ def _asked(
             f"min_tokens ({minimum}) must be less than or equal to max_tokens ({asked})", "min_tokens"
         )
     request_id = f"{prefix}-{header or uuid.uuid4().hex}"
-    return Asked(prompts, outputs, stream, include_usage, request_id, cache_salt(body))
+    lora = body.get("model") if body.get("model") in served.loras else None
+    return Asked(prompts, outputs, stream, include_usage, request_id, cache_salt(body), lora)
 
 
 MAX_SALT_CHARS: Final = 128
