@@ -317,7 +317,9 @@ def _judge_pair(
             "--enable-cache-report); see the timing case",
         )
     if case == NO_SALT:
-        return result(SHARED if hits else NOT_SHARED, "unsalted requests share a cache scope, as designed")
+        if hits:
+            return result(SHARED, "unsalted requests share a cache scope, as designed")
+        return result(NOT_SHARED, "unsalted requests did not share: caching off, or a gateway salts them")
     if case in CONTROL:
         if control is not None and control.verdict == PASS:
             return result(PASS, f"no cached token, while {control.case} hits")
