@@ -12,6 +12,7 @@ from grafana_foundation_sdk.models.heatmap import HeatmapColorMode
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
 from kvlens.exporter import metrics, promql
+from scripts.dashboards.isolation import tenant_isolation
 from scripts.dashboards.kv_events import why_reuse_is_lost
 from scripts.dashboards.panels import DATASOURCE, base, query, series, single, stacked, thresholds
 from scripts.dashboards.queries import (
@@ -37,7 +38,8 @@ def overview() -> dash.Dashboard:
         "model by prompt length, hit beside miss; reconciliation with the engine's counters.",
         with_model=True,
     )
-    for row in (paying_off, per_pod, per_model, latency, against_the_engine, why_reuse_is_lost, gpu_time):
+    rows = (paying_off, per_pod, per_model, latency, against_the_engine, why_reuse_is_lost, gpu_time)
+    for row in (*rows, tenant_isolation):
         board = row(board)
     return board
 
