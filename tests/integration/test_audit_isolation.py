@@ -6,6 +6,7 @@ by timing alone)."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -112,6 +113,12 @@ class HiddenHit(BaseHTTPRequestHandler):
     lock = threading.Lock()
     MISS_SECONDS = 0.04
 
+    def setup(self) -> None:
+        super().setup()
+        # the head and the body go out in two writes: without this, Nagle's algorithm and the
+        # client's delayed ACK add 40 ms to every answer, a hit's as a miss's
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
     def do_GET(self) -> None:
         if self.path == "/v1/models":
             self._send(200, b'{"object": "list", "data": [{"id": "simulated"}]}', "application/json")
@@ -174,7 +181,9 @@ def test_a_hit_hidden_from_cached_tokens_is_a_leak_by_timing(capsys: pytest.Capt
         "pass"
     ] * 3
     assert cases["different_salt"]["cached_tokens"] == [0] * 5
-    assert cases["timing"]["verdict"] == "leak" and cases["timing"]["p_value"] == pytest.approx(1 / 252)
+    # all five suspects as fast as a hit: below each of the 15 known misses (p = 1 / C(20, 5))
+    assert (cases["timing"]["verdict"], cases["timing"]["hits"]) == ("leak", 5)
+    assert cases["timing"]["p_value"] == pytest.approx(1 / 15_504)
 
 
 def test_the_sidecar_probes_in_the_background_and_exports_the_verdicts() -> None:

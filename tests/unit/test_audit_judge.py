@@ -11,6 +11,7 @@ from kvlens.audit.isolation import Pacer, Plan, Sent, judge
 from kvlens.errors import InputError
 
 PLAN = Plan(block_size=16, repeats=3)
+FIVE = Plan(block_size=16, repeats=5)
 MISS, HIT = Sent(0.030, 0), Sent(0.002, 64)
 
 
@@ -77,3 +78,39 @@ def test_the_pacer_spaces_request_starts_by_the_rate() -> None:
 
     asyncio.run(three())
     assert slept == [0.25, 0.25]
+
+
+def timed(ms: float, cached: int = 0) -> Sent:
+    return Sent(ms / 1000, cached)
+
+
+def timing_of(suspects: list[float]) -> tuple[str, int]:
+    """The timing verdict when hits take ~1 ms and misses ~50 ms, the different salt's second
+    requests taking ``suspects`` ms and reporting no cached token."""
+    misses = [50.0, 51.0, 52.0, 53.0, 54.0]
+    pairs = {
+        "same_salt": [(timed(m), timed(1.0 + i / 10, 64)) for i, m in enumerate(misses)],
+        "different_salt": [(timed(m), timed(s)) for m, s in zip(misses, suspects, strict=True)],
+        "salt_vs_none": [(timed(m), timed(m)) for m in misses],
+    }
+    (timing,) = [result for result in judge(FIVE, pairs) if result.case == "timing"]
+    return timing.verdict, timing.hits
+
+
+def test_timing_sees_a_hidden_hit_through_a_loaded_hosts_delays() -> None:
+    """Two of five suspects delayed to a miss's time (a loaded host) still leave a leak: the
+    rank test alone (p = 0.026 against 15 misses) would have called it a pass."""
+    assert timing_of([1.1, 1.2, 1.3, 1.4, 1.5]) == ("leak", 5)
+    assert timing_of([1.1, 52.5, 1.3, 53.5, 1.5]) == ("leak", 3)
+    assert timing_of([50.5, 52.5, 1.3, 53.5, 51.5]) == ("pass", 1)  # one fast one is no majority
+    assert timing_of([50.5, 52.5, 51.3, 53.5, 51.5]) == ("pass", 0)
+
+
+def test_timing_is_inconclusive_when_a_hit_is_not_faster() -> None:
+    misses = [50.0, 51.0, 52.0, 53.0, 54.0]
+    pairs = {
+        "same_salt": [(timed(m), timed(m + 0.5, 64)) for m in misses],
+        "different_salt": [(timed(m), timed(1.0)) for m in misses],
+    }
+    (timing,) = [result for result in judge(FIVE, pairs) if result.case == "timing"]
+    assert timing.verdict == "inconclusive" and timing.note.startswith("a hit is not measurably faster")

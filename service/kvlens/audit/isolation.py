@@ -20,11 +20,11 @@ last-token rule) twice, the second request in the case's other scope, and reads 
   when ``same_salt`` passed;
 - ``no_salt`` (none twice): sharing as designed, reported (``shared`` / ``not_shared``), never
   a verdict of the audit;
-- ``timing``: the TTFTs of ``different_salt``'s second requests against its first ones (known
-  misses), by an exact one-sided rank test (:func:`kvlens.stats.rank_sum_p_less`): faster than
-  the misses at ALPHA and with a median nearer the known hits' (``same_salt``'s second requests)
-  than the misses' is a leak even when ``cached_tokens`` says 0 (CVE-2025-46570's channel);
-  inconclusive when the known hits are not measurably faster than the misses;
+- ``timing``: the TTFTs of ``different_salt``'s second requests against the known misses (the
+  first request of every salted pair) and the known hits (``same_salt``'s second requests): most
+  of them as fast as a hit is a leak even when ``cached_tokens`` says 0 (CVE-2025-46570's
+  channel); inconclusive when the hits are not measurably faster than the misses (an exact
+  one-sided rank test, :func:`kvlens.stats.rank_sum_p_less`; see :func:`_judge_timing`);
 - with a LoRA: ``lora_same`` (the adapter twice: its control) and ``lora_vs_base`` (the base
   model, then the adapter: must miss, vLLM mixes the LoRA name into every block's hash).
 
@@ -86,7 +86,7 @@ MAX_CANARY_TOKENS: Final = 131_072
 MAX_REPEATS: Final = 30  # the rank test's table is O(repeats^3); 30 is ~30k steps
 # Canary ids: past the special tokens most vocabularies start with, within a 32k vocabulary.
 CANARY_IDS: Final = (1000, 30_000)
-ALPHA: Final = 0.01  # the timing case's one-sided level (5 against 5 can reach 1/252)
+ALPHA: Final = 0.01  # the timing case's one-sided level (5 hits against 15 misses reach 1/15,504)
 # Fields of the request body a salt field must not overwrite.
 BODY_FIELDS: Final = frozenset(
     {"model", "prompt", "max_tokens", "min_tokens", "ignore_eos", "stream", "stream_options"}
@@ -280,7 +280,7 @@ def judge(plan: Plan, pairs: dict[str, list[tuple[Sent, Sent]]]) -> list[CaseRes
         control = results.get(CONTROL.get(case, ""))
         results[case] = _judge_pair(case, plan.repeats, made, control)
     if DIFFERENT_SALT in pairs and SAME_SALT in pairs:
-        results[TIMING] = _judge_timing(plan.repeats, pairs[SAME_SALT], pairs[DIFFERENT_SALT])
+        results[TIMING] = _judge_timing(plan.repeats, pairs)
     return [results[case] for case in plan.cases if case in results]
 
 
@@ -335,56 +335,63 @@ def _judge_pair(
     )
 
 
-def _judge_timing(
-    repeats: int, same: list[tuple[Sent, Sent]], different: list[tuple[Sent, Sent]]
-) -> CaseResult:
-    """The different salt's second TTFTs against its first ones (fresh canaries: known misses),
-    and the known hits (the same salt's second TTFTs) against those misses."""
-    misses = [first.ttft_seconds for first, _ in different if first.ttft_seconds is not None]
-    suspects = [second.ttft_seconds for _, second in different if second.ttft_seconds is not None]
-    hit_times = [
-        second.ttft_seconds for _, second in same if second.ttft_seconds is not None and second.error is None
+def _judge_timing(repeats: int, pairs: dict[str, list[tuple[Sent, Sent]]]) -> CaseResult:
+    """The different salt's second TTFTs (the suspects) judged against the known misses (the
+    first request of every salted pair: a fresh canary, cold) and the known hits (the same salt's
+    second requests).
+
+    A suspect is hit-like when it is faster than the geometric mean of the hits' and the misses'
+    medians (times are ratio-scaled). A leak: the hits are measurably faster than the misses
+    (one-sided exact rank test, p < ALPHA) and most suspects are hit-like. A vote, not a rank test
+    of the suspects alone: on a loaded host a delay now and then makes a suspect look like a miss
+    (two such in five lift the rank test's p past 0.02), while an honest endpoint's second miss is
+    hit-like only when it is several times faster than its misses, so a majority of them is not
+    seen by chance. The suspects' own rank test is reported (``p_value``)."""
+    different = pairs[DIFFERENT_SALT]
+    misses = [
+        first.ttft_seconds
+        for case in (SAME_SALT, DIFFERENT_SALT, SALT_VS_NONE)
+        for first, _ in pairs.get(case, [])
+        if first.ttft_seconds is not None
     ]
+    suspects = [second.ttft_seconds for _, second in different if second.ttft_seconds is not None]
+    hit_times = [second.ttft_seconds for _, second in pairs[SAME_SALT] if second.ttft_seconds is not None]
+    majority = repeats // 2 + 1
     shape: dict[str, Any] = {
         "case": TIMING,
         "repeats": repeats,
         "measured": len(suspects),
-        "hits": 0,
         "cached_tokens": [second.cached_tokens for _, second in different if second.error is None],
-        "ttft_first_seconds": misses,
+        "ttft_first_seconds": [
+            first.ttft_seconds for first, _ in different if first.ttft_seconds is not None
+        ],
         "ttft_second_seconds": suspects,
     }
-    majority = repeats // 2 + 1
     if min(len(misses), len(suspects), len(hit_times)) < majority:
-        return CaseResult(verdict=INCONCLUSIVE, note="too few answered requests to compare", **shape)
+        return CaseResult(verdict=INCONCLUSIVE, note="too few answered requests to compare", hits=0, **shape)
+    hit_median, miss_median = statistics.median(hit_times), statistics.median(misses)
+    threshold = math.sqrt(max(hit_median, 0.0) * miss_median)
+    hit_like = sum(1 for seconds in suspects if seconds < threshold)
     p_leak = rank_sum_p_less(suspects, misses)
     gap = rank_sum_p_less(hit_times, misses)
-    hit_ms = statistics.median(hit_times) * 1000
-    # Faster than a miss at ALPHA happens by chance once in 1/ALPHA honest audits: a leak must
-    # also look like a hit (its median nearer the hits' than the misses'), which an honest
-    # endpoint's second miss all but never does while a hit is much faster than a miss.
-    like_a_hit = statistics.median(suspects) < (statistics.median(hit_times) + statistics.median(misses)) / 2
-    if p_leak < ALPHA and like_a_hit:
-        return CaseResult(
-            verdict=LEAK,
-            note=f"the different salt answered faster than a miss (p={p_leak:.3f}; a hit's median "
-            f"{hit_ms:.1f} ms): served from cache whatever cached_tokens says",
-            p_value=p_leak,
-            **shape,
-        )
+    shape |= {"hits": hit_like, "p_value": p_leak}
+    medians = f"a hit {hit_median * 1000:.1f} ms, a miss {miss_median * 1000:.1f} ms"
     if gap >= ALPHA:
         return CaseResult(
             verdict=INCONCLUSIVE,
-            note=f"a hit is not measurably faster than a miss here (p={gap:.3f}): a longer canary "
-            "(--canary-tokens) or more --repeats",
-            p_value=p_leak,
+            note=f"a hit is not measurably faster than a miss here (p={gap:.2g}; {medians}): a longer "
+            "canary (--canary-tokens) or more --repeats",
+            **shape,
+        )
+    if hit_like >= majority:
+        return CaseResult(
+            verdict=LEAK,
+            note=f"{hit_like} of {len(suspects)} answered as fast as a hit ({medians}; p={p_leak:.2g}): "
+            "served from cache whatever cached_tokens says",
             **shape,
         )
     return CaseResult(
-        verdict=PASS,
-        note=f"the different salt is as slow as a miss (p={p_leak:.3f}); a hit's median {hit_ms:.1f} ms",
-        p_value=p_leak,
-        **shape,
+        verdict=PASS, note=f"as slow as a miss ({medians}; {hit_like} of {len(suspects)} hit-like)", **shape
     )
 
 
@@ -397,7 +404,7 @@ def table(result: Audit) -> str:
     )
     rows = [("case", "verdict", "hits", "cached (2nd)", "TTFT 1st p50", "TTFT 2nd p50", "why")]
     for case in result.cases:
-        hits = "" if case.case == TIMING else f"{case.hits}/{case.measured}"
+        hits = f"{case.hits}/{case.measured}"  # timing: the suspects as fast as a hit
         rows.append(
             (
                 case.case,
