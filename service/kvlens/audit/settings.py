@@ -10,7 +10,6 @@ from typing import Final
 from pydantic import BaseModel, Field, field_validator
 
 from kvlens.errors import InputError
-from kvlens.experiment.client import base_url
 
 DEFAULT_EVERY_SECONDS: Final = 600.0
 # A probe's name is a label value (target): short, plain, chosen by the operator.
@@ -37,6 +36,10 @@ def parse_probe(text: str) -> ProbeTarget:
         raise ValueError(
             "an isolation probe is NAME=URL[#MODEL[@LORA]], NAME of 1 to 64 letters, digits, _ . : -"
         )
+    # here, not at the top: config.py imports this module, and every command (analyze too) would
+    # pay for the client's imports (httpx, numpy) to check settings that name no probe
+    from kvlens.experiment.client import base_url
+
     url, hashed, model_part = rest.partition("#")
     model, at, lora = model_part.partition("@")
     try:

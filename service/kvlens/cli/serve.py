@@ -81,7 +81,7 @@ def add_parser(commands: Any) -> None:
         "--isolation-every",
         type=float,
         metavar="SECONDS",
-        help="seconds between isolation probes of a target, jittered by 20%% (default 600)",
+        help="seconds between isolation probes of a target, jittered by 20%% (isolation_every_seconds: 600)",
     )
     serve.set_defaults(run=run)
 
