@@ -139,6 +139,6 @@ async def _resolve(target: ProbeTarget) -> tuple[Endpoint, int]:
             )
             if metrics.status == 200:
                 block_size = await asyncio.to_thread(block_size_in, metrics.body)
-        except (ScrapeError, ValueError):
+        except ScrapeError:  # no /metrics within its bounds: the default block size
             block_size = None
     return Endpoint(target.url, model, timeout_seconds=60.0), block_size or DEFAULT_BLOCK_SIZE

@@ -209,8 +209,13 @@ def engine_block_size(endpoint: Endpoint) -> int | None:
 
 
 def block_size_in(exposition: bytes | bytearray) -> int | None:
-    """The KV block size an engine's ``/metrics`` states (vLLM's ``vllm:cache_config_info``)."""
-    for family in families(exposition.decode("utf-8", "replace")):
+    """The KV block size an engine's ``/metrics`` states (vLLM's ``vllm:cache_config_info``), or
+    None when it states none or is no exposition kvlens reads."""
+    try:
+        found = list(families(exposition.decode("utf-8", "replace")))
+    except ScrapeError:
+        return None
+    for family in found:
         for sample in family.samples:
             if sample.name == "vllm:cache_config_info" and sample.labels.get("block_size", "").isdigit():
                 return int(sample.labels["block_size"])
