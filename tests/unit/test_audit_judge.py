@@ -114,3 +114,4 @@ def test_timing_is_inconclusive_when_a_hit_is_not_faster() -> None:
     }
     (timing,) = [result for result in judge(FIVE, pairs) if result.case == "timing"]
     assert timing.verdict == "inconclusive" and timing.note.startswith("a hit is not measurably faster")
+    assert timing.hits == 0  # no gap: no suspect is like a hit rather than a miss

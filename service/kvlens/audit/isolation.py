@@ -374,7 +374,8 @@ def _judge_timing(repeats: int, pairs: dict[str, list[tuple[Sent, Sent]]]) -> Ca
     hit_like = sum(1 for seconds in suspects if seconds < threshold)
     p_leak = rank_sum_p_less(suspects, misses)
     gap = rank_sum_p_less(hit_times, misses)
-    shape |= {"hits": hit_like, "p_value": p_leak}
+    # without a gap between hits and misses, no suspect is like a hit rather than a miss
+    shape |= {"hits": hit_like if gap < ALPHA else 0, "p_value": p_leak}
     medians = f"a hit {hit_median * 1000:.1f} ms, a miss {miss_median * 1000:.1f} ms"
     if gap >= ALPHA:
         return CaseResult(
