@@ -40,6 +40,7 @@ replica, an offload tier the canary never reached, a gateway route, a later rele
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import random
 import secrets
@@ -80,6 +81,9 @@ LORA_PAIRS: Final[dict[str, tuple[Scope, Scope]]] = {
 CONTROL: Final = {DIFFERENT_SALT: SAME_SALT, SALT_VS_NONE: SAME_SALT, LORA_VS_BASE: LORA_SAME}
 CASES: Final = (*PAIRS, TIMING, *LORA_PAIRS)
 
+# Failed requests in a row past which an audit stops: an endpoint that times out each request
+# would otherwise hold it for 2 x cases x repeats x --timeout (40 minutes at the defaults).
+MAX_FAILED_IN_A_ROW: Final = 3
 MIN_CANARY_BLOCKS: Final = 4
 DEFAULT_CANARY_TOKENS: Final = 1024  # a prefill long enough that a hit is measurably faster
 MAX_CANARY_TOKENS: Final = 131_072
@@ -231,20 +235,26 @@ async def audit(
         connect_timeout=min(10.0, endpoint.timeout_seconds),
     )
     pairs: dict[str, list[tuple[Sent, Sent]]] = {case: [] for case in plan.cases if case != TIMING}
+    failed_in_a_row = 0
     try:
-        for _ in range(plan.repeats):
-            for case in pairs:
-                prompt = canary(plan.prompt_tokens, rng)
-                salts = {"A": fresh_salt(), "B": fresh_salt()}
-                sent = []
-                for salt, to_lora in {**PAIRS, **LORA_PAIRS}[case]:
-                    model = plan.lora if to_lora and plan.lora else endpoint.model
-                    extra = None if salt is None else {plan.salt_field: salts[salt]}
-                    await pacer.wait()
-                    sent.append(await _send(client, endpoint, model, prompt, extra))
-                pairs[case].append((sent[0], sent[1]))
+        for _, case in itertools.product(range(plan.repeats), pairs):
+            prompt = canary(plan.prompt_tokens, rng)
+            salts = {"A": fresh_salt(), "B": fresh_salt()}
+            sent = []
+            for salt, to_lora in {**PAIRS, **LORA_PAIRS}[case]:
+                model = plan.lora if to_lora and plan.lora else endpoint.model
+                extra = None if salt is None else {plan.salt_field: salts[salt]}
+                await pacer.wait()
+                sent.append(await _send(client, endpoint, model, prompt, extra))
+                failed_in_a_row = failed_in_a_row + 1 if sent[-1].error is not None else 0
+                if failed_in_a_row >= MAX_FAILED_IN_A_ROW:
+                    break
+            if len(sent) < 2:
+                break
+            pairs[case].append((sent[0], sent[1]))
     finally:
         await client.aclose()
+    stopped = failed_in_a_row >= MAX_FAILED_IN_A_ROW
     return Audit(
         endpoint=endpoint.url,
         model=endpoint.model,
@@ -253,7 +263,7 @@ async def audit(
         prompt_tokens=plan.prompt_tokens,
         repeats=plan.repeats,
         salt_field=plan.salt_field,
-        cases=judge(plan, pairs),
+        cases=judge(plan, pairs, stopped),
     )
 
 
@@ -273,19 +283,20 @@ async def _send(
     )
 
 
-def judge(plan: Plan, pairs: dict[str, list[tuple[Sent, Sent]]]) -> list[CaseResult]:
-    """The verdict of every case from its pairs (a pure function: the tests judge made pairs)."""
+def judge(plan: Plan, pairs: dict[str, list[tuple[Sent, Sent]]], stopped: bool = False) -> list[CaseResult]:
+    """The verdict of every case from its pairs (a pure function: the tests judge made pairs);
+    ``stopped``: the audit gave up after MAX_FAILED_IN_A_ROW failed requests in a row."""
     results: dict[str, CaseResult] = {}
     for case, made in pairs.items():
         control = results.get(CONTROL.get(case, ""))
-        results[case] = _judge_pair(case, plan.repeats, made, control)
+        results[case] = _judge_pair(case, plan.repeats, made, control, stopped)
     if DIFFERENT_SALT in pairs and SAME_SALT in pairs:
         results[TIMING] = _judge_timing(plan.repeats, pairs)
     return [results[case] for case in plan.cases if case in results]
 
 
 def _judge_pair(
-    case: str, repeats: int, made: list[tuple[Sent, Sent]], control: CaseResult | None
+    case: str, repeats: int, made: list[tuple[Sent, Sent]], control: CaseResult | None, stopped: bool
 ) -> CaseResult:
     answered = [(first, second) for first, second in made if first.error is None and second.error is None]
     counted = [second.cached_tokens for _, second in answered]
@@ -309,7 +320,10 @@ def _judge_pair(
         return result(LEAK, "the second scope was served the first one's cached prefix")
     if len(answered) < majority:
         first_error = f" (first error: {errors[0]})" if errors else ""
-        return result(INCONCLUSIVE, f"only {len(answered)} of {repeats} pairs answered{first_error}")
+        gave_up = (
+            f"; the audit stopped after {MAX_FAILED_IN_A_ROW} failed requests in a row" if stopped else ""
+        )
+        return result(INCONCLUSIVE, f"only {len(answered)} of {repeats} pairs answered{first_error}{gave_up}")
     if all(cached is None for cached in counted):
         return result(
             INCONCLUSIVE,
