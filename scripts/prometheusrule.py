@@ -263,7 +263,9 @@ ALERT_RULES = (
     Alert(
         "KVLensIngestRefused",
         summed(
-            promql.selector(metrics.INGEST_REFUSED.exposed_name, f'reason!~"{"|".join(RETRIED_REFUSALS)}"'),
+            promql.selector(
+                metrics.INGEST_REFUSED.exposed_name, promql.one_of("reason", RETRIED_REFUSALS, negate=True)
+            ),
             "15m",
             (*SIDECAR, "reason"),
             indent="",
@@ -319,6 +321,41 @@ ALERT_RULES = (
         "For 30 minutes the isolation probe of {{ $labels.target }} (kvlens {{ $labels.instance }}) "
         "could not show whether cache scopes are kept apart ({{ $value }} case(s) inconclusive): "
         "isolation is unverified, not broken.",
+    ),
+    # A tenant's requests got cached tokens over blocks only another tenant had stored (records'
+    # prefix_hashes, with tenant_remember_blocks): more than 0 (threshold) in 15 minutes. Any such
+    # hit breaks "never put different tenants in one shared cache scope"; no `for`, as a hit is
+    # not a level that settles. Per sidecar and tenant: the sidecar that saw it names the path.
+    Alert(
+        "KVLensCrossTenantReuse",
+        summed("kvlens_cross_tenant_cached_tokens_total", "15m", (*SIDECAR, "tenant"), fn="increase")
+        + " > 0\n",
+        "0m",
+        "warning",
+        "Tenant {{ $labels.tenant }} got cached tokens stored by another tenant ({{ $labels.instance }})",
+        "{{ $value | humanize }} prompt tokens of tenant {{ $labels.tenant }}'s requests in 15 minutes came "
+        "from blocks only another tenant had stored: two tenants share a cache scope (a salt dropped, "
+        "or none set). kvlens analyze on the records names the pairs and the first request ids.",
+    ),
+    # A fleet where every tenant must be salted (kvlens serve --require-cache-salt): a replica
+    # stored a chain of blocks that starts without a cache salt in the last 15 minutes (any is a
+    # breach of the rule: threshold 0). Per replica, so the alert says which engine serves it.
+    Alert(
+        "KVLensUnsaltedCacheBlocks",
+        summed(
+            metrics.KV_UNSALTED_BLOCKS.exposed_name,
+            "15m",
+            (*SIDECAR, "replica"),
+            indent="",
+            fn="increase",
+        )
+        + " > 0\n",
+        "0m",
+        "warning",
+        "Replica {{ $labels.replica }} caches blocks without a tenant's salt",
+        "{{ $value | humanize }} blocks stored by {{ $labels.replica }} in 15 minutes start a chain "
+        "without a cache salt (KV events): requests without cache_salt share the cache scope of "
+        "every other unsalted request, against the fleet's rule that every tenant is salted.",
     ),
 )
 

@@ -11,7 +11,8 @@ cannot be misspelt or left out as in hand-written dicts.
 The modules: `queries` (kvlens.exporter.promql's idioms, which write the recording rules too,
 bound to the dashboards' variables and windows, on the metric table's names), `panels` (the
 Grafana building blocks and a dashboard's frame), one module per dashboard (`overview`,
-`sidecar`) and `kv_events` (the overview's row of why reuse is lost). A new row is a function
+`sidecar`), `kv_events` (the overview's row of why reuse is lost) and `tenants` (its row of
+tenants: shared cache scopes and per-tenant reuse). A new row is a function
 `row(board) -> board` in its dashboard's module, listed where the dashboard is assembled.
 """
 

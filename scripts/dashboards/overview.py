@@ -28,6 +28,7 @@ from scripts.dashboards.queries import (
     series_of,
     summed,
 )
+from scripts.dashboards.tenants import tenants
 
 
 def overview() -> dash.Dashboard:
@@ -38,8 +39,17 @@ def overview() -> dash.Dashboard:
         "model by prompt length, hit beside miss; reconciliation with the engine's counters.",
         with_model=True,
     )
-    rows = (paying_off, per_pod, per_model, latency, against_the_engine, why_reuse_is_lost, gpu_time)
-    for row in (*rows, tenant_isolation):
+    for row in (
+        paying_off,
+        per_pod,
+        per_model,
+        latency,
+        against_the_engine,
+        why_reuse_is_lost,
+        gpu_time,
+        tenant_isolation,
+        tenants,
+    ):
         board = row(board)
     return board
 

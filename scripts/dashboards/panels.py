@@ -21,7 +21,7 @@ from grafana_foundation_sdk.models import common
 from grafana_foundation_sdk.models import dashboard as model
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
-from kvlens.exporter import metrics
+from kvlens.exporter import metrics, promql
 from scripts.dashboards.queries import RATE, SEL, series_of
 
 DATASOURCE = model.DataSourceRef(type_val="prometheus", uid="${datasource}")
@@ -159,32 +159,35 @@ def variable(
 
 
 def variables(with_model: bool) -> list[cogbuilder.Builder[model.VariableModel]]:
-    info = metrics.BUILD_INFO.exposed_name
+    def narrowed(*above: str) -> str:
+        """kvlens's own series (its build info) on the variables above this one."""
+        return promql.selector(metrics.BUILD_INFO.exposed_name, promql.variables(above))
+
     out: list[cogbuilder.Builder[model.VariableModel]] = [
         dash.DatasourceVariable("datasource").label("Data source").type("prometheus"),
         variable(
             "cluster",
             "Cluster",
-            f"label_values({info}, cluster)",
+            f"label_values({narrowed()}, cluster)",
             "The cluster label of a Thanos, Mimir or federated Prometheus; empty (All) with one Prometheus.",
         ),
         variable(
             "namespace",
             "Namespace",
-            f'label_values({info}{{cluster=~"$cluster"}}, namespace)',
+            f"label_values({narrowed('cluster')}, namespace)",
             "The Kubernetes namespace; empty (All) outside Kubernetes.",
         ),
         variable(
             "job",
             "Job",
-            f'label_values({info}{{cluster=~"$cluster", namespace=~"$namespace"}}, job)',
+            f"label_values({narrowed('cluster', 'namespace')}, job)",
             "Prometheus jobs that scrape kvlens.",
             all_value=None,
         ),
         variable(
             "instance",
             "Instance",
-            f'label_values({info}{{cluster=~"$cluster", namespace=~"$namespace", job=~"$job"}}, instance)',
+            f"label_values({narrowed('cluster', 'namespace', 'job')}, instance)",
             "One kvlens sidecar (one vLLM pod with the sidecar deployment).",
             all_value=None,
         ),

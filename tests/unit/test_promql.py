@@ -67,3 +67,9 @@ def test_compute_saved_is_one_ratio_per_unit_never_added_across_units() -> None:
     fleet = promql.compute_saved("5m")
     assert [f'"unit", "{unit}"' in fleet for unit in metrics.WORK] == [True] * len(metrics.WORK)
     assert "+" not in per_model + fleet
+
+
+def test_a_label_matcher_of_one_value_or_several_or_none_of_them() -> None:
+    assert promql.one_of("reason", ("busy",)) == 'reason="busy"'
+    assert promql.one_of("reason", ("busy", "displaced"), negate=True) == 'reason!~"busy|displaced"'
+    assert promql.one_of("reason", ("busy",), negate=True) == 'reason!="busy"'

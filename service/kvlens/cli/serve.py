@@ -83,6 +83,19 @@ def add_parser(commands: Any) -> None:
         metavar="SECONDS",
         help="seconds between isolation probes of a target, jittered by 20%% (isolation_every_seconds: 600)",
     )
+    serve.add_argument(
+        "--kv-events-trtllm",
+        action="append",
+        metavar="NAME=URL",
+        help="a TensorRT-LLM server whose KV cache events kvlens drains (POST URL/kv_cache_events), "
+        "e.g. t0=http://10.0.0.7:8000 (repeatable; kvlens[kv-events])",
+    )
+    serve.add_argument(
+        "--require-cache-salt",
+        action="store_true",
+        default=None,
+        help="every tenant must be salted: count KV event stores whose chain starts without a cache salt",
+    )
     serve.set_defaults(run=run)
 
 

@@ -191,10 +191,6 @@ def _values(rows: list[dict[str, Any]], key: str) -> np.ndarray[Any, np.dtype[np
     return np.array([row[key] for row in rows if isinstance(row.get(key), (int, float))], dtype=np.float64)
 
 
-def _median(values: np.ndarray[Any, np.dtype[np.float64]]) -> float | None:
-    return float(np.median(values)) if values.size else None
-
-
 # The per-request figures whose percentiles over the requests a row gives (--percentiles): TTFT,
 # the request's mean inter-token latency (vLLM's TPOT, what the ITL target counts) and end to end.
 PERCENTILE_METRICS: Final = {
@@ -211,10 +207,10 @@ def latency(
     return {
         "requests": len(rows),
         "errors": len(rows) - len(finished),
-        "ttft_p50_seconds": _median(_values(finished, "ttft_seconds")),
-        "itl_p50_seconds": _median(_values(finished, "client_itl_p50_seconds")),
-        "itl_p99_seconds_median": _median(_values(finished, "client_itl_p99_seconds")),
-        "e2e_p50_seconds": _median(_values(finished, "e2e_seconds")),
+        "ttft_p50_seconds": capacity.median_of(finished, "ttft_seconds"),
+        "itl_p50_seconds": capacity.median_of(finished, "client_itl_p50_seconds"),
+        "itl_p99_seconds_median": capacity.median_of(finished, "client_itl_p99_seconds"),
+        "e2e_p50_seconds": capacity.median_of(finished, "e2e_seconds"),
         "latency_percentiles": {
             metric: named_percentiles(_values(finished, field), percentiles)
             for metric, field in PERCENTILE_METRICS.items()

@@ -73,9 +73,16 @@ def variables(names: Sequence[str]) -> str:
     return ", ".join(f'{name}=~"${name}"' for name in names)
 
 
+def one_of(label: str, names: Sequence[str], negate: bool = False) -> str:
+    """The matcher of a label's values: ``reason="a"``, ``reason=~"a|b"``, negated ``!=``, ``!~``."""
+    if len(names) == 1:
+        return f'{label}{"!" if negate else ""}="{names[0]}"'
+    return f'{label}{"!" if negate else "="}~"{"|".join(names)}"'
+
+
 def causes(names: Sequence[str]) -> str:
     """The matcher of a cause group: ``cause="held_elsewhere"``, ``cause=~"a|b"``."""
-    return f'cause="{names[0]}"' if len(names) == 1 else f'cause=~"{"|".join(names)}"'
+    return one_of("cause", names)
 
 
 def selector(metric: str, *matchers: str) -> str:
