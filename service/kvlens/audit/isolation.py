@@ -53,6 +53,7 @@ from typing import Any, Final
 from kvlens.errors import InputError
 from kvlens.experiment.client import Endpoint, completions_body
 from kvlens.experiment.stream import Failed, StreamClient
+from kvlens.sources.usage import read_usage
 from kvlens.stats import rank_sum_p_less
 
 PASS: Final = "pass"
@@ -275,12 +276,10 @@ async def _send(
         exchange = await client.begin("/v1/completions", body, time.perf_counter(), 1)
     except Failed as failure:
         return Sent(None, None, failure.reason)
-    usage = exchange.usage or {}
-    details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return Sent(
-        exchange.token_times[0] - exchange.sent, cached if type(cached) is int and cached >= 0 else None
-    )
+    usage = read_usage(exchange.usage or {})
+    if usage.invalid(len(prompt)) is not None:  # as the replay: counts that cannot be, no measure
+        return Sent(None, None, "invalid_usage")
+    return Sent(exchange.token_times[0] - exchange.sent, usage.cached_tokens)
 
 
 def judge(plan: Plan, pairs: dict[str, list[tuple[Sent, Sent]]], stopped: bool = False) -> list[CaseResult]:
