@@ -267,3 +267,34 @@ def test_a_trace_lines_cache_salt_partitions_the_offline_fleet(tmp_path: Path) -
     bad = write(tmp_path / "bad.jsonl", [{"timestamp": 0, **line, "cache_salt": 7}])
     with pytest.raises(TraceError, match="line 1: cache_salt must be a string"):
         list(open_trace(bad).requests())
+
+
+def test_the_simulated_engines_publish_a_salt_as_vllm_does(tmp_path: Path) -> None:
+    """A salted request's chain start is published with the salt in its first block's extra keys
+    (vLLM 0.33's BlockStored), so a kvlens with --require-cache-salt counts only the unsalted."""
+    from kvlens.fleet.index import FleetIndex
+    from kvlens.fleet.simulated import SimulatedEngine, into_index
+    from kvlens.simulate.run import Fleet, simulate
+
+    line = {"input_length": 1100, "output_length": 1, "hash_ids": [1, 2, 3]}
+    salts = ["a", None, "b"]
+    path = write(
+        tmp_path / "t.jsonl",
+        [
+            {"timestamp": 1000 * i, **line, "hash_ids": [10 * i + 1, 10 * i + 2, 10 * i + 3],
+             **({"cache_salt": salt} if salt else {})}
+            for i, salt in enumerate(salts)
+        ],
+    )  # fmt: skip
+    index = FleetIndex(require_cache_salt=True)
+    events = lambda replica: SimulatedEngine(str(replica), 512, into_index(index))  # noqa: E731
+    simulate(open_trace(path).requests(), Fleet(1, None, 512), "round_robin", events=events)
+    assert index.snapshot().unsalted_blocks == {"0": 2}  # the unsalted request's 2 full blocks
+
+
+def test_extra_keys_carry_the_lora_on_every_block_and_the_salt_on_a_chains_first() -> None:
+    from kvlens.fleet.simulated import extra_keys
+
+    assert extra_keys(3, True, "s", "sql") == [["sql", "s"], ["sql"], ["sql"]]
+    assert extra_keys(2, False, "s", None) == [None, None]  # a store past the chain's start
+    assert extra_keys(2, True, "s", None) == [["s"], None]

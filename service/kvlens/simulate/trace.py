@@ -60,6 +60,11 @@ _CHUNK_BYTES: Final = 1024 * 1024  # read at a time (a trace line is a few KiB)
 BUNDLED: Final = Path(__file__).resolve().parent / "data" / "mooncake_synthetic_trace.jsonl.gz"
 
 
+# A request's cache scope beside its content, as an engine's KV events publish it: its cache salt
+# and its LoRA adapter (either may be None).
+Scope = tuple[str | None, str | None]
+
+
 class TraceError(InputError):
     """A trace line that is not a request of the trace's format."""
 
@@ -75,6 +80,11 @@ class TraceRequest:
     # cache sees are :attr:`keys`, never ``blocks`` (which the experiment's prompts are made from)
     cache_salt: str | None = None
     lora: str | None = None  # the LoRA adapter it runs on (``simulate serve --lora-modules``)
+
+    @property
+    def scope(self) -> Scope | None:
+        """The cache scope its blocks are keyed in beside their content: (salt, LoRA), or None."""
+        return (self.cache_salt, self.lora) if self.cache_salt or self.lora else None
 
     @property
     def keys(self) -> tuple[int, ...]:
