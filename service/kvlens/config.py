@@ -29,6 +29,7 @@ from pydantic_settings import (
 )
 
 from kvlens import limits, shapes
+from kvlens.audit.settings import IsolationSettings
 from kvlens.definitions import CostModel
 from kvlens.errors import SettingsError
 from kvlens.fleet.limits import (
@@ -216,8 +217,9 @@ def _redacted(url: str) -> str:
     return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
 
 
-class Settings(BaseSettings):
-    """Sidecar settings. Lists and maps in environment variables are JSON."""
+class Settings(BaseSettings, IsolationSettings):
+    """Sidecar settings. Lists and maps in environment variables are JSON. The rooms' own models
+    (:class:`~kvlens.audit.settings.IsolationSettings`) are composed in as bases."""
 
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", validate_default=True

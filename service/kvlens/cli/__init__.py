@@ -38,6 +38,7 @@ COMMANDS = (
     "experiment",
     "bandwidth",
     "import",
+    "audit",
 )
 MODULES = {"import": "importer"}  # `import` is a Python keyword: no module can have that name
 # Errors of a write to an open file: a full disk, a quota, a file past its size limit, a failing device.

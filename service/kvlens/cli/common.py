@@ -196,6 +196,8 @@ def settings_from(args: argparse.Namespace, **overrides: Any) -> Settings:
         kv_events=kv_events_from(getattr(args, "kv_events", None)),
         kv_events_dns=getattr(args, "kv_events_dns", None),
         kv_events_shard=getattr(args, "kv_events_shard", None),
+        isolation_probes=getattr(args, "isolation_probe", None),
+        isolation_every_seconds=getattr(args, "isolation_every", None),
         kv_events_require_cache_salt=getattr(args, "require_cache_salt", None),
         kv_events_trtllm=named_urls(getattr(args, "kv_events_trtllm", None), "--kv-events-trtllm", "url"),
         tails=tails_from(

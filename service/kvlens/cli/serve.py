@@ -71,6 +71,19 @@ def add_parser(commands: Any) -> None:
         "--kv-events-shard", metavar="i/N", help="keep only shard i of N of the fleet's blocks"
     )
     serve.add_argument(
+        "--isolation-probe",
+        action="append",
+        metavar="NAME=URL[#MODEL[@LORA]]",
+        help="audit this endpoint's cache isolation in the background (`kvlens audit isolation`), "
+        "exported as kvlens_isolation_probe_result (repeatable; MODEL: default the one it serves)",
+    )
+    serve.add_argument(
+        "--isolation-every",
+        type=float,
+        metavar="SECONDS",
+        help="seconds between isolation probes of a target, jittered by 20%% (isolation_every_seconds: 600)",
+    )
+    serve.add_argument(
         "--kv-events-trtllm",
         action="append",
         metavar="NAME=URL",

@@ -306,11 +306,16 @@ def _salted(salt: str | None) -> dict[str, Any]:
 
 
 def completions_body(
-    model: str, prompt: npt.NDArray[np.uint64], output_tokens: int, salt: str | None = None
+    model: str,
+    prompt: npt.NDArray[np.uint64] | list[int],
+    output_tokens: int,
+    salt: str | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> bytes:
-    """The request as vLLM's ``/v1/completions`` takes it: token ids, exact lengths."""
+    """The request as vLLM's ``/v1/completions`` takes it: token ids, exact lengths; ``extra``
+    fields beside them (the isolation audit's salt, under the field name it was given)."""
     return orjson.dumps(
-        {"model": model, "prompt": prompt, **_generation(output_tokens), **_salted(salt)},
+        {"model": model, "prompt": prompt, **_generation(output_tokens), **_salted(salt), **(extra or {})},
         option=orjson.OPT_SERIALIZE_NUMPY,
     )
 

@@ -10,6 +10,7 @@ import threading
 
 import httpx
 
+from kvlens.audit.probe import IsolationProbes
 from kvlens.config import Settings, TailSetting, parse_dns_target, parse_shard
 from kvlens.errors import ScrapeError
 from kvlens.exporter.aggregator import Aggregator
@@ -98,6 +99,8 @@ class BackgroundSources:
             settings.modelled_block_size,
             None if self.kv_events is None else self.kv_events.index,
         )
+        targets = settings.targets()
+        self.isolation = IsolationProbes(targets, settings.isolation_every_seconds) if targets else None
         self._tasks: list[asyncio.Task[None]] = []
         self._threads: list[threading.Thread] = []
         self._stop_tails = threading.Event()
@@ -107,6 +110,8 @@ class BackgroundSources:
         if self.kv_events is not None:
             self.kv_events.start()
         self._tasks = [asyncio.create_task(self._scrape_forever(target)) for target in self.targets.values()]
+        if self.isolation is not None:
+            self.isolation.start()
         self._tasks += [asyncio.create_task(self._drain_forever(feed)) for feed in self.trtllm]
         self._threads = [
             self._follow(spec, status) for spec, status in zip(self.settings.tails, self.tails, strict=True)
@@ -117,6 +122,8 @@ class BackgroundSources:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.isolation is not None:
+            await self.isolation.stop()
         self._stop_tails.set()
         if self.kv_events is not None:
             await asyncio.to_thread(self.kv_events.stop)

@@ -169,7 +169,7 @@ class ReplayTraffic:
             def __init__(self, replica: int) -> None:
                 self.replica = replica
 
-            def stored(self, blocks: Sequence[object], parent: object | None) -> None:
+            def stored(self, blocks: Sequence[object], parent: object | None, scope: object = None) -> None:
                 events.append((now[0], self.replica, True, tuple(blocks), parent))
 
             def removed(self, blocks: Sequence[object]) -> None:

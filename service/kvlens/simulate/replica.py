@@ -91,6 +91,7 @@ class Job:
         "private",
         "prompt_tokens",
         "replica",
+        "scope",
         "start",
     )
 
@@ -100,7 +101,8 @@ class Job:
         self.arrival = request.arrival
         self.prompt_tokens = request.prompt_tokens
         self.output_tokens = request.output_tokens
-        self.blocks = request.blocks
+        self.blocks = request.keys  # salted as the engine keys them
+        self.scope = request.scope  # and published with its stores, as the engine's KV events do
         self.limit = hit_limit(request.prompt_tokens, block_size)
         self.estimate = 0.0  # the prefill seconds the router expected here
         self.replica = -1
@@ -261,7 +263,7 @@ class Replica:
             self._left -= 1
         job = waiting.popleft()
         self.backlog = self.backlog - job.estimate if self.queued else 0.0
-        reused, job.held = self.cache.acquire(job.blocks, job.limit)
+        reused, job.held = self.cache.acquire(job.blocks, job.limit, job.scope)
         job.cached_tokens = reused * self.block_size
         job.start = now
         duration = self.prefill_seconds(job, reused)

@@ -201,8 +201,9 @@ def served(
     holds its blocks as far as room allows). ``PrefixCache(None)`` gives the theoretical reuse of
     a trace: an unbounded cache that has seen every request before."""
     for request in requests:
-        reused, held = cache.acquire(request.blocks, hit_limit(request.prompt_tokens, block_size))
-        cache.release(request.blocks, held)
+        keys = request.keys  # salted as the engine keys them: two salts never share
+        reused, held = cache.acquire(keys, hit_limit(request.prompt_tokens, block_size))
+        cache.release(keys, held)
         yield request, reused * block_size
 
 

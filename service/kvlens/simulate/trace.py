@@ -18,6 +18,9 @@ DESIGN section 1). A key stands for the block and its whole prefix:
 - kvlens records with ``prefix_hashes`` (chained by the engine, as vLLM's are) and
   ``block_size``; ``arrival_time`` orders them.
 
+A Mooncake or Bailian line may carry ``cache_salt`` (a string, vLLM's request field): its keys
+are then :func:`salted` as vLLM salts them, in ``kvlens simulate`` as in ``simulate serve``.
+
 A trace's lines must arrive in time order (Mooncake and Bailian files do); kvlens records are
 read whole and sorted, since they are written as requests finish. A line that is not a request
 of the trace's format raises :class:`TraceError` naming the file, the line and the field; so do
@@ -45,10 +48,12 @@ from typing import Any, Final
 import orjson
 
 from kvlens.simulate import conversations
+from kvlens.simulate.trace_request import Scope as Scope
 from kvlens.simulate.trace_request import TraceError as TraceError
 from kvlens.simulate.trace_request import TraceRequest as TraceRequest
 from kvlens.simulate.trace_request import chain as chain
 from kvlens.simulate.trace_request import count, full_ids, integers, seconds, stable_key
+from kvlens.simulate.trace_request import salted as salted
 from kvlens.simulate.trace_rows import AgenticRows, BurstRows, is_burstgpt
 from kvlens.sources import jsonlines
 
@@ -292,6 +297,7 @@ def _mooncake(line: dict[str, Any], index: int, block_size: int) -> TraceRequest
         prompt_tokens=prompt,
         output_tokens=count(line.get("output_length"), "output_length"),
         blocks=integers(ids, "hash_ids"),
+        cache_salt=_salt(line),
     )
 
 
@@ -307,6 +313,7 @@ def _bailian(line: dict[str, Any], index: int, block_size: int) -> TraceRequest:
         prompt_tokens=prompt,
         output_tokens=count(line.get("output_length"), "output_length"),
         blocks=chain(ids),  # a later turn shares its chat's blocks through them, not through the ids
+        cache_salt=_salt(line),
     )
 
 
@@ -330,6 +337,14 @@ def _kvlens(line: dict[str, Any], index: int, block_size: int) -> TraceRequest:
 def _scaled(request: TraceRequest, scale: float) -> TraceRequest:
     """The request ``scale`` times sooner or later: its arrival and its think time alike."""
     return replace(request, arrival=request.arrival * scale, think=request.think * scale)
+
+
+def _salt(line: dict[str, Any]) -> str | None:
+    """A trace line's optional ``cache_salt``: a string, or none."""
+    salt = line.get("cache_salt")
+    if salt is not None and type(salt) is not str:
+        raise ValueError("cache_salt must be a string")
+    return salt or None
 
 
 def _text(seconds: float) -> str:

@@ -26,6 +26,11 @@ class TraceError(InputError):
     """A trace line that is not a request of the trace's format."""
 
 
+# A request's cache scope beside its content, as an engine's KV events publish it: its cache salt
+# and its LoRA adapter (either may be None).
+Scope = tuple[str | None, str | None]
+
+
 @dataclass(frozen=True, slots=True)
 class TraceRequest:
     index: int  # position in the trace (ties in arrival time keep this order)
@@ -38,6 +43,21 @@ class TraceRequest:
     parent: str | None = None  # a sub-agent's parent session
     after: tuple[int, ...] = ()  # indices of the requests whose answers it waits for
     think: float = 0.0  # seconds from the last of those answers to this request
+    # vLLM's ``cache_salt`` (None: unsalted): mixed into the first block's key, so the keys a
+    # cache sees are :attr:`keys`, never ``blocks`` (which the experiment's prompts are made from)
+    cache_salt: str | None = None
+    lora: str | None = None  # the LoRA adapter it runs on (``simulate serve --lora-modules``)
+
+    @property
+    def scope(self) -> Scope | None:
+        """The cache scope its blocks are keyed in beside their content: (salt, LoRA), or None."""
+        return (self.cache_salt, self.lora) if self.cache_salt or self.lora else None
+
+    @property
+    def keys(self) -> tuple[int, ...]:
+        """The blocks as the engine keys them: :func:`salted` by the request's ``cache_salt`` and
+        LoRA."""
+        return salted(self.blocks, self.cache_salt, self.lora)
 
 
 def count(value: Any, name: str, low: int = 0) -> int:
@@ -89,3 +109,17 @@ def chain(ids: tuple[int, ...], start: int = 0) -> tuple[int, ...]:
         key = hash((key, block))
         keys.append(key)
     return tuple(keys)
+
+
+def salted(blocks: tuple[int, ...], salt: str | None, lora: str | None = None) -> tuple[int, ...]:
+    """``blocks`` (chained keys) as a cache keys them under ``salt`` and ``lora``, as vLLM 0.33
+    does: the salt is mixed into the first block's key only (``generate_block_hash_extra_keys``
+    adds it where ``start_token_idx == 0``) and every later key inherits it through the chain, so
+    two salts never share a block and one salt shares all of a common prefix. vLLM mixes a LoRA's
+    name into every block; through the chain, mixing it into the first gives the same sharing.
+    No salt (None or empty: vLLM tests ``if request.cache_salt``) and no LoRA leave the keys as
+    they are. They enter as a stable digest (Python's ``hash(str)`` changes per process; records
+    carry these keys)."""
+    if not salt and not lora:
+        return blocks
+    return chain(blocks, stable_key(f"cache_salt\0{salt or ''}\0lora\0{lora or ''}"))

@@ -315,7 +315,9 @@ class Api:
             "max_model_len": served.max_model_len,
             "permission": [],
         }
-        return Response(orjson.dumps({"object": "list", "data": [card]}), media_type=JSON)
+        # vLLM lists each LoRA adapter too, its parent the base model
+        adapters = [{**card, "id": name, "root": name, "parent": served.model} for name in served.loras]
+        return Response(orjson.dumps({"object": "list", "data": [card, *adapters]}), media_type=JSON)
 
     async def reset_prefix_cache(self, request: Request) -> Response:
         assert self.engine is not None
@@ -385,7 +387,14 @@ class Api:
         wake = client.wake = asyncio.Event()
         many = len(answer.prompts) > 1
         return [
-            engine.submit(ids, out, wake, f"{answer.request_id}-{i}" if many else answer.request_id)
+            engine.submit(
+                ids,
+                out,
+                wake,
+                f"{answer.request_id}-{i}" if many else answer.request_id,
+                answer.cache_salt,
+                answer.lora,
+            )
             for i, (ids, out) in enumerate(zip(answer.prompts, answer.outputs, strict=True))
         ]
 

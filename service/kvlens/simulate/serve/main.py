@@ -69,6 +69,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--model", default="simulated", help="served model name")
+    parser.add_argument(
+        "--lora-modules",
+        action="append",
+        metavar="NAME[=PATH]",
+        help="a LoRA adapter served beside the model, as vLLM's (the path is not read): a request "
+        "naming it as its model has its blocks keyed apart (repeatable)",
+    )
     parser.add_argument("--max-model-len", type=int, default=32_768, help="context length")
     parser.add_argument(
         "--vocab-size",
@@ -84,6 +91,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--speed", type=float, default=1.0, help="2: twice as fast as the modelled GPU")
     parser.add_argument("--no-prefix-caching", action="store_true", help="nothing is ever served from cache")
+    parser.add_argument(
+        "--leak-salt",
+        action="store_true",
+        help="drop each request's cache_salt before its blocks are keyed (a fault, as LMCache #4825 "
+        "measured): tenants then share cached prefixes, for `kvlens audit isolation` to catch",
+    )
     parser.add_argument("--max-running", type=int, default=256, help="requests holding KV per replica")
     parser.add_argument(
         "--max-in-flight",
@@ -193,7 +206,10 @@ def _checked(args: argparse.Namespace) -> tuple[Fleet, Served]:
         raise ValueError("--max-in-flight must be >= 1")
     service = service_model(args)
     fleet = Fleet(args.replicas, capacity_blocks(args, service), args.block_size, service, Guard())
-    return fleet, Served(args.model, args.max_model_len, vocab_size, text)
+    loras = tuple(dict.fromkeys(spec.partition("=")[0] for spec in args.lora_modules or ()))
+    if any(not name or name == args.model for name in loras):
+        raise ValueError("--lora-modules takes NAME[=PATH], a NAME other than --model")
+    return fleet, Served(args.model, args.max_model_len, vocab_size, text, loras)
 
 
 def record(ticket: Ticket, engine: RealTimeFleet, model: str, started_epoch: float) -> dict[str, Any]:
@@ -245,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
             args.policy,
             speed=args.speed,
             prefix_caching=not args.no_prefix_caching,
+            honour_salt=not args.leak_salt,
             loop=asyncio.get_running_loop(),
             on_finish=on_finish,
             events=events,
