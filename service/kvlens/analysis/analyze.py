@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from kvlens.accounting import Accounting
 from kvlens.analysis import calibration, diagnosis, reader, report
-from kvlens.config import Settings
 from kvlens.definitions import prompt_length_labels
 from kvlens.records import batch_from_objects
 
@@ -28,7 +28,7 @@ AUTO_DUCKDB_BYTES = 256 * 1024 * 1024  # numpy holds about twice the JSON lines 
 
 def analyze(
     paths: list[str],
-    settings: Settings,
+    settings: Accounting,
     *,
     format_name: str | None = None,
     model: str | None = None,
@@ -104,7 +104,7 @@ def analyze(
 
 
 def _calibrated(
-    result: dict[str, Any], fits: list[calibration.Fit], settings: Settings, prefill_points: Sequence[Path]
+    result: dict[str, Any], fits: list[calibration.Fit], settings: Accounting, prefill_points: Sequence[Path]
 ) -> tuple[dict[str, Any], list[calibration.Fit]]:
     """The report with the fits of the records and of the ``prefill_points`` tables."""
     fits = [*fits, *_point_fits(settings, prefill_points)]
@@ -115,7 +115,7 @@ def _calibrated(
 
 
 def from_aggregates(
-    paths: Sequence[Path], settings: Settings, *, prefill_points: Sequence[Path] = ()
+    paths: Sequence[Path], settings: Accounting, *, prefill_points: Sequence[Path] = ()
 ) -> tuple[dict[str, Any], list[calibration.Fit]]:
     """The report of a warehouse's results of the ``--print-sql`` statements (the same settings):
     everything a direct analysis reports but the calibration from records, which needs each
@@ -159,7 +159,7 @@ def choose_engine(requested: str, files: Sequence[str]) -> str:
 
 def _report(
     summary: report.Summary,
-    settings: Settings,
+    settings: Accounting,
     labels: list[str],
     read: reader.ReadResult,
     records: int,
@@ -183,7 +183,7 @@ def _report(
     return result
 
 
-def _point_fits(settings: Settings, prefill_points: Sequence[Path]) -> list[calibration.Fit]:
+def _point_fits(settings: Accounting, prefill_points: Sequence[Path]) -> list[calibration.Fit]:
     def layers(name: str) -> int | None:
         shape = settings.model_shapes.get(name)
         return shape.layers if shape is not None else None

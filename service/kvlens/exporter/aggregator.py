@@ -18,8 +18,9 @@ import numpy as np
 import numpy.typing as npt
 
 from kvlens import definitions
-from kvlens.config import Settings
+from kvlens.accounting import Accounting
 from kvlens.definitions import UNITS, prompt_length_labels
+from kvlens.exporter.settings import SidecarSettings
 from kvlens.records import REASONS, RecordBatch, Validated, valid_label
 from kvlens.reduce import HIT_STRIDE, Reduced, pack_hit, reduce, unpack_hit
 
@@ -39,7 +40,7 @@ class ModelLabels:
     itself (the overflow value is reserved: it never takes a slot of its own, so no series is
     exported twice) or that is not a valid label value."""
 
-    def __init__(self, settings: Settings, capacity: int | None = None) -> None:
+    def __init__(self, settings: Accounting, capacity: int | None = None) -> None:
         self.fixed = bool(settings.models)
         self.capacity = len(settings.models) if self.fixed else capacity or settings.max_models
         self.default = settings.default_model
@@ -206,7 +207,7 @@ class _HealthCounts:
 class Aggregator:
     """Adds validated batches into the running sums. Thread-safe."""
 
-    def __init__(self, settings: Settings, extra_sources: tuple[str, ...] = ()) -> None:
+    def __init__(self, settings: SidecarSettings, extra_sources: tuple[str, ...] = ()) -> None:
         self.settings = settings
         self.sources = ("push", "vllm_plugin", "otlp", *(("tail",) if settings.tails else ()), *extra_sources)
         self._lock = threading.Lock()

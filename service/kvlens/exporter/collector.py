@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from kvlens import __version__, bandwidth
-from kvlens.config import ModelShapeSetting
+from kvlens.accounting import ModelShapeSetting
 from kvlens.definitions import UNITS
 from kvlens.exporter import metrics
 from kvlens.exporter.aggregator import TTFT_COMPONENTS, Aggregator, Histograms, Snapshot
