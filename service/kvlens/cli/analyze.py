@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlens.cli.common import check_writable, engine_flag, examples, input_flags, read_progress, scale_flags
-from kvlens.config import load_settings
+from kvlens.config import load_offline
 
 
 def add_parser(commands: Any) -> None:
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from kvlens.analysis import calibration, reader, render
     from kvlens.analysis.analyze import analyze, choose_engine, from_aggregates
 
-    settings = load_settings(args.config)
+    settings = load_offline(args.config)
     if args.print_sql:
         from kvlens.analysis import warehouse
 

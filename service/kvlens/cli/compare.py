@@ -17,7 +17,7 @@ from kvlens.cli.common import (
     percentiles_flag,
     scale_flags,
 )
-from kvlens.config import load_settings
+from kvlens.config import load_offline
 from kvlens.errors import ArmsDiffer
 
 
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     check_writable(args.html)
-    settings = load_settings(args.config)
+    settings = load_offline(args.config)
     # Every arm's files, by the one rule of names, before any arm is read: a missing arm is
     # refused first, and the engine is chosen by the files it will read.
     files = [file for path in sorted({path for _, path in specs}) for file in reader.resolve([path])]

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlens.cli.common import examples, scale_flags
-from kvlens.config import load_settings
+from kvlens.config import load_offline
 
 
 def add_parser(commands: Any) -> None:
@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     if target != "parquet":
         print(f"kvlens convert: --to takes parquet, not {target!r}", file=sys.stderr)
         return 2
-    settings = load_settings(args.config)
+    settings = load_offline(args.config)
     loaded, written = inputs.convert(
         args.files,
         Path(out),

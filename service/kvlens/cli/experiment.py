@@ -27,7 +27,7 @@ from kvlens.cli.replay import (
     trace_flags,
     traffic_flags,
 )
-from kvlens.config import Settings, load_settings
+from kvlens.config import OfflineSettings, load_offline
 from kvlens.errors import ArmsDiffer, MissingExtra
 from kvlens.experiment import outdir, reports
 from kvlens.experiment import run as arms
@@ -150,7 +150,7 @@ def byte_model_flags(parser: argparse.ArgumentParser) -> None:
 def _prefix_cache(args: argparse.Namespace) -> int:
     reports.check_error_rate(args.max_error_rate)
     window, prompts, schedule = setup(args, warms=True)
-    settings = load_settings(args.config)
+    settings = load_offline(args.config)
     selected = runs.arms_of(args)
     plan = outdir.prefix_cache_plan(
         window,
@@ -213,7 +213,7 @@ def _prefix_cache_report(
     args: argparse.Namespace,
     found: list[arms.ArmResult],
     ran: list[tuple[str, dict[str, Any] | None]],
-    settings: Settings,
+    settings: OfflineSettings,
 ) -> int:
     """The compare report of every arm in the out-dir, into it (and --html) and printed; the exit
     code from the failures of the arms this run ran (``ran``), once the report is written."""
