@@ -26,9 +26,9 @@ from pydantic_settings import (
 from kvlens.analysis.settings import AnalysisSettings
 from kvlens.errors import SettingsError
 from kvlens.exporter.settings import SidecarSettings
+from kvlens.limits import ENV_PREFIX
 from kvlens.simulate.settings import ServeSettings
 
-ENV_PREFIX = "KVLENS_"
 S = TypeVar("S", bound=BaseSettings)
 
 

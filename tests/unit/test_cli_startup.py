@@ -22,7 +22,8 @@ def _fresh(code: str, **env: str) -> str:
     return done.stdout.strip()
 
 
-THREADS = "import os, kvlens.cli; print(len(os.listdir('/proc/self/task')))"
+# numpy imported after the command line, as a command imports it
+THREADS = "import os, kvlens.cli, numpy; print(len(os.listdir('/proc/self/task')))"
 
 
 @pytest.mark.skipif(
@@ -32,6 +33,26 @@ def test_the_command_line_gives_numpys_openblas_one_thread_unless_told_otherwise
     # its spinning threads cost 0.1 CPU s at every start; a user's setting wins
     assert _fresh(THREADS, OPENBLAS_NUM_THREADS="") == "1"
     assert _fresh(THREADS, OPENBLAS_NUM_THREADS="2") == "2"
+
+
+HEAVY = {"pydantic", "pydantic_settings", "numpy", "duckdb", "yaml", "rich", "httpx", "uvicorn", "fastapi"}
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["analyze", "--help"], ["serve", "--help"], ["no-such"]])
+def test_help_imports_no_heavy_module(argv: list[str]) -> None:
+    # `kvlens --help` names the commands from their summaries, and a command's flags need none of
+    # what it runs: no settings (pydantic), no numpy, no server
+    code = (
+        "import sys, contextlib, io\n"
+        "from kvlens.console import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+        "    try:\n"
+        f"        main({argv!r})\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {HEAVY!r}))"
+    )
+    assert _fresh(code) == "[]"
 
 
 def test_analyze_imports_no_module_its_report_does_not_need(tmp_path: Path) -> None:

@@ -10,13 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from kvlens import limits, terminal
+from kvlens.cli import SUMMARIES
 from kvlens.cli.common import examples
 
 
 def add_parser(commands: Any) -> None:
     decode = commands.add_parser(
         "bandwidth",
-        help="decode traffic model: would W4A16 speed up decode?",
+        help=SUMMARIES["bandwidth"],
         epilog=examples(
             "kvlens bandwidth --params 8B --layers 32 --kv-heads 8 --head-dim 128 --bandwidth 4.8TB/s",
             "kvlens bandwidth --weight-bytes 14GiB --quantized-weight-bytes 4GiB "

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvlens.analysis import run_facts
+from kvlens.cli import SUMMARIES
 from kvlens.cli import outdir as runs
 from kvlens.cli.common import examples, make_room_for, percentiles_flag, print_report
 from kvlens.cli.replay import (
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 def add_parser(commands: Any) -> None:
     experiment = commands.add_parser(
         "experiment",
-        help="the articles' experiments against endpoints",
+        help=SUMMARIES["experiment"],
         epilog=examples("kvlens experiment prefix-cache --help", "kvlens experiment quantization --help"),
     )
     kinds = experiment.add_subparsers(required=True, metavar="EXPERIMENT")

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlens import terminal
+from kvlens.cli import SUMMARIES
 from kvlens.cli.common import Parser, examples, run_progress
 from kvlens.config import load_offline, load_settings
 from kvlens.errors import MissingExtra
@@ -26,7 +27,7 @@ from kvlens.limits import DEFAULT_PORT
 def add_parser(commands: Any) -> None:
     sim = commands.add_parser(
         "simulate",
-        help="replay a trace on a fleet: reachable vs delivered reuse per policy and capacity",
+        help=SUMMARIES["simulate"],
         epilog=examples(
             "kvlens simulate",
             "kvlens simulate --capacity-blocks 250,1000,4000,unbounded --plot reuse.svg",
