@@ -8,6 +8,7 @@ is one code path.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -147,9 +148,7 @@ def choose_engine(requested: str, files: Sequence[str]) -> str:
     chosen reads those files, whichever it is."""
     if requested != "auto":
         return requested
-    try:
-        import duckdb  # noqa: F401
-    except ModuleNotFoundError:
+    if importlib.util.find_spec("duckdb") is None:  # found, not imported: numpy may be the choice
         return "numpy"
     local = [path for path in files if path != "-"]
     if any(not os.path.isfile(path) or reader.is_parquet(path) for path in local):
