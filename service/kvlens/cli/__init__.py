@@ -117,7 +117,7 @@ def parser_of(argv: Sequence[str], summaries: bool = False) -> argparse.Argument
         )
         parser.add_argument("--version", action=_Version)
         commands = parser.add_subparsers(required=True, metavar="COMMAND")
-        if summaries and argv[:1] not in ([name] for name in COMMANDS):
+        if summaries and not (argv and argv[0] in COMMANDS):
             for name, summary in SUMMARIES.items():
                 commands.add_parser(name, help=summary)
         else:
