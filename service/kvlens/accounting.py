@@ -123,7 +123,7 @@ class ModelShapeSetting(BaseModel):
 class Accounting(BaseModel):
     """Edges, buckets, cost models, model shapes and label limits: everything that counts."""
 
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, defer_build=True)
     _cost_models: dict[str, CostModel] = PrivateAttr(
         default_factory=dict
     )  # configured names; "": the default

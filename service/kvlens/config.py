@@ -8,20 +8,18 @@ Each room declares its settings next to its code and its functions take that mod
 :mod:`kvlens.simulate.settings` (modelled caches, simulate serve), :mod:`kvlens.analysis.settings`
 and :mod:`kvlens.exporter.settings` (the sidecar's rooms together). :class:`Settings` inherits
 them all, so its flat fields keep their ``KVLENS_*`` names and one instance is each room's model;
-an offline command builds :class:`OfflineSettings` alone (:func:`load_offline`)."""
+an offline command builds :class:`kvlens.analysis.settings.AnalysisSettings` alone
+(:func:`load_offline`). The environment and the file are read by pydantic-settings, imported only
+when there is something to read."""
 
 from __future__ import annotations
 
+import functools
+import os
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from pydantic import BaseModel, ValidationError
-from pydantic_settings import (
-    BaseSettings,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-    YamlConfigSettingsSource,
-)
 
 from kvlens.analysis.settings import AnalysisSettings
 from kvlens.errors import SettingsError
@@ -29,59 +27,14 @@ from kvlens.exporter.settings import SidecarSettings
 from kvlens.limits import ENV_PREFIX
 from kvlens.simulate.settings import ServeSettings
 
-S = TypeVar("S", bound=BaseSettings)
+if TYPE_CHECKING:
+    from pydantic_settings import BaseSettings
+
+M = TypeVar("M", bound=BaseModel)
 
 
-SOURCES = SettingsConfigDict(
-    env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", validate_default=True
-)
-
-
-class Settings(SidecarSettings, AnalysisSettings, ServeSettings, BaseSettings):
+class Settings(SidecarSettings, AnalysisSettings, ServeSettings):
     """Sidecar settings. Lists and maps in environment variables are JSON."""
-
-    model_config = SOURCES
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        # Flags beat the environment, which beats the YAML file, which beats the defaults.
-        return init_settings, env_settings, _RoomsYaml(settings_cls)
-
-
-class OfflineSettings(AnalysisSettings, BaseSettings):
-    """What an offline command reads (``analyze``, ``compare``, ``convert``, ``simulate``,
-    ``experiment``'s report): the accounting and the analysis's memory limit, from the same
-    ``KVLENS_*`` names and settings file as :class:`Settings`. The sidecar's settings are neither
-    built nor checked; a file written for ``kvlens serve`` is read, its other rooms' keys skipped."""
-
-    model_config = SOURCES
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return init_settings, env_settings, _RoomsYaml(settings_cls)
-
-
-class _RoomsYaml(YamlConfigSettingsSource):
-    """The YAML file's keys of the model being built; a key of another room of :class:`Settings`
-    is skipped, and one of no room is kept (so the model refuses it, as a typo)."""
-
-    def __call__(self) -> dict[str, Any]:
-        known = self.settings_cls.model_fields
-        return {k: v for k, v in super().__call__().items() if k in known or k not in Settings.model_fields}
 
 
 def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
@@ -89,20 +42,90 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
     return _load(Settings, config_file, overrides)
 
 
-def load_offline(config_file: Path | None = None) -> OfflineSettings:
-    """The offline commands' settings (:class:`OfflineSettings`) from environment and file."""
-    return _load(OfflineSettings, config_file, {})
+def load_offline(config_file: Path | None = None) -> AnalysisSettings:
+    """What an offline command reads (``analyze``, ``compare``, ``convert``, ``simulate``,
+    ``experiment``'s report): the accounting and the analysis's memory limit, from the same
+    ``KVLENS_*`` names and settings file as :class:`Settings`. The sidecar's settings are neither
+    built nor checked; a file written for ``kvlens serve`` is read, its other rooms' keys skipped."""
+    return _load(AnalysisSettings, config_file, {})
 
 
-def _load(settings_cls: type[S], config_file: Path | None, overrides: dict[str, Any]) -> S:
+def _load(model: type[M], config_file: Path | None, overrides: dict[str, Any]) -> M:
+    """``model`` from flags (``overrides``), which beat the environment, which beats the YAML
+    file, which beats the defaults. With none of them to read (an offline command's usual start),
+    the defaults without pydantic-settings, whose import costs as much as pydantic's own."""
     if config_file is not None and not config_file.is_file():
         raise SettingsError(f"config file {config_file}: not found")
-    if config_file is not None:
-        settings_cls = type(
-            "FileSettings", (settings_cls,), {"model_config": {**SOURCES, "yaml_file": config_file}}
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if config_file is None and not overrides and not _environment_names(model):
+        return _validated(model, {})
+    return _validated(_read_by(model, config_file), overrides)
+
+
+def _environment_names(model: type[BaseModel]) -> list[str]:
+    """The ``KVLENS_*`` variables pydantic-settings would read for ``model`` (any case; a nested
+    field as ``KVLENS_FIELD__KEY``)."""
+    fields = model.model_fields
+    return [
+        name
+        for name in os.environ
+        if name.upper().startswith(ENV_PREFIX) and name[len(ENV_PREFIX) :].lower().split("__")[0] in fields
+    ]
+
+
+@functools.cache
+def _sources_of(model: type[BaseModel]) -> type[BaseSettings]:
+    """``model`` read by pydantic-settings: flags, ``KVLENS_*`` variables, then the YAML file."""
+    from pydantic_settings import (
+        BaseSettings,
+        PydanticBaseSettingsSource,
+        SettingsConfigDict,
+        YamlConfigSettingsSource,
+    )
+
+    class RoomsYaml(YamlConfigSettingsSource):
+        """The YAML file's keys of the model being built; a key of another room of
+        :class:`Settings` is skipped, and one of no room is kept (so the model refuses it)."""
+
+        def __call__(self) -> dict[str, Any]:
+            known = self.settings_cls.model_fields
+            return {
+                k: v for k, v in super().__call__().items() if k in known or k not in Settings.model_fields
+            }
+
+    class FromSources(model, BaseSettings):  # type: ignore[valid-type,misc]
+        model_config = SettingsConfigDict(
+            env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", validate_default=True
         )
+
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            return init_settings, env_settings, RoomsYaml(settings_cls)
+
+    FromSources.__name__ = FromSources.__qualname__ = model.__name__
+    return FromSources
+
+
+def _read_by(model: type[M], config_file: Path | None) -> type[M]:
+    sources = _sources_of(model)
+    if config_file is not None:
+        sources = type(
+            model.__name__, (sources,), {"model_config": {**sources.model_config, "yaml_file": config_file}}
+        )
+    return cast("type[M]", sources)
+
+
+def _validated(settings_cls: type[M], overrides: dict[str, Any]) -> M:
+    config_file = settings_cls.model_config.get("yaml_file")
     try:
-        return settings_cls(**{k: v for k, v in overrides.items() if v is not None})
+        return settings_cls(**overrides)
     except ValidationError as error:
         lines = [
             f"{'.'.join(str(p) for p in e['loc']) or '(file)'}: {e['msg'].removeprefix('Value error, ')}"

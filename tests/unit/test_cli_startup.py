@@ -57,7 +57,8 @@ def test_help_imports_no_heavy_module(argv: list[str]) -> None:
 
 def test_analyze_imports_no_module_its_report_does_not_need(tmp_path: Path) -> None:
     # YAML only for --calibrate's file, rich only for the terminal's table, the server never, DuckDB
-    # not for the numpy engine (auto's choice for small JSON lines)
+    # not for the numpy engine (auto's choice for small JSON lines), pydantic-settings not without a
+    # KVLENS_* variable or a settings file to read
     records = tmp_path / "records.jsonl"
     records.write_text('{"prompt_tokens": 100, "cached_tokens": 50, "model": "m"}\n')
     code = (
@@ -66,7 +67,7 @@ def test_analyze_imports_no_module_its_report_does_not_need(tmp_path: Path) -> N
         "with contextlib.redirect_stdout(io.StringIO()):\n"
         f"    assert main(['analyze', {str(records)!r}, '--json']) == 0\n"
         "print(sorted({m.split('.')[0] for m in sys.modules}\n"
-        "             & {'yaml', 'rich', 'uvicorn', 'httpx', 'duckdb'}))"
+        "             & {'yaml', 'rich', 'uvicorn', 'httpx', 'duckdb', 'pydantic_settings'}))"
     )
     assert _fresh(code) == "[]"
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvlens.analysis import run_facts
+from kvlens.analysis.settings import AnalysisSettings
 from kvlens.cli import SUMMARIES
 from kvlens.cli import outdir as runs
 from kvlens.cli.common import examples, make_room_for, percentiles_flag, print_report
@@ -28,7 +29,7 @@ from kvlens.cli.replay import (
     trace_flags,
     traffic_flags,
 )
-from kvlens.config import OfflineSettings, load_offline
+from kvlens.config import load_offline
 from kvlens.errors import ArmsDiffer, MissingExtra
 from kvlens.experiment import outdir, reports
 from kvlens.experiment import run as arms
@@ -214,7 +215,7 @@ def _prefix_cache_report(
     args: argparse.Namespace,
     found: list[arms.ArmResult],
     ran: list[tuple[str, dict[str, Any] | None]],
-    settings: OfflineSettings,
+    settings: AnalysisSettings,
 ) -> int:
     """The compare report of every arm in the out-dir, into it (and --html) and printed; the exit
     code from the failures of the arms this run ran (``ran``), once the report is written."""

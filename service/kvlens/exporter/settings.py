@@ -17,7 +17,7 @@ from kvlens.sources.settings import ScrapeSettings, TailSettings
 class IngestSettings(BaseModel):
     """What one ingest request may hold, and what the sidecar remembers to de-duplicate."""
 
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, defer_build=True)
 
     docs: bool = Field(
         False, description="Serve /docs and /redoc (their scripts come from a public CDN; off by default)."

@@ -47,7 +47,7 @@ class KVEventsPublisherSetting(BaseModel):
 class KVEventsSettings(BaseModel):
     """Replicas' KV event publishers and the fleet index they feed."""
 
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, defer_build=True)
 
     kv_events: list[KVEventsPublisherSetting] = Field(
         [], description="Replicas' KV event publishers to subscribe to (`--kv-events NAME=URL`)."

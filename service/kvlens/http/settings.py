@@ -18,7 +18,7 @@ _NULL: Any = object()  # a secret's key given with no value (see AuthSettings._m
 class ServerSettings(BaseModel):
     """Listen address, TLS, and the connection and body rules of every kvlens server."""
 
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, defer_build=True)
 
     host: str = Field("127.0.0.1", description="Listen address (loopback unless you open it).")
     port: int = Field(limits.DEFAULT_PORT, ge=1, le=65535, description="Listen port for ingest and /metrics.")
@@ -102,7 +102,7 @@ class ServerSettings(BaseModel):
 class AuthSettings(BaseModel):
     """The bearer tokens and basic auth the routes check; an empty one never turns a check off."""
 
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, defer_build=True)
 
     ingest_token: SecretStr | None = Field(
         None, description="Bearer token required on POST /v1/records and /v1/traces when set."

@@ -14,7 +14,7 @@ from kvlens.http.settings import AuthSettings, ServerSettings
 class ModelledSettings(BaseModel):
     """One modelled prefix cache per replica, fed by records that carry prefix ids."""
 
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, defer_build=True)
 
     modelled_capacity_blocks: int | None = Field(
         None,

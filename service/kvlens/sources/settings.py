@@ -54,7 +54,7 @@ def _redacted(url: str) -> str:
 class ScrapeSettings(BaseModel):
     """vLLM ``/metrics`` targets scraped for the engine's own counters, and their budgets."""
 
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, defer_build=True)
 
     scrape_targets: list[str] = Field(
         [], description="vLLM `/metrics` URLs to scrape for the engine's own counters (`--scrape`)."
@@ -140,7 +140,7 @@ class ScrapeSettings(BaseModel):
 class TailSettings(BaseModel):
     """JSON-lines files followed, how often, and where their checkpoints are kept."""
 
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, defer_build=True)
 
     tails: list[TailSetting] = Field(
         [], description="JSON-lines files to follow (`--tail GLOB --format F`), as a list of objects."
