@@ -4,7 +4,8 @@
 
 Each case runs in a fresh interpreter, as the ``kvlens`` script starts (``kvlens.console``),
 byte-compiled, the cases taken in turn round after round so a drift of the machine's speed falls
-on all of them alike; the figures are wall-clock medians. Baselines: ``python -c pass`` (the
+on all of them alike; the figures are medians of the wall-clock time (and of the CPU time, which
+another job on the machine disturbs less). Baselines: ``python -c pass`` (the
 interpreter) and ``python -c "import json"`` (a module of the standard library). Goals (issue 31):
 ``kvlens --help`` under 0.15 s and ``kvlens analyze`` on 100 records under 0.3 s.
 
@@ -19,6 +20,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -48,13 +50,18 @@ def records(path: Path, count: int) -> Path:
     return path
 
 
-def run_once(argv: list[str], env: dict[str, str] | None) -> float:
+def run_once(argv: list[str], env: dict[str, str] | None) -> tuple[float, float]:
+    """Wall seconds and CPU seconds (user + system) of one run: on a machine others share, the CPU
+    time moves less than the wall time."""
     # byte-compiled, as installed: a PYTHONDONTWRITEBYTECODE of the caller's would compile every
     # module at every start
     env = {k: v for k, v in (env or os.environ).items() if k != "PYTHONDONTWRITEBYTECODE"}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, env=env)
-    return time.perf_counter() - started
+    wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
 
 
 def main() -> None:
@@ -84,17 +91,19 @@ def main() -> None:
                 cases[name + label] = ([python, "-c", KVLENS, *argv], env)
         for argv, env in cases.values():  # byte-compile and warm the page cache, unmeasured
             run_once(argv, env)
-        times: dict[str, list[float]] = {name: [] for name in cases}
+        times: dict[str, list[tuple[float, float]]] = {name: [] for name in cases}
         for _ in range(args.repeat):
             for name, (argv, env) in cases.items():
                 times[name].append(run_once(argv, env))
-    base = statistics.median(times["python -c pass"])
+    base = statistics.median(wall for wall, _ in times["python -c pass"])
     print(f"kvlens from {now}" + (f", before: {args.before}" if args.before else ""))
     print(f"load {os.getloadavg()[0]:.2f}, {args.repeat} rounds")
-    print(f"{'case':47} {'median s':>9} {'min s':>7} {'- python':>9}")
+    print(f"{'case':47} {'wall s':>7} {'min s':>6} {'- python':>8} {'CPU s':>6}")
     for name, measured in times.items():
-        median = statistics.median(measured)
-        print(f"{name:47} {median:9.3f} {min(measured):7.3f} {median - base:9.3f}")
+        median = statistics.median(wall for wall, _ in measured)
+        cpu = statistics.median(cpu for _, cpu in measured)
+        low = min(wall for wall, _ in measured)
+        print(f"{name:47} {median:7.3f} {low:6.3f} {median - base:8.3f} {cpu:6.3f}")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ DEFAULT_PROMPT_LENGTH_EDGES = (512, 2048, 8192, 32768)
 class CostModelSetting(BaseModel):
     """``C(n) = a*n + b*n*(n+1)/2`` for one model (see DESIGN section 1), in ``unit``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
 
     a: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 1.0
     b: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 1.0 / 1024.0
@@ -44,7 +44,7 @@ class ModelShapeSetting(BaseModel):
     live W4A16 estimate. Give ``hf_config`` (a Hugging Face ``config.json``) or the fields;
     fields given beside ``hf_config`` win."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
 
     hf_config: Path | None = Field(None, description="a Hugging Face config.json to read the shape from")
     layers: int = Field(ge=1, description="num_hidden_layers")

@@ -20,7 +20,7 @@ from kvlens.records.labels import MAX_LABEL_BYTES, valid_label
 class KVEventsPublisherSetting(BaseModel):
     """One replica's KV event publisher (vLLM ``--kv-events-config``; ``--kv-events NAME=URL``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
 
     name: str = Field(description="The replica's `replica` label.")
     endpoint: str = Field(description="Its ZMQ PUB address, tcp://HOST:PORT (vLLM's default port is 5557).")

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 class TailSetting(BaseModel):
     """One followed glob of JSON-lines files (``--tail GLOB --format F``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
 
     path: str = Field(description="Glob of the files to follow; it must not match rotated copies.")
     format: str = Field("kvlens", description="kvlens, sglang or openai-usage (ignored with fields).")
