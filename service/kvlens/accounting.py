@@ -41,25 +41,26 @@ class CostModelSetting(BaseModel):
 
 class ModelShapeSetting(BaseModel):
     """A served model's shape: its prefill cost model in FLOPs, and its decode traffic for the
-    live W4A16 estimate. Give ``hf_config`` (a Hugging Face ``config.json``) or the fields;
+    live W4A16 estimate. Give ``hf_config`` (a Hugging Face ``config.json``) or the fields, named
+    as in a ``config.json`` (the short names of :data:`kvlens.shapes.SHORT_NAMES` are accepted);
     fields given beside ``hf_config`` win."""
 
     model_config = ConfigDict(extra="forbid", defer_build=True)
 
     hf_config: Path | None = Field(None, description="a Hugging Face config.json to read the shape from")
-    layers: int = Field(ge=1, description="num_hidden_layers")
-    kv_heads: int = Field(ge=1, description="num_key_value_heads")
+    num_hidden_layers: int = Field(ge=1, description="layers")
+    num_key_value_heads: int = Field(ge=1, description="KV heads")
     head_dim: int = Field(ge=1, description="head_dim (or hidden_size / num_attention_heads)")
     kv_dtype_bytes: float = Field(2, gt=0, description="bytes per KV value")
     hidden_size: int | None = Field(None, ge=1, description="hidden_size (FLOPs)")
-    heads: int | None = Field(None, ge=1, description="num_attention_heads (FLOPs)")
+    num_attention_heads: int | None = Field(None, ge=1, description="attention heads (FLOPs)")
     intermediate_size: int | None = Field(None, ge=1, description="MLP width, per expert (FLOPs)")
     gated_mlp: bool = Field(True, description="gate, up and down projections (False: up and down)")
-    experts: int = Field(1, ge=1, description="experts per layer (1: dense)")
-    experts_per_token: int = Field(1, ge=1, description="experts a token is routed to")
+    num_experts: int = Field(1, ge=1, description="experts per layer (1: dense)")
+    num_experts_per_tok: int = Field(1, ge=1, description="experts a token is routed to")
     shared_expert_intermediate_size: int = Field(0, ge=0, description="a shared expert's MLP width")
     vocab_size: int | None = Field(None, ge=1, description="for the weights read by a decode step")
-    tied_embeddings: bool = False
+    tie_word_embeddings: bool = False
     weight_bytes: float | None = Field(
         None, gt=0, description="16-bit weight bytes; a number or a size like 14GiB (default: from the shape)"
     )
@@ -69,28 +70,20 @@ class ModelShapeSetting(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _read_hf_config(cls, value: Any) -> Any:
-        if not isinstance(value, dict) or not value.get("hf_config"):
+        if not isinstance(value, dict):
+            return value
+        both = [short for short, name in shapes.SHORT_NAMES.items() if short in value and name in value]
+        if both:
+            raise ValueError(f"give {both[0]} or {shapes.SHORT_NAMES[both[0]]}, not both")
+        value = {shapes.SHORT_NAMES.get(key, key): given for key, given in value.items()}
+        if not value.get("hf_config"):
             return value
         try:
             config = json.loads(Path(value["hf_config"]).read_text())
             shape = shapes.from_hf_config(config)
         except (OSError, ValueError) as error:  # UnsupportedModel is a ValueError: its reason
             raise ValueError(f"hf_config: {error}") from None
-        found = {
-            "layers": shape.layers,
-            "kv_heads": shape.kv_heads,
-            "head_dim": shape.head_dim,
-            "kv_dtype_bytes": shape.dtype_bytes,
-            "hidden_size": shape.hidden,
-            "heads": shape.heads,
-            "intermediate_size": shape.intermediate,
-            "gated_mlp": shape.gated_mlp,
-            "experts": shape.experts,
-            "experts_per_token": shape.experts_per_token,
-            "shared_expert_intermediate_size": shape.shared_expert_intermediate,
-            "vocab_size": shape.vocab,
-            "tied_embeddings": shape.tied_embeddings,
-        }
+        found = {name: getattr(shape, name) for name in shapes.FIELDS}
         return {**{k: v for k, v in found.items() if v is not None}, **value}
 
     @field_validator("weight_bytes", mode="before")
@@ -99,21 +92,7 @@ class ModelShapeSetting(BaseModel):
         return limits.parse_size(value) if isinstance(value, str) else value
 
     def shape(self) -> shapes.ModelShape:
-        return shapes.ModelShape(
-            layers=self.layers,
-            kv_heads=self.kv_heads,
-            head_dim=self.head_dim,
-            dtype_bytes=self.kv_dtype_bytes,
-            hidden=self.hidden_size,
-            heads=self.heads,
-            intermediate=self.intermediate_size,
-            gated_mlp=self.gated_mlp,
-            experts=self.experts,
-            experts_per_token=self.experts_per_token,
-            shared_expert_intermediate=self.shared_expert_intermediate_size,
-            vocab=self.vocab_size,
-            tied_embeddings=self.tied_embeddings,
-        )
+        return shapes.ModelShape(**{name: getattr(self, name) for name in shapes.FIELDS})
 
     def decode_weight_bytes(self) -> float | None:
         """The 16-bit weights a decode step reads: as given, or from the shape (None: unknown)."""

@@ -185,7 +185,7 @@ def _report(
 def _point_fits(settings: Accounting, prefill_points: Sequence[Path]) -> list[calibration.Fit]:
     def layers(name: str) -> int | None:
         shape = settings.model_shapes.get(name)
-        return shape.layers if shape is not None else None
+        return shape.num_hidden_layers if shape is not None else None
 
     return [
         calibration.fit_points(points)

@@ -127,7 +127,7 @@ def _bandwidth_model(args: argparse.Namespace) -> dict[str, Any]:
     elif args.config_json:
         shape = shapes.from_hf_config(json.loads(args.config_json.read_text()))
         if args.kv_dtype_bytes:
-            shape = dataclasses.replace(shape, dtype_bytes=args.kv_dtype_bytes)
+            shape = dataclasses.replace(shape, kv_dtype_bytes=args.kv_dtype_bytes)
         kv_per_token = shape.kv_bytes_per_token
     elif args.layers and args.kv_heads and args.head_dim:
         shape = shapes.ModelShape(args.layers, args.kv_heads, args.head_dim, args.kv_dtype_bytes or 2)
