@@ -118,7 +118,10 @@ class Accounting(BaseModel):
         list(DEFAULT_REUSE_BUCKETS), description="Buckets of kvlens_request_reuse_ratio."
     )
     default_cost_model: CostModelSetting = Field(
-        CostModelSetting(), description="Cost model for models not in `cost_models`."
+        # its own defaults, unvalidated (they are valid): an instance validated at import would
+        # build pydantic's first validator, which looks its plugins up (~20 ms) in every command
+        default_factory=CostModelSetting.model_construct,
+        description="Cost model for models not in `cost_models`.",
     )
     cost_models: dict[str, CostModelSetting] = Field(
         {}, description='Cost model per model name, e.g. `{"llama": {"a": 1, "b": 0.001}}`.'

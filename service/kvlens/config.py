@@ -46,7 +46,11 @@ def load_offline(config_file: Path | None = None) -> AnalysisSettings:
     """What an offline command reads (``analyze``, ``compare``, ``convert``, ``simulate``,
     ``experiment``'s report): the accounting and the analysis's memory limit, from the same
     ``KVLENS_*`` names and settings file as :class:`Settings`. The sidecar's settings are neither
-    built nor checked; a file written for ``kvlens serve`` is read, its other rooms' keys skipped."""
+    built nor checked; a file written for ``kvlens serve`` is read, its other rooms' keys skipped.
+    With nothing to read, the defaults as they are (valid, a test holds it): validating them would
+    build pydantic's first validator of the process, which looks its plugins up (~20 ms)."""
+    if config_file is None and not _environment_names(AnalysisSettings):
+        return AnalysisSettings.model_construct()
     return _load(AnalysisSettings, config_file, {})
 
 

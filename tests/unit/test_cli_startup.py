@@ -72,6 +72,21 @@ def test_analyze_imports_no_module_its_report_does_not_need(tmp_path: Path) -> N
     assert _fresh(code) == "[]"
 
 
+def test_analyze_builds_no_pydantic_validator_when_no_setting_is_given(tmp_path: Path) -> None:
+    # the process's first validator looks pydantic's plugins up among every installed package
+    # (~20 ms); the defaults need none
+    records = tmp_path / "records.jsonl"
+    records.write_text('{"prompt_tokens": 100, "cached_tokens": 50, "model": "m"}\n')
+    code = (
+        "import sys, contextlib, io\n"
+        "from kvlens.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        f"    assert main(['analyze', {str(records)!r}]) == 0\n"
+        "print('pydantic.plugin._loader' in sys.modules)"
+    )
+    assert _fresh(code) == "False"
+
+
 def test_the_end_of_a_command_freezes_the_heap_after_its_output_and_cleanup(tmp_path: Path) -> None:
     # the interpreter's last collections would walk every object (0.1-0.15 s of each run's end);
     # frozen at exit, after the report is flushed and DuckDB's spill directory removed

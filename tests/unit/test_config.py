@@ -187,3 +187,15 @@ def test_offline_commands_build_the_accounting_alone(
     assert '"requests": 1' in capsys.readouterr().out
     assert main(["serve"]) == 2
     assert "port" in capsys.readouterr().err
+
+
+def test_the_offline_defaults_are_the_validated_ones() -> None:
+    # load_offline() with nothing to read returns the defaults unvalidated (no validator built)
+    from kvlens.accounting import CostModelSetting
+    from kvlens.analysis.settings import AnalysisSettings
+
+    assert load_offline() == AnalysisSettings.model_validate({})
+    sidecar = load_settings().model_dump()
+    assert load_offline().model_dump() == {name: sidecar[name] for name in AnalysisSettings.model_fields}
+    assert CostModelSetting.model_construct() == CostModelSetting()
+    assert load_offline().cost_model_for("m") == load_settings().cost_model_for("m")
