@@ -13,7 +13,15 @@ import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from kvlens import limits, shapes
 from kvlens.definitions import CostModel
@@ -100,7 +108,8 @@ class ModelShapeSetting(BaseModel):
 
 
 class Accounting(BaseModel):
-    """Edges, buckets, cost models, model shapes and label limits: everything that counts."""
+    """Edges, buckets, cost models, model shapes and label limits (models, tenants): everything
+    that counts."""
 
     model_config = ConfigDict(extra="forbid", validate_default=True, defer_build=True)
     _cost_models: dict[str, CostModel] = PrivateAttr(
@@ -131,6 +140,20 @@ class Accounting(BaseModel):
     )
     max_models: int = Field(50, ge=1, le=10_000, description="Cap on `model` values without allow-list.")
     default_model: str = Field("unknown", description="`model` label of records that carry none.")
+    tenants: list[str] = Field(
+        [],
+        description="Allow-list of `tenant` label values (kvlens_tenant_*); empty: the first "
+        "`max_tenants` seen.",
+    )
+    max_tenants: int = Field(50, ge=1, le=10_000, description="Cap on `tenant` values without allow-list.")
+    tenant_remember_blocks: int = Field(
+        0,
+        ge=0,
+        le=100_000_000,
+        description="Set: blocks whose storing tenant is remembered (about 160 bytes each, least "
+        "recently seen forgotten first), from records' tenant and prefix_hashes: "
+        "kvlens_cross_tenant_cached_tokens_total.",
+    )
     model_shapes: dict[str, ModelShapeSetting] = Field(
         {}, description="Per model: decode shape for the live weight-quantization estimate (kvlens_decode_*)."
     )
@@ -164,15 +187,15 @@ class Accounting(BaseModel):
             raise ValueError("must be non-empty, within 0..1 and strictly increasing")
         return buckets
 
-    @field_validator("models", "cost_models", "default_model", "model_shapes")
+    @field_validator("models", "cost_models", "default_model", "model_shapes", "tenants")
     @classmethod
-    def _label_values(cls, value: Any) -> Any:
+    def _label_values(cls, value: Any, info: ValidationInfo) -> Any:
         names = [value] if isinstance(value, str) else list(value)
         bad = [name for name in names if not name or not valid_label(name) or name == "other"]
         if bad:
             raise ValueError(
-                "model names must be non-empty printable UTF-8 "
-                f"of at most {MAX_LABEL_BYTES} bytes, not 'other'"
+                f"{'tenant' if info.field_name == 'tenants' else 'model'} names must be non-empty "
+                f"printable UTF-8 of at most {MAX_LABEL_BYTES} bytes, not 'other'"
             )
         return value
 

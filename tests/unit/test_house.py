@@ -19,7 +19,7 @@ FLOORS = {
     1: {"definitions", "stats", "errors", "limits", "logs", "terminal", "nnls", "outputs"},
     2: {"http", "records", "jsonscan", "reduce", "reduce_sql", "sqltext", "bandwidth", "shapes"}
     | {"accounting"},
-    3: {"sources", "fleet"},
+    3: {"sources", "fleet", "tenancy"},
     4: {"exporter", "analysis", "simulate", "experiment"},
     5: {"config"},
     6: {"cli", "console", "healthcheck"},

@@ -3,7 +3,8 @@
 Two engines compute the report's :class:`~kvlens.analysis.report.Summary`: ``numpy`` holds the
 records in memory (the live exporter's reducer, called); ``duckdb`` (the ``scale`` extra) runs
 the reducer as SQL out of core (:mod:`kvlens.analysis.duckdb`). Everything after the summary
-is one code path.
+is one code path. What needs ``prefix_hashes`` (the prefix potential, the ``cross_tenant``
+section) is the numpy engine's alone: the DuckDB tables do not keep them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from kvlens.accounting import Accounting
-from kvlens.analysis import calibration, diagnosis, reader, report
+from kvlens.analysis import calibration, diagnosis, reader, report, tenants
 from kvlens.definitions import prompt_length_labels
 from kvlens.records import batch_from_objects
 
@@ -91,6 +92,9 @@ def analyze(
             span,
             lambda: diagnosis.prefix_potential(derived),
         )
+        shared = tenants.cross_tenant(read.batch, settings.tenant_remember_blocks)
+        if shared is not None:  # only records with a tenant and prefix_hashes add the section
+            result["cross_tenant"] = shared
         fits = [
             calibration.fit(
                 name,

@@ -123,30 +123,77 @@ def _summary_lines(report: dict[str, Any]) -> list[str]:
 def terminal(report: dict[str, Any]) -> None:
     from rich.console import Console
 
+    # Text from the records (model, tenant, request ids, file names) is never rich markup: a name
+    # such as "[/x]" raised MarkupError, "[bold]z" lost its brackets. Only _table's cells and the
+    # diagnosis's severity are styled, each through rich.text.Text.
     console = Console()
     if _has_records(report):
         _terminal_records(console, report)
     for fit in report["calibration"]:
         for line in _calibration_lines(fit):
-            console.print(line)
+            console.print(line, markup=False)
 
 
 def _terminal_records(console: Any, report: dict[str, Any]) -> None:
+    from rich.text import Text
+
     for line in _summary_lines(report):
-        console.print(line)
+        console.print(line, markup=False)
     for table in _group_tables(console, report):
         console.print(table)
     models = _table("By model", MODEL_HEADER)
     for name, model in report["models"].items():
-        models.add_row(*_model_row(name, model))
+        _add_row(models, _model_row(name, model))
     console.print(models)
     for item in report["diagnosis"]:
-        console.print(f"[bold]{item['severity'].upper()}[/bold] {item['title']}\n  {item['detail']}")
+        console.print(
+            Text.assemble((item["severity"].upper(), "bold"), f" {item['title']}\n  {item['detail']}")
+        )
+    if "cross_tenant" in report:
+        console.print(_cross_tenant_line(report["cross_tenant"]), markup=False)
+        if report["cross_tenant"]["pairs"]:
+            shared = _table("Tenants sharing a cache scope", CROSS_TENANT_HEADER)
+            for row in _cross_tenant_rows(report["cross_tenant"]):
+                _add_row(shared, row)
+            console.print(shared)
     for example in report["input"]["skipped_examples"][:5]:
         console.print(
             f"skipped {example['file']}:{example['line']}: {example['field'] or 'line'} {example['message']}",
             markup=False,
         )
+
+
+CROSS_TENANT_HEADER = ["storer", "getter", "cached tokens", "requests", "first request ids"]
+
+
+def _cross_tenant_line(section: dict[str, Any]) -> str:
+    return (
+        f"Cross-tenant cache reuse: {section['cross_tenant_cached_tokens']:,} cached tokens over blocks "
+        f"another tenant stored, in {section['records_checked']:,} records with a tenant and prefix_hashes"
+    )
+
+
+def _cross_tenant_rows(section: dict[str, Any]) -> list[list[str]]:
+    rows = [
+        [
+            p["storer"],
+            p["getter"],
+            f"{p['cached_tokens']:,}",
+            f"{p['requests']:,}",
+            ", ".join(p["example_request_ids"]),
+        ]
+        for p in section["pairs"]
+    ]
+    if section["pairs_left_out"]:
+        rows.append(["", f"{section['pairs_left_out']:,} more pairs", "", "", ""])
+    return rows
+
+
+def _add_row(table: Any, cells: list[str], **options: Any) -> None:
+    """A row of plain text: a cell is never read as markup."""
+    from rich.text import Text
+
+    table.add_row(*map(Text, cells), **options)
 
 
 def _table(title: str, header: list[str]) -> Any:
@@ -170,7 +217,7 @@ def _group_tables(console: Any, report: dict[str, Any]) -> list[Any]:
         SHARE_HEADER + [f"{name} {p}" for _, name in STAGES for p in PERCENTILES],
     )
     for group in report["groups"]:
-        wide.add_row(*_share_cells(group), *(_ms(group[s][p]) for s, _ in STAGES for p in PERCENTILES))
+        _add_row(wide, [*_share_cells(group), *(_ms(group[s][p]) for s, _ in STAGES for p in PERCENTILES)])
     natural = Measurement.get(console, console.options.update_width(1 << 16), wide).maximum
     if natural <= console.width:
         return [wide]
@@ -179,10 +226,11 @@ def _group_tables(console: Any, report: dict[str, Any]) -> list[Any]:
         "Latency by prompt length and hit status, ms", ["prompt_len", "cache", "stage", *PERCENTILES]
     )
     for group in report["groups"]:
-        shares.add_row(*_share_cells(group))
+        _add_row(shares, _share_cells(group))
         for i, (stage, name) in enumerate(STAGES):
             label = [group["prompt_len"], group["cache"]] if i == 0 else ["", ""]
-            latency.add_row(*label, name, *(_ms(group[stage][p]) for p in PERCENTILES), end_section=i == 2)
+            cells = [*label, name, *(_ms(group[stage][p]) for p in PERCENTILES)]
+            _add_row(latency, cells, end_section=i == 2)
     return [shares, latency]
 
 
@@ -234,6 +282,11 @@ def _markdown_records(report: dict[str, Any]) -> list[str]:
     out += [f"- **{d['severity']}** {d['title']}: {d['detail']}" for d in report["diagnosis"]] or [
         "- nothing found"
     ]
+    if "cross_tenant" in report:
+        section = report["cross_tenant"]
+        out += ["", "## Tenants sharing a cache scope", "", f"- {_cross_tenant_line(section)}"]
+        if section["pairs"]:
+            out += ["", _md_table(CROSS_TENANT_HEADER, _cross_tenant_rows(section))]
     return [*out, ""]
 
 

@@ -199,6 +199,8 @@ def settings_from(args: argparse.Namespace, **overrides: Any) -> Settings:
         kv_events=kv_events_from(getattr(args, "kv_events", None)),
         kv_events_dns=getattr(args, "kv_events_dns", None),
         kv_events_shard=getattr(args, "kv_events_shard", None),
+        kv_events_require_cache_salt=getattr(args, "require_cache_salt", None),
+        kv_events_trtllm=named_urls(getattr(args, "kv_events_trtllm", None), "--kv-events-trtllm", "url"),
         tails=tails_from(
             getattr(args, "tail", None), getattr(args, "formats", None), getattr(args, "model", None)
         ),
@@ -206,15 +208,21 @@ def settings_from(args: argparse.Namespace, **overrides: Any) -> Settings:
 
 
 def kv_events_from(pairs: list[str] | None) -> list[dict[str, str]] | None:
+    return named_urls(pairs, "--kv-events", "endpoint")
+
+
+def named_urls(pairs: list[str] | None, flag: str, key: str) -> list[dict[str, str]] | None:
+    """``NAME=URL`` flags as settings objects ``{"name": NAME, key: URL}``."""
     if not pairs:
         return None
-    publishers = []
+    named = []
     for pair in pairs:
-        name, _, endpoint = pair.partition("=")
-        if not endpoint:
-            raise SettingsError("--kv-events takes NAME=URL, e.g. r0=tcp://10.0.0.5:5557")
-        publishers.append({"name": name, "endpoint": endpoint})
-    return publishers
+        name, _, url = pair.partition("=")
+        if not url:
+            example = "r0=tcp://10.0.0.5:5557" if key == "endpoint" else "t0=http://10.0.0.7:8000"
+            raise SettingsError(f"{flag} takes NAME=URL, e.g. {example}")
+        named.append({"name": name, key: url})
+    return named
 
 
 def tails_from(

@@ -284,7 +284,7 @@ async def ingest_records(request: Request) -> Response:
                 validated = push.read_records(
                     text,
                     settings.max_records_per_request,
-                    keep_prefix_hashes=sidecar.background.modelled is not None,
+                    keep_prefix_hashes=sidecar.background.reads_prefix_hashes,
                 )
                 counted, duplicates = sidecar.count(validated, source, dedupe)
                 return IngestResult(

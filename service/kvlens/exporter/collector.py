@@ -19,13 +19,15 @@ from kvlens import __version__, bandwidth
 from kvlens.accounting import ModelShapeSetting
 from kvlens.definitions import UNITS
 from kvlens.exporter import metrics
-from kvlens.exporter.aggregator import TTFT_COMPONENTS, Aggregator, Histograms, Snapshot
+from kvlens.exporter.aggregator import CACHE_LABELS, TTFT_COMPONENTS, Aggregator, Histograms, Snapshot
 from kvlens.exporter.background import BackgroundSources
 from kvlens.exporter.modelled import ModelledCauses
 from kvlens.exporter.runtime import LAG_BUCKETS, ServiceHealth
+from kvlens.exporter.tenants import TenantAccounts
 from kvlens.exporter.upstream import UpstreamState
 from kvlens.fleet.index import CAUSES
 from kvlens.fleet.subscriber import KVEvents
+from kvlens.reduce import pack_hit
 from kvlens.sources.tail import SKIP_REASONS, TailStatus
 
 log = logging.getLogger(__name__)
@@ -88,6 +90,7 @@ class KVLensCollector(Collector):
             yield from self._safely(_kv_families, self.kv_events)
         if self.modelled is not None:
             yield from self._safely(_modelled_families, self.modelled)
+        yield from self._safely(_tenant_families, self.aggregator.tenants)
         if self.aggregator.settings.model_shapes:
             shapes = self.aggregator.settings.model_shapes
             yield from self._safely(lambda snap: _decode_families(snap, self.upstream, shapes), snapshot)
@@ -186,7 +189,8 @@ def _latency_histogram(spec: metrics.MetricSpec, field: str) -> Callable[[Snapsh
 
 def _reuse_ratio(snapshot: Snapshot) -> Metric:
     model_lengths = np.flatnonzero(snapshot.state.reuse.counts.sum(axis=1)).tolist()
-    rows = ((row, list(snapshot.group_labels(row * 2)[:2])) for row in model_lengths)
+    # a (model, prompt_len) row's labels: those of its miss code, less the cache label
+    rows = ((row, list(snapshot.group_labels(pack_hit(row, False))[:2])) for row in model_lengths)
     return _histogram_family(metrics.REUSE_RATIO, snapshot.state.reuse, snapshot.reuse_buckets, rows)
 
 
@@ -329,6 +333,11 @@ def _kv_families(kv_events: KVEvents) -> list[Metric]:
         dns_replicas.add_metric([name], replicas)
         dns_failures.add_metric([name], failures)
     families = [recomputed, stored, removed, held, fleet, events, rejected, *per_publisher.values(), *singles]
+    if kv_events.index.require_cache_salt:  # every replica's series, 0 until an unsalted store
+        unsalted = _counter(metrics.KV_UNSALTED_BLOCKS)
+        for replica in sorted(publishers):
+            unsalted.add_metric([replica], index.unsalted_blocks.get(replica, 0))
+        families.append(unsalted)
     return families + ([dns_replicas, dns_failures] if snapshot.dns else [])
 
 
@@ -342,6 +351,40 @@ def _modelled_families(modelled: ModelledCauses) -> list[Metric]:
     for outcome, count in snapshot.records.items():
         records.add_metric([outcome], count)
     return [recomputed, records]
+
+
+def _tenant_families(tenants: TenantAccounts) -> list[Metric]:
+    """The per-tenant families once a tenant is seen (or allow-listed); the cross-tenant ones
+    with tenant_remember_blocks, from the start."""
+    snapshot = tenants.snapshot()
+    families: list[Metric] = []
+    if snapshot.tenants:
+        requests, prompt, cached = (
+            _counter(spec)
+            for spec in (metrics.TENANT_REQUESTS, metrics.TENANT_PROMPT_TOKENS, metrics.TENANT_CACHED_TOKENS)
+        )
+        prompt_work, reused_work = _counter(metrics.TENANT_PROMPT_WORK), _counter(metrics.TENANT_REUSED_WORK)
+        for row, tenant in enumerate(snapshot.tenants):
+            for hit, cache in enumerate(CACHE_LABELS):
+                requests.add_metric([tenant, cache], int(snapshot.requests[row, hit]))
+            prompt.add_metric([tenant], int(snapshot.prompt_tokens[row]))
+            cached.add_metric([tenant], int(snapshot.cached_tokens[row]))
+            for unit_index, unit in enumerate(UNITS):
+                if snapshot.work_requests[unit_index, row]:
+                    prompt_work.add_metric([tenant, unit], float(snapshot.prompt_work[unit_index, row]))
+                    reused_work.add_metric([tenant, unit], float(snapshot.reused_work[unit_index, row]))
+        overflow = _counter(metrics.TENANT_OVERFLOW)
+        overflow.add_metric([], snapshot.overflow)
+        families += [requests, prompt, cached, prompt_work, reused_work, overflow]
+    if snapshot.remembered_blocks is not None:
+        cross = _counter(metrics.CROSS_TENANT_TOKENS)
+        for row, tenant in enumerate(snapshot.tenants):
+            cross.add_metric([tenant], int(snapshot.cross_tenant_tokens[row]))
+        remembered, forgotten = _gauge(metrics.TENANT_REMEMBERED), _counter(metrics.TENANT_FORGOTTEN)
+        remembered.add_metric([], snapshot.remembered_blocks)
+        forgotten.add_metric([], snapshot.forgotten_blocks)
+        families += [cross, remembered, forgotten]
+    return families
 
 
 def _gauge(spec: metrics.MetricSpec) -> GaugeMetricFamily:

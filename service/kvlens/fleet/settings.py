@@ -1,5 +1,6 @@
 """The KV events' settings: the publishers followed (named, or behind a DNS name), the block
-index's sizes and shard, the reorder window (floor 3; the limits are :mod:`kvlens.fleet.limits`)."""
+index's sizes and shard, the reorder window, TensorRT-LLM's drained events (floor 3; the limits
+are :mod:`kvlens.fleet.limits`)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,34 @@ class KVEventsPublisherSetting(BaseModel):
         if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://")):
             raise ValueError("a KV events endpoint is tcp://HOST:PORT or ipc://PATH")
         return endpoint
+
+
+class TrtllmEventsSetting(BaseModel):
+    """One ``trtllm-serve`` whose KV cache events kvlens drains (``--kv-events-trtllm NAME=URL``):
+    ``POST URL/kv_cache_events`` every ``kv_events_trtllm_poll_seconds`` (:mod:`kvlens.fleet.trtllm`).
+    The drain is destructive: nothing else may poll that endpoint."""
+
+    model_config = ConfigDict(extra="forbid", defer_build=True)
+
+    name: str = Field(description="The replica's `replica` label (an attention-DP rank r > 0 is NAME/dpr).")
+    url: str = Field(description="Its HTTP base URL, http://HOST:PORT (trtllm-serve's).")
+
+    @field_validator("name")
+    @classmethod
+    def _label(cls, name: str) -> str:
+        if not name or not valid_label(name) or "/dp" in name:
+            raise ValueError(
+                f"a replica name must be non-empty printable UTF-8 of at most {MAX_LABEL_BYTES} bytes, "
+                "without /dp"
+            )
+        return name
+
+    @field_validator("url")
+    @classmethod
+    def _http(cls, url: str) -> str:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError("a TensorRT-LLM server is http://HOST:PORT or https://HOST:PORT")
+        return url.rstrip("/")
 
 
 class KVEventsSettings(BaseModel):
@@ -90,6 +119,26 @@ class KVEventsSettings(BaseModel):
         ge=0,
         le=60,
         description="Batches from different replicas are applied in timestamp order after this wait.",
+    )
+    kv_events_trtllm: list[TrtllmEventsSetting] = Field(
+        [],
+        description="TensorRT-LLM servers whose KV cache events are drained (`--kv-events-trtllm NAME=URL`): "
+        "POST URL/kv_cache_events every kv_events_trtllm_poll_seconds; no other client may drain them.",
+    )
+    kv_events_trtllm_poll_seconds: float = Field(
+        1.0, gt=0, le=60, description="Seconds between drains of each kv_events_trtllm server."
+    )
+    kv_events_sessions: int = Field(
+        0,
+        ge=0,
+        le=1_000_000,
+        description="Keep the tokens of each of the last N sessions' GPU stores by cause (vLLM's session_id "
+        "on KV events), for the per-request view; 0: off (payloads with a session id read more slowly).",
+    )
+    kv_events_require_cache_salt: bool = Field(
+        False,
+        description="Every tenant must be salted: blocks of GPU stores that start a chain without a cache "
+        "salt are counted (kvlens_kv_unsalted_blocks_stored_total, alert KVLensUnsaltedCacheBlocks).",
     )
     kv_events_shard: str = Field(
         "0/1", description="i/N: keep only the blocks of shard i of N (N kvlens on the same publishers)."

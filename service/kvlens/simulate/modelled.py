@@ -9,31 +9,19 @@ one-cache walk, :func:`kvlens.simulate.run.walk`), in the order the records are 
 by arrival), and a replica's real cache size, pinning and eviction order are approximated by the
 capacity. Keep their counters apart from the ones KV events give.
 
-Prefix ids: ints are keys as they are; 16-hex-digit strings (LiteLLM's HMAC-SHA256 ids) are read
-as 64-bit ints; other strings are hashed (blake2b, 64 bits). LiteLLM also ids the prompt's final
+Prefix ids are keys as :func:`kvlens.records.prefix_key` reads them. LiteLLM also ids the prompt's final
 partial block, which an engine never caches: with ``partial_last_block=True`` the last id is
 dropped when the prompt is not a whole number of blocks.
 """
 
 from __future__ import annotations
 
-import hashlib
-import string
 from collections.abc import Sequence
 from typing import cast
 
 from kvlens.fleet.index import FleetIndex
+from kvlens.records import prefix_key
 from kvlens.simulate.cache import PrefixCache
-
-_HEX = frozenset(string.hexdigits)
-
-
-def prefix_key(prefix_id: int | str) -> int:
-    if isinstance(prefix_id, int):
-        return prefix_id & ((1 << 64) - 1)
-    if len(prefix_id) == 16 and _HEX.issuperset(prefix_id):
-        return int(prefix_id, 16)
-    return int.from_bytes(hashlib.blake2b(prefix_id.encode(), digest_size=8).digest(), "big")
 
 
 class _Replica:

@@ -63,6 +63,7 @@ def warm() -> None:
     read_batch(payload)
     apply_payload(payload, 0, arrays)
     msgpack_ints(np.zeros(1, np.uint8))
+    msgpack.chain_start_blocks(payload)
     _rebuild_rows(table, new_table(MIN_SLOTS), 0, SLICE_ROWS)
     _room(table, 1)
     _sparse(table)
