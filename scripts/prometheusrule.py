@@ -329,6 +329,21 @@ ALERT_RULES = (
         "without a cache salt (KV events): requests without cache_salt share the cache scope of "
         "every other unsalted request, against the fleet's rule that every tenant is salted.",
     ),
+    # The same, in modelled prefill work (each recomputed block at its position): more than 20 %
+    # (threshold) of the work the fleet could have saved, per unit, for 15 minutes, the hit ratio
+    # steady. Long prompts routed away fire it where the token share stays under 20 %.
+    Alert(
+        "KVLensComputeLostToRouting",
+        f"{promql.ROUTING_WORK_SHARE_OF_REUSABLE.record} > 0.2\n"
+        f"and {on(NAMESPACE)} (\n  abs(\n    {promql.NAMESPACE_HIT.record}\n"
+        f"      - ({promql.NAMESPACE_HIT_6H.record} offset 1h)\n  ) < 0.1\n)\n",
+        "15m",
+        "warning",
+        "Routing loses {{ $value | humanizePercentage }} of the reusable prefill work ({{ $labels.unit }})",
+        "{{ $value | humanizePercentage }} of the modelled prefill work the fleet could have saved was "
+        "recomputed on a replica while another replica held the blocks (KV events, each block at its "
+        "position), and the request hit ratio did not change: long prompts go where their prefix is not.",
+    ),
 )
 
 

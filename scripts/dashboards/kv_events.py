@@ -102,6 +102,49 @@ def why_reuse_is_lost(board: dash.Dashboard) -> dash.Dashboard:
     )
     board = board.with_panel(
         series(
+            "Loss funnel, tokens",
+            "Per namespace, tokens per second at each stage: the prompt; computed before somewhere "
+            "(reused, or recomputed though a replica held or had held it); reachable on some replica "
+            "(reused, or recomputed while another held it); held by the chosen replica; reused. "
+            "Records' tokens, KV events' causes.",
+            "short",
+            [query(promql.FUNNEL_TOKENS.on_dashboard(), "{{namespace}} {{stage}}")],
+            width=8,
+        )
+    )
+    board = board.with_panel(
+        series(
+            "Loss funnel, prefill work",
+            "The same stages in modelled prefill work (the cost model of compute saved; a recomputed "
+            "block weighs its position in its prompt), per unit: a block lost deep in a long prompt "
+            "costs more than one near its start. Work per second.",
+            "short",
+            [query(promql.FUNNEL_WORK.on_dashboard(), "{{namespace}} {{stage}} ({{unit}})")],
+            width=8,
+        )
+    )
+    board = board.with_panel(
+        series(
+            "Compute lost to routing and to capacity",
+            "Per namespace and unit, the modelled prefill work recomputed while another replica held "
+            "the blocks (routing) or after they were evicted (capacity), as shares of the fleet's "
+            "prefill work (sum C(n)); the routing share of the reusable work is what "
+            "KVLensComputeLostToRouting compares with 20 %.",
+            "percentunit",
+            [
+                query(promql.ROUTING_WORK_SHARE.on_dashboard(), "{{namespace}} routing ({{unit}})", "A"),
+                query(promql.CAPACITY_WORK_SHARE.on_dashboard(), "{{namespace}} capacity ({{unit}})", "B"),
+                query(
+                    promql.ROUTING_WORK_SHARE_OF_REUSABLE.on_dashboard(),
+                    "{{namespace}} routing, share of reusable work (the alert's)",
+                    "C",
+                ),
+            ],
+            width=8,
+        )
+    )
+    board = board.with_panel(
+        series(
             "Blocks held per replica",
             "Blocks each replica holds now, by medium (GPU and offload tiers).",
             "short",

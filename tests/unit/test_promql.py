@@ -47,7 +47,7 @@ def test_a_rule_on_a_dashboard_selects_every_label_its_level_keeps() -> None:
         '{cluster=~"$cluster", namespace=~"$namespace", job=~"$job", model=~"$model"}'
     )
     records = [rule.record for rules in promql.RULE_GROUPS.values() for rule in rules]
-    assert len(records) == len(set(records)) == 16
+    assert len(records) == len(set(records)) == 24
 
 
 def test_a_quantile_of_a_per_model_histogram_keeps_the_model_by_construction() -> None:

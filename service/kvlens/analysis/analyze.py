@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from kvlens.accounting import Accounting
-from kvlens.analysis import calibration, diagnosis, reader, report, tenants
+from kvlens.analysis import calibration, diagnosis, misses, reader, report, tenants
 from kvlens.definitions import prompt_length_labels
 from kvlens.records import batch_from_objects
 
@@ -68,6 +68,7 @@ def analyze(
                 ]
                 span = time_range(*summarized.arrivals)
                 result = _report(summary, settings, labels, read, records, paths, span, lambda: None)
+                result["misses"] = None  # the numpy engine reads prefix_hashes (--engine numpy)
         finally:
             store.close()
     else:
@@ -95,6 +96,7 @@ def analyze(
         shared = tenants.cross_tenant(read.batch, settings.tenant_remember_blocks)
         if shared is not None:  # only records with a tenant and prefix_hashes add the section
             result["cross_tenant"] = shared
+        result["misses"] = misses.request_misses(derived)
         fits = [
             calibration.fit(
                 name,

@@ -145,6 +145,15 @@ def _terminal_records(console: Any, report: dict[str, Any]) -> None:
     for name, model in report["models"].items():
         _add_row(models, _model_row(name, model))
     console.print(models)
+    if report.get("misses"):
+        misses = _table(
+            "Why requests missed (first missed block's cause; lost: reuse computed before)", MISS_HEADER
+        )
+        for row in _miss_rows(report["misses"]):
+            misses.add_row(*row)
+        console.print(misses)
+        for line in [*_worst_lines(report["misses"]), report["misses"]["note"]]:
+            console.print(line, markup=False)
     for item in report["diagnosis"]:
         console.print(
             Text.assemble((item["severity"].upper(), "bold"), f" {item['title']}\n  {item['detail']}")
@@ -278,6 +287,10 @@ def _markdown_records(report: dict[str, Any]) -> list[str]:
     out += ["## By model", ""]
     model_rows = [_model_row(name, m) for name, m in report["models"].items()]
     out += [_md_table(MODEL_HEADER, model_rows), ""]
+    if report.get("misses"):
+        out += ["## Why requests missed", "", _md_table(MISS_HEADER, _miss_rows(report["misses"])), ""]
+        out += [f"- {line}" for line in _worst_lines(report["misses"])]
+        out += ["", report["misses"]["note"], ""]
     out += ["## Diagnosis", ""]
     out += [f"- **{d['severity']}** {d['title']}: {d['detail']}" for d in report["diagnosis"]] or [
         "- nothing found"
@@ -288,6 +301,45 @@ def _markdown_records(report: dict[str, Any]) -> list[str]:
         if section["pairs"]:
             out += ["", _md_table(CROSS_TENANT_HEADER, _cross_tenant_rows(section))]
     return [*out, ""]
+
+
+MISS_HEADER = ["prompt_len", "records", "hit", "new", "evicted_here", "elsewhere", "lost tokens", "lost work"]
+
+
+def _miss_rows(misses: dict[str, Any]) -> list[list[str]]:
+    """Per length group: records by their first missed block's cause, and the reuse lost."""
+    rows = []
+    for label, group in misses["groups"].items():
+        first = group["first_miss"]
+        elsewhere = first["held_elsewhere"] + first["evicted_elsewhere"] + first["seen_elsewhere"]
+        lost_tokens = sum(t for cause, t in group["tokens"].items() if cause != "new")
+        lost_work = [
+            f"{sum(w for cause, w in by_cause.items() if cause != 'new'):,.4g} {unit}"
+            for unit, by_cause in group["work"].items()
+        ]
+        rows.append(
+            [
+                label,
+                f"{group['records']:,}",
+                f"{first['hit']:,}",
+                f"{first['new']:,}",
+                f"{first['evicted_here']:,}",
+                f"{elsewhere:,}",
+                f"{lost_tokens:,}",
+                ", ".join(lost_work) or "0",
+            ]
+        )
+    return rows
+
+
+def _worst_lines(misses: dict[str, Any]) -> list[str]:
+    return [
+        f"{label}: {w['request_id'] or '(no id)'} on {w['replica'] or '(one replica)'} lost "
+        f"{w['lost_work']:,.4g} {w['unit']} ({w['lost_tokens']:,} tokens), first miss at block "
+        f"{w['first_missed_block']}: {w['cause']}"
+        for label, group in misses["groups"].items()
+        for w in group["worst"]
+    ]
 
 
 def _md_table(header: list[str], rows: list[list[str]]) -> str:

@@ -12,6 +12,7 @@ import httpx
 
 from kvlens.errors import ScrapeError
 from kvlens.exporter.aggregator import Aggregator
+from kvlens.exporter.diagnoses import RequestDiagnoses
 from kvlens.exporter.labels import ClosedLabels
 from kvlens.exporter.modelled import ModelledCauses
 from kvlens.exporter.settings import SidecarSettings
@@ -95,6 +96,12 @@ class BackgroundSources:
                 remember_blocks=settings.kv_events_remember_blocks,
             )
         )
+        self.diagnoses = RequestDiagnoses(
+            settings.diagnosis_requests,
+            settings.diagnosis_remember_blocks,
+            settings.modelled_block_size,
+            None if self.kv_events is None else self.kv_events.index,
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self._threads: list[threading.Thread] = []
         self._stop_tails = threading.Event()
@@ -120,15 +127,11 @@ class BackgroundSources:
         for thread in self._threads:  # each writes its last checkpoint as it ends
             await asyncio.to_thread(thread.join, 10)
 
-    @property
-    def reads_prefix_hashes(self) -> bool:
-        """Whether anything live reads records' ``prefix_hashes`` (else ingest checks and drops
-        them): the modelled caches, or the tenants' block storers."""
-        return self.modelled is not None or self.aggregator.tenants.storers is not None
-
     def count(self, validated: Validated, source: str) -> None:
-        """Add records to the sums, and to the modelled caches when they are on."""
+        """Add records to the sums, to the requests' diagnoses, and to the modelled caches when
+        they are on."""
         self.aggregator.add(validated, source)
+        self.diagnoses.add(validated.batch)
         if self.modelled is not None:
             self.modelled.add(validated.batch)
 

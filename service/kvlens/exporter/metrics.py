@@ -281,6 +281,30 @@ KV_RECOMPUTED_TOKENS = MetricSpec(
     "new, evicted_here, held_elsewhere, evicted_elsewhere; held_here (not lost: a recomputed last "
     "block, or loaded from its own offload tier); unknown (parent not known). From KV events.",
 )
+KV_RECOMPUTED_WORK = MetricSpec(
+    "kvlens_kv_recomputed_work",
+    "counter",
+    ("replica", "cause", "unit"),
+    "Modelled prefill work of the tokens of kvlens_kv_recomputed_tokens_total, each at its position in "
+    "its chain (C(n) - C(h) of its block), in the unit of kv_events_model's cost model (the one of compute "
+    "saved). Tokens whose chain's start was never seen are left out: kvlens_kv_depth_unknown_tokens_total.",
+)
+KV_DEPTH_UNKNOWN = MetricSpec(
+    "kvlens_kv_depth_unknown_tokens",
+    "counter",
+    ("replica", "cause"),
+    "Recomputed tokens whose position is unknown (their chain's start was never seen, or past 65,534 "
+    "blocks): counted in kvlens_kv_recomputed_tokens_total, not in kvlens_kv_recomputed_work_total.",
+)
+REQUEST_MISSES = MetricSpec(
+    "kvlens_request_misses",
+    "counter",
+    ("cause",),
+    "Records with prefix_hashes that recomputed a block a cache could have held, by the cause of the "
+    "first such block: new, evicted_here, held_elsewhere, evicted_elsewhere (with KV events by engine "
+    "hash), seen_elsewhere (records alone: held or evicted on another replica).",
+)
+DIAGNOSES: Final = (REQUEST_MISSES,)  # with the app's sources (serve): records' diagnoses
 KV_BLOCKS_STORED = MetricSpec(
     "kvlens_kv_blocks_stored",
     "counter",
@@ -399,6 +423,8 @@ KV_DNS_FAILURES = MetricSpec(
 )
 KV: Final = (
     KV_RECOMPUTED_TOKENS,
+    KV_RECOMPUTED_WORK,
+    KV_DEPTH_UNKNOWN,
     KV_BLOCKS_STORED,
     KV_BLOCKS_REMOVED,
     KV_BLOCKS_HELD,
@@ -529,6 +555,7 @@ ALL: Final = (
     DROPPED,
     UNKNOWN_FIELDS,
     OVERFLOW,
+    *DIAGNOSES,
     *SERVICE,
     *UPSTREAM,
     *TAIL,

@@ -304,6 +304,122 @@ ROUTING_SHARE_OF_REUSABLE = Rule(
 NAMESPACE_HIT = _hit_rule("namespace", "5m")
 NAMESPACE_HIT_6H = _hit_rule("namespace", "6h")
 
+# --- the funnel in compute: the same stages in modelled prefill work, per unit (never added
+# across units: a namespace whose records count in FLOPs and whose KV events count in work units
+# has no work funnel, no wrong one) ---
+KV_RECOMPUTED_WORK: Final = metrics.KV_RECOMPUTED_WORK.exposed_name
+NAMESPACE_UNIT: Final = (*NAMESPACE, "unit")
+
+
+def _per_unit(position: int) -> str:
+    """The records' work family of each unit (``position`` 0: C(n), 1: C(h)) summed per
+    namespace, each with a ``unit`` label: one series per unit in use."""
+    return "\n  or ".join(
+        f'label_replace({summed(pair[position].exposed_name, "5m", NAMESPACE)}, "unit", "{unit}", "", "")'
+        for unit, pair in metrics.WORK.items()
+    )
+
+
+PROMPT_WORK_RULE = Rule(
+    "namespace",
+    "kvlens_prompt_work",
+    "rate5m",
+    _per_unit(0),
+    "--- the funnel in compute: the same stages in modelled prefill work (the cost model of compute\n"
+    "saved, each recomputed block at its position), one series per unit, never added across units ---\n"
+    "Prefill work without cache, sum C(n), and the work the cache saved, sum C(h), per unit.",
+)
+REUSED_WORK_RULE = Rule("namespace", "kvlens_reused_work", "rate5m", _per_unit(1))
+RECOMPUTED_WORK_RULE = Rule(
+    "namespace",
+    "kvlens_kv_recomputed_work",
+    "rate5m",
+    summed(KV_RECOMPUTED_WORK, "5m", (*NAMESPACE_UNIT, "cause"), indent=""),
+    "Recomputed work by cause and unit (KV events).",
+)
+
+
+def _recomputed_work(names: Sequence[str]) -> str:
+    return f"sum by ({labels(NAMESPACE_UNIT)}) ({selector(RECOMPUTED_WORK_RULE.record, causes(names))})"
+
+
+def _reused_plus(names: Sequence[str], work: bool) -> str:
+    """Reused, plus what was recomputed of the causes ``names``: a stage of the funnel."""
+    if work:
+        return (
+            f"sum by ({labels(NAMESPACE_UNIT)}) ({REUSED_WORK_RULE.record})\n"
+            f"    + {on(NAMESPACE_UNIT)} {_recomputed_work(names)}"
+        )
+    return (
+        f"{summed(CACHED_TOKENS, '5m', NAMESPACE)}\n"
+        f"    + {on(NAMESPACE)} {summed(selector(KV_RECOMPUTED, causes(names)), '5m', NAMESPACE)}"
+    )
+
+
+# The funnel's stages, each but the first a part of the one before: the prompt; what was computed
+# before somewhere (reused, or recomputed though held or evicted); what some replica held (reused,
+# or recomputed while another held it); what the chosen replica held; what it reused.
+FUNNEL_STAGES: Final = {
+    "computed_before": LOST,
+    "reachable_on_some_replica": ROUTING,
+    "held_by_chosen": (HELD_HERE,),
+}
+
+
+def _funnel(work: bool) -> str:
+    prompt = (
+        f"sum by ({labels(NAMESPACE_UNIT)}) ({PROMPT_WORK_RULE.record})"
+        if work
+        else summed(PROMPT_TOKENS, "5m", NAMESPACE)
+    )
+    reused = (
+        f"sum by ({labels(NAMESPACE_UNIT)}) ({REUSED_WORK_RULE.record})"
+        if work
+        else summed(CACHED_TOKENS, "5m", NAMESPACE)
+    )
+    stages = [("prompt", prompt)]
+    stages += [(stage, f"(\n    {_reused_plus(names, work)}\n  )") for stage, names in FUNNEL_STAGES.items()]
+    stages.append(("reused", reused))
+    labelled = [f'label_replace(\n  {expr},\n  "stage", "{stage}", "", ""\n)' for stage, expr in stages]
+    return "\nor ".join(labelled)
+
+
+FUNNEL_TOKENS = Rule(
+    "namespace",
+    "kvlens_kv_funnel_tokens",
+    "rate5m",
+    _funnel(work=False),
+    "The loss funnel, a series a stage: prompt -> computed_before -> reachable_on_some_replica ->\n"
+    "held_by_chosen -> reused (records' tokens, KV events' causes), in tokens per second ...",
+)
+FUNNEL_WORK = Rule(
+    "namespace", "kvlens_kv_funnel_work", "rate5m", _funnel(work=True), "... and in work per unit."
+)
+
+
+def _work_share(metric: str, lost: Sequence[str], whole: str, comment: str = "") -> Rule:
+    expr = f"{_recomputed_work(lost)}\n  / {on(NAMESPACE_UNIT)} {whole}"
+    return Rule("namespace", metric, "ratio_rate5m", expr, comment)
+
+
+ROUTING_WORK_SHARE = _work_share(
+    "kvlens_kv_routing_loss_work_share",
+    ROUTING,
+    f"sum by ({labels(NAMESPACE_UNIT)}) ({PROMPT_WORK_RULE.record})",
+    "Compute lost to routing and to capacity, as shares of the fleet's prefill work (sum C(n)).",
+)
+CAPACITY_WORK_SHARE = _work_share(
+    "kvlens_kv_capacity_loss_work_share",
+    CAPACITY,
+    f"sum by ({labels(NAMESPACE_UNIT)}) ({PROMPT_WORK_RULE.record})",
+)
+ROUTING_WORK_SHARE_OF_REUSABLE = _work_share(
+    "kvlens_kv_routing_work_share_of_reusable",
+    ROUTING,
+    f"(\n    {_reused_plus(LOST, work=True)}\n  )",
+    "Share of the reusable work (saved, or recomputed though cached) lost to routing.",
+)
+
 # The rule files' groups, in order: the ratios of the records, and those of the KV events.
 RULE_GROUPS: Final = {
     "kvlens-ratios": (
@@ -325,5 +441,13 @@ RULE_GROUPS: Final = {
         ROUTING_SHARE_OF_REUSABLE,
         NAMESPACE_HIT,
         NAMESPACE_HIT_6H,
+        PROMPT_WORK_RULE,
+        REUSED_WORK_RULE,
+        RECOMPUTED_WORK_RULE,
+        FUNNEL_TOKENS,
+        FUNNEL_WORK,
+        ROUTING_WORK_SHARE,
+        CAPACITY_WORK_SHARE,
+        ROUTING_WORK_SHARE_OF_REUSABLE,
     ),
 }

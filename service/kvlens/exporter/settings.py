@@ -62,7 +62,30 @@ class IngestSettings(BaseModel):
     )
 
 
+class DiagnosisSettings(BaseModel):
+    """The per-request diagnoses of misses (:mod:`kvlens.exporter.diagnoses`)."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True, defer_build=True)
+
+    diagnosis_requests: int = Field(
+        10_000,
+        ge=0,
+        le=1_000_000,
+        description="Diagnoses of the last requests kept for GET /v1/requests/{request_id}/diagnosis "
+        "(records with prefix_hashes and request_id; about 700 bytes each); 0: none kept, "
+        "kvlens_request_misses_total still counted.",
+    )
+    diagnosis_remember_blocks: int = Field(
+        200_000,
+        ge=1,
+        le=100_000_000,
+        description="Block ids remembered to diagnose requests' misses (about 260 bytes each; the oldest "
+        "forgotten first: a block forgotten is new again).",
+    )
+
+
 class SidecarSettings(
+    DiagnosisSettings,
     ModelledSettings,
     KVEventsSettings,
     TailSettings,

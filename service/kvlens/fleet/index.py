@@ -23,6 +23,15 @@ that applies:
 6. ``unknown``: its parent's content is unknown (the store of the parent was missed: kvlens
    started after the engine, or a gap no replay repaired), so its content key cannot be chained.
 
+Each classified block's **depth** (the blocks before it in its chain: its parent's depth + 1, 0
+without a parent) is kept beside it in the replica's table, so that its tokens' positions are
+known: a token at position ``p`` (1-based) attends to ``p`` tokens, and a cause's causal pairs,
+summed in integers, give its modelled prefill work by any cost model, ``a*tokens + b*pairs``
+(:meth:`IndexSnapshot.recomputed_work`: the same ``C(n) - C(h)`` as compute saved, so a block lost
+at depth 100 weighs what recomputing it there costs). A block whose parent this replica does not
+hold (its chain's start never seen), a child of one, or one past 65,534 blocks deep has no depth:
+its tokens are counted apart (``depth_unknown_tokens``), and no work is modelled for them.
+
 Stores into other tiers (``CPU``, ``STORAGE``: offload copies) are counted, and make the replica a
 holder, but are not work and get no cause. ``AllBlocksCleared`` and a publisher restart remove
 every block the replica holds (it held them, and lost them: a later store is ``evicted_here``).
@@ -49,7 +58,9 @@ holding it: at most :data:`MAX_REPLICAS` replicas) and one of the blocks remembe
 held (content key -> bits of the replicas that removed it) with their keys in a ring, oldest
 first; per replica, a table of its extra copies (a hash stored again into a tier that holds it,
 no removal between: the engine keeps two blocks of it; the next removal takes a copy first):
-engine hash -> a 16-bit count a tier. A holding is a (block, replica, tier) or an extra copy; it
+engine hash -> a 16-bit count a tier. A replica's table keeps a block's depth in 2 bytes a slot
+beside it, and is rebuilt fuller (:data:`~kvlens.fleet.kernels.table.DEPTH_FILL`) so that a
+holding stays within its bytes. A holding is a (block, replica, tier) or an extra copy; it
 costs at most :data:`HELD_ENTRY_BYTES`, a remembered block at most
 :data:`REMEMBERED_ENTRY_BYTES` (tested); every array is in :meth:`FleetIndex.memory_bytes`
 (tested against tracemalloc). The remembered ones are capped (``remember_blocks``), the oldest
@@ -59,9 +70,9 @@ it. ``AllBlocksCleared`` remembers the replica's blocks in its table's order, no
 were stored; it, a forgotten replica and a table's rebuild go a slice of rows at a time, a
 scrape waiting for the lock let in between slices (:class:`IndexLock`). With
 ``shard=(i, n)`` only blocks whose content key is ``i`` mod ``n`` are classified and kept in the
-fleet's tables, so ``n`` processes on the same events split the counts exactly; without
-``hashes_alike`` each replica's engine-hash map is still kept whole (a child's key needs its
-parent's, whatever the parent's shard).
+fleet's tables, so ``n`` processes on the same events split the counts exactly; each replica's
+engine-hash map is still kept whole (a child's key, without ``hashes_alike``, and its depth need
+its parent's, whatever the parent's shard).
 """
 
 from __future__ import annotations
@@ -76,6 +87,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 import msgspec
 import numpy as np
 
+from kvlens.definitions import CostModel
 from kvlens.errors import MissingExtra
 from kvlens.fleet.groups import KVCacheGroups
 from kvlens.fleet.limits import (
@@ -162,6 +174,8 @@ class _Replica:
 class IndexSnapshot:
     recomputed_blocks: dict[tuple[str, str], int]  # (replica, cause) -> blocks
     recomputed_tokens: dict[tuple[str, str], int]  # (replica, cause) -> tokens
+    recomputed_pairs: dict[tuple[str, str], int]  # (replica, cause) -> causal pairs, known depth
+    depth_unknown_tokens: dict[tuple[str, str], int]  # (replica, cause) -> tokens, depth unknown
     stored: dict[tuple[str, str], int]  # (replica, medium) -> blocks stored
     removed: dict[tuple[str, str], int]  # (replica, medium) -> blocks removed
     held: dict[tuple[str, str], int]  # (replica, medium) -> blocks held now
@@ -175,6 +189,18 @@ class IndexSnapshot:
     # replica -> blocks of primary-tier stores that start a chain without a cache salt (counted
     # with ``require_cache_salt`` only, by shard 0 only)
     unsalted_blocks: dict[str, int] = field(default_factory=dict)
+
+    def recomputed_work(self, cost: CostModel) -> dict[tuple[str, str], float]:
+        """(replica, cause) -> the modelled prefill work of its recomputed tokens whose depth is
+        known: ``a*tokens + b*pairs`` (:meth:`CostModel.work_of_sums`), each token's pairs from
+        its position in its chain, so a block lost deep in a long prompt weighs what recomputing
+        it costs (the same cost model as compute saved). Tokens of unknown depth are left out
+        (:attr:`depth_unknown_tokens`), never given a guessed position."""
+        work = {}
+        for key, tokens in self.recomputed_tokens.items():
+            known = tokens - self.depth_unknown_tokens.get(key, 0)
+            work[key] = cost.work_of_sums(known, self.recomputed_pairs.get(key, 0))
+        return work
 
 
 _NO_TOKENS: Final = np.zeros(0, np.uint64)
@@ -248,7 +274,7 @@ class FleetIndex:
             if not self._free:
                 raise ValueError(f"replica {name!r}: the index follows at most {MAX_REPLICAS} replicas")
             state = self._replicas[name] = _Replica(
-                name, self._free.pop(), self._tables.Table(), self._tables.Table()
+                name, self._free.pop(), self._tables.Table(depths=True), self._tables.Table()
             )
         return state
 
@@ -316,6 +342,7 @@ class FleetIndex:
             self._ring.keys,
             self._stats,
             self._counts,
+            state.table.depths,
         )
 
     def stored(
@@ -519,7 +546,7 @@ class FleetIndex:
             self._room_to_remove(stop - start)
             self._set(state, 0)
             k.clear(self._arrays(state), start, stop)
-        state.table, state.copies = self._tables.Table(), self._tables.Table()
+        state.table, state.copies = self._tables.Table(depths=True), self._tables.Table()
         self._fleet.shrink(pause)
 
     # --- reading ---------------------------------------------------------------------------
@@ -560,6 +587,16 @@ class FleetIndex:
         return self._by_replica(self._k.TOKENS, CAUSES)
 
     @property
+    def recomputed_pairs(self) -> Counter[tuple[str, str]]:
+        """(replica, cause) -> the causal pairs of its recomputed tokens of known depth."""
+        return self._by_replica(self._k.PAIRS, CAUSES)
+
+    @property
+    def depth_unknown_tokens(self) -> Counter[tuple[str, str]]:
+        """(replica, cause) -> recomputed tokens whose chain's start was never seen."""
+        return self._by_replica(self._k.DEPTHLESS, CAUSES)
+
+    @property
     def duplicated(self) -> int:
         return int(self._counts[self._k.DUPLICATED])
 
@@ -586,6 +623,8 @@ class FleetIndex:
             return IndexSnapshot(
                 recomputed_blocks=dict(self.recomputed),
                 recomputed_tokens=dict(self.recomputed_tokens),
+                recomputed_pairs=dict(self.recomputed_pairs),
+                depth_unknown_tokens=dict(self.depth_unknown_tokens),
                 stored=dict(self._by_replica(k.STORED, TIERS)),
                 removed=dict(self._by_replica(k.REMOVED, TIERS)),
                 held=dict(self._by_replica(k.HELD, TIERS, every=True)),

@@ -97,6 +97,12 @@ class KVEventsSettings(BaseModel):
         f"scrape sees its last counts), then they are dropped; at most {MAX_VANISHED} gone replicas kept, "
         "oldest dropped first.",
     )
+    kv_events_model: str = Field(
+        "",
+        description="The model the followed fleet serves: its recomputed blocks' work "
+        "(kvlens_kv_recomputed_work_total) is counted by that model's cost model, as compute saved is "
+        "(cost_models, else FLOPs from model_shapes, else default_cost_model).",
+    )
     kv_events_hashes_alike: bool = Field(
         False, description="Every replica hashes blocks alike (same algorithm and seed): key by engine hash."
     )

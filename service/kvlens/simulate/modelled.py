@@ -24,7 +24,7 @@ from kvlens.records import prefix_key
 from kvlens.simulate.cache import PrefixCache
 
 
-class _Replica:
+class IndexSink:
     """A modelled cache's events, straight into the index: the ids are the keys (hashes alike),
     so a block's tokens are never read and zeros of the right length stand in for them (making
     tokens from each key, as the simulated engines do, cost two thirds of the time)."""
@@ -68,7 +68,7 @@ class ModelledFleet:
             keys = keys[:-1]
         cache = self._caches.get(replica)
         if cache is None:
-            sink = _Replica(self.index, replica, self.block_size)
+            sink = IndexSink(self.index, replica, self.block_size)
             cache = self._caches[replica] = PrefixCache(self.capacity_blocks, sink)
         limit = (prompt_tokens - 1) // self.block_size  # the last token is always recomputed
         with self.index.lock:
