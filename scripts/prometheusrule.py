@@ -115,6 +115,21 @@ HIT_6H = promql.NAMESPACE_MODEL_HIT_6H.record
 on, summed = promql.on, promql.summed
 BUILD_INFO = metrics.BUILD_INFO.exposed_name
 
+
+def label_overflow(name: str, counter: metrics.MetricSpec, label: str) -> Alert:
+    """The alert of one capped label (model, tenant): records folded into ``label="other"`` in
+    the last 15 minutes, per sidecar (its cap is its own), for 5 minutes."""
+    return Alert(
+        name,
+        f"{summed(counter.exposed_name, '15m', SIDECAR, fn='increase')} > 0\n",
+        "5m",
+        "warning",
+        f'kvlens folds {label}s into "other" ({{{{ $labels.instance }}}})',
+        f"{{{{ $value | humanize }}}} records in 15 minutes carried a {label} beyond the label cap "
+        f'and were counted as {label}="other".',
+    )
+
+
 ALERT_RULES = (
     # A target that served kvlens's metrics in the last day is down, or (when no such target
     # explains it: `or on ()`) Prometheus has no kvlens at all. Needs no job name:
@@ -197,16 +212,10 @@ ALERT_RULES = (
         "The engine finishes {{ $value | humanize }} requests/s and kvlens received none in 10 "
         "minutes: the plugin, tail or trace path is broken.",
     ),
-    # More models than the label cap: records are folded into model="other".
-    Alert(
-        "KVLensSeriesOverflow",
-        f"{summed(metrics.OVERFLOW.exposed_name, '15m', SIDECAR, fn='increase')} > 0\n",
-        "5m",
-        "warning",
-        'kvlens folds models into "other" ({{ $labels.instance }})',
-        "{{ $value | humanize }} records in 15 minutes carried a model beyond the label cap and were "
-        'counted as model="other".',
-    ),
+    # More models, or tenants, than the label cap: records are folded into model="other"
+    # (tenant="other"). The model's alert kept its first name.
+    label_overflow("KVLensSeriesOverflow", metrics.OVERFLOW, "model"),
+    label_overflow("KVLensTenantLabelOverflow", metrics.TENANT_OVERFLOW, "tenant"),
     Alert(
         "KVLensUpstreamDown",
         f"{metrics.UPSTREAM_UP.exposed_name} == 0",

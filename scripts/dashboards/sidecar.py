@@ -127,8 +127,8 @@ def sidecar() -> dash.Dashboard:
     board = board.with_panel(
         series(
             "Records dropped and folded",
-            "Records the plugin dropped before delivery, and records whose model was folded into "
-            "other by the label cap, per second.",
+            "Records the plugin dropped before delivery, and records whose model (tenant) was folded "
+            "into other by its label cap, per second.",
             "cps",
             [
                 query(
@@ -136,7 +136,14 @@ def sidecar() -> dash.Dashboard:
                     "dropped {{source}}",
                     "A",
                 ),
-                query(f"sum({promql.rate(series_of(metrics.OVERFLOW), RATE)})", "folded into other", "B"),
+                query(
+                    f"sum({promql.rate(series_of(metrics.OVERFLOW), RATE)})", "models folded into other", "B"
+                ),
+                query(
+                    f"sum({promql.rate(series_of(metrics.TENANT_OVERFLOW), RATE)})",
+                    "tenants folded into other",
+                    "C",
+                ),
             ],
             width=6,
         )

@@ -11,6 +11,7 @@ from kvlens import stats
 from kvlens.analysis import per_request, run_facts
 from kvlens.analysis.compare import METRICS
 from kvlens.analysis.render import _md_table, _pct
+from kvlens.terminal import console as terminal_console
 
 REUSE_IS_NOT_SPEEDUP = (
     "Reuse is not speedup: cached tokens save prefill work, and TTFT falls only where prefill, "
@@ -153,10 +154,9 @@ def terminal(result: dict[str, Any], console: Any = None) -> None:
     """The comparison as tables (rich), one per compared arm, under the verdict (which carries
     each arm's reuse): at 80 columns a delta and its interval wrap between their numbers, never
     through one."""
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    console = console or terminal_console()  # arm names and request ids are text, never markup
     console.print(f"kvlens compare (baseline: {result['baseline']})", markup=False)
     if "paired" in result:
         per_request.terminal(result["paired"], result["baseline"], console)

@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
+
+from kvlens.terminal import console as terminal_console
 
 RATIO_NAMES = (
     ("request_hit_ratio", "Request hit ratio"),
@@ -121,29 +124,24 @@ def _summary_lines(report: dict[str, Any]) -> list[str]:
 
 
 def terminal(report: dict[str, Any]) -> None:
-    from rich.console import Console
-
-    # Text from the records (model, tenant, request ids, file names) is never rich markup: a name
-    # such as "[/x]" raised MarkupError, "[bold]z" lost its brackets. Only _table's cells and the
-    # diagnosis's severity are styled, each through rich.text.Text.
-    console = Console()
+    console = terminal_console()  # names from the records are text, never markup
     if _has_records(report):
         _terminal_records(console, report)
     for fit in report["calibration"]:
         for line in _calibration_lines(fit):
-            console.print(line, markup=False)
+            console.print(line)
 
 
 def _terminal_records(console: Any, report: dict[str, Any]) -> None:
     from rich.text import Text
 
     for line in _summary_lines(report):
-        console.print(line, markup=False)
+        console.print(line)
     for table in _group_tables(console, report):
         console.print(table)
     models = _table("By model", MODEL_HEADER)
     for name, model in report["models"].items():
-        _add_row(models, _model_row(name, model))
+        models.add_row(*_model_row(name, model))
     console.print(models)
     if report.get("misses"):
         misses = _table(
@@ -159,16 +157,15 @@ def _terminal_records(console: Any, report: dict[str, Any]) -> None:
             Text.assemble((item["severity"].upper(), "bold"), f" {item['title']}\n  {item['detail']}")
         )
     if "cross_tenant" in report:
-        console.print(_cross_tenant_line(report["cross_tenant"]), markup=False)
+        console.print(_cross_tenant_line(report["cross_tenant"]))
         if report["cross_tenant"]["pairs"]:
             shared = _table("Tenants sharing a cache scope", CROSS_TENANT_HEADER)
             for row in _cross_tenant_rows(report["cross_tenant"]):
-                _add_row(shared, row)
+                shared.add_row(*row)
             console.print(shared)
     for example in report["input"]["skipped_examples"][:5]:
         console.print(
-            f"skipped {example['file']}:{example['line']}: {example['field'] or 'line'} {example['message']}",
-            markup=False,
+            f"skipped {example['file']}:{example['line']}: {example['field'] or 'line'} {example['message']}"
         )
 
 
@@ -198,13 +195,6 @@ def _cross_tenant_rows(section: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
-def _add_row(table: Any, cells: list[str], **options: Any) -> None:
-    """A row of plain text: a cell is never read as markup."""
-    from rich.text import Text
-
-    table.add_row(*map(Text, cells), **options)
-
-
 def _table(title: str, header: list[str]) -> Any:
     """A table whose cells wrap between words but never cut one: a number too wide for its
     column folds onto the next line instead of losing its digits to an ellipsis."""
@@ -226,7 +216,7 @@ def _group_tables(console: Any, report: dict[str, Any]) -> list[Any]:
         SHARE_HEADER + [f"{name} {p}" for _, name in STAGES for p in PERCENTILES],
     )
     for group in report["groups"]:
-        _add_row(wide, [*_share_cells(group), *(_ms(group[s][p]) for s, _ in STAGES for p in PERCENTILES)])
+        wide.add_row(*_share_cells(group), *(_ms(group[s][p]) for s, _ in STAGES for p in PERCENTILES))
     natural = Measurement.get(console, console.options.update_width(1 << 16), wide).maximum
     if natural <= console.width:
         return [wide]
@@ -235,11 +225,10 @@ def _group_tables(console: Any, report: dict[str, Any]) -> list[Any]:
         "Latency by prompt length and hit status, ms", ["prompt_len", "cache", "stage", *PERCENTILES]
     )
     for group in report["groups"]:
-        _add_row(shares, _share_cells(group))
+        shares.add_row(*_share_cells(group))
         for i, (stage, name) in enumerate(STAGES):
             label = [group["prompt_len"], group["cache"]] if i == 0 else ["", ""]
-            cells = [*label, name, *(_ms(group[stage][p]) for p in PERCENTILES)]
-            _add_row(latency, cells, end_section=i == 2)
+            latency.add_row(*label, name, *(_ms(group[stage][p]) for p in PERCENTILES), end_section=i == 2)
     return [shares, latency]
 
 
@@ -342,7 +331,23 @@ def _worst_lines(misses: dict[str, Any]) -> list[str]:
     ]
 
 
+# What Markdown would read in a cell: the backslash itself, the cell's end (|), code (`),
+# emphasis (* and ~ anywhere, _ at a word's edge: between letters it is text), HTML and entities
+# (< and &), a link's or image's target (]( ); a newline ends the row, so it becomes <br>.
+_MD_SPECIAL = re.compile(r"[\\|`*~<&]|\](?=\()|(?<![0-9A-Za-z])_|_(?![0-9A-Za-z])")
+_NEWLINE = re.compile(r"\r\n|\r|\n")
+
+
+def md_cell(text: str) -> str:
+    """A Markdown table's cell showing ``text`` as written, whatever it holds: names from the
+    records and the command line (a model ``a|b``, a request id with a newline, an arm
+    ``[l](url)``) never split the row or become markup. Numbers and words pass unchanged."""
+    return _NEWLINE.sub("<br>", _MD_SPECIAL.sub(lambda found: "\\" + found.group(), text))
+
+
 def _md_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    """Every Markdown table of kvlens (analyze, compare, an experiment's report.md): each cell
+    through :func:`md_cell`."""
+    lines = ["| " + " | ".join(map(md_cell, header)) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(map(md_cell, row)) + " |" for row in rows]
     return "\n".join(lines)

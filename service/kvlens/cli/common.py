@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvlens import logs
+from kvlens import logs, terminal
 from kvlens.errors import SettingsError
 from kvlens.limits import DEFAULT_MEMORY_LIMIT, DEFAULT_PORT, ENV_PREFIX
 
@@ -287,10 +287,9 @@ def read_progress(files: list[str]) -> Iterator[Callable[[int], None] | None]:
     if not sys.stderr.isatty() or sum(sizes) < 64 * 1024 * 1024:
         yield None
         return
-    from rich.console import Console
     from rich.progress import Progress
 
-    with Progress(console=Console(stderr=True), transient=True) as bar:  # stdout is the report
+    with Progress(console=terminal.console(stderr=True), transient=True) as bar:  # stdout is the report
         task = bar.add_task("reading", total=sum(sizes))
         yield lambda count: bar.advance(task, count)
 
@@ -306,9 +305,8 @@ def run_progress(runs: int) -> Iterator[Callable[[int], None] | None]:
     except ModuleNotFoundError:
         yield None
         return
-    from rich.console import Console
 
-    with Progress(console=Console(stderr=True), transient=True) as bar:  # stdout is the report
+    with Progress(console=terminal.console(stderr=True), transient=True) as bar:  # stdout is the report
         task = bar.add_task(f"simulating {runs} runs", total=None)
         yield lambda count: bar.advance(task, count)
 
