@@ -17,7 +17,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "service" / "kvlens"
 # The floors of DESIGN section 2, by the module or package right under kvlens.
 FLOORS = {
     1: {"definitions", "stats", "errors", "limits", "logs", "terminal", "nnls", "outputs"},
-    2: {"http", "records", "jsonscan", "reduce", "reduce_sql", "sqltext", "bandwidth", "shapes"},
+    2: {"http", "records", "jsonscan", "reduce", "reduce_sql", "sqltext", "bandwidth", "shapes"}
+    | {"accounting"},
     3: {"sources", "fleet", "tenancy"},
     4: {"exporter", "analysis", "simulate", "experiment", "audit"},
     5: {"config"},
@@ -25,21 +26,8 @@ FLOORS = {
 }
 ROOM_FLOOR = {room: floor for floor, rooms in FLOORS.items() for room in rooms}
 
-# Up a floor, still: the rooms read the composed settings (config.py, floor 5) instead of a small
-# settings model of their own (issue 28 item 2, not done yet).
-UP_A_FLOOR_STILL = {
-    ("kvlens.analysis.analyze", "kvlens.config"),
-    ("kvlens.analysis.compare", "kvlens.config"),
-    ("kvlens.analysis.duckdb.compare", "kvlens.config"),
-    ("kvlens.analysis.warehouse", "kvlens.config"),
-    ("kvlens.experiment.run", "kvlens.config"),
-    ("kvlens.exporter.aggregator", "kvlens.config"),
-    ("kvlens.exporter.app", "kvlens.config"),
-    ("kvlens.exporter.background", "kvlens.config"),
-    ("kvlens.exporter.collector", "kvlens.config"),
-    ("kvlens.exporter.server", "kvlens.config"),
-    ("kvlens.simulate.serve.main", "kvlens.config"),
-}
+# Up a floor, still: none (the rooms read their own settings models since issue 28 item 2).
+UP_A_FLOOR_STILL: set[tuple[str, str]] = set()
 
 
 def modules() -> dict[str, Path]:

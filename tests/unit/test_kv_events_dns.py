@@ -10,7 +10,7 @@ import socket
 
 import pytest
 
-from kvlens.config import load_settings, parse_dns_target
+from kvlens.config import load_settings
 from kvlens.errors import SettingsError
 from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.background import BackgroundSources
@@ -22,6 +22,7 @@ from kvlens.fleet.kernels import rules
 from kvlens.fleet.limits import MAX_VANISHED, VANISHED_RETENTION_SECONDS
 from kvlens.fleet.ordering import Consumer, Publisher
 from kvlens.fleet.publisher import EventPublisher
+from kvlens.fleet.settings import parse_dns_target
 from kvlens.fleet.subscriber import KVEvents
 from tests import vllm_kv_events as vllm
 from tests.live import free_port, until

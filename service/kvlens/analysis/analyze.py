@@ -9,6 +9,7 @@ section) is the numpy engine's alone: the DuckDB tables do not keep them.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -16,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from kvlens.accounting import Accounting
 from kvlens.analysis import calibration, diagnosis, misses, reader, report, sessions, tenants
-from kvlens.config import Settings
 from kvlens.definitions import prompt_length_labels
 from kvlens.records import batch_from_objects
 
@@ -29,7 +30,7 @@ AUTO_DUCKDB_BYTES = 256 * 1024 * 1024  # numpy holds about twice the JSON lines 
 
 def analyze(
     paths: list[str],
-    settings: Settings,
+    settings: Accounting,
     *,
     format_name: str | None = None,
     model: str | None = None,
@@ -110,7 +111,7 @@ def analyze(
 
 
 def _calibrated(
-    result: dict[str, Any], fits: list[calibration.Fit], settings: Settings, prefill_points: Sequence[Path]
+    result: dict[str, Any], fits: list[calibration.Fit], settings: Accounting, prefill_points: Sequence[Path]
 ) -> tuple[dict[str, Any], list[calibration.Fit]]:
     """The report with the fits of the records and of the ``prefill_points`` tables."""
     fits = [*fits, *_point_fits(settings, prefill_points)]
@@ -121,7 +122,7 @@ def _calibrated(
 
 
 def from_aggregates(
-    paths: Sequence[Path], settings: Settings, *, prefill_points: Sequence[Path] = ()
+    paths: Sequence[Path], settings: Accounting, *, prefill_points: Sequence[Path] = ()
 ) -> tuple[dict[str, Any], list[calibration.Fit]]:
     """The report of a warehouse's results of the ``--print-sql`` statements (the same settings):
     everything a direct analysis reports but the calibration from records, which needs each
@@ -153,9 +154,7 @@ def choose_engine(requested: str, files: Sequence[str]) -> str:
     chosen reads those files, whichever it is."""
     if requested != "auto":
         return requested
-    try:
-        import duckdb  # noqa: F401
-    except ModuleNotFoundError:
+    if importlib.util.find_spec("duckdb") is None:  # found, not imported: numpy may be the choice
         return "numpy"
     local = [path for path in files if path != "-"]
     if any(not os.path.isfile(path) or reader.is_parquet(path) for path in local):
@@ -165,7 +164,7 @@ def choose_engine(requested: str, files: Sequence[str]) -> str:
 
 def _report(
     summary: report.Summary,
-    settings: Settings,
+    settings: Accounting,
     labels: list[str],
     read: reader.ReadResult,
     records: int,
@@ -191,10 +190,10 @@ def _report(
     return result
 
 
-def _point_fits(settings: Settings, prefill_points: Sequence[Path]) -> list[calibration.Fit]:
+def _point_fits(settings: Accounting, prefill_points: Sequence[Path]) -> list[calibration.Fit]:
     def layers(name: str) -> int | None:
         shape = settings.model_shapes.get(name)
-        return shape.layers if shape is not None else None
+        return shape.num_hidden_layers if shape is not None else None
 
     return [
         calibration.fit_points(points)

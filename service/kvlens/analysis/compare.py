@@ -30,9 +30,9 @@ import numpy as np
 import numpy.typing as npt
 
 from kvlens import definitions, stats
+from kvlens.accounting import Accounting
 from kvlens.analysis import per_request, run_facts, sessions
 from kvlens.analysis.report import Derived, cells_of, totals_of
-from kvlens.config import Settings
 from kvlens.definitions import Totals
 from kvlens.errors import ArmsDiffer, GroupTooLarge, NoRecordsOfArm
 from kvlens.records import RecordBatch
@@ -49,7 +49,7 @@ FloatArray = npt.NDArray[np.float64]
 
 
 def load_arm(
-    name: str, path: str, settings: Settings, *, format_name: str | None = None, model: str | None = None
+    name: str, path: str, settings: Accounting, *, format_name: str | None = None, model: str | None = None
 ) -> Arm:
     """Arm ``name`` from a records file: all of it, or its records of that arm when the file holds
     several (``kvlens simulate --emit-records``)."""
@@ -63,14 +63,14 @@ def load_arm(
     return _arm_of(name, batch, settings, path)
 
 
-def _arm_of(name: str, batch: RecordBatch, settings: Settings, path: str | None) -> Arm:
+def _arm_of(name: str, batch: RecordBatch, settings: Accounting, path: str | None) -> Arm:
     derived = Derived.of(batch, settings.prompt_length_edges, settings.cost_model_for, settings.default_model)
     return Arm(name, derived, path)
 
 
 def load_answered(
     specs: Sequence[tuple[str, str]],
-    settings: Settings,
+    settings: Accounting,
     *,
     format_name: str | None = None,
     model: str | None = None,

@@ -53,7 +53,7 @@ CHECKS: Final = (
 
 def page(report: dict[str, Any], cost_for: Callable[[str], CostModel]) -> str:
     """The report as one HTML page; ``cost_for`` gives the cost model the report's modelled work
-    was computed with (:meth:`kvlens.config.Settings.cost_model_for`)."""
+    was computed with (:meth:`kvlens.accounting.Accounting.cost_model_for`)."""
     records = render.has_records(report)
     body = [
         "<header><h1>kvlens analyze</h1></header>",

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Final
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvlens.errors import InputError
 
@@ -53,6 +53,9 @@ def parse_probe(text: str) -> ProbeTarget:
 
 class IsolationSettings(BaseModel):
     """``isolation_probes`` and ``isolation_every_seconds`` of the composed settings."""
+
+    # built at first use, as every room's model: importing it costs no validator
+    model_config = ConfigDict(extra="forbid", validate_default=True, defer_build=True)
 
     isolation_probes: list[str] = Field(
         [],

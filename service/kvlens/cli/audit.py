@@ -8,6 +8,7 @@ import asyncio
 import json
 from typing import Any
 
+from kvlens.cli import SUMMARIES
 from kvlens.cli.common import examples
 from kvlens.cli.replay import api_key, api_key_flags
 
@@ -17,7 +18,7 @@ DEFAULT_BLOCK_SIZE = 16  # vLLM's, when neither the flag nor the endpoint's /met
 def add_parser(commands: Any) -> None:
     audit = commands.add_parser(
         "audit",
-        help="check the running fleet against the articles' rules (isolation of cache scopes)",
+        help=SUMMARIES["audit"],
         epilog=examples("kvlens audit isolation --endpoint http://vllm:8000 --model llama-8b"),
     )
     checks = audit.add_subparsers(required=True, metavar="CHECK")

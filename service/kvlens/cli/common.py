@@ -7,7 +7,6 @@ import argparse
 import contextlib
 import errno
 import logging
-import logging.config
 import os
 import socket
 import sys
@@ -16,13 +15,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvlens import logs, terminal
-from kvlens.config import ENV_PREFIX, Settings, load_settings
 from kvlens.errors import SettingsError
-from kvlens.limits import DEFAULT_MEMORY_LIMIT, DEFAULT_PORT
+from kvlens.limits import DEFAULT_MEMORY_LIMIT, DEFAULT_PORT, ENV_PREFIX
 
 if TYPE_CHECKING:  # the server's modules load when a server is built: offline commands skip them
     import uvicorn
 
+    from kvlens.config import Settings
     from kvlens.exporter.aggregator import Aggregator
     from kvlens.fleet.subscriber import KVEvents
 
@@ -113,6 +112,8 @@ def configure_logging(args: argparse.Namespace) -> dict[str, Any]:
         if value not in allowed:
             variable = f"{ENV_PREFIX}{name.upper()}"
             raise SettingsError(f"{variable}={os.environ.get(variable)!r} is not one of {', '.join(allowed)}")
+    import logging.config  # its handlers and sockets: not for a --help
+
     config = logs.config(args.log_level, args.log_format)
     logging.config.dictConfig(config)
     return config
@@ -185,6 +186,8 @@ def engine_flag(sub: argparse.ArgumentParser) -> None:
 
 
 def settings_from(args: argparse.Namespace, **overrides: Any) -> Settings:
+    from kvlens.config import load_settings  # pydantic: only for the commands that build settings
+
     return load_settings(
         args.config,
         **overrides,

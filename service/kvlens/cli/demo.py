@@ -10,6 +10,7 @@ from collections import Counter
 from typing import Any, TextIO
 
 from kvlens import terminal
+from kvlens.cli import SUMMARIES
 from kvlens.cli.common import build_server, examples, server_flags, settings_from
 from kvlens.config import Settings
 from kvlens.errors import MissingExtra
@@ -29,7 +30,7 @@ AGENTIC_SESSION_RATE = 1 / 30
 def add_parser(commands: Any) -> None:
     run_demo = commands.add_parser(
         "demo",
-        help="run the sidecar fed live by the simulator replaying a real trace (bundled)",
+        help=SUMMARIES["demo"],
         epilog=examples(
             "kvlens demo",
             "kvlens demo --speed 10 --policy round_robin --port 9500",

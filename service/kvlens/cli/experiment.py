@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvlens.analysis import run_facts
+from kvlens.analysis.settings import AnalysisSettings
+from kvlens.cli import SUMMARIES
 from kvlens.cli import outdir as runs
 from kvlens.cli.common import examples, make_room_for, percentiles_flag, print_report, trace_format_flags
 from kvlens.cli.replay import (
@@ -27,7 +29,7 @@ from kvlens.cli.replay import (
     trace_flags,
     traffic_flags,
 )
-from kvlens.config import Settings, load_settings
+from kvlens.config import load_offline
 from kvlens.errors import ArmsDiffer, GroupTooLarge, MissingExtra, NoRecordsOfArm
 from kvlens.experiment import outdir, reports
 from kvlens.experiment import run as arms
@@ -42,7 +44,7 @@ if TYPE_CHECKING:
 def add_parser(commands: Any) -> None:
     experiment = commands.add_parser(
         "experiment",
-        help="the articles' experiments against endpoints",
+        help=SUMMARIES["experiment"],
         epilog=examples("kvlens experiment prefix-cache --help", "kvlens experiment quantization --help"),
     )
     kinds = experiment.add_subparsers(required=True, metavar="EXPERIMENT")
@@ -155,7 +157,7 @@ def byte_model_flags(parser: argparse.ArgumentParser) -> None:
 def _prefix_cache(args: argparse.Namespace) -> int:
     reports.check_error_rate(args.max_error_rate)
     window, prompts, schedule = setup(args, warms=True)
-    settings = load_settings(args.config)
+    settings = load_offline(args.config)
     selected = runs.arms_of(args)
     plan = outdir.prefix_cache_plan(
         window,
@@ -218,7 +220,7 @@ def _prefix_cache_report(
     args: argparse.Namespace,
     found: list[arms.ArmResult],
     ran: list[tuple[str, dict[str, Any] | None]],
-    settings: Settings,
+    settings: AnalysisSettings,
 ) -> int:
     """The compare report of every arm in the out-dir, into it (and --html) and printed; the exit
     code from the failures of the arms this run ran (``ran``), once the report is written."""

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlens.analysis import run_facts
+from kvlens.cli import SUMMARIES
 from kvlens.cli.common import examples, trace_format_flags
 from kvlens.experiment import reports
 from kvlens.experiment import run as arms
@@ -33,7 +34,7 @@ TIMESTAMPS, SESSIONS = "timestamps", "sessions"
 def add_parser(commands: Any) -> None:
     replay = commands.add_parser(
         "replay",
-        help="replay a trace against an OpenAI-compatible endpoint as one arm; kvlens records out",
+        help=SUMMARIES["replay"],
         description="Send a trace's requests (token-id prompts that keep its shared prefixes, its "
         "lengths and arrivals) to an endpoint, open loop, and write one kvlens record per request.",
         epilog=examples(

@@ -6,15 +6,15 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from kvlens.cli import SUMMARIES
 from kvlens.cli.common import build_server, examples, server_flags, settings_from
-from kvlens.config import ENV_PREFIX
-from kvlens.exporter.aggregator import Aggregator
+from kvlens.limits import ENV_PREFIX
 
 
 def add_parser(commands: Any) -> None:
     serve = commands.add_parser(
         "serve",
-        help="run the sidecar: POST /v1/records, GET /metrics",
+        help=SUMMARIES["serve"],
         epilog=examples(
             "kvlens serve",
             "kvlens serve --host 0.0.0.0 --scrape http://vllm:8000/metrics",
@@ -101,6 +101,7 @@ def add_parser(commands: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
+    from kvlens.exporter.aggregator import Aggregator
     from kvlens.http.server import run_until_stopped
 
     server = build_server(settings, Aggregator(settings), args)

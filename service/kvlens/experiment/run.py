@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import orjson
 
+from kvlens.accounting import Accounting
 from kvlens.analysis import compare, run_facts
-from kvlens.config import Settings
 from kvlens.experiment import outdir
 from kvlens.experiment.client import MEASURE, WARMUP, Endpoint, Planned, Progress, RecordWriter, replay
 from kvlens.experiment.prompts import PromptSynthesizer
@@ -325,7 +325,7 @@ def arms_found(found: list[outdir.Found]) -> list[ArmResult]:
 
 
 def compare_arms(
-    results: list[ArmResult], settings: Settings, *, percentiles: tuple[float, ...] = DEFAULT_PERCENTILES
+    results: list[ArmResult], settings: Accounting, *, percentiles: tuple[float, ...] = DEFAULT_PERCENTILES
 ) -> dict[str, Any]:
     """``kvlens compare`` of the arms' measured windows, the first arm the baseline."""
     # Read back from the arms' files alone, as `kvlens compare` over them reads them, so that

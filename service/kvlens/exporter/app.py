@@ -29,13 +29,13 @@ from prometheus_client.exposition import choose_encoder
 from pydantic import BaseModel, Field
 
 from kvlens import __version__
-from kvlens.config import Settings
 from kvlens.errors import BodyTooSlow, Busy, ClientDisconnected, InputError
 from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.background import BackgroundSources
 from kvlens.exporter.collector import KVLensCollector
 from kvlens.exporter.ingest import BatchLedger, IngestWorker, LogThrottle, RecentRecords
 from kvlens.exporter.runtime import ScrapeRenderer, ServiceHealth
+from kvlens.exporter.settings import SidecarSettings
 from kvlens.fleet.subscriber import KVEvents
 from kvlens.http.access import bearer_matches
 from kvlens.http.bodies import RETRY_AFTER_SECONDS, BodyReader, IngestGate, arriving_bodies, body_limits
@@ -77,7 +77,7 @@ class ErrorBody(BaseModel):
 class Sidecar:
     """The parts the handlers share."""
 
-    settings: Settings
+    settings: SidecarSettings
     aggregator: Aggregator
     background: BackgroundSources
     registry: CollectorRegistry
@@ -141,7 +141,7 @@ class Sidecar:
 
 
 def create_app(
-    settings: Settings,
+    settings: SidecarSettings,
     registry: CollectorRegistry,
     aggregator: Aggregator | None = None,
     kv_events: KVEvents | None = None,
@@ -419,7 +419,7 @@ def _bearer_matches(request: Request, token: bytes) -> bool:
     return bearer_matches(request.headers.get("authorization", ""), token)
 
 
-def _metrics_challenge(request: Request, settings: Settings) -> str | None:
+def _metrics_challenge(request: Request, settings: SidecarSettings) -> str | None:
     """None when /metrics may be served; else the WWW-Authenticate challenge to answer with."""
     token, user, password = settings.metrics_token, settings.metrics_username, settings.metrics_password
     if token is None and password is None:

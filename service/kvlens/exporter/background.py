@@ -11,27 +11,29 @@ import threading
 import httpx
 
 from kvlens.audit.probe import IsolationProbes
-from kvlens.config import Settings, TailSetting, parse_dns_target, parse_shard
 from kvlens.errors import ScrapeError
 from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.diagnoses import RequestDiagnoses
 from kvlens.exporter.labels import ClosedLabels
 from kvlens.exporter.modelled import ModelledCauses
+from kvlens.exporter.settings import SidecarSettings
 from kvlens.exporter.upstream import UpstreamState
 from kvlens.fleet.discovery import DnsTarget
 from kvlens.fleet.index import FleetIndex
 from kvlens.fleet.ordering import Publisher
+from kvlens.fleet.settings import KVEventsSettings, parse_dns_target, parse_shard
 from kvlens.fleet.subscriber import KVEvents
 from kvlens.fleet.trtllm import MAX_BODY_BYTES, TrtllmFeed
 from kvlens.records import Validated
 from kvlens.sources import tail, vllm_metrics
 from kvlens.sources.bounded_http import exchange
 from kvlens.sources.encoding import DecodeLimits
+from kvlens.sources.settings import TailSetting
 
 log = logging.getLogger(__name__)
 
 
-def fleet_index(settings: Settings) -> FleetIndex:
+def fleet_index(settings: KVEventsSettings) -> FleetIndex:
     """The KV events' block index as the settings size it."""
     return FleetIndex(
         hashes_alike=settings.kv_events_hashes_alike,
@@ -49,7 +51,9 @@ def dns_target(text: str) -> DnsTarget:
 
 
 class BackgroundSources:
-    def __init__(self, settings: Settings, aggregator: Aggregator, kv_events: KVEvents | None = None) -> None:
+    def __init__(
+        self, settings: SidecarSettings, aggregator: Aggregator, kv_events: KVEvents | None = None
+    ) -> None:
         """``kv_events``: one fed in process (the demo), instead of the settings' subscriptions."""
         self.settings = settings
         self.aggregator = aggregator

@@ -16,8 +16,8 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from kvlens import __version__, bandwidth
+from kvlens.accounting import ModelShapeSetting
 from kvlens.audit.probe import IsolationProbes
-from kvlens.config import ModelShapeSetting
 from kvlens.definitions import DEFAULT_COST_MODEL, UNITS, CostModel
 from kvlens.exporter import metrics
 from kvlens.exporter.aggregator import CACHE_LABELS, TTFT_COMPONENTS, Aggregator, Histograms, Snapshot

@@ -39,7 +39,7 @@ class Record(BaseModel):
     booleans and numeric strings are rejected.
     """
 
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore", defer_build=True)
 
     request_id: Annotated[str, Field(max_length=256)] | None = Field(
         None, description="Request id as the engine or gateway knows it. Never a label."

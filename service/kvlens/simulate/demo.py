@@ -32,11 +32,11 @@ REPLAY_MODEL: Final = "llama-3.1-8b"
 # model): the demo gives it to the sidecar, so compute saved reads in FLOPs and the decode
 # panel has a model.
 REPLAY_SHAPE: Final = {
-    "layers": 32,
-    "kv_heads": 8,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
     "head_dim": 128,
     "hidden_size": 4096,
-    "heads": 32,
+    "num_attention_heads": 32,
     "intermediate_size": 14336,
     "vocab_size": 128256,
 }

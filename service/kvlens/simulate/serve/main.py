@@ -18,7 +18,7 @@ from typing import Any
 import uvicorn
 
 from kvlens import limits, logs
-from kvlens.config import load_settings
+from kvlens.accounting import Accounting
 from kvlens.errors import MissingExtra, SettingsError
 from kvlens.http import bodies, server
 from kvlens.http.access import loopback
@@ -32,6 +32,7 @@ from kvlens.simulate.serve import tokenizer
 from kvlens.simulate.serve.api import MAX_BODY_BYTES, MAX_IN_FLIGHT, Api
 from kvlens.simulate.serve.engine import RealTimeFleet, Ticket
 from kvlens.simulate.serve.requests import Served
+from kvlens.simulate.settings import ServeSettings
 
 log = logging.getLogger("kvlens.simulate.serve")
 PUSH_QUEUE = 100_000  # records held while the kvlens serve is away; the oldest go first
@@ -134,15 +135,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="listen port (as vLLM)")
 
 
-def service_model(args: argparse.Namespace) -> ServiceModel:
+def service_model(args: argparse.Namespace, accounting: Accounting | None = None) -> ServiceModel:
     """The service model of the flags: ``kvlens simulate``'s, with the served model's cost model
-    in seconds and decode shape from ``--config`` when it has them, and ``--weight-bytes``."""
+    in seconds and decode shape from ``accounting`` (``--config``) when it has them, and
+    ``--weight-bytes``."""
     prefill, decode = DEFAULT_SERVICE.prefill, DEFAULT_SERVICE.decode
-    if args.config is not None:
-        settings = load_settings(args.config)
-        if args.model in settings.cost_models:
-            prefill = settings.cost_model_for(args.model)
-        shape = settings.model_shapes.get(args.model)
+    if accounting is not None:
+        if args.model in accounting.cost_models:
+            prefill = accounting.cost_model_for(args.model)
+        shape = accounting.model_shapes.get(args.model)
         if shape is not None:
             weights = shape.decode_weight_bytes()
             decode = dataclasses.replace(
@@ -187,7 +188,7 @@ def capacity_blocks(args: argparse.Namespace, service: ServiceModel) -> int | No
     return blocks
 
 
-def _checked(args: argparse.Namespace) -> tuple[Fleet, Served]:
+def _checked(args: argparse.Namespace, load: Callable[[Path | None], ServeSettings]) -> tuple[Fleet, Served]:
     if args.block_size < 1:
         raise ValueError("--block-size must be >= 1")
     if args.max_model_len < 2:
@@ -204,7 +205,7 @@ def _checked(args: argparse.Namespace) -> tuple[Fleet, Served]:
         raise ValueError("--speed must be a positive number")
     if args.max_in_flight < 1:
         raise ValueError("--max-in-flight must be >= 1")
-    service = service_model(args)
+    service = service_model(args, load(args.config) if args.config is not None else None)
     fleet = Fleet(args.replicas, capacity_blocks(args, service), args.block_size, service, Guard())
     loras = tuple(dict.fromkeys(spec.partition("=")[0] for spec in args.lora_modules or ()))
     if any(not name or name == args.model for name in loras):
@@ -229,11 +230,12 @@ def record(ticket: Ticket, engine: RealTimeFleet, model: str, started_epoch: flo
     }
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, load: Callable[[Path | None], ServeSettings]) -> int:
+    """``load``: the settings of ``--config`` (and ``KVLENS_*``), as the command line reads them."""
     try:
-        fleet, served = _checked(args)
+        fleet, served = _checked(args, load)
         # the connection and body rules of kvlens serve, from the same settings (KVLENS_*)
-        settings = load_settings(args.config)
+        settings = load(args.config)
     except (ValueError, SettingsError) as error:
         print(f"kvlens simulate serve: {error}", file=sys.stderr)
         return 2
