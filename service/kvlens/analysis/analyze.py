@@ -22,8 +22,9 @@ from kvlens.records import batch_from_objects
 
 ENGINES = ("numpy", "duckdb")
 CALIBRATION_MAX_POINTS = 200_000  # per model, duckdb engine: past it an even sample is fitted
-
-AUTO_DUCKDB_BYTES = 256 * 1024 * 1024  # numpy holds about twice the JSON lines in memory
+# Local JSON lines under this read faster in numpy: DuckDB's import and connection cost about
+# 0.2 CPU s, which its faster read repays from about 100k records (19 MB) on a 2-core machine.
+AUTO_DUCKDB_BYTES = 16 * 1024 * 1024
 
 
 def analyze(
@@ -41,7 +42,7 @@ def analyze(
     each model that has prefill times and of each model in the ``prefill_points`` tables."""
     labels = prompt_length_labels(settings.prompt_length_edges)
     if engine == "duckdb":
-        from kvlens.analysis.duckdb import inputs
+        from kvlens.analysis.duckdb import inputs, potential
         from kvlens.analysis.duckdb import summary as in_duckdb
         from kvlens.analysis.duckdb.engine import Engine, engine_errors
         from kvlens.limits import DEFAULT_MEMORY_LIMIT
@@ -50,7 +51,13 @@ def analyze(
         try:
             with engine_errors(store.memory_limit, store.spill_directory):
                 loaded = inputs.load(
-                    store, paths, format_name=format_name, model=model, progress=progress, check_later=True
+                    store,
+                    paths,
+                    columns=(*inputs.ANALYSIS_COLUMNS, *potential.COLUMNS),
+                    format_name=format_name,
+                    model=model,
+                    progress=progress,
+                    check_later=True,
                 )
                 summarized = in_duckdb.summarize(
                     store, "records", settings.prompt_length_edges, settings.default_model, loaded.unchecked
@@ -65,7 +72,16 @@ def analyze(
                     )
                 ]
                 span = time_range(*summarized.arrivals)
-                result = _report(summary, settings, labels, read, records, paths, span, lambda: None)
+                result = _report(
+                    summary,
+                    settings,
+                    labels,
+                    read,
+                    records,
+                    paths,
+                    span,
+                    lambda: potential.prefix_potential(store),
+                )
         finally:
             store.close()
     else:
@@ -141,10 +157,12 @@ def time_range(first: float | None, last: float | None, records: int) -> dict[st
 
 
 def choose_engine(requested: str, files: Sequence[str]) -> str:
-    """``auto``: duckdb (when installed) for Parquet, URLs, pipes or files past
-    :data:`AUTO_DUCKDB_BYTES` together; numpy otherwise (it also reads ``prefix_hashes`` for the
-    diagnosis). ``files`` is what :func:`kvlens.analysis.reader.resolve` gave: the engine
-    chosen reads those files, whichever it is."""
+    """``auto``: the faster engine, both giving the same report (the diagnosis's prefix
+    potential too: :mod:`kvlens.analysis.duckdb.potential`). That is duckdb (the ``scale``
+    extra) when installed, for Parquet, URLs, pipes and every input past
+    :data:`AUTO_DUCKDB_BYTES`; numpy for the small local files under it, where DuckDB's
+    start costs more than it saves. ``files`` is what :func:`kvlens.analysis.reader.resolve`
+    gave: the engine chosen reads those files, whichever it is."""
     if requested != "auto":
         return requested
     try:
@@ -152,7 +170,7 @@ def choose_engine(requested: str, files: Sequence[str]) -> str:
     except ModuleNotFoundError:
         return "numpy"
     local = [path for path in files if path != "-"]
-    if any(not os.path.isfile(path) or reader.is_parquet(path) for path in local):
+    if len(local) < len(files) or any(not os.path.isfile(path) or reader.is_parquet(path) for path in local):
         return "duckdb"
     return "duckdb" if sum(os.path.getsize(path) for path in local) >= AUTO_DUCKDB_BYTES else "numpy"
 

@@ -41,6 +41,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from kvlens import records, sqltext
@@ -404,6 +405,10 @@ def _columns_of(batch: records.RecordBatch, columns: Mapping[str, str]) -> dict[
                 # absent counts are -1 in a batch; NaN becomes NULL in DuckDB's scan
                 absent = values.dtype.kind == "i" and bool((values < 0).any())
                 out[name] = np.where(values < 0, np.nan, values) if absent else values
+            elif _KINDS[name] is list:  # prefix_hashes: the JSON text of each list, read as JSON
+                out[name] = np.array(
+                    [None if v is None else msgspec.json.encode(v).decode() for v in values], dtype=object
+                )
             else:
                 out[name] = np.array(values, dtype=object)
     return out

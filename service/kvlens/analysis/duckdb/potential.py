@@ -1,0 +1,65 @@
+"""The "little reuse" finding's prefix potential (:func:`kvlens.analysis.diagnosis.prefix_potential`)
+of the records view, in SQL, so that the ``duckdb`` engine's report is the numpy engine's.
+
+The Python walk keeps a set of every hash seen and, for each record in arrival order, counts
+the leading hashes already in it. In SQL, a hash is seen before record ``k`` exactly when the
+first record holding it comes before ``k``: one ``min(k)`` per distinct hash, then a record's
+shared blocks are the position of its first hash whose first record is itself (all of them
+when there is none). The order is the numpy path's stable sort: arrival time, records without
+one last, ties in input order (``src``, ``row``).
+
+A hash is keyed by its JSON text as DuckDB normalizes it: a string quoted and unescaped
+(``"\\u0041"`` is ``"A"``), an integer as its digits (``-0`` is ``0``, past 64 bits too), so
+that two hashes share a key exactly when Python holds them equal (the record's hashes are
+integers and strings only: ``1`` and ``"1"`` differ in both).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvlens.analysis.diagnosis import DEFAULT_BLOCK, LAST_DIVERGENT_BLOCK, potential_numbers
+from kvlens.analysis.duckdb.engine import Engine
+
+COLUMNS = ("block_size", "prefix_hashes")  # what the finding reads beyond the analysis's columns
+
+_POTENTIAL = f"""
+WITH ordered AS (
+    SELECT row_number() OVER (ORDER BY arrival_time ASC NULLS LAST, src, row) AS k,
+        prompt_tokens AS n,
+        CASE WHEN block_size > 0 THEN block_size ELSE {DEFAULT_BLOCK} END AS block,
+        json_extract(prefix_hashes, '$[*]') AS hashes
+    FROM {{source}}
+    WHERE json_array_length(prefix_hashes) > 0
+),
+blocks AS (
+    SELECT k, CAST(unnest(hashes) AS VARCHAR) AS hash, generate_subscripts(hashes, 1) - 1 AS position
+    FROM ordered
+),
+first_held AS (SELECT hash, min(k) AS first FROM blocks GROUP BY hash),
+diverges AS (
+    SELECT blocks.k, min(blocks.position) AS shared
+    FROM blocks JOIN first_held ON blocks.hash = first_held.hash AND first_held.first = blocks.k
+    GROUP BY blocks.k
+),
+shared AS (
+    SELECT COALESCE(diverges.shared, len(ordered.hashes)) AS shared, ordered.block, ordered.n
+    FROM ordered LEFT JOIN diverges ON diverges.k = ordered.k
+)
+SELECT least(shared, {LAST_DIVERGENT_BLOCK}) AS bucket, count(*),
+    CAST(sum(least(shared * block, n)) AS HUGEINT), CAST(sum(n) AS HUGEINT)
+FROM shared GROUP BY bucket ORDER BY bucket
+"""
+
+
+def prefix_potential(engine: Engine, source: str = "records") -> dict[str, Any] | None:
+    """The prefix potential of the records in ``source`` (a view or table with
+    :data:`COLUMNS`, ``prompt_tokens``, ``arrival_time``, ``src`` and ``row``), or None when no
+    record has ``prefix_hashes``."""
+    rows = engine.connection.execute(_POTENTIAL.format(source=source)).fetchall()
+    if not rows:
+        return None
+    first_new = {int(bucket): int(count) for bucket, count, _, _ in rows}
+    reachable = sum(int(row[2]) for row in rows)
+    tokens = sum(int(row[3]) for row in rows)
+    return potential_numbers(first_new, reachable, tokens)
