@@ -53,7 +53,7 @@ def analyze(
                 loaded = inputs.load(
                     store,
                     paths,
-                    columns=(*inputs.ANALYSIS_COLUMNS, *potential.COLUMNS),
+                    columns=(*inputs.ANALYSIS_COLUMNS, *inputs.POTENTIAL_COLUMNS),
                     format_name=format_name,
                     model=model,
                     progress=progress,

@@ -21,8 +21,6 @@ from typing import Any
 from kvlens.analysis.diagnosis import DEFAULT_BLOCK, LAST_DIVERGENT_BLOCK, potential_numbers
 from kvlens.analysis.duckdb.engine import Engine
 
-COLUMNS = ("block_size", "prefix_hashes")  # what the finding reads beyond the analysis's columns
-
 _POTENTIAL = f"""
 WITH ordered AS (
     SELECT row_number() OVER (ORDER BY arrival_time ASC NULLS LAST, src, row) AS k,
@@ -54,8 +52,8 @@ FROM shared GROUP BY bucket ORDER BY bucket
 
 def prefix_potential(engine: Engine, source: str = "records") -> dict[str, Any] | None:
     """The prefix potential of the records in ``source`` (a view or table with
-    :data:`COLUMNS`, ``prompt_tokens``, ``arrival_time``, ``src`` and ``row``), or None when no
-    record has ``prefix_hashes``."""
+    :data:`kvlens.analysis.duckdb.inputs.POTENTIAL_COLUMNS`, ``prompt_tokens``,
+    ``arrival_time``, ``src`` and ``row``), or None when no record has ``prefix_hashes``."""
     rows = engine.connection.execute(_POTENTIAL.format(source=source)).fetchall()
     if not rows:
         return None
