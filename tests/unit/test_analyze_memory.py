@@ -45,27 +45,26 @@ def test_past_one_chunk_the_order_statistics_read_a_bounded_number_of_rows_at_on
     assert order_statistics.row_chunks(1_000_000, 999_999) == ("TRUE",)  # one read, ranked whole
 
 
-def test_the_prefix_potential_columns_are_not_kept_when_no_record_has_hashes(tmp_path: Path) -> None:
-    """Empty, they held 130 MB of the 10M records' table."""
-    plain = write_jsonl(tmp_path / "plain.jsonl", [{"prompt_tokens": 10, "cached_tokens": 0}] * 3)
-    hashed = write_jsonl(
-        tmp_path / "hashed.jsonl", [{"prompt_tokens": 10, "cached_tokens": 0, "prefix_hashes": [1]}]
-    )
-    columns = (*inputs.ANALYSIS_COLUMNS, *inputs.POTENTIAL_COLUMNS)
-    for path, kept in ((plain, False), (hashed, True)):
+def test_hashes_are_kept_apart_and_only_for_the_records_that_hold_them(tmp_path: Path) -> None:
+    """In the records' table, empty, they held 130 MB of 10M records (past the 1 GiB goal)."""
+    lines = [{"prompt_tokens": 10, "cached_tokens": 0}] * 3 + [
+        {"prompt_tokens": 10, "cached_tokens": 0, "prefix_hashes": [1, "a"], "block_size": 4}
+    ]
+    whole = write_jsonl(tmp_path / "whole.jsonl", lines)
+    broken = write_jsonl(tmp_path / "broken.jsonl", lines, extra=b"{broken\n")  # read a batch at a time
+    for path in (whole, broken):
         engine = Engine()
         try:
-            inputs.load(engine, [str(path)], columns=columns)
+            inputs.load(engine, [str(path)], hashes=True)
             stored = {
                 name
                 for (name,) in engine.connection.execute(
                     "SELECT column_name FROM duckdb_columns() WHERE table_name = 'jsonl_records'"
                 ).fetchall()
             }
-            assert ("prefix_hashes" in stored, "block_size" in stored) == (kept, kept)
-            ((count, hashes),) = engine.connection.execute(
-                "SELECT count(*), count(prefix_hashes) FROM records"
-            ).fetchall()
-            assert (count, hashes) == ((3, 0) if not kept else (1, 1))
+            assert "prefix_hashes" not in stored
+            assert engine.connection.execute(
+                "SELECT src, row, block_size, CAST(prefix_hashes AS VARCHAR) FROM jsonl_hashes"
+            ).fetchall() == [(0, 3, 4, '[1,"a"]')]
         finally:
             engine.close()

@@ -127,3 +127,26 @@ def test_auto_is_duckdb_but_for_small_local_json_lines(
     monkeypatch.setattr(module, "AUTO_DUCKDB_BYTES", small.stat().st_size)
     assert choose_engine("auto", [str(small)]) == "duckdb"
     assert choose_engine("numpy", [str(small)]) == "numpy"
+
+
+def test_hashes_of_chunks_inserted_again_after_a_refusal_are_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk DuckDB refuses (a duplicate key) rolls its transaction back: the chunks before it
+    are inserted again, their hashes with them, and that chunk's come from the validator."""
+    from kvlens.analysis import reader
+    from kvlens.analysis.duckdb import jsonl
+
+    lines = [
+        orjson.dumps({"prompt_tokens": 64, "cached_tokens": 0, "prefix_hashes": [i % 3, i], "block_size": 16})
+        for i in range(20)
+    ]
+    lines[8] = lines[8][:-1] + b',"block_size":16}'  # the key twice: DuckDB refuses, msgspec keeps the last
+    width = max(map(len, lines))
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b"".join(line.ljust(width) + b"\n" for line in lines))
+    monkeypatch.setattr(reader, "CHUNK_BYTES", 2 * (width + 1))  # 2 lines a chunk
+    monkeypatch.setattr(jsonl, "COMMIT_CHUNKS", 3)
+    expected, got = both([str(path)])
+    assert little_reuse(expected)["numbers"]["records_with_hashes"] == 20
+    assert got == expected

@@ -53,11 +53,11 @@ def analyze(
                 loaded = inputs.load(
                     store,
                     paths,
-                    columns=(*inputs.ANALYSIS_COLUMNS, *inputs.POTENTIAL_COLUMNS),
                     format_name=format_name,
                     model=model,
                     progress=progress,
                     check_later=True,
+                    hashes=True,
                 )
                 summarized = in_duckdb.summarize(
                     store, "records", settings.prompt_length_edges, settings.default_model, loaded.unchecked

@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from kvlens import records, sqltext
 from kvlens.analysis import reader
@@ -30,8 +29,6 @@ ANALYSIS_COLUMNS = (
     "ttft_seconds",
     "arrival_time",  # only its range is read (the report's time range)
 )
-# What the diagnosis's prefix potential reads besides (:mod:`kvlens.analysis.duckdb.potential`).
-POTENTIAL_COLUMNS = ("block_size", "prefix_hashes")
 SCALAR_COLUMNS = tuple(spec.name for spec in records.FIELDS if spec.kind is not list)
 
 
@@ -59,6 +56,7 @@ def load(
     model: str | None = None,
     progress: Callable[[int], None] | None = None,
     check_later: bool = False,
+    hashes: bool = False,
 ) -> Loaded:
     """Create the view ``records`` (``columns`` plus ``src`` and ``row``) of the valid records
     of ``paths``, counting skipped lines and rows in the result as the numpy path does.
@@ -66,12 +64,20 @@ def load(
     ``check_later``: Parquet scanned in place gets no scan of its own to check it; the view
     checks each row as it reads until :func:`kvlens.analysis.duckdb.summary.summarize`, given
     :attr:`Loaded.unchecked`, checks every row in its sums scan (one scan fewer). The rejected
-    rows of :attr:`Loaded.read` are counted only then."""
+    rows of :attr:`Loaded.read` are counted only then.
+
+    ``hashes``: the JSON lines' records that hold ``prefix_hashes`` are also put in the table
+    ``jsonl_hashes`` (``src``, ``row``, ``block_size``, ``prefix_hashes``), which the
+    diagnosis's prefix potential reads (:mod:`kvlens.analysis.duckdb.potential`); Parquet
+    holds none (a list of mixed ints and strings has no Parquet type)."""
     files = _objects(engine, reader.resolve(paths))
     result = reader.ReadResult(batch=records.batch_from_objects([]).batch)
     con = engine.connection
     typed = ", ".join(f"{name} {sql_type(name)}" for name in columns)
     con.execute(f"CREATE OR REPLACE TEMP TABLE jsonl_records ({typed}, src INTEGER, row BIGINT)")
+    if hashes:
+        kept = ", ".join(f"{name} {sql}" for name, sql in jsonl.HASHES_COLUMNS.items())
+        con.execute(f"CREATE OR REPLACE TEMP TABLE jsonl_hashes (src INTEGER, row BIGINT, {kept})")
     scanned = [(index, path) for index, path in enumerate(files) if reader.is_parquet(path)]
     in_parquet = {index for index, _ in scanned}
     for index, path in enumerate(files):
@@ -86,8 +92,9 @@ def load(
                 format_name=format_name,
                 model=model,
                 progress=progress,
+                hashes="jsonl_hashes" if hashes else None,
             )
-    lines = f"SELECT {_selected(con, columns)}, src, row FROM jsonl_records"
+    lines = "SELECT * FROM jsonl_records"
     view, in_memory, unchecked = lines, True, None
     if scanned:
         rows = parquet.rows(engine, [path for _, path in scanned])
@@ -105,23 +112,6 @@ def load(
             )
     con.execute(f"CREATE OR REPLACE TEMP VIEW records AS {view}")
     return Loaded(read=result, files=files, parquet=bool(scanned), in_memory=in_memory, unchecked=unchecked)
-
-
-def _selected(con: Any, columns: Sequence[str]) -> str:
-    """The JSON-lines table's ``columns`` as selected. When no record holds ``prefix_hashes``,
-    the :data:`POTENTIAL_COLUMNS` are dropped from the table and selected as NULL: empty, they
-    held 130 MB at 10M records, a tenth of the table."""
-    wanted = [name for name in POTENTIAL_COLUMNS if name in columns]
-    if "prefix_hashes" not in wanted:
-        return ", ".join(columns)
-    ((holding,),) = con.execute("SELECT count(prefix_hashes) FROM jsonl_records").fetchall()
-    if holding:
-        return ", ".join(columns)
-    for name in wanted:
-        con.execute(f"ALTER TABLE jsonl_records DROP COLUMN {name}")
-    return ", ".join(
-        f"CAST(NULL AS {sql_type(name)}) AS {name}" if name in wanted else name for name in columns
-    )
 
 
 def _objects(engine: Engine, files: list[str]) -> list[str]:

@@ -27,7 +27,7 @@ WITH ordered AS (
         prompt_tokens AS n,
         CASE WHEN block_size > 0 THEN block_size ELSE {DEFAULT_BLOCK} END AS block,
         json_extract(prefix_hashes, '$[*]') AS hashes
-    FROM {{source}}
+    FROM {{source}} JOIN {{hashes}} USING (src, row)
     WHERE json_array_length(prefix_hashes) > 0
 ),
 blocks AS (
@@ -50,11 +50,17 @@ FROM shared GROUP BY bucket ORDER BY bucket
 """
 
 
-def prefix_potential(engine: Engine, source: str = "records") -> dict[str, Any] | None:
+def prefix_potential(
+    engine: Engine, source: str = "records", hashes: str = "jsonl_hashes"
+) -> dict[str, Any] | None:
     """The prefix potential of the records in ``source`` (a view or table with
-    :data:`kvlens.analysis.duckdb.inputs.POTENTIAL_COLUMNS`, ``prompt_tokens``,
-    ``arrival_time``, ``src`` and ``row``), or None when no record has ``prefix_hashes``."""
-    rows = engine.connection.execute(_POTENTIAL.format(source=source)).fetchall()
+    ``prompt_tokens``, ``arrival_time``, ``src`` and ``row``) whose hashes are in ``hashes``
+    (:func:`kvlens.analysis.duckdb.inputs.load`'s ``jsonl_hashes``), or None when no record
+    has ``prefix_hashes``."""
+    ((held,),) = engine.connection.execute(f"SELECT count(*) FROM {hashes}").fetchall()
+    if not held:  # no join of every record for nothing
+        return None
+    rows = engine.connection.execute(_POTENTIAL.format(source=source, hashes=hashes)).fetchall()
     if not rows:
         return None
     first_new = {int(bucket): int(count) for bucket, count, _, _ in rows}

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from kvlens import records, sqltext
 from kvlens.records.labels import beyond_short_ascii, invalid_label_sql
 
-_SQL_TYPE = {int: "BIGINT", float: "DOUBLE", str: "VARCHAR", list: "JSON"}  # a list: prefix_hashes
+_SQL_TYPE = {int: "BIGINT", float: "DOUBLE", str: "VARCHAR"}
 SPEC = {spec.name: spec for spec in records.FIELDS}
 
 
