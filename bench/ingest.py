@@ -10,7 +10,9 @@ Figures (medians of repeated runs; these machines are noisy, so compare ratios):
   served the same way (uvicorn, one worker, a separate process), with and without a scraper;
 - ``/metrics`` render time at about 2,000 and 20,000 series vs prometheus_client rendering
   the same number of series from its own Counter/Histogram objects;
-- RSS after 1M and after 10M records.
+- RSS after 1M and after 10M records;
+- ``--tenants``: the same records with a tenant, and with prefix_hashes (checked and dropped, or
+  through the tenants' block storers), against the records without.
 """
 
 from __future__ import annotations
@@ -169,6 +171,63 @@ def in_process(bodies: list[bytes], repeats: int) -> None:
     )
 
 
+def with_tenants(bodies: list[bytes], tenants: int, hashes: bool) -> list[bytes]:
+    """The same records, each with one of ``tenants`` tenants and, with ``hashes``, the chained
+    ids of its prompt's full 16-token blocks (the first 32 blocks shared by all: a system prompt)."""
+    out = []
+    for body in bodies:
+        records = [orjson.loads(line) for line in body.splitlines()]
+        for i, record in enumerate(records):
+            record["tenant"] = f"tenant-{i % tenants}"
+            if hashes:
+                blocks = record["prompt_tokens"] // 16
+                record["prefix_hashes"] = [
+                    (j if j < 32 else hash((i, j))) & (2**63 - 1) for j in range(blocks)
+                ]
+        out.append(b"\n".join(orjson.dumps(r) for r in records) + b"\n")
+    return out
+
+
+def tenant_cost(bodies: list[bytes], repeats: int) -> None:
+    """The ingest path with records that carry tenants (per-tenant sums), and with prefix_hashes
+    through the block storers (tenant_remember_blocks), against the same records without."""
+    records = sum(body.count(b"\n") for body in bodies)
+    tenanted = with_tenants(bodies, 20, hashes=False)
+    hashed = with_tenants(bodies, 20, hashes=True)
+    blocks = sum(body.count(b",") for body in hashed)  # about the hashes sent
+
+    def run(payloads: list[bytes], **settings: int) -> Callable[[], int]:
+        def ingest() -> int:
+            aggregator = Aggregator(load_settings(**settings))
+            keep = aggregator.tenants.storers is not None
+            for body in payloads:
+                aggregator.add(push.read_records(body, 100_000, keep_prefix_hashes=keep), "push")
+            return records
+
+        return ingest
+
+    rates = interleaved_rates(
+        {
+            "none": run(bodies),
+            "tenant": run(tenanted),
+            "hashes_dropped": run(hashed),
+            "hashes_checked": run(hashed, tenant_remember_blocks=1_000_000),
+        },
+        repeats,
+    )
+    print(f"tenants: {records:,} records, about {blocks / records:,.0f} prefix hashes each when hashed")
+    for name, title in (
+        ("tenant", "with a tenant (per-tenant sums)"),
+        ("hashes_dropped", "+ prefix_hashes, check off"),
+        ("hashes_checked", "+ prefix_hashes, block storers on"),
+    ):
+        print(
+            f"  {title:<36} {statistics.median(rates[name]):>12,.0f} records/s   "
+            f"{median_ratio(rates[name], rates['none']):.0%} of the same records without "
+            f"({statistics.median(rates['none']):,.0f} records/s)"
+        )
+
+
 def start_server(args: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -317,11 +376,15 @@ def rss(records_total: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="smaller runs (a smoke test, not figures)")
+    parser.add_argument("--tenants", action="store_true", help="only the cost of tenants on the ingest path")
     args = parser.parse_args()
     repeats = 3 if args.quick else 7
     bodies = payload(20 if args.quick else 100)
     size = sum(map(len, bodies)) / len(bodies)
     print(f"payload: {len(bodies)} NDJSON batches of {BATCH} records, {size:,.0f} bytes each")
+    if args.tenants:
+        tenant_cost(bodies, repeats)
+        return
     in_process(bodies, repeats)
     over_http(bodies[:20] if args.quick else bodies, 3 if args.quick else 5)
     for target in (2_000, 20_000):

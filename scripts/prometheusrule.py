@@ -8,7 +8,7 @@ PrometheusRule.
 
 Sources: ALERT_RULES below (the alerts, each threshold explained, without runbook_url) and
 kvlens.exporter.promql's RULE_GROUPS (the recording rules), both built with the idioms, label and
-cause lists that scripts/dashboards.py uses too: edit there, then run this. Outputs:
+cause lists that scripts/dashboards/ uses too: edit there, then run this. Outputs:
 deploy/prometheus/kvlens-rules.yaml, deploy/prometheus/kvlens-alerts.yaml and
 deploy/kubernetes/prometheusrule.yaml, or, with --out,
 kvlens-rules.yaml, kvlens-alerts.yaml and prometheusrule.yaml in that directory (a fork's own
@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from kvlens.exporter import promql
+from kvlens.exporter import metrics, promql
 from kvlens.exporter.collector import RETRIED_REFUSALS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,6 +113,22 @@ REUSE_6H = promql.NAMESPACE_MODEL_REUSE_6H.record
 HIT_5M = promql.NAMESPACE_MODEL_HIT.record
 HIT_6H = promql.NAMESPACE_MODEL_HIT_6H.record
 on, summed = promql.on, promql.summed
+BUILD_INFO = metrics.BUILD_INFO.exposed_name
+
+
+def label_overflow(name: str, counter: metrics.MetricSpec, label: str) -> Alert:
+    """The alert of one capped label (model, tenant): records folded into ``label="other"`` in
+    the last 15 minutes, per sidecar (its cap is its own), for 5 minutes."""
+    return Alert(
+        name,
+        f"{summed(counter.exposed_name, '15m', SIDECAR, fn='increase')} > 0\n",
+        "5m",
+        "warning",
+        f'kvlens folds {label}s into "other" ({{{{ $labels.instance }}}})',
+        f"{{{{ $value | humanize }}}} records in 15 minutes carried a {label} beyond the label cap "
+        f'and were counted as {label}="other".',
+    )
+
 
 ALERT_RULES = (
     # A target that served kvlens's metrics in the last day is down, or (when no such target
@@ -120,8 +136,8 @@ ALERT_RULES = (
     # kvlens_build_info identifies kvlens targets.
     Alert(
         "KVLensDown",
-        f"(\n  up == 0\n  and {on(SIDECAR)} last_over_time(kvlens_build_info[1d])\n)\n"
-        "or on () absent(kvlens_build_info)\n",
+        f"(\n  up == 0\n  and {on(SIDECAR)} last_over_time({BUILD_INFO}[1d])\n)\n"
+        f"or on () absent({BUILD_INFO})\n",
         "5m",
         "warning",
         "kvlens is down or not scraped ({{ $labels.instance }})",
@@ -131,7 +147,7 @@ ALERT_RULES = (
     # Metric families fail to render and are left out of /metrics, for 10 minutes.
     Alert(
         "KVLensCollectorErrors",
-        f"{summed('kvlens_collector_errors_total', '5m', SIDECAR)} > 0\n",
+        f"{summed(metrics.SCRAPE_ERRORS.exposed_name, '5m', SIDECAR)} > 0\n",
         "10m",
         "warning",
         "kvlens leaves metric families out of /metrics ({{ $labels.instance }})",
@@ -160,8 +176,8 @@ ALERT_RULES = (
     Alert(
         "KVLensRecordsRejected",
         promql.share(
-            "kvlens_records_rejected_total",
-            "kvlens_records_received_total",
+            metrics.REJECTED.exposed_name,
+            metrics.RECEIVED.exposed_name,
             "5m",
             (*SIDECAR, "source"),
             ("reason",),
@@ -178,7 +194,7 @@ ALERT_RULES = (
     # sidecar restart from paging alone.
     Alert(
         "KVLensRecordsDropped",
-        f"{summed('kvlens_records_dropped_total', '15m', (*SIDECAR, 'source'), fn='increase')} > 0\n",
+        f"{summed(metrics.DROPPED.exposed_name, '15m', (*SIDECAR, 'source'), fn='increase')} > 0\n",
         "5m",
         "warning",
         "{{ $labels.source }} dropped records before delivering them ({{ $labels.instance }})",
@@ -188,27 +204,21 @@ ALERT_RULES = (
     # The engine finishes requests (seen by --scrape) but this sidecar receives no records.
     Alert(
         "KVLensNoRecords",
-        f"{summed('kvlens_engine_requests_total', '10m', SIDECAR)} > 0\n"
-        f"unless {on(SIDECAR)}\n  {summed('kvlens_records_received_total', '10m', SIDECAR)} > 0\n",
+        f"{summed(metrics.ENGINE_COUNTERS['requests'].exposed_name, '10m', SIDECAR)} > 0\n"
+        f"unless {on(SIDECAR)}\n  {summed(metrics.RECEIVED.exposed_name, '10m', SIDECAR)} > 0\n",
         "10m",
         "warning",
         "The engine serves traffic but kvlens receives no records ({{ $labels.instance }})",
         "The engine finishes {{ $value | humanize }} requests/s and kvlens received none in 10 "
         "minutes: the plugin, tail or trace path is broken.",
     ),
-    # More models than the label cap: records are folded into model="other".
-    Alert(
-        "KVLensSeriesOverflow",
-        f"{summed('kvlens_series_overflow_total', '15m', SIDECAR, fn='increase')} > 0\n",
-        "5m",
-        "warning",
-        'kvlens folds models into "other" ({{ $labels.instance }})',
-        "{{ $value | humanize }} records in 15 minutes carried a model beyond the label cap and were "
-        'counted as model="other".',
-    ),
+    # More models, or tenants, than the label cap: records are folded into model="other"
+    # (tenant="other"). The model's alert kept its first name.
+    label_overflow("KVLensSeriesOverflow", metrics.OVERFLOW, "model"),
+    label_overflow("KVLensTenantLabelOverflow", metrics.TENANT_OVERFLOW, "tenant"),
     Alert(
         "KVLensUpstreamDown",
-        "kvlens_upstream_up == 0",
+        f"{metrics.UPSTREAM_UP.exposed_name} == 0",
         "5m",
         "warning",
         "kvlens cannot scrape {{ $labels.target }} ({{ $labels.instance }})",
@@ -239,7 +249,7 @@ ALERT_RULES = (
     # Ingest listens beyond loopback without a token: anyone who reaches it can push records.
     Alert(
         "KVLensIngestOpen",
-        f"max by ({promql.labels(SIDECAR)}) (kvlens_ingest_open) == 1",
+        f"max by ({promql.labels(SIDECAR)}) ({metrics.INGEST_OPEN.exposed_name}) == 1",
         "10m",
         "warning",
         "kvlens ingest is open without a token ({{ $labels.instance }})",
@@ -249,7 +259,7 @@ ALERT_RULES = (
     # A tail cannot write its checkpoint: lines are counted, a restart would read them again.
     Alert(
         "KVLensTailCheckpointFailing",
-        "kvlens_tail_checkpoint_ok == 0",
+        f"{metrics.TAIL_CHECKPOINT_OK.exposed_name} == 0",
         "5m",
         "warning",
         "kvlens cannot checkpoint the tail {{ $labels.path }} ({{ $labels.instance }})",
@@ -262,7 +272,9 @@ ALERT_RULES = (
     Alert(
         "KVLensIngestRefused",
         summed(
-            promql.selector("kvlens_ingest_refused_total", f'reason!~"{"|".join(RETRIED_REFUSALS)}"'),
+            promql.selector(
+                metrics.INGEST_REFUSED.exposed_name, promql.one_of("reason", RETRIED_REFUSALS, negate=True)
+            ),
             "15m",
             (*SIDECAR, "reason"),
             indent="",
@@ -290,6 +302,56 @@ ALERT_RULES = (
         "{{ $value | humanizePercentage }} of the tokens the fleet could have reused were recomputed "
         "on a replica while another replica held their blocks (KV events), and the request hit "
         "ratio did not change: requests go where their prefix is not.",
+    ),
+    # A tenant's requests got cached tokens over blocks only another tenant had stored (records'
+    # prefix_hashes, with tenant_remember_blocks): more than 0 (threshold) in 15 minutes. Any such
+    # hit breaks "never put different tenants in one shared cache scope"; no `for`, as a hit is
+    # not a level that settles. Per sidecar and tenant: the sidecar that saw it names the path.
+    Alert(
+        "KVLensCrossTenantReuse",
+        summed("kvlens_cross_tenant_cached_tokens_total", "15m", (*SIDECAR, "tenant"), fn="increase")
+        + " > 0\n",
+        "0m",
+        "warning",
+        "Tenant {{ $labels.tenant }} got cached tokens stored by another tenant ({{ $labels.instance }})",
+        "{{ $value | humanize }} prompt tokens of tenant {{ $labels.tenant }}'s requests in 15 minutes came "
+        "from blocks only another tenant had stored: two tenants share a cache scope (a salt dropped, "
+        "or none set). kvlens analyze on the records names the pairs and the first request ids.",
+    ),
+    # A fleet where every tenant must be salted (kvlens serve --require-cache-salt): a replica
+    # stored a chain of blocks that starts without a cache salt in the last 15 minutes (any is a
+    # breach of the rule: threshold 0). Per replica, so the alert says which engine serves it.
+    Alert(
+        "KVLensUnsaltedCacheBlocks",
+        summed(
+            metrics.KV_UNSALTED_BLOCKS.exposed_name,
+            "15m",
+            (*SIDECAR, "replica"),
+            indent="",
+            fn="increase",
+        )
+        + " > 0\n",
+        "0m",
+        "warning",
+        "Replica {{ $labels.replica }} caches blocks without a tenant's salt",
+        "{{ $value | humanize }} blocks stored by {{ $labels.replica }} in 15 minutes start a chain "
+        "without a cache salt (KV events): requests without cache_salt share the cache scope of "
+        "every other unsalted request, against the fleet's rule that every tenant is salted.",
+    ),
+    # The same, in modelled prefill work (each recomputed block at its position): more than 20 %
+    # (threshold) of the work the fleet could have saved, per unit, for 15 minutes, the hit ratio
+    # steady. Long prompts routed away fire it where the token share stays under 20 %.
+    Alert(
+        "KVLensComputeLostToRouting",
+        f"{promql.ROUTING_WORK_SHARE_OF_REUSABLE.record} > 0.2\n"
+        f"and {on(NAMESPACE)} (\n  abs(\n    {promql.NAMESPACE_HIT.record}\n"
+        f"      - ({promql.NAMESPACE_HIT_6H.record} offset 1h)\n  ) < 0.1\n)\n",
+        "15m",
+        "warning",
+        "Routing loses {{ $value | humanizePercentage }} of the reusable prefill work ({{ $labels.unit }})",
+        "{{ $value | humanizePercentage }} of the modelled prefill work the fleet could have saved was "
+        "recomputed on a replica while another replica held the blocks (KV events, each block at its "
+        "position), and the request hit ratio did not change: long prompts go where their prefix is not.",
     ),
 )
 

@@ -40,6 +40,7 @@ from kvlens.fleet.limits import (
     REMEMBERED_ENTRY_BYTES,
     VANISHED_RETENTION_SECONDS,
 )
+from kvlens.fleet.settings import TrtllmEventsSetting
 from kvlens.http.access import loopback
 from kvlens.records import MAX_LABEL_BYTES, valid_label
 from kvlens.sources import formats
@@ -368,6 +369,20 @@ class Settings(BaseSettings):
     )
     max_models: int = Field(50, ge=1, le=10_000, description="Cap on `model` values without allow-list.")
     default_model: str = Field("unknown", description="`model` label of records that carry none.")
+    tenants: list[str] = Field(
+        [],
+        description="Allow-list of `tenant` label values (kvlens_tenant_*); empty: the first "
+        "`max_tenants` seen.",
+    )
+    max_tenants: int = Field(50, ge=1, le=10_000, description="Cap on `tenant` values without allow-list.")
+    tenant_remember_blocks: int = Field(
+        0,
+        ge=0,
+        le=100_000_000,
+        description="Set: blocks whose storing tenant is remembered (about 160 bytes each, least "
+        "recently seen forgotten first), from records' tenant and prefix_hashes: "
+        "kvlens_cross_tenant_cached_tokens_total.",
+    )
     analyze_memory_limit: str = Field(
         limits.DEFAULT_MEMORY_LIMIT,
         description="Memory `kvlens analyze --engine duckdb` holds before it spills (`--memory-limit`).",
@@ -425,6 +440,12 @@ class Settings(BaseSettings):
         f"scrape sees its last counts), then they are dropped; at most {MAX_VANISHED} gone replicas kept, "
         "oldest dropped first.",
     )
+    kv_events_model: str = Field(
+        "",
+        description="The model the followed fleet serves: its recomputed blocks' work "
+        "(kvlens_kv_recomputed_work_total) is counted by that model's cost model, as compute saved is "
+        "(cost_models, else FLOPs from model_shapes, else default_cost_model).",
+    )
     kv_events_hashes_alike: bool = Field(
         False, description="Every replica hashes blocks alike (same algorithm and seed): key by engine hash."
     )
@@ -448,6 +469,26 @@ class Settings(BaseSettings):
         le=60,
         description="Batches from different replicas are applied in timestamp order after this wait.",
     )
+    kv_events_trtllm: list[TrtllmEventsSetting] = Field(
+        [],
+        description="TensorRT-LLM servers whose KV cache events are drained (`--kv-events-trtllm NAME=URL`): "
+        "POST URL/kv_cache_events every kv_events_trtllm_poll_seconds; no other client may drain them.",
+    )
+    kv_events_trtllm_poll_seconds: float = Field(
+        1.0, gt=0, le=60, description="Seconds between drains of each kv_events_trtllm server."
+    )
+    kv_events_sessions: int = Field(
+        0,
+        ge=0,
+        le=1_000_000,
+        description="Keep the tokens of each of the last N sessions' GPU stores by cause (vLLM's session_id "
+        "on KV events), for the per-request view; 0: off (payloads with a session id read more slowly).",
+    )
+    kv_events_require_cache_salt: bool = Field(
+        False,
+        description="Every tenant must be salted: blocks of GPU stores that start a chain without a cache "
+        "salt are counted (kvlens_kv_unsalted_blocks_stored_total, alert KVLensUnsaltedCacheBlocks).",
+    )
     kv_events_shard: str = Field(
         "0/1", description="i/N: keep only the blocks of shard i of N (N kvlens on the same publishers)."
     )
@@ -456,6 +497,21 @@ class Settings(BaseSettings):
         ge=1,
         description="Set: records with prefix_hashes and replica go through one modelled cache of this "
         "many blocks per replica: kvlens_kv_modelled_recomputed_tokens_total (causes without KV events).",
+    )
+    diagnosis_requests: int = Field(
+        10_000,
+        ge=0,
+        le=1_000_000,
+        description="Diagnoses of the last requests kept for GET /v1/requests/{request_id}/diagnosis "
+        "(records with prefix_hashes and request_id; about 700 bytes each); 0: none kept, "
+        "kvlens_request_misses_total still counted.",
+    )
+    diagnosis_remember_blocks: int = Field(
+        200_000,
+        ge=1,
+        le=100_000_000,
+        description="Block ids remembered to diagnose requests' misses (about 260 bytes each; the oldest "
+        "forgotten first: a block forgotten is new again).",
     )
     modelled_block_size: int = Field(
         16,
@@ -668,15 +724,15 @@ class Settings(BaseSettings):
             for url in self.scrape_targets
         ]
 
-    @field_validator("models", "cost_models", "default_model", "model_shapes")
+    @field_validator("models", "cost_models", "default_model", "model_shapes", "tenants")
     @classmethod
-    def _label_values(cls, value: Any) -> Any:
+    def _label_values(cls, value: Any, info: ValidationInfo) -> Any:
         names = [value] if isinstance(value, str) else list(value)
         bad = [name for name in names if not name or not valid_label(name) or name == "other"]
         if bad:
             raise ValueError(
-                "model names must be non-empty printable UTF-8 "
-                f"of at most {MAX_LABEL_BYTES} bytes, not 'other'"
+                f"{'tenant' if info.field_name == 'tenants' else 'model'} names must be non-empty "
+                f"printable UTF-8 of at most {MAX_LABEL_BYTES} bytes, not 'other'"
             )
         return value
 

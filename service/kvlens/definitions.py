@@ -128,6 +128,15 @@ def modelled_work(
     return prompt_work, reused_work, unit
 
 
+DEFAULT_BLOCK_SIZE = 16  # vLLM's default: the block size of a record that names none
+
+
+def cached_blocks(cached_tokens: int, block_size: int) -> int:
+    """The blocks of a request's chain it got from the cache: ``floor(h / block_size)``, the
+    full blocks its cached tokens cover (a partial block is never credited: a lower bound)."""
+    return cached_tokens // block_size
+
+
 def reusable_full_block_tokens(shared_prefix_tokens: ArrayLike, block_size: int) -> npt.NDArray[np.int64]:
     """Tokens of a shared prefix that a block cache can reuse: only full blocks are cached."""
     if block_size <= 0:

@@ -116,3 +116,16 @@ def unpack_hit(code: int) -> tuple[int, bool]:
     """(prefix, hit) of a :func:`pack_hit` code."""
     prefix, hit = divmod(code, HIT_STRIDE)
     return prefix, bool(hit)
+
+
+def codes_of(prefixes: int) -> int:
+    """The codes a :func:`pack_hit` numbering of ``prefixes`` prefixes (0 up) takes."""
+    return prefixes * HIT_STRIDE
+
+
+def prefixes_of(codes: int) -> int:
+    """The prefixes a :func:`pack_hit` numbering of ``codes`` codes holds."""
+    return codes // HIT_STRIDE
+
+
+HIT_CODES = slice(1, None, HIT_STRIDE)  # the hit codes of a numbering from 0, as an index

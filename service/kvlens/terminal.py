@@ -1,10 +1,15 @@
-"""Plain-text output that fits the terminal: its width (``COLUMNS`` when set, as rich reads it;
-80 when stdout is no terminal) and lines wrapped between words, never through a number."""
+"""Output at the terminal: its width (``COLUMNS`` when set, as rich reads it; 80 when stdout is
+no terminal), plain lines wrapped between words, never through a number, and the one rich console
+every table and line printed with rich goes through (:func:`console`)."""
 
 from __future__ import annotations
 
 import shutil
 import textwrap
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 NARROWEST = 80  # what every text output is laid out to fit; wider terminals may show more
 
@@ -25,3 +30,15 @@ def wrap(line: str, columns: int, indent: str = "  ") -> list[str]:
 
 def wrapped(lines: list[str], columns: int) -> list[str]:
     return [part for line in lines for part in wrap(line, columns)]
+
+
+def console(**options: Any) -> Console:
+    """A rich console on which a string is always text as written: every string kvlens prints
+    with rich may hold a name from the records or the command line (a model, tenant, request id,
+    arm, file name), and rich would read "[/x]" as markup (MarkupError), "[bold]z" as a style
+    (its brackets lost) and ":smile:" as an emoji, in a table's title, header or cell as in a
+    line. Styles are given as ``rich.text.Text`` spans, never as markup in a string. (rich is
+    the analyze extra: imported here, when a table is printed.)"""
+    from rich.console import Console
+
+    return Console(markup=False, emoji=False, **options)

@@ -40,3 +40,24 @@ def test_a_reader_that_leaves_the_pipe_ends_the_output_quietly(tmp_path: Path) -
     )
     assert done.stderr == ""  # no BrokenPipeError traceback
     assert done.returncode == 141  # 128 + SIGPIPE, as a program killed by the broken pipe
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full")
+@pytest.mark.parametrize(
+    ("command", "size"),
+    [
+        (["import", "vllm-bench", "tests/fixtures/bench-tools/vllm-bench/on.json"], "large"),
+        (["analyze", "--json", "RECORDS"], "small"),  # held in the buffer: fails at the last flush
+    ],
+)
+def test_a_full_disk_under_stdout_is_one_line_and_exit_1(
+    tmp_path: Path, command: list[str], size: str
+) -> None:
+    records = tmp_path / "records.jsonl"
+    records.write_bytes(b'{"prompt_tokens": 100, "cached_tokens": 50}\n')
+    argv = [sys.executable, "-m", "kvlens.cli", *(str(records) if a == "RECORDS" else a for a in command)]
+    with open("/dev/full", "wb") as full:
+        done = subprocess.run(argv, stdout=full, stderr=subprocess.PIPE, text=True, timeout=60)
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
+    assert "kvlens: cannot write the output: No space left on device" in done.stderr, done.stderr
+    assert done.returncode == 1, (size, done.stderr)

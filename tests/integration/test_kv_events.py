@@ -185,6 +185,13 @@ def test_shards_sum_to_the_whole_over_real_processes() -> None:
                 ), labels
         assert total(whole, name, cause="held_elsewhere") > 0
         assert all(0 < total(shard, name) < total(whole, name) for shard in shards)
+        # the work too: each block's depth chains from its parent, whatever the parent's shard
+        work = "kvlens_kv_recomputed_work_total"
+        for cause in ("new", "evicted_here", "held_elsewhere", "evicted_elsewhere"):
+            assert sum(total(shard, work, cause=cause) for shard in shards) == pytest.approx(
+                total(whole, work, cause=cause), rel=1e-12
+            ), cause
+        assert total(whole, "kvlens_kv_depth_unknown_tokens_total") == 0
         for family in (
             "kvlens_kv_blocks_stored_total",
             "kvlens_kv_blocks_removed_total",

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvlens.analysis import compare
+from kvlens.analysis import compare, compare_text
 from kvlens.analysis.duckdb import compare as duckdb_compare
 from kvlens.analysis.duckdb import inputs
 from kvlens.analysis.duckdb.engine import Engine
@@ -164,7 +164,7 @@ def test_goldens_through_both_engines(tmp_path: Path, run: Callable[..., dict[st
     low, high = ttft["p50"]["ci95"]
     assert low <= ttft["p50"]["delta"] <= high < 0
     assert group["reuse"]["warm"]["token_reuse_ratio"] == 0.75
-    assert "| 512-2047 | miss | 50 | warm | ttft |" in compare.markdown(result)
+    assert "| 512-2047 | miss | 50 | warm | ttft |" in compare_text.markdown(result)
     assert result["not_benefiting"]["warm"] == {
         "requests": 0,
         "share": 0.0,

@@ -82,7 +82,8 @@ def test_golden_exposition_values() -> None:
 def test_every_exported_family_is_in_the_metric_table() -> None:
     registry, _ = article_registry()
     names = {family.name for family in text_string_to_metric_families(generate_latest(registry).decode())}
-    # with --scrape, model_shapes, tails, --kv-events, and the app (ServiceHealth)
+    # with --scrape, model_shapes, tails, --kv-events, the app (ServiceHealth, diagnoses), a
+    # tenant, and tenant_remember_blocks
     optional = {
         spec.name
         for spec in (
@@ -91,7 +92,10 @@ def test_every_exported_family_is_in_the_metric_table() -> None:
             *metrics.TAIL,
             *metrics.KV,
             *metrics.KV_MODELLED,
+            *metrics.DIAGNOSES,
             *metrics.SERVICE,
+            *metrics.TENANT,
+            *metrics.CROSS_TENANT,
         )
     }
     assert names == {spec.name for spec in metrics.ALL} - optional

@@ -25,6 +25,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvlens.definitions import SECONDS, UNITS
+from kvlens.exporter.promql import LOST
 from kvlens.fleet.index import (
     CAUSES,
     EVICTED_ELSEWHERE,
@@ -37,6 +39,7 @@ from kvlens.fleet.index import (
 )
 from kvlens.fleet.limits import HELD_ENTRY_BYTES, MAX_REPLICAS, REMEMBERED_ENTRY_BYTES
 from kvlens.fleet.simulated import SimulatedEngine, into_index
+from kvlens.simulate.replica import DEFAULT_SERVICE
 from kvlens.simulate.run import Fleet, Outcome, simulate, walk
 from kvlens.simulate.trace import BUNDLED, MOONCAKE, Trace, TraceRequest
 
@@ -53,8 +56,23 @@ def requests() -> list[TraceRequest]:
 
 
 @pytest.fixture(scope="module")
-def reachable_tokens(requests: list[TraceRequest]) -> int:
-    return walk(requests, None, BLOCK, "reachable").totals.cached_tokens
+def reachable(requests: list[TraceRequest]) -> Outcome:
+    return walk(requests, None, BLOCK, "reachable")
+
+
+@pytest.fixture(scope="module")
+def reachable_tokens(reachable: Outcome) -> int:
+    return reachable.totals.cached_tokens
+
+
+def lost_work(index: FleetIndex) -> float:
+    """The index's lost causes in work, by the simulator's own cost model (seconds)."""
+    work = index.snapshot().recomputed_work(DEFAULT_SERVICE.prefill)
+    return sum(value for (_, cause), value in work.items() if cause in LOST)
+
+
+def saved_seconds(outcome: Outcome) -> float:
+    return outcome.totals.reused_work[UNITS.index(SECONDS)]
 
 
 def run(
@@ -97,13 +115,14 @@ def test_one_unbounded_replica_recomputes_only_new_blocks(requests: list[TraceRe
 
 @pytest.mark.parametrize("capacity", [3000, 8000])
 def test_one_replica_with_a_capacity_recomputes_the_reuse_it_evicted(
-    requests: list[TraceRequest], reachable_tokens: int, capacity: int
+    requests: list[TraceRequest], reachable: Outcome, reachable_tokens: int, capacity: int
 ) -> None:
     outcome, index = run(requests, 1, capacity, "round_robin")
     assert outcome.refused == 0  # the identity's condition (a)
     causes = by_cause(index)
     assert set(causes) == {NEW, EVICTED_HERE}
     assert causes[EVICTED_HERE] == reachable_tokens - outcome.totals.cached_tokens
+    assert lost_work(index) == pytest.approx(saved_seconds(reachable) - saved_seconds(outcome), rel=1e-9)
     assert causes[EVICTED_HERE] > 0
     distinct = len({key for r in requests for key in r.blocks})
     assert causes[NEW] == distinct * BLOCK
@@ -122,13 +141,17 @@ def test_unbounded_replicas_recompute_what_another_one_held(
 
 
 def test_with_capacity_and_replicas_the_causes_cover_every_stored_block(
-    requests: list[TraceRequest], reachable_tokens: int
+    requests: list[TraceRequest], reachable: Outcome, reachable_tokens: int
 ) -> None:
     outcome, index = run(requests, 4, 2000, "round_robin")
     assert outcome.refused == 0
     causes = by_cause(index)
     lost = causes[HELD_ELSEWHERE] + causes[EVICTED_HERE] + causes[EVICTED_ELSEWHERE]
     assert lost == reachable_tokens - outcome.totals.cached_tokens  # the whole gap, split by cause
+    # and in work: each lost block at its position, by the cost model of compute saved, is the
+    # compute the reachable reuse would have saved beyond what the replicas' caches delivered
+    assert lost_work(index) == pytest.approx(saved_seconds(reachable) - saved_seconds(outcome), rel=1e-9)
+    assert index.snapshot().depth_unknown_tokens == {}
     snapshot = index.snapshot()
     stored = sum(snapshot.stored.values())
     assert sum(by_cause(index, tokens=False).values()) == stored

@@ -129,9 +129,10 @@ def test_tables_rebuilt_and_replicas_forgotten_pause_between_slices(monkeypatch:
     monkeypatch.setattr(index.lock, "pause", lambda: pauses.append(None))
     first, more = list(range(30_000)), list(range(30_000, 60_000))
     index.stored("a", first, None, first, 1)
-    slots = index._fleet.rows.shape[0] - 3
-    index.stored("a", more, None, more, 1)  # both tables (the replica's, the fleet's) rebuilt larger
-    assert len(pauses) == 2 * (math.ceil(slots / 1024) - 1)
+    # the replica's table (with its depths, rebuilt fuller) and the fleet's: their own sizes
+    slots = [index._replicas["a"].table.rows.shape[0] - 3, index._fleet.rows.shape[0] - 3]
+    index.stored("a", more, None, more, 1)  # both tables rebuilt larger
+    assert len(pauses) == sum(math.ceil(n / 1024) - 1 for n in slots)
     pauses.clear()
     rows = [index._replicas["a"].table.rows.shape[0], index._fleet.rows.shape[0]]
     index.forget_replica("a")  # its table cleared, its bit taken off the fleet's two tables

@@ -10,12 +10,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvlens import reduce
 from kvlens.reduce import pack_hit, unpack_hit
 from kvlens.reduce_sql import pack_hit_sql
 
 PACKAGE = Path(__file__).resolve().parents[2] / "service" / "kvlens"
-# "x * 2 + hit", "divmod(code, 2)", "g // 2 - 1, bool(g % 2)": the packing spelled by hand
-BY_HAND = re.compile(r"\* 2 \+ [\w.]*hit|\* 2 \+ CAST\(hit|divmod\([\w.]+, 2\)|// 2 - 1")
+# "x * 2 + hit", "divmod(code, 2)", "g // 2 - 1, bool(g % 2)": the packing spelled by hand; and
+# its size: "groups // 2" prefixes of a numbering, "group_labels(row * 2)" a prefix's miss code,
+# "[1::2]" its hit codes
+BY_HAND = re.compile(
+    r"\* 2 \+ [\w.]*hit|\* 2 \+ CAST\(hit|divmod\([\w.]+, 2\)|// 2 - 1"
+    r"|groups // 2|group_labels\([\w.]+ \* 2\)|\[1::(?:2|HIT_STRIDE)\]|\* HIT_STRIDE\b"
+)
+
+
+def test_a_numbering_of_prefixes_has_a_miss_and_a_hit_code_each() -> None:
+    assert reduce.codes_of(5) == 10 and reduce.prefixes_of(10) == 5
+    counts = np.arange(reduce.codes_of(3))
+    assert counts[reduce.HIT_CODES].tolist() == [pack_hit(p, True) for p in range(3)]
 
 
 def test_pack_and_unpack() -> None:

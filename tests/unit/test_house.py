@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "service" / "kvlens"
 FLOORS = {
     1: {"definitions", "stats", "errors", "limits", "logs", "terminal", "nnls", "outputs"},
     2: {"http", "records", "jsonscan", "reduce", "reduce_sql", "sqltext", "bandwidth", "shapes"},
-    3: {"sources", "fleet"},
+    3: {"sources", "fleet", "tenancy"},
     4: {"exporter", "analysis", "simulate", "experiment"},
     5: {"config"},
     6: {"cli", "console", "healthcheck"},

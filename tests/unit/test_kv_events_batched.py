@@ -172,7 +172,13 @@ def test_the_compiled_path_counts_and_holds_what_the_event_by_event_one_does(
 ) -> None:
     publishers = [Publisher("a", "tcp://a:1"), Publisher("b", "tcp://b:1")]
     # small caps: the remembered ring wraps (forgotten blocks), held blocks pass the cap (untracked)
-    caps = {"hashes_alike": alike, "remember_blocks": 5, "max_held_blocks": 9}
+    caps = {
+        "hashes_alike": alike,
+        "remember_blocks": 5,
+        "max_held_blocks": 9,
+        "require_cache_salt": True,
+        "sessions": 3,
+    }
     compiled = Consumer(Counting(**caps), publishers)
     reference = Consumer(EventByEvent(**caps), publishers)
     seqs = dict.fromkeys("ab", 0)
@@ -191,7 +197,7 @@ def test_the_usual_payloads_take_the_compiled_path_and_the_rest_msgspec() -> Non
     usual = [
         vllm.BlockStored([1, 2], None, tokens, BLOCK, None, "GPU", None),
         vllm.BlockStored([3], 2, tokens[:2], BLOCK, None, "CPU", None, [None], 0, "full_attention", 0),
-        vllm.BlockRemoved([1], "GPU", group_idx=1),
+        vllm.BlockRemoved([1], "GPU", group_idx=0),
         vllm.AllBlocksCleared(),
     ]
     sglang = [["BlockStored", [4], None, tokens[:2], BLOCK, None, None, None], ["BlockRemoved", [4]]]
@@ -208,9 +214,12 @@ def test_the_usual_payloads_take_the_compiled_path_and_the_rest_msgspec() -> Non
         {"block_hashes": [5], "type": "BlockRemoved"},  # the tag not first
         {"type": "BlockRemoved", "block_hashes": [5], "surprise": 1},  # an unknown field
         {"type": "BlockMoved"},
+        # a hybrid model's other KV cache groups and kinds (kvlens.fleet.groups)
+        vllm.BlockRemoved([1], "GPU", group_idx=1),
+        vllm.BlockStored([5], None, tokens[:2], BLOCK, None, "GPU", None, None, 0, "sliding_window"),
     ]
     index = Counting()
-    assert index.apply_payload("a", vllm.encode(vllm.KVEventBatch(TS, usual, 0))) == [2, 1, 1, 0, 1]
+    assert index.apply_payload("a", vllm.encode(vllm.KVEventBatch(TS, usual, 0))) == [2, 1, 1, 0, 0]
     assert index.apply_payload("a", msgspec.msgpack.encode([TS, sglang])) == [1, 1, 0, 0, 0]
     before = tables(index)
     for event in unusual:

@@ -512,3 +512,123 @@ def test_the_first_epoch_seen_and_a_comeback_after_vanishing_are_no_restart() ->
     c.add(Publisher("a", "tcp://a:5557"))
     c.message("a", 0, batch(), None, b"e2")
     assert (c.status["a"].restarts, c.status["a"].gaps) == (0, 0)
+
+
+def test_a_hybrid_models_prefix_is_held_only_where_every_full_attention_group_holds_it() -> None:
+    """vLLM 0.33's hybrid model (two full-attention groups, a sliding-window and a Mamba group),
+    its events encoded with vLLM's own structs: a removal from any full-attention group ends the
+    hit; the other kinds' events change nothing held; the stores of one group are followed."""
+    c = consumer()
+    kinds = ["full_attention", "mla_attention", "sliding_window", "mamba"]
+    c.message(
+        "a",
+        0,
+        batch(
+            *(
+                stored([1, 2], None, FIRST + SECOND, group_idx=g, kv_cache_spec_kind=k)
+                for g, k in enumerate(kinds)
+            )
+        ),
+        None,
+    )
+    assert c.index.recomputed == {("a", NEW): 2}
+    assert c.index.snapshot().held == {("a", "GPU"): 2}
+    c.message(
+        "a",
+        1,
+        batch(vllm.BlockRemoved([1], "GPU", group_idx=2), vllm.BlockRemoved([1], "GPU", group_idx=3)),
+        None,
+    )
+    assert c.index.snapshot().held == {("a", "GPU"): 2}  # a window's or a state's eviction: still a prefix
+    c.message("a", 2, batch(vllm.BlockRemoved([2], "GPU", group_idx=1)), None)
+    assert c.index.snapshot().held == {("a", "GPU"): 1}  # group 1 lost it: no hit on block 2 here
+    c.message("a", 3, batch(stored([2], 1, SECOND, group_idx=0, kv_cache_spec_kind="full_attention")), None)
+    assert c.index.recomputed == {("a", NEW): 2, ("a", EVICTED_HERE): 1}
+    assert c.status["a"].other_group_events == 5  # groups 1-3's stores, groups 2-3's removals
+
+
+def test_a_hybrid_model_whose_first_group_is_a_sliding_window_follows_its_full_attention_group() -> None:
+    c = consumer()
+    window = stored([1], None, FIRST, group_idx=0, kv_cache_spec_kind="sliding_window")
+    full = stored([1], None, FIRST, group_idx=1, kv_cache_spec_kind="full_attention")
+    c.message("a", 0, batch(window, full), None)
+    c.message("a", 1, batch(vllm.BlockRemoved([1], "GPU", group_idx=0)), None)  # the window's: no loss
+    assert c.index.recomputed == {("a", NEW): 1}
+    assert c.index.snapshot().held == {("a", "GPU"): 1}
+    assert c.index.unknown_removed == 0
+
+
+def test_a_removal_of_one_copy_leaves_the_chain_another_copy_backs() -> None:
+    """vLLM #55092's case, as vLLM 0.33's block pool publishes it: request A caches H1 -> H2 -> H3;
+    the same prompt again recomputes its last block, a second physical copy of H3; request B
+    extends the chain to H5. Evicting A's copy of H3 announces BlockRemoved(H3), while the other
+    copy still backs the chain: the replica still holds H1..H5 (another replica storing them
+    finds all five held elsewhere); the second removal ends it."""
+    c = consumer()
+    third = [9, 8, 7, 6]
+    c.message("a", 0, batch(stored([1, 2, 3], None, FIRST + SECOND + third)), None)
+    c.message("a", 1, batch(stored([3], 2, third)), None)  # the recomputed last block: a copy
+    c.message("a", 2, batch(stored([4, 5], 3, FIRST + SECOND)), None)
+    c.message("a", 3, batch(vllm.BlockRemoved([3], "GPU")), None)
+    assert c.index.snapshot().held == {("a", "GPU"): 5}
+    c.message("b", 0, batch(stored([1, 2, 3, 4, 5], None, FIRST + SECOND + third + FIRST + SECOND)), None)
+    assert c.index.recomputed[("b", HELD_ELSEWHERE)] == 5
+    c.message("a", 4, batch(vllm.BlockRemoved([3], "GPU")), None)
+    assert c.index.snapshot().held == {("a", "GPU"): 4, ("b", "GPU"): 5}
+    assert c.index.unknown_removed == 0
+
+
+def removal(hashes: list[int], left: list[int]) -> dict[str, Any]:
+    """vLLM #48933's BlockRemoved (open upstream): each hash's physical copies left after it."""
+    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU", "remaining_copy_counts": left}
+
+
+def test_remaining_copy_counts_say_how_many_copies_stay() -> None:
+    """With the counts a removal is exact whatever the engine's policy: one announced after the
+    last copy went (vLLM #55092's fix) drops every copy kvlens holds; a count kvlens cannot reach
+    (it missed a store) removes nothing more; a count per hash or the event is malformed."""
+    c = consumer()
+    c.message("a", 0, batch(stored([1, 2], None, FIRST + SECOND)), None)
+    c.message("a", 1, batch(stored([2], 1, SECOND), stored([2], 1, SECOND)), None)  # 3 copies of 2
+    c.message("a", 2, batch(removal([2], [2])), None)
+    assert c.index.snapshot().held == {("a", "GPU"): 3}  # block 1, and 2 copies of block 2
+    c.message("a", 3, batch(removal([2], [0])), None)  # the last copy went: all of them
+    assert c.index.snapshot().held == {("a", "GPU"): 1}
+    c.message("a", 4, batch(removal([1], [3]), removal([1, 2], [0])), None)
+    assert c.index.snapshot().held == {("a", "GPU"): 1}
+    assert c.status["a"].malformed_events == 1
+    c.message("a", 5, batch(stored([2], 1, SECOND)), None)
+    assert c.index.recomputed[("a", EVICTED_HERE)] == 1
+
+
+@pytest.mark.parametrize("capacity", [2, 1])
+def test_each_sessions_stores_are_kept_by_cause_for_the_per_request_view(capacity: int) -> None:
+    """vLLM 0.33's session_id on BlockStored: the last sessions' GPU stores by cause, bounded."""
+    c = Consumer(
+        FleetIndex(sessions=capacity), [Publisher("a", "tcp://a:5557"), Publisher("b", "tcp://b:5557")]
+    )
+    c.message("a", 0, batch(stored([1, 2], None, FIRST + SECOND, session_id="s1")), None)
+    c.message("b", 0, batch(stored([1, 2], None, FIRST + SECOND, session_id="s2")), None)
+    c.message(
+        "b",
+        1,
+        batch(stored([3], 2, FIRST, session_id="s2"), stored([4], None, SECOND, session_id="x" * 257)),
+        None,
+    )
+    sessions = c.index.sessions
+    assert sessions is not None
+    view = sessions.get("s2")
+    assert view is not None and view.replica == "b"
+    assert view.tokens == {
+        NEW: 4,
+        EVICTED_HERE: 0,
+        HELD_ELSEWHERE: 8,
+        "evicted_elsewhere": 0,
+        "held_here": 0,
+        "unknown": 0,
+    }
+    first = sessions.get("s1")
+    assert (first is None) == (capacity == 1)
+    assert first is None or first.tokens[NEW] == 8
+    assert (sessions.too_long, sessions.forgotten) == (1, capacity == 1)
+    assert c.index.recomputed == {("a", NEW): 2, ("b", HELD_ELSEWHERE): 2, ("b", NEW): 2}

@@ -150,3 +150,22 @@ def test_hashes_of_chunks_inserted_again_after_a_refusal_are_kept(
     expected, got = both([str(path)])
     assert little_reuse(expected)["numbers"]["records_with_hashes"] == 20
     assert got == expected
+
+
+def test_the_sections_read_from_hashes_are_the_same_in_both_engines(tmp_path: Path) -> None:
+    """``misses`` and ``cross_tenant`` walk the records holding hashes, with their request ids,
+    replicas and tenants: the duckdb engine hands those records to the same walks."""
+    records = [
+        {
+            **record,
+            "request_id": f"req-{i}" if i % 5 else "",
+            "replica": f"r{i % 3}",
+            "tenant": ["acme", "globex", ""][i % 3],
+        }
+        for i, record in enumerate(mooncake_records()[:800])
+    ]
+    path = write_jsonl(tmp_path / "tenants.jsonl", records, extra=b"{broken\n")
+    expected, got = both([str(path)])
+    assert expected["misses"] is not None
+    assert expected["cross_tenant"]["records_checked"] > 0
+    assert got == expected

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvlens.exporter import promql
+from kvlens.exporter import metrics, promql
 from kvlens.fleet.index import CAUSES
 
 
@@ -47,4 +47,29 @@ def test_a_rule_on_a_dashboard_selects_every_label_its_level_keeps() -> None:
         '{cluster=~"$cluster", namespace=~"$namespace", job=~"$job", model=~"$model"}'
     )
     records = [rule.record for rules in promql.RULE_GROUPS.values() for rule in rules]
-    assert len(records) == len(set(records)) == 16
+    assert len(records) == len(set(records)) == 24
+
+
+def test_a_quantile_of_a_per_model_histogram_keeps_the_model_by_construction() -> None:
+    """An 8B and a 70B model make no one quantile: `model` is kept even where a caller leaves it out."""
+    assert promql.quantile(0.95, metrics.TTFT, 'job=~"$job"', "5m", ("prompt_len",)) == (
+        "histogram_quantile(0.95, sum by (model, prompt_len, le) "
+        '(rate(kvlens_ttft_seconds_bucket{job=~"$job"}[5m])))'
+    )
+    assert promql.quantile(0.99, metrics.LOOP_LAG, "", "5m", ("instance",)) == (
+        "histogram_quantile(0.99, sum by (instance, le) (rate(kvlens_event_loop_lag_seconds_bucket[5m])))"
+    )
+
+
+def test_compute_saved_is_one_ratio_per_unit_never_added_across_units() -> None:
+    per_model = promql.compute_saved("5m", ("model",))
+    assert per_model.count(" or ") == len(metrics.WORK) - 1
+    fleet = promql.compute_saved("5m")
+    assert [f'"unit", "{unit}"' in fleet for unit in metrics.WORK] == [True] * len(metrics.WORK)
+    assert "+" not in per_model + fleet
+
+
+def test_a_label_matcher_of_one_value_or_several_or_none_of_them() -> None:
+    assert promql.one_of("reason", ("busy",)) == 'reason="busy"'
+    assert promql.one_of("reason", ("busy", "displaced"), negate=True) == 'reason!~"busy|displaced"'
+    assert promql.one_of("reason", ("busy",), negate=True) == 'reason!="busy"'

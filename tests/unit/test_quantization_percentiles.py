@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvlens.experiment import quantization
+from kvlens.experiment import quantization_report
 from kvlens.experiment.quantization_text import percentile_lines
 from kvlens.terminal import NARROWEST
 
@@ -20,7 +20,7 @@ def records() -> list[dict[str, object]]:
 
 
 def test_each_percentile_of_each_metric_over_the_finished_requests() -> None:
-    row = quantization._latency(records(), (50.0, 90.0, 99.9))
+    row = quantization_report.latency(records(), (50.0, 90.0, 99.9))
     ttft = np.arange(1, 11) / 1000
     assert row["requests"] == 11 and row["errors"] == 1
     assert row["latency_percentiles"]["ttft_seconds"] == {
@@ -34,13 +34,13 @@ def test_each_percentile_of_each_metric_over_the_finished_requests() -> None:
 
 
 def test_no_finished_request_gives_none_not_a_number() -> None:
-    row = quantization._latency([{"error": "timeout"}], (50.0, 99.0))
+    row = quantization_report.latency([{"error": "timeout"}], (50.0, 99.0))
     assert row["latency_percentiles"]["ttft_seconds"] == {"p50": None, "p99": None}
 
 
 def test_the_table_has_a_row_per_metric_and_a_column_per_percentile_within_80_columns() -> None:
     percentiles = (50.0, 90.0, 95.0, 99.0)
-    row = quantization._latency(records(), percentiles)
+    row = quantization_report.latency(records(), percentiles)
     lines = percentile_lines("T", [("bf16        short  ", row)], {"percentiles": list(percentiles)})
     assert lines[:3] == ["T", "", " " * 24 + "     p50     p90     p95     p99"]
     ttft_ms = [f"{np.percentile(np.arange(1, 11) / 1000, q) * 1000:.1f}" for q in percentiles]
@@ -51,7 +51,7 @@ def test_the_table_has_a_row_per_metric_and_a_column_per_percentile_within_80_co
 
 def test_ten_percentiles_go_on_in_a_second_block_within_80_columns() -> None:
     percentiles = (1.0, 5.0, 10.0, 25.0, 50.0, 75.0, 90.0, 95.0, 99.0, 99.9)
-    row = quantization._latency(records(), percentiles)
+    row = quantization_report.latency(records(), percentiles)
     lines = percentile_lines("T", [("bf16        short  ", row)], {"percentiles": list(percentiles)})
     headers = [line.split() for line in lines if line.lstrip().startswith("p")]
     assert [name for header in headers for name in header] == [f"p{q:g}" for q in percentiles]

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from kvlens.experiment import plot, quantization, quantization_text
+from kvlens.experiment import plot, quantization, quantization_report, quantization_text
 from kvlens.experiment.protocol import ExperimentError
 
-TARGETS = quantization.Targets(attainment=0.9)
+TARGETS = quantization_report.Targets(attainment=0.9)
 
 
 def endpoints_holding(limits: dict[str, float]) -> tuple[Any, list[float]]:
@@ -60,7 +60,7 @@ def test_the_step_limit_bounds_the_sweep() -> None:
     assert load["highest_rate"] == {"bf16": 3, "w4a16": 8}
     assert load["sweep"]["stopped"] == "the step limit (2 doublings) was reached at 8 req/s"
     assert load["sweep"]["never_fell_under"] == ["w4a16"]
-    report = quantization.report(None, load, TARGETS, "bf16")
+    report = quantization_report.report(None, load, TARGETS, "bf16")
     words = " ".join(quantization_text.text(report).split())  # the text is wrapped to 80 columns
     assert "w4a16: highest rate meeting the targets: 8 req/s (never fell under: a lower bound)" in words
 

@@ -310,6 +310,11 @@ SHAPES: dict[tuple[str | int, ...], tuple[type, ...]] = {
     ("usage", "completion_tokens"): (int, type(None)),
     ("usage", "prompt_tokens_details"): (dict, type(None)),
     ("usage", "prompt_tokens_details", "cached_tokens"): (int, type(None)),
+    # the Responses API's names, which kvlens.sources.usage reads too
+    ("usage", "input_tokens"): (int, type(None)),
+    ("usage", "output_tokens"): (int, type(None)),
+    ("usage", "input_tokens_details"): (dict, type(None)),
+    ("usage", "input_tokens_details", "cached_tokens"): (int, type(None)),
 }
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
@@ -322,7 +327,14 @@ def _chunk_with(path: tuple[str | int, ...], value: object) -> dict[str, Any]:
     """A well-formed chunk (text, a delta, a usage) with ``value`` put at ``path``."""
     chunk: dict[str, Any] = {
         "choices": [{"index": 0, "text": "a", "delta": {"content": "b"}}],
-        "usage": {"prompt_tokens": 7, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 3}},
+        "usage": {
+            "prompt_tokens": 7,
+            "completion_tokens": 2,
+            "prompt_tokens_details": {"cached_tokens": 3},
+            "input_tokens": 7,
+            "output_tokens": 2,
+            "input_tokens_details": {"cached_tokens": 3},
+        },
     }
     place: Any = chunk
     for key in path[:-1]:
@@ -354,13 +366,17 @@ def _well_formed(chunk: dict[str, Any]) -> bool:
         ):
             return False
     usage = chunk.get("usage")
-    details = _get(usage, "prompt_tokens_details")
     return (
         _holds(("usage",), usage)
-        and _holds(("usage", "prompt_tokens"), _get(usage, "prompt_tokens"))
-        and _holds(("usage", "completion_tokens"), _get(usage, "completion_tokens"))
-        and _holds(("usage", "prompt_tokens_details"), details)
-        and _holds(("usage", "prompt_tokens_details", "cached_tokens"), _get(details, "cached_tokens"))
+        and all(
+            _holds(("usage", name), _get(usage, name))
+            for name in ("prompt_tokens", "completion_tokens", "input_tokens", "output_tokens")
+        )
+        and all(
+            _holds(("usage", details), _get(usage, details))
+            and _holds(("usage", details, "cached_tokens"), _get(_get(usage, details), "cached_tokens"))
+            for details in ("prompt_tokens_details", "input_tokens_details")
+        )
     )
 
 
@@ -414,6 +430,9 @@ def test_any_json_value_as_a_chunk_is_a_reason_never_an_exception(chunk: object)
         b'{"choices":[],"usage":{"prompt_tokens":"7"}}',
         b'{"choices":[],"usage":{"prompt_tokens":7,"prompt_tokens_details":[3]}}',
         b'{"choices":[],"usage":{"prompt_tokens":7,"prompt_tokens_details":{"cached_tokens":true}}}',
+        b'{"choices":[],"usage":{"input_tokens":7.0}}',
+        b'{"choices":[],"usage":{"input_tokens":7,"output_tokens":true}}',
+        b'{"choices":[],"usage":{"input_tokens":7,"input_tokens_details":{"cached_tokens":"3"}}}',
     ],
 )
 def test_each_unexpected_shape_is_malformed_stream(chunk: bytes) -> None:

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from kvlens.cli import main
+from tests.json_outputs import validate
 
 
 def run_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
@@ -45,6 +46,37 @@ def test_reachable_pooled_and_delivered_reuse_split_the_gap(
     assert large["prefix_affinity"]["token_reuse_ratio"] > 1.5 * large["round_robin"]["token_reuse_ratio"]
     assert small["round_robin"]["token_reuse_ratio"] < large["round_robin"]["token_reuse_ratio"]
     assert plot.read_text().startswith("<svg") and "prefix_affinity" in plot.read_text()
+
+
+def test_each_policy_reports_the_live_funnel_in_tokens_and_in_work(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The funnel of the replicas' KV events through the fleet index: what was computed before is
+    the reachable reuse (one unbounded cache), in tokens and in work; what was reused is the
+    delivered reuse; each stage between them adds its lost cause."""
+    result = run_json(capsys, "--replicas", "3", "--capacity-blocks", "2000", "--policy", "round_robin")
+    validate(result)
+    reachable = result["reachable"]
+    (run,) = result["capacities"][0]["policies"]
+    funnel = run["funnel"]
+    stages, tokens, work = funnel["stages"], funnel["recomputed_tokens"], funnel["recomputed_work"]
+    assert funnel["unit"] == "seconds" and funnel["depth_unknown_tokens"] == 0
+    prompt = stages["prompt"]
+    assert prompt["tokens"] == result["trace"]["prompt_tokens"]
+    before = stages["computed_before"]
+    assert before["tokens"] / prompt["tokens"] == pytest.approx(reachable["token_reuse_ratio"], rel=1e-12)
+    assert before["work"] / prompt["work"] == pytest.approx(reachable["compute_saved_ratio"], rel=1e-9)
+    reused = stages["reused"]
+    assert reused["tokens"] / prompt["tokens"] == pytest.approx(run["token_reuse_ratio"], rel=1e-12)
+    assert reused["work"] / prompt["work"] == pytest.approx(run["compute_saved_ratio"], rel=1e-9)
+    lost = ("held_elsewhere", "evicted_here", "evicted_elsewhere")
+    assert before["tokens"] == reused["tokens"] + sum(tokens.get(c, 0) for c in lost)
+    reach = stages["reachable_on_some_replica"]
+    assert reach["tokens"] == reused["tokens"] + tokens["held_elsewhere"]
+    assert reach["work"] == pytest.approx(reused["work"] + work["held_elsewhere"], rel=1e-12)
+    assert all(tokens[c] > 0 for c in lost)
+    assert main(["simulate", "--replicas", "3", "--capacity-blocks", "2000", "--policy", "round_robin"]) == 0
+    assert "round_robin funnel (tokens / seconds): computed before" in capsys.readouterr().out
 
 
 def test_the_text_report_and_the_curve(capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections import Counter
 
 from kvlens.fleet.index import EVICTED_HERE, HELD_ELSEWHERE, NEW, FleetIndex
-from kvlens.simulate.modelled import ModelledFleet, prefix_key
+from kvlens.records import prefix_key
+from kvlens.simulate.modelled import ModelledFleet
 from kvlens.simulate.run import walk
 from kvlens.simulate.trace import BUNDLED, MOONCAKE, Trace
 

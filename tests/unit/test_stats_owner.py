@@ -40,3 +40,21 @@ def test_no_module_takes_them_from_the_report() -> None:
                 continue
             borrowed += [f"{path.relative_to(PACKAGE)}: {name}" for name in sorted(taken)]
     assert borrowed == []
+
+
+def test_a_requests_inter_token_latency_is_computed_once() -> None:
+    """The record's client_itl_p50/p99 (the replay client's, an imported benchmark's) come from
+    stats.itl_percentiles, not from a quantile call of each source's own."""
+    assert stats.itl_percentiles([0.03, 0.01, 0.02]) == {
+        "client_itl_p50_seconds": 0.02,
+        "client_itl_p99_seconds": 0.0298,
+    }
+    assert stats.itl_percentiles([]) == {}
+    spelled = [
+        f"{path.relative_to(PACKAGE)}:{number}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.name != "stats.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if "(0.5, 0.99)" in line
+    ]
+    assert spelled == []

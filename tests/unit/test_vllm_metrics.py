@@ -10,8 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlens.config import load_settings
-from kvlens.exporter.aggregator import ModelLabels
+from kvlens.exporter.labels import ClosedLabels
 from kvlens.exporter.upstream import UpstreamState
 from kvlens.sources.vllm_metrics import (
     MAX_LINE_CHARS,
@@ -118,7 +117,7 @@ def exposition(hits: float, engine: str = "0") -> str:
 
 
 def upstream_state(*targets: str, max_series: int = 1000) -> UpstreamState:
-    return UpstreamState(targets, ModelLabels(load_settings()), max_series=max_series)
+    return UpstreamState(targets, ClosedLabels([], 50, "unknown"), max_series=max_series)
 
 
 def test_counters_are_reset_aware_and_start_at_the_first_scrape() -> None:
@@ -162,7 +161,7 @@ def test_series_past_the_cap_are_refused_and_churn_is_forgotten() -> None:
 
 
 def test_engine_model_names_are_labels_under_their_own_budget() -> None:
-    labels = ModelLabels(load_settings(max_models=50), capacity=1)
+    labels = ClosedLabels([], 1, "unknown")
     upstream = UpstreamState(("e:1",), labels, max_series=100)
     text = "".join(
         f'vllm:prompt_tokens_total{{model_name="{name}"}} 1\n'

@@ -3,7 +3,9 @@
 Two engines compute the report's :class:`~kvlens.analysis.report.Summary`: ``numpy`` holds the
 records in memory (the live exporter's reducer, called); ``duckdb`` (the ``scale`` extra) runs
 the reducer as SQL out of core (:mod:`kvlens.analysis.duckdb`). Everything after the summary
-is one code path.
+is one code path. What needs ``prefix_hashes`` (the prefix potential, the ``cross_tenant``
+and ``misses`` sections) both engines read: DuckDB keeps the records that hold them apart
+(:mod:`kvlens.analysis.duckdb.potential`).
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from kvlens.analysis import calibration, diagnosis, reader, report
+from kvlens.analysis import calibration, diagnosis, misses, reader, report, tenants
 from kvlens.config import Settings
 from kvlens.definitions import prompt_length_labels
-from kvlens.records import batch_from_objects
+from kvlens.records import RecordBatch, batch_from_objects
 
 ENGINES = ("numpy", "duckdb")
 CALIBRATION_MAX_POINTS = 200_000  # per model, duckdb engine: past it an even sample is fitted
@@ -82,6 +84,8 @@ def analyze(
                     span,
                     lambda: potential.prefix_potential(store),
                 )
+                hashed = potential.hashed_records(store)
+                _hash_sections(result, hashed, settings)
         finally:
             store.close()
     else:
@@ -106,6 +110,7 @@ def analyze(
             span,
             lambda: diagnosis.prefix_potential(derived),
         )
+        _hash_sections(result, read.batch, settings, derived)
         fits = [
             calibration.fit(
                 name,
@@ -117,6 +122,21 @@ def analyze(
             if (rows := derived.model == name).any() and not np.isnan(read.batch.prefill_seconds[rows]).all()
         ]
     return _calibrated(result, fits, settings, prefill_points)
+
+
+def _hash_sections(
+    result: dict[str, Any], batch: RecordBatch, settings: Settings, derived: report.Derived | None = None
+) -> None:
+    """The report's sections read from ``prefix_hashes``, walked over the records that hold
+    them (``batch``: all records, or only those, in input order: the others add nothing)."""
+    shared = tenants.cross_tenant(batch, settings.tenant_remember_blocks)
+    if shared is not None:  # only records with a tenant and prefix_hashes add the section
+        result["cross_tenant"] = shared
+    if derived is None:
+        derived = report.Derived.of(
+            batch, settings.prompt_length_edges, settings.cost_model_for, settings.default_model
+        )
+    result["misses"] = misses.request_misses(derived)
 
 
 def _calibrated(
@@ -147,6 +167,7 @@ def from_aggregates(
     labels = prompt_length_labels(settings.prompt_length_edges)
     span = time_range(None, None, 0)  # the statements carry no arrival times
     result = _report(summary, settings, labels, read, records, files, span, lambda: None)
+    _hash_sections(result, read.batch, settings)  # no record, no hashes: as a direct report's
     return _calibrated(result, [], settings, prefill_points)
 
 

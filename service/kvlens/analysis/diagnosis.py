@@ -17,13 +17,13 @@ from typing import Any
 import numpy as np
 
 from kvlens.analysis.report import Derived, Summary
+from kvlens.definitions import DEFAULT_BLOCK_SIZE
 
 LITTLE_REUSE = 0.2
 HIGH_REUSE = 0.25
 NOT_FASTER = 0.9  # hits' median prefill at least this share of misses' at equal length
 QUEUE_BOUND = 0.5
 FLATTERS = 0.5
-DEFAULT_BLOCK = 16
 LAST_DIVERGENT_BLOCK = 16  # the histogram's last bucket holds this block and later ones
 
 
@@ -162,7 +162,7 @@ def prefix_potential(derived: Derived) -> dict[str, Any] | None:
     tokens = 0
     for k, i in enumerate(order):
         hashes = batch.prefix_hashes[i] or []
-        block = int(batch.block_size[i]) if batch.block_size[i] > 0 else DEFAULT_BLOCK
+        block = int(batch.block_size[i]) if batch.block_size[i] > 0 else DEFAULT_BLOCK_SIZE
         shared = 0
         while shared < len(hashes) and hashes[shared] in seen:
             shared += 1

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any, Final
 
-from kvlens.analysis import compare, per_request, run_facts
+from kvlens.analysis import compare_text, per_request, run_facts
 from kvlens.analysis.html_report import (
     LATENCY_CHARTS,
     STYLE,
@@ -53,7 +53,7 @@ def page(result: dict[str, Any]) -> str:
         _context(result),
         _section("deltas", f"Deltas against {html.escape(result['baseline'])}", _charts(result)),
         _section("tables", "Tables", _tables(result)),
-        f'<p id="caveat">{html.escape(compare.REUSE_IS_NOT_SPEEDUP)}</p>',
+        f'<p id="caveat">{html.escape(compare_text.REUSE_IS_NOT_SPEEDUP)}</p>',
         f"<p>{html.escape(run_facts.PRESUMES_QUALITY)}</p>",
         '<details class="data"><summary>Report data (JSON)</summary>'
         f'<pre id="report-data">{html.escape(json.dumps(result))}</pre></details>',
@@ -79,7 +79,7 @@ def _verdict(result: dict[str, Any]) -> str:
         "baseline: the median TTFT delta and its 95 % interval (faster when the whole interval is "
         "below zero)."
     )
-    items = "".join(f"<li>{html.escape(line)}</li>" for line in compare.verdict(result))
+    items = "".join(f"<li>{html.escape(line)}</li>" for line in compare_text.verdict(result))
     return _section("verdict", "Verdict", f'<p class="lead">{lead}</p><ul class="findings">{items}</ul>')
 
 
@@ -133,7 +133,7 @@ def _context(result: dict[str, Any]) -> str:
             "<ul>"
             + "".join(
                 f"<li>{html.escape(line.removeprefix('warm-up, '))}</li>"
-                for line in compare.warmup_lines(result)
+                for line in compare_text.warmup_lines(result)
             )
             + "</ul>",
         ),
@@ -143,9 +143,9 @@ def _context(result: dict[str, Any]) -> str:
 
 
 def _charts(result: dict[str, Any]) -> str:
-    missing = compare.unmeasured(result)
+    missing = compare_text.unmeasured(result)
     charts = [
-        f'<p class="unmeasured" data-metric="{column}">{name}: {html.escape(compare.UNMEASURED)}.</p>'
+        f'<p class="unmeasured" data-metric="{column}">{name}: {html.escape(compare_text.UNMEASURED)}.</p>'
         if column in missing
         else _delta_chart(result, column, name)
         for column, name in LATENCY_CHARTS
@@ -197,7 +197,7 @@ def _delta_chart(result: dict[str, Any], column: str, name: str, width: int = 76
                 f'<line x1="{x(ci[0]):.1f}" x2="{x(ci[1]):.1f}" y1="{middle:.1f}" y2="{middle:.1f}" '
                 f'stroke="{colour}" stroke-width="2"/>'
             )
-        shown = f"{compare._delta_cell(p50)} ms"
+        shown = f"{compare_text.delta_cell(p50)} ms"
         what = f"{arm} minus {result['baseline']}, {group['prompt_len']} {cache}: {shown}"
         parts.append(
             f'<circle cx="{x(p50["delta"]):.1f}" cy="{middle:.1f}" r="4" fill="{colour}">'
@@ -239,7 +239,7 @@ def _tables(result: dict[str, Any]) -> str:
     out = (
         _paired(result)
         + "<h3>By prompt length and cache status in the baseline</h3>"
-        + _table(compare.table_header(result), compare.table_rows(result))
+        + _table(compare_text.table_header(result), compare_text.table_rows(result))
     )
     if examples:
         out += "<h3>Requests that did not benefit (first ten per arm)</h3>" + _table(EXAMPLE_HEADER, examples)

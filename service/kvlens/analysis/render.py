@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
+
+from kvlens.terminal import console as terminal_console
 
 RATIO_NAMES = (
     ("request_hit_ratio", "Request hit ratio"),
@@ -121,9 +124,7 @@ def _summary_lines(report: dict[str, Any]) -> list[str]:
 
 
 def terminal(report: dict[str, Any]) -> None:
-    from rich.console import Console
-
-    console = Console()
+    console = terminal_console()  # names from the records are text, never markup
     if _has_records(report):
         _terminal_records(console, report)
     for fit in report["calibration"]:
@@ -132,6 +133,8 @@ def terminal(report: dict[str, Any]) -> None:
 
 
 def _terminal_records(console: Any, report: dict[str, Any]) -> None:
+    from rich.text import Text
+
     for line in _summary_lines(report):
         console.print(line)
     for table in _group_tables(console, report):
@@ -140,13 +143,56 @@ def _terminal_records(console: Any, report: dict[str, Any]) -> None:
     for name, model in report["models"].items():
         models.add_row(*_model_row(name, model))
     console.print(models)
+    if report.get("misses"):
+        misses = _table(
+            "Why requests missed (first missed block's cause; lost: reuse computed before)", MISS_HEADER
+        )
+        for row in _miss_rows(report["misses"]):
+            misses.add_row(*row)
+        console.print(misses)
+        for line in [*_worst_lines(report["misses"]), report["misses"]["note"]]:
+            console.print(line, markup=False)
     for item in report["diagnosis"]:
-        console.print(f"[bold]{item['severity'].upper()}[/bold] {item['title']}\n  {item['detail']}")
+        console.print(
+            Text.assemble((item["severity"].upper(), "bold"), f" {item['title']}\n  {item['detail']}")
+        )
+    if "cross_tenant" in report:
+        console.print(_cross_tenant_line(report["cross_tenant"]))
+        if report["cross_tenant"]["pairs"]:
+            shared = _table("Tenants sharing a cache scope", CROSS_TENANT_HEADER)
+            for row in _cross_tenant_rows(report["cross_tenant"]):
+                shared.add_row(*row)
+            console.print(shared)
     for example in report["input"]["skipped_examples"][:5]:
         console.print(
-            f"skipped {example['file']}:{example['line']}: {example['field'] or 'line'} {example['message']}",
-            markup=False,
+            f"skipped {example['file']}:{example['line']}: {example['field'] or 'line'} {example['message']}"
         )
+
+
+CROSS_TENANT_HEADER = ["storer", "getter", "cached tokens", "requests", "first request ids"]
+
+
+def _cross_tenant_line(section: dict[str, Any]) -> str:
+    return (
+        f"Cross-tenant cache reuse: {section['cross_tenant_cached_tokens']:,} cached tokens over blocks "
+        f"another tenant stored, in {section['records_checked']:,} records with a tenant and prefix_hashes"
+    )
+
+
+def _cross_tenant_rows(section: dict[str, Any]) -> list[list[str]]:
+    rows = [
+        [
+            p["storer"],
+            p["getter"],
+            f"{p['cached_tokens']:,}",
+            f"{p['requests']:,}",
+            ", ".join(p["example_request_ids"]),
+        ]
+        for p in section["pairs"]
+    ]
+    if section["pairs_left_out"]:
+        rows.append(["", f"{section['pairs_left_out']:,} more pairs", "", "", ""])
+    return rows
 
 
 def _table(title: str, header: list[str]) -> Any:
@@ -230,14 +276,78 @@ def _markdown_records(report: dict[str, Any]) -> list[str]:
     out += ["## By model", ""]
     model_rows = [_model_row(name, m) for name, m in report["models"].items()]
     out += [_md_table(MODEL_HEADER, model_rows), ""]
+    if report.get("misses"):
+        out += ["## Why requests missed", "", _md_table(MISS_HEADER, _miss_rows(report["misses"])), ""]
+        out += [f"- {line}" for line in _worst_lines(report["misses"])]
+        out += ["", report["misses"]["note"], ""]
     out += ["## Diagnosis", ""]
     out += [f"- **{d['severity']}** {d['title']}: {d['detail']}" for d in report["diagnosis"]] or [
         "- nothing found"
     ]
+    if "cross_tenant" in report:
+        section = report["cross_tenant"]
+        out += ["", "## Tenants sharing a cache scope", "", f"- {_cross_tenant_line(section)}"]
+        if section["pairs"]:
+            out += ["", _md_table(CROSS_TENANT_HEADER, _cross_tenant_rows(section))]
     return [*out, ""]
 
 
+MISS_HEADER = ["prompt_len", "records", "hit", "new", "evicted_here", "elsewhere", "lost tokens", "lost work"]
+
+
+def _miss_rows(misses: dict[str, Any]) -> list[list[str]]:
+    """Per length group: records by their first missed block's cause, and the reuse lost."""
+    rows = []
+    for label, group in misses["groups"].items():
+        first = group["first_miss"]
+        elsewhere = first["held_elsewhere"] + first["evicted_elsewhere"] + first["seen_elsewhere"]
+        lost_tokens = sum(t for cause, t in group["tokens"].items() if cause != "new")
+        lost_work = [
+            f"{sum(w for cause, w in by_cause.items() if cause != 'new'):,.4g} {unit}"
+            for unit, by_cause in group["work"].items()
+        ]
+        rows.append(
+            [
+                label,
+                f"{group['records']:,}",
+                f"{first['hit']:,}",
+                f"{first['new']:,}",
+                f"{first['evicted_here']:,}",
+                f"{elsewhere:,}",
+                f"{lost_tokens:,}",
+                ", ".join(lost_work) or "0",
+            ]
+        )
+    return rows
+
+
+def _worst_lines(misses: dict[str, Any]) -> list[str]:
+    return [
+        f"{label}: {w['request_id'] or '(no id)'} on {w['replica'] or '(one replica)'} lost "
+        f"{w['lost_work']:,.4g} {w['unit']} ({w['lost_tokens']:,} tokens), first miss at block "
+        f"{w['first_missed_block']}: {w['cause']}"
+        for label, group in misses["groups"].items()
+        for w in group["worst"]
+    ]
+
+
+# What Markdown would read in a cell: the backslash itself, the cell's end (|), code (`),
+# emphasis (* and ~ anywhere, _ at a word's edge: between letters it is text), HTML and entities
+# (< and &), a link's or image's target (]( ); a newline ends the row, so it becomes <br>.
+_MD_SPECIAL = re.compile(r"[\\|`*~<&]|\](?=\()|(?<![0-9A-Za-z])_|_(?![0-9A-Za-z])")
+_NEWLINE = re.compile(r"\r\n|\r|\n")
+
+
+def md_cell(text: str) -> str:
+    """A Markdown table's cell showing ``text`` as written, whatever it holds: names from the
+    records and the command line (a model ``a|b``, a request id with a newline, an arm
+    ``[l](url)``) never split the row or become markup. Numbers and words pass unchanged."""
+    return _NEWLINE.sub("<br>", _MD_SPECIAL.sub(lambda found: "\\" + found.group(), text))
+
+
 def _md_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    """Every Markdown table of kvlens (analyze, compare, an experiment's report.md): each cell
+    through :func:`md_cell`."""
+    lines = ["| " + " | ".join(map(md_cell, header)) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(map(md_cell, row)) + " |" for row in rows]
     return "\n".join(lines)

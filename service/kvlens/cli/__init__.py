@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import errno
 import gc
 import importlib
 import os
@@ -39,6 +40,13 @@ COMMANDS = (
     "import",
 )
 MODULES = {"import": "importer"}  # `import` is a Python keyword: no module can have that name
+# Errors of a write to an open file: a full disk, a quota, a file past its size limit, a failing device.
+_WRITE_FAILURES = {
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.EFBIG,
+    errno.EIO,
+}  # `import` is a Python keyword: no module can have that name
 
 
 def command_modules(argv: Sequence[str]) -> list[ModuleType]:
@@ -60,7 +68,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     command: Callable[[argparse.Namespace], int] = args.run
     try:
-        return command(args)
+        status = command(args)
+        sys.stdout.flush()  # a write that fails at exit would be a traceback Python prints itself
+        return status
     except KeyboardInterrupt:  # Ctrl-C is how demo, serve and a replay are stopped: not a defect
         return 128 + signal.SIGINT
     except BrokenPipeError:  # `kvlens analyze --json | head`: the reader has left; say no more
@@ -71,6 +81,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvlens: {error}", file=sys.stderr)
         return 2
     except OSError as error:
+        if error.filename is None and error.errno in _WRITE_FAILURES:
+            # stdout (or a file being written) on a full or failing disk: the output is cut,
+            # which exit 1 says; the error is the operator's to mend, not a defect of kvlens
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second flush
+            print(f"kvlens: cannot write the output: {error.strerror or error}", file=sys.stderr)
+            return 1
         if error.filename is None:
             raise
         # A path the user named: missing, a directory, unreadable or unwritable. One line, no

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvlens import logs
+from kvlens import logs, terminal
 from kvlens.config import ENV_PREFIX, Settings, load_settings
 from kvlens.errors import SettingsError
 from kvlens.limits import DEFAULT_MEMORY_LIMIT, DEFAULT_PORT
@@ -196,6 +196,8 @@ def settings_from(args: argparse.Namespace, **overrides: Any) -> Settings:
         kv_events=kv_events_from(getattr(args, "kv_events", None)),
         kv_events_dns=getattr(args, "kv_events_dns", None),
         kv_events_shard=getattr(args, "kv_events_shard", None),
+        kv_events_require_cache_salt=getattr(args, "require_cache_salt", None),
+        kv_events_trtllm=named_urls(getattr(args, "kv_events_trtllm", None), "--kv-events-trtllm", "url"),
         tails=tails_from(
             getattr(args, "tail", None), getattr(args, "formats", None), getattr(args, "model", None)
         ),
@@ -203,15 +205,21 @@ def settings_from(args: argparse.Namespace, **overrides: Any) -> Settings:
 
 
 def kv_events_from(pairs: list[str] | None) -> list[dict[str, str]] | None:
+    return named_urls(pairs, "--kv-events", "endpoint")
+
+
+def named_urls(pairs: list[str] | None, flag: str, key: str) -> list[dict[str, str]] | None:
+    """``NAME=URL`` flags as settings objects ``{"name": NAME, key: URL}``."""
     if not pairs:
         return None
-    publishers = []
+    named = []
     for pair in pairs:
-        name, _, endpoint = pair.partition("=")
-        if not endpoint:
-            raise SettingsError("--kv-events takes NAME=URL, e.g. r0=tcp://10.0.0.5:5557")
-        publishers.append({"name": name, "endpoint": endpoint})
-    return publishers
+        name, _, url = pair.partition("=")
+        if not url:
+            example = "r0=tcp://10.0.0.5:5557" if key == "endpoint" else "t0=http://10.0.0.7:8000"
+            raise SettingsError(f"{flag} takes NAME=URL, e.g. {example}")
+        named.append({"name": name, key: url})
+    return named
 
 
 def tails_from(
@@ -276,10 +284,9 @@ def read_progress(files: list[str]) -> Iterator[Callable[[int], None] | None]:
     if not sys.stderr.isatty() or sum(sizes) < 64 * 1024 * 1024:
         yield None
         return
-    from rich.console import Console
     from rich.progress import Progress
 
-    with Progress(console=Console(stderr=True), transient=True) as bar:  # stdout is the report
+    with Progress(console=terminal.console(stderr=True), transient=True) as bar:  # stdout is the report
         task = bar.add_task("reading", total=sum(sizes))
         yield lambda count: bar.advance(task, count)
 
@@ -295,9 +302,8 @@ def run_progress(runs: int) -> Iterator[Callable[[int], None] | None]:
     except ModuleNotFoundError:
         yield None
         return
-    from rich.console import Console
 
-    with Progress(console=Console(stderr=True), transient=True) as bar:  # stdout is the report
+    with Progress(console=terminal.console(stderr=True), transient=True) as bar:  # stdout is the report
         task = bar.add_task(f"simulating {runs} runs", total=None)
         yield lambda count: bar.advance(task, count)
 

@@ -66,7 +66,7 @@ def _time(text: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvlens.analysis import compare, reader, run_facts
+    from kvlens.analysis import compare, compare_text, reader, run_facts
     from kvlens.analysis.analyze import choose_engine
 
     specs = []
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     elif args.markdown or not sys.stdout.isatty():  # a file, a pipe, a CI step's summary
-        print(compare.markdown(result), end="")
+        print(compare_text.markdown(result), end="")
     else:
-        compare.terminal(result)
+        compare_text.terminal(result)
     return 0

@@ -217,7 +217,7 @@ def _prefix_cache_report(
 ) -> int:
     """The compare report of every arm in the out-dir, into it (and --html) and printed; the exit
     code from the failures of the arms this run ran (``ran``), once the report is written."""
-    from kvlens.analysis import compare, html_compare
+    from kvlens.analysis import compare, compare_text, html_compare
 
     try:
         report = arms.compare_arms(found, settings, percentiles=args.percentiles)
@@ -228,18 +228,18 @@ def _prefix_cache_report(
         print(f"kvlens experiment: no report: {error}", file=sys.stderr)
         return failed
     page = html_compare.page(report)
-    reports.write_reports(args.out_dir, markdown=compare.markdown(report), page=page, report=report)
+    reports.write_reports(args.out_dir, markdown=compare_text.markdown(report), page=page, report=report)
     if args.html:
         args.html.write_text(page)
     if args.json:
         print(json.dumps(report, indent=2))
     else:  # as kvlens compare: a table at a terminal, Markdown into a file
-        print_report(compare.markdown(report), lambda: compare.terminal(report))
+        print_report(compare_text.markdown(report), lambda: compare_text.terminal(report))
     return failure_exit("experiment", ran, args.max_error_rate)
 
 
 def _quantization(args: argparse.Namespace) -> int:
-    from kvlens.experiment import capacity, quantization, quantization_text
+    from kvlens.experiment import capacity, quantization, quantization_report, quantization_text
 
     reports.check_error_rate(args.max_error_rate)
     requests, _, block_size = read_requests(args)
@@ -247,7 +247,7 @@ def _quantization(args: argparse.Namespace) -> int:
     endpoints = quantization.endpoints_from(
         args.endpoint, lambda url: Endpoint(url.rstrip("/"), args.model, api_key(args, url), args.timeout)
     )
-    targets = quantization.Targets(args.slo_ttft, args.slo_itl, args.slo_attainment, args.long_context)
+    targets = quantization_report.Targets(args.slo_ttft, args.slo_itl, args.slo_attainment, args.long_context)
     if args.concurrency < 1:
         raise ExperimentError("--concurrency must be at least 1")
     rates = quantization.parse_rates(args.rates) if args.rates else None
@@ -329,7 +329,7 @@ def _quantization(args: argparse.Namespace) -> int:
         if sys.stderr.isatty():
             print(file=sys.stderr)  # past the progress line
         state = out.state() or {}
-        result = quantization.merged(
+        result = quantization_report.merged(
             out.found(),
             list(state.get("endpoints", endpoints)),
             targets,

@@ -105,9 +105,13 @@ def planned_quantization(
     max_output_tokens: int | None,
     seed: int,
 ) -> list[outdir.PlannedStep]:
-    from kvlens.experiment import capacity, quantization  # as the command does: only when it runs
+    from kvlens.experiment import (
+        capacity,
+        quantization,
+        quantization_report,
+    )  # as the command does: only when it runs
 
-    by_context = quantization.fixed_groups(requests, quantization.Targets(long_context=long_context))
+    by_context = quantization.fixed_groups(requests, quantization_report.Targets(long_context=long_context))
     groups = {group: (len(chosen), "") for group, chosen in by_context.items()}
     if "long" not in groups:  # made by the run, unless an endpoint's context cannot take them
         groups["long"] = (capacity.LONG_PER_SLOT * concurrency, "; made: the trace has none")

@@ -70,6 +70,19 @@ def add_parser(commands: Any) -> None:
     serve.add_argument(
         "--kv-events-shard", metavar="i/N", help="keep only shard i of N of the fleet's blocks"
     )
+    serve.add_argument(
+        "--kv-events-trtllm",
+        action="append",
+        metavar="NAME=URL",
+        help="a TensorRT-LLM server whose KV cache events kvlens drains (POST URL/kv_cache_events), "
+        "e.g. t0=http://10.0.0.7:8000 (repeatable; kvlens[kv-events])",
+    )
+    serve.add_argument(
+        "--require-cache-salt",
+        action="store_true",
+        default=None,
+        help="every tenant must be salted: count KV event stores whose chain starts without a cache salt",
+    )
     serve.set_defaults(run=run)
 
 

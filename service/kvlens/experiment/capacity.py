@@ -347,8 +347,8 @@ def fixed_work_comparison(
     and, for an endpoint other than the baseline, what its gain came from."""
     base_name, base_records, base_samples = baseline
     name, records, samples = candidate
-    base_itl = _median_of(base_records, "client_tpot_seconds")
-    itl = _median_of(records, "client_tpot_seconds")
+    base_itl = median_of(base_records, "client_tpot_seconds")
+    itl = median_of(records, "client_tpot_seconds")
     out: dict[str, Any] = {
         "itl_mean_p50_seconds": itl,
         "measured_itl_ratio": base_itl / itl if base_itl and itl else None,  # > 1: this one is faster
@@ -385,7 +385,8 @@ def _mean_batch(records: Sequence[dict[str, Any]], concurrency: int) -> float:
     return max(1.0, float(np.mean(found))) if found else float(concurrency)
 
 
-def _median_of(records: Sequence[dict[str, Any]], key: str) -> float | None:
+def median_of(records: Sequence[dict[str, Any]], key: str) -> float | None:
+    """The median of a number field over the finished requests that have it, or None."""
     values = [float(r[key]) for r in records if "error" not in r and isinstance(r.get(key), (int, float))]
     return float(np.median(values)) if values else None
 

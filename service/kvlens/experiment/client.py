@@ -10,9 +10,10 @@ silently shifted.
 Measured per request, on the client's monotonic clock: the send time and its lag behind
 schedule, TTFT (the first chunk carrying text), the gaps between later chunks (inter-token
 latency: p50, p99 and their mean, vLLM's time per output token), end to end, and from the
-answer's ``usage``: prompt tokens and ``prompt_tokens_details.cached_tokens``. A server that
-leaves ``cached_tokens`` out (vLLM without ``--enable-prompt-tokens-details``) is said once; the
-record then has no ``cached_tokens`` unless ``missing_cached_is_zero``. A request that fails (an
+answer's ``usage`` (read by :mod:`kvlens.sources.usage`, either API's names): prompt, cached and
+output tokens. A server that leaves ``cached_tokens`` out (vLLM without
+``--enable-prompt-tokens-details``) is said once; the record then has no ``cached_tokens`` unless
+``missing_cached_is_zero``. A request that fails (an
 HTTP status, a timeout, a reset, a malformed stream) is recorded with ``error`` and no timings,
 so it never enters a latency figure.
 
@@ -37,7 +38,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import IO, Any, Final
+from typing import IO, Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import httpx
@@ -45,17 +46,16 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 
-from kvlens.definitions import quantiles
 from kvlens.errors import InputError, ScrapeError
 from kvlens.experiment import calls
 from kvlens.experiment.prompts import PromptSynthesizer
 from kvlens.experiment.stream import MAX_LINE_BYTES as MAX_LINE_BYTES  # the replay's limits, all here
 from kvlens.experiment.stream import Exchange, Failed, StreamClient
 from kvlens.simulate.trace import TraceRequest
+from kvlens.sources.usage import Usage, read_usage
+from kvlens.stats import itl_percentiles
 
 log = logging.getLogger("kvlens.experiment")
-# A usage count past this is no model's (records and their sums stay far from int64's end).
-MAX_USAGE_TOKENS: Final = 2**31
 
 WARMUP = "warmup"
 MEASURE = "measure"
@@ -356,7 +356,8 @@ def _ended(
     if answer.cancelled():
         return  # the run was interrupted: nothing was measured
     failure = answer.exception()
-    if failure is None and not _plausible(answer.result().usage, record["prompt_tokens"]):
+    usage = read_usage(answer.result().usage or {}) if failure is None else Usage()
+    if failure is None and usage.invalid(record["prompt_tokens"]) is not None:
         failure = Failed("invalid_usage")
     if failure is not None:
         # Failed carries the reason; anything else is the client's own fault, recorded all the same.
@@ -366,52 +367,27 @@ def _ended(
             record["error_message"] = failure.message  # the server's reason, bounded and printable
         progress.errors += 1
     else:
-        _fill(record, answer.result(), endpoint, progress)
+        _fill(record, answer.result(), usage, endpoint, progress)
     progress.done += 1
     writer.write(record)
 
 
-def _count(value: Any) -> bool:
-    return type(value) is int and 0 <= value < MAX_USAGE_TOKENS
-
-
-def _plausible(usage: dict[str, Any] | None, sent_prompt_tokens: int) -> bool:
-    """Counts a record can carry: whole numbers (not true/false) from 0 up, cached tokens no more
-    than the prompt's (the server's count, else the one sent). A field left out is left out of the
-    record; one that cannot be is an error."""
-    if usage is None:
-        return True
-    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-    details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    if any(value is not None and not _count(value) for value in (prompt, completion, cached)):
-        return False
-    return cached is None or cached <= (sent_prompt_tokens if prompt is None else prompt)
-
-
-def _fill(record: dict[str, Any], stream: Exchange, endpoint: Endpoint, progress: Progress) -> None:
+def _fill(
+    record: dict[str, Any], stream: Exchange, usage: Usage, endpoint: Endpoint, progress: Progress
+) -> None:
+    """The timings, and the counts the usage reports (checked: :meth:`Usage.invalid`) over the
+    prompt sent and the chunks seen."""
     times = [arrival - stream.sent for arrival in stream.token_times]
     ttft, end = times[0], stream.end - stream.sent
     record["ttft_seconds"] = ttft
     record["e2e_seconds"] = end
     record["decode_seconds"] = end - ttft
-    # Plain Python: a few dozen gaps; numpy's percentile costs ~100 us a call on the client's loop.
-    gaps = sorted(later - earlier for earlier, later in itertools.pairwise(times))
     record["output_tokens"] = len(stream.token_times)
-    if gaps:
-        p50, p99 = quantiles(len(gaps), (0.5, 0.99), lambda ranks: [gaps[rank] for rank in ranks])
-        record["client_itl_p50_seconds"] = p50
-        record["client_itl_p99_seconds"] = p99
-        record["client_tpot_seconds"] = (times[-1] - times[0]) / len(gaps)  # vLLM's time per output token
-    usage = stream.usage or {}
-    if isinstance(usage.get("prompt_tokens"), int):
-        record["prompt_tokens"] = usage["prompt_tokens"]
-    if isinstance(usage.get("completion_tokens"), int):
-        record["output_tokens"] = usage["completion_tokens"]
-    details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    if isinstance(cached, int):
-        record["cached_tokens"] = cached
+    record.update(itl_percentiles(later - earlier for earlier, later in itertools.pairwise(times)))
+    if len(times) > 1:  # vLLM's time per output token: the mean gap
+        record["client_tpot_seconds"] = (times[-1] - times[0]) / (len(times) - 1)
+    record.update(usage.counts())
+    if usage.cached_tokens is not None:
         return
     if progress.missing_cached == 0:
         log.warning(

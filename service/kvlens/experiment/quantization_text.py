@@ -1,7 +1,7 @@
 """The quantization report for a terminal (80 columns) and for ``report.md``: experiment 1 per
 endpoint and context group, with throughput, the ITL ratios beside the byte model's and what each
 gain came from; then experiment 2 per rate, the highest rates and why. It renders the report
-:func:`kvlens.experiment.quantization.merged` builds, and computes nothing of its own."""
+:func:`kvlens.experiment.quantization_report.merged` builds, and computes nothing of its own."""
 
 from __future__ import annotations
 

@@ -47,6 +47,8 @@ from urllib.parse import urlsplit
 import h11
 import orjson
 
+from kvlens.sources import usage as usage_names
+
 # A response head (or a chunk-size line, or trailers) longer than this is not an HTTP server we can
 # time: h11 fails it instead of buffering it (its own default is 16 KiB).
 _HEAD_LIMIT = 64 * 1024
@@ -137,12 +139,13 @@ def read_chunk(chunk: Any) -> tuple[bool, dict[str, Any] | None]:
         given, content = _shaped(choice.get("text"), _TEXT), _shaped(delta.get("content"), _TEXT)
         text = text or bool(given or content)
     usage = _shaped(chunk.get("usage"), _OBJECT)
-    if usage is not None:
-        _shaped(usage.get("prompt_tokens"), _COUNT)
-        _shaped(usage.get("completion_tokens"), _COUNT)
-        details = _shaped(usage.get("prompt_tokens_details"), _OBJECT)
-        if details is not None:
-            _shaped(details.get("cached_tokens"), _COUNT)
+    if usage is not None:  # the places kvlens.sources.usage reads, either API's names
+        for name in (*usage_names.PROMPT, *usage_names.OUTPUT):
+            _shaped(usage.get(name), _COUNT)
+        for name in usage_names.DETAILS:
+            details = _shaped(usage.get(name), _OBJECT)
+            if details is not None:
+                _shaped(details.get("cached_tokens"), _COUNT)
     return text, usage
 
 

@@ -20,46 +20,18 @@ import numpy.typing as npt
 from kvlens import definitions
 from kvlens.config import Settings
 from kvlens.definitions import UNITS, prompt_length_labels
-from kvlens.records import REASONS, RecordBatch, Validated, valid_label
-from kvlens.reduce import HIT_STRIDE, Reduced, pack_hit, reduce, unpack_hit
+from kvlens.exporter.labels import OTHER_MODEL, ClosedLabels
+from kvlens.exporter.tenants import TenantAccounts
+from kvlens.records import REASONS, RecordBatch, Validated
+from kvlens.reduce import HIT_CODES, Reduced, codes_of, pack_hit, prefixes_of, reduce, unpack_hit
 
 Int64Array = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
 
-OTHER_MODEL = "other"
 CONTEXT_WINDOW = 1000  # requests: the weight of the context-length mean
 CACHE_LABELS = ("miss", "hit")
 TTFT_COMPONENTS = ("queue", "prefill", "other")
 LATENCY_FIELDS = ("queue_seconds", "prefill_seconds", "ttft_seconds", "e2e_seconds")
-
-
-class ModelLabels:
-    """The closed set of ``model`` label values: an allow-list, or the first K names seen.
-    Everything else becomes ``other`` (the last index), and so does a name that is ``other``
-    itself (the overflow value is reserved: it never takes a slot of its own, so no series is
-    exported twice) or that is not a valid label value."""
-
-    def __init__(self, settings: Settings, capacity: int | None = None) -> None:
-        self.fixed = bool(settings.models)
-        self.capacity = len(settings.models) if self.fixed else capacity or settings.max_models
-        self.default = settings.default_model
-        self.names: list[str] = list(settings.models)
-        self._index = {name: i for i, name in enumerate(self.names)}
-        self.other = self.capacity
-
-    def index_of(self, name: str) -> int:
-        """Label index for ``name``; admits new names while there is room. Call under a lock."""
-        found = self._index.get(name)
-        if found is not None:
-            return found
-        if self.fixed or len(self.names) >= self.capacity or name == OTHER_MODEL or not valid_label(name):
-            return self.other
-        self._index[name] = len(self.names)
-        self.names.append(name)
-        return self._index[name]
-
-    def label(self, index: int) -> str:
-        return OTHER_MODEL if index == self.other else self.names[index]
 
 
 @dataclass
@@ -107,7 +79,7 @@ class GroupState:
             reused_work=np.zeros((len(UNITS), groups), np.float64),
             work_requests=np.zeros((len(UNITS), groups), np.int64),
             latency={name: Histograms.zeros(groups, latency_buckets) for name in LATENCY_FIELDS},
-            reuse=Histograms.zeros(groups // 2, reuse_buckets),
+            reuse=Histograms.zeros(prefixes_of(groups), reuse_buckets),
             ttft_components=np.zeros((model_slots, len(TTFT_COMPONENTS)), np.float64),
             ttft_overlap=np.zeros(model_slots, np.int64),
         )
@@ -171,7 +143,7 @@ class Snapshot:
     def active_groups(self) -> list[tuple[int, list[str]]]:
         """(group index, [model, prompt_len, cache]) of every group that has seen a request, and
         of every group of an allow-listed model, so that rate() never loses a first increment."""
-        declared = self.declared_models * len(self.prompt_len_labels) * HIT_STRIDE
+        declared = codes_of(self.declared_models * len(self.prompt_len_labels))
         groups = sorted({*range(declared), *np.flatnonzero(self.state.requests).tolist()})
         return [(group, list(self.group_labels(group))) for group in groups]
 
@@ -186,7 +158,7 @@ class Snapshot:
         state = self.state
         return definitions.Totals(
             requests=int(state.requests.sum()),
-            hit_requests=int(state.requests[1::HIT_STRIDE].sum()),  # the odd codes (pack_hit)
+            hit_requests=int(state.requests[HIT_CODES].sum()),
             prompt_tokens=int(state.prompt_tokens.sum()),
             cached_tokens=int(state.cached_tokens.sum()),
             prompt_work=tuple(state.prompt_work.sum(axis=1).tolist()),
@@ -210,17 +182,18 @@ class Aggregator:
         self.settings = settings
         self.sources = ("push", "vllm_plugin", "otlp", *(("tail",) if settings.tails else ()), *extra_sources)
         self._lock = threading.Lock()
-        self._models = ModelLabels(settings)
+        self._models = ClosedLabels(settings.models, settings.max_models, settings.default_model)
         self._length_edges = np.asarray(settings.prompt_length_edges, np.int64)
         self._length_labels = prompt_length_labels(settings.prompt_length_edges)
         self._latency_edges = np.asarray(settings.latency_buckets_seconds, np.float64)
         self._reuse_edges = np.asarray(settings.reuse_ratio_buckets, np.float64)
         self._model_slots = self._models.capacity + 1  # + other
-        self._groups = self._model_slots * len(self._length_labels) * HIT_STRIDE
+        self._groups = codes_of(self._model_slots * len(self._length_labels))
         self._state = GroupState.zeros(
             self._groups, self._model_slots, self._latency_edges.size, self._reuse_edges.size
         )
         self._health = _HealthCounts()
+        self.tenants = TenantAccounts(settings.tenants, settings.max_tenants, settings.tenant_remember_blocks)
         # Context length (prompt + output) per model, an exponentially weighted mean over about
         # the last CONTEXT_WINDOW requests: the decode traffic estimate needs "now", not a lifetime.
         self._context = np.full(self._model_slots, np.nan)
@@ -241,6 +214,7 @@ class Aggregator:
             slots = lookup[reduced.model_codes]
             overflow = int(np.count_nonzero(slots == self._models.other))
             sums = self._sum(batch, reduced, slots)
+            self.tenants.add(batch, reduced)
             context = self._context_means(batch, slots)
         rejected = validated.rejections.counts_by_reason()
         with self._lock:
@@ -299,7 +273,7 @@ class Aggregator:
             model_length,
             definitions.request_reuse_fraction(reduced.prompt_tokens, reduced.cached_tokens),
             self._reuse_edges,
-            groups // 2,
+            prefixes_of(groups),
         )
         components, complete = reduced.ttft, reduced.ttft_complete
         slots_complete = model_slots[complete]

@@ -209,6 +209,14 @@ def create_app(
             503: {"description": "Busy: retry."},
         },
     )(ingest_traces)
+    app.get(
+        "/v1/requests/{request_id}/diagnosis",
+        summary="Why one of the last requests missed the cache (records with prefix_hashes).",
+        responses={
+            401: {"model": ErrorBody, "description": "Missing or wrong bearer token (as ingest)."},
+            404: {"model": ErrorBody, "description": "No diagnosis kept for this request id."},
+        },
+    )(request_diagnosis)
     app.get("/metrics", summary="Prometheus text, or OpenMetrics by content negotiation.")(metrics)
     app.get("/healthz", summary="Liveness.")(healthz)
     app.get("/readyz", summary="Readiness: 503 with the reasons while a source cannot keep its promise.")(
@@ -284,7 +292,8 @@ async def ingest_records(request: Request) -> Response:
                 validated = push.read_records(
                     text,
                     settings.max_records_per_request,
-                    keep_prefix_hashes=sidecar.background.modelled is not None,
+                    # read by the requests' diagnoses (always), the modelled caches, the tenants' storers
+                    keep_prefix_hashes=True,
                 )
                 counted, duplicates = sidecar.count(validated, source, dedupe)
                 return IngestResult(
@@ -314,6 +323,19 @@ async def ingest_records(request: Request) -> Response:
         )
     sidecar.aggregator.add_dropped(source, dropped_count)
     return Response(result.model_dump_json().encode(), media_type="application/json")
+
+
+async def request_diagnosis(request: Request, request_id: str) -> Response:
+    """The request's diagnosis (:mod:`kvlens.exporter.diagnoses`), behind ingest's bearer token:
+    it names replicas and request ids, as records do."""
+    sidecar = _sidecar(request)
+    if sidecar.ingest_token is not None and not _bearer_matches(request, sidecar.ingest_token):
+        return _unauthorized(sidecar)
+    diagnosis = sidecar.background.diagnoses.get(request_id)
+    if diagnosis is None:
+        return _error(404, "no diagnosis kept for this request id")
+    cost = sidecar.settings.cost_model_for(diagnosis.model or "")
+    return Response(orjson.dumps(diagnosis.as_json(cost)), media_type="application/json")
 
 
 async def ingest_traces(request: Request) -> Response:

@@ -12,15 +12,19 @@ import httpx
 
 from kvlens.config import Settings, TailSetting, parse_dns_target, parse_shard
 from kvlens.errors import ScrapeError
-from kvlens.exporter.aggregator import Aggregator, ModelLabels
+from kvlens.exporter.aggregator import Aggregator
+from kvlens.exporter.diagnoses import RequestDiagnoses
+from kvlens.exporter.labels import ClosedLabels
 from kvlens.exporter.modelled import ModelledCauses
 from kvlens.exporter.upstream import UpstreamState
 from kvlens.fleet.discovery import DnsTarget
 from kvlens.fleet.index import FleetIndex
 from kvlens.fleet.ordering import Publisher
 from kvlens.fleet.subscriber import KVEvents
+from kvlens.fleet.trtllm import MAX_BODY_BYTES, TrtllmFeed
 from kvlens.records import Validated
 from kvlens.sources import tail, vllm_metrics
+from kvlens.sources.bounded_http import exchange
 from kvlens.sources.encoding import DecodeLimits
 
 log = logging.getLogger(__name__)
@@ -33,6 +37,8 @@ def fleet_index(settings: Settings) -> FleetIndex:
         remember_blocks=settings.kv_events_remember_blocks,
         max_held_blocks=settings.kv_events_max_held_blocks,
         shard=parse_shard(settings.kv_events_shard),
+        require_cache_salt=settings.kv_events_require_cache_salt,
+        sessions=settings.kv_events_sessions,
     )
 
 
@@ -50,7 +56,7 @@ class BackgroundSources:
         self.upstream = (
             UpstreamState(
                 tuple(self.targets),
-                ModelLabels(settings, capacity=settings.upstream_max_models),
+                ClosedLabels(settings.models, settings.upstream_max_models, settings.default_model),
                 max_series=settings.upstream_max_series,
             )
             if self.targets
@@ -58,7 +64,8 @@ class BackgroundSources:
         )
         self.tails = [tail.TailStatus(spec.path) for spec in settings.tails]
         self.kv_events = kv_events
-        if kv_events is None and (settings.kv_events or settings.kv_events_dns):
+        subscribed = bool(settings.kv_events or settings.kv_events_dns)
+        if kv_events is None and (subscribed or settings.kv_events_trtllm):
             self.kv_events = KVEvents(
                 [Publisher(p.name, p.endpoint, p.replay_endpoint, p.topic) for p in settings.kv_events],
                 fleet_index(settings),
@@ -66,7 +73,14 @@ class BackgroundSources:
                 dns=[dns_target(target) for target in settings.kv_events_dns],
                 dns_interval_seconds=settings.kv_events_dns_interval_seconds,
                 vanished_retention_seconds=settings.kv_events_vanished_retention_seconds,
+                in_process=not subscribed,  # TensorRT-LLM's only: drained over HTTP, no ZeroMQ
             )
+        # TensorRT-LLM's events are drained over HTTP (kvlens.fleet.trtllm) into the same index
+        self.trtllm = (
+            [TrtllmFeed(self.kv_events.consumer, spec.name, spec.url) for spec in settings.kv_events_trtllm]
+            if self.kv_events is not None
+            else []
+        )
         self.modelled = (
             None
             if settings.modelled_capacity_blocks is None
@@ -78,6 +92,12 @@ class BackgroundSources:
                 remember_blocks=settings.kv_events_remember_blocks,
             )
         )
+        self.diagnoses = RequestDiagnoses(
+            settings.diagnosis_requests,
+            settings.diagnosis_remember_blocks,
+            settings.modelled_block_size,
+            None if self.kv_events is None else self.kv_events.index,
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self._threads: list[threading.Thread] = []
         self._stop_tails = threading.Event()
@@ -87,6 +107,7 @@ class BackgroundSources:
         if self.kv_events is not None:
             self.kv_events.start()
         self._tasks = [asyncio.create_task(self._scrape_forever(target)) for target in self.targets.values()]
+        self._tasks += [asyncio.create_task(self._drain_forever(feed)) for feed in self.trtllm]
         self._threads = [
             self._follow(spec, status) for spec, status in zip(self.settings.tails, self.tails, strict=True)
         ]
@@ -103,8 +124,10 @@ class BackgroundSources:
             await asyncio.to_thread(thread.join, 10)
 
     def count(self, validated: Validated, source: str) -> None:
-        """Add records to the sums, and to the modelled caches when they are on."""
+        """Add records to the sums, to the requests' diagnoses, and to the modelled caches when
+        they are on."""
         self.aggregator.add(validated, source)
+        self.diagnoses.add(validated.batch)
         if self.modelled is not None:
             self.modelled.add(validated.batch)
 
@@ -132,6 +155,38 @@ class BackgroundSources:
                     log.exception("kvlens: scrape of %s failed", target)
                     upstream.record_failure(target, "parse")
                 await asyncio.sleep(settings.scrape_interval_seconds)
+
+    async def _drain_forever(self, feed: TrtllmFeed) -> None:
+        """``POST URL/kv_cache_events`` every ``kv_events_trtllm_poll_seconds``, each answer read
+        within the scrape's deadline and :data:`~kvlens.fleet.trtllm.MAX_BODY_BYTES`, then applied
+        off the event loop. A drain that failed after the server emptied its queue loses those
+        events: the next drain's event ids show the gap (counted missed)."""
+        settings = self.settings
+        limits = DecodeLimits(MAX_BODY_BYTES, math.inf, settings.max_gzip_members)
+        url = f"{feed.url}/kv_cache_events"
+        async with httpx.AsyncClient(timeout=settings.scrape_timeout_seconds) as client:
+            while not self._stopping:
+                try:
+                    answer = await exchange(
+                        client,
+                        "POST",
+                        url,
+                        name=feed.name,
+                        deadline_seconds=settings.scrape_timeout_seconds,
+                        limits=limits,
+                        headers={"accept": "application/json"},
+                    )
+                    if answer.status != 200:
+                        raise ScrapeError("http_status", f"{feed.name} answered {answer.status}")
+                    await asyncio.to_thread(feed.apply_body, bytes(answer.body))
+                    feed.up(1)
+                except ScrapeError as error:
+                    log.warning("kvlens: drain of %s's KV cache events failed: %s", feed.name, error)
+                    feed.up(0)
+                except Exception:  # a bug must not end the draining
+                    log.exception("kvlens: drain of %s's KV cache events failed", feed.name)
+                    feed.up(0)
+                await asyncio.sleep(settings.kv_events_trtllm_poll_seconds)
 
     def _follow(self, spec: TailSetting, status: tail.TailStatus) -> threading.Thread:
         tailer = tail.Tailer(

@@ -17,15 +17,18 @@ from prometheus_client.utils import floatToGoString
 
 from kvlens import __version__, bandwidth
 from kvlens.config import ModelShapeSetting
-from kvlens.definitions import UNITS
+from kvlens.definitions import DEFAULT_COST_MODEL, UNITS, CostModel
 from kvlens.exporter import metrics
-from kvlens.exporter.aggregator import TTFT_COMPONENTS, Aggregator, Histograms, Snapshot
+from kvlens.exporter.aggregator import CACHE_LABELS, TTFT_COMPONENTS, Aggregator, Histograms, Snapshot
 from kvlens.exporter.background import BackgroundSources
+from kvlens.exporter.diagnoses import RequestDiagnoses
 from kvlens.exporter.modelled import ModelledCauses
 from kvlens.exporter.runtime import LAG_BUCKETS, ServiceHealth
+from kvlens.exporter.tenants import TenantAccounts
 from kvlens.exporter.upstream import UpstreamState
 from kvlens.fleet.index import CAUSES
 from kvlens.fleet.subscriber import KVEvents
+from kvlens.reduce import pack_hit
 from kvlens.sources.tail import SKIP_REASONS, TailStatus
 
 log = logging.getLogger(__name__)
@@ -44,6 +47,7 @@ class KVLensCollector(Collector):
         self.tails = background.tails if background is not None else []
         self.kv_events = background.kv_events if background is not None else None
         self.modelled = background.modelled if background is not None else None
+        self.diagnoses = background.diagnoses if background is not None else None
         self.health = health
         self.errors = 0
 
@@ -85,9 +89,14 @@ class KVLensCollector(Collector):
         if self.tails:
             yield from self._safely(_tail_families, self.tails)
         if self.kv_events is not None:
-            yield from self._safely(_kv_families, self.kv_events)
+            settings = self.aggregator.settings
+            cost = settings.cost_model_for(settings.kv_events_model)
+            yield from self._safely(lambda kv_events: _kv_families(kv_events, cost), self.kv_events)
         if self.modelled is not None:
             yield from self._safely(_modelled_families, self.modelled)
+        yield from self._safely(_tenant_families, self.aggregator.tenants)
+        if self.diagnoses is not None:
+            yield from self._safely(_miss_family, self.diagnoses)
         if self.aggregator.settings.model_shapes:
             shapes = self.aggregator.settings.model_shapes
             yield from self._safely(lambda snap: _decode_families(snap, self.upstream, shapes), snapshot)
@@ -186,7 +195,8 @@ def _latency_histogram(spec: metrics.MetricSpec, field: str) -> Callable[[Snapsh
 
 def _reuse_ratio(snapshot: Snapshot) -> Metric:
     model_lengths = np.flatnonzero(snapshot.state.reuse.counts.sum(axis=1)).tolist()
-    rows = ((row, list(snapshot.group_labels(row * 2)[:2])) for row in model_lengths)
+    # a (model, prompt_len) row's labels: those of its miss code, less the cache label
+    rows = ((row, list(snapshot.group_labels(pack_hit(row, False))[:2])) for row in model_lengths)
     return _histogram_family(metrics.REUSE_RATIO, snapshot.state.reuse, snapshot.reuse_buckets, rows)
 
 
@@ -259,13 +269,18 @@ def _upstream_families(upstream: UpstreamState) -> list[Metric]:
     return [*families, up, running, errors, scrapes, rejected]
 
 
-def _kv_families(kv_events: KVEvents) -> list[Metric]:
+def _kv_families(kv_events: KVEvents, cost: CostModel = DEFAULT_COST_MODEL) -> list[Metric]:
+    """``cost``: the followed fleet's model's cost model (``kv_events_model``), for the work."""
     snapshot = kv_events.snapshot()
     index, publishers = snapshot.index, snapshot.publishers
     recomputed = _counter(metrics.KV_RECOMPUTED_TOKENS)
+    work, depth_unknown = _counter(metrics.KV_RECOMPUTED_WORK), _counter(metrics.KV_DEPTH_UNKNOWN)
+    recomputed_work = index.recomputed_work(cost)
     for replica in sorted(publishers):  # every cause of every replica, 0 until it happens
         for cause in CAUSES:
             recomputed.add_metric([replica, cause], index.recomputed_tokens.get((replica, cause), 0))
+            work.add_metric([replica, cause, cost.unit], recomputed_work.get((replica, cause), 0.0))
+            depth_unknown.add_metric([replica, cause], index.depth_unknown_tokens.get((replica, cause), 0))
     stored, removed = _counter(metrics.KV_BLOCKS_STORED), _counter(metrics.KV_BLOCKS_REMOVED)
     held = _gauge(metrics.KV_BLOCKS_HELD)
     for family, table in ((stored, index.stored), (removed, index.removed), (held, index.held)):
@@ -328,8 +343,21 @@ def _kv_families(kv_events: KVEvents) -> list[Metric]:
     for name, (replicas, failures) in sorted(snapshot.dns.items()):
         dns_replicas.add_metric([name], replicas)
         dns_failures.add_metric([name], failures)
-    families = [recomputed, stored, removed, held, fleet, events, rejected, *per_publisher.values(), *singles]
+    families = [recomputed, work, depth_unknown, stored, removed, held, fleet, events, rejected]
+    families += [*per_publisher.values(), *singles]
+    if kv_events.index.require_cache_salt:  # every replica's series, 0 until an unsalted store
+        unsalted = _counter(metrics.KV_UNSALTED_BLOCKS)
+        for replica in sorted(publishers):
+            unsalted.add_metric([replica], index.unsalted_blocks.get(replica, 0))
+        families.append(unsalted)
     return families + ([dns_replicas, dns_failures] if snapshot.dns else [])
+
+
+def _miss_family(diagnoses: RequestDiagnoses) -> Metric:
+    family = _counter(metrics.REQUEST_MISSES)
+    for cause, count in diagnoses.counts().items():
+        family.add_metric([cause], count)
+    return family
 
 
 def _modelled_families(modelled: ModelledCauses) -> list[Metric]:
@@ -342,6 +370,40 @@ def _modelled_families(modelled: ModelledCauses) -> list[Metric]:
     for outcome, count in snapshot.records.items():
         records.add_metric([outcome], count)
     return [recomputed, records]
+
+
+def _tenant_families(tenants: TenantAccounts) -> list[Metric]:
+    """The per-tenant families once a tenant is seen (or allow-listed); the cross-tenant ones
+    with tenant_remember_blocks, from the start."""
+    snapshot = tenants.snapshot()
+    families: list[Metric] = []
+    if snapshot.tenants:
+        requests, prompt, cached = (
+            _counter(spec)
+            for spec in (metrics.TENANT_REQUESTS, metrics.TENANT_PROMPT_TOKENS, metrics.TENANT_CACHED_TOKENS)
+        )
+        prompt_work, reused_work = _counter(metrics.TENANT_PROMPT_WORK), _counter(metrics.TENANT_REUSED_WORK)
+        for row, tenant in enumerate(snapshot.tenants):
+            for hit, cache in enumerate(CACHE_LABELS):
+                requests.add_metric([tenant, cache], int(snapshot.requests[row, hit]))
+            prompt.add_metric([tenant], int(snapshot.prompt_tokens[row]))
+            cached.add_metric([tenant], int(snapshot.cached_tokens[row]))
+            for unit_index, unit in enumerate(UNITS):
+                if snapshot.work_requests[unit_index, row]:
+                    prompt_work.add_metric([tenant, unit], float(snapshot.prompt_work[unit_index, row]))
+                    reused_work.add_metric([tenant, unit], float(snapshot.reused_work[unit_index, row]))
+        overflow = _counter(metrics.TENANT_OVERFLOW)
+        overflow.add_metric([], snapshot.overflow)
+        families += [requests, prompt, cached, prompt_work, reused_work, overflow]
+    if snapshot.remembered_blocks is not None:
+        cross = _counter(metrics.CROSS_TENANT_TOKENS)
+        for row, tenant in enumerate(snapshot.tenants):
+            cross.add_metric([tenant], int(snapshot.cross_tenant_tokens[row]))
+        remembered, forgotten = _gauge(metrics.TENANT_REMEMBERED), _counter(metrics.TENANT_FORGOTTEN)
+        remembered.add_metric([], snapshot.remembered_blocks)
+        forgotten.add_metric([], snapshot.forgotten_blocks)
+        families += [cross, remembered, forgotten]
+    return families
 
 
 def _gauge(spec: metrics.MetricSpec) -> GaugeMetricFamily:

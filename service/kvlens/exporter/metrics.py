@@ -281,6 +281,30 @@ KV_RECOMPUTED_TOKENS = MetricSpec(
     "new, evicted_here, held_elsewhere, evicted_elsewhere; held_here (not lost: a recomputed last "
     "block, or loaded from its own offload tier); unknown (parent not known). From KV events.",
 )
+KV_RECOMPUTED_WORK = MetricSpec(
+    "kvlens_kv_recomputed_work",
+    "counter",
+    ("replica", "cause", "unit"),
+    "Modelled prefill work of the tokens of kvlens_kv_recomputed_tokens_total, each at its position in "
+    "its chain (C(n) - C(h) of its block), in the unit of kv_events_model's cost model (the one of compute "
+    "saved). Tokens whose chain's start was never seen are left out: kvlens_kv_depth_unknown_tokens_total.",
+)
+KV_DEPTH_UNKNOWN = MetricSpec(
+    "kvlens_kv_depth_unknown_tokens",
+    "counter",
+    ("replica", "cause"),
+    "Recomputed tokens whose position is unknown (their chain's start was never seen, or past 65,534 "
+    "blocks): counted in kvlens_kv_recomputed_tokens_total, not in kvlens_kv_recomputed_work_total.",
+)
+REQUEST_MISSES = MetricSpec(
+    "kvlens_request_misses",
+    "counter",
+    ("cause",),
+    "Records with prefix_hashes that recomputed a block a cache could have held, by the cause of the "
+    "first such block: new, evicted_here, held_elsewhere, evicted_elsewhere (with KV events by engine "
+    "hash), seen_elsewhere (records alone: held or evicted on another replica).",
+)
+DIAGNOSES: Final = (REQUEST_MISSES,)  # with the app's sources (serve): records' diagnoses
 KV_BLOCKS_STORED = MetricSpec(
     "kvlens_kv_blocks_stored",
     "counter",
@@ -316,7 +340,8 @@ KV_REJECTED = MetricSpec(
     ("replica", "reason"),
     "KV event input not used whole: malformed_payload (batch dropped), malformed_event (event "
     "dropped), unknown_event (type skipped), unknown_field (field skipped, event used), "
-    "other_group (a KV cache group past the first: left out), replica_limit (batch dropped: the "
+    "other_group (an event of a KV cache group the index does not follow: a second full-attention "
+    "group's store, a sliding-window or Mamba group's events), replica_limit (batch dropped: the "
     "index's 64 replica slots all in use by live replicas), bad_timestamp (a batch's ts not from 0 "
     "to 10 s ahead of kvlens's clock: not used to order it, its events used), error (a kvlens bug, "
     "logged).",
@@ -377,6 +402,13 @@ KV_UNKNOWN_REMOVED = MetricSpec(
     (),
     "Removed blocks whose store kvlens never saw (it started later, or a gap lost it).",
 )
+KV_UNSALTED_BLOCKS = MetricSpec(
+    "kvlens_kv_unsalted_blocks_stored",
+    "counter",
+    ("replica",),
+    "Blocks of GPU stores that start a chain without a cache salt (vLLM's extra keys, SGLang's "
+    "cache_salt): a tenant's prefix in the shared cache scope. Exported with require_cache_salt only.",
+)
 KV_DNS_REPLICAS = MetricSpec(
     "kvlens_kv_dns_replicas",
     "gauge",
@@ -391,6 +423,8 @@ KV_DNS_FAILURES = MetricSpec(
 )
 KV: Final = (
     KV_RECOMPUTED_TOKENS,
+    KV_RECOMPUTED_WORK,
+    KV_DEPTH_UNKNOWN,
     KV_BLOCKS_STORED,
     KV_BLOCKS_REMOVED,
     KV_BLOCKS_HELD,
@@ -410,6 +444,7 @@ KV: Final = (
     KV_FORGOTTEN,
     KV_UNTRACKED,
     KV_UNKNOWN_REMOVED,
+    KV_UNSALTED_BLOCKS,
     KV_DNS_REPLICAS,
     KV_DNS_FAILURES,
 )  # with --kv-events
@@ -428,6 +463,75 @@ KV_MODELLED_RECORDS = MetricSpec(
     "replicas (past modelled_max_replicas).",
 )
 KV_MODELLED: Final = (KV_MODELLED_RECOMPUTED_TOKENS, KV_MODELLED_RECORDS)  # with modelled_capacity_blocks
+# Per tenant: families of their own (never a tenant label on the families above, whose series are
+# budgeted by model and length), bounded as `model` is (tenants / max_tenants, the rest `other`).
+TENANT_REQUESTS = MetricSpec(
+    "kvlens_tenant_requests",
+    "counter",
+    ("tenant", "cache"),
+    "Finished requests of records that carry a tenant.",
+)
+TENANT_PROMPT_TOKENS = MetricSpec(
+    "kvlens_tenant_prompt_tokens", "counter", ("tenant",), "Prompt tokens (n) of the tenant's requests."
+)
+TENANT_CACHED_TOKENS = MetricSpec(
+    "kvlens_tenant_cached_tokens",
+    "counter",
+    ("tenant",),
+    "Prompt tokens of the tenant's requests whose KV came from the prefix cache (h).",
+)
+TENANT_PROMPT_WORK = MetricSpec(
+    "kvlens_tenant_prompt_work",
+    "counter",
+    ("tenant", "unit"),
+    "Modelled prefill work without cache, sum of C(n), in the unit of each request's model's cost model "
+    "(work_units, flops, seconds): never add across units.",
+)
+TENANT_REUSED_WORK = MetricSpec(
+    "kvlens_tenant_reused_work",
+    "counter",
+    ("tenant", "unit"),
+    "Modelled prefill work the cache saved, sum of C(h), per unit as kvlens_tenant_prompt_work_total.",
+)
+TENANT_OVERFLOW = MetricSpec(
+    "kvlens_tenant_overflow",
+    "counter",
+    (),
+    "Records counted under the tenant label other: past max_tenants or the allow-list, or named other.",
+)
+TENANT: Final = (
+    TENANT_REQUESTS,
+    TENANT_PROMPT_TOKENS,
+    TENANT_CACHED_TOKENS,
+    TENANT_PROMPT_WORK,
+    TENANT_REUSED_WORK,
+    TENANT_OVERFLOW,
+)  # once a record carries a tenant, or with the tenants allow-list
+CROSS_TENANT_TOKENS = MetricSpec(
+    "kvlens_cross_tenant_cached_tokens",
+    "counter",
+    ("tenant",),
+    "Cached tokens the tenant's requests got over blocks only another tenant stored (from prefix_hashes: "
+    "the first floor(cached_tokens / block_size) blocks of the chain, block_size tokens each). Any "
+    "increase: two tenants share a cache scope.",
+)
+TENANT_REMEMBERED = MetricSpec(
+    "kvlens_tenant_remembered_blocks",
+    "gauge",
+    (),
+    "Blocks whose storing tenant is remembered (at most tenant_remember_blocks).",
+)
+TENANT_FORGOTTEN = MetricSpec(
+    "kvlens_tenant_forgotten_blocks",
+    "counter",
+    (),
+    "Blocks forgotten past tenant_remember_blocks, least recently seen first (seen again: stored anew).",
+)
+CROSS_TENANT: Final = (
+    CROSS_TENANT_TOKENS,
+    TENANT_REMEMBERED,
+    TENANT_FORGOTTEN,
+)  # with tenant_remember_blocks
 SCRAPE_ERRORS = MetricSpec(
     "kvlens_collector_errors", "counter", (), "Metric families that failed to render and were left out."
 )
@@ -451,12 +555,15 @@ ALL: Final = (
     DROPPED,
     UNKNOWN_FIELDS,
     OVERFLOW,
+    *DIAGNOSES,
     *SERVICE,
     *UPSTREAM,
     *TAIL,
     *DECODE,
     *KV,
     *KV_MODELLED,
+    *TENANT,
+    *CROSS_TENANT,
     SCRAPE_ERRORS,
     BUILD_INFO,
 )

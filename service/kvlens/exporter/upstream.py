@@ -6,7 +6,7 @@ went down (the engine restarted: PromQL's own rule for resets). So ``kvlens_engi
 backwards, and count from kvlens's first scrape of each engine.
 
 An engine is outside input, held to the same rules as pushed records under budgets of its own:
-its ``model_name`` values go through a :class:`~kvlens.exporter.aggregator.ModelLabels` of their
+its ``model_name`` values go through a :class:`~kvlens.exporter.labels.ClosedLabels` of their
 own (invalid or past the cap: ``other``); at most ``max_series`` series are followed per target,
 and only those of the latest scrape are remembered (labels that change every scrape cost nothing
 that lasts); a value that is not a finite number in 0..2**53 (past which float64 cannot count
@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Final
 
-from kvlens.exporter.aggregator import ModelLabels
+from kvlens.exporter.labels import ClosedLabels
 from kvlens.sources.vllm_metrics import EngineScrape
 
 SCRAPE_ERROR_REASONS: Final = ("timeout", "too_large", "http_status", "connect", "parse")
@@ -42,7 +42,7 @@ class UpstreamSnapshot:
 
 
 class UpstreamState:
-    def __init__(self, targets: tuple[str, ...], labels: ModelLabels, max_series: int) -> None:
+    def __init__(self, targets: tuple[str, ...], labels: ClosedLabels, max_series: int) -> None:
         self.targets = targets
         self._labels = labels
         self._max_series = max_series

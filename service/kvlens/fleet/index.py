@@ -23,6 +23,15 @@ that applies:
 6. ``unknown``: its parent's content is unknown (the store of the parent was missed: kvlens
    started after the engine, or a gap no replay repaired), so its content key cannot be chained.
 
+Each classified block's **depth** (the blocks before it in its chain: its parent's depth + 1, 0
+without a parent) is kept beside it in the replica's table, so that its tokens' positions are
+known: a token at position ``p`` (1-based) attends to ``p`` tokens, and a cause's causal pairs,
+summed in integers, give its modelled prefill work by any cost model, ``a*tokens + b*pairs``
+(:meth:`IndexSnapshot.recomputed_work`: the same ``C(n) - C(h)`` as compute saved, so a block lost
+at depth 100 weighs what recomputing it there costs). A block whose parent this replica does not
+hold (its chain's start never seen), a child of one, or one past 65,534 blocks deep has no depth:
+its tokens are counted apart (``depth_unknown_tokens``), and no work is modelled for them.
+
 Stores into other tiers (``CPU``, ``STORAGE``: offload copies) are counted, and make the replica a
 holder, but are not work and get no cause. ``AllBlocksCleared`` and a publisher restart remove
 every block the replica holds (it held them, and lost them: a later store is ``evicted_here``).
@@ -49,7 +58,9 @@ holding it: at most :data:`MAX_REPLICAS` replicas) and one of the blocks remembe
 held (content key -> bits of the replicas that removed it) with their keys in a ring, oldest
 first; per replica, a table of its extra copies (a hash stored again into a tier that holds it,
 no removal between: the engine keeps two blocks of it; the next removal takes a copy first):
-engine hash -> a 16-bit count a tier. A holding is a (block, replica, tier) or an extra copy; it
+engine hash -> a 16-bit count a tier. A replica's table keeps a block's depth in 2 bytes a slot
+beside it, and is rebuilt fuller (:data:`~kvlens.fleet.kernels.table.DEPTH_FILL`) so that a
+holding stays within its bytes. A holding is a (block, replica, tier) or an extra copy; it
 costs at most :data:`HELD_ENTRY_BYTES`, a remembered block at most
 :data:`REMEMBERED_ENTRY_BYTES` (tested); every array is in :meth:`FleetIndex.memory_bytes`
 (tested against tracemalloc). The remembered ones are capped (``remember_blocks``), the oldest
@@ -59,26 +70,26 @@ it. ``AllBlocksCleared`` remembers the replica's blocks in its table's order, no
 were stored; it, a forgotten replica and a table's rebuild go a slice of rows at a time, a
 scrape waiting for the lock let in between slices (:class:`IndexLock`). With
 ``shard=(i, n)`` only blocks whose content key is ``i`` mod ``n`` are classified and kept in the
-fleet's tables, so ``n`` processes on the same events split the counts exactly; without
-``hashes_alike`` each replica's engine-hash map is still kept whole (a child's key needs its
-parent's, whatever the parent's shard).
+fleet's tables, so ``n`` processes on the same events split the counts exactly; each replica's
+engine-hash map is still kept whole (a child's key, without ``hashes_alike``, and its depth need
+its parent's, whatever the parent's shard).
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
-import threading
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
-from types import TracebackType
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, cast
 
 import msgspec
 import numpy as np
 
+from kvlens.definitions import CostModel
 from kvlens.errors import MissingExtra
+from kvlens.fleet.groups import KVCacheGroups
 from kvlens.fleet.limits import (
     MAX_BLOCK_SIZE,
     MAX_HELD_BLOCKS,
@@ -88,6 +99,8 @@ from kvlens.fleet.limits import (
     TIERS,
     tier_number,
 )
+from kvlens.fleet.lock import IndexLock
+from kvlens.fleet.sessions import SessionLedger
 
 if TYPE_CHECKING:
     from kvlens.fleet.kernels import table as tables
@@ -157,62 +170,12 @@ class _Replica:
     copies: tables.Table  # engine hash -> its extra copies, kernels.rules.COPY_BITS a tier
 
 
-class IndexLock:
-    """The index's lock (a ``threading.Lock``: ``with index.lock:``), which its holder can hand
-    over between the slices of a long operation (:meth:`pause`): a scrape waiting for it then
-    gets it at the next slice, not after a clear of 10M blocks (seconds). A plain lock released
-    and taken again is no hand-over: the releasing thread, running, takes it back first."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._count_lock = threading.Lock()  # for ``_waiting`` (an int += is no atomic step)
-        self._waiting = 0  # threads blocked in acquire
-        self._taken = threading.Event()  # a waiter got the lock (after a pause released it)
-        self._owner: int | None = None
-
-    def acquire(self) -> None:
-        if not self._lock.acquire(blocking=False):
-            with self._count_lock:
-                self._waiting += 1
-            self._lock.acquire()
-            with self._count_lock:
-                self._waiting -= 1
-            self._taken.set()
-        self._owner = threading.get_ident()
-
-    def release(self) -> None:
-        self._owner = None
-        self._lock.release()
-
-    def locked(self) -> bool:
-        return self._lock.locked()
-
-    def __enter__(self) -> IndexLock:
-        self.acquire()
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.release()
-
-    def pause(self) -> None:
-        """Called by the holder between slices: a thread waiting for the lock now takes it (the
-        holder waits until it has, at most a second: a waiter may have given up), then the
-        holder takes it back when that one is done. Nothing when this thread does not hold it
-        (the index fed without its lock: tests, offline) or nobody waits."""
-        if not self._waiting or self._owner != threading.get_ident():
-            return
-        self._taken.clear()
-        self.release()
-        self._taken.wait(1.0)
-        self.acquire()
-
-
 @dataclass
 class IndexSnapshot:
     recomputed_blocks: dict[tuple[str, str], int]  # (replica, cause) -> blocks
     recomputed_tokens: dict[tuple[str, str], int]  # (replica, cause) -> tokens
+    recomputed_pairs: dict[tuple[str, str], int]  # (replica, cause) -> causal pairs, known depth
+    depth_unknown_tokens: dict[tuple[str, str], int]  # (replica, cause) -> tokens, depth unknown
     stored: dict[tuple[str, str], int]  # (replica, medium) -> blocks stored
     removed: dict[tuple[str, str], int]  # (replica, medium) -> blocks removed
     held: dict[tuple[str, str], int]  # (replica, medium) -> blocks held now
@@ -223,6 +186,21 @@ class IndexSnapshot:
     untracked_blocks: int
     unknown_removed: int
     memory_bytes: int
+    # replica -> blocks of primary-tier stores that start a chain without a cache salt (counted
+    # with ``require_cache_salt`` only, by shard 0 only)
+    unsalted_blocks: dict[str, int] = field(default_factory=dict)
+
+    def recomputed_work(self, cost: CostModel) -> dict[tuple[str, str], float]:
+        """(replica, cause) -> the modelled prefill work of its recomputed tokens whose depth is
+        known: ``a*tokens + b*pairs`` (:meth:`CostModel.work_of_sums`), each token's pairs from
+        its position in its chain, so a block lost deep in a long prompt weighs what recomputing
+        it costs (the same cost model as compute saved). Tokens of unknown depth are left out
+        (:attr:`depth_unknown_tokens`), never given a guessed position."""
+        work = {}
+        for key, tokens in self.recomputed_tokens.items():
+            known = tokens - self.depth_unknown_tokens.get(key, 0)
+            work[key] = cost.work_of_sums(known, self.recomputed_pairs.get(key, 0))
+        return work
 
 
 _NO_TOKENS: Final = np.zeros(0, np.uint64)
@@ -245,6 +223,8 @@ class FleetIndex:
         remember_blocks: int = REMEMBER_BLOCKS,
         max_held_blocks: int = MAX_HELD_BLOCKS,
         shard: tuple[int, int] = (0, 1),
+        require_cache_salt: bool = False,
+        sessions: int = 0,
     ) -> None:
         if not compiled_loops_available():  # before serving, not at the first event
             raise MissingExtra("the fleet index", "kv-events")
@@ -277,6 +257,14 @@ class FleetIndex:
         self._free = list(range(MAX_REPLICAS - 1, -1, -1))  # slots, the lowest taken first
         # the counters of forgotten replicas, by name: exported counters never go back
         self._retired: dict[str, np.ndarray[Any, np.dtype[np.int64]]] = {}
+        # with it, blocks stored at the start of a chain without a salt are counted (note_chain_start)
+        self.require_cache_salt = require_cache_salt
+        self._unsalted: Counter[str] = Counter()  # replica -> blocks; kept when it is forgotten
+        self.groups = KVCacheGroups()
+        # the last ``sessions`` sessions' stores by cause (vLLM's session_id; kvlens.fleet.sessions)
+        self.sessions = (
+            SessionLedger(sessions, CAUSES) if sessions > 0 else None
+        )  # a hybrid model's KV cache groups, per replica (kvlens.fleet.groups)
 
     # --- feeding ---------------------------------------------------------------------------
 
@@ -286,7 +274,7 @@ class FleetIndex:
             if not self._free:
                 raise ValueError(f"replica {name!r}: the index follows at most {MAX_REPLICAS} replicas")
             state = self._replicas[name] = _Replica(
-                name, self._free.pop(), self._tables.Table(), self._tables.Table()
+                name, self._free.pop(), self._tables.Table(depths=True), self._tables.Table()
             )
         return state
 
@@ -326,11 +314,13 @@ class FleetIndex:
         row[:] = 0
         del self._replicas[name]
         self._free.append(state.number)
+        self.groups.forget(name)
 
     def drop_forgotten(self, name: str) -> None:
         """Drop the counters kept for ``name``, a forgotten replica (not one followed now)."""
         if name not in self._replicas:
             self._retired.pop(name, None)
+            self._unsalted.pop(name, None)
 
     def _mine(self, key: int) -> bool:
         return self.shard_count == 1 or key % self.shard_count == self.shard_index
@@ -352,6 +342,7 @@ class FleetIndex:
             self._ring.keys,
             self._stats,
             self._counts,
+            state.table.depths,
         )
 
     def stored(
@@ -435,6 +426,10 @@ class FleetIndex:
         class (growing and shrinking tables, ``AllBlocksCleared``). Returns what
         became of the events (events of each type, malformed, of other KV cache groups: left out),
         or None, nothing changed, for a payload the loop leaves to msgspec."""
+        if replica in self.groups.hybrid:  # its removals need its groups' kinds: msgspec's path
+            return None
+        if self.sessions is not None and b"session_id" in payload:  # causes an event: msgspec's path
+            return None
         k = self._k
         state = self._replicas.get(replica) or self.replica(replica)
         params = self._params
@@ -445,6 +440,8 @@ class FleetIndex:
             position, stop, value, *tally = k.apply_payload(payload, position, self._arrays(state))
             if stop == k.DONE:
                 tally[k.T_MALFORMED] += malformed
+                if self.require_cache_salt and tally[k.STORED_EVENT]:
+                    self._count_unsalted(replica, payload)
                 return cast("list[int]", tally)  # numba answers ints
             malformed += tally[k.T_MALFORMED]
             if stop == k.UNREAD:
@@ -465,10 +462,37 @@ class FleetIndex:
                 params[k.P_REPLICA] = state.number
                 position += 1
 
-    def removed(self, replica: str, block_hashes: Sequence[EngineHash], *, medium: str | None = None) -> None:
-        """One ``BlockRemoved``."""
+    def note_chain_start(self, replica: str, blocks: int, *, salted: bool) -> None:
+        """A primary-tier store of ``blocks`` blocks whose first has no parent (a chain's start),
+        with a cache salt or not: the unsalted ones counted with ``require_cache_salt`` (shard 0
+        only, so that shards' counts add up to the fleet's). The salt itself is never kept."""
+        if self.require_cache_salt and not salted and self.shard_index == 0:
+            self._unsalted[replica] += blocks
+
+    def _count_unsalted(self, replica: str, payload: bytes) -> None:
+        """The chain starts of a payload the compiled loop applied: none of its stores carried a
+        salt (a salt, in extra keys or SGLang's fields, leaves the payload to msgspec), so each
+        GPU store applied without a parent is unsalted. The payload is read again, only with
+        ``require_cache_salt`` (measured: the consumer then takes 1.07-1.13 times the CPU)."""
+        blocks = int(self._reader.chain_start_blocks(payload))
+        if blocks:
+            self.note_chain_start(replica, blocks, salted=False)
+
+    def removed(
+        self,
+        replica: str,
+        block_hashes: Sequence[EngineHash],
+        *,
+        medium: str | None = None,
+        remaining: Sequence[int] | None = None,
+    ) -> None:
+        """One ``BlockRemoved``: a copy of each hash goes (its extra copies first). With
+        ``remaining`` (vLLM's ``remaining_copy_counts``, #48933: the engine's physical copies of
+        each hash left after it), as many go as leave that many held here (at least none)."""
         state = self._replicas.get(replica) or self.replica(replica)
         hashes = _hash_array(block_hashes)
+        if remaining is not None:
+            hashes = self._to_remaining(state, hashes, tier_number(medium or PRIMARY), remaining)
         k = self._k
         self._set(state, tier_number(medium or PRIMARY))
         while True:
@@ -477,6 +501,25 @@ class FleetIndex:
                 break
             self._room_to_remove(hashes.size)
         self._shrink(state, done)
+
+    def _to_remaining(
+        self,
+        state: _Replica,
+        hashes: np.ndarray[Any, np.dtype[np.uint64]],
+        tier: int,
+        left: Sequence[int],
+    ) -> np.ndarray[Any, np.dtype[np.uint64]]:
+        """Each hash repeated as often as copies must go for ``left`` of it to be held here."""
+        lookup, copy_bits = self._tables.lookup, self._k.COPY_BITS
+        repeated: list[int] = []
+        for engine_hash, copies_left in zip(hashes.tolist(), left, strict=True):
+            key = np.uint64(engine_hash)
+            found, value = lookup(state.table.rows, key)
+            held = int(found and int(value) >> (60 + tier) & 1)
+            _, counts = lookup(state.copies.rows, key)
+            held += int(counts) >> (copy_bits * tier) & ((1 << copy_bits) - 1)
+            repeated += [engine_hash] * max(0, held - max(0, copies_left))
+        return np.array(repeated, dtype=np.uint64)
 
     def cleared(self, replica: str) -> None:
         """``AllBlocksCleared``, or the publisher restarted: the replica holds nothing now.
@@ -503,7 +546,7 @@ class FleetIndex:
             self._room_to_remove(stop - start)
             self._set(state, 0)
             k.clear(self._arrays(state), start, stop)
-        state.table, state.copies = self._tables.Table(), self._tables.Table()
+        state.table, state.copies = self._tables.Table(depths=True), self._tables.Table()
         self._fleet.shrink(pause)
 
     # --- reading ---------------------------------------------------------------------------
@@ -532,9 +575,26 @@ class FleetIndex:
         """(replica, cause) -> blocks."""
         return self._by_replica(self._k.C_NEW, CAUSES)
 
+    def cause_tokens(self, replica: str) -> list[int]:
+        """The replica's tokens recomputed so far by cause (:data:`CAUSES`' order)."""
+        state = self._replicas.get(replica) or self.replica(replica)
+        return cast(
+            "list[int]", self._stats[state.number, self._k.TOKENS : self._k.TOKENS + len(CAUSES)].tolist()
+        )
+
     @property
     def recomputed_tokens(self) -> Counter[tuple[str, str]]:
         return self._by_replica(self._k.TOKENS, CAUSES)
+
+    @property
+    def recomputed_pairs(self) -> Counter[tuple[str, str]]:
+        """(replica, cause) -> the causal pairs of its recomputed tokens of known depth."""
+        return self._by_replica(self._k.PAIRS, CAUSES)
+
+    @property
+    def depth_unknown_tokens(self) -> Counter[tuple[str, str]]:
+        """(replica, cause) -> recomputed tokens whose chain's start was never seen."""
+        return self._by_replica(self._k.DEPTHLESS, CAUSES)
 
     @property
     def duplicated(self) -> int:
@@ -563,6 +623,8 @@ class FleetIndex:
             return IndexSnapshot(
                 recomputed_blocks=dict(self.recomputed),
                 recomputed_tokens=dict(self.recomputed_tokens),
+                recomputed_pairs=dict(self.recomputed_pairs),
+                depth_unknown_tokens=dict(self.depth_unknown_tokens),
                 stored=dict(self._by_replica(k.STORED, TIERS)),
                 removed=dict(self._by_replica(k.REMOVED, TIERS)),
                 held=dict(self._by_replica(k.HELD, TIERS, every=True)),
@@ -573,6 +635,7 @@ class FleetIndex:
                 untracked_blocks=self.untracked,
                 unknown_removed=self.unknown_removed,
                 memory_bytes=self.memory_bytes(),
+                unsalted_blocks={name: count for name, count in self._unsalted.items() if count},
             )
 
     def memory_bytes(self) -> int:

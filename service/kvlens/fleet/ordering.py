@@ -90,7 +90,7 @@ class PublisherStatus:
     malformed_events: int = 0
     unknown_events: int = 0
     unknown_fields: int = 0
-    other_group_events: int = 0  # events of KV cache groups past the first, left out
+    other_group_events: int = 0  # events of KV cache groups not followed (kvlens.fleet.groups)
     errors: int = 0  # messages whose handling failed unexpectedly (a kvlens bug; logged)
     refused_batches: int = 0  # dropped: every replica slot of the index in use by others
     last_message: float = 0.0
@@ -297,7 +297,7 @@ class Consumer:
                 self.index.drop_forgotten(name)
             self._last_ts.pop(name, None)
 
-    def _admitted(self, replica: str, status: PublisherStatus) -> bool:
+    def admitted(self, replica: str, status: PublisherStatus) -> bool:
         """Whether the index has a slot for ``replica`` (called under the index's lock); else its
         batch is dropped and counted, and the refusal logged once (not per batch) until a slot
         frees up and takes it."""
@@ -318,7 +318,7 @@ class Consumer:
     def _apply(self, replica: str, status: PublisherStatus, payload: bytes) -> None:
         status.batches += 1
         with self.index.lock:
-            if not self._admitted(replica, status):
+            if not self.admitted(replica, status):
                 return
             # the usual payload: read and applied in one compiled call
             tally = self.index.apply_payload(replica, payload)

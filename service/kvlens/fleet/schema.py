@@ -31,8 +31,10 @@ STORED, REMOVED, CLEARED = EVENT_TYPES
 # the block size (an int in 1..MAX_BLOCK_SIZE, else a malformed event), an int or nil, the KV
 # cache group (an int or nil: past the first, the event is left out), the medium (a text or nil:
 # its tier), a text or nil (read, not kept), nil only (a LoRA name or a salt goes to msgspec's
-# path), extra keys (nil, or nil for every block), ints or nil (read, not kept).
-HASHES, PARENT, TOKENS, SIZE, INT, GROUP, MEDIUM, TEXT, NIL, EXTRA, INTS = range(11)
+# path), extra keys (nil, or nil for every block), ints or nil (read, not kept), a KV cache
+# group's kind (nil or a full-attention kind: anything else goes to msgspec's path, which
+# follows a hybrid model's groups, kvlens.fleet.groups).
+HASHES, PARENT, TOKENS, SIZE, INT, GROUP, MEDIUM, TEXT, NIL, EXTRA, INTS, KIND = range(12)
 
 
 class EventField(NamedTuple):
@@ -63,13 +65,15 @@ FIELDS: Final = (
     ),
     EventField("extra_keys", list[Any] | None, EXTRA, list[tuple[Any, ...] | None] | None, array=True),
     EventField("group_idx", int | None, GROUP, int | None, removed=True),
-    EventField("kv_cache_spec_kind", str | None, TEXT, str | None),
+    EventField("kv_cache_spec_kind", str | None, KIND, str | None),
     EventField("kv_cache_spec_sliding_window", int | None, INT, int | None),
     EventField("locality", str | None, TEXT, str | None, removed=True),
     EventField("ownership", str | None, TEXT, str | None, removed=True),
     EventField("session_id", str | None, TEXT, str | None),
     EventField("lookahead_token_ids", list[int] | None, INTS, list[int] | None),
     EventField("cache_salt", str | None, NIL),  # SGLang's maps (sglang#37482)
+    # vLLM #48933 (open): each removed hash's physical copies left; msgspec's path reads it
+    EventField("remaining_copy_counts", list[int] | None, NIL, removed=True),
 )
 REMOVED_FIELDS: Final = tuple(field for field in FIELDS if field.removed)
 _OF: Final = {STORED: FIELDS, REMOVED: REMOVED_FIELDS, CLEARED: ()}

@@ -39,8 +39,9 @@ from typing import Any, Final
 
 import msgspec
 
+from kvlens.fleet.groups import FOLLOW
 from kvlens.fleet.index import FleetIndex
-from kvlens.fleet.limits import medium_label
+from kvlens.fleet.limits import PRIMARY, medium_label
 from kvlens.fleet.schema import (
     CLEARED,
     EVENT_TYPES,
@@ -219,52 +220,83 @@ def _decode_event(raw: bytes, out: Decoded) -> None:
         out.malformed_events += 1
 
 
-def _keys(event: Any) -> tuple[list[Any] | None, str | None]:
-    """(extra keys, LoRA name) of a store as the index takes them: SGLang's cache salt (a field
-    of its maps, or the metadata map its arrays send where vLLM's have ``lora_name``) folded
-    into each block's extra keys, as vLLM's salt is in its own."""
+def _keys(event: Any) -> tuple[list[Any] | None, str | None, bool]:
+    """(extra keys, LoRA name, whether salted) of a store as the index takes them: SGLang's cache
+    salt (a field of its maps, or the metadata map its arrays send where vLLM's have
+    ``lora_name``) folded into each block's extra keys, as vLLM's salt is in its own."""
     extra, lora_name = event.extra_keys, event.lora_name
     salt = getattr(event, "cache_salt", None)
     if isinstance(lora_name, dict):
         salt, lora_name = lora_name.get("cache_salt"), None
     if salt is None:
-        return extra, lora_name
-    return [[key, "cache_salt", salt] for key in extra or [None] * len(event.block_hashes)], lora_name
+        return extra, lora_name, _salted(extra, lora_name)
+    keys = [[key, "cache_salt", salt] for key in extra or [None] * len(event.block_hashes)]
+    return keys, lora_name, True
+
+
+def _salted(extra: list[Any] | None, lora_name: str | None) -> bool:
+    """Whether vLLM's extra keys carry a cache salt on the first block. vLLM 0.33 publishes them
+    untagged, in order: the LoRA name (when ``lora_name`` is set), the multimodal ``(identifier,
+    offset)`` pairs (arrays), the salt (a text), the prompt-embedding digests (bytes): a text past
+    the LoRA name is the salt. Its value is not looked at (it is no label, log line or report)."""
+    first = extra[0] if extra else None
+    if not isinstance(first, list | tuple):
+        return False
+    texts = sum(isinstance(key, str) for key in first)
+    return texts > (1 if lora_name is not None and first[0] == lora_name else 0)
 
 
 APPLIED: Final = "applied"
 MALFORMED: Final = "malformed"  # token ids that do not fill its blocks: dropped
-OTHER_GROUP: Final = "other_group"  # a KV cache group past the first: left out
+OTHER_GROUP: Final = "other_group"  # a KV cache group the index does not follow (kvlens.fleet.groups)
 
 
 def apply(index: FleetIndex, replica: str, event: Event) -> str:
     """Feed one decoded event to ``index``: :data:`APPLIED`, or why not.
 
-    Only the first KV cache group is followed (``group_idx`` 0 or absent): a hybrid model (full
-    and sliding-window attention) announces a block once per group, and the groups evict
-    differently; counting every group would count each block several times."""
+    A hybrid model's KV cache groups (full attention, sliding window, Mamba) announce a block once
+    per group and evict differently: :class:`kvlens.fleet.groups.KVCacheGroups` says which events
+    the index follows (the stores of one full-attention group, the removals of all of them)."""
     fields: Any = event  # a struct built from the table (kvlens.fleet.schema): read by name
-    if getattr(fields, "group_idx", None) not in (None, 0):
-        return OTHER_GROUP
     kind = _KIND[type(event)]
+    if kind != CLEARED:
+        group = getattr(fields, "group_idx", None)
+        spec = getattr(fields, "kv_cache_spec_kind", None) if kind == STORED else None
+        groups = index.groups  # a model of one group (the usual) costs the test alone
+        if (group not in (None, 0) or spec is not None or replica in groups.hybrid) and groups.role(
+            replica, group, spec, store=kind == STORED
+        ) != FOLLOW:
+            return OTHER_GROUP
     if kind == STORED:
         extra = fields.extra_keys
         if extra is not None and len(extra) != len(fields.block_hashes):
             return MALFORMED
-        extra, lora_name = _keys(fields)
+        extra, lora_name, salted = _keys(fields)
+        medium = medium_label(fields.medium)
+        ledger = index.sessions  # a GPU store's causes for its session (kvlens.fleet.sessions)
+        session: str | None = getattr(fields, "session_id", None) if medium == PRIMARY else None
+        before = index.cause_tokens(replica) if ledger is not None and session is not None else None
         if not index.stored(  # it checks the token ids (left as msgpack by the decoder)
             replica,
             fields.block_hashes,
             fields.parent_block_hash,
             fields.token_ids,
             fields.block_size,
-            medium=medium_label(fields.medium),
+            medium=medium,
             extra_keys=extra,
             lora_name=lora_name,
         ):
             return MALFORMED
+        if ledger is not None and session is not None and before is not None:
+            after = index.cause_tokens(replica)
+            ledger.add(session, replica, [now - then for now, then in zip(after, before, strict=True)])
+        if fields.parent_block_hash is None and medium == PRIMARY:
+            index.note_chain_start(replica, len(fields.block_hashes), salted=salted)
     elif kind == REMOVED:
-        index.removed(replica, fields.block_hashes, medium=medium_label(fields.medium))
+        remaining = getattr(fields, "remaining_copy_counts", None)
+        if remaining is not None and len(remaining) != len(fields.block_hashes):
+            return MALFORMED
+        index.removed(replica, fields.block_hashes, medium=medium_label(fields.medium), remaining=remaining)
     else:
         index.cleared(replica)
     return APPLIED

@@ -28,6 +28,7 @@ from kvlens.records.schema import (
     REASONS,
     FieldSpec,
     Record,
+    prefix_key,
     reason_message,
 )
 from kvlens.records.validate import batch_from_objects, reduce_to_known
@@ -58,6 +59,7 @@ __all__ = [
     "batch_from_objects",
     "decode_prefix_hashes",
     "labels_valid",
+    "prefix_key",
     "reason_message",
     "reduce_to_known",
     "strict_records",

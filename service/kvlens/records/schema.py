@@ -7,6 +7,8 @@ each field's kind and bounds read off :class:`Record`, from which the validator
 
 from __future__ import annotations
 
+import hashlib
+import string
 import typing
 from dataclasses import dataclass
 from typing import Annotated, Any, Final
@@ -58,7 +60,11 @@ class Record(BaseModel):
         None, description="Arrival, unix seconds (for ordering and replay, not for latency)."
     )
     replica: LabelText | None = Field(None, description="Engine replica or data-parallel rank.")
-    tenant: LabelText | None = Field(None, description="Tenant; a label only when enabled.")
+    tenant: LabelText | None = Field(
+        None,
+        description="Tenant (a label of the kvlens_tenant_* families, bounded by tenants / max_tenants "
+        "as model is; never a user id or a salt).",
+    )
     finish_reason: Annotated[str, Field(max_length=32)] | None = Field(
         None, description="stop, length, abort, error, ..."
     )
@@ -199,6 +205,20 @@ def _number(value: float | None) -> str:
     if value is None:
         return "?"
     return str(int(value)) if float(value).is_integer() else str(value)
+
+
+_HEX: Final = frozenset(string.hexdigits)
+
+
+def prefix_key(prefix_id: int | str) -> int:
+    """A ``prefix_hashes`` entry as a 64-bit key: ints as they are (the low 64 bits);
+    16-hex-digit strings (LiteLLM's HMAC-SHA256 ids) read as the 64-bit ints they spell, so both
+    forms of one id are one key; other strings hashed (blake2b, 64 bits)."""
+    if isinstance(prefix_id, int):
+        return prefix_id & ((1 << 64) - 1)
+    if len(prefix_id) == 16 and _HEX.issuperset(prefix_id):
+        return int(prefix_id, 16)
+    return int.from_bytes(hashlib.blake2b(prefix_id.encode(), digest_size=8).digest(), "big")
 
 
 ABSENT_INT: Final = -1  # an absent optional count in a batch (NaN for an absent duration)

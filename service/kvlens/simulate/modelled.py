@@ -9,34 +9,22 @@ one-cache walk, :func:`kvlens.simulate.run.walk`), in the order the records are 
 by arrival), and a replica's real cache size, pinning and eviction order are approximated by the
 capacity. Keep their counters apart from the ones KV events give.
 
-Prefix ids: ints are keys as they are; 16-hex-digit strings (LiteLLM's HMAC-SHA256 ids) are read
-as 64-bit ints; other strings are hashed (blake2b, 64 bits). LiteLLM also ids the prompt's final
+Prefix ids are keys as :func:`kvlens.records.prefix_key` reads them. LiteLLM also ids the prompt's final
 partial block, which an engine never caches: with ``partial_last_block=True`` the last id is
 dropped when the prompt is not a whole number of blocks.
 """
 
 from __future__ import annotations
 
-import hashlib
-import string
 from collections.abc import Sequence
 from typing import cast
 
 from kvlens.fleet.index import FleetIndex
+from kvlens.records import prefix_key
 from kvlens.simulate.cache import PrefixCache
 
-_HEX = frozenset(string.hexdigits)
 
-
-def prefix_key(prefix_id: int | str) -> int:
-    if isinstance(prefix_id, int):
-        return prefix_id & ((1 << 64) - 1)
-    if len(prefix_id) == 16 and _HEX.issuperset(prefix_id):
-        return int(prefix_id, 16)
-    return int.from_bytes(hashlib.blake2b(prefix_id.encode(), digest_size=8).digest(), "big")
-
-
-class _Replica:
+class IndexSink:
     """A modelled cache's events, straight into the index: the ids are the keys (hashes alike),
     so a block's tokens are never read and zeros of the right length stand in for them (making
     tokens from each key, as the simulated engines do, cost two thirds of the time)."""
@@ -80,7 +68,7 @@ class ModelledFleet:
             keys = keys[:-1]
         cache = self._caches.get(replica)
         if cache is None:
-            sink = _Replica(self.index, replica, self.block_size)
+            sink = IndexSink(self.index, replica, self.block_size)
             cache = self._caches[replica] = PrefixCache(self.capacity_blocks, sink)
         limit = (prompt_tokens - 1) // self.block_size  # the last token is always recomputed
         with self.index.lock:

@@ -51,9 +51,32 @@ def text(result: dict[str, Any], columns: int = NARROWEST) -> str:
             f"(pooled: token reuse {_pct(pooled['token_reuse_ratio'])})",
         ]
         lines += _policy_rows(block["policies"], wide=columns >= WIDE_ROW)
+        lines += wrapped([line for run in block["policies"] for line in _funnel_lines(run)], columns)
     if len(result["capacities"]) > 1:
         lines += ["", *curve(result)]
     return "\n".join(lines) + "\n"
+
+
+def _funnel_lines(run: dict[str, Any]) -> list[str]:
+    """The policy's loss funnel, as the live sidecar's recording rules give it: each stage's
+    share of the prompt, in tokens and in modelled work."""
+    funnel = run.get("funnel")
+    if not funnel:
+        return []
+    stages = funnel["stages"]
+    prompt = stages["prompt"]
+
+    def share(stage: dict[str, Any], key: str) -> str:
+        return _pct(stage[key] / prompt[key] if prompt[key] else None)
+
+    return [
+        f"{run['policy']} funnel (tokens / {funnel['unit']}): "
+        + " -> ".join(
+            f"{name.replace('_', ' ')} {share(stage, 'tokens')} / {share(stage, 'work')}"
+            for name, stage in stages.items()
+            if name != "prompt"
+        )
+    ]
 
 
 def _policy_rows(runs: list[dict[str, Any]], *, wide: bool) -> list[str]:

@@ -9,6 +9,9 @@ For each capacity (blocks per replica) and each policy the fleet replays the tra
   request: what a perfect router would get. ``reachable - pooled`` is lost to **capacity**;
 - **delivered** (each policy): ``pooled - delivered`` is lost to **routing** (it can come out
   negative: an LRU cache split by a good router may keep a little more than one pooled LRU).
+
+Each policy's run also gives the live sidecar's funnel (:mod:`kvlens.simulate.funnel`: its
+replicas' KV events through the fleet index), in tokens and in modelled work.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvlens.fleet.index import FleetIndex, compiled_loops_available
+from kvlens.simulate.funnel import events_into, funnel
 from kvlens.simulate.policies import DEFAULT_GUARD, Guard
 from kvlens.simulate.replica import DEFAULT_SERVICE, ServiceModel
 from kvlens.simulate.run import Fleet, Outcome, simulate, walk
@@ -60,8 +65,14 @@ def sweep(
         delivered = []
         for name in plan.policies:
             arm = name if len(plan.capacities) == 1 else f"{name}@{_capacity_label(capacity)}"
-            outcome = simulate(requests(), fleet, name, records=records, arm=arm, progress=progress)
-            delivered.append(_with_gaps(outcome, reachable, pooled))
+            index = FleetIndex(hashes_alike=True) if compiled_loops_available() else None
+            events = None if index is None else events_into(index, block_size)
+            outcome = simulate(
+                requests(), fleet, name, records=records, arm=arm, progress=progress, events=events
+            )
+            summary = _with_gaps(outcome, reachable, pooled)
+            summary["funnel"] = None if index is None else funnel(outcome, index, plan.service.prefill)
+            delivered.append(summary)
         capacities.append({"capacity_blocks": capacity, "pooled": pooled.summary(), "policies": delivered})
     service = plan.service
     return {

@@ -35,10 +35,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from kvlens.definitions import quantiles
 from kvlens.records import MAX_SECONDS, MAX_TOKENS, MAX_UNIX_TIME
 from kvlens.sources import jsonlines
 from kvlens.sources.jsonlines import UNDECODABLE, line_chunks, loads, open_file
+from kvlens.stats import itl_percentiles
 
 TOOLS: Final = ("vllm-bench", "aiperf")
 MAX_RESULT_BYTES: Final = 512 * 1024 * 1024  # one vllm-bench JSON, read whole
@@ -274,11 +274,7 @@ def _timings(ttft: float, latency: float, output: int, itls: list[float]) -> dic
         "e2e_seconds": latency,
         "decode_seconds": latency - ttft,
     }
-    if itls:
-        gaps = sorted(itls)
-        p50, p99 = quantiles(len(gaps), (0.5, 0.99), lambda ranks: [gaps[rank] for rank in ranks])
-        timings["client_itl_p50_seconds"] = p50
-        timings["client_itl_p99_seconds"] = p99
+    timings.update(itl_percentiles(itls))
     if output > 1:
         timings["client_tpot_seconds"] = (latency - ttft) / (output - 1)  # vLLM's TPOT
     return timings

@@ -7,13 +7,12 @@
   ``--enable-metrics`` ``queue_time``, ``first_token_latency`` (TTFT, queueing included) and
   ``forward_entry_time`` / ``prefill_finished_time`` (prefill is their difference, one clock).
   SGLang writes no model name per request: give one with the tail's ``model``.
-- ``openai-usage``: gateway logs holding an OpenAI response or just its ``usage``:
-  Chat/Completions ``usage.prompt_tokens`` and ``usage.prompt_tokens_details.cached_tokens``;
-  Responses ``usage.input_tokens`` and ``usage.input_tokens_details.cached_tokens`` (also inside
-  a ``response.completed`` streaming event). A ``null`` or missing ``cached_tokens`` is missing:
-  vLLM before 0.24 omits ``prompt_tokens_details`` when nothing was cached, so set
-  ``missing_cached_is_zero`` for those (only when ``--enable-prompt-tokens-details`` is on, or every
-  request reads as a miss). Streaming chunks are not requests, except the one that carries the
+- ``openai-usage``: gateway logs holding an OpenAI response or just its ``usage``, read by
+  :mod:`kvlens.sources.usage` (Chat/Completions and Responses names, also inside a
+  ``response.completed`` streaming event; a ``null`` is not reported). A cached count not
+  reported is missing: vLLM before 0.24 omits ``prompt_tokens_details`` when nothing was cached,
+  so set ``missing_cached_is_zero`` for those (only when ``--enable-prompt-tokens-details`` is on,
+  or every request reads as a miss). Streaming chunks are not requests, except the one that carries the
   whole request's usage (``choices`` empty, as ``stream_options.include_usage`` sends it):
   :data:`NOT_A_REQUEST`.
 - a field mapping for any other JSON log: ``{"prompt_tokens": "usage.input", ...}`` (dotted paths).
@@ -28,6 +27,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from kvlens.records import FIELD_NAMES
+from kvlens.sources.usage import read_usage
 
 Converter = Callable[[Any], Any]
 FORMATS = ("kvlens", "sglang", "openai-usage")
@@ -113,9 +113,6 @@ def _finite(value: Any) -> float | None:
     return float(value) if type(value) in (int, float) and math.isfinite(value) else None
 
 
-_USAGE_NAMES = (("prompt_tokens", "prompt_tokens_details"), ("input_tokens", "input_tokens_details"))
-
-
 _FINAL_RESPONSE_EVENTS = ("response.completed", "response.incomplete", "response.failed")
 
 
@@ -130,20 +127,9 @@ def _openai_usage(line: Any, missing_cached_is_zero: bool) -> Any:
     if _streaming_chunk_before_the_last(line):
         return NOT_A_REQUEST
     usage: dict[str, Any] = line["usage"] if isinstance(line.get("usage"), dict) else line
-    record: dict[str, Any] = {}
-    for total, details in _USAGE_NAMES:
-        if total in usage:
-            record["prompt_tokens"] = usage[total]
-            detail = usage.get(details)
-            cached = detail.get("cached_tokens") if isinstance(detail, dict) else None
-            if cached is not None:
-                record["cached_tokens"] = cached
-            elif missing_cached_is_zero:
-                record["cached_tokens"] = 0
-            break
-    output = usage.get("completion_tokens", usage.get("output_tokens"))
-    if output is not None:
-        record["output_tokens"] = output
+    record = read_usage(usage).counts()  # as read: validation names a count that cannot be
+    if missing_cached_is_zero and "prompt_tokens" in record:
+        record.setdefault("cached_tokens", 0)
     if usage is not line:
         if isinstance(line.get("model"), str):
             record["model"] = line["model"]

@@ -72,7 +72,14 @@ LABELS_AT_A_TIME = 65_536
 # The diagnosis's prefix potential reads these, kept apart from the records (a table of them for
 # the few records that hold hashes): an empty column of each in the records' table held 130 MB
 # of 10M records, past analyze's peak RSS goal of 1 GiB.
-HASHES_COLUMNS = {"block_size": "BIGINT", "prefix_hashes": "JSON"}
+# With them, what the report's sections read of those records beyond the analysis's columns.
+HASHES_COLUMNS = {
+    "block_size": "BIGINT",
+    "prefix_hashes": "JSON",
+    "request_id": "VARCHAR",
+    "replica": "VARCHAR",
+    "tenant": "VARCHAR",
+}
 
 
 def mentions_hashes(text: bytes) -> bool:
@@ -379,9 +386,13 @@ class _Parser:
         every line a record) that hold ``prefix_hashes``: a second parse of the text, for the
         files and chunks that may hold them only."""
         typed = "{" + ", ".join(f"{name}: '{sql}'" for name, sql in HASHES_COLUMNS.items()) + "}"
+        # an empty string is an absent value, as in a batch
+        selected = ", ".join(
+            f"NULLIF({name}, '')" if sql == "VARCHAR" else name for name, sql in HASHES_COLUMNS.items()
+        )
         self.connection.execute(
             f"INSERT INTO {self.hashes} SELECT {self.src}, {self.offset} + ordinality - 1, "
-            f"{', '.join(HASHES_COLUMNS)} FROM read_json({sqltext.duckdb_path(str(file))}, "
+            f"{selected} FROM read_json({sqltext.duckdb_path(str(file))}, "
             f"format = 'newline_delimited', records = true, compression = '{compression}', "
             f"columns = {typed}) WITH ORDINALITY WHERE prefix_hashes IS NOT NULL"
         )
@@ -400,10 +411,14 @@ class _Parser:
             "prefix_hashes": np.array(
                 [msgspec.json.encode(batch.prefix_hashes[i]).decode() for i in rows], dtype=object
             ),
+            **{
+                name: np.array([getattr(batch, name)[i] or None for i in rows], dtype=object)
+                for name in ("request_id", "replica", "tenant")
+            },
         }
         self.connection.register("chunk_hashes", found)
         self.connection.execute(
-            f"INSERT INTO {self.hashes} SELECT {self.src}, row, block_size, prefix_hashes FROM chunk_hashes"
+            f"INSERT INTO {self.hashes} SELECT {self.src}, row, {', '.join(HASHES_COLUMNS)} FROM chunk_hashes"
         )
         self.connection.unregister("chunk_hashes")
 

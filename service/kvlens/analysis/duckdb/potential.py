@@ -18,14 +18,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvlens.analysis.diagnosis import DEFAULT_BLOCK, LAST_DIVERGENT_BLOCK, potential_numbers
+from kvlens.analysis.diagnosis import LAST_DIVERGENT_BLOCK, potential_numbers
 from kvlens.analysis.duckdb.engine import Engine
+from kvlens.definitions import DEFAULT_BLOCK_SIZE
+from kvlens.records import RecordBatch, batch_from_objects, decode_prefix_hashes
 
 _POTENTIAL = f"""
 WITH ordered AS (
     SELECT row_number() OVER (ORDER BY arrival_time ASC NULLS LAST, src, row) AS k,
         prompt_tokens AS n,
-        CASE WHEN block_size > 0 THEN block_size ELSE {DEFAULT_BLOCK} END AS block,
+        CASE WHEN block_size > 0 THEN block_size ELSE {DEFAULT_BLOCK_SIZE} END AS block,
         json_extract(prefix_hashes, '$[*]') AS hashes
     FROM {{source}} JOIN {{hashes}} USING (src, row)
     WHERE json_array_length(prefix_hashes) > 0
@@ -67,3 +69,40 @@ def prefix_potential(
     reachable = sum(int(row[2]) for row in rows)
     tokens = sum(int(row[3]) for row in rows)
     return potential_numbers(first_new, reachable, tokens)
+
+
+# The record's fields the report's hash-reading sections use (kvlens.analysis.tenants,
+# kvlens.analysis.misses), as the records view and the hashes table hold them.
+_HASHED_FIELDS = (
+    "request_id",
+    "model",
+    "prompt_tokens",
+    "cached_tokens",
+    "arrival_time",
+    "replica",
+    "tenant",
+    "block_size",
+    "prefix_hashes",
+)
+
+
+def hashed_records(engine: Engine, source: str = "records", hashes: str = "jsonl_hashes") -> RecordBatch:
+    """The records of ``source`` that hold ``prefix_hashes``, in input order (``src``, ``row``),
+    as a batch the numpy engine's walks over them read (they skip the records without hashes,
+    so these give the same sections); an empty batch when none does. Held in Python: as many
+    as hold hashes."""
+    selected = ", ".join(
+        "CAST(prefix_hashes AS VARCHAR)" if name == "prefix_hashes" else name for name in _HASHED_FIELDS
+    )
+    rows = engine.connection.execute(
+        f"SELECT {selected} FROM {source} JOIN {hashes} USING (src, row) ORDER BY src, row"
+    ).fetchall()
+    objects = [
+        {
+            name: decode_prefix_hashes(value.encode()) if name == "prefix_hashes" else value
+            for name, value in zip(_HASHED_FIELDS, row, strict=True)
+            if value is not None
+        }
+        for row in rows
+    ]
+    return batch_from_objects(objects).batch

@@ -52,7 +52,8 @@ def warm() -> None:
     params[P_SHARDS], params[P_BLOCK_SIZE], params[P_MAX_HELD] = 1, 1, 1
     hashes, tokens = np.ones(1, np.uint64), np.ones(1, np.uint64)
     raw = np.frombuffer(b"\x91\x01", np.uint8)  # token ids left as msgpack: a read-only array
-    arrays = (params, table, table, table, table, ring.keys, stats, counts)
+    depths = np.zeros(MIN_SLOTS + 3, np.uint16)
+    arrays = (params, table, table, table, table, ring.keys, stats, counts, depths)
     store(hashes, raw, tokens, tokens, arrays)
     store(hashes, np.zeros(0, np.uint8), tokens, tokens, arrays)
     remove(hashes, arrays)
@@ -63,7 +64,9 @@ def warm() -> None:
     read_batch(payload)
     apply_payload(payload, 0, arrays)
     msgpack_ints(np.zeros(1, np.uint8))
-    _rebuild_rows(table, new_table(MIN_SLOTS), 0, SLICE_ROWS)
+    msgpack.chain_start_blocks(payload)
+    _rebuild_rows(table, new_table(MIN_SLOTS), depths, depths.copy(), 0, SLICE_ROWS)
+    _rebuild_rows(table, new_table(MIN_SLOTS), depths[:0], depths[:0], 0, SLICE_ROWS)
     _room(table, 1)
     _sparse(table)
     _recompile_when_stale((tables, msgpack, rules))

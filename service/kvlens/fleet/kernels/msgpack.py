@@ -4,7 +4,8 @@ integers, arrays and texts, and the KV events' fields as :mod:`kvlens.fleet.sche
 What :func:`kvlens.fleet.wire.decode_batch` and :func:`kvlens.fleet.wire.apply` decide, for the
 usual payloads only: any payload this reader is not sure of (another msgpack type where one is
 expected, bytes hashes, lora_name or extra keys, a text that is not ASCII, an unknown field or
-event type, a field twice, the tag not first) is left to them (:func:`read_batch` answers False),
+event type, a field twice, the tag not first, a KV cache group but the first or a kind but full
+attention) is left to them (:func:`read_batch` answers False),
 so that the two paths count alike; a test holds them equal on random batches.
 """
 
@@ -16,13 +17,14 @@ import numpy as np
 from numba import njit
 
 from kvlens.fleet import schema
+from kvlens.fleet.groups import PREFIX_KINDS
 from kvlens.fleet.kernels.stamp import BUILT_FROM
 from kvlens.fleet.limits import MAX_BLOCK_SIZE, MEDIUM_TIERS, OTHER_TIER
-from kvlens.fleet.schema import EXTRA, GROUP, HASHES, INT, INTS, MEDIUM, NIL, PARENT, SIZE, TOKENS
+from kvlens.fleet.schema import EXTRA, GROUP, HASHES, INT, INTS, KIND, MEDIUM, NIL, PARENT, SIZE, TOKENS
 
 E_TYPE, E_OUTCOME, E_TIER, E_BLOCK_SIZE, E_HAS_PARENT = range(5)
 E_HASHES, E_HASHES_END, E_TOKENS, E_TOKENS_END = range(5, 9)  # its slices of hashes and tokens
-E_EXTRA, E_GROUP = 9, 10  # the extra keys given (-1: none), a KV cache group past the first
+E_EXTRA, E_GROUP = 9, 10  # the extra keys given (-1: none); E_GROUP unused (another group: unsure)
 EVENT_FIELDS = 11
 STORED_EVENT, REMOVED_EVENT, CLEARED_EVENT = range(3)  # E_TYPE
 APPLY, MALFORMED_EVENT, OTHER_GROUP_EVENT = range(3)  # E_OUTCOME
@@ -57,6 +59,7 @@ _TYPE_BYTES, _TYPE_ENDS = _strings(schema.EVENT_TYPES)
 _MEDIUM_BYTES, _MEDIUM_ENDS = _strings(tuple(MEDIUM_TIERS))
 _MEDIUM_TIER = np.array(list(MEDIUM_TIERS.values()), np.int64)  # a name's tier; not named: OTHER_TIER
 _TAG_BYTES, _TAG_ENDS = _strings(("type",))
+_KIND_BYTES, _KIND_ENDS = _strings(tuple(sorted(PREFIX_KINDS)))
 
 
 @njit(cache=True, nogil=True)
@@ -286,8 +289,8 @@ def _field(
         elif action == SIZE:  # out of range: 0, a malformed event
             in_range = kind == 1 and value >= np.uint64(1) and value <= np.uint64(MAX_BLOCK_SIZE)
             row[E_BLOCK_SIZE] = np.int64(value) if in_range else 0
-        elif action == GROUP:
-            row[E_GROUP] = kind != 3 and value != np.uint64(0)
+        elif action == GROUP and kind != 3 and value != np.uint64(0):
+            return False, pos, nh, nt  # another KV cache group: msgspec's path (kvlens.fleet.groups)
         return True, pos, nh, nt
     if action == EXTRA:  # nil, or no extra key for any block (a digest of 0, as none)
         if pos < end and buf[pos] == 0xC0:
@@ -305,6 +308,13 @@ def _field(
         if pos < end and buf[pos] == 0xC0:
             return True, pos + 1, nh, nt
         return False, pos, nh, nt
+    if action == KIND:  # nil, or a full-attention kind (the rest: msgspec's path)
+        if pos < end and buf[pos] == 0xC0:
+            return True, pos + 1, nh, nt
+        start, length, after = _read_str(buf, pos, end)
+        if start < 0 or _name(buf, start, length, _KIND_BYTES, _KIND_ENDS) < 0:
+            return False, pos, nh, nt
+        return True, after, nh, nt
     tier, pos = _text_or_nil(buf, pos, end)  # MEDIUM and the other texts (TEXT)
     if tier == -1:
         return False, pos, nh, nt
@@ -361,10 +371,8 @@ def _event(
             return False, pos, nh, nt
     if seen & _REQUIRED[kind] != _REQUIRED[kind]:
         return False, pos, nh, nt
-    # wire.apply's order: another group first, then what makes a BlockStored malformed
-    if row[E_GROUP]:
-        row[E_OUTCOME] = OTHER_GROUP_EVENT
-    elif kind == STORED_EVENT and (
+    # what makes a BlockStored malformed (another KV cache group was left to msgspec above)
+    if kind == STORED_EVENT and (
         row[E_BLOCK_SIZE] == 0 or (row[E_EXTRA] >= 0 and row[E_EXTRA] != row[E_HASHES_END] - row[E_HASHES])
     ):
         row[E_OUTCOME] = MALFORMED_EVENT
@@ -410,3 +418,27 @@ def read_batch(buf: Any) -> tuple[bool, Any, Any, Any, Any]:
     if pos != end:
         return False, events, parents, hashes, tokens
     return True, events, parents, hashes[:nh], tokens[:nt]
+
+
+@njit(cache=True, nogil=True)
+def chain_start_blocks(buf: Any) -> int:
+    """The blocks of the GPU stores without a parent (chains' starts) that a payload read here
+    applies: a store whose token ids do not fill its blocks is dropped by the rules (malformed),
+    so not counted. 0 for a payload this reader leaves. One compiled call: numpy over the rows
+    cost more than the read."""
+    ok, events, _, _, _ = read_batch(buf)
+    if not ok:
+        return 0
+    blocks = 0
+    for e in range(events.shape[0]):
+        row = events[e]
+        count = row[E_HASHES_END] - row[E_HASHES]
+        if (
+            row[E_TYPE] == STORED_EVENT
+            and row[E_OUTCOME] == APPLY
+            and row[E_HAS_PARENT] == 0
+            and row[E_TIER] == 0
+            and row[E_TOKENS_END] - row[E_TOKENS] == count * row[E_BLOCK_SIZE]
+        ):
+            blocks += count
+    return blocks

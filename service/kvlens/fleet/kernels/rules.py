@@ -42,7 +42,9 @@ from kvlens.fleet.kernels.msgpack import (
 from kvlens.fleet.kernels.stamp import BUILT_FROM
 from kvlens.fleet.kernels.table import (
     _GOLDEN,
+    DEPTH_UNKNOWN,
     MASK60,
+    MAX_DEPTH,
     PRESENT,
     TIER_SHIFT,
     TOMB,
@@ -59,12 +61,18 @@ from kvlens.fleet.limits import TIERS
 _TOKEN: Final = np.uint64(0x100000001B3)  # FNV-1a's 64-bit prime
 _SEED: Final = np.uint64(0xCBF29CE484222325)
 # A replica's row of counters (``stats[replica]``): blocks per cause (kvlens.fleet.index.CAUSES's
-# order), tokens per cause, then per tier (kvlens.fleet.limits.TIERS) blocks stored, removed, held.
+# order), tokens per cause, then per tier (kvlens.fleet.limits.TIERS) blocks stored, removed, held,
+# then per cause the causal pairs of the tokens whose depth is known (a token at position p, 1 the
+# first of its chain, attends to p tokens: C(n)'s b term summed a token, so a cause's modelled work
+# is a*tokens + b*pairs, exact in integers whatever the cost model) and the tokens whose depth is
+# not (their chain's start never seen: no work is modelled for them, never a guessed depth).
 C_NEW, C_EVICTED_HERE, C_HELD_ELSEWHERE, C_EVICTED_ELSEWHERE, C_HELD_HERE, C_UNKNOWN = range(6)
 _TIERS: Final = len(TIERS)  # each a bit of a replica table's value above TIER_SHIFT (4 at most)
 TOKENS = 6
 STORED, REMOVED, HELD = 2 * TOKENS, 2 * TOKENS + _TIERS, 2 * TOKENS + 2 * _TIERS
-STATS = 2 * TOKENS + 3 * _TIERS
+PAIRS = 2 * TOKENS + 3 * _TIERS
+DEPTHLESS = PAIRS + TOKENS
+STATS = DEPTHLESS + TOKENS
 # The fleet's counters (``fleet_counts``)
 HELD_ENTRIES, DUPLICATED, UNTRACKED, UNKNOWN_REMOVED, FORGOTTEN = range(5)
 FLEET_COUNTS = 5
@@ -86,9 +94,10 @@ COPY_MAX: Final = (1 << COPY_BITS) - 1
 # The index's arrays, handed to every loop as one plain tuple in this order (each loop unpacks it
 # first). Not a NamedTuple: numba's dispatcher types a named tuple in Python, about a microsecond
 # a call more than a plain tuple's fingerprint (measured), and a payload is one call.
-Arrays = tuple[Any, Any, Any, Any, Any, Any, Any, Any]  # params, replica, copies, fleet,
-# remembered, ring, stats, fleet_counts: the replica's table and its extra copies, the fleet's
-# holders and remembered blocks (kernels.table), the remembered keys' ring, the counters (above)
+Arrays = tuple[Any, Any, Any, Any, Any, Any, Any, Any, Any]  # params, replica, copies, fleet,
+# remembered, ring, stats, fleet_counts, depths: the replica's table and its extra copies, the
+# fleet's holders and remembered blocks (kernels.table), the remembered keys' ring, the counters
+# (above), the depth of each block in the replica's table (kernels.table.Table.depths)
 # apply_events' tally of each type, then events malformed and of other groups
 TALLY = 5
 T_MALFORMED, T_OTHER_GROUP = 3, 4
@@ -160,7 +169,7 @@ def _release(key: Any, bit: Any, cap: int, fleet: Any, remembered: Any, ring: An
 
 @njit(cache=True, nogil=True)
 def _store(hashes: Any, tokens: Any, extras: Any, arrays: Arrays) -> int:
-    params, replica, copies, fleet, remembered, _, stats, fleet_counts = arrays
+    params, replica, copies, fleet, remembered, _, stats, fleet_counts, depths = arrays
     count = hashes.size
     block_size = np.int64(params[P_BLOCK_SIZE])
     if block_size < 1 or tokens.size != count * block_size:
@@ -185,15 +194,21 @@ def _store(hashes: Any, tokens: Any, extras: Any, arrays: Arrays) -> int:
     shards, shard = params[P_SHARDS], params[P_SHARD]
     whole = shards == np.uint64(1)
     room = np.int64(params[P_MAX_HELD]) - fleet_counts[HELD_ENTRIES]
+    # the first block's depth + 1 (0: unknown): its parent's + 1, 1 without a parent
+    first_depth = np.int64(1)
+    parent = np.uint64(0)
     chained = True
+    if params[P_HAS_PARENT]:
+        row, chained = _find(replica, params[P_PARENT])
+        if chained:
+            parent = replica[row, 1] & MASK60
+            first_depth = np.int64(depths[row]) + 1 if depths[row] != DEPTH_UNKNOWN else 0
+        else:
+            first_depth = 0
     if alike:
         keys = hashes
+        chained = True  # a block's key needs no parent
     else:
-        parent = np.uint64(0)
-        if params[P_HAS_PARENT]:
-            row, chained = _find(replica, params[P_PARENT])
-            if chained:
-                parent = replica[row, 1] & MASK60
         keys = np.empty(count, np.uint64)
         content_keys(tokens, block_size, parent, extras if extras.size else np.zeros(count, np.uint64), keys)
     touched = np.uint64(0)
@@ -206,6 +221,7 @@ def _store(hashes: Any, tokens: Any, extras: Any, arrays: Arrays) -> int:
     for b in range(count):
         engine_hash = hashes[b]
         key = keys[b]
+        depth = first_depth + b if first_depth != DEPTH_UNKNOWN and first_depth + b <= MAX_DEPTH + 1 else 0
         mine = whole or key % shards == shard
         mask = np.uint64(0)
         fleet_row = -1
@@ -229,6 +245,11 @@ def _store(hashes: Any, tokens: Any, extras: Any, arrays: Arrays) -> int:
                     cause = C_NEW if not found else C_EVICTED_HERE if before & bit else C_EVICTED_ELSEWHERE
                 mine_row[cause] += 1
                 mine_row[TOKENS + cause] += block_size
+                if depth == DEPTH_UNKNOWN:
+                    mine_row[DEPTHLESS + cause] += block_size
+                else:  # the tokens at positions p = before + 1 .. before + block_size
+                    before = (depth - 1) * block_size
+                    mine_row[PAIRS + cause] += block_size * before + block_size * (block_size + 1) // 2
         row, found = _find(replica, engine_hash)
         if found and replica[row, 1] & tier_bits:  # an extra copy: held, within the cap
             if added >= room:
@@ -249,15 +270,16 @@ def _store(hashes: Any, tokens: Any, extras: Any, arrays: Arrays) -> int:
             if mine:
                 held += 1
             continue
-        if not mine and alike:
-            continue  # nothing chains from it: out of this shard, it is not kept at all
         if added >= room:
             fleet_counts[UNTRACKED] += 1
             continue
         if found:
             replica[row, 1] |= tier_bits
-        else:
+            if depths[row] == DEPTH_UNKNOWN:
+                depths[row] = depth
+        else:  # kept out of this shard too: a child's depth (and content key) chains from it
             _insert(replica, row, engine_hash, (np.uint64(0) if alike else key) | tier_bits)
+            depths[row] = depth
         added += 1
         if mine:
             held += 1
@@ -290,7 +312,7 @@ def store(hashes: Any, raw: Any, tokens: Any, extras: Any, arrays: Arrays) -> in
 
 @njit(cache=True, nogil=True)
 def _remove(hashes: Any, arrays: Arrays) -> int:
-    params, replica, copies, fleet, remembered, ring, stats, fleet_counts = arrays
+    params, replica, copies, fleet, remembered, ring, stats, fleet_counts, _ = arrays
     cap = np.int64(params[P_CAP])
     if not (_room(remembered, hashes.size) and ring.size - 2 >= min(cap, np.int64(ring[1]) + hashes.size)):
         return GROW
@@ -366,7 +388,7 @@ def clear(arrays: Arrays, start: int, stop: int) -> None:
     after the ``size`` probed ones), with their extra copies, removed: the caller goes through
     the table a slice at a time (the remembered table and ring given room for a slice's blocks
     first), then drops both tables, which this leaves as they were."""
-    params, replica, copies, fleet, remembered, ring, stats, fleet_counts = arrays
+    params, replica, copies, fleet, remembered, ring, stats, fleet_counts, _ = arrays
     alike = params[P_ALIKE] != 0
     mine_row = stats[np.int64(params[P_REPLICA])]
     bit = np.uint64(1) << params[P_REPLICA]

@@ -6,7 +6,9 @@ slots left as tombstones that inserts reuse. Keys 0 and 1 mark empty and deleted
 two keys live in two extra rows after the ``size`` probed ones (``[PRESENT, value]`` when held);
 the last row is ``[live entries, used slots]`` (used: live or tombstone, in the probed part). The
 caller keeps ``used`` under :data:`MAX_LOAD` of the slots (:class:`Table`), so a probe always
-ends.
+ends. A replica's table also keeps a block's depth in its chain, in a ``uint16`` array beside the
+rows (``depths[row]``; :data:`DEPTH_UNKNOWN` when its chain's start was never seen): 2 bytes a
+slot, where a third column would cost 8 (the held block's 48-byte budget has 2 to spare).
 """
 
 from __future__ import annotations
@@ -44,6 +46,14 @@ SMALL_SLOTS: Final = 1 << 14
 # is a few milliseconds (each row a cache miss or three on a large table), a whole 10M-entry
 # table seconds.
 SLICE_ROWS: Final = 1 << 15
+# A block's depth (blocks before it in its chain) is kept as depth + 1, 0 meaning unknown (its
+# chain's start never seen, or deeper than a uint16 holds: 65,534 blocks, a million tokens at
+# vLLM's 16-token blocks)
+DEPTH_UNKNOWN: Final = 0
+MAX_DEPTH: Final = (1 << 16) - 2
+# A table with depths is rebuilt a little fuller, so that its 18 bytes a slot and the fleet
+# table's 16 stay within a held block's 48 bytes with the counters' share (18 / 0.77 + 16 / 0.70 = 46.2)
+DEPTH_FILL: Final = 0.77
 _PAGE_VALUES: Final = 4096 // 8  # a page of uint64
 _FAULT_PAGES: Final = 2048  # pages mapped a slice (8 MiB, a few ms)
 
@@ -162,14 +172,16 @@ def lookup(table: Any, key: Any) -> tuple[bool, Any]:
 
 
 @njit(cache=True, nogil=True)
-def _rebuild_rows(table: Any, new: Any, start: int, stop: int) -> None:
+def _rebuild_rows(table: Any, new: Any, depths: Any, new_depths: Any, start: int, stop: int) -> None:
     """The live keys of rows ``start`` to ``stop`` of ``table`` into ``new`` (a table as large as
     it must be, counters included), in the old table's slot order, each at the first empty slot
     from its home: what :func:`_find` answers in a table without tombstones for a key not in it
-    (each key is there once). The two spare rows come with the last slice."""
+    (each key is there once). The two spare rows come with the last slice. ``depths`` (empty for
+    a table without them) move with their rows into ``new_depths``."""
     size = table.shape[0] - 3
     slots = new.shape[0] - 3
     last = slots + 2
+    moving = depths.size != 0
     for i in range(start, min(stop, size)):
         key = table[i, 0]
         if key > TOMB:
@@ -180,6 +192,8 @@ def _rebuild_rows(table: Any, new: Any, start: int, stop: int) -> None:
                     pos = 0
             new[pos, 0] = key
             new[pos, 1] = table[i, 1]
+            if moving:
+                new_depths[pos] = depths[i]
             new[last, 0] += np.uint64(1)
             new[last, 1] += np.uint64(1)
     if stop >= size:
@@ -187,6 +201,8 @@ def _rebuild_rows(table: Any, new: Any, start: int, stop: int) -> None:
             if table[size + spare, 0] == PRESENT:
                 new[slots + spare, 0] = PRESENT
                 new[slots + spare, 1] = table[size + spare, 1]
+                if moving:
+                    new_depths[slots + spare] = depths[size + spare]
                 new[last, 0] += np.uint64(1)
 
 
@@ -201,16 +217,23 @@ def _no_pause() -> None:
     pass
 
 
+_NO_DEPTHS: Final = np.zeros(0, np.uint16)
+
+
 class Table:
     """One hash table (``rows``, what the kernels take), grown and shrunk here; ``pause`` is
     called between the slices of a rebuild. While one is under way, the new table (``building``)
-    is counted in :attr:`nbytes` beside the old: both are held."""
+    is counted in :attr:`nbytes` beside the old: both are held. ``depths``: a depth a slot
+    (a replica's table), else an empty array."""
 
-    __slots__ = ("building", "rows")
+    __slots__ = ("building", "building_depths", "depths", "fill", "rows")
 
-    def __init__(self, slots: int = MIN_SLOTS) -> None:
+    def __init__(self, slots: int = MIN_SLOTS, *, depths: bool = False) -> None:
         self.rows = new_table(slots)
+        self.depths = np.zeros(slots + 3, np.uint16) if depths else _NO_DEPTHS
+        self.fill = DEPTH_FILL if depths else FILL
         self.building: Any = None
+        self.building_depths: Any = None
 
     @property
     def live(self) -> int:
@@ -218,24 +241,28 @@ class Table:
 
     @property
     def nbytes(self) -> int:
-        building = self.building
-        return int(self.rows.nbytes) + (0 if building is None else int(building.nbytes))
+        total = int(self.rows.nbytes) + int(self.depths.nbytes)
+        for building in (self.building, self.building_depths):
+            total += 0 if building is None else int(building.nbytes)
+        return total
 
     def reserve(self, inserts: int, pause: Pause = _no_pause) -> None:
-        """Room for ``inserts`` more keys under :data:`MAX_LOAD`: rebuilt at :data:`FILL` (the
+        """Room for ``inserts`` more keys under :data:`MAX_LOAD`: rebuilt at :attr:`fill` (the
         same size when tombstones took the room), or at least doubled when it grows below
         :data:`SMALL_SLOTS`."""
         if not _room(self.rows, inserts):
-            slots, need = self.rows.shape[0] - 3, _slots(self.live + inserts)
+            slots, need = self.rows.shape[0] - 3, _slots(self.live + inserts, self.fill)
             self._rebuild(max(need, min(2 * slots, SMALL_SLOTS)) if need > slots else need, pause)
 
     def shrink(self, pause: Pause = _no_pause) -> None:
         """Give memory back once most entries are gone (a replica cleared, a cap lowered)."""
         if _sparse(self.rows):
-            self._rebuild(_slots(self.live), pause)
+            self._rebuild(_slots(self.live, self.fill), pause)
 
     def _rebuild(self, slots: int, pause: Pause) -> None:
         self.building = new_table(slots)
+        new_depths = np.zeros(slots + 3, np.uint16) if self.depths.size else _NO_DEPTHS
+        self.building_depths = new_depths
         try:
             # the kernel maps a new array's pages at their first write: 229 MB of table is 56k
             # page faults, which the first slices would take in one go (hundreds of ms), so a
@@ -249,14 +276,14 @@ class Table:
             for start in range(0, max(size, 1), SLICE_ROWS):
                 if start:
                     pause()
-                _rebuild_rows(self.rows, self.building, start, start + SLICE_ROWS)
-            self.rows = self.building
+                _rebuild_rows(self.rows, self.building, self.depths, new_depths, start, start + SLICE_ROWS)
+            self.rows, self.depths = self.building, new_depths
         finally:
-            self.building = None
+            self.building = self.building_depths = None
 
 
-def _slots(entries: int) -> int:
-    return max(MIN_SLOTS, math.ceil(entries / FILL))
+def _slots(entries: int, fill: float = FILL) -> int:
+    return max(MIN_SLOTS, math.ceil(entries / fill))
 
 
 class Ring:

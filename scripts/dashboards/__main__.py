@@ -1,0 +1,5 @@
+"""``python -m scripts.dashboards``: write dashboards/*.json."""
+
+from scripts.dashboards import write
+
+write()

@@ -1,0 +1,195 @@
+"""Why one request missed the cache, from its record's ``prefix_hashes`` (chained block ids: a
+gateway's, LiteLLM's ``prefix_block_hashes``, kvlens's own replay): the first block it did not get
+from cache, that block's cause, and the tokens and modelled work of every block it recomputed, by
+cause. The live sidecar (``GET /v1/requests/{id}/diagnosis``) and ``kvlens analyze`` both call
+:class:`MissClassifier`, in the order the records come (offline: by arrival).
+
+The record says how many prompt tokens came from cache (``cached_tokens``, h); its block ``k =
+h // block_size`` is the first it recomputed, and so is every full block after it. Each is
+classified by what the records before it show:
+
+- ``new``: no record before had this block id (the workload: the prompt changed at block k);
+- ``evicted_here``: a record before on this replica had it (computed here, and not reused now:
+  evicted for capacity, or a cache salt or LoRA the ids do not tell apart);
+- ``held_elsewhere`` / ``evicted_elsewhere``: only records on other replicas had it (routing, or
+  the fleet's capacity), told apart when the sidecar follows the engines' KV events with the
+  same ids (``kv_events_hashes_alike``, ids that are the engines' block hashes: a ``holders``
+  look-up); from the records alone the two cannot be told apart: ``seen_elsewhere``.
+
+Tokens past the last full block with an id (the prompt's final partial block, never cached by a
+block cache) are counted ``new``. A block's modelled work is its position's: ``a*B + b*pairs``,
+the pairs of its tokens at positions ``j*B + 1 .. (j+1)*B`` (the cost model of compute saved).
+
+Memory: the block ids seen, at most ``remember_blocks`` (the oldest forgotten first: a block
+forgotten is ``new`` again), about :data:`SEEN_BLOCK_BYTES` each (an ``OrderedDict`` of Python
+ints: a plain dict forgets its oldest key in time growing with the keys deleted before it), and at
+most :data:`MAX_REPLICAS` replica names (a record of a replica past them is not classified).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from kvlens.definitions import CostModel
+from kvlens.fleet.limits import MAX_REPLICAS
+
+HIT: Final = "hit"  # every cached-able block came from cache: nothing missed
+NEW: Final = "new"
+EVICTED_HERE: Final = "evicted_here"
+HELD_ELSEWHERE: Final = "held_elsewhere"
+EVICTED_ELSEWHERE: Final = "evicted_elsewhere"
+SEEN_ELSEWHERE: Final = "seen_elsewhere"
+MISS_CAUSES: Final = (NEW, EVICTED_HERE, HELD_ELSEWHERE, EVICTED_ELSEWHERE, SEEN_ELSEWHERE)
+LOST_CAUSES: Final = (EVICTED_HERE, HELD_ELSEWHERE, EVICTED_ELSEWHERE, SEEN_ELSEWHERE)  # reuse lost
+_POSITION: Final = {cause: i for i, cause in enumerate(MISS_CAUSES)}
+REMEMBER_BLOCKS: Final = 200_000
+SEEN_BLOCK_BYTES: Final = 260  # measured (tests/unit/test_misses.py)
+
+Holders = Callable[[int], Sequence[str]]  # a block id -> the replicas that hold it now
+
+
+@dataclass(frozen=True, slots=True)
+class Diagnosis:
+    """One request's misses: ``tokens[i]`` and ``pairs[i]`` of :data:`MISS_CAUSES`' i-th cause."""
+
+    request_id: str | None
+    replica: str
+    model: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    block_size: int
+    first_missed_block: int | None  # None: nothing a block cache could have given was missed
+    cause: str  # the first missed block's, or HIT
+    tokens: tuple[int, ...]
+    pairs: tuple[int, ...]
+
+    def work(self, cost: CostModel) -> dict[str, float]:
+        """Cause -> modelled prefill work recomputed (in ``cost.unit``)."""
+        return {
+            cause: cost.work_of_sums(tokens, pairs)
+            for cause, tokens, pairs in zip(MISS_CAUSES, self.tokens, self.pairs, strict=True)
+            if tokens
+        }
+
+    def lost_work(self, cost: CostModel) -> float:
+        """The work of the blocks that were computed before somewhere: reuse that was possible."""
+        work = self.work(cost)
+        return sum(work.get(cause, 0.0) for cause in LOST_CAUSES)
+
+    def as_json(self, cost: CostModel) -> dict[str, object]:
+        work = self.work(cost)
+        return {
+            "request_id": self.request_id,
+            "replica": self.replica,
+            "model": self.model,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "block_size": self.block_size,
+            "first_missed_block": self.first_missed_block,
+            "cause": self.cause,
+            "missed_tokens": {c: t for c, t in zip(MISS_CAUSES, self.tokens, strict=True) if t},
+            "missed_work": work,
+            "unit": cost.unit,
+        }
+
+
+def block_pairs(depth: int, block_size: int) -> int:
+    """Causal pairs of a block's tokens at ``depth`` blocks into its chain (positions
+    ``depth*B + 1 .. (depth+1)*B``): what ``b`` multiplies in its work."""
+    return block_size * depth * block_size + block_size * (block_size + 1) // 2
+
+
+class MissClassifier:
+    """The block ids seen, and on which replicas (a bit each), in the order records come."""
+
+    def __init__(self, remember_blocks: int = REMEMBER_BLOCKS, holders: Holders | None = None) -> None:
+        if remember_blocks < 1:
+            raise ValueError("remember_blocks must be >= 1")
+        self.remember_blocks = remember_blocks
+        self.holders = holders
+        # block id -> bits of the replicas that had it, the least recently seen first
+        self._seen: OrderedDict[int, int] = OrderedDict()
+        self._replicas: dict[str, int] = {}
+        self.forgotten = 0
+
+    def _bit(self, replica: str) -> int | None:
+        number = self._replicas.get(replica)
+        if number is None:
+            if len(self._replicas) >= MAX_REPLICAS:
+                return None
+            number = self._replicas[replica] = len(self._replicas)
+        return 1 << number
+
+    def _cause(self, key: int, bit: int, replica: str) -> str:
+        seen = self._seen.get(key, 0)
+        if seen & bit:
+            return EVICTED_HERE
+        if not seen:
+            return NEW
+        if self.holders is None:
+            return SEEN_ELSEWHERE
+        holding = [name for name in self.holders(key) if name != replica]
+        return HELD_ELSEWHERE if holding else EVICTED_ELSEWHERE
+
+    def diagnose(
+        self,
+        request_id: str | None,
+        replica: str,
+        keys: Sequence[int],
+        prompt_tokens: int,
+        cached_tokens: int,
+        block_size: int,
+        model: str | None = None,
+    ) -> Diagnosis | None:
+        """One finished request (its block ids as ints, see
+        :func:`kvlens.records.prefix_key`), then its blocks remembered as seen on
+        ``replica``; None (nothing remembered) for a replica past :data:`MAX_REPLICAS`."""
+        bit = self._bit(replica)
+        if bit is None or block_size < 1:
+            return None
+        full = min(len(keys), prompt_tokens // block_size)
+        first = min(cached_tokens // block_size, full)
+        tokens = [0] * len(MISS_CAUSES)
+        pairs = [0] * len(MISS_CAUSES)
+        first_cause = HIT
+        for depth in range(first, full):
+            cause = self._cause(keys[depth], bit, replica)
+            if depth == first:
+                first_cause = cause
+            i = _POSITION[cause]
+            tokens[i] += block_size
+            pairs[i] += block_pairs(depth, block_size)
+        tail = prompt_tokens - max(cached_tokens, full * block_size)
+        if tail > 0:  # a final partial block: never cached by a block cache
+            start = max(cached_tokens, full * block_size)
+            tokens[0] += tail
+            pairs[0] += tail * start + tail * (tail + 1) // 2
+        self._remember(keys[:full], bit)
+        return Diagnosis(
+            request_id,
+            replica,
+            model,
+            prompt_tokens,
+            cached_tokens,
+            block_size,
+            first if first < full else None,
+            first_cause,
+            tuple(tokens),
+            tuple(pairs),
+        )
+
+    def _remember(self, keys: Sequence[int], bit: int) -> None:
+        seen = self._seen
+        for key in keys:
+            bits = seen.get(key)
+            if bits is None:
+                seen[key] = bit
+            else:
+                seen[key] = bits | bit
+                seen.move_to_end(key)  # recently seen: forgotten last
+        while len(seen) > self.remember_blocks:
+            seen.popitem(last=False)
+            self.forgotten += 1
