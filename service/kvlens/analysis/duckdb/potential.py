@@ -91,6 +91,9 @@ def hashed_records(engine: Engine, source: str = "records", hashes: str = "jsonl
     as a batch the numpy engine's walks over them read (they skip the records without hashes,
     so these give the same sections); an empty batch when none does. Held in Python: as many
     as hold hashes."""
+    ((held,),) = engine.connection.execute(f"SELECT count(*) FROM {hashes}").fetchall()
+    if not held:  # no join of every record for nothing
+        return batch_from_objects([]).batch
     selected = ", ".join(
         "CAST(prefix_hashes AS VARCHAR)" if name == "prefix_hashes" else name for name in _HASHED_FIELDS
     )
