@@ -4,7 +4,8 @@ Two engines compute the report's :class:`~kvlens.analysis.report.Summary`: ``num
 records in memory (the live exporter's reducer, called); ``duckdb`` (the ``scale`` extra) runs
 the reducer as SQL out of core (:mod:`kvlens.analysis.duckdb`). Everything after the summary
 is one code path. What needs ``prefix_hashes`` (the prefix potential, the ``cross_tenant``
-section) is the numpy engine's alone: the DuckDB tables do not keep them.
+and ``misses`` sections) both engines read: DuckDB keeps the records that hold them apart
+(:mod:`kvlens.analysis.duckdb.potential`).
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ import numpy as np
 from kvlens.accounting import Accounting
 from kvlens.analysis import calibration, diagnosis, misses, reader, report, sessions, tenants
 from kvlens.definitions import prompt_length_labels
-from kvlens.records import batch_from_objects
+from kvlens.records import RecordBatch, batch_from_objects
 
 ENGINES = ("numpy", "duckdb")
 CALIBRATION_MAX_POINTS = 200_000  # per model, duckdb engine: past it an even sample is fitted
-
-AUTO_DUCKDB_BYTES = 256 * 1024 * 1024  # numpy holds about twice the JSON lines in memory
+# Local JSON lines under this read faster in numpy: DuckDB's import and connection cost about
+# 0.2 CPU s, which its faster read repays from about 100k records (19 MB) on a 2-core machine.
+AUTO_DUCKDB_BYTES = 16 * 1024 * 1024
 
 
 def analyze(
@@ -43,7 +45,7 @@ def analyze(
     each model that has prefill times and of each model in the ``prefill_points`` tables."""
     labels = prompt_length_labels(settings.prompt_length_edges)
     if engine == "duckdb":
-        from kvlens.analysis.duckdb import inputs
+        from kvlens.analysis.duckdb import inputs, potential
         from kvlens.analysis.duckdb import summary as in_duckdb
         from kvlens.analysis.duckdb.engine import Engine, engine_errors
         from kvlens.limits import DEFAULT_MEMORY_LIMIT
@@ -52,7 +54,13 @@ def analyze(
         try:
             with engine_errors(store.memory_limit, store.spill_directory):
                 loaded = inputs.load(
-                    store, paths, format_name=format_name, model=model, progress=progress, check_later=True
+                    store,
+                    paths,
+                    format_name=format_name,
+                    model=model,
+                    progress=progress,
+                    check_later=True,
+                    hashes=True,
                 )
                 summarized = in_duckdb.summarize(
                     store, "records", settings.prompt_length_edges, settings.default_model, loaded.unchecked
@@ -67,7 +75,18 @@ def analyze(
                     )
                 ]
                 span = time_range(*summarized.arrivals)
-                result = _report(summary, settings, labels, read, records, paths, span, lambda: None)
+                result = _report(
+                    summary,
+                    settings,
+                    labels,
+                    read,
+                    records,
+                    paths,
+                    span,
+                    lambda: potential.prefix_potential(store),
+                )
+                hashed = potential.hashed_records(store)
+                _hash_sections(result, hashed, settings)
         finally:
             store.close()
     else:
@@ -93,10 +112,7 @@ def analyze(
             lambda: diagnosis.prefix_potential(derived),
         )
         result["sessions"] = sessions.session_report(read.batch)
-        shared = tenants.cross_tenant(read.batch, settings.tenant_remember_blocks)
-        if shared is not None:  # only records with a tenant and prefix_hashes add the section
-            result["cross_tenant"] = shared
-        result["misses"] = misses.request_misses(derived)
+        _hash_sections(result, read.batch, settings, derived)
         fits = [
             calibration.fit(
                 name,
@@ -108,6 +124,21 @@ def analyze(
             if (rows := derived.model == name).any() and not np.isnan(read.batch.prefill_seconds[rows]).all()
         ]
     return _calibrated(result, fits, settings, prefill_points)
+
+
+def _hash_sections(
+    result: dict[str, Any], batch: RecordBatch, settings: Accounting, derived: report.Derived | None = None
+) -> None:
+    """The report's sections read from ``prefix_hashes``, walked over the records that hold
+    them (``batch``: all records, or only those, in input order: the others add nothing)."""
+    shared = tenants.cross_tenant(batch, settings.tenant_remember_blocks)
+    if shared is not None:  # only records with a tenant and prefix_hashes add the section
+        result["cross_tenant"] = shared
+    if derived is None:
+        derived = report.Derived.of(
+            batch, settings.prompt_length_edges, settings.cost_model_for, settings.default_model
+        )
+    result["misses"] = misses.request_misses(derived)
 
 
 def _calibrated(
@@ -138,6 +169,7 @@ def from_aggregates(
     labels = prompt_length_labels(settings.prompt_length_edges)
     span = time_range(None, None, 0)  # the statements carry no arrival times
     result = _report(summary, settings, labels, read, records, files, span, lambda: None)
+    _hash_sections(result, read.batch, settings)  # no record, no hashes: as a direct report's
     return _calibrated(result, [], settings, prefill_points)
 
 
@@ -148,16 +180,18 @@ def time_range(first: float | None, last: float | None, records: int) -> dict[st
 
 
 def choose_engine(requested: str, files: Sequence[str]) -> str:
-    """``auto``: duckdb (when installed) for Parquet, URLs, pipes or files past
-    :data:`AUTO_DUCKDB_BYTES` together; numpy otherwise (it also reads ``prefix_hashes`` for the
-    diagnosis). ``files`` is what :func:`kvlens.analysis.reader.resolve` gave: the engine
-    chosen reads those files, whichever it is."""
+    """``auto``: the faster engine, both giving the same report (the diagnosis's prefix
+    potential too: :mod:`kvlens.analysis.duckdb.potential`). That is duckdb (the ``scale``
+    extra) when installed, for Parquet, URLs, pipes and every input past
+    :data:`AUTO_DUCKDB_BYTES`; numpy for the small local files under it, where DuckDB's
+    start costs more than it saves. ``files`` is what :func:`kvlens.analysis.reader.resolve`
+    gave: the engine chosen reads those files, whichever it is."""
     if requested != "auto":
         return requested
     if importlib.util.find_spec("duckdb") is None:  # found, not imported: numpy may be the choice
         return "numpy"
     local = [path for path in files if path != "-"]
-    if any(not os.path.isfile(path) or reader.is_parquet(path) for path in local):
+    if len(local) < len(files) or any(not os.path.isfile(path) or reader.is_parquet(path) for path in local):
         return "duckdb"
     return "duckdb" if sum(os.path.getsize(path) for path in local) >= AUTO_DUCKDB_BYTES else "numpy"
 
