@@ -228,14 +228,18 @@ def tenant_cost(bodies: list[bytes], repeats: int) -> None:
         )
 
 
-def start_server(args: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(
+    args: list[str], env: dict[str, str] | None = None, service: Path = ROOT / "service"
+) -> tuple[subprocess.Popen[bytes], str]:
+    """A server on a free port, importing kvlens from ``service`` (this checkout's by default:
+    the venv's editable install may point at another one)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     process = subprocess.Popen(
         [sys.executable, *args, "--port", str(port)],
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join((str(service), str(ROOT))), **(env or {})},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -277,30 +281,55 @@ def http_rate(url: str, bodies: list[bytes], scrape: bool) -> tuple[float, float
     return records / elapsed, statistics.median(scrape_times) if scrape_times else 0.0
 
 
-def over_http(bodies: list[bytes], repeats: int) -> None:
+def over_http(bodies: list[bytes], repeats: int, before: Path | None = None) -> None:
+    """Each server in turn every round (one client); with ``before``, also kvlens served from
+    that checkout's ``service/``. Rates and the servers' CPU seconds per round are medians."""
     naive_module = ROOT / "bench" / "_naive_app.py"
     naive_module.write_text(NAIVE_APP)
-    ours_process, ours_url = start_server(["-m", "kvlens.cli", "serve"])
-    naive_process, naive_url = start_server(
+    servers = {"kvlens": start_server(["-m", "kvlens.cli", "serve"])}
+    if before is not None:
+        servers["before"] = start_server(["-m", "kvlens.cli", "serve"], service=before)
+    servers["naive"] = start_server(
         ["-m", "uvicorn", "bench._naive_app:app", "--log-level", "warning", "--no-access-log"]
     )
+    rates: dict[str, list[float]] = {name: [] for name in servers}
+    cpu: dict[str, list[float]] = {name: [] for name in servers}
     try:
-        ours_rates, naive_rates = [], []
         for _ in range(repeats):  # taking turns, as in interleaved_rates
-            ours_rates.append(http_rate(ours_url, bodies, False)[0])
-            naive_rates.append(http_rate(naive_url, bodies, False)[0])
-        scraped, scrape_seconds = http_rate(ours_url, bodies, True)
+            for name, (process, url) in servers.items():
+                server = psutil.Process(process.pid)
+                start = server.cpu_times()
+                rates[name].append(http_rate(url, bodies, False)[0])
+                end = server.cpu_times()
+                cpu[name].append(end.user + end.system - start.user - start.system)
+        scraped, scrape_seconds = http_rate(servers["kvlens"][1], bodies, True)
     finally:
-        for process in (ours_process, naive_process):
+        for process, _ in servers.values():
             process.terminate()
             process.wait()
         naive_module.unlink()
-    ours = statistics.median(ours_rates)
-    print(f"HTTP ingest (1,000-record NDJSON)  {ours:>10,.0f} records/s (median of {repeats})")
+    ours = statistics.median(rates["kvlens"])
+    per_100 = 100 / len(bodies)
     print(
-        f"  naive served the same way        {statistics.median(naive_rates):>10,.0f} records/s   "
-        f"kvlens = {median_ratio(ours_rates, naive_rates):.1f}x (target >= 3x)"
+        f"HTTP ingest (1,000-record NDJSON)  {ours:>10,.0f} records/s (median of {repeats}), "
+        f"server CPU {statistics.median(cpu['kvlens']) * per_100:.2f} s per 100 bodies"
     )
+    if before is not None:
+        print(
+            f"  kvlens from {before}  {statistics.median(rates['before']):>10,.0f} records/s   "
+            f"now = {median_ratio(rates['kvlens'], rates['before']):.2f}x of it; server CPU "
+            f"{statistics.median(cpu['before']) * per_100:.2f} s per 100 bodies"
+        )
+    naive = statistics.median(rates["naive"])
+    lowest, highest = min(rates["kvlens"]) / max(rates["naive"]), max(rates["kvlens"]) / min(rates["naive"])
+    print(
+        f"  naive served the same way        {naive:>10,.0f} records/s   "
+        f"kvlens = {median_ratio(rates['kvlens'], rates['naive']):.2f}x (target >= 5x; spread "
+        f"{lowest:.2f}-{highest:.2f}); "
+        f"server CPU {statistics.median(cpu['naive']) * per_100:.2f} s per 100 bodies"
+    )
+    if before is not None:
+        print(f"  before = {median_ratio(rates['before'], rates['naive']):.2f}x the naive")
     print(
         f"  with a scrape every 200 ms       {scraped:>10,.0f} records/s   "
         f"= {scraped / ours:.0%} of unscraped; median scrape {scrape_seconds * 1000:.1f} ms"
@@ -377,6 +406,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="smaller runs (a smoke test, not figures)")
     parser.add_argument("--tenants", action="store_true", help="only the cost of tenants on the ingest path")
+    parser.add_argument("--http", action="store_true", help="only HTTP ingest against the naive sidecar")
+    parser.add_argument("--rounds", type=int, help="HTTP rounds (default 5, 3 with --quick)")
+    parser.add_argument("--before", type=Path, metavar="DIR", help="HTTP: also kvlens from this service/ dir")
     args = parser.parse_args()
     repeats = 3 if args.quick else 7
     bodies = payload(20 if args.quick else 100)
@@ -385,8 +417,12 @@ def main() -> None:
     if args.tenants:
         tenant_cost(bodies, repeats)
         return
+    http_rounds = args.rounds or (3 if args.quick else 5)
+    if args.http:
+        over_http(bodies[:20] if args.quick else bodies, http_rounds, args.before)
+        return
     in_process(bodies, repeats)
-    over_http(bodies[:20] if args.quick else bodies, 3 if args.quick else 5)
+    over_http(bodies[:20] if args.quick else bodies, http_rounds, args.before)
     for target in (2_000, 20_000):
         render(target, repeats)
     rss(2_000_000 if args.quick else 10_000_000)
