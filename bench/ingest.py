@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -27,6 +28,7 @@ import sys
 import textwrap
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,10 +42,46 @@ from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.collector import KVLensCollector
 from kvlens.records import Record, batch_from_objects
 from kvlens.simulate.demo import DemoTraffic
-from kvlens.sources import push
+from kvlens.sources import push, vllm_plugin
+from kvlens.sources.vllm_plugin import records_from_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCH = 1000
+
+
+PLUGIN_HEADERS = {"content-type": "application/json", vllm_plugin.SOURCE_HEADER: vllm_plugin.SOURCE}
+PLUGIN_FIELDS = (
+    "request_id",
+    "prompt_tokens",
+    "cached_tokens",
+    "output_tokens",
+    "queue_seconds",
+    "prefill_seconds",
+    "decode_seconds",
+    "e2e_seconds",
+    "finish_reason",
+)
+
+
+def plugin_payload(bodies: list[bytes], seed: int = 1) -> list[bytes]:
+    """The same requests as the vLLM plugin sends them (sources/vllm_plugin.py): a JSON array of
+    its fields (vLLM's own, a request id like vLLM's, durations at full float precision, TTFT =
+    queue + prefill, the model and the replica), no arrival_time, block_size or prefix_hashes."""
+    rng = random.Random(seed)
+    out = []
+    for body in bodies:
+        rows = []
+        for line in body.splitlines():
+            demo = orjson.loads(line)
+            demo["request_id"] = f"cmpl-{rng.getrandbits(128):032x}-0"
+            values = tuple(
+                value * (1 + rng.random() * 1e-6) if name.endswith("_seconds") and value else value
+                for name in PLUGIN_FIELDS
+                for value in (demo.get(name),)
+            )  # in the order of the plugin's attributes
+            rows.append((demo.get("model"), "node-3:0", values))
+        out.append(b"[" + b",".join(vllm_plugin.encode_records(records_from_rows(rows))[0]) + b"]")
+    return out
 
 
 def payload(batches: int, seed: int = 1) -> list[bytes]:
@@ -114,9 +152,9 @@ class NaiveExporter:
 
     def ingest(self, body: bytes) -> int:
         accepted = 0
-        for line in body.splitlines():
+        for item in orjson.loads(body) if body[:1] == b"[" else body.splitlines():
             try:
-                record = Record.model_validate(orjson.loads(line))
+                record = Record.model_validate(item if isinstance(item, dict) else orjson.loads(item))
             except Exception:
                 continue
             n, h = record.prompt_tokens, record.cached_tokens
@@ -269,15 +307,22 @@ def http_rate(url: str, bodies: list[bytes], scrape: bool) -> tuple[float, float
     thread = threading.Thread(target=scraper)
     if scrape:
         thread.start()
-    records = sum(body.count(b"\n") for body in bodies)
+    records = 0
     with httpx.Client(timeout=60) as client:
         start = time.perf_counter()
         for body in bodies:
-            client.post(f"{url}/v1/records", content=body, headers={"content-type": "application/x-ndjson"})
+            headers = {"content-type": "application/x-ndjson"}
+            if body[:1] == b"[":  # as the vLLM plugin sends: a new batch id per batch
+                headers = {**PLUGIN_HEADERS, vllm_plugin.BATCH_HEADER: uuid.uuid4().hex}
+            answer = client.post(f"{url}/v1/records", content=body, headers=headers)
+            records += answer.json()["accepted"] if answer.status_code == 200 else 0
         elapsed = time.perf_counter() - start
     stop.set()
     if scrape:
         thread.join()
+    expected = sum(body.count(b"\n") or body.count(b"prompt_tokens") for body in bodies)
+    if records != expected:  # a server that refuses fast must not look fast
+        raise RuntimeError(f"{url} accepted {records} of {expected} records")
     return records / elapsed, statistics.median(scrape_times) if scrape_times else 0.0
 
 
@@ -310,8 +355,9 @@ def over_http(bodies: list[bytes], repeats: int, before: Path | None = None) -> 
         naive_module.unlink()
     ours = statistics.median(rates["kvlens"])
     per_100 = 100 / len(bodies)
+    shape = "arrays as the vLLM plugin's" if bodies[0][:1] == b"[" else "NDJSON"
     print(
-        f"HTTP ingest (1,000-record NDJSON)  {ours:>10,.0f} records/s (median of {repeats}), "
+        f"HTTP ingest (1,000-record {shape})  {ours:>10,.0f} records/s (median of {repeats}), "
         f"server CPU {statistics.median(cpu['kvlens']) * per_100:.2f} s per 100 bodies"
     )
     if before is not None:
@@ -408,6 +454,7 @@ def main() -> None:
     parser.add_argument("--tenants", action="store_true", help="only the cost of tenants on the ingest path")
     parser.add_argument("--http", action="store_true", help="only HTTP ingest against the naive sidecar")
     parser.add_argument("--rounds", type=int, help="HTTP rounds (default 5, 3 with --quick)")
+    parser.add_argument("--plugin", action="store_true", help="HTTP: the vLLM plugin's bodies (arrays)")
     parser.add_argument("--before", type=Path, metavar="DIR", help="HTTP: also kvlens from this service/ dir")
     args = parser.parse_args()
     repeats = 3 if args.quick else 7
@@ -418,11 +465,14 @@ def main() -> None:
         tenant_cost(bodies, repeats)
         return
     http_rounds = args.rounds or (3 if args.quick else 5)
+    http_bodies = plugin_payload(bodies) if args.plugin else bodies
+    if args.plugin:
+        print(f"HTTP: the plugin's arrays, {sum(map(len, http_bodies)) / len(http_bodies):,.0f} bytes each")
     if args.http:
-        over_http(bodies[:20] if args.quick else bodies, http_rounds, args.before)
+        over_http(http_bodies[:20] if args.quick else http_bodies, http_rounds, args.before)
         return
     in_process(bodies, repeats)
-    over_http(bodies[:20] if args.quick else bodies, http_rounds, args.before)
+    over_http(http_bodies[:20] if args.quick else http_bodies, http_rounds, args.before)
     for target in (2_000, 20_000):
         render(target, repeats)
     rss(2_000_000 if args.quick else 10_000_000)
