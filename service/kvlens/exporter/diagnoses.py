@@ -44,6 +44,8 @@ class RequestDiagnoses:
         self._lock = threading.Lock()  # the ingest worker adds, a request handler reads
 
     def add(self, batch: RecordBatch) -> None:
+        if batch.prefix_hashes.count(None) == len(batch):  # the common batch: a C pass, not a loop
+            return
         for i, ids in enumerate(batch.prefix_hashes):
             if ids is None:
                 continue

@@ -4,7 +4,6 @@ from :data:`~kvlens.records.schema.FIELDS`, never a dict per record."""
 from __future__ import annotations
 
 import math
-import operator
 from typing import Annotated, Any, Final
 
 import msgspec
@@ -76,19 +75,20 @@ def batch_from_json_lines(data: bytes, *, keep_prefix_hashes: bool = False) -> R
 
 def _wire_batch(records: list[Any], keep_prefix_hashes: bool) -> RecordBatch | None:
     count = len(records)
+    # A tuple per record (one C call each), transposed by zip: the columns in FIELDS' order, the
+    # struct's own; a getattr per field and record cost twice as much (a 1,000-record batch)
+    values = zip(*map(msgspec.structs.astuple, records), strict=True) if count else ((),) * len(FIELDS)
     columns: dict[str, Any] = {}
-    for spec in FIELDS:
-        raw = list(map(operator.attrgetter(spec.name), records))
+    for spec, raw in zip(FIELDS, values, strict=True):
         if spec.kind is int or spec.kind is float:
             columns[spec.name] = _numbers_with_absent(raw, spec.kind, count)
         elif spec.kind is str:
-            if "" in raw:
-                raw = [v or None for v in raw]
-            if spec.is_label and not labels_valid(raw):
+            column = [v or None for v in raw] if "" in raw else list(raw)
+            if spec.is_label and not labels_valid(column):
                 return None
-            columns[spec.name] = raw
+            columns[spec.name] = column
         elif keep_prefix_hashes:
-            columns[spec.name] = raw
+            columns[spec.name] = list(raw)
         else:
             if raw.count(_ABSENT_RAW) != count and any(
                 r is not _ABSENT_RAW and bytes(r) != b"null" and type(decode_prefix_hashes(r)) is not list
@@ -139,10 +139,14 @@ def decode_prefix_hashes(raw: bytes | msgspec.Raw) -> list[int | str] | None:
     return hashes
 
 
-def _numbers_with_absent(raw: list[Any], kind: type, count: int) -> npt.NDArray[Any]:
+def _numbers_with_absent(raw: tuple[Any, ...], kind: type, count: int) -> npt.NDArray[Any]:
+    """A column of numbers, absent ones (None) as ABSENT_INT or NaN. A field absent from every
+    record (common: a source sends few of the optional ones) costs a fill, not a pass in Python."""
     dtype = np.int64 if kind is int else np.float64
     try:
-        return np.fromiter(raw, dtype, count)
-    except TypeError:  # some are None (absent)
+        return np.fromiter(raw, dtype, count)  # fails at the first None
+    except TypeError:
         absent = ABSENT_INT if kind is int else math.nan
+        if raw.count(None) == count:
+            return np.full(count, absent, dtype)
         return np.fromiter((absent if v is None else v for v in raw), dtype, count)
