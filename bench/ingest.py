@@ -1,6 +1,7 @@
 """Ingest and exposition benchmarks, each printed beside a baseline measured in the same run.
 
     .venv/bin/python bench/ingest.py [--quick]
+    .venv/bin/python bench/ingest.py --http [--plugin] [--rounds N] [--before OTHER/service]
 
 Figures (medians of repeated runs; these machines are noisy, so compare ratios):
 - in-process ingest (decode + validate + aggregate) vs the raw orjson parse of the same NDJSON
@@ -8,6 +9,9 @@ Figures (medians of repeated runs; these machines are noisy, so compare ratios):
   ``.labels(...).inc()/.observe()`` per record);
 - HTTP ingest of 1,000-record NDJSON batches to ``kvlens serve`` vs the naive implementation
   served the same way (uvicorn, one worker, a separate process), with and without a scraper;
+  one client, the servers taking turns each round; with the servers' CPU per 100 bodies.
+  ``--plugin`` sends the same requests as the vLLM plugin does (JSON arrays, its fields, a
+  batch id each); ``--before`` serves another checkout's kvlens in the same rounds;
 - ``/metrics`` render time at about 2,000 and 20,000 series vs prometheus_client rendering
   the same number of series from its own Counter/Histogram objects;
 - RSS after 1M and after 10M records;
