@@ -35,10 +35,14 @@ What kvlens does with them (:func:`apply_events`):
 - ``window_size``: with variable sliding-window attention a cache per window sends events; only
   the largest window seen on the replica is followed (the full-attention one, a prefix chain:
   :mod:`kvlens.fleet.groups`), the others counted ``other_group``.
-- ``attention_dp_rank`` > 0: each attention-DP rank has a cache of its own: replica ``NAME/dpR``.
+- ``attention_dp_rank`` > 0: each attention-DP rank has a cache of its own: replica ``NAME/dpR``;
+  a rank outside 0 .. :data:`~kvlens.fleet.limits.MAX_REPLICAS` - 1 (more replicas than the index
+  follows) is a malformed event, so the ranks an endpoint names cannot grow kvlens's replicas.
 - ``event_id`` numbers each rank's events from 0: a jump forward is a gap (the events between
   counted missed: a drain holds at most ``event_buffer_max_size`` events, older ones dropped by
-  the engine), one going back a restart.
+  the engine), one going back a restart; a jump past
+  :data:`~kvlens.fleet.ordering.MAX_SEQUENCE_GAP` is counted once as a jump, as a ZeroMQ
+  stream's.
 
 Anything else (another type, a field of the wrong type) is counted (``unknown_event``,
 ``malformed_event``) and skipped; a body that is no JSON list is one ``malformed_payload``.
@@ -51,7 +55,8 @@ from typing import Any, Final
 import msgspec
 
 from kvlens.fleet.index import FleetIndex
-from kvlens.fleet.ordering import Consumer, Publisher, PublisherStatus
+from kvlens.fleet.limits import MAX_REPLICAS
+from kvlens.fleet.ordering import MAX_SEQUENCE_GAP, Consumer, Publisher, PublisherStatus
 from kvlens.fleet.schema import CLEARED, REMOVED, STORED
 
 UPDATED: Final = "BlockUpdated"  # its events' label (kvlens_kv_events_total's type)
@@ -164,7 +169,11 @@ class TrtllmFeed:
             else:
                 status.malformed_events += 1
             return
-        replica = replica_name(self.name, event.attention_dp_rank)
+        rank = event.attention_dp_rank
+        if rank is not None and not 0 <= rank < MAX_REPLICAS:
+            self.status(self.name).malformed_events += 1
+            return
+        replica = replica_name(self.name, rank)
         status = self.status(replica)
         if not self.consumer.admitted(replica, status):
             return
@@ -201,6 +210,9 @@ class TrtllmFeed:
         expected = status.next_seq
         status.next_seq = event_id + 1
         if expected is None or event_id == expected:
+            return
+        if event_id - expected > MAX_SEQUENCE_GAP:
+            status.jumps += 1  # no engine sends as many: garbage, no loss to count
             return
         if event_id > expected:
             status.gaps += 1
