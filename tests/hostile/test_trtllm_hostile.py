@@ -4,6 +4,8 @@ numbers it chose must not grow kvlens's memory or its counters without bound."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 import tracemalloc
 from typing import Any
 
@@ -12,7 +14,8 @@ import pytest
 from kvlens.fleet.index import FleetIndex
 from kvlens.fleet.limits import MAX_REPLICAS
 from kvlens.fleet.ordering import MAX_SEQUENCE_GAP, Consumer
-from kvlens.fleet.trtllm import TrtllmFeed
+from kvlens.fleet.schema import REMOVED, STORED
+from kvlens.fleet.trtllm import MAX_EVENT_BYTES, TrtllmFeed
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -62,3 +65,62 @@ def test_attention_dp_ranks_are_bounded() -> None:
     assert set(consumer.following) == {"t0", *(f"t0/dp{rank}" for rank in range(1, MAX_REPLICAS))}
     assert consumer.status["t0"].malformed_events == 20_002 - MAX_REPLICAS
     assert held < 5 * 2**20
+
+
+def test_a_drain_hands_the_index_to_a_waiting_scrape_between_events() -> None:
+    """Before: a drain's events were all applied under one hold of the index's lock: a 64 MiB
+    drain of 547,000 one-block events held it 11 s, and of one block list 7 s, while a scrape
+    (and every other replica's events) waited. Now the lock is handed over between events
+    (:meth:`kvlens.fleet.lock.IndexLock.pause`, as a clear's slices do)."""
+    consumer, t0 = feed()
+    index = consumer.index
+    got = threading.Event()
+    seen: list[bool] = []
+    removed = index.removed
+
+    def scrape() -> None:
+        with index.lock:
+            got.set()
+
+    def watched(replica: str, block_hashes: Any, **kwargs: Any) -> None:
+        if not seen:  # the first event: a scrape comes and waits for the lock
+            waiter = threading.Thread(target=scrape, daemon=True)
+            waiter.start()
+            deadline = time.monotonic() + 10
+            while not index.lock._waiting and time.monotonic() < deadline:
+                time.sleep(0.001)
+        seen.append(got.is_set())
+        removed(replica, block_hashes, **kwargs)
+
+    index.removed = watched  # type: ignore[method-assign]
+    gone = [{"event_id": i, "data": {"type": "removed", "block_hashes": [i]}} for i in range(3)]
+    t0.apply_body(json.dumps(gone).encode())
+    assert seen == [False, True, True]
+
+
+def test_an_event_past_its_bound_is_malformed_and_never_decoded() -> None:
+    """Before: one ``removed`` event of 8.4M hashes of two bytes each (17 MiB) was decoded into a
+    list of 8.4M ints and applied: about 18 bytes of memory a byte of JSON (a 64 MiB drain of one:
+    +1,180 MiB and 10 s under the index's lock). An event over MAX_EVENT_BYTES (16 MiB) is counted
+    malformed; the events beside it are applied."""
+    consumer, t0 = feed()
+    count = (MAX_EVENT_BYTES + 2**20) // 2
+    huge = b'{"event_id":1,"data":{"type":"removed","block_hashes":[' + b"1," * count + b"1]}}"
+    body = (
+        b"["
+        + json.dumps(stored(0, 5)).encode()
+        + b","
+        + huge
+        + b","
+        + json.dumps(stored(2, 6)).encode()
+        + b"]"
+    )
+    tracemalloc.start()
+    try:
+        t0.apply_body(body)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    status = consumer.status["t0"]
+    assert (status.malformed_events, status.events[STORED], status.events[REMOVED]) == (1, 2, 0)
+    assert peak < 16 * 2**20

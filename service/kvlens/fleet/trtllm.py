@@ -44,8 +44,8 @@ What kvlens does with them (:func:`apply_events`):
   :data:`~kvlens.fleet.ordering.MAX_SEQUENCE_GAP` is counted once as a jump, as a ZeroMQ
   stream's.
 
-Anything else (another type, a field of the wrong type) is counted (``unknown_event``,
-``malformed_event``) and skipped; a body that is no JSON list is one ``malformed_payload``.
+Anything else (another type, a field of the wrong type, an event over :data:`MAX_EVENT_BYTES`) is
+counted (``unknown_event``, ``malformed_event``) and skipped; a body that is no JSON list is one ``malformed_payload``.
 """
 
 from __future__ import annotations
@@ -62,6 +62,10 @@ from kvlens.fleet.schema import CLEARED, REMOVED, STORED
 UPDATED: Final = "BlockUpdated"  # its events' label (kvlens_kv_events_total's type)
 CACHE_LEVELS: Final = ("GPU", "CPU")  # cache_level 0 and 1; another: "other"
 MAX_BODY_BYTES: Final = 64 * 1024 * 1024  # a drain past it is refused (about 100k blocks of 64 tokens)
+# An event past it is malformed, never decoded: a list of small ints costs about 18 bytes of memory
+# a byte of JSON (a removed event of 64 MiB of "1," decoded took 1,180 MiB); an honest stored
+# event of a 256k-token prompt, at about 65 bytes a token, is under it.
+MAX_EVENT_BYTES: Final = 16 * 1024 * 1024
 
 
 class _Token(msgspec.Struct):
@@ -153,7 +157,13 @@ class TrtllmFeed:
         with index.lock:
             self.status(self.name).batches += 1
             for raw in raws:
-                self._apply(index, raw)
+                if len(raw) > MAX_EVENT_BYTES:
+                    self.status(self.name).malformed_events += 1
+                else:
+                    self._apply(index, raw)
+                # a scrape or another replica's batch waiting gets the index between events: a
+                # 64 MiB drain takes seconds (547,000 one-block events: 11 s)
+                index.lock.pause()
 
     def _apply(self, index: FleetIndex, raw: msgspec.Raw) -> None:
         try:
