@@ -45,7 +45,8 @@ What kvlens does with them (:func:`apply_events`):
   stream's.
 
 Anything else (another type, a field of the wrong type, an event over :data:`MAX_EVENT_BYTES`) is
-counted (``unknown_event``, ``malformed_event``) and skipped; a body that is no JSON list is one ``malformed_payload``.
+counted (``unknown_event``, ``malformed_event``) and skipped; a body that is no JSON list is one
+``malformed_payload``.
 """
 
 from __future__ import annotations
