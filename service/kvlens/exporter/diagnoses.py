@@ -20,7 +20,7 @@ from typing import Final
 
 from kvlens.fleet.index import FleetIndex
 from kvlens.fleet.misses import HIT, MISS_CAUSES, Diagnosis, MissClassifier
-from kvlens.records import RecordBatch, prefix_key
+from kvlens.records import RecordBatch
 
 DIAGNOSIS_BYTES: Final = 700  # measured (tests/unit/test_diagnoses_endpoint.py), ids included
 
@@ -57,7 +57,7 @@ class RequestDiagnoses:
                 diagnosis = self.classifier.diagnose(
                     batch.request_id[i],
                     batch.replica[i] or "",
-                    [prefix_key(one) for one in ids],
+                    ids,
                     int(batch.prompt_tokens[i]),
                     int(batch.cached_tokens[i]),
                     size if size > 0 else self.block_size,
