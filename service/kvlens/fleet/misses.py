@@ -143,7 +143,7 @@ class MissClassifier:
 
         Each step is a pass at C speed (numpy, map), not a Python call a block: a record may
         carry 100,000 ids, and a body of the shortest ones (``1,``) 4M; only a block seen on
-        another replica, with ``holders``, is looked up one by one."""
+        another replica, with ``holders``, is looked up one by one (once a distinct id)."""
         bit = self._bit(replica)
         if bit is None or block_size < 1:
             return None
@@ -189,9 +189,16 @@ class MissClassifier:
         causes = np.where(seen == 0, _POSITION[NEW], elsewhere)
         causes[(seen & np.uint64(bit)) != 0] = _POSITION[EVICTED_HERE]
         if self.holders is not None:
+            # one look-up a distinct id (each takes the index's lock): an id repeated at every
+            # position must not buy a look-up each
+            told: dict[int, int] = {}
             for i in np.flatnonzero(causes == elsewhere).tolist():
-                holding = [name for name in self.holders(keys[i]) if name != replica]
-                causes[i] = _POSITION[HELD_ELSEWHERE if holding else EVICTED_ELSEWHERE]
+                key = keys[i]
+                cause = told.get(key)
+                if cause is None:
+                    holding = any(name != replica for name in self.holders(key))
+                    cause = told[key] = _POSITION[HELD_ELSEWHERE if holding else EVICTED_ELSEWHERE]
+                causes[i] = cause
         return causes
 
     def _remember(self, keys: list[int], bit: int) -> None:
