@@ -56,7 +56,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from kvlens.exporter.collector import _kv_families
+from kvlens.exporter.collector import kv_families
 from kvlens.fleet.index import FleetIndex
 from kvlens.fleet.limits import MAX_HELD_BLOCKS, TIERS
 from kvlens.fleet.ordering import Consumer, Publisher
@@ -223,7 +223,7 @@ def render_seconds(index: FleetIndex, replicas: int) -> float:
 
     class Families(Collector):
         def collect(self) -> list[Metric]:
-            return _kv_families(kv)
+            return kv_families(kv)
 
     registry = CollectorRegistry()
     registry.register(Families())

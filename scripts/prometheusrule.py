@@ -303,6 +303,34 @@ ALERT_RULES = (
         "on a replica while another replica held their blocks (KV events), and the request hit "
         "ratio did not change: requests go where their prefix is not.",
     ),
+    # The isolation probe (kvlens serve --isolation-probe) saw a cache scope served another's
+    # cached prefix, by cached_tokens or by timing: a tenant's prompt can be read back. At once
+    # (no `for`): one conclusive run is the finding, and the next comes only 10 minutes later.
+    Alert(
+        "KVLensCrossTenantCacheLeak",
+        f"count by ({promql.labels((*SIDECAR, 'target'))}) (\n"
+        f"  {metrics.ISOLATION_RESULT.exposed_name} == 0\n) > 0\n",
+        "0m",
+        "critical",
+        "Cache scopes leak into each other on {{ $labels.target }}",
+        "The isolation probe of {{ $labels.target }} (kvlens {{ $labels.instance }}) found {{ $value }} "
+        "case(s) where a request of one cache scope (another cache_salt, none, or a LoRA) was "
+        "served a prefix cached by another: tenants share a cache scope.",
+    ),
+    # The probe could show nothing for 30 minutes (threshold; three runs at the default 10 min):
+    # the same salt did not hit (caching off, blocks larger than the canary, requests routed
+    # apart), the endpoint reports no cached tokens and timing cannot tell, or it is down.
+    Alert(
+        "KVLensIsolationProbeInconclusive",
+        f"count by ({promql.labels((*SIDECAR, 'target'))}) (\n"
+        f"  {metrics.ISOLATION_RESULT.exposed_name} == -1\n) > 0\n",
+        "30m",
+        "warning",
+        "kvlens cannot verify cache isolation on {{ $labels.target }}",
+        "For 30 minutes the isolation probe of {{ $labels.target }} (kvlens {{ $labels.instance }}) "
+        "could not show whether cache scopes are kept apart ({{ $value }} case(s) inconclusive): "
+        "isolation is unverified, not broken.",
+    ),
     # A tenant's requests got cached tokens over blocks only another tenant had stored (records'
     # prefix_hashes, with tenant_remember_blocks): more than 0 (threshold) in 15 minutes. Any such
     # hit breaks "never put different tenants in one shared cache scope"; no `for`, as a hit is

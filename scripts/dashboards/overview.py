@@ -12,6 +12,7 @@ from grafana_foundation_sdk.models.heatmap import HeatmapColorMode
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
 from kvlens.exporter import metrics, promql
+from scripts.dashboards.isolation import tenant_isolation
 from scripts.dashboards.kv_events import why_reuse_is_lost
 from scripts.dashboards.panels import DATASOURCE, base, query, series, single, stacked, thresholds
 from scripts.dashboards.queries import (
@@ -46,6 +47,7 @@ def overview() -> dash.Dashboard:
         against_the_engine,
         why_reuse_is_lost,
         gpu_time,
+        tenant_isolation,
         tenants,
     ):
         board = row(board)

@@ -17,7 +17,9 @@
     │   │   ├── ArrivingBytesFull   bodies still arriving hold max_arriving_body_bytes already
     │   │   └── BodyDisplaced       its place given to a new body, while all are taken, as it fell
     │   │                           behind body_min_bytes_per_second_when_full
-    │   └── ClientDisconnected    499 (never sent): the client went away before its body arrived
+    │   ├── ClientDisconnected    499 (never sent): the client went away before its body arrived
+    │   ├── NoRecordsOfArm        ``kvlens compare``: a file of several arms holds none of the arm asked for
+    │   └── GroupTooLarge         ``kvlens compare``: a group past compare's MAX_GROUP_REQUESTS
     ├── ScrapeError               a scrape of an engine's /metrics failed; ``reason`` is a closed set
     └── ArmsDiffer                ``kvlens compare``: the arms are not replays of one sequence
 
@@ -116,6 +118,15 @@ class ClientDisconnected(InputError):
 
     status = 499
     reason = "client_disconnected"
+
+
+class NoRecordsOfArm(InputError):
+    """A file of several arms holds none of the arm asked for."""
+
+
+class GroupTooLarge(InputError):
+    """A group of ``kvlens compare`` holds more timed requests than its bound
+    (``analysis.compare.MAX_GROUP_REQUESTS``)."""
 
 
 class ScrapeError(KVLensError):

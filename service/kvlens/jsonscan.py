@@ -16,7 +16,7 @@ own.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Final, TypeVar
 
@@ -207,18 +207,35 @@ def array_elements(text: bytes, structure: Structure) -> list[bytes]:
 
 
 class FieldExtractor:
-    """The small top-level fields of a JSON object too long to hold, kept while it streams past.
+    """The small top-level fields of a JSON object too long to hold, kept while it streams past;
+    and, when asked, the elements of some of its array fields, handed out one at a time.
 
     A log line can be megabytes for a field kvlens does not read (SGLang's ``request_parameters``
     holds the whole prompt). Fed slice by slice, this keeps each top-level ``"key": value`` whose
     value is at most ``value_limit`` bytes, up to ``total_limit`` bytes in all, and drops the rest
     unread; :meth:`finish` gives them back as one small JSON object, or None when the text was not
-    a JSON object. Memory: the limits, whatever the line's size.
+    a JSON object. A field named in ``arrays`` whose value is an array is not kept: :meth:`feed`
+    returns ``(name, None)`` where it starts and ``(name, element's text)`` for each of its
+    elements (undecoded; an empty text where a comma had no element before it), so that a caller
+    decodes and reduces one element at a time (a benchmark tool's result: one object of
+    per-request arrays). An element longer than ``element_limit`` bytes is ``too_long(name)``'s to
+    refuse (it raises). Memory: the limits and one element, whatever the text's size.
+
+    After the object, :attr:`values` counts the top-level values the text held (several: JSON
+    lines, as ``vllm bench serve --append-result`` writes), while they stay balanced.
     """
 
     KEY_LIMIT: Final = 1024
 
-    def __init__(self, value_limit: int = 4096, total_limit: int = 64 * 1024) -> None:
+    def __init__(
+        self,
+        value_limit: int = 4096,
+        total_limit: int = 64 * 1024,
+        *,
+        arrays: Collection[str] = (),
+        element_limit: int = 0,
+        too_long: Callable[[str], None] | None = None,
+    ) -> None:
         self._tokenizer = Tokenizer()
         self._value_limit = value_limit
         self._total_limit = total_limit
@@ -228,47 +245,114 @@ class FieldExtractor:
         self._value = bytearray()
         self._in_value = False
         self._overflow = False  # the current key or value is over its limit: drop the pair
-        self._state = "before"  # before the opening brace, inside, after the closing one, or broken
+        self._state = "before"  # before the opening brace, inside, after the closing one, more, or broken
+        self._arrays = frozenset(arrays)
+        self._element_limit = element_limit
+        self._too_long = too_long
+        self._array: str | None = None  # the field in ``arrays`` whose elements stream past now
+        self._element = bytearray()
+        self._commas = 0  # in the array streaming past
+        self.values = 0
 
-    def feed(self, piece: bytes) -> None:
-        if self._state in ("after", "broken") or not piece:
-            if self._state == "after" and piece.strip(_WHITESPACE):
-                self._state = "broken"
-            return
+    def feed(self, piece: bytes) -> list[tuple[str, bytes | None]]:
+        elements: list[tuple[str, bytes | None]] = []
+        if self._state == "broken" or not piece:
+            return elements
+        if self._state == "after":
+            if not piece.strip(_WHITESPACE):
+                return elements
+            self._state = "more"
         tokens = self._tokenizer.feed(piece)
+        shallow = tokens.depths <= 2  # nothing deeper is acted on: a list of numbers is thousands of commas
         cursor = 0
         for offset, kind, depth in zip(
-            tokens.offsets.tolist(), tokens.kinds.tolist(), tokens.depths.tolist(), strict=True
+            tokens.offsets[shallow].tolist(),
+            tokens.kinds[shallow].tolist(),
+            tokens.depths[shallow].tolist(),
+            strict=True,
         ):
+            if self._state == "more":  # only counted: a value after the object
+                if depth < 0:
+                    self._state = "broken"
+                    return elements
+                self.values += depth == 0 and kind == _CLOSE
+                continue
             if self._state == "before":
                 if kind != _OBJECT or piece[:offset].strip(_WHITESPACE):
                     self._state = "broken"
-                    return
+                    return elements
                 self._state, cursor = "inside", offset + 1
                 continue
+            if self._array is not None:
+                if depth == 2 and kind == _COMMA:
+                    elements.append((self._array, self._element_text(piece[cursor:offset])))
+                    self._commas += 1
+                    cursor = offset + 1
+                elif depth == 1 and kind == _CLOSE:
+                    last = self._element_text(piece[cursor:offset])
+                    if last or self._commas:
+                        elements.append((self._array, last))
+                    self._array, cursor = None, offset + 1
+                continue  # deeper: inside an element
             if depth == 1 and kind == _COLON and not self._in_value:
                 self._take(piece[cursor:offset])
                 self._in_value, cursor = True, offset + 1
+            elif depth == 2 and kind == _ARRAY and self._in_value and not self._overflow:
+                name = self._wanted(piece[cursor:offset])
+                if name is not None:
+                    elements.append((name, None))
+                    self._array, self._commas, self._overflow = name, 0, True  # streamed, not kept
+                    cursor = offset + 1
             elif (depth == 1 and kind == _COMMA) or (depth == 0 and kind == _CLOSE):
                 self._take(piece[cursor:offset])
                 self._commit()
                 cursor = offset + 1
                 if depth == 0:
-                    self._state = "after"
+                    self._state, self.values = "after", 1
                     if piece[cursor:].strip(_WHITESPACE):
-                        self._state = "broken"
-                    return
+                        self._state = "more"
+                        continue
+                    return elements
         if self._state == "before":
             if piece.strip(_WHITESPACE):
                 self._state = "broken"
-        else:
+        elif self._array is not None:
+            self._element_text(piece[cursor:], partial=True)
+        elif self._state == "inside":
             self._take(piece[cursor:])
+        return elements
+
+    @property
+    def broken(self) -> bool:
+        """The text is no JSON object (or what follows it is no JSON value): reading on is no use."""
+        return self._state == "broken"
 
     def finish(self) -> bytes | None:
         """The kept fields as a JSON object, or None when the text was not one."""
         if self._state != "after":
             return None
         return b"{" + b",".join(self._kept) + b"}"
+
+    def _wanted(self, before: bytes) -> str | None:
+        """The field's name when it is one of ``arrays`` and its value starts here."""
+        if not self._arrays or self._value.strip(_WHITESPACE) or before.strip(_WHITESPACE):
+            return None
+        try:
+            name = msgspec.json.decode(bytes(self._key))
+        except msgspec.DecodeError:
+            return None
+        return name if isinstance(name, str) and name in self._arrays else None
+
+    def _element_text(self, part: bytes, *, partial: bool = False) -> bytes:
+        """The element that ends with ``part`` (or, ``partial``, goes on past it)."""
+        if len(self._element) + len(part) > self._element_limit and self._too_long is not None:
+            self._too_long(self._array or "")
+        self._element += part
+        if partial:
+            return b""
+        text = bytes(self._element).strip(_WHITESPACE)
+        self._element.clear()
+        return text
 
     def _take(self, part: bytes) -> None:
         if self._overflow or not part:

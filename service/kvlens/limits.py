@@ -15,6 +15,7 @@ import re
 from typing import Final
 
 DEFAULT_PORT: Final = 9433  # ingest (POST /v1/records) and /metrics
+ENV_PREFIX: Final = "KVLENS_"  # of every setting's environment variable (the command line's help says it)
 DEFAULT_MEMORY_LIMIT: Final = "2GiB"  # DuckDB's memory before it spills (analyze, compare, convert)
 
 SIZE_UNITS: Final = {

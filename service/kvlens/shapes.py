@@ -12,7 +12,7 @@ plus any shared expert) for FLOPs, and every expert for the weights a decode ste
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Final
 
 from kvlens.definitions import CostModel, flops_cost_model
@@ -38,66 +38,95 @@ class UnsupportedModel(ValueError):
 
 @dataclass(frozen=True)
 class ModelShape:
-    layers: int
-    kv_heads: int
+    """The fields are named as a Hugging Face ``config.json`` names them (``model_shapes`` in the
+    settings takes the same names, and :data:`SHORT_NAMES`), but ``kv_dtype_bytes`` (from its
+    ``torch_dtype``: the bytes of a KV value, and of a weight) and ``gated_mlp`` (from its
+    ``model_type``)."""
+
+    num_hidden_layers: int
+    num_key_value_heads: int
     head_dim: int
-    dtype_bytes: float = 2
-    hidden: int | None = None  # the rest: needed for FLOPs and for weights from the shape
-    heads: int | None = None
-    intermediate: int | None = None  # per expert in a mixture of experts
+    kv_dtype_bytes: float = 2
+    hidden_size: int | None = None  # the rest: needed for FLOPs and for weights from the shape
+    num_attention_heads: int | None = None
+    intermediate_size: int | None = None  # per expert in a mixture of experts
     gated_mlp: bool = True
-    experts: int = 1  # experts per layer (1: dense)
-    experts_per_token: int = 1
-    shared_expert_intermediate: int = 0
-    vocab: int | None = None
-    tied_embeddings: bool = False
+    num_experts: int = 1  # experts per layer (1: dense)
+    num_experts_per_tok: int = 1
+    shared_expert_intermediate_size: int = 0
+    vocab_size: int | None = None
+    tie_word_embeddings: bool = False
 
     @property
     def kv_bytes_per_token(self) -> float:
         """``c = 2 * L * Hkv * D * bytes`` (a key and a value per layer and KV head)."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * self.kv_dtype_bytes
 
     @property
     def has_flops(self) -> bool:
-        return self.hidden is not None and self.heads is not None and self.intermediate is not None
+        return (
+            self.hidden_size is not None
+            and self.num_attention_heads is not None
+            and self.intermediate_size is not None
+        )
 
     def _attention_weights(self) -> int:
-        assert self.hidden is not None and self.heads is not None
-        query_and_output = 2 * self.hidden * self.heads * self.head_dim
-        key_and_value = 2 * self.hidden * self.kv_heads * self.head_dim
+        assert self.hidden_size is not None and self.num_attention_heads is not None
+        query_and_output = 2 * self.hidden_size * self.num_attention_heads * self.head_dim
+        key_and_value = 2 * self.hidden_size * self.num_key_value_heads * self.head_dim
         return query_and_output + key_and_value
 
     def _mlp_weights(self, intermediate: int) -> int:
-        assert self.hidden is not None
-        return (3 if self.gated_mlp else 2) * self.hidden * intermediate
+        assert self.hidden_size is not None
+        return (3 if self.gated_mlp else 2) * self.hidden_size * intermediate
 
     def linear_weights_per_token(self) -> int:
         """Weights a token multiplies through all layers: attention projections (GQA: the key and
         value projections are ``Hkv`` heads wide), and the MLP of each expert it is routed to."""
         if not self.has_flops:
             raise UnsupportedModel("the shape lacks hidden_size, num_attention_heads or intermediate_size")
-        assert self.intermediate is not None
-        mlp = self.experts_per_token * self._mlp_weights(self.intermediate)
-        shared = self._mlp_weights(self.shared_expert_intermediate) if self.shared_expert_intermediate else 0
-        return self.layers * (self._attention_weights() + mlp + shared)
+        assert self.intermediate_size is not None
+        mlp = self.num_experts_per_tok * self._mlp_weights(self.intermediate_size)
+        shared = (
+            self._mlp_weights(self.shared_expert_intermediate_size)
+            if self.shared_expert_intermediate_size
+            else 0
+        )
+        return self.num_hidden_layers * (self._attention_weights() + mlp + shared)
 
     def prefill_cost_model(self) -> CostModel:
         """``C(n)`` in FLOPs for this shape."""
         linear = self.linear_weights_per_token()  # raises when the shape does not say enough
-        assert self.heads is not None
-        return flops_cost_model(linear, self.heads, self.head_dim, self.layers)
+        assert self.num_attention_heads is not None
+        return flops_cost_model(linear, self.num_attention_heads, self.head_dim, self.num_hidden_layers)
 
     def weight_bytes(self) -> float | None:
         """Bytes of every weight at the shape's dtype (all experts, embeddings and LM head), or
         None when the shape does not say enough."""
-        if not self.has_flops or self.vocab is None:
+        if not self.has_flops or self.vocab_size is None:
             return None
-        assert self.intermediate is not None and self.hidden is not None
-        experts = self.experts * self._mlp_weights(self.intermediate)
-        shared = self._mlp_weights(self.shared_expert_intermediate) if self.shared_expert_intermediate else 0
+        assert self.intermediate_size is not None and self.hidden_size is not None
+        experts = self.num_experts * self._mlp_weights(self.intermediate_size)
+        shared = (
+            self._mlp_weights(self.shared_expert_intermediate_size)
+            if self.shared_expert_intermediate_size
+            else 0
+        )
         per_layer = self._attention_weights() + experts + shared
-        embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
-        return float((self.layers * per_layer + embeddings) * self.dtype_bytes)
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return float((self.num_hidden_layers * per_layer + embeddings) * self.kv_dtype_bytes)
+
+
+FIELDS: Final = tuple(field.name for field in fields(ModelShape))
+# The short names the settings took before they took the Hugging Face ones (still accepted).
+SHORT_NAMES: Final = {
+    "layers": "num_hidden_layers",
+    "kv_heads": "num_key_value_heads",
+    "heads": "num_attention_heads",
+    "experts": "num_experts",
+    "experts_per_token": "num_experts_per_tok",
+    "tied_embeddings": "tie_word_embeddings",
+}
 
 
 def from_hf_config(config: dict[str, Any]) -> ModelShape:
@@ -138,17 +167,17 @@ def from_hf_config(config: dict[str, Any]) -> ModelShape:
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
     vocab = config.get("vocab_size")
     return ModelShape(
-        layers=layers,
-        kv_heads=kv_heads,
+        num_hidden_layers=layers,
+        num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        dtype_bytes=DTYPE_BYTES.get(dtype, 2),
-        hidden=hidden,
-        heads=heads,
-        intermediate=int(intermediate) if intermediate else None,
+        kv_dtype_bytes=DTYPE_BYTES.get(dtype, 2),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        intermediate_size=int(intermediate) if intermediate else None,
         gated_mlp=model_type not in PLAIN_MLP_TYPES,
-        experts=experts,
-        experts_per_token=routed,
-        shared_expert_intermediate=int(config.get("shared_expert_intermediate_size") or 0),
-        vocab=int(vocab) if vocab else None,
-        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        num_experts=experts,
+        num_experts_per_tok=routed,
+        shared_expert_intermediate_size=int(config.get("shared_expert_intermediate_size") or 0),
+        vocab_size=int(vocab) if vocab else None,
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
     )

@@ -171,3 +171,25 @@ def median_interval(values: FloatArray) -> tuple[float | None, list[float] | Non
     ranks = interval_ranks(int(ordered.size))
     interval = None if ranks is None else [float(ordered[ranks[0]]), float(ordered[ranks[1]])]
     return float(np.median(ordered)), interval
+
+
+def rank_sum_p_less(x: list[float], y: list[float]) -> float:
+    """The exact one-sided Mann-Whitney p-value that ``x`` tends to be smaller than ``y``:
+    P(U <= u) under the null that both are one distribution, U counting the pairs (x_i, y_j) with
+    x_i > y_j (a tie counts a half, and the null is then taken as if there were none: timings in
+    seconds tie rarely). Distribution-free and exact, as :func:`median_interval` is, so a few
+    repeats give a p-value that means what it says: with 5 against 5, complete separation is
+    1/252 (0.004). The null's counts are the coefficients of the Gaussian binomial
+    [m+n choose m] in q, built as prod (1 - q^(n+i)) / (1 - q^i): O(m * m * n) integer steps."""
+    m, n = len(x), len(y)
+    if m == 0 or n == 0:
+        raise ValueError("a rank test needs values on both sides")
+    u = sum(1.0 if a > b else 0.5 if a == b else 0.0 for a in x for b in y)
+    size = m * n
+    counts = [1] + [0] * size
+    for i in range(1, m + 1):
+        for k in range(size, n + i - 1, -1):  # times (1 - q^(n+i)), from the top: old values
+            counts[k] -= counts[k - n - i]
+        for k in range(i, size + 1):  # divided by (1 - q^i), exactly: c'[k] = c[k] + c'[k-i]
+            counts[k] += counts[k - i]
+    return float(Fraction(sum(counts[: math.floor(u) + 1]), math.comb(m + n, m)))

@@ -1,6 +1,7 @@
 """Output at the terminal: its width (``COLUMNS`` when set, as rich reads it; 80 when stdout is
-no terminal), plain lines wrapped between words, never through a number, and the one rich console
-every table and line printed with rich goes through (:func:`console`)."""
+no terminal), plain lines wrapped between words, never through a number, a ratio as every text
+report spells it (:func:`percent`), and the one rich console every table and line printed with
+rich goes through (:func:`console`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,11 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 NARROWEST = 80  # what every text output is laid out to fit; wider terminals may show more
+
+
+def percent(value: float | None, digits: int = 2) -> str:
+    """A ratio as a percentage (``0.0154`` -> ``1.54 %``); ``n/a`` where there is none."""
+    return "n/a" if value is None else f"{100 * value:.{digits}f} %"
 
 
 def width() -> int:

@@ -13,10 +13,10 @@ import sys
 
 import pytest
 
-from kvlens.config import parse_dns_target
 from kvlens.fleet.discovery import MAX_DISCOVERED, DnsTarget
 from kvlens.fleet.index import FleetIndex
 from kvlens.fleet.publisher import EventPublisher
+from kvlens.fleet.settings import parse_dns_target
 from kvlens.fleet.subscriber import FILES_KEPT_FREE, FILES_PER_SUBSCRIPTION, KVEvents
 from kvlens.http.server import raise_open_files_limit
 from tests import vllm_kv_events as vllm

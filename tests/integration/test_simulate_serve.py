@@ -522,3 +522,54 @@ def test_speed_paces_the_stream() -> None:
         assert elapsed >= 199 * step
     finally:
         running.output()
+
+
+def salted(
+    running: Running,
+    prompt: list[int],
+    salt: str | None,
+    path: str = "/v1/completions",
+    model: str = "simulated",
+) -> int:
+    body: dict[str, object] = {"model": model, "max_tokens": 2}
+    if path == "/v1/completions":
+        body["prompt"] = prompt
+    else:
+        body["messages"] = [{"role": "user", "content": " ".join(map(str, prompt))}]
+    if salt is not None:
+        body["cache_salt"] = salt
+    answer = httpx.post(f"{running.url}{path}", json=body, timeout=10)
+    assert answer.status_code == 200, answer.text
+    return int(answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+@pytest.mark.timeout(60)
+def test_cache_salt_partitions_the_cache_as_vllm_and_leak_salt_drops_it() -> None:
+    """vLLM mixes ``cache_salt`` into the first block's hash: a salt shares with itself only, and
+    an unsalted request with no salted one; ``--leak-salt`` (LMCache #4825's fault) shares all."""
+    honest = serve("--speed", "1000", "--lora-modules", "sql=/adapters/sql")
+    leaking = None
+    try:
+        leaking = serve("--speed", "1000", "--leak-salt")
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            prompt = ids(70, 7 if path == "/v1/completions" else 8)
+            steps = [("a", 0), ("a", 1), ("b", 0), (None, 0), (None, 1), ("b", 1)]
+            full = 64 if path == "/v1/completions" else 400  # chat: the digits' bytes and the template
+            got = [salted(honest, prompt, salt, path) for salt, _ in steps]
+            assert got == [full * hit for _, hit in steps]
+            assert [salted(leaking, prompt, salt, path) for salt, _ in steps] == [0, *[full] * 5]
+        # a LoRA adapter keys its blocks apart from the base model's, as vLLM's name in every block
+        prompt = ids(70, 9)
+        models = ["simulated", "sql", "sql", "simulated"]
+        got = [salted(honest, prompt, None, model=model) for model in models]
+        assert got == [0, 0, 64, 64]
+        cards = httpx.get(f"{honest.url}/v1/models").json()["data"]
+        assert [(card["id"], card["parent"]) for card in cards] == [("simulated", None), ("sql", "simulated")]
+        for bad in ("", "x" * 129, "a/b", "a@b", "a\\b", "a\0b", 7):
+            answer = httpx.post(f"{honest.url}/v1/completions", json={"prompt": [5] * 20, "cache_salt": bad})
+            assert answer.status_code == 400 and answer.json()["error"]["param"] == "cache_salt"
+            assert not (isinstance(bad, str) and bad and bad in answer.text)  # never the salt itself
+    finally:
+        honest.output()
+        if leaking is not None:
+            leaking.output()

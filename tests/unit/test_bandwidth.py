@@ -24,7 +24,7 @@ def test_quantized_weight_bytes() -> None:
 
 
 def test_kv_bytes() -> None:
-    per_token = ModelShape(layers=32, kv_heads=8, head_dim=128).kv_bytes_per_token
+    per_token = ModelShape(num_hidden_layers=32, num_key_value_heads=8, head_dim=128).kv_bytes_per_token
     assert per_token == 128 * 1024
     assert bw.kv_bytes_per_sequence(8192, per_token) == GIB
 

@@ -73,6 +73,30 @@ def test_compare_with_a_missing_arm(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert one_line(capsys) == f"kvlens: {missing}: no such file or directory"  # as analyze says
 
 
+@pytest.mark.parametrize("engine", ["numpy", "duckdb"])
+def test_compare_with_an_arm_of_no_records(
+    engine: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("duckdb")
+    both = tmp_path / "sim.jsonl"  # a file of several arms (`kvlens simulate --emit-records`)
+    both.write_text(
+        '{"prompt_tokens": 10, "cached_tokens": 0, "ttft_seconds": 0.1, "arm": "off"}\n'
+        '{"prompt_tokens": 10, "cached_tokens": 5, "ttft_seconds": 0.1, "arm": "warm"}\n'
+    )
+    assert main(["compare", "--arm", f"off={both}", "--arm", f"nope={both}", "--engine", engine]) == 2
+    assert one_line(capsys) == f"kvlens compare: {both} has no records of arm 'nope'"
+
+
+def test_the_refusals_of_compare_are_input_errors_of_the_one_tree() -> None:
+    """A caller above (the CLI's top level, an experiment) catches InputError as one line and exit
+    2: a refusal outside the tree was a traceback wherever nobody listed it by name."""
+    from kvlens import errors
+
+    for name in ("NoRecordsOfArm", "GroupTooLarge"):
+        refusal = getattr(errors, name)
+        assert issubclass(refusal, errors.InputError), name
+
+
 def test_analyze_that_accepts_no_record_says_why_and_fails(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -37,7 +37,8 @@ def every_command() -> dict[str, argparse.ArgumentParser]:
 
 def test_every_command_is_walked() -> None:
     assert sorted(every_command()) == [
-        "kvlens analyze", "kvlens bandwidth", "kvlens compare", "kvlens convert", "kvlens demo",
+        "kvlens analyze", "kvlens audit isolation", "kvlens bandwidth", "kvlens compare", "kvlens convert",
+        "kvlens demo",
         "kvlens experiment prefix-cache", "kvlens experiment quantization", "kvlens import", "kvlens replay",
         "kvlens serve", "kvlens simulate", "kvlens simulate run", "kvlens simulate serve",
     ]  # fmt: skip

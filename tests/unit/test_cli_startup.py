@@ -22,7 +22,8 @@ def _fresh(code: str, **env: str) -> str:
     return done.stdout.strip()
 
 
-THREADS = "import os, kvlens.cli; print(len(os.listdir('/proc/self/task')))"
+# numpy imported after the command line, as a command imports it
+THREADS = "import os, kvlens.cli, numpy; print(len(os.listdir('/proc/self/task')))"
 
 
 @pytest.mark.skipif(
@@ -34,8 +35,30 @@ def test_the_command_line_gives_numpys_openblas_one_thread_unless_told_otherwise
     assert _fresh(THREADS, OPENBLAS_NUM_THREADS="2") == "2"
 
 
+HEAVY = {"pydantic", "pydantic_settings", "numpy", "duckdb", "yaml", "rich", "httpx", "uvicorn", "fastapi"}
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["analyze", "--help"], ["serve", "--help"], ["no-such"]])
+def test_help_imports_no_heavy_module(argv: list[str]) -> None:
+    # `kvlens --help` names the commands from their summaries, and a command's flags need none of
+    # what it runs: no settings (pydantic), no numpy, no server
+    code = (
+        "import sys, contextlib, io\n"
+        "from kvlens.console import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+        "    try:\n"
+        f"        main({argv!r})\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {HEAVY!r}))"
+    )
+    assert _fresh(code) == "[]"
+
+
 def test_analyze_imports_no_module_its_report_does_not_need(tmp_path: Path) -> None:
-    # YAML only for --calibrate's file, rich only for the terminal's table, the server never
+    # YAML only for --calibrate's file, rich only for the terminal's table, the server never, DuckDB
+    # not for the numpy engine (auto's choice for small JSON lines), pydantic-settings not without a
+    # KVLENS_* variable or a settings file to read
     records = tmp_path / "records.jsonl"
     records.write_text('{"prompt_tokens": 100, "cached_tokens": 50, "model": "m"}\n')
     code = (
@@ -43,9 +66,25 @@ def test_analyze_imports_no_module_its_report_does_not_need(tmp_path: Path) -> N
         "from kvlens.cli import main\n"
         "with contextlib.redirect_stdout(io.StringIO()):\n"
         f"    assert main(['analyze', {str(records)!r}, '--json']) == 0\n"
-        "print(sorted({m.split('.')[0] for m in sys.modules} & {'yaml', 'rich', 'uvicorn', 'httpx'}))"
+        "print(sorted({m.split('.')[0] for m in sys.modules}\n"
+        "             & {'yaml', 'rich', 'uvicorn', 'httpx', 'duckdb', 'pydantic_settings'}))"
     )
     assert _fresh(code) == "[]"
+
+
+def test_analyze_builds_no_pydantic_validator_when_no_setting_is_given(tmp_path: Path) -> None:
+    # the process's first validator looks pydantic's plugins up among every installed package
+    # (~20 ms); the defaults need none
+    records = tmp_path / "records.jsonl"
+    records.write_text('{"prompt_tokens": 100, "cached_tokens": 50, "model": "m"}\n')
+    code = (
+        "import sys, contextlib, io\n"
+        "from kvlens.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        f"    assert main(['analyze', {str(records)!r}]) == 0\n"
+        "print('pydantic.plugin._loader' in sys.modules)"
+    )
+    assert _fresh(code) == "False"
 
 
 def test_the_end_of_a_command_freezes_the_heap_after_its_output_and_cleanup(tmp_path: Path) -> None:

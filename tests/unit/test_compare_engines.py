@@ -24,7 +24,7 @@ from kvlens.analysis.duckdb.engine import Engine
 from kvlens.cli import main
 from kvlens.config import Settings, load_settings
 from kvlens.definitions import prompt_length_labels
-from kvlens.errors import ArmsDiffer, InputError
+from kvlens.errors import ArmsDiffer, GroupTooLarge, InputError, NoRecordsOfArm
 from tests.unit.test_columnar import config_file, models, seconds, tokens, write_jsonl
 
 duckdb = pytest.importorskip("duckdb")
@@ -47,7 +47,7 @@ def outcome(run: Callable[..., dict[str, Any]], specs: Specs, chosen: Settings, 
     """The report, or the refusal's type and message."""
     try:
         return run(specs, chosen, **options)
-    except (ArmsDiffer, compare.NoRecordsOfArm, compare.GroupTooLarge) as error:
+    except (ArmsDiffer, NoRecordsOfArm, GroupTooLarge) as error:
         return type(error).__name__, str(error)
 
 
@@ -269,7 +269,7 @@ def test_a_group_past_the_bound_is_refused_by_both_engines(
     monkeypatch.setattr(compare, "MAX_GROUP_REQUESTS", 50)
     assert run(specs, chosen, warmup=10)["groups"][0]["requests"] == 50  # at the bound: compared
     monkeypatch.setattr(compare, "MAX_GROUP_REQUESTS", 49)
-    with pytest.raises(compare.GroupTooLarge) as caught:
+    with pytest.raises(GroupTooLarge) as caught:
         run(specs, chosen, warmup=10)
     assert str(caught.value) == (
         "the group 512-2047 tokens, miss in off has 50 timed requests; compare takes at most 49 a group "

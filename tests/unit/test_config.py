@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvlens.cli import main
-from kvlens.config import load_settings
+from kvlens.config import load_offline, load_settings
 from kvlens.errors import SettingsError
 
 
@@ -157,3 +157,45 @@ def test_one_rule_decides_whether_ingest_is_open() -> None:
     assert closed.ingest_secret == b"s3cret"
     assert not closed.ingest_open
     assert not load_settings(host="127.0.0.1").ingest_open
+
+
+def test_offline_commands_build_the_accounting_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A file written for `kvlens serve` is read by the offline commands: its other rooms' keys
+    # are skipped, its accounting read; a key of no room is still a typo.
+    config = tmp_path / "kvlens.yaml"
+    config.write_text(
+        "port: 9000\ningest_token: abc\nscrape_targets: ['http://x:8000/metrics']\n"
+        "prompt_length_edges: [100, 1000]\nanalyze_memory_limit: 1GiB\n"
+    )
+    offline = load_offline(config)
+    assert offline.prompt_length_edges == [100, 1000] and offline.analyze_memory_limit == "1GiB"
+    assert not hasattr(offline, "port") and not hasattr(offline, "scrape_targets")
+    (tmp_path / "typo.yaml").write_text("prompt_length_edge: [100]\n")
+    with pytest.raises(SettingsError, match="prompt_length_edge: Extra inputs are not permitted"):
+        load_offline(tmp_path / "typo.yaml")
+    # The sidecar's environment is not read by an offline command, the accounting's is.
+    monkeypatch.setenv("KVLENS_PORT", "not a port")
+    monkeypatch.setenv("KVLENS_MAX_MODELS", "0")
+    with pytest.raises(SettingsError, match=r"^invalid setting max_models: Input should be greater"):
+        load_offline()
+    monkeypatch.delenv("KVLENS_MAX_MODELS")
+    records = tmp_path / "records.jsonl"
+    records.write_text('{"prompt_tokens": 100, "cached_tokens": 50}\n')
+    assert main(["analyze", str(records), "--json"]) == 0
+    assert '"requests": 1' in capsys.readouterr().out
+    assert main(["serve"]) == 2
+    assert "port" in capsys.readouterr().err
+
+
+def test_the_offline_defaults_are_the_validated_ones() -> None:
+    # load_offline() with nothing to read returns the defaults unvalidated (no validator built)
+    from kvlens.accounting import CostModelSetting
+    from kvlens.analysis.settings import AnalysisSettings
+
+    assert load_offline() == AnalysisSettings.model_validate({})
+    sidecar = load_settings().model_dump()
+    assert load_offline().model_dump() == {name: sidecar[name] for name in AnalysisSettings.model_fields}
+    assert CostModelSetting.model_construct() == CostModelSetting()
+    assert load_offline().cost_model_for("m") == load_settings().cost_model_for("m")

@@ -150,15 +150,21 @@ def test_tables_show_ratios_in_percent_and_every_transform_has_options() -> None
 
 def test_stats_are_instant_queries() -> None:
     stats = [panel for panel in all_panels() if panel["type"] == "stat"]
-    assert len(stats) == 9
+    assert len(stats) == 11
     for panel in stats:
         for target in panel["targets"]:
             assert target["instant"] is True and target["range"] is False, panel["title"]
 
 
 def test_status_stats_show_a_failure_in_red() -> None:
-    """Engine scrape up 0 (and a failing tail checkpoint, an open ingest) shows red, not green."""
-    wanted = {"Engine scrape": "0", "Tail checkpoints": "0", "Ingest without a token": "1"}
+    """Engine scrape up 0 (and a failing tail checkpoint, an open ingest, an isolation leak) shows
+    red, not green."""
+    wanted = {
+        "Engine scrape": "0",
+        "Tail checkpoints": "0",
+        "Ingest without a token": "1",
+        "Isolation probe verdicts": "0",
+    }
     found = {panel["title"]: panel for panel in all_panels() if panel["title"] in wanted}
     assert set(found) == set(wanted)
     for title, failure in wanted.items():

@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from kvlens import __version__
-from kvlens.config import load_settings, parse_dns_target
+from kvlens.config import load_settings
+from kvlens.fleet.settings import parse_dns_target
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 DEPLOY = ROOT / "deploy"

@@ -82,8 +82,8 @@ def test_golden_exposition_values() -> None:
 def test_every_exported_family_is_in_the_metric_table() -> None:
     registry, _ = article_registry()
     names = {family.name for family in text_string_to_metric_families(generate_latest(registry).decode())}
-    # with --scrape, model_shapes, tails, --kv-events, the app (ServiceHealth, diagnoses), a
-    # tenant, and tenant_remember_blocks
+    # with --scrape, model_shapes, tails, --kv-events, --isolation-probe, the app (ServiceHealth,
+    # diagnoses), a tenant, and tenant_remember_blocks
     optional = {
         spec.name
         for spec in (
@@ -93,6 +93,7 @@ def test_every_exported_family_is_in_the_metric_table() -> None:
             *metrics.KV,
             *metrics.KV_MODELLED,
             *metrics.DIAGNOSES,
+            *metrics.ISOLATION,
             *metrics.SERVICE,
             *metrics.TENANT,
             *metrics.CROSS_TENANT,

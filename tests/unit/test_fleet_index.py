@@ -594,8 +594,8 @@ def test_forgetting_a_replica_drops_its_bit_from_every_key_of_the_fleet_table(se
     masks: dict[int, int] = {}
     for key in [*rng.sample(range(2**40), rng.randrange(150, 217)), 0, 1]:  # up to 85 % full
         masks[key] = rng.choice([0b01, 0b10, 0b11])
-        row, _ = table._find(fleet.rows, np.uint64(key))
-        table._insert(fleet.rows, row, np.uint64(key), np.uint64(masks[key]))
+        row, _ = table.find_slot(fleet.rows, np.uint64(key))
+        table.insert_at(fleet.rows, row, np.uint64(key), np.uint64(masks[key]))
     counts[rules.DUPLICATED] = sum(mask == 0b11 for mask in masks.values())
     for rows, holders in ((fleet.rows, True), (remembered.rows, False)):  # as forget_replica does
         rules.drop_bit(rows, np.uint64(1), holders, counts, 0, rows.shape[0])

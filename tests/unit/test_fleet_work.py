@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvlens.definitions import CostModel, flops_cost_model
-from kvlens.exporter.collector import _kv_families
+from kvlens.exporter.collector import kv_families
 from kvlens.fleet.index import EVICTED_HERE, HELD_ELSEWHERE, NEW, UNKNOWN, FleetIndex
 from kvlens.fleet.ordering import Publisher
 from kvlens.fleet.subscriber import KVEvents
@@ -79,7 +79,7 @@ def test_the_work_is_exported_beside_the_tokens_in_the_fleet_model_s_unit() -> N
     flops = flops_cost_model(1e9, heads=32, head_dim=128, layers=32)
     samples = {
         (family.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in _kv_families(events, flops)
+        for family in kv_families(events, flops)
         for sample in family.samples
     }
     labels = (("cause", NEW), ("replica", "a"), ("unit", "flops"))

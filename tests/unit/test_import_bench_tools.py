@@ -355,3 +355,48 @@ def test_only_the_first_bad_entries_are_kept_the_rest_counted(
         "kvlens import: 0 records written (0 of failed requests, with their error and no timings), "
         f"{count} entries left out as unreadable"
     )
+
+
+def vllm_result(requests: int, output_tokens: int, text_bytes: int) -> dict[str, Any]:
+    """A vllm bench serve --save-detailed result, sized by its requests."""
+    return {
+        "model_id": "simulated",
+        "input_lens": [100 + i % 4000 for i in range(requests)],
+        "output_lens": [output_tokens] * requests,
+        "ttfts": [0.01 + i % 7 / 100 for i in range(requests)],
+        "itls": [[0.001 + j % 13 / 1000 for j in range(output_tokens - 1)] for _ in range(requests)],
+        "latencies": [1.5 + i % 5 / 10 for i in range(requests)],
+        "start_times": [float(i) for i in range(requests)],
+        "generated_texts": ["x" * text_bytes] * requests,
+        "errors": [""] * requests,
+    }
+
+
+def test_a_vllm_bench_result_is_read_as_it_streams_not_held_whole(tmp_path: Path) -> None:
+    """The per-request arrays are read element by element, the text (generated_texts) not at all:
+    the reader holds its records, not the file (it held the file's bytes and all of it decoded,
+    about 4.5 times the file)."""
+    import tracemalloc
+
+    result = vllm_result(1000, 256, 10000)
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps(result))
+    size = path.stat().st_size
+    assert size > 12 * 1024 * 1024
+    tracemalloc.start()
+    try:
+        read = bench_tools.read("vllm-bench", str(path))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(read.records) == 1000 and read.bad_count == 0
+    assert read.records[999]["prompt_tokens"] == 1099
+    assert peak < size / 2, f"peak {peak / 2**20:.1f} MiB for a {size / 2**20:.1f} MiB file"
+
+
+def test_a_file_that_is_no_json_object_stops_the_read_at_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """/dev/zero is refused at its first bytes, not read to the 512 MiB bound first."""
+    assert main(["import", "vllm-bench", "/dev/zero"]) == 2
+    assert capsys.readouterr().err == (
+        "kvlens import: /dev/zero: not a vllm bench serve result (one JSON object)\n"
+    )

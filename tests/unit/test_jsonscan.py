@@ -96,3 +96,46 @@ def test_the_extractor_stops_keeping_past_its_total() -> None:
     extractor.feed(json.dumps({f"k{i}": i for i in range(1000)}).encode())
     kept = extractor.finish()
     assert kept is not None and len(kept) <= 102 and json.loads(kept)["k0"] == 0
+
+
+@settings(deadline=None)
+@given(
+    st.dictionaries(st.text(max_size=3), json_values, max_size=5),
+    st.lists(json_values, max_size=6),
+    st.lists(json_values, max_size=3),
+    st.booleans(),
+    st.integers(1, 50),
+)
+def test_the_extractor_hands_out_the_elements_of_the_arrays_asked_for(
+    other: dict[str, Any], items: list[Any], more: list[Any], compact: bool, slice_bytes: int
+) -> None:
+    value = {**other, "items": items, "more": more, "kept": 7}
+    text = dumps(value, compact)
+    extractor = jsonscan.FieldExtractor(value_limit=10_000, arrays=("items", "more", "absent"))
+    handed: list[tuple[str, Any]] = []
+    for start in range(0, len(text), slice_bytes):
+        for name, element in extractor.feed(text[start : start + slice_bytes]):
+            handed.append((name, None if element is None else json.loads(element)))
+    assert handed == [
+        ("items", None),
+        *(("items", e) for e in items),
+        ("more", None),
+        *(("more", e) for e in more),
+    ]
+    kept = extractor.finish()
+    assert kept is not None
+    assert json.loads(kept) == {**other, "kept": 7}  # the streamed arrays are not kept
+    assert extractor.values == 1
+
+
+def test_the_extractor_refuses_an_element_past_its_limit_and_counts_values_after_the_object() -> None:
+    def too_long(name: str) -> None:
+        raise ValueError(name)
+
+    extractor = jsonscan.FieldExtractor(arrays=("a",), element_limit=10, too_long=too_long)
+    assert extractor.feed(b'{"a": [1, "short",') == [("a", None), ("a", b"1"), ("a", b'"short"')]
+    with pytest.raises(ValueError, match=r"^a$"):
+        extractor.feed(b' "a string of more than ten bytes"]}')
+    several = jsonscan.FieldExtractor()
+    several.feed(b'{"a": 1}\n{"a": [2]}\n{"b": {}}\n')
+    assert several.finish() is None and several.values == 3

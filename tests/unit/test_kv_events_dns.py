@@ -10,11 +10,11 @@ import socket
 
 import pytest
 
-from kvlens.config import load_settings, parse_dns_target
+from kvlens.config import load_settings
 from kvlens.errors import SettingsError
 from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.background import BackgroundSources
-from kvlens.exporter.collector import _kv_families
+from kvlens.exporter.collector import kv_families
 from kvlens.fleet import schema
 from kvlens.fleet.discovery import MAX_DISCOVERED, DnsTarget, resolve_addresses, wanted_publishers
 from kvlens.fleet.index import EVICTED_ELSEWHERE, HELD_ELSEWHERE, NEW, FleetIndex
@@ -22,6 +22,7 @@ from kvlens.fleet.kernels import rules
 from kvlens.fleet.limits import MAX_VANISHED, VANISHED_RETENTION_SECONDS
 from kvlens.fleet.ordering import Consumer, Publisher
 from kvlens.fleet.publisher import EventPublisher
+from kvlens.fleet.settings import parse_dns_target
 from kvlens.fleet.subscriber import KVEvents
 from tests import vllm_kv_events as vllm
 from tests.live import free_port, until
@@ -298,7 +299,7 @@ def exported_replicas(events: KVEvents) -> set[str]:
     """The replicas any KV-event series on /metrics names."""
     return {
         sample.labels["replica"]
-        for family in _kv_families(events)
+        for family in kv_families(events)
         for sample in family.samples
         if "replica" in sample.labels
     }

@@ -102,7 +102,7 @@ def test_only_shard_zero_counts_so_that_shards_add_up() -> None:
 
 
 def test_the_count_is_exported_per_replica_with_require_cache_salt_only() -> None:
-    from kvlens.exporter.collector import _kv_families
+    from kvlens.exporter.collector import kv_families
     from kvlens.fleet.subscriber import KVEvents
 
     def exported(index: FleetIndex) -> dict[str, float]:
@@ -111,7 +111,7 @@ def test_the_count_is_exported_per_replica_with_require_cache_salt_only() -> Non
             events.consumer.message("a", seq, payload, None)
         return {
             sample.labels["replica"]: sample.value
-            for family in _kv_families(events)
+            for family in kv_families(events)
             for sample in family.samples
             if family.name == "kvlens_kv_unsalted_blocks_stored"
         }

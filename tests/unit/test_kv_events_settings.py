@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from kvlens.cli.common import kv_events_from
-from kvlens.config import load_settings, parse_shard
+from kvlens.config import load_settings
 from kvlens.errors import SettingsError
+from kvlens.fleet.settings import parse_shard
 
 
 def test_flags_become_publishers() -> None:

@@ -80,7 +80,7 @@ def from_client(usage: dict[str, Any], missing_cached_is_zero: bool = False) -> 
             Exchange(sent=0.0, token_times=[0.1 * (i + 1) for i in range(CHUNKS)], usage=usage, end=1.0)
         )
         out = io.BytesIO()
-        client._ended(
+        client.ended_record(
             answer,
             record={"prompt_tokens": SENT_PROMPT},
             endpoint=client.Endpoint(

@@ -10,6 +10,7 @@ from typing import Any
 import orjson
 import pytest
 
+from kvlens.experiment import lock as lock_file
 from kvlens.experiment import outdir
 from kvlens.experiment.client import Progress
 from kvlens.experiment.protocol import ExperimentError
@@ -296,9 +297,15 @@ def test_a_step_json_of_the_wrong_shape_is_refused_where_it_is_read(
     with pytest.raises(ExperimentError) as refused:
         outdir.finished_steps(tmp_path)
     assert str(refused.value) == message
-    # what --dry-run asks: the same answer the run gets
-    with outdir.OutDir(tmp_path, PLAN).open(["bf16"]) as out, pytest.raises(ExperimentError) as refused:
-        out.finished(outdir.Step("rate-4-bf16", "bf16", "rate", 4.0))
+    # the run refuses it at open, before anything is sent; --dry-run asks the same check
+    if not isinstance(meta, dict) or not isinstance(meta.get("endpoint"), str):  # whose: not told
+        message += " (a run of its endpoint into this out-dir), or remove rate-4-bf16.step.json and "
+        message += "rate-4-bf16.jsonl to go on without it"
+    with pytest.raises(ExperimentError) as refused, outdir.OutDir(tmp_path, PLAN).open(["bf16"]):
+        pytest.fail("opened")
+    assert str(refused.value) == message
+    with pytest.raises(ExperimentError) as refused:
+        outdir.OutDir(tmp_path, PLAN).check_steps(["bf16"])
     assert str(refused.value) == message
 
 
@@ -315,19 +322,72 @@ def test_a_step_json_of_each_kind_as_written_is_read_back(tmp_path: Path) -> Non
 
 def test_a_lock_file_that_is_not_a_regular_file_is_refused(tmp_path: Path) -> None:
     lock = tmp_path / ".kvlens.lock"
-    lock.symlink_to("/dev/zero")
-    with pytest.raises(ExperimentError) as refused, outdir._locked(lock, "kvlens"):
+    os.mkfifo(lock)
+    with pytest.raises(ExperimentError) as refused, lock_file.locked(lock, "kvlens"):
         pytest.fail("locked")
     assert str(refused.value) == f"cannot lock {lock}: not a regular file"
 
 
+@pytest.mark.parametrize("target", ["victim.txt", "/dev/zero", "missing"])
+def test_a_lock_file_that_is_a_symlink_is_refused_and_its_target_untouched(
+    tmp_path: Path, target: str
+) -> None:
+    """Taking the lock truncates the file and writes a pid in it: through a symlink that was
+    whatever file it named (another run's records, a file of the user's)."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's data\n")
+    lock = tmp_path / ".kvlens.lock"
+    lock.symlink_to(target if target.startswith("/") else tmp_path / target)
+    with pytest.raises(ExperimentError) as refused, lock_file.locked(lock, "kvlens"):
+        pytest.fail("locked")
+    assert str(refused.value) == f"cannot lock {lock}: a symbolic link, not a regular file (remove it)"
+    assert victim.read_text() == "the user's data\n"
+    assert not (tmp_path / "missing").exists()  # not created through the link either
+
+
 def test_the_lock_holders_text_is_shown_printable_and_bounded(tmp_path: Path) -> None:
     lock = tmp_path / ".kvlens.lock"
-    with outdir._locked(lock, "kvlens"):
+    with lock_file.locked(lock, "kvlens"):
         lock.write_bytes(b"12\x1b[2J3\xff\n" + b"kvlens \x07run\r" + b"x" * 2000 + b"\n")
-        with pytest.raises(ExperimentError) as refused, outdir._locked(lock, "kvlens"):
+        with pytest.raises(ExperimentError) as refused, lock_file.locked(lock, "kvlens"):
             pytest.fail("locked")
     shown = "kvlens run" + "x" * 990
     assert str(refused.value) == (
         f"{tmp_path} is in use by another run (pid 12[2J3\ufffd: {shown}); wait for it to end, or stop it"
+    )
+
+
+def test_a_broken_step_of_another_endpoint_is_refused_before_this_run_naming_it(tmp_path: Path) -> None:
+    """--restart redoes this run's own steps: another endpoint's broken step file is no step this
+    run can redo (its URL is that run's). Refused at open, before anything is sent, naming the
+    file and the endpoint and how to mend it. Before: the run sent all its steps, then the report
+    over the folder stopped at that file saying to redo it with --restart, which had just been
+    done; a broken step of this run's own endpoint is redone by --restart, as before."""
+    ours = outdir.Step("rate-4-w4", "w4", "rate", 4.0)
+    broken = finished_step(tmp_path, step="rate-4-bf16", endpoint="bf16", kind="rate", rate="4")
+    with outdir.OutDir(tmp_path, PLAN, restart=True).open(["bf16"]):
+        pass  # its own: redone by this run (not run here), not refused
+    for restart in (True, False):
+        with (
+            pytest.raises(ExperimentError) as refused,
+            outdir.OutDir(tmp_path, PLAN, restart=restart).open(["w4"]),
+        ):
+            pytest.fail("opened")
+        assert str(refused.value) == (
+            f"{broken}: rate must be a number; a step of endpoint 'bf16', which this run does not "
+            "redo (--restart redoes this run's own steps): run 'bf16' into this out-dir again with "
+            "--restart, or remove rate-4-bf16.step.json and rate-4-bf16.jsonl to go on without it"
+        )
+    assert not (tmp_path / "rate-4-w4.jsonl").exists()
+    (tmp_path / "rate-4-bf16.jsonl").unlink()  # removed as the message says: the run goes on
+    with outdir.OutDir(tmp_path, PLAN, restart=True).open(["w4"]) as out:
+        out.run(ours, lambda staged: write_records(staged, 2))
+        assert [f.step for f in out.found()] == [ours]
+    broken.write_bytes(b"{")  # not JSON: whose it is cannot be told; this run may be its endpoint's
+    (tmp_path / "rate-4-bf16.jsonl").write_bytes(b"{}\n")
+    with pytest.raises(ExperimentError) as refused, outdir.OutDir(tmp_path, PLAN).open(["w4"]):
+        pytest.fail("opened")
+    assert str(refused.value).endswith(
+        "; redo the step with --restart (a run of its endpoint into this out-dir), or remove "
+        "rate-4-bf16.step.json and rate-4-bf16.jsonl to go on without it"
     )

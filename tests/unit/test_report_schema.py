@@ -13,7 +13,7 @@ import pytest
 from kvlens.cli import main
 
 TOP = {"schema", "overall", "models", "groups", "ttft_decomposition", "slowest", "input", "diagnosis",
-       "calibration"}  # fmt: skip
+       "calibration", "sessions", "misses"}  # fmt: skip
 RATIOS = {"requests", "hit_requests", "prompt_tokens", "cached_tokens", "prompt_work_units",
           "reused_work_units", "work_unit", "work", "request_hit_ratio", "token_reuse_ratio",
           "compute_saved_ratio"}  # fmt: skip

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from pathlib import Path
+
 import pytest
+from pydantic import ValidationError
 
 from kvlens import shapes
+from kvlens.accounting import ModelShapeSetting
 from kvlens.definitions import FLOPS
 
 # The config.json fields of meta-llama/Llama-3.1-8B and Qwen/Qwen2.5-1.5B that the shape reads.
@@ -36,7 +42,8 @@ QWEN25_15B = {
 
 def test_kv_shape_from_a_config() -> None:
     shape = shapes.from_hf_config(LLAMA_31_8B)
-    assert (shape.layers, shape.kv_heads, shape.head_dim, shape.dtype_bytes) == (32, 8, 128, 2)
+    kv = (shape.num_hidden_layers, shape.num_key_value_heads, shape.head_dim, shape.kv_dtype_bytes)
+    assert kv == (32, 8, 128, 2)
     assert shape.kv_bytes_per_token == 128 * 1024
 
 
@@ -89,7 +96,25 @@ def test_models_the_formulas_do_not_fit_are_refused(extra: dict[str, object], wh
 
 
 def test_a_shape_without_its_mlp_has_no_flops() -> None:
-    shape = shapes.ModelShape(layers=32, kv_heads=8, head_dim=128)
+    shape = shapes.ModelShape(num_hidden_layers=32, num_key_value_heads=8, head_dim=128)
     assert not shape.has_flops and shape.weight_bytes() is None
     with pytest.raises(shapes.UnsupportedModel):
         shape.prefill_cost_model()
+
+
+def test_the_settings_take_the_hugging_face_names_and_the_short_ones(tmp_path: Path) -> None:
+    # one field map: a setting's shape fields are the shape's, named as in config.json
+    assert set(shapes.FIELDS) <= set(ModelShapeSetting.model_fields)
+    full = {k: v for k, v in dataclasses.asdict(shapes.from_hf_config(LLAMA_31_8B)).items() if v is not None}
+    by_names = ModelShapeSetting.model_validate(full).shape()
+    assert by_names == shapes.from_hf_config(LLAMA_31_8B)
+    short = {next((s for s, n in shapes.SHORT_NAMES.items() if n == k), k): v for k, v in full.items()}
+    assert "layers" in short and ModelShapeSetting.model_validate(short).shape() == by_names
+    with pytest.raises(ValidationError, match="give layers or num_hidden_layers, not both"):
+        ModelShapeSetting.model_validate({**full, "layers": 32})
+    # beside hf_config, a field given wins in either spelling
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA_31_8B))
+    for name in ("layers", "num_hidden_layers"):
+        read = ModelShapeSetting.model_validate({"hf_config": str(config), name: 40}).shape()
+        assert read == dataclasses.replace(by_names, num_hidden_layers=40)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvlens.config import load_offline
 from kvlens.simulate.replica import DEFAULT_SERVICE, Job
 from kvlens.simulate.run import Fleet
 from kvlens.simulate.serve import main as serve
@@ -59,15 +60,16 @@ def test_weight_bytes_and_config_shape_the_service_model(tmp_path: Path) -> None
             }
         )
     )
-    model = serve.service_model(flags("--config", str(config), "--model", "m", "--no-chunked-prefill"))
+    accounting = load_offline(config)
+    model = serve.service_model(flags("--model", "m", "--no-chunked-prefill"), accounting)
     assert (model.prefill.a, model.prefill.b, model.prefill.unit) == (1e-5, 1e-9, "seconds")
     assert model.decode.weight_bytes == 2**30 and model.decode.kv_bytes_per_token == 2 * 2 * 4 * 8 * 2
     assert not model.chunked_prefill
     # --weight-bytes wins over the shape's.
-    both = serve.service_model(flags("--config", str(config), "--model", "m", "--weight-bytes", "1e8"))
+    both = serve.service_model(flags("--model", "m", "--weight-bytes", "1e8"), accounting)
     assert both.decode.weight_bytes == 1e8
     # Another served name takes nothing from the file.
-    assert serve.service_model(flags("--config", str(config), "--model", "other")) == DEFAULT_SERVICE
+    assert serve.service_model(flags("--model", "other"), accounting) == DEFAULT_SERVICE
 
 
 def test_streamed_tokens_follow_the_modelled_decode_steps() -> None:

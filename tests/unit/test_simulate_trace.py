@@ -219,3 +219,82 @@ def test_a_gzip_trace_cut_short_is_named(tmp_path: Path) -> None:
     assert str(raised.value).startswith(
         f"{path}: the gzip stream ends before its end (the file was cut short)"
     )
+
+
+def test_salts_are_mixed_into_the_first_key_and_inherited_as_vllm_does() -> None:
+    """vLLM 0.33 mixes ``cache_salt`` into the first block's hash only; later blocks inherit it
+    through the chain. So one salt shares the whole common prefix, two salts share nothing, and
+    no salt (None or empty) keys the blocks as they were."""
+    from kvlens.simulate.trace import salted
+
+    blocks = chain((1, 2, 3, 4))
+    assert salted(blocks, None) == blocks and salted(blocks, "") == blocks
+    a, b = salted(blocks, "tenant-a"), salted(blocks, "tenant-b")
+    assert a == salted(blocks, "tenant-a")  # the same salt: every block shared
+    assert not set(a) & set(b) and not set(a) & set(blocks)  # different salts, or none: nothing
+    assert salted(blocks[:2], "tenant-a") == a[:2]  # a shorter prompt shares the salted prefix
+    assert salted(chain((1, 2, 9)), "tenant-a")[:2] == a[:2]  # and a diverging one up to the fork
+    # a digest of the salt, not hash(str): the same keys in every process (records carry them)
+    script = "from kvlens.simulate.trace import salted; print(salted((1, 2), 's'))"
+    env = {**os.environ, "PYTHONHASHSEED": "random"}
+    runs = {
+        subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+        ).stdout
+        for _ in range(2)
+    }
+    assert runs == {f"{salted((1, 2), 's')}\n"}
+
+
+def test_a_trace_lines_cache_salt_partitions_the_offline_fleet(tmp_path: Path) -> None:
+    from kvlens.simulate.run import Fleet, simulate
+
+    line = {"input_length": 1100, "output_length": 1, "hash_ids": [1, 2, 3]}
+    salts = [None, "a", "a", "b", None, "a"]
+    path = write(
+        tmp_path / "t.jsonl",
+        [
+            {"timestamp": 1000 * i, **line, **({"cache_salt": salt} if salt else {})}
+            for i, salt in enumerate(salts)
+        ],
+    )
+    records: list[dict[str, Any]] = []
+    requests = list(open_trace(path).requests())
+    assert [r.cache_salt for r in requests] == salts
+    simulate(requests, Fleet(1, None, 512), "round_robin", records=records.extend)
+    # 1100 tokens: 2 full blocks of 512 can hit. The first of each scope misses, the rest hit.
+    assert [r["cached_tokens"] for r in records] == [0, 0, 1024, 0, 1024, 1024]
+    bad = write(tmp_path / "bad.jsonl", [{"timestamp": 0, **line, "cache_salt": 7}])
+    with pytest.raises(TraceError, match="line 1: cache_salt must be a string"):
+        list(open_trace(bad).requests())
+
+
+def test_the_simulated_engines_publish_a_salt_as_vllm_does(tmp_path: Path) -> None:
+    """A salted request's chain start is published with the salt in its first block's extra keys
+    (vLLM 0.33's BlockStored), so a kvlens with --require-cache-salt counts only the unsalted."""
+    from kvlens.fleet.index import FleetIndex
+    from kvlens.fleet.simulated import SimulatedEngine, into_index
+    from kvlens.simulate.run import Fleet, simulate
+
+    line = {"input_length": 1100, "output_length": 1, "hash_ids": [1, 2, 3]}
+    salts = ["a", None, "b"]
+    path = write(
+        tmp_path / "t.jsonl",
+        [
+            {"timestamp": 1000 * i, **line, "hash_ids": [10 * i + 1, 10 * i + 2, 10 * i + 3],
+             **({"cache_salt": salt} if salt else {})}
+            for i, salt in enumerate(salts)
+        ],
+    )  # fmt: skip
+    index = FleetIndex(require_cache_salt=True)
+    events = lambda replica: SimulatedEngine(str(replica), 512, into_index(index))  # noqa: E731
+    simulate(open_trace(path).requests(), Fleet(1, None, 512), "round_robin", events=events)
+    assert index.snapshot().unsalted_blocks == {"0": 2}  # the unsalted request's 2 full blocks
+
+
+def test_extra_keys_carry_the_lora_on_every_block_and_the_salt_on_a_chains_first() -> None:
+    from kvlens.fleet.simulated import extra_keys
+
+    assert extra_keys(3, True, "s", "sql") == [["sql", "s"], ["sql"], ["sql"]]
+    assert extra_keys(2, False, "s", None) == [None, None]  # a store past the chain's start
+    assert extra_keys(2, True, "s", None) == [["s"], None]

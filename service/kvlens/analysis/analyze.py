@@ -4,11 +4,13 @@ Two engines compute the report's :class:`~kvlens.analysis.report.Summary`: ``num
 records in memory (the live exporter's reducer, called); ``duckdb`` (the ``scale`` extra) runs
 the reducer as SQL out of core (:mod:`kvlens.analysis.duckdb`). Everything after the summary
 is one code path. What needs ``prefix_hashes`` (the prefix potential, the ``cross_tenant``
-section) is the numpy engine's alone: the DuckDB tables do not keep them.
+and ``misses`` sections) both engines read: DuckDB keeps the records that hold them apart
+(:mod:`kvlens.analysis.duckdb.potential`).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -16,20 +18,21 @@ from typing import Any
 
 import numpy as np
 
-from kvlens.analysis import calibration, diagnosis, misses, reader, report, tenants
-from kvlens.config import Settings
+from kvlens.accounting import Accounting
+from kvlens.analysis import calibration, diagnosis, misses, reader, report, sessions, tenants
 from kvlens.definitions import prompt_length_labels
-from kvlens.records import batch_from_objects
+from kvlens.records import RecordBatch, batch_from_objects
 
 ENGINES = ("numpy", "duckdb")
 CALIBRATION_MAX_POINTS = 200_000  # per model, duckdb engine: past it an even sample is fitted
-
-AUTO_DUCKDB_BYTES = 256 * 1024 * 1024  # numpy holds about twice the JSON lines in memory
+# Local JSON lines under this read faster in numpy: DuckDB's import and connection cost about
+# 0.2 CPU s, which its faster read repays from about 100k records (19 MB) on a 2-core machine.
+AUTO_DUCKDB_BYTES = 16 * 1024 * 1024
 
 
 def analyze(
     paths: list[str],
-    settings: Settings,
+    settings: Accounting,
     *,
     format_name: str | None = None,
     model: str | None = None,
@@ -42,7 +45,7 @@ def analyze(
     each model that has prefill times and of each model in the ``prefill_points`` tables."""
     labels = prompt_length_labels(settings.prompt_length_edges)
     if engine == "duckdb":
-        from kvlens.analysis.duckdb import inputs
+        from kvlens.analysis.duckdb import inputs, potential
         from kvlens.analysis.duckdb import summary as in_duckdb
         from kvlens.analysis.duckdb.engine import Engine, engine_errors
         from kvlens.limits import DEFAULT_MEMORY_LIMIT
@@ -51,7 +54,13 @@ def analyze(
         try:
             with engine_errors(store.memory_limit, store.spill_directory):
                 loaded = inputs.load(
-                    store, paths, format_name=format_name, model=model, progress=progress, check_later=True
+                    store,
+                    paths,
+                    format_name=format_name,
+                    model=model,
+                    progress=progress,
+                    check_later=True,
+                    hashes=True,
                 )
                 summarized = in_duckdb.summarize(
                     store, "records", settings.prompt_length_edges, settings.default_model, loaded.unchecked
@@ -66,8 +75,18 @@ def analyze(
                     )
                 ]
                 span = time_range(*summarized.arrivals)
-                result = _report(summary, settings, labels, read, records, paths, span, lambda: None)
-                result["misses"] = None  # the numpy engine reads prefix_hashes (--engine numpy)
+                result = _report(
+                    summary,
+                    settings,
+                    labels,
+                    read,
+                    records,
+                    paths,
+                    span,
+                    lambda: potential.prefix_potential(store),
+                )
+                hashed = potential.hashed_records(store)
+                _hash_sections(result, hashed, settings)
         finally:
             store.close()
     else:
@@ -92,10 +111,8 @@ def analyze(
             span,
             lambda: diagnosis.prefix_potential(derived),
         )
-        shared = tenants.cross_tenant(read.batch, settings.tenant_remember_blocks)
-        if shared is not None:  # only records with a tenant and prefix_hashes add the section
-            result["cross_tenant"] = shared
-        result["misses"] = misses.request_misses(derived)
+        result["sessions"] = sessions.session_report(read.batch)
+        _hash_sections(result, read.batch, settings, derived)
         fits = [
             calibration.fit(
                 name,
@@ -109,8 +126,23 @@ def analyze(
     return _calibrated(result, fits, settings, prefill_points)
 
 
+def _hash_sections(
+    result: dict[str, Any], batch: RecordBatch, settings: Accounting, derived: report.Derived | None = None
+) -> None:
+    """The report's sections read from ``prefix_hashes``, walked over the records that hold
+    them (``batch``: all records, or only those, in input order: the others add nothing)."""
+    shared = tenants.cross_tenant(batch, settings.tenant_remember_blocks)
+    if shared is not None:  # only records with a tenant and prefix_hashes add the section
+        result["cross_tenant"] = shared
+    if derived is None:
+        derived = report.Derived.of(
+            batch, settings.prompt_length_edges, settings.cost_model_for, settings.default_model
+        )
+    result["misses"] = misses.request_misses(derived)
+
+
 def _calibrated(
-    result: dict[str, Any], fits: list[calibration.Fit], settings: Settings, prefill_points: Sequence[Path]
+    result: dict[str, Any], fits: list[calibration.Fit], settings: Accounting, prefill_points: Sequence[Path]
 ) -> tuple[dict[str, Any], list[calibration.Fit]]:
     """The report with the fits of the records and of the ``prefill_points`` tables."""
     fits = [*fits, *_point_fits(settings, prefill_points)]
@@ -121,7 +153,7 @@ def _calibrated(
 
 
 def from_aggregates(
-    paths: Sequence[Path], settings: Settings, *, prefill_points: Sequence[Path] = ()
+    paths: Sequence[Path], settings: Accounting, *, prefill_points: Sequence[Path] = ()
 ) -> tuple[dict[str, Any], list[calibration.Fit]]:
     """The report of a warehouse's results of the ``--print-sql`` statements (the same settings):
     everything a direct analysis reports but the calibration from records, which needs each
@@ -137,6 +169,7 @@ def from_aggregates(
     labels = prompt_length_labels(settings.prompt_length_edges)
     span = time_range(None, None, 0)  # the statements carry no arrival times
     result = _report(summary, settings, labels, read, records, files, span, lambda: None)
+    _hash_sections(result, read.batch, settings)  # no record, no hashes: as a direct report's
     return _calibrated(result, [], settings, prefill_points)
 
 
@@ -147,25 +180,25 @@ def time_range(first: float | None, last: float | None, records: int) -> dict[st
 
 
 def choose_engine(requested: str, files: Sequence[str]) -> str:
-    """``auto``: duckdb (when installed) for Parquet, URLs, pipes or files past
-    :data:`AUTO_DUCKDB_BYTES` together; numpy otherwise (it also reads ``prefix_hashes`` for the
-    diagnosis). ``files`` is what :func:`kvlens.analysis.reader.resolve` gave: the engine
-    chosen reads those files, whichever it is."""
+    """``auto``: the faster engine, both giving the same report (the diagnosis's prefix
+    potential too: :mod:`kvlens.analysis.duckdb.potential`). That is duckdb (the ``scale``
+    extra) when installed, for Parquet, URLs, pipes and every input past
+    :data:`AUTO_DUCKDB_BYTES`; numpy for the small local files under it, where DuckDB's
+    start costs more than it saves. ``files`` is what :func:`kvlens.analysis.reader.resolve`
+    gave: the engine chosen reads those files, whichever it is."""
     if requested != "auto":
         return requested
-    try:
-        import duckdb  # noqa: F401
-    except ModuleNotFoundError:
+    if importlib.util.find_spec("duckdb") is None:  # found, not imported: numpy may be the choice
         return "numpy"
     local = [path for path in files if path != "-"]
-    if any(not os.path.isfile(path) or reader.is_parquet(path) for path in local):
+    if len(local) < len(files) or any(not os.path.isfile(path) or reader.is_parquet(path) for path in local):
         return "duckdb"
     return "duckdb" if sum(os.path.getsize(path) for path in local) >= AUTO_DUCKDB_BYTES else "numpy"
 
 
 def _report(
     summary: report.Summary,
-    settings: Settings,
+    settings: Accounting,
     labels: list[str],
     read: reader.ReadResult,
     records: int,
@@ -186,13 +219,15 @@ def _report(
         "time_range": span,
     }
     result["diagnosis"] = diagnosis.diagnose(summary, labels, result, potential)
+    result["sessions"] = None  # the numpy engine's, from each record (see sessions.session_report)
+    result["misses"] = None  # the numpy engine's, from each record's prefix_hashes (misses.request_misses)
     return result
 
 
-def _point_fits(settings: Settings, prefill_points: Sequence[Path]) -> list[calibration.Fit]:
+def _point_fits(settings: Accounting, prefill_points: Sequence[Path]) -> list[calibration.Fit]:
     def layers(name: str) -> int | None:
         shape = settings.model_shapes.get(name)
-        return shape.layers if shape is not None else None
+        return shape.num_hidden_layers if shape is not None else None
 
     return [
         calibration.fit_points(points)

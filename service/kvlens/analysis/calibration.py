@@ -288,12 +288,12 @@ def _new_points(
     shape = None
     if all(row.get(c) for c in SHAPE_COLUMNS):
         shape = ModelShape(
-            layers=1,
-            kv_heads=int(row["n_kv_heads"]),
+            num_hidden_layers=1,
+            num_key_value_heads=int(row["n_kv_heads"]),
             head_dim=int(row["head_dim"]),
-            hidden=int(row["hidden"]),
-            heads=int(row["n_heads"]),
-            intermediate=int(row["intermediate"]),
+            hidden_size=int(row["hidden"]),
+            num_attention_heads=int(row["n_heads"]),
+            intermediate_size=int(row["intermediate"]),
         )
     return Points(name, per_layer=per_layer, layers=layers, shape=shape)
 
@@ -310,7 +310,7 @@ def fit_points(points: Points) -> Fit:
             per_layer=True,
             usable=False,
             reason=f"times are per layer and the layer count is unknown (a `layers` column, or "
-            f"model_shapes.{points.name}.layers in --config): not written",
+            f"model_shapes.{points.name}.num_hidden_layers in --config): not written",
         )
     return replace(result, saved=saved)
 

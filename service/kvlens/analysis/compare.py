@@ -30,11 +30,11 @@ import numpy as np
 import numpy.typing as npt
 
 from kvlens import definitions, stats
-from kvlens.analysis import per_request, run_facts
+from kvlens.accounting import Accounting
+from kvlens.analysis import per_request, run_facts, sessions
 from kvlens.analysis.report import Derived, cells_of, totals_of
-from kvlens.config import Settings
 from kvlens.definitions import Totals
-from kvlens.errors import ArmsDiffer
+from kvlens.errors import ArmsDiffer, GroupTooLarge, NoRecordsOfArm
 from kvlens.records import RecordBatch
 
 SCHEMA = "kvlens.compare/v1"
@@ -48,16 +48,8 @@ MAX_GROUP_REQUESTS = 5_000_000
 FloatArray = npt.NDArray[np.float64]
 
 
-class NoRecordsOfArm(ValueError):
-    """A file of several arms holds none of the arm asked for."""
-
-
-class GroupTooLarge(ValueError):
-    """A group holds more timed requests than :data:`MAX_GROUP_REQUESTS`."""
-
-
 def load_arm(
-    name: str, path: str, settings: Settings, *, format_name: str | None = None, model: str | None = None
+    name: str, path: str, settings: Accounting, *, format_name: str | None = None, model: str | None = None
 ) -> Arm:
     """Arm ``name`` from a records file: all of it, or its records of that arm when the file holds
     several (``kvlens simulate --emit-records``)."""
@@ -71,14 +63,14 @@ def load_arm(
     return _arm_of(name, batch, settings, path)
 
 
-def _arm_of(name: str, batch: RecordBatch, settings: Settings, path: str | None) -> Arm:
+def _arm_of(name: str, batch: RecordBatch, settings: Accounting, path: str | None) -> Arm:
     derived = Derived.of(batch, settings.prompt_length_edges, settings.cost_model_for, settings.default_model)
     return Arm(name, derived, path)
 
 
 def load_answered(
     specs: Sequence[tuple[str, str]],
-    settings: Settings,
+    settings: Accounting,
     *,
     format_name: str | None = None,
     model: str | None = None,
@@ -341,7 +333,7 @@ def compare(
     for arm in arms[1:]:
         warm |= warmup_mask(arm.derived.batch, warmup, warmup_until)
     paired = InMemory(arms, warm)
-    return build(
+    result = build(
         paired,
         [arm.name for arm in arms],
         [arm.path for arm in arms],
@@ -349,6 +341,10 @@ def compare(
         seed,
         percentiles,
     )
+    by_arm = {arm.name: sessions.session_report(arm.derived.batch.select(~warm)) for arm in arms}
+    if any(by_arm.values()):
+        result["sessions"] = by_arm  # the measured requests' (the warm-up's apart)
+    return result
 
 
 class InMemory:

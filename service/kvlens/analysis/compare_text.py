@@ -8,10 +8,11 @@ from __future__ import annotations
 from typing import Any
 
 from kvlens import stats
-from kvlens.analysis import per_request, run_facts
+from kvlens.analysis import per_request, run_facts, sessions
 from kvlens.analysis.compare import METRICS
-from kvlens.analysis.render import _md_table, _pct
+from kvlens.analysis.render import markdown_table
 from kvlens.terminal import console as terminal_console
+from kvlens.terminal import percent
 
 REUSE_IS_NOT_SPEEDUP = (
     "Reuse is not speedup: cached tokens save prefill work, and TTFT falls only where prefill, "
@@ -60,8 +61,8 @@ def table_rows(result: dict[str, Any]) -> list[list[str]]:
                             values_cell(values[f"p{stats.percentile_name(q)}"])
                             for q in shown_percentiles(result)
                         ),
-                        _pct(reuse.get("token_reuse_ratio"), 1),
-                        _pct(reuse.get("compute_saved_ratio"), 2),
+                        percent(reuse.get("token_reuse_ratio"), 1),
+                        percent(reuse.get("compute_saved_ratio"), 2),
                     ]
                 )
     return rows
@@ -84,8 +85,8 @@ def verdict(result: dict[str, Any]) -> list[str]:
             lines.append(
                 f"{arm} vs {base}, {where} ({ttft['count']} requests): "
                 f"{_direction(p50['delta'], p50['ci95'])}, median TTFT {delta_cell(p50)} ms; "
-                f"{arm} reused {_pct(reuse.get('token_reuse_ratio'), 1)} of the prompt tokens, "
-                f"compute saved {_pct(reuse.get('compute_saved_ratio'), 2)}"
+                f"{arm} reused {percent(reuse.get('token_reuse_ratio'), 1)} of the prompt tokens, "
+                f"compute saved {percent(reuse.get('compute_saved_ratio'), 2)}"
             )
     for arm, info in result["not_benefiting"].items():
         share = "n/a" if info["share"] is None else f"{info['share']:.1%}"
@@ -138,13 +139,14 @@ def _direction(delta: float, ci: list[float] | None) -> str:
 def markdown(result: dict[str, Any]) -> str:
     lines = [f"# kvlens compare (baseline: {result['baseline']})", ""]
     if "paired" in result:  # the article's question first: which requests waited less
-        lines += per_request.markdown(result["paired"], result["baseline"], _md_table)
+        lines += per_request.markdown(result["paired"], result["baseline"], markdown_table)
         lines += ["## By prompt length and cache status in the baseline", ""]
     lines += [f"- {line}" for line in verdict(result)]
     lines.append("")
     lines += [f"- {line}" for line in warmup_lines(result)]
     lines += [f"- {line}" for line in run_facts.error_lines(result)]
-    lines += ["", _md_table(table_header(result), table_rows(result)), ""]
+    lines += [f"- {line}" for line in sessions.arm_lines(result.get("sessions"))]
+    lines += ["", markdown_table(table_header(result), table_rows(result)), ""]
     lines += [f"- {metric.removesuffix('_seconds')}: {UNMEASURED}" for metric in unmeasured(result)]
     lines += ["", REUSE_IS_NOT_SPEEDUP, "", run_facts.PRESUMES_QUALITY]
     return "\n".join(lines) + "\n"
@@ -160,7 +162,12 @@ def terminal(result: dict[str, Any], console: Any = None) -> None:
     console.print(f"kvlens compare (baseline: {result['baseline']})", markup=False)
     if "paired" in result:
         per_request.terminal(result["paired"], result["baseline"], console)
-    for line in verdict(result) + warmup_lines(result) + run_facts.error_lines(result):
+    for line in (
+        verdict(result)
+        + warmup_lines(result)
+        + run_facts.error_lines(result)
+        + sessions.arm_lines(result.get("sessions"))
+    ):
         console.print(line, markup=False)
     rows = table_rows(result)
     names = [f"p{stats.percentile_name(q)}" for q in shown_percentiles(result)]

@@ -24,6 +24,7 @@ HIGH_REUSE = 0.25
 NOT_FASTER = 0.9  # hits' median prefill at least this share of misses' at equal length
 QUEUE_BOUND = 0.5
 FLATTERS = 0.5
+LAST_DIVERGENT_BLOCK = 16  # the histogram's last bucket holds this block and later ones
 
 
 def finding(kind: str, severity: str, title: str, detail: str, **numbers: Any) -> dict[str, Any]:
@@ -147,7 +148,8 @@ def _prefill_not_faster(summary: Summary, length_labels: list[str]) -> dict[str,
 def prefix_potential(derived: Derived) -> dict[str, Any] | None:
     """From ``prefix_hashes`` (chained block hashes, each fingerprinting its whole prefix), in
     arrival order: the block where each request first diverges from everything seen before, and
-    the token reuse an unbounded cache would have reached."""
+    the token reuse an unbounded cache would have reached. The ``duckdb`` engine computes the
+    same in SQL (:func:`kvlens.analysis.duckdb.potential.prefix_potential`)."""
     batch = derived.batch
     rows = [i for i, hashes in enumerate(batch.prefix_hashes) if hashes]
     if not rows:
@@ -169,11 +171,20 @@ def prefix_potential(derived: Derived) -> dict[str, Any] | None:
         n = int(batch.prompt_tokens[i])
         reachable += min(shared * block, n)
         tokens += n
-    counts = np.bincount(np.minimum(first_new, 16))
+    counts = np.bincount(np.minimum(first_new, LAST_DIVERGENT_BLOCK))
+    return potential_numbers(dict(enumerate(counts.tolist())), reachable, tokens)
+
+
+def potential_numbers(first_new: dict[int, int], reachable: int, tokens: int) -> dict[str, Any]:
+    """The finding's numbers: ``first_new`` counts the records by the block where each first
+    diverges (capped at :data:`LAST_DIVERGENT_BLOCK`), ``reachable`` the tokens an unbounded
+    cache would have reused of the ``tokens`` of those records."""
     return {
-        "records_with_hashes": len(order),
+        "records_with_hashes": sum(first_new.values()),
         "first_divergent_block_histogram": {
-            (str(b) if b < 16 else "16+"): int(c) for b, c in enumerate(counts.tolist()) if c
+            (str(b) if b < LAST_DIVERGENT_BLOCK else f"{LAST_DIVERGENT_BLOCK}+"): int(c)
+            for b, c in sorted(first_new.items())
+            if c
         },
         "unbounded_cache_token_reuse": reachable / tokens if tokens else 0.0,
     }

@@ -23,13 +23,13 @@ from kvlens.analysis import compare_text, per_request, run_facts
 from kvlens.analysis.html_report import (
     LATENCY_CHARTS,
     STYLE,
-    _figure,
-    _legend,
-    _linear_axis,
-    _linear_ticks,
-    _section,
-    _svg_open,
-    _table,
+    figure_html,
+    html_table,
+    legend_svg,
+    linear_axis,
+    linear_ticks,
+    section_html,
+    svg_open,
 )
 from kvlens.analysis.html_report import SERIES as CACHE_COLOURS
 
@@ -51,8 +51,8 @@ def page(result: dict[str, Any]) -> str:
         "<header><h1>kvlens compare</h1></header>",
         _verdict(result),
         _context(result),
-        _section("deltas", f"Deltas against {html.escape(result['baseline'])}", _charts(result)),
-        _section("tables", "Tables", _tables(result)),
+        section_html("deltas", f"Deltas against {html.escape(result['baseline'])}", _charts(result)),
+        section_html("tables", "Tables", _tables(result)),
         f'<p id="caveat">{html.escape(compare_text.REUSE_IS_NOT_SPEEDUP)}</p>',
         f"<p>{html.escape(run_facts.PRESUMES_QUALITY)}</p>",
         '<details class="data"><summary>Report data (JSON)</summary>'
@@ -73,14 +73,14 @@ def write(result: dict[str, Any], path: Path) -> None:
 
 def _verdict(result: dict[str, Any]) -> str:
     if not result["groups"]:
-        return _section("verdict", "Verdict", '<p class="lead">No timed request to compare.</p>')
+        return section_html("verdict", "Verdict", '<p class="lead">No timed request to compare.</p>')
     lead = (
         f"Against {html.escape(result['baseline'])}, per prompt length and cache status in the "
         "baseline: the median TTFT delta and its 95 % interval (faster when the whole interval is "
         "below zero)."
     )
     items = "".join(f"<li>{html.escape(line)}</li>" for line in compare_text.verdict(result))
-    return _section("verdict", "Verdict", f'<p class="lead">{lead}</p><ul class="findings">{items}</ul>')
+    return section_html("verdict", "Verdict", f'<p class="lead">{lead}</p><ul class="findings">{items}</ul>')
 
 
 def _paired(result: dict[str, Any]) -> str:
@@ -94,12 +94,13 @@ def _paired(result: dict[str, Any]) -> str:
     out = (
         '<h3 id="paired">Which requests waited less (paired by request)</h3>'
         f'<ul class="findings">{notes}</ul>'
-        + _table(per_request.header({**section, "baseline": baseline}), per_request.rows(section))
+        + html_table(per_request.header({**section, "baseline": baseline}), per_request.rows(section))
     )
     listed = per_request.listed_rows(section)
     if listed:
-        out += f"<h3>Requests that did not benefit (first {per_request.MAX_LISTED} per arm)</h3>" + _table(
-            per_request.LISTED_HEADER, listed
+        out += (
+            f"<h3>Requests that did not benefit (first {per_request.MAX_LISTED} per arm)</h3>"
+            + html_table(per_request.LISTED_HEADER, listed)
         )
     return out
 
@@ -139,7 +140,7 @@ def _context(result: dict[str, Any]) -> str:
         ),
     ]
     items = "".join(f"<dt>{name}</dt><dd>{value}</dd>" for name, value in rows)
-    return _section("context", "Context", f"<dl>{items}</dl>")
+    return section_html("context", "Context", f"<dl>{items}</dl>")
 
 
 def _charts(result: dict[str, Any]) -> str:
@@ -166,7 +167,7 @@ def _delta_chart(result: dict[str, Any], column: str, name: str, width: int = 76
     if not rows:
         return ""
     ends = [abs(v) for _, _, p50 in rows for v in (p50["delta"], *(p50["ci95"] or ()))]
-    half = _linear_ticks(max(ends))
+    half = linear_ticks(max(ends))
     ticks = [-t for t in reversed(half[1:])] + half
     low, high = ticks[0], ticks[-1]
     left, right, row = 170, 230, 22
@@ -177,7 +178,7 @@ def _delta_chart(result: dict[str, Any], column: str, name: str, width: int = 76
     def x(value: float) -> float:
         return left + plot * (value - low) / (high - low)
 
-    parts = [_legend(left, 6)]
+    parts = [legend_svg(left, 6)]
     zero = x(0.0)
     parts.append(f'<line x1="{zero:.1f}" x2="{zero:.1f}" y1="26" y2="{30 + row * len(rows)}" class="axis"/>')
     y = 30
@@ -205,7 +206,7 @@ def _delta_chart(result: dict[str, Any], column: str, name: str, width: int = 76
             f'<text x="{left + plot + 8}" y="{middle + 4:.1f}" class="value">{shown}</text></g>'
         )
         y += row
-    parts.append(_linear_axis(left, plot, y + 4, ticks))
+    parts.append(linear_axis(left, plot, y + 4, ticks))
     parts.append(
         f'<text x="{left + plot / 2}" y="{height - 2}" text-anchor="middle" class="axis-title">'
         f"{name}: arm minus {html.escape(result['baseline'])}, median (ms)</text>"
@@ -219,7 +220,7 @@ def _delta_chart(result: dict[str, Any], column: str, name: str, width: int = 76
         "bootstrap 95 % interval (printed right, in ms); left of the zero line is faster. Colour: "
         "the group's cache status in the baseline arm."
     )
-    return _figure(_svg_open(width, height, label) + "".join(parts) + "</svg>", caption)
+    return figure_html(svg_open(width, height, label) + "".join(parts) + "</svg>", caption)
 
 
 def _tables(result: dict[str, Any]) -> str:
@@ -239,8 +240,10 @@ def _tables(result: dict[str, Any]) -> str:
     out = (
         _paired(result)
         + "<h3>By prompt length and cache status in the baseline</h3>"
-        + _table(compare_text.table_header(result), compare_text.table_rows(result))
+        + html_table(compare_text.table_header(result), compare_text.table_rows(result))
     )
     if examples:
-        out += "<h3>Requests that did not benefit (first ten per arm)</h3>" + _table(EXAMPLE_HEADER, examples)
+        out += "<h3>Requests that did not benefit (first ten per arm)</h3>" + html_table(
+            EXAMPLE_HEADER, examples
+        )
     return out

@@ -22,6 +22,7 @@ from typing import Any, Final
 
 from kvlens.analysis import render
 from kvlens.definitions import FLOPS, SECONDS, WORK_UNITS, CostModel
+from kvlens.terminal import percent
 
 # Okabe-Ito blue and vermillion: told apart with the common colour-vision deficiencies and in
 # greyscale print (different lightness).
@@ -52,8 +53,8 @@ CHECKS: Final = (
 
 def page(report: dict[str, Any], cost_for: Callable[[str], CostModel]) -> str:
     """The report as one HTML page; ``cost_for`` gives the cost model the report's modelled work
-    was computed with (:meth:`kvlens.config.Settings.cost_model_for`)."""
-    records = render._has_records(report)
+    was computed with (:meth:`kvlens.accounting.Accounting.cost_model_for`)."""
+    records = render.has_records(report)
     body = [
         "<header><h1>kvlens analyze</h1></header>",
         _verdict(report),
@@ -61,11 +62,11 @@ def page(report: dict[str, Any], cost_for: Callable[[str], CostModel]) -> str:
     ]
     if records:
         body += [
-            _section("numbers", "Key numbers", _key_numbers(report)),
-            _section("latency", "Hit and miss at equal prompt length", _latency(report)),
-            _section("tables", "Tables", _tables(report)),
+            section_html("numbers", "Key numbers", _key_numbers(report)),
+            section_html("latency", "Hit and miss at equal prompt length", _latency(report)),
+            section_html("tables", "Tables", _tables(report)),
         ]
-    body.append(_section("calibration", "Calibration", _calibration(report["calibration"])))
+    body.append(section_html("calibration", "Calibration", _calibration(report["calibration"])))
     data = html.escape(json.dumps(report))
     body.append(
         '<details class="data"><summary>Report data (JSON)</summary>'
@@ -84,7 +85,7 @@ def _title(report: dict[str, Any]) -> str:
     return f"kvlens analyze: {findings} finding{'' if findings == 1 else 's'}"
 
 
-def _section(anchor: str, title: str, content: str) -> str:
+def section_html(anchor: str, title: str, content: str) -> str:
     return (
         f'<section id="{anchor}" aria-labelledby="{anchor}-title">'
         f'<h2 id="{anchor}-title">{title}</h2>{content}</section>'
@@ -112,7 +113,7 @@ def _verdict(report: dict[str, Any]) -> str:
         content = f'<p class="lead">No finding. Checked, in troubleshooting order: {"; ".join(CHECKS)}.</p>'
     else:
         content = '<p class="lead">No record accepted, nothing to judge: only the calibration below.</p>'
-    return _section("verdict", "Verdict", content)
+    return section_html("verdict", "Verdict", content)
 
 
 def _context(report: dict[str, Any], cost_for: Callable[[str], CostModel]) -> str:
@@ -124,7 +125,7 @@ def _context(report: dict[str, Any], cost_for: Callable[[str], CostModel]) -> st
         ("Cost model", _cost_models(report, cost_for)),
     ]
     items = "".join(f"<dt>{name}</dt><dd>{value}</dd>" for name, value in rows)
-    return _section("context", "Context", f"<dl>{items}</dl>")
+    return section_html("context", "Context", f"<dl>{items}</dl>")
 
 
 def _time_range(span: dict[str, Any] | None) -> str:
@@ -197,7 +198,7 @@ def _cost_models(report: dict[str, Any], cost_for: Callable[[str], CostModel]) -
 
 def _key_numbers(report: dict[str, Any]) -> str:
     overall = report["overall"]
-    summary = "".join(f"<li>{html.escape(line)}</li>" for line in render._summary_lines(report))
+    summary = "".join(f"<li>{html.escape(line)}</li>" for line in render.summary_lines(report))
     ratios = _bars(
         "The three ratios",
         "The three ratios of all records, in percent",
@@ -216,25 +217,25 @@ def _key_numbers(report: dict[str, Any]) -> str:
 
 
 def _tables(report: dict[str, Any]) -> str:
-    group_table = _table(render.GROUP_HEADER, render._group_rows(report))
-    models = [render._model_row(name, model) for name, model in report["models"].items()]
+    group_table = html_table(render.GROUP_HEADER, render.group_rows(report))
+    models = [render.model_row(name, model) for name, model in report["models"].items()]
     return (
         f"<h3>By prompt length and hit status</h3>{group_table}"
-        f"<h3>By model</h3>{_table(render.MODEL_HEADER, models)}"
+        f"<h3>By model</h3>{html_table(render.MODEL_HEADER, models)}"
     )
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
+def html_table(header: list[str], rows: list[list[str]]) -> str:
     head = "".join(f'<th scope="col">{html.escape(h)}</th>' for h in header)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
     return f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
 
 
-def _figure(svg: str, caption: str) -> str:
+def figure_html(svg: str, caption: str) -> str:
     return f"<figure>{svg}<figcaption>{caption}</figcaption></figure>"
 
 
-def _svg_open(width: int, height: int, label: str) -> str:
+def svg_open(width: int, height: int, label: str) -> str:
     # the viewBox keeps the proportions when the style shrinks the chart to a narrower page
     return (
         f'<svg viewBox="0 0 {width} {height}" width="{width}" height="{height}" role="img" '
@@ -253,7 +254,7 @@ def _bars(title: str, label: str, items: list[tuple[str, float | None]], width: 
     for i, (name, value) in enumerate(items):
         y = 4 + 24 * i
         length = 1.0 if value is None else max(value * (width - 320), 1.0)
-        shown = "n/a" if value is None else f"{100 * value:.2f} %"
+        shown = percent(value)
         bar = (
             ""
             if value is None
@@ -263,7 +264,7 @@ def _bars(title: str, label: str, items: list[tuple[str, float | None]], width: 
             f'<text x="0" y="{y + 14}" class="label">{html.escape(name)}</text>{bar}'
             f'<text x="{205 + length:.1f}" y="{y + 14}" class="value">{shown}</text>'
         )
-    return _figure(_svg_open(width, height, label) + "".join(rows) + "</svg>", html.escape(title))
+    return figure_html(svg_open(width, height, label) + "".join(rows) + "</svg>", html.escape(title))
 
 
 # --- hit beside miss -------------------------------------------------------------------------
@@ -275,7 +276,7 @@ def _latency(report: dict[str, Any]) -> str:
     return shown or "<p>No latency was recorded.</p>"
 
 
-def _legend(x: int, y: int) -> str:
+def legend_svg(x: int, y: int) -> str:
     return (
         f'<g class="legend" transform="translate({x},{y})">'
         + "".join(
@@ -296,12 +297,12 @@ def _paired(groups: list[dict[str, Any]], column: str, name: str, width: int = 6
     values = [v[q] for v in by_key.values() for q in ("p50", "p95") if v[q] is not None]
     if not values:
         return ""
-    ticks = _linear_ticks(max(values))
+    ticks = linear_ticks(max(values))
     top = ticks[-1]
     left, right, row = 110, 150, 18
     plot = width - left - right
     height = 40 + len(lengths) * (2 * row + 14) + 34
-    parts = [_legend(left, 6)]
+    parts = [legend_svg(left, 6)]
     y = 30
     for length in lengths:
         parts.append(f'<g class="pair" data-length="{html.escape(length)}">')
@@ -322,8 +323,8 @@ def _paired(groups: list[dict[str, Any]], column: str, name: str, width: int = 6
                 bar = max(plot * median / top, 1.0)
                 parts.append(
                     f'<rect x="{left}" y="{y}" width="{bar:.1f}" height="{row - 2}" fill="{colour}">'
-                    f"<title>{series} {length}: p50 {render._ms(median)} ms, "
-                    f"p95 {render._ms(p95)} ms</title></rect>"
+                    f"<title>{series} {length}: p50 {render.milliseconds(median)} ms, "
+                    f"p95 {render.milliseconds(p95)} ms</title></rect>"
                 )
                 end = left + plot * p95 / top
                 parts.append(
@@ -333,13 +334,13 @@ def _paired(groups: list[dict[str, Any]], column: str, name: str, width: int = 6
                 )
                 parts.append(
                     f'<text x="{max(end, left + bar) + 6:.1f}" y="{y + 13}" class="value">'
-                    f"{render._ms(median)} / {render._ms(p95)} ms</text>"
+                    f"{render.milliseconds(median)} / {render.milliseconds(p95)} ms</text>"
                 )
             parts.append("</g>")
             y += row
         parts.append("</g>")
         y += 14
-    parts.append(_linear_axis(left, plot, y + 4, ticks))
+    parts.append(linear_axis(left, plot, y + 4, ticks))
     parts.append(
         f'<text x="{left + plot / 2}" y="{height - 2}" text-anchor="middle" class="axis-title">'
         f"{name} (ms)</text>"
@@ -349,7 +350,7 @@ def _paired(groups: list[dict[str, Any]], column: str, name: str, width: int = 6
         f"{html.escape(name)}: at each prompt length (tokens), the hit bar above the miss bar; "
         "bar: median, whisker: p95 (both in ms, printed right of the bar)."
     )
-    return _figure(_svg_open(width, height, label) + "".join(parts) + "</svg>", caption)
+    return figure_html(svg_open(width, height, label) + "".join(parts) + "</svg>", caption)
 
 
 def _nice_step(value: float) -> float:
@@ -360,13 +361,13 @@ def _nice_step(value: float) -> float:
     return next(step * power for step in (1, 2, 5, 10) if step * power >= value * (1 - 1e-12))
 
 
-def _linear_ticks(high: float, most: int = 5) -> list[float]:
+def linear_ticks(high: float, most: int = 5) -> list[float]:
     """Ticks from 0 at a 1-2-5 step, the last at or above ``high``, at most ``most`` steps."""
     step = _nice_step(high / most)
     return [step * i for i in range(max(math.ceil(high / step - 1e-9), 1) + 1)]
 
 
-def _linear_axis(left: float, length: float, y: float, ticks: list[float]) -> str:
+def linear_axis(left: float, length: float, y: float, ticks: list[float]) -> str:
     """A horizontal axis in ms from the first tick (0, or below it for deltas) to the last."""
     low, top = ticks[0], ticks[-1]
     marks = []
@@ -387,7 +388,7 @@ def _calibration(fits: list[dict[str, Any]]) -> str:
         return "<p>No prefill times to fit.</p>"
     return "".join(
         '<div class="fit">'
-        + "".join(f"<p>{html.escape(line)}</p>" for line in render._calibration_lines(fit))
+        + "".join(f"<p>{html.escape(line)}</p>" for line in render.calibration_lines(fit))
         + f"{_calibration_chart(fit)}</div>"
         for fit in fits
     )
@@ -403,7 +404,7 @@ class Axis:
             self.low, self.high = 10 ** math.floor(math.log10(low)), 10 ** math.ceil(math.log10(high))
             self.marks = [self.low * 10**i for i in range(round(math.log10(self.high / self.low)) + 1)]
         else:
-            self.marks = _linear_ticks(high)
+            self.marks = linear_ticks(high)
             self.low, self.high = 0.0, self.marks[-1]
         self.start, self.length, self.flip = start, length, flip
 
@@ -493,7 +494,7 @@ def _calibration_chart(fit: dict[str, Any], box: Box = Box()) -> str:
         f"<b>{html.escape(fit['model'])}</b>: measured prefill ({html.escape(sampled)}) and the "
         f"fitted curve. {_fit_parameters(fit)}"
     )
-    return _figure(_svg_open(box.width, box.height, label) + "".join(parts) + "</svg>", caption)
+    return figure_html(svg_open(box.width, box.height, label) + "".join(parts) + "</svg>", caption)
 
 
 def _spread(low: float, high: float, *, log: bool, steps: int = 60) -> list[float]:
@@ -506,12 +507,12 @@ def _spread(low: float, high: float, *, log: bool, steps: int = 60) -> list[floa
 def _calibration_axes(x: Axis, y: Axis, box: Box, *, per_layer: bool) -> str:
     x_ticks = "".join(
         f'<line x1="{x(t):.1f}" x2="{x(t):.1f}" y1="{box.y_end}" y2="{box.y_end + 4}" class="tick"/>'
-        f'<text x="{x(t):.1f}" y="{box.y_end + 16}" text-anchor="middle" class="value">{_tick(t)}</text>'
+        f'<text x="{x(t):.1f}" y="{box.y_end + 16}" text-anchor="middle" class="value">{tick_label(t)}</text>'
         for t in x.ticks()
     )
     y_ticks = "".join(
         f'<line x1="{box.left - 4}" x2="{box.left}" y1="{y(t):.1f}" y2="{y(t):.1f}" class="tick"/>'
-        f'<text x="{box.left - 6}" y="{y(t) + 4:.1f}" text-anchor="end" class="value">{_tick(t)}</text>'
+        f'<text x="{box.left - 6}" y="{y(t) + 4:.1f}" text-anchor="end" class="value">{tick_label(t)}</text>'
         for t in y.ticks()
     )
     x_title = f"prompt length (tokens){', log scale' if x.log else ''}"
@@ -555,7 +556,7 @@ def _fit_parameters(fit: dict[str, Any]) -> str:
     )
 
 
-def _tick(value: float) -> str:
+def tick_label(value: float) -> str:
     return f"{value:,.0f}" if value >= 1 and float(value).is_integer() else f"{value:g}"
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from kvlens.analysis import sessions
 from kvlens.terminal import console as terminal_console
+from kvlens.terminal import percent
 
 RATIO_NAMES = (
     ("request_hit_ratio", "Request hit ratio"),
@@ -15,16 +17,12 @@ RATIO_NAMES = (
 )
 
 
-def _pct(value: float | None, digits: int = 2) -> str:
-    return "n/a" if value is None else f"{100 * value:.{digits}f} %"
-
-
 def _ratio(key: str, value: float | None) -> str:
     """Compute saved is small by nature: one more digit."""
-    return _pct(value, 3 if key == "compute_saved_ratio" else 2)
+    return percent(value, 3 if key == "compute_saved_ratio" else 2)
 
 
-def _ms(value: float | None) -> str:
+def milliseconds(value: float | None) -> str:
     return "n/a" if value is None else f"{1000 * value:.1f}"
 
 
@@ -37,18 +35,18 @@ def _share_cells(group: dict[str, Any]) -> list[str]:
         group["prompt_len"],
         group["cache"],
         f"{group['requests']:,}",
-        _pct(group["share_of_requests"], 1),
-        _pct(group["share_of_tokens"], 1),
-        _pct(group["share_of_work"], 1),
+        percent(group["share_of_requests"], 1),
+        percent(group["share_of_tokens"], 1),
+        percent(group["share_of_work"], 1),
     ]
 
 
-def _group_rows(report: dict[str, Any]) -> list[list[str]]:
+def group_rows(report: dict[str, Any]) -> list[list[str]]:
     """One row per group, its percentiles as ``p50 / p95 / p99`` in one cell per stage."""
     return [
         [
             *_share_cells(group),
-            *(" / ".join(_ms(group[stage][p]) for p in PERCENTILES) for stage, _ in STAGES),
+            *(" / ".join(milliseconds(group[stage][p]) for p in PERCENTILES) for stage, _ in STAGES),
         ]
         for group in report["groups"]
     ]
@@ -80,7 +78,7 @@ def _compute_saved(totals: dict[str, Any]) -> str:
     )
 
 
-def _model_row(name: str, model: dict[str, Any]) -> list[str]:
+def model_row(name: str, model: dict[str, Any]) -> list[str]:
     return [
         name,
         f"{model['requests']:,}",
@@ -93,11 +91,11 @@ def _model_row(name: str, model: dict[str, Any]) -> list[str]:
 MODEL_HEADER = ["model", "requests", "request hit", "token reuse", "compute saved (unit)"]
 
 
-def _has_records(report: dict[str, Any]) -> bool:
+def has_records(report: dict[str, Any]) -> bool:
     return bool(report["input"]["files"])
 
 
-def _summary_lines(report: dict[str, Any]) -> list[str]:
+def summary_lines(report: dict[str, Any]) -> list[str]:
     source = report["input"]
     overall = report["overall"]
     lines = [
@@ -111,37 +109,38 @@ def _summary_lines(report: dict[str, Any]) -> list[str]:
         lines.append(
             "TTFT decomposition: "
             + ", ".join(
-                f"{name} {_pct(decomposition[f'{name}_share'], 1)}" for name in ("queue", "prefill", "other")
+                f"{name} {percent(decomposition[f'{name}_share'], 1)}"
+                for name in ("queue", "prefill", "other")
             )
         )
     slowest = report["slowest"]
     if slowest["requests"]:
         where = ", ".join(
-            f"{g['prompt_len']} {g['cache']} {_pct(g['share'], 0)}" for g in slowest["groups"][:4]
+            f"{g['prompt_len']} {g['cache']} {percent(g['share'], 0)}" for g in slowest["groups"][:4]
         )
-        lines.append(f"Slowest 5 % (TTFT >= {_ms(slowest['threshold_seconds'])} ms): {where}")
-    return lines
+        lines.append(f"Slowest 5 % (TTFT >= {milliseconds(slowest['threshold_seconds'])} ms): {where}")
+    return lines + sessions.lines(report.get("sessions"))
 
 
 def terminal(report: dict[str, Any]) -> None:
     console = terminal_console()  # names from the records are text, never markup
-    if _has_records(report):
+    if has_records(report):
         _terminal_records(console, report)
     for fit in report["calibration"]:
-        for line in _calibration_lines(fit):
+        for line in calibration_lines(fit):
             console.print(line)
 
 
 def _terminal_records(console: Any, report: dict[str, Any]) -> None:
     from rich.text import Text
 
-    for line in _summary_lines(report):
+    for line in summary_lines(report):
         console.print(line)
     for table in _group_tables(console, report):
         console.print(table)
     models = _table("By model", MODEL_HEADER)
     for name, model in report["models"].items():
-        models.add_row(*_model_row(name, model))
+        models.add_row(*model_row(name, model))
     console.print(models)
     if report.get("misses"):
         misses = _table(
@@ -216,7 +215,9 @@ def _group_tables(console: Any, report: dict[str, Any]) -> list[Any]:
         SHARE_HEADER + [f"{name} {p}" for _, name in STAGES for p in PERCENTILES],
     )
     for group in report["groups"]:
-        wide.add_row(*_share_cells(group), *(_ms(group[s][p]) for s, _ in STAGES for p in PERCENTILES))
+        wide.add_row(
+            *_share_cells(group), *(milliseconds(group[s][p]) for s, _ in STAGES for p in PERCENTILES)
+        )
     natural = Measurement.get(console, console.options.update_width(1 << 16), wide).maximum
     if natural <= console.width:
         return [wide]
@@ -228,11 +229,13 @@ def _group_tables(console: Any, report: dict[str, Any]) -> list[Any]:
         shares.add_row(*_share_cells(group))
         for i, (stage, name) in enumerate(STAGES):
             label = [group["prompt_len"], group["cache"]] if i == 0 else ["", ""]
-            latency.add_row(*label, name, *(_ms(group[stage][p]) for p in PERCENTILES), end_section=i == 2)
+            latency.add_row(
+                *label, name, *(milliseconds(group[stage][p]) for p in PERCENTILES), end_section=i == 2
+            )
     return [shares, latency]
 
 
-def _calibration_lines(fit: dict[str, Any]) -> list[str]:
+def calibration_lines(fit: dict[str, Any]) -> list[str]:
     """The fit, how it compares with the alternatives, and (for measured points) the saved
     fraction at half-cached prompts: measured, fitted, as exported, and in FLOPs."""
 
@@ -262,22 +265,28 @@ def _calibration_lines(fit: dict[str, Any]) -> list[str]:
 
 def markdown(report: dict[str, Any]) -> str:
     out = ["# kvlens analyze", ""]
-    if _has_records(report):
+    if has_records(report):
         out += _markdown_records(report)
     if report["calibration"]:
         out += ["## Calibration", ""]
-        out += [f"- {line.strip()}" for fit in report["calibration"] for line in _calibration_lines(fit)]
+        out += [f"- {line.strip()}" for fit in report["calibration"] for line in calibration_lines(fit)]
     return "\n".join(out) + "\n"
 
 
 def _markdown_records(report: dict[str, Any]) -> list[str]:
-    out = [f"- {line}" for line in _summary_lines(report)]
-    out += ["", "## By prompt length and hit status", "", _md_table(GROUP_HEADER, _group_rows(report)), ""]
+    out = [f"- {line}" for line in summary_lines(report)]
+    out += [
+        "",
+        "## By prompt length and hit status",
+        "",
+        markdown_table(GROUP_HEADER, group_rows(report)),
+        "",
+    ]
     out += ["## By model", ""]
-    model_rows = [_model_row(name, m) for name, m in report["models"].items()]
-    out += [_md_table(MODEL_HEADER, model_rows), ""]
+    model_rows = [model_row(name, m) for name, m in report["models"].items()]
+    out += [markdown_table(MODEL_HEADER, model_rows), ""]
     if report.get("misses"):
-        out += ["## Why requests missed", "", _md_table(MISS_HEADER, _miss_rows(report["misses"])), ""]
+        out += ["## Why requests missed", "", markdown_table(MISS_HEADER, _miss_rows(report["misses"])), ""]
         out += [f"- {line}" for line in _worst_lines(report["misses"])]
         out += ["", report["misses"]["note"], ""]
     out += ["## Diagnosis", ""]
@@ -288,7 +297,7 @@ def _markdown_records(report: dict[str, Any]) -> list[str]:
         section = report["cross_tenant"]
         out += ["", "## Tenants sharing a cache scope", "", f"- {_cross_tenant_line(section)}"]
         if section["pairs"]:
-            out += ["", _md_table(CROSS_TENANT_HEADER, _cross_tenant_rows(section))]
+            out += ["", markdown_table(CROSS_TENANT_HEADER, _cross_tenant_rows(section))]
     return [*out, ""]
 
 
@@ -345,7 +354,7 @@ def md_cell(text: str) -> str:
     return _NEWLINE.sub("<br>", _MD_SPECIAL.sub(lambda found: "\\" + found.group(), text))
 
 
-def _md_table(header: list[str], rows: list[list[str]]) -> str:
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     """Every Markdown table of kvlens (analyze, compare, an experiment's report.md): each cell
     through :func:`md_cell`."""
     lines = ["| " + " | ".join(map(md_cell, header)) + " |", "|" + "---|" * len(header)]

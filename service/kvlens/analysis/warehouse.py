@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from kvlens import definitions, reduce_sql, sqltext, stats
+from kvlens.accounting import Accounting
 from kvlens.analysis import report
-from kvlens.config import Settings
 from kvlens.errors import InputError
 
 DEFAULT_COST = "*"  # the cost model of every name not in the list
@@ -86,7 +86,7 @@ def _portable(what: str) -> Callable[[str], str]:
     return lambda value: sqltext.portable_text(value, what)
 
 
-def script(settings: Settings) -> str:
+def script(settings: Accounting) -> str:
     """The statements, every literal written by :mod:`kvlens.sqltext` for any dialect:
     a name from the settings that no dialect-neutral literal can hold is refused
     (:class:`~kvlens.errors.SettingsError`), never printed."""

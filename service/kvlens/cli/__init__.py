@@ -26,19 +26,22 @@ from kvlens.errors import InputError, MissingExtra, SettingsError
 # (os._exit, as mypy ends, would skip everything).
 atexit.register(gc.freeze)
 
-# Each the name of its module in kvlens.cli, but for those in MODULES.
-COMMANDS = (
-    "serve",
-    "demo",
-    "analyze",
-    "convert",
-    "compare",
-    "simulate",
-    "replay",
-    "experiment",
-    "bandwidth",
-    "import",
-)
+# Each command's one line in the top-level help (its parser takes it from here, so `kvlens --help`
+# imports no command), by the name of its module in kvlens.cli but for those in MODULES.
+SUMMARIES = {
+    "serve": "run the sidecar: POST /v1/records, GET /metrics",
+    "demo": "run the sidecar fed live by the simulator replaying a real trace (bundled)",
+    "analyze": "report, diagnose and calibrate recorded traffic",
+    "convert": "write records as Parquet (what the duckdb engine reads fastest)",
+    "compare": "compare cache-off / cold / warm replays of one request sequence",
+    "simulate": "replay a trace on a fleet: reachable vs delivered reuse per policy and capacity",
+    "replay": "replay a trace against an OpenAI-compatible endpoint as one arm; kvlens records out",
+    "experiment": "the articles' experiments against endpoints",
+    "bandwidth": "decode traffic model: would W4A16 speed up decode?",
+    "import": "another benchmark tool's per-request results as kvlens records",
+    "audit": "check the running fleet against the articles' rules (isolation of cache scopes)",
+}
+COMMANDS = tuple(SUMMARIES)
 MODULES = {"import": "importer"}  # `import` is a Python keyword: no module can have that name
 # Errors of a write to an open file: a full disk, a quota, a file past its size limit, a failing device.
 _WRITE_FAILURES = {
@@ -59,7 +62,7 @@ def command_modules(argv: Sequence[str]) -> list[ModuleType]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser_of(argv).parse_args(argv[2:] if _simulate_group(argv) else argv)
+    args = parser_of(argv, summaries=True).parse_args(argv[2:] if _simulate_group(argv) else argv)
     args.argv = argv  # a command that can be resumed names itself (kvlens experiment)
     try:
         configure_logging(args)
@@ -115,10 +118,11 @@ class _Version(argparse.Action):
         parser.exit()
 
 
-def parser_of(argv: Sequence[str]) -> argparse.ArgumentParser:
+def parser_of(argv: Sequence[str], summaries: bool = False) -> argparse.ArgumentParser:
     """``kvlens``'s parser, or ``simulate run``'s or ``simulate serve``'s: `simulate`'s optional
     TRACE would take `run` or `serve` for a trace, so each has its own parser (given the argv
-    after them)."""
+    after them). ``summaries``: when ``argv`` names no command (the top-level help, a name that is
+    no command), the commands as their names and summaries alone, without importing them."""
     if _simulate_group(argv):
         (simulate,) = command_modules(["simulate"])
         parser: argparse.ArgumentParser = simulate.group_parser(argv[1])
@@ -130,8 +134,12 @@ def parser_of(argv: Sequence[str]) -> argparse.ArgumentParser:
         )
         parser.add_argument("--version", action=_Version)
         commands = parser.add_subparsers(required=True, metavar="COMMAND")
-        for command in command_modules(argv):
-            command.add_parser(commands)
+        if summaries and not (argv and argv[0] in COMMANDS):
+            for name, summary in SUMMARIES.items():
+                commands.add_parser(name, help=summary)
+        else:
+            for command in command_modules(argv):
+                command.add_parser(commands)
     _log_flags_on_each_command(parser)
     return parser
 

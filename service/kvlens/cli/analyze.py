@@ -8,14 +8,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvlens.cli import SUMMARIES
 from kvlens.cli.common import check_writable, engine_flag, examples, input_flags, read_progress, scale_flags
-from kvlens.config import load_settings
 
 
 def add_parser(commands: Any) -> None:
     analyze = commands.add_parser(
         "analyze",
-        help="report, diagnose and calibrate recorded traffic",
+        help=SUMMARIES["analyze"],
         description="Report, diagnose and calibrate recorded traffic: a table at a terminal, "
         "--markdown, --json (schema kvlens.analyze/v1) or --html.",
         epilog=examples(
@@ -65,8 +65,9 @@ def add_parser(commands: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvlens.analysis import calibration, reader, render
     from kvlens.analysis.analyze import analyze, choose_engine, from_aggregates
+    from kvlens.config import load_offline  # pydantic: not for a --help
 
-    settings = load_settings(args.config)
+    settings = load_offline(args.config)
     if args.print_sql:
         from kvlens.analysis import warehouse
 

@@ -10,13 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from kvlens import limits, terminal
+from kvlens.cli import SUMMARIES
 from kvlens.cli.common import examples
 
 
 def add_parser(commands: Any) -> None:
     decode = commands.add_parser(
         "bandwidth",
-        help="decode traffic model: would W4A16 speed up decode?",
+        help=SUMMARIES["bandwidth"],
         epilog=examples(
             "kvlens bandwidth --params 8B --layers 32 --kv-heads 8 --head-dim 128 --bandwidth 4.8TB/s",
             "kvlens bandwidth --weight-bytes 14GiB --quantized-weight-bytes 4GiB "
@@ -126,7 +127,7 @@ def _bandwidth_model(args: argparse.Namespace) -> dict[str, Any]:
     elif args.config_json:
         shape = shapes.from_hf_config(json.loads(args.config_json.read_text()))
         if args.kv_dtype_bytes:
-            shape = dataclasses.replace(shape, dtype_bytes=args.kv_dtype_bytes)
+            shape = dataclasses.replace(shape, kv_dtype_bytes=args.kv_dtype_bytes)
         kv_per_token = shape.kv_bytes_per_token
     elif args.layers and args.kv_heads and args.head_dim:
         shape = shapes.ModelShape(args.layers, args.kv_heads, args.head_dim, args.kv_dtype_bytes or 2)

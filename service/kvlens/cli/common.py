@@ -7,7 +7,6 @@ import argparse
 import contextlib
 import errno
 import logging
-import logging.config
 import os
 import socket
 import sys
@@ -16,13 +15,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvlens import logs, terminal
-from kvlens.config import ENV_PREFIX, Settings, load_settings
 from kvlens.errors import SettingsError
-from kvlens.limits import DEFAULT_MEMORY_LIMIT, DEFAULT_PORT
+from kvlens.limits import DEFAULT_MEMORY_LIMIT, DEFAULT_PORT, ENV_PREFIX
 
 if TYPE_CHECKING:  # the server's modules load when a server is built: offline commands skip them
     import uvicorn
 
+    from kvlens.config import Settings
     from kvlens.exporter.aggregator import Aggregator
     from kvlens.fleet.subscriber import KVEvents
 
@@ -113,6 +112,8 @@ def configure_logging(args: argparse.Namespace) -> dict[str, Any]:
         if value not in allowed:
             variable = f"{ENV_PREFIX}{name.upper()}"
             raise SettingsError(f"{variable}={os.environ.get(variable)!r} is not one of {', '.join(allowed)}")
+    import logging.config  # its handlers and sockets: not for a --help
+
     config = logs.config(args.log_level, args.log_format)
     logging.config.dictConfig(config)
     return config
@@ -185,6 +186,8 @@ def engine_flag(sub: argparse.ArgumentParser) -> None:
 
 
 def settings_from(args: argparse.Namespace, **overrides: Any) -> Settings:
+    from kvlens.config import load_settings  # pydantic: only for the commands that build settings
+
     return load_settings(
         args.config,
         **overrides,
@@ -196,6 +199,8 @@ def settings_from(args: argparse.Namespace, **overrides: Any) -> Settings:
         kv_events=kv_events_from(getattr(args, "kv_events", None)),
         kv_events_dns=getattr(args, "kv_events_dns", None),
         kv_events_shard=getattr(args, "kv_events_shard", None),
+        isolation_probes=getattr(args, "isolation_probe", None),
+        isolation_every_seconds=getattr(args, "isolation_every", None),
         kv_events_require_cache_salt=getattr(args, "require_cache_salt", None),
         kv_events_trtllm=named_urls(getattr(args, "kv_events_trtllm", None), "--kv-events-trtllm", "url"),
         tails=tails_from(
@@ -361,3 +366,22 @@ def check_port_free(settings: Settings) -> None:
                 f"cannot listen on {settings.host}:{settings.port} ({error.strerror or error}): "
                 f"pick another port with --port (or {ENV_PREFIX}PORT)"
             ) from None
+
+
+def trace_format_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags that say how a trace is read (``simulate``, ``replay``, ``experiment``)."""
+    from kvlens.simulate.trace import CONVERSATIONS, FORMATS
+
+    parser.add_argument(
+        "--trace-format",
+        choices=FORMATS,
+        metavar="FORMAT",
+        help=f"read the trace as this format: {', '.join(FORMATS)} (default: told by its content)",
+    )
+    parser.add_argument(
+        "--session-rate",
+        type=float,
+        metavar="PER_S",
+        help=f"{CONVERSATIONS} conversations: start one every 1/PER_S s, in file-name order "
+        "(default: all at 0, the files recording no offset between them)",
+    )

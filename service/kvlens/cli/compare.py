@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvlens.cli import SUMMARIES
 from kvlens.cli.common import (
     check_writable,
     engine_flag,
@@ -17,14 +18,13 @@ from kvlens.cli.common import (
     percentiles_flag,
     scale_flags,
 )
-from kvlens.config import load_settings
-from kvlens.errors import ArmsDiffer
+from kvlens.errors import ArmsDiffer, GroupTooLarge, NoRecordsOfArm
 
 
 def add_parser(commands: Any) -> None:
     compare = commands.add_parser(
         "compare",
-        help="compare cache-off / cold / warm replays of one request sequence",
+        help=SUMMARIES["compare"],
         description="Compare arms that replay one fixed request sequence (the first is the baseline): "
         "a table at a terminal; Markdown with --markdown or when stdout is not a terminal; --json.",
         epilog=examples(
@@ -84,7 +84,9 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     check_writable(args.html)
-    settings = load_settings(args.config)
+    from kvlens.config import load_offline  # pydantic: not for a --help
+
+    settings = load_offline(args.config)
     # Every arm's files, by the one rule of names, before any arm is read: a missing arm is
     # refused first, and the engine is chosen by the files it will read.
     files = [file for path in sorted({path for _, path in specs}) for file in reader.resolve([path])]
@@ -111,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
             result = compare.compare(
                 arms, warmup=args.warmup, warmup_until=args.warmup_until, percentiles=args.percentiles
             )
-    except (compare.NoRecordsOfArm, ArmsDiffer, compare.GroupTooLarge) as error:
+    except (NoRecordsOfArm, ArmsDiffer, GroupTooLarge) as error:
         print(f"kvlens compare: {error}", file=sys.stderr)
         return 2
     run_facts.add_file_facts(result, specs, left_out)

@@ -7,14 +7,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvlens.cli import SUMMARIES
 from kvlens.cli.common import examples, scale_flags
-from kvlens.config import load_settings
 
 
 def add_parser(commands: Any) -> None:
     convert = commands.add_parser(
         "convert",
-        help="write records as Parquet (what the duckdb engine reads fastest)",
+        help=SUMMARIES["convert"],
         epilog=examples(
             "kvlens convert logs/*.jsonl.gz --to parquet records.parquet",
             "kvlens convert sglang.log --format sglang --model llama-8b --to parquet sglang.parquet",
@@ -40,7 +40,9 @@ def run(args: argparse.Namespace) -> int:
     if target != "parquet":
         print(f"kvlens convert: --to takes parquet, not {target!r}", file=sys.stderr)
         return 2
-    settings = load_settings(args.config)
+    from kvlens.config import load_offline  # pydantic: not for a --help
+
+    settings = load_offline(args.config)
     loaded, written = inputs.convert(
         args.files,
         Path(out),

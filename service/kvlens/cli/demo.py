@@ -10,6 +10,7 @@ from collections import Counter
 from typing import Any, TextIO
 
 from kvlens import terminal
+from kvlens.cli import SUMMARIES
 from kvlens.cli.common import build_server, examples, server_flags, settings_from
 from kvlens.config import Settings
 from kvlens.errors import MissingExtra
@@ -20,12 +21,16 @@ from kvlens.fleet.ordering import Publisher
 from kvlens.fleet.subscriber import KVEvents
 from kvlens.records import batch_from_objects
 from kvlens.simulate import demo
+from kvlens.simulate.trace import BUNDLED_AGENTIC
+
+# The bundled conversations record no offset between them: one starts every 30 s of trace time.
+AGENTIC_SESSION_RATE = 1 / 30
 
 
 def add_parser(commands: Any) -> None:
     run_demo = commands.add_parser(
         "demo",
-        help="run the sidecar fed live by the simulator replaying a real trace (bundled)",
+        help=SUMMARIES["demo"],
         epilog=examples(
             "kvlens demo",
             "kvlens demo --speed 10 --policy round_robin --port 9500",
@@ -35,9 +40,10 @@ def add_parser(commands: Any) -> None:
     server_flags(run_demo)
     run_demo.add_argument(
         "--traffic",
-        choices=("replay", "synthetic"),
+        choices=("replay", "agentic", "synthetic"),
         default="replay",
-        help="replay: the bundled Mooncake trace on a simulated fleet (default); synthetic: article-shaped",
+        help="replay: the bundled Mooncake trace on a simulated fleet (default); agentic: eight bundled "
+        "coding-assistant conversations (kv-cache-tester) on it; synthetic: article-shaped",
     )
     run_demo.add_argument("--speed", type=float, default=4.0, help="replay this many times faster")
     run_demo.add_argument(
@@ -67,12 +73,25 @@ def run(args: argparse.Namespace) -> int:
         if not settings.model_shapes:  # the replayed model's shape: compute saved in FLOPs
             settings = settings_from(args, docs=True, model_shapes={demo.REPLAY_MODEL: demo.REPLAY_SHAPE})
         events = compiled_loops_available()  # the replicas' KV events: why reuse is lost
-        replay = demo.ReplayTraffic(speed=args.speed, policy=args.policy, kv_events=events)
+        if args.traffic == "agentic":
+            replay = demo.ReplayTraffic(
+                speed=args.speed,
+                policy=args.policy,
+                kv_events=events,
+                trace=str(BUNDLED_AGENTIC),
+                session_rate=AGENTIC_SESSION_RATE,
+            )
+            source = (
+                "eight coding-assistant conversations (callanjfox/kv-cache-tester, Apache-2.0), one "
+                f"starting every {1 / AGENTIC_SESSION_RATE:g} s,"
+            )
+        else:
+            replay = demo.ReplayTraffic(speed=args.speed, policy=args.policy, kv_events=events)
+            source = "the Mooncake trace (kvcache-ai/Mooncake, Apache-2.0)"
         traffic = replay
         what = (
-            f"the Mooncake trace (kvcache-ai/Mooncake, Apache-2.0) replayed {args.speed:g}x faster by the "
-            f"simulator on {replay.replicas} replicas of {replay.capacity_blocks:,} cache blocks, routed by "
-            f"{args.policy}"
+            f"{source} replayed {args.speed:g}x faster by the simulator on {replay.replicas} replicas of "
+            f"{replay.capacity_blocks:,} cache blocks of {replay.block_size} tokens, routed by {args.policy}"
         )
     aggregator = Aggregator(settings, extra_sources=(demo.SOURCE,))
     kv_events, feed, note = None, None, ""

@@ -10,8 +10,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvlens.analysis import run_facts
+from kvlens.analysis.settings import AnalysisSettings
+from kvlens.cli import SUMMARIES
 from kvlens.cli import outdir as runs
-from kvlens.cli.common import examples, make_room_for, percentiles_flag, print_report
+from kvlens.cli.common import examples, make_room_for, percentiles_flag, print_report, trace_format_flags
 from kvlens.cli.replay import (
     api_key,
     api_key_flags,
@@ -27,8 +29,8 @@ from kvlens.cli.replay import (
     trace_flags,
     traffic_flags,
 )
-from kvlens.config import Settings, load_settings
-from kvlens.errors import ArmsDiffer, MissingExtra
+from kvlens.config import load_offline
+from kvlens.errors import ArmsDiffer, GroupTooLarge, MissingExtra, NoRecordsOfArm
 from kvlens.experiment import outdir, reports
 from kvlens.experiment import run as arms
 from kvlens.experiment.client import Endpoint
@@ -42,7 +44,7 @@ if TYPE_CHECKING:
 def add_parser(commands: Any) -> None:
     experiment = commands.add_parser(
         "experiment",
-        help="the articles' experiments against endpoints",
+        help=SUMMARIES["experiment"],
         epilog=examples("kvlens experiment prefix-cache --help", "kvlens experiment quantization --help"),
     )
     kinds = experiment.add_subparsers(required=True, metavar="EXPERIMENT")
@@ -86,7 +88,11 @@ def add_parser(commands: Any) -> None:
             "--endpoint w4a16=http://127.0.0.1:8001 --model simulated --out-dir quant/ --rates 2,4,8",
         ),
     )
-    quant.add_argument("trace", metavar="TRACE", help=f"a trace file, or '{arms.SHARED_PREFIX}'")
+    quant.add_argument(
+        "trace",
+        metavar="TRACE",
+        help=f"a trace (a file or a directory of conversations), or '{arms.SHARED_PREFIX}'",
+    )
     quant.add_argument(
         "--endpoint",
         action="append",
@@ -126,6 +132,7 @@ def add_parser(commands: Any) -> None:
     error_rate_flag(quant)
     byte_model_flags(quant)
     traffic_flags(quant)
+    trace_format_flags(quant)
     quant.set_defaults(run=_quantization, warmup_trace=None)
 
 
@@ -150,7 +157,7 @@ def byte_model_flags(parser: argparse.ArgumentParser) -> None:
 def _prefix_cache(args: argparse.Namespace) -> int:
     reports.check_error_rate(args.max_error_rate)
     window, prompts, schedule = setup(args, warms=True)
-    settings = load_settings(args.config)
+    settings = load_offline(args.config)
     selected = runs.arms_of(args)
     plan = outdir.prefix_cache_plan(
         window,
@@ -213,15 +220,15 @@ def _prefix_cache_report(
     args: argparse.Namespace,
     found: list[arms.ArmResult],
     ran: list[tuple[str, dict[str, Any] | None]],
-    settings: Settings,
+    settings: AnalysisSettings,
 ) -> int:
     """The compare report of every arm in the out-dir, into it (and --html) and printed; the exit
     code from the failures of the arms this run ran (``ran``), once the report is written."""
-    from kvlens.analysis import compare, compare_text, html_compare
+    from kvlens.analysis import compare_text, html_compare
 
     try:
         report = arms.compare_arms(found, settings, percentiles=args.percentiles)
-    except (ArmsDiffer, compare.NoRecordsOfArm, compare.GroupTooLarge) as error:
+    except (ArmsDiffer, NoRecordsOfArm, GroupTooLarge) as error:
         failed = failure_exit("experiment", ran, args.max_error_rate)  # maybe why the arms differ
         if not failed:
             raise ExperimentError(f"no report: {error}") from None

@@ -10,13 +10,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvlens.cli import SUMMARIES
 from kvlens.cli.common import check_writable, examples
 
 
 def add_parser(commands: Any) -> None:
     command = commands.add_parser(
         "import",
-        help="another benchmark tool's per-request results as kvlens records",
+        help=SUMMARIES["import"],
         description="Write kvlens records (JSON lines) from vllm bench serve's --save-result "
         "--save-detailed JSON or AIPerf's profile_export.jsonl. Entries that cannot be read are "
         "named on stderr and left out (exit 1); the others are written. Then: kvlens compare --arm "

@@ -9,28 +9,32 @@ import itertools
 import logging
 import math
 import os
+import secrets
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from kvlens.analysis import run_facts
-from kvlens.cli.common import examples
+from kvlens.cli import SUMMARIES
+from kvlens.cli.common import examples, trace_format_flags
 from kvlens.experiment import reports
 from kvlens.experiment import run as arms
 from kvlens.experiment.client import CHAT, COMPLETIONS, Endpoint, Progress, base_url
 from kvlens.experiment.prompts import DEFAULT_VOCAB_SIZE, PromptSynthesizer
 from kvlens.experiment.protocol import ExperimentError, Window, measured_window
+from kvlens.experiment.sessions import SessionPlan
 from kvlens.simulate.trace import TraceRequest, open_trace
 from kvlens.sources.vllm_metrics import read_password
 
 log = logging.getLogger("kvlens.experiment")
+TIMESTAMPS, SESSIONS = "timestamps", "sessions"
 
 
 def add_parser(commands: Any) -> None:
     replay = commands.add_parser(
         "replay",
-        help="replay a trace against an OpenAI-compatible endpoint as one arm; kvlens records out",
+        help=SUMMARIES["replay"],
         description="Send a trace's requests (token-id prompts that keep its shared prefixes, its "
         "lengths and arrivals) to an endpoint, open loop, and write one kvlens record per request.",
         epilog=examples(
@@ -55,8 +59,11 @@ def trace_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "trace",
         metavar="TRACE",
-        help=f"Mooncake, Bailian or kvlens-record JSONL, or '{arms.SHARED_PREFIX}' (built-in traffic)",
+        help="a trace file (Mooncake, agentic Mooncake, Bailian, BurstGPT, kvlens records), "
+        "kv-cache-tester conversations (a file or a directory), "
+        f"or '{arms.SHARED_PREFIX}' (built-in traffic)",
     )
+    trace_format_flags(parser)
     parser.add_argument("--speed", type=float, default=1.0, help="play the trace this much faster")
     parser.add_argument("--rate", type=float, help="requests per second instead of the trace's times")
     parser.add_argument("--burstiness", type=float, default=1.0, help="with --rate: 1 Poisson, <1 burstier")
@@ -65,7 +72,27 @@ def trace_flags(parser: argparse.ArgumentParser) -> None:
         "--measure-from", type=float, metavar="T", help="trace seconds where measuring begins"
     )
     parser.add_argument("--warmup-trace", metavar="FILE", help="warm up with this trace instead")
+    session_flags(parser)
     traffic_flags(parser)
+
+
+def session_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--schedule",
+        choices=(TIMESTAMPS, SESSIONS),
+        help="timestamps: every request at its recorded time (open loop); sessions: a turn when the "
+        "answers it waits for have ended, plus its think time (default: sessions for a trace whose "
+        "requests wait for others, as conversations' do; timestamps otherwise, as Mooncake's)",
+    )
+    parser.add_argument(
+        "--think-scale", type=float, default=1.0, help="sessions: multiply the recorded think times"
+    )
+    parser.add_argument("--max-sessions", type=int, help="sessions: conversations running at once, at most")
+    parser.add_argument(
+        "--salt-per-session",
+        action="store_true",
+        help="a cache_salt per conversation, new each run: concurrent replays of one trace share nothing",
+    )
 
 
 def traffic_flags(parser: argparse.ArgumentParser) -> None:
@@ -198,7 +225,7 @@ def read_requests(args: argparse.Namespace) -> tuple[list[TraceRequest], list[Tr
         )
         requests, block_size = traffic.trace(), arms.SHARED_PREFIX_BLOCK
     else:
-        trace = open_trace(args.trace)
+        trace = open_trace(args.trace, trace_format=args.trace_format, session_rate=args.session_rate)
         requests, block_size = list(itertools.islice(trace.requests(), args.requests)), trace.block_size
     warmup = None
     if args.warmup_trace:
@@ -216,7 +243,22 @@ def setup(args: argparse.Namespace, *, warms: bool) -> tuple[Window, PromptSynth
     else:
         window = measured_window(requests, -math.inf, None)
     prompts = PromptSynthesizer(block_size, args.vocab_size, args.seed)
-    schedule = arms.Schedule(args.speed, args.rate, args.burstiness, args.max_output_tokens, args.seed)
+    kind = args.schedule or (SESSIONS if any(r.after for r in requests) else TIMESTAMPS)
+    try:
+        sessions = SessionPlan(args.think_scale, args.max_sessions) if kind == SESSIONS else None
+    except ValueError as error:
+        raise ExperimentError(str(error)) from None
+    if args.schedule is None and kind == SESSIONS:
+        log.info("schedule: sessions (its requests wait for answers; --schedule timestamps to send by time)")
+    schedule = arms.Schedule(
+        args.speed,
+        args.rate,
+        args.burstiness,
+        args.max_output_tokens,
+        args.seed,
+        sessions=sessions,
+        salt=secrets.token_hex(6) if args.salt_per_session else None,
+    )
     return window, prompts, schedule
 
 

@@ -6,15 +6,15 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from kvlens.cli import SUMMARIES
 from kvlens.cli.common import build_server, examples, server_flags, settings_from
-from kvlens.config import ENV_PREFIX
-from kvlens.exporter.aggregator import Aggregator
+from kvlens.limits import ENV_PREFIX
 
 
 def add_parser(commands: Any) -> None:
     serve = commands.add_parser(
         "serve",
-        help="run the sidecar: POST /v1/records, GET /metrics",
+        help=SUMMARIES["serve"],
         epilog=examples(
             "kvlens serve",
             "kvlens serve --host 0.0.0.0 --scrape http://vllm:8000/metrics",
@@ -71,6 +71,19 @@ def add_parser(commands: Any) -> None:
         "--kv-events-shard", metavar="i/N", help="keep only shard i of N of the fleet's blocks"
     )
     serve.add_argument(
+        "--isolation-probe",
+        action="append",
+        metavar="NAME=URL[#MODEL[@LORA]]",
+        help="audit this endpoint's cache isolation in the background (`kvlens audit isolation`), "
+        "exported as kvlens_isolation_probe_result (repeatable; MODEL: default the one it serves)",
+    )
+    serve.add_argument(
+        "--isolation-every",
+        type=float,
+        metavar="SECONDS",
+        help="seconds between isolation probes of a target, jittered by 20%% (isolation_every_seconds: 600)",
+    )
+    serve.add_argument(
         "--kv-events-trtllm",
         action="append",
         metavar="NAME=URL",
@@ -88,6 +101,7 @@ def add_parser(commands: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
+    from kvlens.exporter.aggregator import Aggregator
     from kvlens.http.server import run_until_stopped
 
     server = build_server(settings, Aggregator(settings), args)

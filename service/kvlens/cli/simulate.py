@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
 from kvlens import terminal
-from kvlens.cli.common import Parser, examples, run_progress
-from kvlens.config import load_settings
+from kvlens.cli import SUMMARIES
+from kvlens.cli.common import Parser, examples, run_progress, trace_format_flags
+from kvlens.config import load_offline, load_settings
 from kvlens.errors import MissingExtra
 from kvlens.limits import DEFAULT_PORT
 
@@ -25,7 +27,7 @@ from kvlens.limits import DEFAULT_PORT
 def add_parser(commands: Any) -> None:
     sim = commands.add_parser(
         "simulate",
-        help="replay a trace on a fleet: reachable vs delivered reuse per policy and capacity",
+        help=SUMMARIES["simulate"],
         epilog=examples(
             "kvlens simulate",
             "kvlens simulate --capacity-blocks 250,1000,4000,unbounded --plot reuse.svg",
@@ -42,9 +44,11 @@ def _add_run_arguments(sim: argparse.ArgumentParser) -> None:
         "trace",
         nargs="?",
         metavar="TRACE",
-        help="Mooncake, Bailian or kvlens-record JSONL (default: bundled Mooncake); "
+        help="a trace file (Mooncake, agentic Mooncake, Bailian, BurstGPT, kvlens records) or "
+        "kv-cache-tester conversations (a file or a directory) (default: bundled Mooncake); "
         "'kvlens simulate serve --help': the fleet behind the OpenAI API",
     )
+    trace_format_flags(sim)
     sim.add_argument("--replicas", type=int, default=4, help="replicas in the fleet")
     sim.add_argument(
         "--capacity-blocks",
@@ -116,7 +120,7 @@ def serve_parser() -> argparse.ArgumentParser:
         ),
     )
     serve.add_arguments(parser)
-    parser.set_defaults(run=serve.run)
+    parser.set_defaults(run=functools.partial(serve.run, load=load_settings))
     return parser
 
 
@@ -135,13 +139,18 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--replicas must be >= 1")
         prefill = DEFAULT_SERVICE.prefill
         if args.model or args.config:
-            settings = load_settings(args.config)
+            settings = load_offline(args.config)
             prefill = settings.cost_model_for(args.model or settings.default_model)
         service = ServiceModel(
             prefill=prefill, max_running=args.max_running, chunked_prefill=not args.no_chunked_prefill
         )
         trace = open_trace(
-            args.trace or BUNDLED, block_size=args.block_size, time_scale=args.time_scale, rate=args.rate
+            args.trace or BUNDLED,
+            block_size=args.block_size,
+            time_scale=args.time_scale,
+            rate=args.rate,
+            trace_format=args.trace_format,
+            session_rate=args.session_rate,
         )
     except ValueError as error:  # TraceError is an InputError: main reports it
         print(f"kvlens simulate: {error}", file=sys.stderr)

@@ -72,6 +72,8 @@ class Planned:
     due: float
     output_tokens: int
     phase: str = MEASURE
+    reusable_tokens: int | None = None  # what an unbounded cache would serve it in this run's order
+    salt: str | None = None  # its cache_salt (its conversation's, with --salt-per-session)
 
     @property
     def index(self) -> int:
@@ -226,9 +228,9 @@ async def replay(
             return False
         tokens = prompts.tokens(request.request)
         body = (
-            await _chat_body(detokenizer, endpoint, tokens, request.output_tokens)
+            await chat_body(detokenizer, endpoint, tokens, request.output_tokens, request.salt)
             if detokenizer is not None
-            else completions_body(endpoint.model, tokens, request.output_tokens)
+            else completions_body(endpoint.model, tokens, request.output_tokens, request.salt)
         )
         ready.append((request, body))
         ready_bytes += len(body)
@@ -248,7 +250,7 @@ async def replay(
                 and await prepare()
             ):
                 pass
-            await _until(due)
+            await sleep_until(due)
             await slots.acquire()
             sent = time.perf_counter()
             lag = max(0.0, sent - due)
@@ -257,11 +259,13 @@ async def replay(
             progress.lags.append(lag)
             if lag > endpoint.late_after_seconds:
                 progress.late += 1
-            record = _record(endpoint, arm, request, lag, wall_start + (sent - start))
+            record = request_record(endpoint, arm, request, lag, wall_start + (sent - start))
             answer = client.begin(endpoint.path, body, sent, request.output_tokens)
             pending.add(answer)
             answer.add_done_callback(
-                functools.partial(_ended, record=record, endpoint=endpoint, writer=writer, progress=progress)
+                functools.partial(
+                    ended_record, record=record, endpoint=endpoint, writer=writer, progress=progress
+                )
             )
             answer.add_done_callback(pending.discard)
             answer.add_done_callback(lambda _: slots.release())
@@ -276,7 +280,7 @@ async def replay(
     return progress
 
 
-async def _until(deadline: float) -> None:
+async def sleep_until(deadline: float) -> None:
     """Sleep on the loop's timer to within ``_COARSE`` of the deadline, then yield to the loop
     (which keeps serving the streams) until it passes: a timer alone wakes up to ~1 ms late."""
     delay = deadline - time.perf_counter()
@@ -296,15 +300,32 @@ def _generation(output_tokens: int) -> dict[str, Any]:
     }
 
 
-def completions_body(model: str, prompt: npt.NDArray[np.uint64], output_tokens: int) -> bytes:
-    """The request as vLLM's ``/v1/completions`` takes it: token ids, exact lengths."""
+def _salted(salt: str | None) -> dict[str, Any]:
+    """vLLM's ``cache_salt``: blocks are shared only between requests of one salt."""
+    return {} if salt is None else {"cache_salt": salt}
+
+
+def completions_body(
+    model: str,
+    prompt: npt.NDArray[np.uint64] | list[int],
+    output_tokens: int,
+    salt: str | None = None,
+    extra: dict[str, Any] | None = None,
+) -> bytes:
+    """The request as vLLM's ``/v1/completions`` takes it: token ids, exact lengths; ``extra``
+    fields beside them (the isolation audit's salt, under the field name it was given)."""
     return orjson.dumps(
-        {"model": model, "prompt": prompt, **_generation(output_tokens)}, option=orjson.OPT_SERIALIZE_NUMPY
+        {"model": model, "prompt": prompt, **_generation(output_tokens), **_salted(salt), **(extra or {})},
+        option=orjson.OPT_SERIALIZE_NUMPY,
     )
 
 
-async def _chat_body(
-    pool: httpx.AsyncClient, endpoint: Endpoint, prompt: npt.NDArray[np.uint64], output_tokens: int
+async def chat_body(
+    pool: httpx.AsyncClient,
+    endpoint: Endpoint,
+    prompt: npt.NDArray[np.uint64],
+    output_tokens: int,
+    salt: str | None = None,
 ) -> bytes:
     """The request for ``/v1/chat/completions``: the ids turned into text by the server's own
     ``/detokenize``, in one user message. The server tokenizes that text again and adds its chat
@@ -327,11 +348,13 @@ async def _chat_body(
     except (ScrapeError, ValueError, KeyError, TypeError):
         text = ""
     messages = [{"role": "user", "content": text if isinstance(text, str) else ""}]
-    return orjson.dumps({"model": endpoint.model, "messages": messages, **_generation(output_tokens)})
+    return orjson.dumps(
+        {"model": endpoint.model, "messages": messages, **_generation(output_tokens), **_salted(salt)}
+    )
 
 
-def _record(endpoint: Endpoint, arm: str, request: Planned, lag: float, wall: float) -> dict[str, Any]:
-    return {
+def request_record(endpoint: Endpoint, arm: str, request: Planned, lag: float, wall: float) -> dict[str, Any]:
+    record = {
         "request_id": f"trace-{request.index}",  # the same in every arm: compare pairs them
         "model": endpoint.model,
         "prompt_tokens": request.request.prompt_tokens,
@@ -342,9 +365,14 @@ def _record(endpoint: Endpoint, arm: str, request: Planned, lag: float, wall: fl
         "client_scheduled_seconds": request.due,
         "client_send_lag_seconds": lag,
     }
+    if request.request.session is not None:
+        record["session_id"] = request.request.session  # a record field, never a label
+    if request.reusable_tokens is not None:
+        record["trace_reusable_tokens"] = request.reusable_tokens
+    return record
 
 
-def _ended(
+def ended_record(
     answer: asyncio.Future[Exchange],
     *,
     record: dict[str, Any],

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
-import fcntl
 import hashlib
 import math
 import os
@@ -38,6 +36,7 @@ from typing import IO, Any
 import orjson
 
 from kvlens.experiment.client import Progress
+from kvlens.experiment.lock import locked
 from kvlens.experiment.protocol import ExperimentError, Window
 from kvlens.simulate.trace import TraceRequest
 
@@ -130,10 +129,12 @@ class OutDir:
     def open(self, endpoints: Iterable[str]) -> Iterator[OutDir]:
         """Create the folder, lock it, refuse another plan's folder, add ``endpoints``."""
         self.path.mkdir(parents=True, exist_ok=True)
-        with _locked(self.path / LOCK, self.command):
+        endpoints = list(endpoints)
+        with locked(self.path / LOCK, self.command):
             state = self.state()
             if state is not None:
                 _same_plan(self.path, state, self.plan)
+            self.check_steps(endpoints)
             known = list(state["endpoints"]) if state else []
             known += [name for name in endpoints if name not in known]
             _write_json(
@@ -149,6 +150,31 @@ class OutDir:
             yield self
             with contextlib.suppress(OSError):  # only when nothing is left in it
                 (self.path / UNFINISHED).rmdir()
+
+    def check_steps(self, endpoints: list[str]) -> None:
+        """Every finished step in the folder readable, before anything is sent. A broken one of
+        this run's ``endpoints`` is redone under ``--restart`` (else refused: redo it so). One of
+        another endpoint is refused either way, naming the file, that endpoint and how to mend
+        it: this run cannot redo it (its URL is that run's), and the report over the folder would
+        stop at it once this run's steps had all been sent. One whose endpoint cannot be read may
+        be this run's: left to ``--restart``."""
+        for meta_path in sorted(self.path.glob(f"*{STEP_SUFFIX}")):
+            name = meta_path.name[: -len(STEP_SUFFIX)]
+            endpoint = _step_endpoint(self.path, name)
+            if self.restart and (endpoint is None or endpoint in endpoints):
+                continue
+            remove = f"remove {name}{STEP_SUFFIX} and {name}.jsonl to go on without it"
+            if endpoint is None:
+                redo = f"{REDO} (a run of its endpoint into this out-dir), or {remove}"
+            elif endpoint in endpoints:
+                redo = REDO
+            else:
+                redo = (
+                    f"; a step of endpoint {endpoint!r}, which this run does not redo (--restart "
+                    f"redoes this run's own steps): run {endpoint!r} into this out-dir again with "
+                    f"--restart, or {remove}"
+                )
+            _finished_meta(self.path, name, redo)
 
     def check_plan(self) -> None:
         """Refuse a folder of another plan now, before any endpoint is called (:meth:`open`
@@ -243,10 +269,14 @@ def finished_steps(path: Path) -> list[Found]:
     return found
 
 
-def _finished_meta(path: Path, name: str) -> dict[str, Any] | None:
+REDO = "; redo the step with --restart"
+
+
+def _finished_meta(path: Path, name: str, redo: str = REDO) -> dict[str, Any] | None:
+    """The step's metadata when it is finished; refused naming the file (and ``redo``) when it
+    cannot be read."""
     if not (path / f"{name}.jsonl").is_file():
         return None
-    redo = "; redo the step with --restart"
     try:
         meta = read_state_json(path / f"{name}{STEP_SUFFIX}", redo)
     except FileNotFoundError:
@@ -256,6 +286,17 @@ def _finished_meta(path: Path, name: str) -> dict[str, Any] | None:
         raise ExperimentError(f"{path / name}{STEP_SUFFIX}: {wrong}{redo}")
     assert isinstance(meta, dict)  # checked by _wrong_step_field (for mypy)
     return meta
+
+
+def _step_endpoint(path: Path, name: str) -> str | None:
+    """The endpoint a step's metadata names, read leniently (it may be a file that is otherwise
+    wrong); None when it cannot be told."""
+    try:
+        meta = read_state_json(path / f"{name}{STEP_SUFFIX}", "")
+    except (ExperimentError, OSError):
+        return None
+    endpoint = meta.get("endpoint") if isinstance(meta, dict) else None
+    return endpoint if isinstance(endpoint, str) else None
 
 
 STEP_KINDS = ("arm", "fixed", "rate")
@@ -350,48 +391,6 @@ def _same_plan(path: Path, state: dict[str, Any], plan: Plan) -> None:
         + "; ".join(differ or ["the plan's format"])
         + ". Run with the old plan's settings, or into another --out-dir"
     )
-
-
-@contextlib.contextmanager
-def _locked(path: Path, command: str) -> Iterator[None]:
-    """Hold ``flock`` on ``path`` (holding our pid and command) for the run; refuse when another
-    process holds it, naming it."""
-    try:
-        lock = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644), "r+", errors="replace")
-    except OSError as error:
-        raise ExperimentError(f"cannot lock {path}: {error.strerror or error}") from None
-    with lock:
-        if not stat.S_ISREG(os.fstat(lock.fileno()).st_mode):  # /dev/zero: no pid to write in it
-            raise ExperimentError(f"cannot lock {path}: not a regular file")
-        try:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as error:
-            if error.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
-                raise ExperimentError(f"cannot lock {path}: {error.strerror or error}") from None
-            pid, _, other = lock.read(4096).partition("\n")
-            raise ExperimentError(
-                f"{path.parent} is in use by another run (pid {_shown(pid) or 'unknown'}: "
-                f"{_shown(other) or 'command unknown'}); wait for it to end, or stop it"
-            ) from None
-        try:
-            lock.seek(0)
-            lock.truncate()
-            lock.write(f"{os.getpid()}\n{command}\n")
-            lock.flush()
-        except OSError as error:
-            raise ExperimentError(f"cannot lock {path}: {error.strerror or error}") from None
-        yield  # closing the file releases the lock; the file stays (removing it would race)
-
-
-# Of the lock holder's pid, and of its command, as shown: a real run's command (its resume
-# command, placeholders for secrets) runs to several hundred characters and is shown whole.
-MAX_HOLDER_CHARS = 1000
-
-
-def _shown(text: str) -> str:
-    """The lock file's text as it may be printed: anyone may write that file, so no escape
-    sequence or line break reaches the terminal, and no more than MAX_HOLDER_CHARS of it."""
-    return "".join(char for char in text.strip() if char.isprintable())[:MAX_HOLDER_CHARS]
 
 
 def _write_json(path: Path, value: Any) -> None:
@@ -555,6 +554,8 @@ def dry_run(out: OutDir, planned: list[PlannedStep]) -> str:
     lines += ["", "plan:"] + [
         f"  {key}: {orjson.dumps(value).decode()}" for key, value in out.plan.fields.items()
     ]
+    if matches:  # the run's own check, before it sends anything: the same refusal
+        out.check_steps(list(dict.fromkeys(each.step.endpoint for each in planned)))
     lines += ["", f"{'step':<24}{'endpoint':<12}{'requests':>9}{'arrivals':>11}  state"]
     to_run, closed = 0.0, 0
     for each in planned:

@@ -8,7 +8,7 @@ import html
 from pathlib import Path
 from typing import Any
 
-from kvlens.analysis.html_report import Axis, Box, _tick
+from kvlens.analysis.html_report import Axis, Box, tick_label
 from kvlens.experiment.protocol import ExperimentError
 from kvlens.simulate.render import COLORS, pyplot
 
@@ -66,7 +66,7 @@ def svg(result: dict[str, Any], box: Box = BOX) -> str:
         )
     for tick in x.ticks():
         parts.append(
-            f'<text x="{x(tick):.1f}" y="{box.y_end + 16}" text-anchor="middle">{_tick(tick)}</text>'
+            f'<text x="{x(tick):.1f}" y="{box.y_end + 16}" text-anchor="middle">{tick_label(tick)}</text>'
         )
     parts.append(
         f'<text x="{(box.left + box.x_end) / 2}" y="{box.height - 20}" text-anchor="middle">'

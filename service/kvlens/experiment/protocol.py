@@ -112,10 +112,18 @@ def _served_models(endpoint: Endpoint) -> list[str]:
         raise ExperimentError(f"{endpoint.url} does not answer ({error})") from None
     if answer.status != 200:
         raise ExperimentError(f"{endpoint.url}/v1/models answered {answer.status}")
+    found = model_ids(answer.body)
+    if found is None:
+        raise ExperimentError(f"{endpoint.url}/v1/models is not an OpenAI model list")
+    return found
+
+
+def model_ids(body: bytes | bytearray) -> list[str] | None:
+    """The served model names of a ``/v1/models`` answer, or None when it is not a model list."""
     try:
-        return [str(model["id"]) for model in orjson.loads(answer.body)["data"]]
+        return [str(model["id"]) for model in orjson.loads(body)["data"]]
     except (ValueError, KeyError, TypeError):
-        raise ExperimentError(f"{endpoint.url}/v1/models is not an OpenAI model list") from None
+        return None
 
 
 def max_model_len(endpoint: Endpoint) -> int | None:
@@ -195,7 +203,16 @@ def engine_block_size(endpoint: Endpoint) -> int | None:
         answer = calls.call_now(
             endpoint.url, "GET", "/metrics", headers=endpoint.headers, seconds=calls.CHECK_SECONDS
         )
-        found = list(families(answer.body.decode("utf-8", "replace"))) if answer.status == 200 else []
+    except ScrapeError:
+        return None
+    return block_size_in(answer.body) if answer.status == 200 else None
+
+
+def block_size_in(exposition: bytes | bytearray) -> int | None:
+    """The KV block size an engine's ``/metrics`` states (vLLM's ``vllm:cache_config_info``), or
+    None when it states none or is no exposition kvlens reads."""
+    try:
+        found = list(families(exposition.decode("utf-8", "replace")))
     except ScrapeError:
         return None
     for family in found:

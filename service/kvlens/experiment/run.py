@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import orjson
 
+from kvlens.accounting import Accounting
 from kvlens.analysis import compare, run_facts
-from kvlens.config import Settings
 from kvlens.experiment import outdir
 from kvlens.experiment.client import MEASURE, WARMUP, Endpoint, Planned, Progress, RecordWriter, replay
 from kvlens.experiment.prompts import PromptSynthesizer
@@ -30,7 +30,10 @@ from kvlens.experiment.protocol import (
     plan,
     reset_cache,
 )
+from kvlens.experiment.sessions import SessionPlan, replay_sessions, salted
 from kvlens.records import MAX_TOKENS
+from kvlens.simulate.cache import PrefixCache
+from kvlens.simulate.run import served
 from kvlens.simulate.trace import TraceRequest
 from kvlens.stats import DEFAULT_PERCENTILES
 
@@ -109,8 +112,21 @@ class Schedule:
     burstiness: float = 1.0
     max_output_tokens: int | None = None
     seed: int = 0
+    sessions: SessionPlan | None = None  # the session schedule (None: by timestamps)
+    salt: str | None = None  # this run's: each conversation's cache_salt is made from it
+
+    def __post_init__(self) -> None:
+        if self.sessions is not None and self.rate is not None:
+            raise ExperimentError(
+                "--rate sets the timestamp schedule's arrivals; with --schedule sessions, "
+                "conversations start at --session-rate"
+            )
 
     def planned(self, requests: list[TraceRequest], phase: str) -> list[Planned]:
+        planned = self._planned(requests, phase)
+        return planned if self.salt is None else salted(planned, self.salt)
+
+    def _planned(self, requests: list[TraceRequest], phase: str) -> list[Planned]:
         start = requests[0].arrival if requests else 0.0
         planned = list(
             plan(
@@ -129,10 +145,7 @@ class Schedule:
         rng = np.random.default_rng(self.seed)
         gaps = rng.gamma(self.burstiness, 1 / (self.rate * self.burstiness), len(planned))
         dues = np.concatenate([[0.0], np.cumsum(gaps[1:])]) if planned else gaps
-        return [
-            Planned(p.request, float(due), p.output_tokens, p.phase)
-            for p, due in zip(planned, dues, strict=True)
-        ]
+        return [dataclasses.replace(p, due=float(due)) for p, due in zip(planned, dues, strict=True)]
 
 
 def run_arm(
@@ -156,6 +169,8 @@ def run_arm(
     warning = block_size_warning(prompts.block_size, engine_block_size(endpoint))
     if warning:
         log.warning("%s", warning)
+    sent = [*(window.warmup if warm else []), *window.measure]
+    reusable = {r.index: tokens for r, tokens in served(sent, PrefixCache(None), prompts.block_size)}
     reset_by = None
     if reset:
         reset_by = reset_cache(endpoint)
@@ -170,12 +185,12 @@ def run_arm(
         if not window.warmup:
             raise ExperimentError(f"arm {name!r} warms up, but no request arrives before --measure-from")
         warmup_path = run_facts.warmup_file(out)
+        warmup = theoretical(schedule.planned(window.warmup, WARMUP), reusable)
         warmup_progress = _replay_into(
-            warmup_path, f"{name}", schedule.planned(window.warmup, WARMUP), endpoint, prompts, push, progress
+            warmup_path, f"{name}", warmup, endpoint, prompts, push, progress, schedule.sessions
         )
-    measured = _replay_into(
-        out, name, schedule.planned(window.measure, MEASURE), endpoint, prompts, push, progress
-    )
+    measure = theoretical(schedule.planned(window.measure, MEASURE), reusable)
+    measured = _replay_into(out, name, measure, endpoint, prompts, push, progress, schedule.sessions)
     return ArmResult(name, out, measured, warmup_path, warmup_progress, reset_by)
 
 
@@ -187,6 +202,7 @@ def _replay_into(
     prompts: PromptSynthesizer,
     push: Callable[[dict[str, Any]], None] | None,
     progress: Callable[[str, Progress, int], None] | None,
+    sessions: SessionPlan | None = None,
 ) -> Progress:
     state = Progress()
     try:
@@ -196,13 +212,22 @@ def _replay_into(
     with out:
         writer = RecordWriter(out, push)
         phase = planned[0].phase if planned else MEASURE
-        task = replay(planned, prompts, endpoint, arm, writer, state)
+        task = (
+            replay(planned, prompts, endpoint, arm, writer, state)
+            if sessions is None
+            else replay_sessions(planned, prompts, endpoint, arm, writer, sessions, state)
+        )
         if progress is None:
             asyncio.run(task)
         else:
             asyncio.run(with_progress(task, lambda: progress(f"{arm} {phase}", state, len(planned))))
     _in_trace_order(path)
     return state
+
+
+def theoretical(planned: list[Planned], reusable: dict[int, int]) -> list[Planned]:
+    """Each request with what an unbounded cache would serve it, in the order the arm sends."""
+    return [dataclasses.replace(p, reusable_tokens=reusable.get(p.index)) for p in planned]
 
 
 def _in_trace_order(path: Path) -> None:
@@ -300,7 +325,7 @@ def arms_found(found: list[outdir.Found]) -> list[ArmResult]:
 
 
 def compare_arms(
-    results: list[ArmResult], settings: Settings, *, percentiles: tuple[float, ...] = DEFAULT_PERCENTILES
+    results: list[ArmResult], settings: Accounting, *, percentiles: tuple[float, ...] = DEFAULT_PERCENTILES
 ) -> dict[str, Any]:
     """``kvlens compare`` of the arms' measured windows, the first arm the baseline."""
     # Read back from the arms' files alone, as `kvlens compare` over them reads them, so that

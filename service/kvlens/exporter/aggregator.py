@@ -18,9 +18,9 @@ import numpy as np
 import numpy.typing as npt
 
 from kvlens import definitions
-from kvlens.config import Settings
 from kvlens.definitions import UNITS, prompt_length_labels
 from kvlens.exporter.labels import OTHER_MODEL, ClosedLabels
+from kvlens.exporter.settings import SidecarSettings
 from kvlens.exporter.tenants import TenantAccounts
 from kvlens.records import REASONS, RecordBatch, Validated
 from kvlens.reduce import HIT_CODES, Reduced, codes_of, pack_hit, prefixes_of, reduce, unpack_hit
@@ -178,7 +178,7 @@ class _HealthCounts:
 class Aggregator:
     """Adds validated batches into the running sums. Thread-safe."""
 
-    def __init__(self, settings: Settings, extra_sources: tuple[str, ...] = ()) -> None:
+    def __init__(self, settings: SidecarSettings, extra_sources: tuple[str, ...] = ()) -> None:
         self.settings = settings
         self.sources = ("push", "vllm_plugin", "otlp", *(("tail",) if settings.tails else ()), *extra_sources)
         self._lock = threading.Lock()

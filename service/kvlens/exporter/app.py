@@ -29,16 +29,16 @@ from prometheus_client.exposition import choose_encoder
 from pydantic import BaseModel, Field
 
 from kvlens import __version__
-from kvlens.config import Settings
 from kvlens.errors import BodyTooSlow, Busy, ClientDisconnected, InputError
 from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.background import BackgroundSources
 from kvlens.exporter.collector import KVLensCollector
 from kvlens.exporter.ingest import BatchLedger, IngestWorker, LogThrottle, RecentRecords
 from kvlens.exporter.runtime import ScrapeRenderer, ServiceHealth
+from kvlens.exporter.settings import SidecarSettings
 from kvlens.fleet.subscriber import KVEvents
 from kvlens.http.access import bearer_matches
-from kvlens.http.bodies import RETRY_AFTER_SECONDS, ArrivingBodies, BodyLimits, BodyReader, IngestGate
+from kvlens.http.bodies import RETRY_AFTER_SECONDS, BodyReader, IngestGate, arriving_bodies, body_limits
 from kvlens.http.server import ConnectionGuard
 from kvlens.records import Record, Rejections, Validated
 from kvlens.sources import encoding, otlp, push, vllm_plugin
@@ -77,7 +77,7 @@ class ErrorBody(BaseModel):
 class Sidecar:
     """The parts the handlers share."""
 
-    settings: Settings
+    settings: SidecarSettings
     aggregator: Aggregator
     background: BackgroundSources
     registry: CollectorRegistry
@@ -95,11 +95,7 @@ class Sidecar:
         self.health = ServiceHealth(
             ingest_open=settings.ingest_open,
             gate=IngestGate(settings.max_concurrent_ingest),
-            arriving=ArrivingBodies(
-                settings.max_arriving_bodies,
-                settings.max_arriving_body_bytes,
-                settings.body_min_bytes_per_second_when_full if settings.body_min_bytes_per_second else 0,
-            ),
+            arriving=arriving_bodies(settings),
             connections=ConnectionGuard(
                 settings.max_connections, settings.header_timeout_seconds, settings.write_timeout_seconds
             ),
@@ -117,14 +113,7 @@ class Sidecar:
         """The request's whole body, received at the pace the settings ask while it counts against
         the arriving bodies' caps; or the answer that refuses it. Until it has arrived the request
         holds no ingest slot: a slot is the decoding's, which a slow sender must not hold."""
-        settings = self.settings
-        limits = BodyLimits(
-            settings.max_body_bytes,
-            settings.body_timeout_seconds,
-            settings.header_timeout_seconds,
-            settings.body_min_bytes_per_second,
-            settings.body_rate_window_seconds,
-        )
+        limits = body_limits(self.settings, self.settings.max_body_bytes)
         try:
             return await BodyReader.of(request, limits, self.health.arriving).body()
         except InputError as error:
@@ -152,7 +141,7 @@ class Sidecar:
 
 
 def create_app(
-    settings: Settings,
+    settings: SidecarSettings,
     registry: CollectorRegistry,
     aggregator: Aggregator | None = None,
     kv_events: KVEvents | None = None,
@@ -431,7 +420,7 @@ def _bearer_matches(request: Request, token: bytes) -> bool:
     return bearer_matches(request.headers.get("authorization", ""), token)
 
 
-def _metrics_challenge(request: Request, settings: Settings) -> str | None:
+def _metrics_challenge(request: Request, settings: SidecarSettings) -> str | None:
     """None when /metrics may be served; else the WWW-Authenticate challenge to answer with."""
     token, user, password = settings.metrics_token, settings.metrics_username, settings.metrics_password
     if token is None and password is None:

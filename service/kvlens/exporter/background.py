@@ -10,27 +10,30 @@ import threading
 
 import httpx
 
-from kvlens.config import Settings, TailSetting, parse_dns_target, parse_shard
+from kvlens.audit.probe import IsolationProbes
 from kvlens.errors import ScrapeError
 from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.diagnoses import RequestDiagnoses
 from kvlens.exporter.labels import ClosedLabels
 from kvlens.exporter.modelled import ModelledCauses
+from kvlens.exporter.settings import SidecarSettings
 from kvlens.exporter.upstream import UpstreamState
 from kvlens.fleet.discovery import DnsTarget
 from kvlens.fleet.index import FleetIndex
 from kvlens.fleet.ordering import Publisher
+from kvlens.fleet.settings import KVEventsSettings, parse_dns_target, parse_shard
 from kvlens.fleet.subscriber import KVEvents
 from kvlens.fleet.trtllm import MAX_BODY_BYTES, TrtllmFeed
 from kvlens.records import Validated
 from kvlens.sources import tail, vllm_metrics
 from kvlens.sources.bounded_http import exchange
 from kvlens.sources.encoding import DecodeLimits
+from kvlens.sources.settings import TailSetting
 
 log = logging.getLogger(__name__)
 
 
-def fleet_index(settings: Settings) -> FleetIndex:
+def fleet_index(settings: KVEventsSettings) -> FleetIndex:
     """The KV events' block index as the settings size it."""
     return FleetIndex(
         hashes_alike=settings.kv_events_hashes_alike,
@@ -48,7 +51,9 @@ def dns_target(text: str) -> DnsTarget:
 
 
 class BackgroundSources:
-    def __init__(self, settings: Settings, aggregator: Aggregator, kv_events: KVEvents | None = None) -> None:
+    def __init__(
+        self, settings: SidecarSettings, aggregator: Aggregator, kv_events: KVEvents | None = None
+    ) -> None:
         """``kv_events``: one fed in process (the demo), instead of the settings' subscriptions."""
         self.settings = settings
         self.aggregator = aggregator
@@ -98,6 +103,8 @@ class BackgroundSources:
             settings.modelled_block_size,
             None if self.kv_events is None else self.kv_events.index,
         )
+        targets = settings.targets()
+        self.isolation = IsolationProbes(targets, settings.isolation_every_seconds) if targets else None
         self._tasks: list[asyncio.Task[None]] = []
         self._threads: list[threading.Thread] = []
         self._stop_tails = threading.Event()
@@ -107,6 +114,8 @@ class BackgroundSources:
         if self.kv_events is not None:
             self.kv_events.start()
         self._tasks = [asyncio.create_task(self._scrape_forever(target)) for target in self.targets.values()]
+        if self.isolation is not None:
+            self.isolation.start()
         self._tasks += [asyncio.create_task(self._drain_forever(feed)) for feed in self.trtllm]
         self._threads = [
             self._follow(spec, status) for spec, status in zip(self.settings.tails, self.tails, strict=True)
@@ -117,6 +126,8 @@ class BackgroundSources:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.isolation is not None:
+            await self.isolation.stop()
         self._stop_tails.set()
         if self.kv_events is not None:
             await asyncio.to_thread(self.kv_events.stop)

@@ -16,7 +16,8 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from kvlens import __version__, bandwidth
-from kvlens.config import ModelShapeSetting
+from kvlens.accounting import ModelShapeSetting
+from kvlens.audit.probe import IsolationProbes
 from kvlens.definitions import DEFAULT_COST_MODEL, UNITS, CostModel
 from kvlens.exporter import metrics
 from kvlens.exporter.aggregator import CACHE_LABELS, TTFT_COMPONENTS, Aggregator, Histograms, Snapshot
@@ -48,6 +49,7 @@ class KVLensCollector(Collector):
         self.kv_events = background.kv_events if background is not None else None
         self.modelled = background.modelled if background is not None else None
         self.diagnoses = background.diagnoses if background is not None else None
+        self.isolation = background.isolation if background is not None else None
         self.health = health
         self.errors = 0
 
@@ -91,9 +93,11 @@ class KVLensCollector(Collector):
         if self.kv_events is not None:
             settings = self.aggregator.settings
             cost = settings.cost_model_for(settings.kv_events_model)
-            yield from self._safely(lambda kv_events: _kv_families(kv_events, cost), self.kv_events)
+            yield from self._safely(lambda kv_events: kv_families(kv_events, cost), self.kv_events)
         if self.modelled is not None:
             yield from self._safely(_modelled_families, self.modelled)
+        if self.isolation is not None:
+            yield from self._safely(_isolation_families, self.isolation)
         yield from self._safely(_tenant_families, self.aggregator.tenants)
         if self.diagnoses is not None:
             yield from self._safely(_miss_family, self.diagnoses)
@@ -269,7 +273,17 @@ def _upstream_families(upstream: UpstreamState) -> list[Metric]:
     return [*families, up, running, errors, scrapes, rejected]
 
 
-def _kv_families(kv_events: KVEvents, cost: CostModel = DEFAULT_COST_MODEL) -> list[Metric]:
+def _isolation_families(probes: IsolationProbes) -> list[Metric]:
+    snapshot = probes.snapshot()
+    result, last = _gauge(metrics.ISOLATION_RESULT), _gauge(metrics.ISOLATION_LAST_SUCCESS)
+    for (target, case), value in sorted(snapshot.results.items()):
+        result.add_metric([target, case], value)
+    for target, seconds in sorted(snapshot.last_success.items()):
+        last.add_metric([target], seconds)
+    return [result, last]
+
+
+def kv_families(kv_events: KVEvents, cost: CostModel = DEFAULT_COST_MODEL) -> list[Metric]:
     """``cost``: the followed fleet's model's cost model (``kv_events_model``), for the work."""
     snapshot = kv_events.snapshot()
     index, publishers = snapshot.index, snapshot.publishers

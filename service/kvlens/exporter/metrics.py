@@ -463,6 +463,20 @@ KV_MODELLED_RECORDS = MetricSpec(
     "replicas (past modelled_max_replicas).",
 )
 KV_MODELLED: Final = (KV_MODELLED_RECOMPUTED_TOKENS, KV_MODELLED_RECORDS)  # with modelled_capacity_blocks
+ISOLATION_RESULT = MetricSpec(
+    "kvlens_isolation_probe_result",
+    "gauge",
+    ("target", "case"),
+    "The last isolation probe of the target, per case: 1 pass, 0 leak (a cache scope served another's "
+    "prefix), -1 inconclusive (the same salt did not hit, or the probe could not run).",
+)
+ISOLATION_LAST_SUCCESS = MetricSpec(
+    "kvlens_isolation_probe_last_success_timestamp_seconds",
+    "gauge",
+    ("target",),
+    "Unix time the last conclusive isolation probe of the target ended (its verdict pass or leak).",
+)
+ISOLATION: Final = (ISOLATION_RESULT, ISOLATION_LAST_SUCCESS)  # with --isolation-probe
 # Per tenant: families of their own (never a tenant label on the families above, whose series are
 # budgeted by model and length), bounded as `model` is (tenants / max_tenants, the rest `other`).
 TENANT_REQUESTS = MetricSpec(
@@ -562,6 +576,7 @@ ALL: Final = (
     *DECODE,
     *KV,
     *KV_MODELLED,
+    *ISOLATION,
     *TENANT,
     *CROSS_TENANT,
     SCRAPE_ERRORS,

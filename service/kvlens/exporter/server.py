@@ -11,9 +11,9 @@ from typing import Any
 
 import uvicorn
 
-from kvlens.config import Settings
 from kvlens.http import server as http_server
 from kvlens.http.server import ConnectionGuard
+from kvlens.http.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +22,7 @@ class KVLensServer(uvicorn.Server):
     """uvicorn's server, reloading the TLS certificate when its files change (for new handshakes;
     connections already open keep the certificate they started with)."""
 
-    def __init__(self, config: uvicorn.Config, settings: Settings, tls: ssl.SSLContext | None) -> None:
+    def __init__(self, config: uvicorn.Config, settings: ServerSettings, tls: ssl.SSLContext | None) -> None:
         super().__init__(config)
         self.settings = settings
         self.tls = tls
@@ -49,7 +49,7 @@ class KVLensServer(uvicorn.Server):
         log.info("kvlens: TLS certificate reloaded")
 
 
-def _stamp(settings: Settings) -> tuple[Any, ...]:
+def _stamp(settings: ServerSettings) -> tuple[Any, ...]:
     stamps: list[Any] = []
     for path in (settings.tls_cert_file, settings.tls_key_file):
         try:
@@ -61,7 +61,7 @@ def _stamp(settings: Settings) -> tuple[Any, ...]:
 
 
 def build_server(
-    settings: Settings,
+    settings: ServerSettings,
     app: Any,
     guard: ConnectionGuard,
     log_level: str,
@@ -77,7 +77,7 @@ def build_server(
     return KVLensServer(config, settings, tls)
 
 
-def tls_context(settings: Settings) -> ssl.SSLContext | None:
+def tls_context(settings: ServerSettings) -> ssl.SSLContext | None:
     """The server's TLS context (Python's defaults for servers: TLS 1.2 or later), or None."""
     if settings.tls_cert_file is None:
         return None

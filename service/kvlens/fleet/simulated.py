@@ -27,6 +27,18 @@ def block_tokens(key: int, block_size: int) -> list[int]:
     return (limbs + [0] * block_size)[:block_size]
 
 
+def extra_keys(count: int, chain_start: bool, salt: str | None, lora: str | None) -> list[list[str] | None]:
+    """Each block's extra keys as vLLM 0.33 publishes them (untagged, in order): the LoRA name on
+    every block, the cache salt on a chain's first block only (``start_token_idx == 0``)."""
+    keys: list[list[str] | None] = []
+    for i in range(count):
+        block = [lora] if lora else []
+        if salt and chain_start and i == 0:
+            block.append(salt)
+        keys.append(block or None)
+    return keys
+
+
 class SimulatedEngine:
     def __init__(self, name: str, block_size: int, emit: Emit, seed: int | None = None) -> None:
         self.name = name
@@ -38,7 +50,12 @@ class SimulatedEngine:
         assert isinstance(key, int)
         return key & MASK64 if self.seed is None else hash((self.seed, key)) & MASK64
 
-    def stored(self, blocks: Sequence[object], parent: object | None) -> None:
+    def stored(
+        self,
+        blocks: Sequence[object],
+        parent: object | None,
+        scope: tuple[str | None, str | None] | None = None,
+    ) -> None:
         size = self.block_size
         tokens: list[int] = []
         for key in blocks:
@@ -53,7 +70,8 @@ class SimulatedEngine:
                 block_size=size,
                 lora_id=None,
                 medium="GPU",
-                lora_name=None,
+                lora_name=None if scope is None else scope[1],
+                extra_keys=None if scope is None else extra_keys(len(blocks), parent is None, *scope),
             ),
         )
 

@@ -21,7 +21,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from starlette.requests import Request
 from starlette.types import Message, Receive
@@ -169,6 +169,47 @@ class ArrivingBodies:
         self.bytes -= victim.held
         victim.displaced = True
         victim.on_displaced()
+
+
+class BodySettings(Protocol):
+    """The settings of request bodies that every server of the package reads (``kvlens serve``'s,
+    KVLENS_*): one set of rules, built here for each, so that no server leaves one out."""
+
+    @property
+    def body_timeout_seconds(self) -> float: ...
+    @property
+    def header_timeout_seconds(self) -> float: ...
+    @property
+    def body_min_bytes_per_second(self) -> int: ...
+    @property
+    def body_min_bytes_per_second_when_full(self) -> int: ...
+    @property
+    def body_rate_window_seconds(self) -> float: ...
+    @property
+    def max_arriving_bodies(self) -> int: ...
+    @property
+    def max_arriving_body_bytes(self) -> int: ...
+
+
+def arriving_bodies(settings: BodySettings) -> ArrivingBodies:
+    """The arriving bodies' caps, displacing a body behind the pace when full unless no pace is
+    asked at all (``body_min_bytes_per_second`` 0 turns every pace off)."""
+    return ArrivingBodies(
+        settings.max_arriving_bodies,
+        settings.max_arriving_body_bytes,
+        settings.body_min_bytes_per_second_when_full if settings.body_min_bytes_per_second else 0,
+    )
+
+
+def body_limits(settings: BodySettings, max_bytes: int) -> BodyLimits:
+    """A body's limits: the server's size cap, and the settings' deadline, pause and pace."""
+    return BodyLimits(
+        max_bytes,
+        settings.body_timeout_seconds,
+        settings.header_timeout_seconds,
+        settings.body_min_bytes_per_second,
+        settings.body_rate_window_seconds,
+    )
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,7 @@ class RecordBatch:
     decode_seconds: npt.NDArray[np.float64]
     e2e_seconds: npt.NDArray[np.float64]
     arrival_time: npt.NDArray[np.float64]
+    trace_reusable_tokens: npt.NDArray[np.int64]
     block_size: npt.NDArray[np.int64]
     model_codes: npt.NDArray[np.int32]
     model_names: list[str]
@@ -87,6 +88,7 @@ class RecordBatch:
     tenant: list[str | None]
     finish_reason: list[str | None]
     arm: list[str | None]
+    session_id: list[str | None]
     prefix_hashes: list[list[int | str] | None]
 
     def __len__(self) -> int:

@@ -41,7 +41,7 @@ class Record(BaseModel):
     booleans and numeric strings are rejected.
     """
 
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore", defer_build=True)
 
     request_id: Annotated[str, Field(max_length=256)] | None = Field(
         None, description="Request id as the engine or gateway knows it. Never a label."
@@ -73,6 +73,16 @@ class Record(BaseModel):
     arm: Annotated[str, Field(max_length=64)] | None = Field(
         None,
         description="Experiment arm (a routing policy of `kvlens simulate`, a `compare` arm); never a label.",
+    )
+    session_id: Annotated[str, Field(max_length=256)] | None = Field(
+        None,
+        description="Conversation (session) the request belongs to: a sub-agent's is its own; "
+        "`analyze` and `compare` report reuse per session. Never a label.",
+    )
+    trace_reusable_tokens: Tokens | None = Field(
+        None,
+        description="Prompt tokens an unbounded prefix cache would have served, the trace's requests "
+        "taken in the run's order (the trace's theoretical reuse; written by `kvlens replay`).",
     )
     block_size: Annotated[int, Field(ge=1, le=MAX_TOKENS)] | None = Field(
         None, description="KV block size in tokens of the engine that served the request."

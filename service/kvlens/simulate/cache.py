@@ -26,13 +26,22 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
+from kvlens.simulate.trace import Scope
+
+
+def hit_limit(prompt_tokens: int, block_size: int) -> int:
+    """The most blocks of a prompt a prefix cache serves: vLLM recomputes a prompt's last token
+    (to get its logits), so at most ``(n - 1) // B`` blocks hit."""
+    return (prompt_tokens - 1) // block_size
+
 
 class CacheEvents(Protocol):
     """What a cache tells of its contents, as an engine's KV events do (vLLM's ``BlockStored`` and
     ``BlockRemoved``): blocks newly cached, each run after ``parent`` (None: from the first
-    block), and blocks evicted. Lookups and hits are not events."""
+    block) by a request of ``scope`` (its cache salt and LoRA, which vLLM publishes in the extra
+    keys; None: neither), and blocks evicted. Lookups and hits are not events."""
 
-    def stored(self, blocks: Sequence[object], parent: object | None) -> None: ...
+    def stored(self, blocks: Sequence[object], parent: object | None, scope: Scope | None = None) -> None: ...
 
     def removed(self, blocks: Sequence[object]) -> None: ...
 
@@ -128,10 +137,11 @@ class PrefixCache:
             count += 1
         return count
 
-    def acquire(self, blocks: Sequence[object], limit: int) -> tuple[int, int]:
+    def acquire(self, blocks: Sequence[object], limit: int, scope: Scope | None = None) -> tuple[int, int]:
         """A request starts: it reuses its cached leading blocks (at most ``limit``), and holds
-        every block it has until :meth:`release`, the new ones cached where there is room.
-        Returns (blocks reused, blocks held: a prefix of ``blocks``).
+        every block it has until :meth:`release`, the new ones cached where there is room (told to
+        ``events`` with the request's ``scope``). Returns (blocks reused, blocks held: a prefix of
+        ``blocks``).
 
         A chain is taken up to its first repeated block: a prefix chain never repeats one (each
         block's id chains its parent's), so a repeat is a cycle sent as ids (a record's
@@ -169,7 +179,7 @@ class PrefixCache:
         stored = blocks[count : count + rest]
         held.update(dict.fromkeys(stored, 1))
         if self.events is not None and stored:
-            self.events.stored(stored, blocks[count - 1] if count else None)
+            self.events.stored(stored, blocks[count - 1] if count else None, scope)
         return reused, count + rest
 
     def release(self, blocks: Sequence[object], count: int) -> None:

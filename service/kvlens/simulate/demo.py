@@ -32,11 +32,11 @@ REPLAY_MODEL: Final = "llama-3.1-8b"
 # model): the demo gives it to the sidecar, so compute saved reads in FLOPs and the decode
 # panel has a model.
 REPLAY_SHAPE: Final = {
-    "layers": 32,
-    "kv_heads": 8,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
     "head_dim": 128,
     "hidden_size": 4096,
-    "heads": 32,
+    "num_attention_heads": 32,
     "intermediate_size": 14336,
     "vocab_size": 128256,
 }
@@ -114,6 +114,8 @@ class DemoTraffic:
         return out
 
 
+CAPACITY_TOKENS = 1800 * 512  # a replica's KV room: about an H200's serving 8B (1,800 blocks of 512)
+
 # One cache event of the replay: (trace seconds, replica, stored (else removed), blocks, parent)
 CacheEvent = tuple[float, int, bool, tuple[object, ...], object | None]
 
@@ -128,17 +130,20 @@ class ReplayTraffic:
 
     speed: float = 4.0
     replicas: int = 4
-    capacity_blocks: int = 1800  # 512-token blocks: about the KV room of an H200 serving 8B
+    capacity_blocks: int = 0  # per replica; 0: CAPACITY_TOKENS in the trace's blocks
     policy: str = "prefix_affinity"
     model: str = REPLAY_MODEL
     origin: float = field(default_factory=time.time)  # the wall clock of the trace's start
     kv_events: bool = False
+    trace: str | None = None  # default: the bundled Mooncake trace
+    session_rate: float | None = None  # conversations: one starts every 1/session_rate s
     block_size: int = field(init=False)
     _records: list[dict[str, Any]] = field(init=False, repr=False)
     _finish: npt.NDArray[np.float64] = field(init=False, repr=False)
     _span: float = field(init=False, repr=False)
     _events: list[CacheEvent] = field(init=False, repr=False, default_factory=list)
     _event_times: npt.NDArray[np.float64] = field(init=False, repr=False)
+    _name: str = field(init=False, repr=False, default="mooncake")
 
     def __post_init__(self) -> None:
         from kvlens.simulate import run
@@ -146,7 +151,9 @@ class ReplayTraffic:
 
         if not self.speed > 0:
             raise ValueError("speed must be > 0")
-        trace = open_trace(BUNDLED)
+        trace = open_trace(self.trace or BUNDLED, session_rate=self.session_rate)
+        self._name = trace.format
+        self.capacity_blocks = self.capacity_blocks or CAPACITY_TOKENS // trace.block_size
         self.block_size = trace.block_size
         played: list[dict[str, Any]] = []
         fleet = run.Fleet(self.replicas, self.capacity_blocks, trace.block_size)
@@ -162,7 +169,7 @@ class ReplayTraffic:
             def __init__(self, replica: int) -> None:
                 self.replica = replica
 
-            def stored(self, blocks: Sequence[object], parent: object | None) -> None:
+            def stored(self, blocks: Sequence[object], parent: object | None, scope: object = None) -> None:
                 events.append((now[0], self.replica, True, tuple(blocks), parent))
 
             def removed(self, blocks: Sequence[object]) -> None:
@@ -205,7 +212,7 @@ class ReplayTraffic:
             for played in self._records[first:last]:
                 record = {k: v for k, v in played.items() if k not in ("prefix_hashes", "arm")}
                 record["model"] = self.model
-                record["request_id"] = f"mooncake-{loop}-{played['request_id']}"
+                record["request_id"] = f"{self._name}-{loop}-{played['request_id']}"
                 record["arrival_time"] = self.origin + (played["arrival_time"] + offset) / self.speed
                 out.append(record)
         return out

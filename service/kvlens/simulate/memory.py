@@ -148,7 +148,7 @@ class MemoryReplica(Replica):
             return  # it waits for memory, and everyone behind it
         waiting.popleft()
         self.backlog = self.backlog - job.estimate if self.queued else 0.0
-        reused, job.held = cache.acquire(job.blocks, job.limit)
+        reused, job.held = cache.acquire(job.blocks, job.limit, job.scope)
         job.private = self._blocks_for(tokens) - job.held
         taken = cache.reserve(job.private)
         assert taken, "admission checked the room"

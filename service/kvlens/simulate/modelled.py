@@ -34,7 +34,7 @@ class IndexSink:
         self.name = name
         self.block_size = block_size
 
-    def stored(self, blocks: Sequence[object], parent: object | None) -> None:
+    def stored(self, blocks: Sequence[object], parent: object | None, scope: object = None) -> None:
         hashes = cast("list[int]", list(blocks))
         tokens = [0] * (len(hashes) * self.block_size)
         self.index.stored(self.name, hashes, cast("int | None", parent), tokens, self.block_size)

@@ -9,14 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from kvlens.errors import MissingExtra
-from kvlens.terminal import NARROWEST, wrapped
+from kvlens.terminal import NARROWEST, percent, wrapped
 
 BAR_WIDTH = 40
 COLORS = ("#3b7dd8", "#d8683b", "#3bb273", "#9b59b6", "#7f8c8d", "#c0392b")
-
-
-def _pct(value: float | None, digits: int = 1) -> str:
-    return "n/a" if value is None else f"{100 * value:.{digits}f} %"
 
 
 def _capacity(value: int | None) -> str:
@@ -37,9 +33,9 @@ def text(result: dict[str, Any], columns: int = NARROWEST) -> str:
             f"fleet {fleet['replicas']} replicas, at most {fleet['max_running']} running each, "
             f"{'chunked' if fleet['chunked_prefill'] else 'unchunked'} prefill of "
             f"{cost['a']:.3g} s/token + {cost['b']:.3g} s/pair",
-            f"reachable (one unbounded cache): token reuse {_pct(reachable['token_reuse_ratio'])}, "
-            f"request hit {_pct(reachable['request_hit_ratio'])}, "
-            f"compute saved {_pct(reachable['compute_saved_ratio'])}",
+            f"reachable (one unbounded cache): token reuse {percent(reachable['token_reuse_ratio'], 1)}, "
+            f"request hit {percent(reachable['request_hit_ratio'], 1)}, "
+            f"compute saved {percent(reachable['compute_saved_ratio'], 1)}",
         ],
         columns,
     )
@@ -48,7 +44,7 @@ def text(result: dict[str, Any], columns: int = NARROWEST) -> str:
         lines += [
             "",
             f"capacity {_capacity(block['capacity_blocks'])} blocks per replica "
-            f"(pooled: token reuse {_pct(pooled['token_reuse_ratio'])})",
+            f"(pooled: token reuse {percent(pooled['token_reuse_ratio'], 1)})",
         ]
         lines += _policy_rows(block["policies"], wide=columns >= WIDE_ROW)
         lines += wrapped([line for run in block["policies"] for line in _funnel_lines(run)], columns)
@@ -67,7 +63,7 @@ def _funnel_lines(run: dict[str, Any]) -> list[str]:
     prompt = stages["prompt"]
 
     def share(stage: dict[str, Any], key: str) -> str:
-        return _pct(stage[key] / prompt[key] if prompt[key] else None)
+        return percent(stage[key] / prompt[key] if prompt[key] else None, 1)
 
     return [
         f"{run['policy']} funnel (tokens / {funnel['unit']}): "
@@ -85,8 +81,8 @@ def _policy_rows(runs: list[dict[str, Any]], *, wide: bool) -> list[str]:
 
     def reuse(run: dict[str, Any]) -> str:
         return (
-            f"{run['policy']:<16} {_pct(run['request_hit_ratio']):>8} "
-            f"{_pct(run['token_reuse_ratio']):>8} {_pct(run['compute_saved_ratio']):>8}"
+            f"{run['policy']:<16} {percent(run['request_hit_ratio'], 1):>8} "
+            f"{percent(run['token_reuse_ratio'], 1):>8} {percent(run['compute_saved_ratio'], 1):>8}"
         )
 
     def ttft(run: dict[str, Any]) -> list[str]:
@@ -95,7 +91,7 @@ def _policy_rows(runs: list[dict[str, Any]], *, wide: bool) -> list[str]:
     def rest(run: dict[str, Any]) -> str:
         gap = run.get("token_reuse_gap")
         lost = "" if gap is None else f"{100 * gap['capacity']:.1f} / {100 * gap['routing']:.1f} pts"
-        return f"{_pct(run['queue_share_of_ttft'], 0):>6} {run['load_imbalance']:>6.2f} {lost:>22}"
+        return f"{percent(run['queue_share_of_ttft'], 0):>6} {run['load_imbalance']:>6.2f} {lost:>22}"
 
     head = f"{'policy':<16} {'req hit':>8} {'reuse':>8} {'saved':>8}"
     tail = f"{'queue':>6} {'imbal':>6} {'lost: capacity/routing':>22}"
@@ -125,7 +121,7 @@ def curve(result: dict[str, Any]) -> list[str]:
     """Token reuse vs capacity as bars, one per policy at each capacity, the reachable reuse marked."""
     reachable = result["reachable"]["token_reuse_ratio"] or 0.0
     mark = round(reachable * BAR_WIDTH)
-    lines = [f"token reuse vs capacity (| marks the reachable {_pct(reachable)})"]
+    lines = [f"token reuse vs capacity (| marks the reachable {percent(reachable, 1)})"]
     for block in result["capacities"]:
         lines.append(f"  {_capacity(block['capacity_blocks'])} blocks per replica")
         runs = [("pooled", block["pooled"])] + [(run["policy"], run) for run in block["policies"]]
@@ -135,7 +131,7 @@ def curve(result: dict[str, Any]) -> list[str]:
                 "|" if i == mark and i >= filled else ("#" if i < filled else " ")
                 for i in range(BAR_WIDTH + 1)
             )
-            lines.append(f"    {name:<16} {bar} {_pct(run['token_reuse_ratio'])}")
+            lines.append(f"    {name:<16} {bar} {percent(run['token_reuse_ratio'], 1)}")
     return lines
 
 

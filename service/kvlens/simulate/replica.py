@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from kvlens import bandwidth
 from kvlens.definitions import CostModel
-from kvlens.simulate.cache import CacheEvents, PrefixCache
+from kvlens.simulate.cache import CacheEvents, PrefixCache, hit_limit
 from kvlens.simulate.trace import TraceRequest
 
 INF = math.inf
@@ -91,6 +91,7 @@ class Job:
         "private",
         "prompt_tokens",
         "replica",
+        "scope",
         "start",
     )
 
@@ -100,9 +101,9 @@ class Job:
         self.arrival = request.arrival
         self.prompt_tokens = request.prompt_tokens
         self.output_tokens = request.output_tokens
-        self.blocks = request.blocks
-        # vLLM recomputes a prompt's last token (to get its logits): at most (n-1)//B blocks hit.
-        self.limit = (request.prompt_tokens - 1) // block_size
+        self.blocks = request.keys  # salted as the engine keys them
+        self.scope = request.scope  # and published with its stores, as the engine's KV events do
+        self.limit = hit_limit(request.prompt_tokens, block_size)
         self.estimate = 0.0  # the prefill seconds the router expected here
         self.replica = -1
         self.cached_tokens = 0
@@ -262,7 +263,7 @@ class Replica:
             self._left -= 1
         job = waiting.popleft()
         self.backlog = self.backlog - job.estimate if self.queued else 0.0
-        reused, job.held = self.cache.acquire(job.blocks, job.limit)
+        reused, job.held = self.cache.acquire(job.blocks, job.limit, job.scope)
         job.cached_tokens = reused * self.block_size
         job.start = now
         duration = self.prefill_seconds(job, reused)

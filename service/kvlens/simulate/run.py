@@ -22,7 +22,7 @@ import orjson
 from kvlens.definitions import Totals, safe_ratio
 from kvlens.records import RecordBatch
 from kvlens.reduce import reduce
-from kvlens.simulate.cache import CacheEvents, PrefixCache
+from kvlens.simulate.cache import CacheEvents, PrefixCache, hit_limit
 from kvlens.simulate.memory import make_replica
 from kvlens.simulate.policies import DEFAULT_GUARD, Choose, Guard, policy
 from kvlens.simulate.replica import DEFAULT_SERVICE, INF, Job, Replica, ServiceModel
@@ -183,18 +183,28 @@ def walk(
     prompt: list[int] = []
     cached: list[int] = []
     outcome = Outcome(name, capacity_blocks)
-    for request in requests:
-        limit = (request.prompt_tokens - 1) // block_size
-        reused, held = cache.acquire(request.blocks, limit)
-        cache.release(request.blocks, held)
+    for request, reused in served(requests, cache, block_size):
         prompt.append(request.prompt_tokens)
-        cached.append(reused * block_size)
+        cached.append(reused)
         if len(prompt) >= CHUNK:
             outcome.add(_token_batch(prompt, cached, block_size), service)
             prompt, cached = [], []
     outcome.add(_token_batch(prompt, cached, block_size), service)
     outcome.evictions = cache.evictions
     return outcome
+
+
+def served(
+    requests: Iterable[TraceRequest], cache: PrefixCache, block_size: int
+) -> Iterator[tuple[TraceRequest, int]]:
+    """Each request, in the order given, and the prompt tokens ``cache`` served it (which then
+    holds its blocks as far as room allows). ``PrefixCache(None)`` gives the theoretical reuse of
+    a trace: an unbounded cache that has seen every request before."""
+    for request in requests:
+        keys = request.keys  # salted as the engine keys them: two salts never share
+        reused, held = cache.acquire(keys, hit_limit(request.prompt_tokens, block_size))
+        cache.release(keys, held)
+        yield request, reused * block_size
 
 
 def _flush(done: list[Job], outcome: Outcome, fleet: Fleet, arm: str, writer: _InArrivalOrder | None) -> None:
@@ -282,6 +292,8 @@ def _batch(count: int, block_size: int, **columns: Any) -> RecordBatch:
         model_names=[MODEL],
         tenant=[None] * count,
         finish_reason=[None] * count,
+        session_id=[None] * count,
+        trace_reusable_tokens=np.full(count, -1, np.int64),
         prefix_hashes=[None] * count,
         **columns,
     )

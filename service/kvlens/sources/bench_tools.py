@@ -9,7 +9,9 @@
   dataset and ``--seed`` give the same request at the same index in every run, which is how
   ``compare`` pairs arms. vLLM's client keeps no ``prompt_tokens_details``: **no cached tokens**,
   and ``start_times`` are ``time.perf_counter()`` readings, not unix time: **no arrival_time**
-  (the order is the file's).
+  (the order is the file's). The file streams past (:func:`_vllm_streamed`): the fields kvlens
+  does not read (``generated_texts``, often most of it) are skipped by their structure, not
+  decoded, so junk inside them goes unnoticed where a whole-file decoder would refuse the file.
 - ``aiperf``: AIPerf's ``profile_export.jsonl`` (AIPerf 0.13, one ``MetricRecordInfo`` a line:
   ``metadata`` and ``metrics`` of ``{"value", "unit"}``, ``error``): ``request_id`` is the
   profiling phase's ``session_num`` (a single-turn dataset's request index), ``prompt_tokens``
@@ -35,13 +37,14 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from kvlens.jsonscan import FieldExtractor
 from kvlens.records import MAX_SECONDS, MAX_TOKENS, MAX_UNIX_TIME
 from kvlens.sources import jsonlines
 from kvlens.sources.jsonlines import UNDECODABLE, line_chunks, loads, open_file
 from kvlens.stats import itl_percentiles
 
 TOOLS: Final = ("vllm-bench", "aiperf")
-MAX_RESULT_BYTES: Final = 512 * 1024 * 1024  # one vllm-bench JSON, read whole
+MAX_RESULT_BYTES: Final = 512 * 1024 * 1024  # one vllm-bench JSON, decompressed (it streams past)
 MAX_ERROR_CHARS: Final = 200
 KEPT_BAD: Final = 20  # unreadable entries named one by one; the rest only counted (bounded memory)
 _CHUNK_BYTES: Final = 1 << 20
@@ -89,7 +92,8 @@ class Imported:
 def read(tool: str, path: str, *, model: str | None = None, missing_cached_is_zero: bool = False) -> Imported:
     """``path``'s requests as kvlens record dicts (``-`` is stdin; gzip is read)."""
     if tool == "vllm-bench":
-        return vllm_bench(_whole(path), model=model, missing_cached_is_zero=missing_cached_is_zero)
+        fields, arrays = _vllm_streamed(path)
+        return vllm_bench(fields, arrays, model=model, missing_cached_is_zero=missing_cached_is_zero)
     if tool == "aiperf":
         with open_file(path) as stream:
             return aiperf(_lines(stream, path), model=model, missing_cached_is_zero=missing_cached_is_zero)
@@ -102,22 +106,28 @@ def read(tool: str, path: str, *, model: str | None = None, missing_cached_is_ze
 _VLLM_ARRAYS: Final = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "errors")
 
 
-def vllm_bench(result: Any, *, model: str | None = None, missing_cached_is_zero: bool = False) -> Imported:
-    if not isinstance(result, dict):
-        raise NotThisFormat("not a vllm bench serve result (a JSON object)")
-    missing = [name for name in _VLLM_ARRAYS if not isinstance(result.get(name), list)]
+def vllm_bench(
+    fields: dict[str, Any],
+    arrays: dict[str, list[Any]],
+    *,
+    model: str | None = None,
+    missing_cached_is_zero: bool = False,
+) -> Imported:
+    """Records from a result's small ``fields`` and its per-request ``arrays``, each element
+    decoded (``itls``' reduced by :func:`_itl_digest`), as :func:`_vllm_streamed` reads them."""
+    missing = [name for name in _VLLM_ARRAYS if name not in arrays]
     if missing:
         raise NotThisFormat(
             f"not a vllm bench serve result saved with --save-detailed: no {', '.join(missing)} "
             "(per-request arrays)"
         )
-    arrays = {name: result[name] for name in _VLLM_ARRAYS}
+    arrays = {name: arrays[name] for name in _VLLM_ARRAYS}
     lengths = {len(values) for values in arrays.values()}
     if len(lengths) > 1:  # vLLM writes one entry per request in each: not one run's requests
         told = ", ".join(f"{name} {len(values)}" for name, values in arrays.items())
         raise NotThisFormat(f"per-request arrays of different lengths ({told}): not one run's requests")
     count = lengths.pop()
-    model = model if model is not None else _label(result.get("model_id"))
+    model = model if model is not None else _label(fields.get("model_id"))
     out = Imported()
     for index in range(count):
         try:
@@ -128,6 +138,55 @@ def vllm_bench(result: Any, *, model: str | None = None, missing_cached_is_zero:
             continue
         out.keep(record, missing_cached_is_zero)
     return out
+
+
+def _vllm_streamed(path: str) -> tuple[dict[str, Any], dict[str, list[Any]]]:
+    """The result's small fields, and its per-request arrays read element by element as the file
+    streams past: the file is never held (its generated_texts, often most of it, are not even
+    decoded), and a request's inter-token gaps, the bulk of the rest, are held as their two
+    percentiles. Memory: about a record's worth a request, whatever the file's size."""
+
+    def too_long(name: str) -> None:
+        raise NotThisFormat(f"an entry of {name} is longer than {jsonlines.MAX_LINE_BYTES:,} bytes: not read")
+
+    extractor = FieldExtractor(arrays=_VLLM_ARRAYS, element_limit=jsonlines.MAX_LINE_BYTES, too_long=too_long)
+    arrays: dict[str, list[Any]] = {}
+    read = 0
+    with open_file(path) as stream:
+        while not extractor.broken and (piece := stream.read(_CHUNK_BYTES)):
+            read += len(piece)
+            if read > MAX_RESULT_BYTES:  # counted decompressed: a small gzip can hold gigabytes
+                raise NotThisFormat(f"larger than {MAX_RESULT_BYTES // (1 << 20)} MiB: not read")
+            for name, text in extractor.feed(piece):
+                if text is None:  # the array starts (again, for a name given twice: the last counts)
+                    arrays[name] = []
+                    continue
+                value = loads(text)
+                if value is UNDECODABLE:
+                    raise NotThisFormat(f"not JSON (entry {len(arrays[name])} of {name})")
+                arrays[name].append(_itl_digest(value) if name == "itls" else value)
+    small = extractor.finish()
+    if small is None:
+        if extractor.values > 1:
+            raise NotThisFormat(
+                f"holds {extractor.values} results (vllm bench serve --append-result): import one at a time"
+            )
+        raise NotThisFormat("not a vllm bench serve result (one JSON object)")
+    fields = loads(small)
+    if not isinstance(fields, dict):  # a small field that is not JSON
+        raise NotThisFormat("not JSON")
+    return fields, arrays
+
+
+def _itl_digest(gaps: Any) -> dict[str, float] | BadEntry:
+    """A request's ``itls`` entry as its record keeps it (p50, p99), or why it cannot be read:
+    raised only where the record reads it, after the fields read before it."""
+    if not isinstance(gaps, list):
+        return BadEntry("itls", "must be a list of seconds")
+    try:
+        return itl_percentiles([_seconds(gap, f"itls[{position}]") for position, gap in enumerate(gaps)])
+    except BadEntry as error:
+        return error
 
 
 def _vllm_record(index: int, entry: dict[str, Any], model: str | None) -> dict[str, Any]:
@@ -142,11 +201,10 @@ def _vllm_record(index: int, entry: dict[str, Any], model: str | None) -> dict[s
         return record | {"error": _bounded(error), "finish_reason": "error"}
     ttft = _seconds(entry["ttfts"], "ttfts")
     latency = _seconds(entry["latencies"], "latencies")
-    gaps = entry["itls"]
-    if not isinstance(gaps, list):
-        raise BadEntry("itls", "must be a list of seconds")
-    itls = [_seconds(gap, f"itls[{position}]") for position, gap in enumerate(gaps)]
-    return record | _timings(ttft, latency, _tokens(entry["output_lens"], "output_lens"), itls)
+    itl = entry["itls"]
+    if isinstance(itl, BadEntry):
+        raise itl
+    return record | _timings(ttft, latency, _tokens(entry["output_lens"], "output_lens"), itl)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,7 +280,7 @@ def _aiperf_record(session: int, line: dict[str, Any], model: str | None) -> dic
         )
     gaps = metrics.get("inter_chunk_latency")
     itls = _time_list(gaps, "inter_chunk_latency") if gaps is not None else []
-    return record | _timings(ttft, latency, _tokens(output[1], output[0]), itls)
+    return record | _timings(ttft, latency, _tokens(output[1], output[0]), itl_percentiles(itls))
 
 
 def _metric(metrics: dict[str, Any], *names: str) -> tuple[str, Any] | None:
@@ -265,7 +323,8 @@ def _time_list(item: Any, name: str) -> list[float]:
 # shared
 
 
-def _timings(ttft: float, latency: float, output: int, itls: list[float]) -> dict[str, Any]:
+def _timings(ttft: float, latency: float, output: int, itl: dict[str, float]) -> dict[str, Any]:
+    """``itl``: the request's inter-token percentiles (:func:`kvlens.stats.itl_percentiles`)."""
     if latency < ttft:
         raise BadEntry("latency", "is shorter than the time to first token")
     timings: dict[str, Any] = {
@@ -274,7 +333,7 @@ def _timings(ttft: float, latency: float, output: int, itls: list[float]) -> dic
         "e2e_seconds": latency,
         "decode_seconds": latency - ttft,
     }
-    timings.update(itl_percentiles(itls))
+    timings.update(itl)
     if output > 1:
         timings["client_tpot_seconds"] = (latency - ttft) / (output - 1)  # vLLM's TPOT
     return timings
@@ -315,22 +374,6 @@ def _bounded(message: str) -> str:
 
 def _label(value: Any) -> str | None:
     return value if isinstance(value, str) and value and len(value.encode()) <= 128 else None
-
-
-def _whole(path: str) -> Any:
-    with open_file(path) as stream:
-        data = stream.read(MAX_RESULT_BYTES + 1)
-    if len(data) > MAX_RESULT_BYTES:
-        raise NotThisFormat(f"larger than {MAX_RESULT_BYTES // (1 << 20)} MiB: not read")
-    value = loads(data)
-    if value is UNDECODABLE:
-        lines = [line for line in data.splitlines() if line.strip()]
-        if len(lines) > 1 and all(loads(line) is not UNDECODABLE for line in lines):
-            raise NotThisFormat(
-                f"holds {len(lines)} results (vllm bench serve --append-result): import one at a time"
-            )
-        raise NotThisFormat("not JSON")
-    return value
 
 
 def _too_long(line: int) -> None:

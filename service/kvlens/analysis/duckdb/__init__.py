@@ -14,5 +14,6 @@ questions of two or more arms. Each engine's report is built by the numpy path's
 
 Modules, each importing only those before it: :mod:`.engine` (the connection, its memory
 limit and errors), :mod:`.sql`, :mod:`.jsonl`, :mod:`.parquet`, :mod:`.inputs`,
-:mod:`.order_statistics`, :mod:`.summary`, :mod:`.compare`.
+:mod:`.order_statistics`, :mod:`.summary`, :mod:`.compare`, :mod:`.potential` (the diagnosis's
+prefix potential, after :mod:`kvlens.analysis.diagnosis`).
 """

@@ -25,13 +25,13 @@ from typing import Any
 import numpy as np
 
 from kvlens import definitions, reduce_sql, sqltext, stats
+from kvlens.accounting import Accounting
 from kvlens.analysis import compare, per_request
 from kvlens.analysis.duckdb import inputs, order_statistics
 from kvlens.analysis.duckdb.engine import Engine, engine_errors
 from kvlens.analysis.report import Cell, Key, totals_of
-from kvlens.config import Settings
 from kvlens.definitions import Totals, prompt_length_labels
-from kvlens.errors import ArmsDiffer
+from kvlens.errors import ArmsDiffer, NoRecordsOfArm
 from kvlens.limits import DEFAULT_MEMORY_LIMIT
 
 COLUMNS = (*inputs.ANALYSIS_COLUMNS, "request_id", "arm")
@@ -40,7 +40,7 @@ _PER_ARM = ("model", "prompt_tokens", "cached_tokens", *compare.METRICS)
 
 def compare_files(
     arms: Sequence[tuple[str, str]],
-    settings: Settings,
+    settings: Accounting,
     *,
     format_name: str | None = None,
     model: str | None = None,
@@ -99,7 +99,7 @@ def _load_arm(
     if named:
         ((kept,),) = con.execute(f"SELECT count(*) FROM arm_{index}").fetchall()
         if not kept:
-            raise compare.NoRecordsOfArm(compare.no_records_of(path, name))
+            raise NoRecordsOfArm(compare.no_records_of(path, name))
 
 
 def check_same_sequence(engine: Engine, names: list[str]) -> None:
@@ -134,7 +134,7 @@ class InDuckDB:
     ``paired`` (the arms' own tables are dropped)."""
 
     def __init__(
-        self, engine: Engine, settings: Settings, arms: int, warmup: int, warmup_until: float | None
+        self, engine: Engine, settings: Accounting, arms: int, warmup: int, warmup_until: float | None
     ) -> None:
         self.engine, self.arms, self.cost_for = engine, arms, settings.cost_model_for
         con = engine.connection

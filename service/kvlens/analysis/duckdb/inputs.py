@@ -56,6 +56,7 @@ def load(
     model: str | None = None,
     progress: Callable[[int], None] | None = None,
     check_later: bool = False,
+    hashes: bool = False,
 ) -> Loaded:
     """Create the view ``records`` (``columns`` plus ``src`` and ``row``) of the valid records
     of ``paths``, counting skipped lines and rows in the result as the numpy path does.
@@ -63,12 +64,20 @@ def load(
     ``check_later``: Parquet scanned in place gets no scan of its own to check it; the view
     checks each row as it reads until :func:`kvlens.analysis.duckdb.summary.summarize`, given
     :attr:`Loaded.unchecked`, checks every row in its sums scan (one scan fewer). The rejected
-    rows of :attr:`Loaded.read` are counted only then."""
+    rows of :attr:`Loaded.read` are counted only then.
+
+    ``hashes``: the JSON lines' records that hold ``prefix_hashes`` are also put in the table
+    ``jsonl_hashes`` (``src``, ``row``, ``block_size``, ``prefix_hashes``), which the
+    diagnosis's prefix potential reads (:mod:`kvlens.analysis.duckdb.potential`); Parquet
+    holds none (a list of mixed ints and strings has no Parquet type)."""
     files = _objects(engine, reader.resolve(paths))
     result = reader.ReadResult(batch=records.batch_from_objects([]).batch)
     con = engine.connection
     typed = ", ".join(f"{name} {sql_type(name)}" for name in columns)
     con.execute(f"CREATE OR REPLACE TEMP TABLE jsonl_records ({typed}, src INTEGER, row BIGINT)")
+    if hashes:
+        kept = ", ".join(f"{name} {sql}" for name, sql in jsonl.HASHES_COLUMNS.items())
+        con.execute(f"CREATE OR REPLACE TEMP TABLE jsonl_hashes (src INTEGER, row BIGINT, {kept})")
     scanned = [(index, path) for index, path in enumerate(files) if reader.is_parquet(path)]
     in_parquet = {index for index, _ in scanned}
     for index, path in enumerate(files):
@@ -83,6 +92,7 @@ def load(
                 format_name=format_name,
                 model=model,
                 progress=progress,
+                hashes="jsonl_hashes" if hashes else None,
             )
     lines = "SELECT * FROM jsonl_records"
     view, in_memory, unchecked = lines, True, None

@@ -24,6 +24,12 @@ skipped lines' counts, reasons and line numbers, and the rows' order are the sam
 chunk (about 8 MiB) each, are in the system's temporary directory (``TMPDIR``): up to
 :data:`COMMIT_CHUNKS` of them, kept until their transaction commits.
 
+With ``hashes`` (``analyze``'s diagnosis), the records holding ``prefix_hashes`` also go to a
+table of their own (:data:`HASHES_COLUMNS`, by ``src`` and ``row``), parsed from the text by a
+second ``read_json`` for the files and chunks whose text may name them
+(:func:`mentions_hashes`) and taken from the batch for the rest: in the records' table, empty
+columns of them held 130 MB at 10M records.
+
 Parsing each line once, by DuckDB alone, was tried and measured slower than the two parses: to
 prove a line is what the validator accepts, every field must be read (the counts as JSON text)
 and each of DuckDB's leniencies ruled out per row and per chunk, which cost more CPU than the
@@ -41,6 +47,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from kvlens import records, sqltext
@@ -62,6 +69,23 @@ INTERRUPT_EVERY = 0.01  # seconds between interrupts of a DuckDB statement being
 # that a file of millions of distinct such names is never held in Python at once (2M fetched
 # at once took 1.4 GB more RSS).
 LABELS_AT_A_TIME = 65_536
+# The diagnosis's prefix potential reads these, kept apart from the records (a table of them for
+# the few records that hold hashes): an empty column of each in the records' table held 130 MB
+# of 10M records, past analyze's peak RSS goal of 1 GiB.
+# With them, what the report's sections read of those records beyond the analysis's columns.
+HASHES_COLUMNS = {
+    "block_size": "BIGINT",
+    "prefix_hashes": "JSON",
+    "request_id": "VARCHAR",
+    "replica": "VARCHAR",
+    "tenant": "VARCHAR",
+}
+
+
+def mentions_hashes(text: bytes) -> bool:
+    """Whether some line of ``text`` may hold ``prefix_hashes`` (a key spelled with escapes
+    needs a backslash); when not, no record of it does, and its hashes are not read."""
+    return b"prefix_hashes" in text or b"\\" in text
 
 
 def load_file(
@@ -75,13 +99,16 @@ def load_file(
     format_name: str | None = None,
     model: str | None = None,
     progress: Callable[[int], None] | None = None,
+    hashes: str | None = None,
 ) -> None:
     """Insert the valid records of the JSON-lines file ``path`` into ``table``: ``columns`` (name:
     SQL type), then ``src``, then ``row``, the record's number among the file's valid records
-    (from 0, in the file's order). Lines, skips and formats go to ``result``."""
+    (from 0, in the file's order). Lines, skips and formats go to ``result``. ``hashes``: a
+    table of ``src, row, block_size, prefix_hashes`` (:data:`HASHES_COLUMNS`) that gets the
+    records holding ``prefix_hashes`` (:func:`mentions_hashes`)."""
     names = ", ".join(columns)
     with tempfile.TemporaryDirectory(prefix="kvlens-lines-") as directory:
-        parse = _Parser(connection, table, columns, src, Path(directory))
+        parse = _Parser(connection, table, columns, src, Path(directory), hashes)
         if _whole_file(parse, path, result, format_name=format_name, model=model, progress=progress):
             connection.execute(f"DROP TABLE IF EXISTS {STAGED}")
             return
@@ -99,6 +126,7 @@ def load_file(
                 connection.register("chunk", chunk)
                 connection.execute(f"INSERT INTO {table} SELECT {names}, src, row FROM chunk")
                 connection.unregister("chunk")
+                parse.batch_hashes(item)
                 parse.offset += len(item)
         except BaseException:
             parse.abandon()
@@ -155,7 +183,7 @@ def _whole_file(
 
     warnings: list[str] = []  # logged if the file is inserted here, else when it is read again
     thread = threading.Thread(target=insert, name="kvlens-read-json", daemon=True)
-    lines, proven, started = 0, True, False
+    lines, proven, started, mentioned = 0, True, False, False
     try:
         chunks = reader.file_chunks([path], result, format_name, counted, warnings.append)
         for _, _, chunk, file_format in chunks:
@@ -173,6 +201,7 @@ def _whole_file(
                 proven = False
                 break
             lines += count
+            mentioned = mentioned or mentions_hashes(chunk)
         _stop(parse, thread, interrupt=not proven)
     except BaseException:  # Ctrl-C (also while DuckDB is awaited), an unreadable file: DuckDB
         _stop(parse, thread, interrupt=True)  # stops too, nothing is kept
@@ -183,8 +212,10 @@ def _whole_file(
     try:
         if proven and isinstance(inserted, int) and lines:
             settled = parse.settle(inserted, query, labels, lines)
+            if settled == lines and mentioned and parse.hashes is not None:
+                parse.insert_hashes(path, "gzip" if jsonlines.is_gzip(path) else "none")
     except (*parse.refused, parse.too_small):
-        pass
+        settled = None  # DuckDB refused the text (a duplicate key among the hashes' fields)
     except BaseException:
         parse.abandon()
         raise
@@ -236,11 +267,18 @@ class _Parser:
     chunk's text, the transaction is rolled back and its earlier chunks inserted again."""
 
     def __init__(
-        self, connection: Any, table: str, columns: Mapping[str, str], src: int, directory: Path
+        self,
+        connection: Any,
+        table: str,
+        columns: Mapping[str, str],
+        src: int,
+        directory: Path,
+        hashes: str | None = None,
     ) -> None:
         duckdb = duckdb_module()
         self.connection = connection
         self.table = table
+        self.hashes = hashes
         self.columns = columns
         self.src = int(src)
         self.directory = directory
@@ -250,7 +288,8 @@ class _Parser:
         self.enabled = True
         self.files = 0
         self.open = False  # a transaction is open
-        self.inserted: list[tuple[Path, list[str], int, int]] = []  # in it: file, labels, lines, offset
+        # in it: file, labels, lines, offset, whether it may hold hashes
+        self.inserted: list[tuple[Path, list[str], int, int, bool]] = []
 
     def __call__(self, chunk: bytes, lines: int) -> int | None:
         if not self.enabled:
@@ -271,8 +310,11 @@ class _Parser:
         if not self.open:
             self.connection.execute("BEGIN")
             self.open = True
+        mentioned = self.hashes is not None and mentions_hashes(chunk)
         try:
             count = self._insert(self.lines_query(file, labels), labels, lines)
+            if count is not None and mentioned:
+                self.insert_hashes(file)  # DuckDB may refuse the hashes' fields' text alone
         except (*self.refused, self.too_small) as error:
             # text DuckDB refuses (a duplicate key), or read_json's buffers (32 MiB) do not fit
             # in memory: the validator reads the chunk, and for good after the latter
@@ -283,7 +325,7 @@ class _Parser:
         if count is None:
             file.unlink()
             return None
-        self.inserted.append((file, labels, lines, self.offset))
+        self.inserted.append((file, labels, lines, self.offset, mentioned))
         self.offset += count
         if len(self.inserted) >= COMMIT_CHUNKS:
             self.commit()
@@ -311,10 +353,12 @@ class _Parser:
         self.connection.execute("ROLLBACK")
         self.open = False
         offset = self.offset
-        for file, labels, lines, start in self.inserted:
+        for file, labels, lines, start, mentioned in self.inserted:
             self.offset = start
             if self._insert(self.lines_query(file, labels), labels, lines) != lines:
                 raise InputError(f"{file}: DuckDB read a chunk of lines otherwise the second time")
+            if mentioned:
+                self.insert_hashes(file)
             file.unlink()
         self.inserted.clear()
         self.offset = offset
@@ -336,6 +380,47 @@ class _Parser:
             "format = 'newline_delimited', "
             f"records = true, compression = '{compression}', columns = {typed}) WITH ORDINALITY"
         )
+
+    def insert_hashes(self, file: Path | str, compression: str = "none") -> None:
+        """Insert into the hashes table the records of ``file`` (inserted from :attr:`offset` on,
+        every line a record) that hold ``prefix_hashes``: a second parse of the text, for the
+        files and chunks that may hold them only."""
+        typed = "{" + ", ".join(f"{name}: '{sql}'" for name, sql in HASHES_COLUMNS.items()) + "}"
+        # an empty string is an absent value, as in a batch
+        selected = ", ".join(
+            f"NULLIF({name}, '')" if sql == "VARCHAR" else name for name, sql in HASHES_COLUMNS.items()
+        )
+        self.connection.execute(
+            f"INSERT INTO {self.hashes} SELECT {self.src}, {self.offset} + ordinality - 1, "
+            f"{selected} FROM read_json({sqltext.duckdb_path(str(file))}, "
+            f"format = 'newline_delimited', records = true, compression = '{compression}', "
+            f"columns = {typed}) WITH ORDINALITY WHERE prefix_hashes IS NOT NULL"
+        )
+
+    def batch_hashes(self, batch: records.RecordBatch) -> None:
+        """Insert into the hashes table the records of ``batch`` (inserted from :attr:`offset`
+        on) that hold ``prefix_hashes``, as JSON text."""
+        rows = [i for i, hashes in enumerate(batch.prefix_hashes) if hashes is not None]
+        if self.hashes is None or not rows:
+            return
+        found = {
+            "row": np.array(rows, dtype=np.int64) + self.offset,
+            "block_size": np.array(
+                [batch.block_size[i] if batch.block_size[i] >= 0 else None for i in rows], dtype=object
+            ),
+            "prefix_hashes": np.array(
+                [msgspec.json.encode(batch.prefix_hashes[i]).decode() for i in rows], dtype=object
+            ),
+            **{
+                name: np.array([getattr(batch, name)[i] or None for i in rows], dtype=object)
+                for name in ("request_id", "replica", "tenant")
+            },
+        }
+        self.connection.register("chunk_hashes", found)
+        self.connection.execute(
+            f"INSERT INTO {self.hashes} SELECT {self.src}, row, {', '.join(HASHES_COLUMNS)} FROM chunk_hashes"
+        )
+        self.connection.unregister("chunk_hashes")
 
     def _insert(self, lines_query: str, labels: list[str], lines: int) -> int | None:
         return self.settle(self.insert_checked(lines_query, labels), lines_query, labels, lines)

@@ -40,7 +40,11 @@ def part_key(part: Part) -> int:
     return SERIES.index(part[0]) * _PART_STRIDE + pack_hit(part[1] + 1, int(part[2]))
 
 
-CHUNK_ROWS = 1 << 20  # records read into numpy at once by the order statistics: ~50 MB of arrays
+CHUNK_ROWS = 1 << 20  # records up to this many are read into numpy once, whole, and partitioned
+# Past CHUNK_ROWS, records read into numpy at once: a read holds about 400 bytes a record (each
+# of 7 values with its position, bin and group, twice while the parts are joined), so 1M rows
+# held 0.5 GB beside DuckDB's memory at 10M records (the peak RSS goal is 1 GiB), these 50 MB.
+READ_ROWS = 1 << 17
 
 
 @dataclass(frozen=True)
@@ -56,16 +60,17 @@ class Series:
     grouped: tuple[bool, ...]
     chunks: tuple[str, ...] = ("TRUE",)
     columns: tuple[int, ...] | None = None  # the value column each key reads (default: v0, v1, ...)
-    sample: str | None = None  # rows read first to predict where the ranks lie (:func:`_predict`)
+    sample: tuple[str, ...] | None = None  # rows read first to predict where the ranks lie (:func:`_predict`)
 
 
 def row_chunks(records: int, last_row: int) -> tuple[str, ...]:
-    """Predicates on ``row`` (a record's line or row in its file) that split ``records`` into
-    reads of about :data:`CHUNK_ROWS`: ranges of row numbers (of every file at once), which
-    DuckDB prunes to the Parquet row groups and table row groups that hold them."""
-    count = -(-records // CHUNK_ROWS)
-    if count <= 1:
+    """Predicates on ``row`` (a record's line or row in its file) that split ``records`` past
+    :data:`CHUNK_ROWS` into reads of about :data:`READ_ROWS`: ranges of row numbers (of every
+    file at once), which DuckDB prunes to the Parquet row groups and table row groups that
+    hold them."""
+    if records <= CHUNK_ROWS:
         return ("TRUE",)
+    count = -(-records // min(READ_ROWS, CHUNK_ROWS))
     width = -(-(last_row + 1) // count)
     return tuple(f"row >= {start} AND row < {start + width}" for start in range(0, last_row + 1, width))
 
@@ -73,17 +78,18 @@ def row_chunks(records: int, last_row: int) -> tuple[str, ...]:
 SAMPLE_BLOCKS = 16  # the sample is this many blocks of rows spread over the row numbers
 
 
-def sample_rows(records: int, last_row: int) -> str | None:
-    """A predicate on ``row`` picking about :data:`CHUNK_ROWS` records in
+def sample_rows(records: int, last_row: int) -> tuple[str, ...] | None:
+    """Predicates on ``row`` picking about :data:`CHUNK_ROWS` records in
     :data:`SAMPLE_BLOCKS` blocks spread over the row numbers (pruned to their row groups like a
-    chunk), or None when the records are one chunk (read once anyway)."""
+    chunk), read a few blocks at a time (about :data:`READ_ROWS` records each), or None when
+    the records are one chunk (read once anyway)."""
     if records <= CHUNK_ROWS:
         return None
     block = max(1, CHUNK_ROWS * (last_row + 1) // records // SAMPLE_BLOCKS)
     step = (last_row + 1) // SAMPLE_BLOCKS
-    return " OR ".join(
-        f"(row >= {index * step} AND row < {index * step + block})" for index in range(SAMPLE_BLOCKS)
-    )
+    blocks = [f"(row >= {index * step} AND row < {index * step + block})" for index in range(SAMPLE_BLOCKS)]
+    per_read = max(1, SAMPLE_BLOCKS * min(READ_ROWS, CHUNK_ROWS) // CHUNK_ROWS)
+    return tuple(" OR ".join(blocks[at : at + per_read]) for at in range(0, SAMPLE_BLOCKS, per_read))
 
 
 @dataclass
@@ -302,7 +308,7 @@ def at_ranks(
         predicted = None
         if series.sample is not None:
             sampled = np.zeros(layout.total, dtype=np.int64)
-            for _, _, bins, _ in _read(engine, series, layout, [series.sample]):
+            for _, _, bins, _ in _read(engine, series, layout, series.sample):
                 sampled += np.bincount(bins, minlength=layout.total)
             predicted = _predict(layout, open_targets, sampled, bounds)
         by_row = None if tail is None else layout.index.get(part_key(tail.part))

@@ -2,7 +2,8 @@
 an ``s3://`` glob), its schema checked against the record's, every row checked by the bounds
 :class:`kvlens.records.Record` declares (:func:`kvlens.analysis.duckdb.sql.rejection_sql`), the
 rejected rows counted by reason and named as the validator names lines; copied into memory
-once only when the rows fit in :data:`MATERIALIZE_SHARE` of the memory limit."""
+once only when the rows fit in :data:`MATERIALIZE_SHARE` of the memory limit and in
+:data:`MATERIALIZE_MAX_BYTES`."""
 
 from __future__ import annotations
 
@@ -20,6 +21,11 @@ from kvlens.errors import InputError
 # Python, at most; past it every row is matched by the RE2 pattern instead.
 MAX_LABELS_CHECKED = 100_000
 MATERIALIZE_SHARE = 0.5  # of the memory limit: Parquet rows are copied into memory when they fit in it
+# ... and in this, whatever the limit: the scans after the copy need up to 0.75 GiB besides (the
+# 100M records scanned in place peak at 0.89 GiB), and analyze's peak RSS goal is 1 GiB. A
+# copy of 10M rows (1.0 GB, chosen when the limit's half was the only bound) peaked at 1.41 GiB;
+# scanned in place they peak at 0.68 GiB and ran no slower.
+MATERIALIZE_MAX_BYTES = 256 * 1024 * 1024
 COLUMN_BYTES = 10  # a column of a row in a DuckDB table, measured: 91 MB for 1M rows of 10 columns
 
 
@@ -33,9 +39,10 @@ def rows(engine: Engine, paths: list[str]) -> int:
 
 
 def fits_in_memory(engine: Engine, count: int, columns: Sequence[str]) -> bool:
-    """Whether ``count`` Parquet rows fit in :data:`MATERIALIZE_SHARE` of the memory limit, at
-    :data:`COLUMN_BYTES` a column."""
-    return count * COLUMN_BYTES * (len(columns) + 3) <= MATERIALIZE_SHARE * engine.memory_limit_bytes()
+    """Whether ``count`` Parquet rows fit in :data:`MATERIALIZE_SHARE` of the memory limit and
+    in :data:`MATERIALIZE_MAX_BYTES`, at :data:`COLUMN_BYTES` a column."""
+    copy = count * COLUMN_BYTES * (len(columns) + 3)
+    return copy <= min(MATERIALIZE_SHARE * engine.memory_limit_bytes(), MATERIALIZE_MAX_BYTES)
 
 
 @dataclass(frozen=True)

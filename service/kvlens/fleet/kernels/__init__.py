@@ -30,11 +30,11 @@ from kvlens.fleet.kernels.table import (
     MIN_SLOTS,
     SLICE_ROWS,
     Ring,
-    _rebuild_rows,
-    _room,
-    _sparse,
+    has_room,
+    is_sparse,
     lookup,
     new_table,
+    rebuild_rows,
 )
 
 _warm = False
@@ -65,10 +65,10 @@ def warm() -> None:
     apply_payload(payload, 0, arrays)
     msgpack_ints(np.zeros(1, np.uint8))
     msgpack.chain_start_blocks(payload)
-    _rebuild_rows(table, new_table(MIN_SLOTS), depths, depths.copy(), 0, SLICE_ROWS)
-    _rebuild_rows(table, new_table(MIN_SLOTS), depths[:0], depths[:0], 0, SLICE_ROWS)
-    _room(table, 1)
-    _sparse(table)
+    rebuild_rows(table, new_table(MIN_SLOTS), depths, depths.copy(), 0, SLICE_ROWS)
+    rebuild_rows(table, new_table(MIN_SLOTS), depths[:0], depths[:0], 0, SLICE_ROWS)
+    has_room(table, 1)
+    is_sparse(table)
     _recompile_when_stale((tables, msgpack, rules))
     _warm = True
 

@@ -41,20 +41,20 @@ from kvlens.fleet.kernels.msgpack import (
 )
 from kvlens.fleet.kernels.stamp import BUILT_FROM
 from kvlens.fleet.kernels.table import (
-    _GOLDEN,
     DEPTH_UNKNOWN,
+    GOLDEN,
     MASK60,
     MAX_DEPTH,
     PRESENT,
     TIER_SHIFT,
     TOMB,
-    _delete,
-    _find,
-    _insert,
-    _mix,
-    _room,
-    _sparse,
-    _touch,
+    delete_at,
+    find_slot,
+    has_room,
+    insert_at,
+    is_sparse,
+    mix,
+    touch_home,
 )
 from kvlens.fleet.limits import TIERS
 
@@ -80,7 +80,7 @@ FLEET_COUNTS = 5
 P_BLOCK_SIZE, P_PARENT, P_HAS_PARENT, P_ALIKE, P_TIER, P_REPLICA, P_SHARDS, P_SHARD, P_MAX_HELD, P_CAP = (
     range(10)
 )
-P_TOUCHED = 10  # where _touch's loads go (so that the compiler keeps them)
+P_TOUCHED = 10  # where touch_home's loads go (so that the compiler keeps them)
 PARAMS = 11
 # what store() and remove() answer besides their counts
 GROW = -2  # a table needs room first (nothing was changed)
@@ -123,14 +123,14 @@ def content_keys(tokens: Any, block_size: int, parent: Any, extras: Any, out: An
         base = i * block_size
         for j in range(block_size):
             h = (h ^ tokens[base + j]) * _TOKEN
-        h = _mix(h ^ extras[i])
-        key = _mix(key * _GOLDEN + h) & MASK60
+        h = mix(h ^ extras[i])
+        key = mix(key * GOLDEN + h) & MASK60
         out[i] = key
 
 
 @njit(cache=True, nogil=True)
 def _remember(key: Any, bit: Any, cap: int, remembered: Any, ring: Any, fleet_counts: Any) -> None:
-    row, found = _find(remembered, key)
+    row, found = find_slot(remembered, key)
     if found:
         remembered[row, 1] |= bit
         return
@@ -140,22 +140,22 @@ def _remember(key: Any, bit: Any, cap: int, remembered: Any, ring: Any, fleet_co
     size = ring.size - 2
     head, count = np.int64(ring[0]), np.int64(ring[1])
     if count == cap:  # the oldest goes first: the same state as adding, then forgetting
-        old, _ = _find(remembered, ring[2 + head])
-        _delete(remembered, old)
+        old, _ = find_slot(remembered, ring[2 + head])
+        delete_at(remembered, old)
         head = (head + 1) % size
         count -= 1
         fleet_counts[FORGOTTEN] += 1
-        row, _ = _find(remembered, key)
+        row, _ = find_slot(remembered, key)
     ring[2 + (head + count) % size] = key
     ring[0] = head
     ring[1] = count + 1
-    _insert(remembered, row, key, bit)
+    insert_at(remembered, row, key, bit)
 
 
 @njit(cache=True, nogil=True)
 def _release(key: Any, bit: Any, cap: int, fleet: Any, remembered: Any, ring: Any, fleet_counts: Any) -> None:
     """The replica no longer holds ``key`` in any tier: off its holders, remembered."""
-    row, found = _find(fleet, key)
+    row, found = find_slot(fleet, key)
     mask = fleet[row, 1] if found else np.uint64(0)
     if mask & bit:
         mask &= ~bit
@@ -163,7 +163,7 @@ def _release(key: Any, bit: Any, cap: int, fleet: Any, remembered: Any, ring: An
             fleet[row, 1] = mask
             fleet_counts[DUPLICATED] -= 1
         else:
-            _delete(fleet, row)
+            delete_at(fleet, row)
     _remember(key, bit, cap, remembered, ring, fleet_counts)
 
 
@@ -174,18 +174,18 @@ def _store(hashes: Any, tokens: Any, extras: Any, arrays: Arrays) -> int:
     block_size = np.int64(params[P_BLOCK_SIZE])
     if block_size < 1 or tokens.size != count * block_size:
         return -1
-    if not (_room(replica, count) and _room(fleet, count)):
+    if not (has_room(replica, count) and has_room(fleet, count)):
         return GROW
     alike = params[P_ALIKE] != 0
     tier = np.int64(params[P_TIER])
     tier_bits = np.uint64(1) << (np.uint64(tier) + TIER_SHIFT)
-    if not _room(copies, count):  # rare (a small table, a large event): room if copies come
+    if not has_room(copies, count):  # rare (a small table, a large event): room if copies come
         repeats = 0
         for b in range(count):
-            row, found = _find(replica, hashes[b])
+            row, found = find_slot(replica, hashes[b])
             if found and replica[row, 1] & tier_bits:
                 repeats += 1
-        if repeats and not _room(copies, repeats):
+        if repeats and not has_room(copies, repeats):
             return GROW_COPIES
     copy_shift = np.uint64(COPY_BITS * tier)
     classify = tier == 0
@@ -199,7 +199,7 @@ def _store(hashes: Any, tokens: Any, extras: Any, arrays: Arrays) -> int:
     parent = np.uint64(0)
     chained = True
     if params[P_HAS_PARENT]:
-        row, chained = _find(replica, params[P_PARENT])
+        row, chained = find_slot(replica, params[P_PARENT])
         if chained:
             parent = replica[row, 1] & MASK60
             first_depth = np.int64(depths[row]) + 1 if depths[row] != DEPTH_UNKNOWN else 0
@@ -213,7 +213,9 @@ def _store(hashes: Any, tokens: Any, extras: Any, arrays: Arrays) -> int:
         content_keys(tokens, block_size, parent, extras if extras.size else np.zeros(count, np.uint64), keys)
     touched = np.uint64(0)
     for b in range(count):
-        touched ^= _touch(replica, hashes[b]) ^ _touch(fleet, keys[b]) ^ _touch(remembered, keys[b])
+        touched ^= (
+            touch_home(replica, hashes[b]) ^ touch_home(fleet, keys[b]) ^ touch_home(remembered, keys[b])
+        )
     params[P_TOUCHED] = touched
     added = 0
     held = 0
@@ -227,7 +229,7 @@ def _store(hashes: Any, tokens: Any, extras: Any, arrays: Arrays) -> int:
         fleet_row = -1
         fleet_found = False
         if mine:
-            fleet_row, fleet_found = _find(fleet, key)
+            fleet_row, fleet_found = find_slot(fleet, key)
             if fleet_found:
                 mask = fleet[fleet_row, 1]
             stored += 1
@@ -239,7 +241,7 @@ def _store(hashes: Any, tokens: Any, extras: Any, arrays: Arrays) -> int:
                 elif mask:
                     cause = C_HELD_ELSEWHERE
                 else:
-                    row, found = _find(remembered, key)
+                    row, found = find_slot(remembered, key)
                     before = remembered[row, 1] if found else np.uint64(0)
                     # found with no bits: held before by replicas since forgotten (drop_bit())
                     cause = C_NEW if not found else C_EVICTED_HERE if before & bit else C_EVICTED_ELSEWHERE
@@ -250,22 +252,22 @@ def _store(hashes: Any, tokens: Any, extras: Any, arrays: Arrays) -> int:
                 else:  # the tokens at positions p = before + 1 .. before + block_size
                     before = (depth - 1) * block_size
                     mine_row[PAIRS + cause] += block_size * before + block_size * (block_size + 1) // 2
-        row, found = _find(replica, engine_hash)
+        row, found = find_slot(replica, engine_hash)
         if found and replica[row, 1] & tier_bits:  # an extra copy: held, within the cap
             if added >= room:
                 fleet_counts[UNTRACKED] += 1
                 continue
-            copy_row, copy_found = _find(copies, engine_hash)
+            copy_row, copy_found = find_slot(copies, engine_hash)
             counts = copies[copy_row, 1] if copy_found else np.uint64(0)
             if (counts >> copy_shift) & np.uint64(COPY_MAX) == np.uint64(COPY_MAX) or not (
-                copy_found or _room(copies, 1)  # the same hash again in this event: rare
+                copy_found or has_room(copies, 1)  # the same hash again in this event: rare
             ):
                 fleet_counts[UNTRACKED] += 1
                 continue
             if copy_found:
                 copies[copy_row, 1] = counts + (np.uint64(1) << copy_shift)
             else:
-                _insert(copies, copy_row, engine_hash, np.uint64(1) << copy_shift)
+                insert_at(copies, copy_row, engine_hash, np.uint64(1) << copy_shift)
             added += 1
             if mine:
                 held += 1
@@ -278,7 +280,7 @@ def _store(hashes: Any, tokens: Any, extras: Any, arrays: Arrays) -> int:
             if depths[row] == DEPTH_UNKNOWN:
                 depths[row] = depth
         else:  # kept out of this shard too: a child's depth (and content key) chains from it
-            _insert(replica, row, engine_hash, (np.uint64(0) if alike else key) | tier_bits)
+            insert_at(replica, row, engine_hash, (np.uint64(0) if alike else key) | tier_bits)
             depths[row] = depth
         added += 1
         if mine:
@@ -289,7 +291,7 @@ def _store(hashes: Any, tokens: Any, extras: Any, arrays: Arrays) -> int:
                 if fleet_found:
                     fleet[fleet_row, 1] = mask | bit
                 else:
-                    _insert(fleet, fleet_row, key, bit)
+                    insert_at(fleet, fleet_row, key, bit)
     fleet_counts[HELD_ENTRIES] += added
     mine_row[STORED + tier] += stored
     mine_row[HELD + tier] += held
@@ -314,7 +316,7 @@ def store(hashes: Any, raw: Any, tokens: Any, extras: Any, arrays: Arrays) -> in
 def _remove(hashes: Any, arrays: Arrays) -> int:
     params, replica, copies, fleet, remembered, ring, stats, fleet_counts, _ = arrays
     cap = np.int64(params[P_CAP])
-    if not (_room(remembered, hashes.size) and ring.size - 2 >= min(cap, np.int64(ring[1]) + hashes.size)):
+    if not (has_room(remembered, hashes.size) and ring.size - 2 >= min(cap, np.int64(ring[1]) + hashes.size)):
         return GROW
     alike = params[P_ALIKE] != 0
     tier = np.int64(params[P_TIER])
@@ -326,16 +328,16 @@ def _remove(hashes: Any, arrays: Arrays) -> int:
     copy_shift = np.uint64(COPY_BITS * tier)
     touched = np.uint64(0)
     for b in range(hashes.size):
-        touched ^= _touch(replica, hashes[b])
+        touched ^= touch_home(replica, hashes[b])
     for b in range(hashes.size):  # then the fleet's lines of the blocks held
-        row, found = _find(replica, hashes[b])
+        row, found = find_slot(replica, hashes[b])
         if found:
             key = hashes[b] if alike else replica[row, 1] & MASK60
-            touched ^= _touch(fleet, key) ^ _touch(remembered, key)
+            touched ^= touch_home(fleet, key) ^ touch_home(remembered, key)
     params[P_TOUCHED] = touched
     for b in range(hashes.size):
         engine_hash = hashes[b]
-        row, found = _find(replica, engine_hash)
+        row, found = find_slot(replica, engine_hash)
         if not found or not replica[row, 1] & tier_bits:
             # its store was missed (or not kept); without hashes alike its shard is unknown, so
             # shard 0 counts it
@@ -350,26 +352,26 @@ def _remove(hashes: Any, arrays: Arrays) -> int:
             mine_row[REMOVED + tier] += 1
             mine_row[HELD + tier] -= 1
         if copies[-1, 0]:  # some extra copies: one of this block in this tier goes first
-            copy_row, copy_found = _find(copies, engine_hash)
+            copy_row, copy_found = find_slot(copies, engine_hash)
             counts = copies[copy_row, 1] if copy_found else np.uint64(0)
             if (counts >> copy_shift) & np.uint64(COPY_MAX):
                 counts -= np.uint64(1) << copy_shift
                 if counts:
                     copies[copy_row, 1] = counts
                 else:
-                    _delete(copies, copy_row)
+                    delete_at(copies, copy_row)
                 continue
         left = val & ~tier_bits
         if left >> TIER_SHIFT:
             replica[row, 1] = left  # still held in another tier: still a holder
             continue
-        _delete(replica, row)
+        delete_at(replica, row)
         if mine:
             _release(key, bit, cap, fleet, remembered, ring, fleet_counts)
     return (
-        (SHRINK_REPLICA if _sparse(replica) else 0)
-        | (SHRINK_FLEET if _sparse(fleet) else 0)
-        | (SHRINK_COPIES if _sparse(copies) else 0)
+        (SHRINK_REPLICA if is_sparse(replica) else 0)
+        | (SHRINK_FLEET if is_sparse(fleet) else 0)
+        | (SHRINK_COPIES if is_sparse(copies) else 0)
     )
 
 
@@ -413,7 +415,7 @@ def clear(arrays: Arrays, start: int, stop: int) -> None:
         held = val >> TIER_SHIFT
         counts = np.uint64(0)
         if some_copies:
-            copy_row, copy_found = _find(copies, engine_hash)
+            copy_row, copy_found = find_slot(copies, engine_hash)
             if copy_found:
                 counts = copies[copy_row, 1]
         for t in range(_TIERS):
@@ -448,7 +450,7 @@ def drop_bit(table: Any, bit: Any, holders: bool, fleet_counts: Any, start: int,
             if holders:
                 fleet_counts[DUPLICATED] -= 1
         else:
-            _delete(table, row)
+            delete_at(table, row)
 
 
 @njit(cache=True, nogil=True)

@@ -27,7 +27,7 @@ TOMB: Final = np.uint64(1)
 PRESENT: Final = np.uint64(2)
 TIER_SHIFT: Final = np.uint64(60)
 MASK60: Final = np.uint64((1 << 60) - 1)
-_GOLDEN: Final = np.uint64(0x9E3779B97F4A7C15)
+GOLDEN: Final = np.uint64(0x9E3779B97F4A7C15)
 _C1: Final = np.uint64(0xFF51AFD7ED558CCD)
 _C2: Final = np.uint64(0xC4CEB9FE1A85EC53)
 _S33: Final = np.uint64(33)
@@ -65,7 +65,7 @@ def built_from() -> int:
 
 
 @njit(cache=True, nogil=True)
-def _mix(h: Any) -> Any:
+def mix(h: Any) -> Any:
     """MurmurHash3's 64-bit finalizer: a bijection, every input bit reaches every output bit."""
     h ^= h >> _S33
     h *= _C1
@@ -78,11 +78,11 @@ def _mix(h: Any) -> Any:
 @njit(cache=True, nogil=True)
 def _home(key: Any, size: int) -> Any:
     """The slot a key's probe starts at: Lemire's range reduction of a multiplicative hash."""
-    return np.int64((((key * _GOLDEN) >> _S32) * np.uint64(size)) >> _S32)
+    return np.int64((((key * GOLDEN) >> _S32) * np.uint64(size)) >> _S32)
 
 
 @njit(cache=True, nogil=True)
-def _find(table: Any, key: Any) -> tuple[int, bool]:
+def find_slot(table: Any, key: Any) -> tuple[int, bool]:
     """(row of ``key``, True), or (where to insert it, False)."""
     size = table.shape[0] - 3
     if key < PRESENT:
@@ -104,7 +104,7 @@ def _find(table: Any, key: Any) -> tuple[int, bool]:
 
 
 @njit(cache=True, nogil=True)
-def _touch(table: Any, key: Any) -> Any:
+def touch_home(table: Any, key: Any) -> Any:
     """The first slot ``key``'s probe reads (its value is nothing): the loops read these for
     every block of an event first, so that the cache misses of a large table overlap (independent
     loads) instead of each waiting alone in the loop that uses them."""
@@ -112,7 +112,7 @@ def _touch(table: Any, key: Any) -> Any:
 
 
 @njit(cache=True, nogil=True)
-def _insert(table: Any, row: int, key: Any, val: Any) -> None:
+def insert_at(table: Any, row: int, key: Any, val: Any) -> None:
     last = table.shape[0] - 1
     if row >= last - 2:
         table[row, 0] = PRESENT
@@ -125,7 +125,7 @@ def _insert(table: Any, row: int, key: Any, val: Any) -> None:
 
 
 @njit(cache=True, nogil=True)
-def _delete(table: Any, row: int) -> None:
+def delete_at(table: Any, row: int) -> None:
     """Leaves a tombstone (no key moves: shifting the keys after it back costs a scan of the
     rest of its run, several times a tombstone on a large table), except where the slot after it
     is empty: no probe passes an empty slot, so that slot and the tombstones just before it end
@@ -150,7 +150,7 @@ def _delete(table: Any, row: int) -> None:
 
 
 @njit(cache=True, nogil=True)
-def _room(table: Any, inserts: int) -> bool:
+def has_room(table: Any, inserts: int) -> bool:
     """Whether ``inserts`` more keys keep the used slots under :data:`MAX_LOAD` (else the caller
     rebuilds the table first: :meth:`Table.reserve`, the same rule)."""
     last = table.shape[0] - 1
@@ -158,7 +158,7 @@ def _room(table: Any, inserts: int) -> bool:
 
 
 @njit(cache=True, nogil=True)
-def _sparse(table: Any) -> bool:
+def is_sparse(table: Any) -> bool:
     """Mostly empty: :meth:`Table.shrink` gives memory back (the same rule)."""
     last = table.shape[0] - 1
     limit = np.int64(MAX_LOAD * (last - 2))
@@ -167,15 +167,15 @@ def _sparse(table: Any) -> bool:
 
 @njit(cache=True, nogil=True)
 def lookup(table: Any, key: Any) -> tuple[bool, Any]:
-    row, found = _find(table, key)
+    row, found = find_slot(table, key)
     return found, table[row, 1] if found else np.uint64(0)
 
 
 @njit(cache=True, nogil=True)
-def _rebuild_rows(table: Any, new: Any, depths: Any, new_depths: Any, start: int, stop: int) -> None:
+def rebuild_rows(table: Any, new: Any, depths: Any, new_depths: Any, start: int, stop: int) -> None:
     """The live keys of rows ``start`` to ``stop`` of ``table`` into ``new`` (a table as large as
     it must be, counters included), in the old table's slot order, each at the first empty slot
-    from its home: what :func:`_find` answers in a table without tombstones for a key not in it
+    from its home: what :func:`find_slot` answers in a table without tombstones for a key not in it
     (each key is there once). The two spare rows come with the last slice. ``depths`` (empty for
     a table without them) move with their rows into ``new_depths``."""
     size = table.shape[0] - 3
@@ -250,13 +250,13 @@ class Table:
         """Room for ``inserts`` more keys under :data:`MAX_LOAD`: rebuilt at :attr:`fill` (the
         same size when tombstones took the room), or at least doubled when it grows below
         :data:`SMALL_SLOTS`."""
-        if not _room(self.rows, inserts):
+        if not has_room(self.rows, inserts):
             slots, need = self.rows.shape[0] - 3, _slots(self.live + inserts, self.fill)
             self._rebuild(max(need, min(2 * slots, SMALL_SLOTS)) if need > slots else need, pause)
 
     def shrink(self, pause: Pause = _no_pause) -> None:
         """Give memory back once most entries are gone (a replica cleared, a cap lowered)."""
-        if _sparse(self.rows):
+        if is_sparse(self.rows):
             self._rebuild(_slots(self.live, self.fill), pause)
 
     def _rebuild(self, slots: int, pause: Pause) -> None:
@@ -276,7 +276,7 @@ class Table:
             for start in range(0, max(size, 1), SLICE_ROWS):
                 if start:
                     pause()
-                _rebuild_rows(self.rows, self.building, self.depths, new_depths, start, start + SLICE_ROWS)
+                rebuild_rows(self.rows, self.building, self.depths, new_depths, start, start + SLICE_ROWS)
             self.rows, self.depths = self.building, new_depths
         finally:
             self.building = self.building_depths = None

@@ -138,7 +138,7 @@ class Api:
         admin_token: bytes | None = None,
     ) -> None:
         """``body_limits`` and ``arriving``: what a request body may cost, as ``kvlens serve``'s
-        (its settings' deadline and pause, no pace; MAX_BODY_BYTES here). ``max_in_flight``: the
+        (its settings' deadline, pause and pace; MAX_BODY_BYTES here). ``max_in_flight``: the
         prompts the fleet holds at most (:data:`MAX_IN_FLIGHT`). ``admin_token``: the bearer
         token ``/reset_prefix_cache`` requires (None: none)."""
         self.served = served
@@ -315,7 +315,9 @@ class Api:
             "max_model_len": served.max_model_len,
             "permission": [],
         }
-        return Response(orjson.dumps({"object": "list", "data": [card]}), media_type=JSON)
+        # vLLM lists each LoRA adapter too, its parent the base model
+        adapters = [{**card, "id": name, "root": name, "parent": served.model} for name in served.loras]
+        return Response(orjson.dumps({"object": "list", "data": [card, *adapters]}), media_type=JSON)
 
     async def reset_prefix_cache(self, request: Request) -> Response:
         assert self.engine is not None
@@ -364,13 +366,8 @@ class Api:
             return await BodyReader(receive, declared, limits, self._arriving).body()
         except PayloadTooLarge:
             raise ApiError(f"the request body is larger than {limits.max_bytes} bytes", status=413) from None
-        except BodyTooSlow:  # past the deadline or a pause (this server asks no pace: main.body_limits)
-            limits = self._body_limits
-            raise ApiError(
-                f"the body did not arrive within {limits.deadline_seconds:g} s "
-                f"or paused over {limits.stall_seconds:g} s",
-                status=408,
-            ) from None
+        except BodyTooSlow as error:  # past the deadline, a pause or the pace: the reader says which
+            raise ApiError(str(error), status=408) from None
         except ArrivingBytesFull:
             raise ApiError("request bodies arriving hold too many bytes; retry", status=503) from None
         except Busy:
@@ -390,7 +387,14 @@ class Api:
         wake = client.wake = asyncio.Event()
         many = len(answer.prompts) > 1
         return [
-            engine.submit(ids, out, wake, f"{answer.request_id}-{i}" if many else answer.request_id)
+            engine.submit(
+                ids,
+                out,
+                wake,
+                f"{answer.request_id}-{i}" if many else answer.request_id,
+                answer.cache_salt,
+                answer.lora,
+            )
             for i, (ids, out) in enumerate(zip(answer.prompts, answer.outputs, strict=True))
         ]
 

@@ -77,17 +77,21 @@ class RealTimeFleet:
         *,
         speed: float = 1.0,
         prefix_caching: bool = True,
+        honour_salt: bool = True,
         loop: asyncio.AbstractEventLoop | None = None,
         on_finish: Callable[[Ticket], None] | None = None,
         events: Callable[[int], CacheEvents] | None = None,
     ) -> None:
         """``events(i)``, when given, is told what replica i's cache stores and evicts (its KV
-        events, published by ``--kv-events``)."""
+        events, published by ``--kv-events``). ``honour_salt`` False drops every request's
+        ``cache_salt`` before its blocks are keyed (``--leak-salt``: an integration that loses
+        the salt, as LMCache #4825 measured), so tenants share a cache scope."""
         if not (math.isfinite(speed) and speed > 0):
             raise ValueError("--speed must be a positive number")
         self.fleet = fleet
         self.speed = speed
         self.prefix_caching = prefix_caching
+        self.honour_salt = honour_salt
         self._loop = loop or asyncio.get_running_loop()
         self._start_wall = self._loop.time()
         self._done: list[Job] = []
@@ -117,14 +121,26 @@ class RealTimeFleet:
         return self._start_wall + virtual / self.speed
 
     def submit(
-        self, prompt_ids: list[int], output_tokens: int, wake: asyncio.Event, request_id: str
+        self,
+        prompt_ids: list[int],
+        output_tokens: int,
+        wake: asyncio.Event,
+        request_id: str,
+        cache_salt: str | None = None,
+        lora: str | None = None,
     ) -> Ticket:
-        """A prompt arrives now: it is routed and queued (the replica may start it at once)."""
+        """A prompt arrives now: it is routed and queued (the replica may start it at once). Its
+        blocks are keyed under ``cache_salt`` and ``lora`` as offline
+        (:func:`kvlens.simulate.trace.salted`)."""
         now = self.now()
         self._play(now)
         size = self.fleet.block_size
         blocks = block_keys(prompt_ids, size) if self.prefix_caching else _unshared(len(prompt_ids) // size)
-        request = TraceRequest(self._order, now, len(prompt_ids), output_tokens, blocks)
+        salt = cache_salt if self.honour_salt and self.prefix_caching else None
+        lora = lora if self.prefix_caching else None
+        request = TraceRequest(
+            self._order, now, len(prompt_ids), output_tokens, blocks, cache_salt=salt, lora=lora
+        )
         job = Job(request, self._order, self.fleet.block_size)
         if not self.prefix_caching:
             job.limit = 0

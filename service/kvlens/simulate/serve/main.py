@@ -18,11 +18,10 @@ from typing import Any
 import uvicorn
 
 from kvlens import limits, logs
-from kvlens.config import Settings, load_settings
+from kvlens.accounting import Accounting
 from kvlens.errors import MissingExtra, SettingsError
-from kvlens.http import server
+from kvlens.http import bodies, server
 from kvlens.http.access import loopback
-from kvlens.http.bodies import ArrivingBodies, BodyLimits
 from kvlens.simulate.cache import CacheEvents
 from kvlens.simulate.memory import kv_blocks
 from kvlens.simulate.policies import POLICIES, Guard
@@ -33,6 +32,7 @@ from kvlens.simulate.serve import tokenizer
 from kvlens.simulate.serve.api import MAX_BODY_BYTES, MAX_IN_FLIGHT, Api
 from kvlens.simulate.serve.engine import RealTimeFleet, Ticket
 from kvlens.simulate.serve.requests import Served
+from kvlens.simulate.settings import ServeSettings
 
 log = logging.getLogger("kvlens.simulate.serve")
 PUSH_QUEUE = 100_000  # records held while the kvlens serve is away; the oldest go first
@@ -70,6 +70,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--model", default="simulated", help="served model name")
+    parser.add_argument(
+        "--lora-modules",
+        action="append",
+        metavar="NAME[=PATH]",
+        help="a LoRA adapter served beside the model, as vLLM's (the path is not read): a request "
+        "naming it as its model has its blocks keyed apart (repeatable)",
+    )
     parser.add_argument("--max-model-len", type=int, default=32_768, help="context length")
     parser.add_argument(
         "--vocab-size",
@@ -85,6 +92,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--speed", type=float, default=1.0, help="2: twice as fast as the modelled GPU")
     parser.add_argument("--no-prefix-caching", action="store_true", help="nothing is ever served from cache")
+    parser.add_argument(
+        "--leak-salt",
+        action="store_true",
+        help="drop each request's cache_salt before its blocks are keyed (a fault, as LMCache #4825 "
+        "measured): tenants then share cached prefixes, for `kvlens audit isolation` to catch",
+    )
     parser.add_argument("--max-running", type=int, default=256, help="requests holding KV per replica")
     parser.add_argument(
         "--max-in-flight",
@@ -122,15 +135,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="listen port (as vLLM)")
 
 
-def service_model(args: argparse.Namespace) -> ServiceModel:
+def service_model(args: argparse.Namespace, accounting: Accounting | None = None) -> ServiceModel:
     """The service model of the flags: ``kvlens simulate``'s, with the served model's cost model
-    in seconds and decode shape from ``--config`` when it has them, and ``--weight-bytes``."""
+    in seconds and decode shape from ``accounting`` (``--config``) when it has them, and
+    ``--weight-bytes``."""
     prefill, decode = DEFAULT_SERVICE.prefill, DEFAULT_SERVICE.decode
-    if args.config is not None:
-        settings = load_settings(args.config)
-        if args.model in settings.cost_models:
-            prefill = settings.cost_model_for(args.model)
-        shape = settings.model_shapes.get(args.model)
+    if accounting is not None:
+        if args.model in accounting.cost_models:
+            prefill = accounting.cost_model_for(args.model)
+        shape = accounting.model_shapes.get(args.model)
         if shape is not None:
             weights = shape.decode_weight_bytes()
             decode = dataclasses.replace(
@@ -175,7 +188,7 @@ def capacity_blocks(args: argparse.Namespace, service: ServiceModel) -> int | No
     return blocks
 
 
-def _checked(args: argparse.Namespace) -> tuple[Fleet, Served]:
+def _checked(args: argparse.Namespace, load: Callable[[Path | None], ServeSettings]) -> tuple[Fleet, Served]:
     if args.block_size < 1:
         raise ValueError("--block-size must be >= 1")
     if args.max_model_len < 2:
@@ -192,9 +205,12 @@ def _checked(args: argparse.Namespace) -> tuple[Fleet, Served]:
         raise ValueError("--speed must be a positive number")
     if args.max_in_flight < 1:
         raise ValueError("--max-in-flight must be >= 1")
-    service = service_model(args)
+    service = service_model(args, load(args.config) if args.config is not None else None)
     fleet = Fleet(args.replicas, capacity_blocks(args, service), args.block_size, service, Guard())
-    return fleet, Served(args.model, args.max_model_len, vocab_size, text)
+    loras = tuple(dict.fromkeys(spec.partition("=")[0] for spec in args.lora_modules or ()))
+    if any(not name or name == args.model for name in loras):
+        raise ValueError("--lora-modules takes NAME[=PATH], a NAME other than --model")
+    return fleet, Served(args.model, args.max_model_len, vocab_size, text, loras)
 
 
 def record(ticket: Ticket, engine: RealTimeFleet, model: str, started_epoch: float) -> dict[str, Any]:
@@ -214,23 +230,12 @@ def record(ticket: Ticket, engine: RealTimeFleet, model: str, started_epoch: flo
     }
 
 
-def body_limits(settings: Settings) -> BodyLimits:
-    """``kvlens serve``'s rules for a request body (its settings), with this server's size cap and
-    no minimum pace (the README's limits say so; a pace of 0 arms no window timer)."""
-    return BodyLimits(
-        MAX_BODY_BYTES,
-        settings.body_timeout_seconds,
-        settings.header_timeout_seconds,
-        0,
-        settings.body_rate_window_seconds,
-    )
-
-
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, load: Callable[[Path | None], ServeSettings]) -> int:
+    """``load``: the settings of ``--config`` (and ``KVLENS_*``), as the command line reads them."""
     try:
-        fleet, served = _checked(args)
+        fleet, served = _checked(args, load)
         # the connection and body rules of kvlens serve, from the same settings (KVLENS_*)
-        settings = load_settings(args.config)
+        settings = load(args.config)
     except (ValueError, SettingsError) as error:
         print(f"kvlens simulate serve: {error}", file=sys.stderr)
         return 2
@@ -258,6 +263,7 @@ def run(args: argparse.Namespace) -> int:
             args.policy,
             speed=args.speed,
             prefix_caching=not args.no_prefix_caching,
+            honour_salt=not args.leak_salt,
             loop=asyncio.get_running_loop(),
             on_finish=on_finish,
             events=events,
@@ -275,8 +281,8 @@ def run(args: argparse.Namespace) -> int:
         make_engine,
         prefix_caching=not args.no_prefix_caching,
         on_record=push if shipper else None,
-        body_limits=body_limits(settings),
-        arriving=ArrivingBodies(settings.max_arriving_bodies, settings.max_arriving_body_bytes),
+        body_limits=bodies.body_limits(settings, MAX_BODY_BYTES),
+        arriving=bodies.arriving_bodies(settings),
         max_in_flight=args.max_in_flight,
         admin_token=settings.admin_secret,
     )

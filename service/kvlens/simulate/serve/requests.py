@@ -33,6 +33,7 @@ class Served:
     vocab_size: int = tokenizer.DEFAULT_VOCAB_SIZE
     # the bytes of tokenizer.py, or --tokenizer DIR's (its vocab_size is then vocab_size)
     codec: tokenizer.Tokenizer = tokenizer.BYTES
+    loras: tuple[str, ...] = ()  # LoRA adapters served beside the model (--lora-modules)
 
 
 class ApiError(Exception):
@@ -50,6 +51,8 @@ class Asked:
     stream: bool
     include_usage: bool
     request_id: str
+    cache_salt: str | None = None  # vLLM's request field, checked as vLLM 0.33 checks it
+    lora: str | None = None  # the adapter asked for as the model, or None: the base model
 
 
 def parse(served: Served, raw: bytes) -> dict[str, Any]:
@@ -60,7 +63,7 @@ def parse(served: Served, raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     model = body.get("model")
-    if model is not None and model != served.model:
+    if model is not None and model != served.model and model not in served.loras:
         raise ApiError(f"The model `{model}` does not exist.", "model", status=404)
     return body
 
@@ -147,7 +150,30 @@ def _asked(
         raise ApiError(
             f"min_tokens ({minimum}) must be less than or equal to max_tokens ({asked})", "min_tokens"
         )
-    return Asked(prompts, outputs, stream, include_usage, f"{prefix}-{header or uuid.uuid4().hex}")
+    request_id = f"{prefix}-{header or uuid.uuid4().hex}"
+    lora = body.get("model") if body.get("model") in served.loras else None
+    return Asked(prompts, outputs, stream, include_usage, request_id, cache_salt(body), lora)
+
+
+MAX_SALT_CHARS: Final = 128
+_SALT_FORBIDDEN: Final = frozenset("@/\\\0")
+
+
+def cache_salt(body: dict[str, Any]) -> str | None:
+    """The body's ``cache_salt``, refused as vLLM 0.33's ``validate_cache_salt`` refuses it: not a
+    string, empty, over MAX_SALT_CHARS characters, or holding ``@ / \\`` or NUL. The message never
+    holds the salt (it is a tenant's secret)."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if type(salt) is not str or not salt:
+        raise ApiError("cache_salt must be a non-empty string", "cache_salt")
+    if len(salt) > MAX_SALT_CHARS or not _SALT_FORBIDDEN.isdisjoint(salt):
+        raise ApiError(
+            f"cache_salt must be at most {MAX_SALT_CHARS} characters, without '@', '/', '\\' or NUL",
+            "cache_salt",
+        )
+    return salt
 
 
 def fits(served: Served, tokens: int, param: str) -> None:
