@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from kvlens.fleet.index import EVICTED_ELSEWHERE, HELD_ELSEWHERE, NEW, FleetIndex
+from kvlens.fleet.causes import EVICTED_ELSEWHERE, HELD_ELSEWHERE, NEW
+from kvlens.fleet.index import FleetIndex
 from kvlens.fleet.ordering import Consumer
 from kvlens.fleet.trtllm import TrtllmFeed
 

@@ -15,7 +15,8 @@ from kvlens.config import Settings
 from kvlens.errors import MissingExtra
 from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.background import fleet_index
-from kvlens.fleet.index import CAUSES, compiled_loops_available
+from kvlens.fleet.causes import CAUSES
+from kvlens.fleet.index import compiled_loops_available
 from kvlens.fleet.ordering import Publisher
 from kvlens.fleet.subscriber import KVEvents
 from kvlens.records import batch_from_objects

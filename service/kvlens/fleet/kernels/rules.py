@@ -60,7 +60,7 @@ from kvlens.fleet.limits import TIERS
 
 _TOKEN: Final = np.uint64(0x100000001B3)  # FNV-1a's 64-bit prime
 _SEED: Final = np.uint64(0xCBF29CE484222325)
-# A replica's row of counters (``stats[replica]``): blocks per cause (kvlens.fleet.index.CAUSES's
+# A replica's row of counters (``stats[replica]``): blocks per cause (kvlens.fleet.causes.CAUSES's
 # order), tokens per cause, then per tier (kvlens.fleet.limits.TIERS) blocks stored, removed, held,
 # then per cause the causal pairs of the tokens whose depth is known (a token at position p, 1 the
 # first of its chain, attends to p tokens: C(n)'s b term summed a token, so a cause's modelled work
