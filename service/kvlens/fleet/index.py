@@ -328,9 +328,9 @@ class FleetIndex:
         :func:`kvlens.fleet.kernels.msgpack.read_batch` says which), as
         :func:`kvlens.fleet.wire.decode_batch` then :meth:`stored`, :meth:`removed` and
         :meth:`cleared` event by event would (tested); the loop hands back what it leaves to this
-        class (growing and shrinking tables, ``AllBlocksCleared``). Returns what
-        became of the events (events of each type, malformed, of other KV cache groups: left out),
-        or None, nothing changed, for a payload the loop leaves to msgspec."""
+        class (growing and shrinking tables, ``AllBlocksCleared``). Returns what became of the
+        events (events of each type, malformed), or None, nothing changed, for a payload the loop
+        leaves to msgspec (one with an event of another KV cache group, which msgspec counts)."""
         if replica in self.groups.hybrid:  # its removals need its groups' kinds: msgspec's path
             return None
         if self.sessions is not None and b"session_id" in payload:  # causes an event: msgspec's path

@@ -323,7 +323,7 @@ class Consumer:
             # the usual payload: read and applied in one compiled call
             tally = self.index.apply_payload(replica, payload)
             if tally is not None:
-                stored, removed, cleared, malformed, other_group = tally
+                stored, removed, cleared, malformed = tally  # other groups' events: msgspec's path
                 events = status.events
                 if stored:
                     events[STORED] += stored
@@ -332,7 +332,6 @@ class Consumer:
                 if cleared:
                     events[CLEARED_EVENT] += cleared
                 status.malformed_events += malformed
-                status.other_group_events += other_group
                 return
         try:
             decoded = decode_batch(payload)
