@@ -715,6 +715,16 @@ class Settings(BaseSettings):
             raise ValueError("give scrape credentials in the URL or in scrape_username, not both")
         return self
 
+    @model_validator(mode="after")
+    def _trtllm_unsharded(self) -> Settings:
+        # a drain empties the engine's queue: N shards draining it would each get a part
+        if self.kv_events_trtllm and parse_shard(self.kv_events_shard)[1] > 1:
+            raise ValueError(
+                "kv_events_trtllm cannot be split into shards: a drain empties TensorRT-LLM's queue, so "
+                "each shard would get only part of the events; follow it from one kvlens (shard 0/1)"
+            )
+        return self
+
     def scrape_targets_parsed(self) -> list[vllm_metrics.ScrapeTarget]:
         """Each scrape URL taken apart: its name, the URL to fetch, its credentials."""
         from kvlens.sources import vllm_metrics
