@@ -207,17 +207,17 @@ def causes_summary(kv_events: KVEvents, cost: CostModel = DEFAULT_COST_MODEL) ->
     of unknown depth are in the first share only), as percentages like the summary's others."""
     index = kv_events.snapshot().index
     tokens: Counter[str] = Counter()
-    work: Counter[str] = Counter()
+    work: dict[str, float] = {}
     for (_, cause), count in index.recomputed_tokens.items():
         tokens[cause] += count
     for (_, cause), amount in index.recomputed_work(cost).items():
-        work[cause] += amount
+        work[cause] = work.get(cause, 0.0) + amount
     whole, whole_work = sum(tokens.values()), sum(work.values())
     if not whole:
         return ""
 
     def of_work(cause: str) -> str:
-        return _share(work[cause] / whole_work) if whole_work else "-"
+        return _share(work.get(cause, 0.0) / whole_work) if whole_work else "-"
 
     shares = ", ".join(
         f"{cause} {_share(tokens[cause] / whole)} | {of_work(cause)} %" for cause in CAUSES if tokens[cause]
