@@ -4,7 +4,7 @@ are :mod:`kvlens.fleet.limits`)."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvlens.fleet.limits import (
     HELD_ENTRY_BYTES,
@@ -173,6 +173,16 @@ class KVEventsSettings(BaseModel):
     def _shard(cls, shard: str) -> str:
         parse_shard(shard)
         return shard
+
+    @model_validator(mode="after")
+    def _trtllm_unsharded(self) -> KVEventsSettings:
+        # a drain empties the engine's queue: N shards draining it would each get a part
+        if self.kv_events_trtllm and parse_shard(self.kv_events_shard)[1] > 1:
+            raise ValueError(
+                "kv_events_trtllm cannot be split into shards: a drain empties TensorRT-LLM's queue, so "
+                "each shard would get only part of the events; follow it from one kvlens (shard 0/1)"
+            )
+        return self
 
 
 def parse_dns_target(text: str) -> tuple[str, int, int | None]:

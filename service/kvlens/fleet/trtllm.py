@@ -40,13 +40,25 @@ What kvlens does with them (:func:`apply_events`):
   follows) is a malformed event, so the ranks an endpoint names cannot grow kvlens's replicas.
 - ``event_id`` numbers each rank's events from 0: a jump forward is a gap (the events between
   counted missed: a drain holds at most ``event_buffer_max_size`` events, older ones dropped by
-  the engine), one going back a restart; a jump past
-  :data:`~kvlens.fleet.ordering.MAX_SEQUENCE_GAP` is counted once as a jump, as a ZeroMQ
-  stream's.
+  the engine), or past :data:`~kvlens.fleet.ordering.MAX_SEQUENCE_GAP` one jump, no loss (the
+  rule of a ZeroMQ publisher's sequence, :func:`~kvlens.fleet.ordering.gap_or_jump`); one going
+  back is a restart.
 
 Anything else (another type, a field of the wrong type, an event over :data:`MAX_EVENT_BYTES`) is
 counted (``unknown_event``, ``malformed_event``) and skipped; a body that is no JSON list is one
 ``malformed_payload``.
+
+**No reorder window** (:mod:`kvlens.fleet.reorder`, which ZeroMQ batches go through): a drain's
+events are applied when it arrives, in the order the engine queued them (tested). The window
+orders batches of different replicas by the engines' timestamps, so that processes on the same
+events (shards) apply them in one order; neither half applies here. These events carry no
+timestamp, only the drain's arrival on kvlens's own clock, up to a poll interval after them, so
+queueing a drain would delay it without ordering it better. And the drain is destructive: one
+client, so no second process sees these events in another order. A replica's own order needs no
+window: one task drains an endpoint, a drain after the one before it is applied, and a drain
+holds the engine's queue in ``event_id`` order. The cost, in a fleet mixing both: a drain's events
+can be applied before a ZeroMQ batch stamped earlier that still waits (at most
+``kv_events_reorder_seconds``), which may swap the causes of a block both stored within it.
 """
 
 from __future__ import annotations
@@ -57,7 +69,7 @@ import msgspec
 
 from kvlens.fleet.index import FleetIndex
 from kvlens.fleet.limits import MAX_REPLICAS
-from kvlens.fleet.ordering import MAX_SEQUENCE_GAP, Consumer, Publisher, PublisherStatus
+from kvlens.fleet.ordering import Consumer, Publisher, PublisherStatus, gap_or_jump
 from kvlens.fleet.schema import CLEARED, REMOVED, STORED
 
 UPDATED: Final = "BlockUpdated"  # its events' label (kvlens_kv_events_total's type)
@@ -215,19 +227,18 @@ class TrtllmFeed:
         self, index: FleetIndex, replica: str, status: PublisherStatus, event_id: int | None
     ) -> None:
         """Gaps and restarts from ``event_id``: a jump forward counts the events it skipped as
-        missed (no replay exists), one going back is a restart (the replica cleared)."""
+        missed (no replay exists), unless wider than a publisher's sequence may jump
+        (:func:`~kvlens.fleet.ordering.gap_or_jump`: one jump, no loss); one going back is a
+        restart (the replica cleared)."""
         if event_id is None:
             return
         expected = status.next_seq
         status.next_seq = event_id + 1
         if expected is None or event_id == expected:
             return
-        if event_id - expected > MAX_SEQUENCE_GAP:
-            status.jumps += 1  # no engine sends as many: garbage, no loss to count
-            return
         if event_id > expected:
-            status.gaps += 1
-            status.missed += event_id - expected
+            if gap_or_jump(status, expected, event_id):
+                status.missed += event_id - expected
             return
         status.restarts += 1
         index.cleared(replica)
