@@ -35,15 +35,18 @@ What kvlens does with them (:func:`apply_events`):
 - ``window_size``: with variable sliding-window attention a cache per window sends events; only
   the largest window seen on the replica is followed (the full-attention one, a prefix chain:
   :mod:`kvlens.fleet.groups`), the others counted ``other_group``.
-- ``attention_dp_rank`` > 0: each attention-DP rank has a cache of its own: replica ``NAME/dpR``.
+- ``attention_dp_rank`` > 0: each attention-DP rank has a cache of its own: replica ``NAME/dpR``;
+  a rank outside 0 .. :data:`~kvlens.fleet.limits.MAX_REPLICAS` - 1 (more replicas than the index
+  follows) is a malformed event, so the ranks an endpoint names cannot grow kvlens's replicas.
 - ``event_id`` numbers each rank's events from 0: a jump forward is a gap (the events between
   counted missed: a drain holds at most ``event_buffer_max_size`` events, older ones dropped by
   the engine), or past :data:`~kvlens.fleet.ordering.MAX_SEQUENCE_GAP` one jump, no loss (the
   rule of a ZeroMQ publisher's sequence, :func:`~kvlens.fleet.ordering.gap_or_jump`); one going
   back is a restart.
 
-Anything else (another type, a field of the wrong type) is counted (``unknown_event``,
-``malformed_event``) and skipped; a body that is no JSON list is one ``malformed_payload``.
+Anything else (another type, a field of the wrong type, an event over :data:`MAX_EVENT_BYTES`) is
+counted (``unknown_event``, ``malformed_event``) and skipped; a body that is no JSON list is one
+``malformed_payload``.
 
 **No reorder window** (:mod:`kvlens.fleet.reorder`, which ZeroMQ batches go through): a drain's
 events are applied when it arrives, in the order the engine queued them (tested). The window
@@ -65,12 +68,17 @@ from typing import Any, Final
 import msgspec
 
 from kvlens.fleet.index import FleetIndex
+from kvlens.fleet.limits import MAX_REPLICAS
 from kvlens.fleet.ordering import Consumer, Publisher, PublisherStatus, gap_or_jump
 from kvlens.fleet.schema import CLEARED, REMOVED, STORED
 
 UPDATED: Final = "BlockUpdated"  # its events' label (kvlens_kv_events_total's type)
 CACHE_LEVELS: Final = ("GPU", "CPU")  # cache_level 0 and 1; another: "other"
 MAX_BODY_BYTES: Final = 64 * 1024 * 1024  # a drain past it is refused (about 100k blocks of 64 tokens)
+# An event past it is malformed, never decoded: a list of small ints costs about 18 bytes of memory
+# a byte of JSON (a removed event of 64 MiB of "1," decoded took 1,180 MiB); an honest stored
+# event of a 256k-token prompt, at about 65 bytes a token, is under it.
+MAX_EVENT_BYTES: Final = 16 * 1024 * 1024
 
 
 class _Token(msgspec.Struct):
@@ -162,7 +170,13 @@ class TrtllmFeed:
         with index.lock:
             self.status(self.name).batches += 1
             for raw in raws:
-                self._apply(index, raw)
+                if len(raw) > MAX_EVENT_BYTES:
+                    self.status(self.name).malformed_events += 1
+                else:
+                    self._apply(index, raw)
+                # a scrape or another replica's batch waiting gets the index between events: a
+                # 64 MiB drain takes seconds (547,000 one-block events: 11 s)
+                index.lock.pause()
 
     def _apply(self, index: FleetIndex, raw: msgspec.Raw) -> None:
         try:
@@ -178,7 +192,11 @@ class TrtllmFeed:
             else:
                 status.malformed_events += 1
             return
-        replica = replica_name(self.name, event.attention_dp_rank)
+        rank = event.attention_dp_rank
+        if rank is not None and not 0 <= rank < MAX_REPLICAS:
+            self.status(self.name).malformed_events += 1
+            return
+        replica = replica_name(self.name, rank)
         status = self.status(replica)
         if not self.consumer.admitted(replica, status):
             return
