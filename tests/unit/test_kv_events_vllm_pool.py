@@ -36,7 +36,7 @@ SCENARIOS = sorted(name for name in RECORDED if name != "vllm")
 
 def test_the_recording_is_vllm_0_33() -> None:
     assert RECORDED["vllm"] == {"version": "0.33.0", "commit": "g4ba787ec9"}
-    assert SCENARIOS == ["duplicate_block", "evictions_and_clear", "hybrid_groups"]
+    assert SCENARIOS == ["duplicate_block", "evictions_and_clear", "hybrid_groups", "hybrid_window_first"]
 
 
 @pytest.mark.parametrize("alike", [False, True], ids=["content_keys", "hashes_alike"])
@@ -47,7 +47,11 @@ def test_the_index_holds_what_vllms_pool_holds_and_its_causes(
 ) -> None:
     recorded = RECORDED[scenario]
     names = [replica[0] for replica in recorded["replicas"]]
-    consumer = Consumer(index(hashes_alike=alike), [Publisher(name, f"tcp://{name}:5557") for name in names])
+    # the groups' kinds as the engine names them (get_kv_cache_group_metadata()), since its events don't
+    kinds = recorded["kinds"]
+    followed = str(kinds.index("full_attention"))
+    publishers = [Publisher(name, f"tcp://{name}:5557") for name in names]
+    consumer = Consumer(index(hashes_alike=alike, group_kinds=kinds), publishers)
     seq = dict.fromkeys(names, 0)
     causes: Counter[tuple[str, str]] = Counter()
     every_hash: set[str] = set()
@@ -58,13 +62,13 @@ def test_the_index_holds_what_vllms_pool_holds_and_its_causes(
         causes.update((replica, cause) for cause in step["causes"].values())
         snapshot = consumer.index.snapshot()
         for name in names:
-            pool = step["pools"][name].get("0", {})  # group 0: the full-attention group followed
+            pool = step["pools"][name].get(followed, {})  # the full-attention group
             assert snapshot.held.get((name, "GPU"), 0) == sum(pool.values()), (step["step"], name)
             every_hash |= set(pool)
         assert dict(snapshot.recomputed_blocks) == dict(causes), step["step"]
         if alike:  # the engine hash is the fleet's key: each block's holders, one by one
             for block in every_hash:
-                held_by = [name for name in names if block in step["pools"][name].get("0", {})]
+                held_by = [name for name in names if block in step["pools"][name].get(followed, {})]
                 assert consumer.index.holders(int(block)) == held_by, (step["step"], block)
     status = consumer.status
     assert sum(s.malformed_events + s.unknown_events + s.unknown_fields for s in status.values()) == 0
@@ -72,10 +76,10 @@ def test_the_index_holds_what_vllms_pool_holds_and_its_causes(
         1
         for step in recorded["steps"]
         for event in _events(step["payload"])
-        if event.get("group_idx") not in (None, 0)
+        if "group_idx" in event and str(event["group_idx"]) != followed
     )
     assert sum(s.other_group_events for s in status.values()) == others
-    if isinstance(consumer.index, Counting) and scenario != "hybrid_groups":
+    if isinstance(consumer.index, Counting) and len(kinds) == 1:
         # a model of one group: every payload read by the compiled reader, none left to msgspec
         assert consumer.index.read == len(recorded["steps"])
 
@@ -98,13 +102,14 @@ def test_the_scenarios_reach_what_they_are_for() -> None:
         and str(event["block_hashes"][0]) in step["pools"]["a"]["0"]
     ]
     assert len(backed) == 1
-    hybrid = RECORDED["hybrid_groups"]["steps"][-1]["pools"]["a"]
-    assert set(hybrid["0"]) - set(hybrid["1"])  # the window's group evicted what full attention holds
-    assert all(
-        "kv_cache_spec_kind" not in e
-        for s in RECORDED["hybrid_groups"]["steps"]
-        for e in _events(s["payload"])
-    )
+    for name, window in (("hybrid_groups", "1"), ("hybrid_window_first", "0")):
+        full = str(RECORDED[name]["kinds"].index("full_attention"))
+        pools = [step["pools"]["a"] for step in RECORDED[name]["steps"]]
+        # the window's group evicted what full attention holds
+        assert any(set(pool[full]) - set(pool[window]) for pool in pools)
+        assert all(
+            "kv_cache_spec_kind" not in e for s in RECORDED[name]["steps"] for e in _events(s["payload"])
+        )
     clear = RECORDED["evictions_and_clear"]["steps"]
     assert {cause for step in clear for cause in step["causes"].values()} == {
         "new",
