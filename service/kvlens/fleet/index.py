@@ -130,7 +130,10 @@ class FleetIndex:
         shard: tuple[int, int] = (0, 1),
         require_cache_salt: bool = False,
         sessions: int = 0,
+        group_kinds: Sequence[str] = (),
     ) -> None:
+        """``group_kinds``: the fleet's model's KV cache groups' kinds, by group number, when its
+        events do not say them (vLLM 0.33's GPU pool: :mod:`kvlens.fleet.groups`)."""
         if not compiled_loops_available():  # before serving, not at the first event
             raise MissingExtra("the fleet index", "kv-events")
         from kvlens.fleet import kernels  # numba: only where KV events are followed
@@ -165,7 +168,7 @@ class FleetIndex:
         # with it, blocks stored at the start of a chain without a salt are counted (note_chain_start)
         self.require_cache_salt = require_cache_salt
         self._unsalted: Counter[str] = Counter()  # replica -> blocks; kept when it is forgotten
-        self.groups = KVCacheGroups()
+        self.groups = KVCacheGroups(group_kinds)
         # the last ``sessions`` sessions' stores by cause (vLLM's session_id; kvlens.fleet.sessions)
         self.sessions = (
             SessionLedger(sessions, CAUSES) if sessions > 0 else None
@@ -331,7 +334,7 @@ class FleetIndex:
         class (growing and shrinking tables, ``AllBlocksCleared``). Returns what became of the
         events (events of each type, malformed), or None, nothing changed, for a payload the loop
         leaves to msgspec (one with an event of another KV cache group, which msgspec counts)."""
-        if replica in self.groups.hybrid:  # its removals need its groups' kinds: msgspec's path
+        if self.groups.is_hybrid(replica):  # its removals need its groups' kinds: msgspec's path
             return None
         if self.sessions is not None and b"session_id" in payload:  # causes an event: msgspec's path
             return None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvlens.fleet.groups import MAX_GROUPS, MAX_KIND_CHARS
 from kvlens.fleet.limits import (
     HELD_ENTRY_BYTES,
     MAX_HELD_BLOCKS,
@@ -106,6 +107,12 @@ class KVEventsSettings(BaseModel):
     kv_events_hashes_alike: bool = Field(
         False, description="Every replica hashes blocks alike (same algorithm and seed): key by engine hash."
     )
+    kv_events_group_kinds: list[str] = Field(
+        [],
+        description="The followed fleet's model's KV cache groups' kinds by group number (full_attention, "
+        "sliding_window, mamba, ...: vLLM's get_kv_cache_group_metadata()), for every replica: vLLM 0.33's "
+        "GPU events say a block's group but not its kind; empty: group 0 is taken as full attention.",
+    )
     kv_events_remember_blocks: int = Field(
         REMEMBER_BLOCKS,
         ge=0,
@@ -160,6 +167,15 @@ class KVEventsSettings(BaseModel):
         if len(publishers) > MAX_REPLICAS:
             raise ValueError(f"at most {MAX_REPLICAS} KV events publishers (one bit each in the fleet index)")
         return publishers
+
+    @field_validator("kv_events_group_kinds")
+    @classmethod
+    def _group_kinds(cls, kinds: list[str]) -> list[str]:
+        if len(kinds) > MAX_GROUPS or not all(0 < len(kind) <= MAX_KIND_CHARS for kind in kinds):
+            raise ValueError(
+                f"at most {MAX_GROUPS} KV cache group kinds, each of 1 to {MAX_KIND_CHARS} characters"
+            )
+        return kinds
 
     @field_validator("kv_events_dns")
     @classmethod
