@@ -27,7 +27,7 @@ import numpy.typing as npt
 from kvlens.definitions import UNITS
 from kvlens.exporter.labels import ClosedLabels
 from kvlens.records import RecordBatch
-from kvlens.reduce import Reduced
+from kvlens.reduce import HIT_STRIDE, Reduced, codes_of, pack_hit
 from kvlens.tenancy import BlockStorers
 
 
@@ -97,7 +97,9 @@ class TenantAccounts:
                 np.bincount(unit_slot, weights, minlength=size).astype(np.float64).reshape(len(UNITS), width)
             )
 
-        requests = np.bincount(slots * 2 + reduced.hit[take], minlength=width * 2).reshape(width, 2)
+        requests = np.bincount(pack_hit(slots, reduced.hit[take]), minlength=codes_of(width)).reshape(
+            width, HIT_STRIDE
+        )
         prompt_tokens, cached_tokens = by_slot(reduced.prompt_tokens), by_slot(reduced.cached_tokens)
         prompt_work, reused_work = by_unit(reduced.prompt_work), by_unit(reduced.reused_work)
         work_requests = by_unit(None).astype(np.int64)
