@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from kvlens.config import load_settings
 from kvlens.exporter.app import create_app
 from kvlens.fleet.misses import MissClassifier
+from kvlens.records import schema
 from kvlens.simulate.modelled import ModelledFleet
 from kvlens.tenancy import BlockStorers
 from tests.hostile.conftest import Serve
@@ -115,3 +116,23 @@ def test_a_failing_consumer_leaves_the_batch_counted_once_and_answered_200(
     assert total(samples, "kvlens_ingest_consumer_errors_total") == 3
     logged = [r for r in caplog.records if "a consumer's bug" in (r.exc_text or r.getMessage())]
     assert len(logged) == 1, [r.getMessage() for r in caplog.records]  # once per kind per interval
+
+
+def test_string_prefix_ids_are_keyed_once_a_batch_for_all_its_readers(
+    sidecar: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: the diagnoses, the modelled caches and the tenants' storers each hashed a string
+    id again (blake2b): three keys an id, three times the CPU of a body of string ids."""
+    keyed: list[int | str] = []
+    key = schema.prefix_key
+
+    def counted(prefix_id: int | str) -> int:
+        keyed.append(prefix_id)
+        return key(prefix_id)
+
+    monkeypatch.setattr(schema, "prefix_key", counted)
+    sent = records()
+    answer = httpx.post(f"{sidecar}/v1/records", content=orjson.dumps(sent), timeout=20)
+    assert answer.status_code == 200, answer.text
+    # each record mixes ints and strings: every id of it goes through prefix_key, once
+    assert sorted(map(repr, keyed)) == sorted(repr(i) for r in sent for i in r["prefix_hashes"])

@@ -42,6 +42,7 @@ def test_a_scrape_does_not_wait_for_the_cross_tenant_check() -> None:
         return add(*args, **kwargs)
 
     tenants.storers.add = held  # type: ignore[method-assign]
+
     def count() -> None:  # as the sidecar counts: the sums, then the storers
         aggregator.add(batch, "push")
         tenants.store(batch.batch)
