@@ -24,7 +24,6 @@ from kvlens.sources import push
 
 BODY_BYTES = 8 << 20
 BLOCKS = 64  # ids a record
-SETTINGS = {"modelled_capacity_blocks": 100_000, "tenant_remember_blocks": 1_000_000}
 
 
 def body(kind: str) -> bytes:
@@ -55,7 +54,7 @@ def body(kind: str) -> bytes:
 
 
 def readers() -> BackgroundSources:
-    settings = load_settings(**SETTINGS)
+    settings = load_settings(modelled_capacity_blocks=100_000, tenant_remember_blocks=1_000_000)
     return BackgroundSources(settings, Aggregator(settings))
 
 

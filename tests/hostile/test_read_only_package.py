@@ -81,7 +81,9 @@ def test_the_sidecar_follows_kv_events_from_a_read_only_package(
         env["KVLENS_KV_EVENTS"] = json.dumps([{"name": "r0", "endpoint": publisher.endpoint}])
         sidecar = start_kvlens("serve", env=env, prefix=prefix, start_seconds=120)
         publisher.wait_subscribed()
-        events = [vllm.BlockStored(list(range(1, 65)), None, [0] * 64, 1, None, "GPU", None)]
+        events: list[vllm.BlockStored | vllm.BlockRemoved | vllm.AllBlocksCleared] = [
+            vllm.BlockStored(list(range(1, 65)), None, [0] * 64, 1, None, "GPU", None)
+        ]
         publisher.publish(vllm.encode(vllm.KVEventBatch(ts=1.0, events=events, data_parallel_rank=0)))
         assert sidecar.wait_for("kvlens_kv_blocks_stored_total", 64, timeout=30, replica="r0") == 64
     finally:
