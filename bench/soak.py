@@ -21,6 +21,13 @@ What runs at once, all against one sidecar on loopback:
   ``deep-nesting``: a pushed record whose unknown field nests 100,000 levels and an OTLP JSON
   export nested as deep, in the abuse cycle. All are refused or ignored traffic: none counts as
   sent, and an answer 5xx fails the soak as any other;
+- ``diagnosis`` and ``tenants`` (bench/soak_surfaces.py), a step every 0.5 s each, of a model the
+  soak does not count: records with ``prefix_hashes`` (ints, strings, a repeated id; one whose
+  string id is a lone surrogate, refused) under odd request ids (``../../metrics``, dots, a NUL,
+  emoji, 4,096 characters: refused), each asked back at ``/v1/requests/{id}/diagnosis`` (every
+  accepted one must be found), and 200 new tenant names a batch with chains through the tenants'
+  block storers (``max_tenants`` 20: at most 21 tenant labels, the rest folded into ``other``).
+  Any ``kvlens_ingest_consumer_errors_total`` fails the soak;
 - ``kv-events`` (bench/soak_kv_events.py): the sidecar subscribes to four KV event publishers
   in vLLM's wire format: two honest replicas each publishing a batch every 50 ms (stores and
   removals over a bounded set of blocks), a third storing 200,000 blocks then clearing them
@@ -82,9 +89,19 @@ from bench.soak_load import (  # noqa: E402
     slow_bodies,
     tail_writer,
 )
+from bench.soak_surfaces import SurfacesAttack  # noqa: E402
 
 WARM_UP_SECONDS = 20
-NEW_ATTACKS = ("slow-body", "fifo", "gzip-upstream", "deep-nesting", "kv-events", "experiment")
+NEW_ATTACKS = (
+    "slow-body",
+    "fifo",
+    "gzip-upstream",
+    "deep-nesting",
+    "kv-events",
+    "experiment",
+    "diagnosis",
+    "tenants",
+)
 # the longest a worker takes to stop: a replay started just before the stop ends within its 60 s
 WORKER_JOIN_SECONDS = 100
 RSS_FLAT_MIB = 10.0  # growth allowed from the end of the warm-up to the end (issue 26)
@@ -187,6 +204,7 @@ def main() -> int:
         from bench.soak_kv_events import KVEventsAttack  # pyzmq and the fleet index: only when asked
 
         kv = KVEventsAttack(tally.attacked)  # its publishers bound before kvlens connects
+    surfaces = SurfacesAttack(attacks, tally)
     sidecar = start_kvlens(
         "serve",
         *sources,
@@ -196,6 +214,7 @@ def main() -> int:
             "KVLENS_SCRAPE_INTERVAL_SECONDS": "1",
             "KVLENS_BODY_TIMEOUT_SECONDS": "5",
             **(kv.settings() if kv else {}),
+            **surfaces.settings(),
         },
         # the index's loops are compiled at start, once per checkout (~10 s of CPU, more on a busy machine)
         start_seconds=180 if kv else 20,
@@ -218,7 +237,7 @@ def main() -> int:
         (pusher, (sidecar.url, tally, stop)),
         (otlp_sender, (sidecar.url, tally, stop)),
         (tail_writer, (log, tally, stop)),
-        (scraper, (sidecar.url, tally, stop, [kv.observe] if kv else [])),
+        (scraper, (sidecar.url, tally, stop, [surfaces.observe, *([kv.observe] if kv else [])])),
         (prober, (sidecar.url, tally, stop)),
         (abuser, (sidecar.url, sidecar.port, tally, stop, "deep-nesting" in attacks)),
     ]
@@ -230,6 +249,7 @@ def main() -> int:
         jobs.extend(kv.jobs(stop))
     if experiment:
         jobs.append((experiment.run, (stop,)))
+    jobs.extend(surfaces.jobs(sidecar.url, stop))
     workers = [threading.Thread(target=target, args=arguments, daemon=True) for target, arguments in jobs]
     for worker in workers:
         worker.start()
@@ -254,6 +274,7 @@ def main() -> int:
     while True:
         at, families = time.monotonic(), metric_families(sidecar)
         requests, lag = counted(families)
+        surfaces.observe(at, families)
         if kv:
             kv.observe(at, families)
         if (requests >= sent and (not kv or kv.settled())) or time.monotonic() > settle:
@@ -296,7 +317,7 @@ def main() -> int:
         f"  scrape            p50 {statistics.median(scrape) * 1000:.1f} ms  p99 {scrape_p99 * 1000:.1f} ms"
     )
     print(f"  /healthz          p99 {health[int(0.99 * len(health))] * 1000:.1f} ms")
-    for attack in (kv, experiment):
+    for attack in (kv, experiment, surfaces):
         for line in attack.report() if attack else []:
             print(line)
     failures = [f"records: {sent:,} sent, {int(requests):,} counted"] if requests != sent else []
@@ -306,7 +327,7 @@ def main() -> int:
         failures.append(f"{tally.resets} counter resets")
     if judged and growth > RSS_FLAT_MIB:
         failures.append(f"RSS flat: grew {growth:+.1f} MiB after warm-up (bound {RSS_FLAT_MIB:g})")
-    for attack in (kv, experiment):
+    for attack in (kv, experiment, surfaces):
         failures.extend(attack.failures() if attack else [])
     for failure in failures:
         print(f"FAILED: {failure}", file=sys.stderr)

@@ -48,7 +48,9 @@ class RequestDiagnoses:
         self._classifying = threading.Lock()
         self._lock = threading.Lock()
 
-    def add(self, batch: RecordBatch) -> None:
+    def add(self, batch: RecordBatch, keys: list[list[int] | None] | None = None) -> None:
+        """``keys``: the batch's :meth:`~kvlens.records.RecordBatch.prefix_keys`, when the
+        caller computed them for all the batch's readers."""
         for i, ids in enumerate(batch.prefix_hashes):
             if ids is None:
                 continue
@@ -62,6 +64,7 @@ class RequestDiagnoses:
                     int(batch.cached_tokens[i]),
                     size if size > 0 else self.block_size,
                     None if batch.model_codes[i] < 0 else batch.model_names[batch.model_codes[i]],
+                    keys=None if keys is None else keys[i],
                 )
             if diagnosis is not None:
                 self._keep(diagnosis)

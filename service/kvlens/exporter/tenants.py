@@ -111,17 +111,23 @@ class TenantAccounts:
             self._reused_work += reused_work
             self._work_requests += work_requests
             self._overflow += int(requests[self._labels.other].sum())
+
+    def store(self, batch: RecordBatch, keys: list[list[int] | None] | None = None) -> None:
+        """The batch's chains through the block storers (when on), after :meth:`add` counted it:
+        one of the counting step's guarded readers (``keys``: the batch's
+        :meth:`~kvlens.records.RecordBatch.prefix_keys`)."""
         if self.storers is None:
             return
         # One batch at a time, as they are counted; under a lock of their own, since a batch's
         # chains take a pass a record (an 8 MiB body of 4M one-digit ids: seconds) and a
         # scrape's snapshot must not wait for them.
         with self._storing:
-            hits = self.storers.add(batch)
+            hits = self.storers.add(batch, keys=keys)
         if hits:
-            with self._lock:
+            tenants = batch.tenant
+            with self._lock:  # the tenants were admitted to the label set by add
                 for found in hits:
-                    self._cross[slot_of[tenants[found.row]]] += found.tokens
+                    self._cross[self._labels.index_of(tenants[found.row] or "")] += found.tokens
 
     def snapshot(self) -> TenantSnapshot:
         with self._lock:

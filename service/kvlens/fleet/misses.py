@@ -136,10 +136,12 @@ class MissClassifier:
         cached_tokens: int,
         block_size: int,
         model: str | None = None,
+        keys: list[int] | None = None,
     ) -> Diagnosis | None:
         """One finished request (its ``prefix_hashes``, keyed by
-        :func:`kvlens.records.prefix_keys`), then its blocks remembered as seen on ``replica``;
-        None (nothing remembered) for a replica past :data:`MAX_REPLICAS`.
+        :func:`kvlens.records.prefix_keys`, or ``keys``, the ids' keys when the caller has them:
+        a batch's are computed once for all its readers), then its blocks remembered as seen on
+        ``replica``; None (nothing remembered) for a replica past :data:`MAX_REPLICAS`.
 
         Each step is a pass at C speed (numpy, map), not a Python call a block: a record may
         carry 100,000 ids, and a body of the shortest ones (``1,``) 4M; only a block seen on
@@ -149,7 +151,7 @@ class MissClassifier:
             return None
         full = min(len(ids), prompt_tokens // block_size)
         first = min(cached_tokens // block_size, full)
-        keys = prefix_keys(ids[:full])
+        keys = prefix_keys(ids[:full]) if keys is None else keys[:full]
         tokens = [0] * len(MISS_CAUSES)
         pairs = [0] * len(MISS_CAUSES)
         first_cause = HIT

@@ -204,7 +204,7 @@ def reason_message(field_name: str | None, reason: str) -> str:
         "not_finite": "must be a finite number (NaN and Infinity are not accepted)",
         "not_a_string": "must be a string of Unicode text (no lone surrogate)",
         "invalid_label": f"must be printable UTF-8 of at most {MAX_LABEL_BYTES} bytes",
-        "not_a_list": "must be a list of integers or strings",
+        "not_a_list": "must be a list of integers or strings of Unicode text (no lone surrogate)",
         "cached_exceeds_prompt": "must not exceed prompt_tokens",
         "not_an_object": "a record must be a JSON object",
         "malformed_json": "the line is not valid JSON",

@@ -21,6 +21,7 @@ from typing import Any, Final
 import numpy as np
 from numba import njit
 
+from kvlens.fleet.kernels.cache import CACHE
 from kvlens.fleet.kernels.msgpack import (
     APPLY,
     E_BLOCK_SIZE,
@@ -106,13 +107,13 @@ T_MALFORMED = 3
 DONE, STOP_GROW, STOP_SHRINK, STOP_CALLER, UNREAD = range(5)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def built_from() -> int:
     """The sources this file's loops were compiled from (:mod:`.stamp`)."""
     return BUILT_FROM
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def content_keys(tokens: Any, block_size: int, parent: Any, extras: Any, out: Any) -> None:
     """Each block's content key, chained from its parent's: 60 bits (the top 4 of a replica
     table's value say which tiers hold the block). Tokens are hashed FNV-1a-like a token at a time,
@@ -128,7 +129,7 @@ def content_keys(tokens: Any, block_size: int, parent: Any, extras: Any, out: An
         out[i] = key
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def _remember(key: Any, bit: Any, cap: int, remembered: Any, ring: Any, fleet_counts: Any) -> None:
     row, found = find_slot(remembered, key)
     if found:
@@ -152,7 +153,7 @@ def _remember(key: Any, bit: Any, cap: int, remembered: Any, ring: Any, fleet_co
     insert_at(remembered, row, key, bit)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def _release(key: Any, bit: Any, cap: int, fleet: Any, remembered: Any, ring: Any, fleet_counts: Any) -> None:
     """The replica no longer holds ``key`` in any tier: off its holders, remembered."""
     row, found = find_slot(fleet, key)
@@ -167,7 +168,7 @@ def _release(key: Any, bit: Any, cap: int, fleet: Any, remembered: Any, ring: An
     _remember(key, bit, cap, remembered, ring, fleet_counts)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def _store(hashes: Any, tokens: Any, extras: Any, arrays: Arrays) -> int:
     params, replica, copies, fleet, remembered, _, stats, fleet_counts, depths = arrays
     count = hashes.size
@@ -298,7 +299,7 @@ def _store(hashes: Any, tokens: Any, extras: Any, arrays: Arrays) -> int:
     return 0
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def store(hashes: Any, raw: Any, tokens: Any, extras: Any, arrays: Arrays) -> int:
     """One ``BlockStored`` into ``replica``'s table (and ``copies``, its extra copies): classify
     each block and hold it (see :meth:`FleetIndex.stored`). Tokens come as msgpack bytes
@@ -312,7 +313,7 @@ def store(hashes: Any, raw: Any, tokens: Any, extras: Any, arrays: Arrays) -> in
     return _store(hashes, tokens, extras, arrays)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def _remove(hashes: Any, arrays: Arrays) -> int:
     params, replica, copies, fleet, remembered, ring, stats, fleet_counts, _ = arrays
     cap = np.int64(params[P_CAP])
@@ -375,7 +376,7 @@ def _remove(hashes: Any, arrays: Arrays) -> int:
     )
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def remove(hashes: Any, arrays: Arrays) -> int:
     """One ``BlockRemoved``: an extra copy of a block goes first (the block stays held).
     :data:`GROW` (nothing changed) when the remembered table or ring needs room first; else
@@ -384,7 +385,7 @@ def remove(hashes: Any, arrays: Arrays) -> int:
     return _remove(hashes, arrays)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def clear(arrays: Arrays, start: int, stop: int) -> None:
     """The blocks in rows ``start`` to ``stop`` of one replica's table (its two spare rows
     after the ``size`` probed ones), with their extra copies, removed: the caller goes through
@@ -429,7 +430,7 @@ def clear(arrays: Arrays, start: int, stop: int) -> None:
             _release(key, bit, cap, fleet, remembered, ring, fleet_counts)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def drop_bit(table: Any, bit: Any, holders: bool, fleet_counts: Any, start: int, stop: int) -> None:
     """``bit`` off the entries in rows ``start`` to ``stop``, a slice of a forgotten replica's
     pass over both fleet tables (:meth:`~kvlens.fleet.index.FleetIndex.forget_replica`), so that
@@ -453,7 +454,7 @@ def drop_bit(table: Any, bit: Any, holders: bool, fleet_counts: Any, start: int,
             delete_at(table, row)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def _apply_events(
     start: int,
     events: Any,
@@ -504,7 +505,7 @@ def _apply_events(
     return n, DONE, 0
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def apply_payload(buf: Any, start: int, arrays: Arrays) -> tuple[int, int, int, int, int, int, int]:
     """A payload's events, from event ``start``, into ``replica``'s table (``params``' replica):
     read (:func:`read_batch`, :data:`UNREAD` when it is not sure of the payload: nothing changed),
