@@ -29,18 +29,23 @@ LABEL org.opencontainers.image.title="kvlens" \
       org.opencontainers.image.documentation="https://github.com/kvlens/kvlens#readme" \
       org.opencontainers.image.base.name="${PYTHON_IMAGE}"
 # No .pyc writes (the root filesystem may be read-only); bind all interfaces inside the pod so
-# Prometheus can scrape; protect ingest with KVLENS_INGEST_TOKEN.
+# Prometheus can scrape; protect ingest with KVLENS_INGEST_TOKEN. numba's cache of the KV index's
+# loops lives in the state volume: numba uses no cache directory it cannot write (not even to
+# read it), and the package's own is read-only at run time.
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     KVLENS_HOST=0.0.0.0 \
     KVLENS_PORT=9433 \
-    KVLENS_STATE_DIR=/var/lib/kvlens
+    KVLENS_STATE_DIR=/var/lib/kvlens \
+    NUMBA_CACHE_DIR=/var/lib/kvlens/numba
 COPY --from=build /wheels /tmp/wheels
-# The KV index's compiled loops go into numba's cache at build time: the root filesystem is
-# read-only when the image runs.
+# The KV index's compiled loops go into numba's cache at build time, in the volume's initial
+# content (a Docker volume starts with it; an empty one, Kubernetes' emptyDir, compiles them at
+# the first start and keeps them for the container's restarts).
 RUN pip install --no-cache-dir --no-index --find-links /tmp/wheels 'kvlens[serve,kv-events]' && rm -rf /tmp/wheels \
-    && mkdir -p /var/lib/kvlens && chown 65532:65532 /var/lib/kvlens \
-    && python -c 'from kvlens.fleet import kernels; kernels.warm()'
+    && mkdir -p /var/lib/kvlens \
+    && python -c 'from kvlens.fleet import kernels; kernels.warm()' \
+    && chown -R 65532:65532 /var/lib/kvlens
 USER 65532:65532
 VOLUME ["/var/lib/kvlens"]
 EXPOSE 9433

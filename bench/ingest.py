@@ -243,7 +243,9 @@ def tenant_cost(bodies: list[bytes], repeats: int) -> None:
             aggregator = Aggregator(load_settings(**settings))
             keep = aggregator.tenants.storers is not None
             for body in payloads:
-                aggregator.add(push.read_records(body, 100_000, keep_prefix_hashes=keep), "push")
+                validated = push.read_records(body, 100_000, keep_prefix_hashes=keep)
+                aggregator.add(validated, "push")
+                aggregator.tenants.store(validated.batch, validated.batch.prefix_keys())
             return records
 
         return ingest

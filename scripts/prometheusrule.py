@@ -154,6 +154,17 @@ ALERT_RULES = (
         "kvlens on {{ $labels.instance }} failed to render {{ $value | humanize }} metric families "
         "per second for 10 minutes; the dashboards miss what they hold.",
     ),
+    # A reader after the sums (diagnoses, modelled caches, tenants' storers) failed on a batch:
+    # the batch is counted, that reader's numbers miss it. Any failure is a bug: fires at once.
+    Alert(
+        "KVLensIngestConsumerErrors",
+        f"{summed(metrics.INGEST_CONSUMER_ERRORS.exposed_name, '5m', (*SIDECAR, 'consumer'))} > 0\n",
+        "0m",
+        "warning",
+        "kvlens's {{ $labels.consumer }} reader fails on counted batches ({{ $labels.instance }})",
+        "The {{ $labels.consumer }} reader of kvlens on {{ $labels.instance }} failed on "
+        "{{ $value | humanize }} batches per second; the batches are counted, its numbers miss them.",
+    ),
     # Token reuse fell below half (threshold) of its own 6 h average ending 1 h ago, while the
     # request hit ratio stays high (>= 0.5, threshold) and moved by less than 0.1 (threshold):
     # requests still touch the cache but reuse far less of their prompts, the signature of a

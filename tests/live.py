@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -75,13 +75,15 @@ def start_kvlens(
     ready: str = "/healthz",
     start_seconds: float = 20,
     sigint_ignored: bool = False,
+    prefix: Sequence[str] = (),
 ) -> Running:
     """Start ``kvlens ARGS --port P`` and, unless ``wait`` is False, wait until ``ready`` answers
     200 (``kvlens simulate serve`` answers on vLLM's ``/health``; a test that counts connections
-    may want no probe of its own to have been one), at most ``start_seconds``."""
+    may want no probe of its own to have been one), at most ``start_seconds``. ``prefix``: a
+    command that runs it (``setpriv ...``)."""
     port = port or free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "kvlens.cli", *args, "--port", str(port)],
+        [*prefix, sys.executable, "-m", "kvlens.cli", *args, "--port", str(port)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -33,14 +33,14 @@ never a crash. About :data:`BYTES_PER_BLOCK` bytes a block
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
 import numpy as np
 
 from kvlens.definitions import DEFAULT_BLOCK_SIZE, cached_blocks
-from kvlens.records import RecordBatch, prefix_key
+from kvlens.records import RecordBatch, prefix_keys
 
 BYTES_PER_BLOCK: Final = 160  # measured 142: an OrderedDict entry and its 64-bit key int
 _SEVERAL: Final = 0  # a block stored by more than one tenant (a tenant's key is never 0: _tenant_key)
@@ -73,9 +73,16 @@ class BlockStorers:
     def __len__(self) -> int:
         return len(self._storers)
 
-    def add(self, batch: RecordBatch, rows: Iterable[int] | None = None) -> list[CrossTenantHit]:
+    def add(
+        self,
+        batch: RecordBatch,
+        rows: Iterable[int] | None = None,
+        keys: Sequence[list[int] | None] | None = None,
+    ) -> list[CrossTenantHit]:
         """Take the records of ``batch`` (in the order of ``rows``, all by default) and return
-        the cross-tenant hits among them, one per (record, storer) in the record's block order."""
+        the cross-tenant hits among them, one per (record, storer) in the record's block order.
+        ``keys``: the batch's :meth:`~kvlens.records.RecordBatch.prefix_keys` when the caller
+        has them."""
         hits: list[CrossTenantHit] = []
         tenants, chains = batch.tenant, batch.prefix_hashes
         if rows is None:
@@ -89,19 +96,17 @@ class BlockStorers:
             if tenant is None or not chain:
                 continue
             block = block_sizes[row]
-            got = self._one(tenant_key(tenant), chain, cached_blocks(cached[row], block))
+            chain_keys = prefix_keys(chain) if keys is None else keys[row]
+            assert chain_keys is not None  # a chain has keys
+            got = self._one(tenant_key(tenant), chain_keys, cached_blocks(cached[row], block))
             hits.extend(CrossTenantHit(row, storer, blocks * block) for storer, blocks in got.items())
         return hits
 
-    def _one(self, tenant: int, chain: list[int | str], cached: int) -> dict[int, int]:
-        """Blocks of ``chain`` got from other tenants' stores, by storer; the store updated. Each
-        step is one pass at C speed (map, comprehension) rather than a Python loop per block: a
-        chain is often hundreds of blocks."""
+    def _one(self, tenant: int, keys: list[int], cached: int) -> dict[int, int]:
+        """Blocks of a chain (``keys``) got from other tenants' stores, by storer; the store
+        updated. Each step is one pass at C speed (map, comprehension) rather than a Python loop
+        per block: a chain is often hundreds of blocks."""
         storers = self._storers
-        try:  # ids that are all ints of 64 bits (vLLM's, the simulator's): one numpy pass
-            keys = np.array(chain, np.uint64).tolist()
-        except (OverflowError, TypeError, ValueError):
-            keys = [prefix_key(value) for value in chain]
         found = list(map(storers.get, keys))
         got: dict[int, int] = {}
         mine = {None, tenant, _SEVERAL}

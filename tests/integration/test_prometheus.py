@@ -49,8 +49,20 @@ def kv_publishers() -> Iterator[tuple[TestPublisher, TestPublisher]]:
 
 
 @pytest.fixture
+def honest_fleet() -> Iterator[Running]:
+    """A simulated engine that honours cache salts: the sidecar's isolation probe of it passes
+    (the verdicts and the last conclusive probe's time the overview's isolation row reads)."""
+    running = start_kvlens("simulate", "serve", "--block-size", "16", "--speed", "0.5", ready="/health")
+    yield running
+    running.output()
+
+
+@pytest.fixture
 def prometheus(
-    tmp_path: Path, engine: str, kv_publishers: tuple[TestPublisher, TestPublisher]
+    tmp_path: Path,
+    engine: str,
+    kv_publishers: tuple[TestPublisher, TestPublisher],
+    honest_fleet: Running,
 ) -> Iterator[tuple[Running, str, Callable[[int], Running]]]:
     binary = shutil.which("prometheus")
     if binary is None:
@@ -87,6 +99,11 @@ def prometheus(
                 # Records' prefix_hashes through modelled caches of 2 blocks (the modelled causes).
                 "KVLENS_MODELLED_CAPACITY_BLOCKS": "2",
                 "KVLENS_MODELLED_BLOCK_SIZE": "4",
+                # Records' tenant and prefix_hashes: who stored each block (the cross-tenant row).
+                "KVLENS_TENANT_REMEMBER_BLOCKS": "64",
+                # Probed every second, the first run within a second of the start.
+                "KVLENS_ISOLATION_PROBES": orjson.dumps([f"honest={honest_fleet.url}#simulated"]).decode(),
+                "KVLENS_ISOLATION_EVERY_SECONDS": "1",
                 "KVLENS_KV_EVENTS": orjson.dumps(
                     [{"name": f"r{i}", "endpoint": p.endpoint} for i, p in enumerate(kv_publishers)]
                 ).decode(),
@@ -186,14 +203,23 @@ def test_rules_and_every_dashboard_query_on_a_real_prometheus(
     # Earlier traffic creates the series, and Prometheus must see them before the measured
     # requests: a series' first sample is its baseline. Plenty of it, so that rate() never
     # clamps its extrapolation at zero (which it would do per series, skewing the ratios).
-    # With timings (end-to-end too): the latency histograms exist.
-    records = [{**record, "e2e_seconds": record["ttft_seconds"] + 2.0} for record in article_records()]
+    # With timings (end-to-end too): the latency histograms exist. Two tenants: team-b sends the
+    # long requests and one short one (s1), team-a the rest.
+    records = [
+        {
+            **record,
+            "e2e_seconds": record["ttft_seconds"] + 2.0,
+            "tenant": "team-b" if record["request_id"] == "s1" or record["cached_tokens"] == 0 else "team-a",
+        }
+        for record in article_records()
+    ]
     short, long = records[0], records[-1]
     # Five of the measured requests carry a gateway's prefix_hashes and replica: through the
     # modelled caches of 2 blocks, r0 computes 1 and 2 (new), r1 computes 1 while r0 holds it
     # (held_elsewhere), r0 computes 3 and 4 (new, evicting 1 and 2), then 2 again (evicted_here,
     # evicting the leaf 4, not its parent 3), and r1 computes 4, which only r0 had held
-    # (evicted_elsewhere).
+    # (evicted_elsewhere). By tenant: s1 (team-b) got block 1 from the cache, which s0 (team-a)
+    # stored, its 16 tokens (a block of the records' default size) a cross-tenant hit.
     modelled = [("r0", [1, 2]), ("r1", [1]), ("r0", [3, 4]), ("r0", [2]), ("r1", [4])]
     measured = [
         {**record, "replica": replica, "prefix_hashes": ids}
@@ -281,6 +307,28 @@ def test_rules_and_every_dashboard_query_on_a_real_prometheus(
         "held_here": 0,
         "unknown": 0,
     }
+
+    # Every request by tenant; the cross-tenant tokens by the tenant that got them.
+    assert {
+        (result["metric"]["tenant"], result["metric"]["cache"]): float(result["value"][1])
+        for result in query(url, "sum by (tenant, cache) (kvlens_tenant_requests_total)")
+    } == {("team-a", "hit"): 1291, ("team-a", "miss"): 0, ("team-b", "hit"): 1, ("team-b", "miss"): 1212}
+    wait(lambda: scalar(url, "sum(kvlens_cross_tenant_cached_tokens_total)") == 16)
+    assert {
+        result["metric"]["tenant"]: float(result["value"][1])
+        for result in query(url, "kvlens_cross_tenant_cached_tokens_total")
+    } == {"team-a": 0, "team-b": 16}
+
+    # The isolation probe of the honest fleet: a conclusive run's time is kept, the cases read
+    # from cached_tokens pass, and timing never shows a leak (on a loaded host it may find too
+    # little contrast to judge: -1).
+    wait(lambda: query(url, "kvlens_isolation_probe_last_success_timestamp_seconds") != [])
+    verdicts = {
+        result["metric"]["case"]: float(result["value"][1])
+        for result in query(url, 'kvlens_isolation_probe_result{target="honest"}')
+    }
+    assert verdicts.pop("timing") in {1, -1}
+    assert verdicts == {"same_salt": 1, "different_salt": 1, "salt_vs_none": 1}
 
     rules = httpx.get(f"{url}/api/v1/rules").json()["data"]["groups"]
     assert {group["name"] for group in rules} == {"kvlens-ratios", "kvlens-kv-events", "kvlens-alerts"}

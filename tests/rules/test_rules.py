@@ -54,7 +54,7 @@ def test_every_alert_has_severity_summary_description_and_a_runbook_section() ->
         for title in re.findall(r"^## (.+)$", runbook, re.M)
     }
     alerts = [rule for rule in all_rules() if "alert" in rule]
-    assert len(alerts) == 20
+    assert len(alerts) == 21
     for rule in alerts:
         labels, annotations = rule["labels"], rule["annotations"]
         assert isinstance(labels, dict) and isinstance(annotations, dict)
@@ -97,7 +97,7 @@ def test_runbook_url_pattern_is_a_setting(tmp_path: Path) -> None:
             for rule in group["rules"]
             if "alert" in rule
         }
-        assert len(urls) == 20
+        assert len(urls) == 21
         assert all(url == f"https://wiki.example.com/kvlens/{alert}" for alert, url in urls.items()), urls
     # The checkout's own files are untouched by --out.
     test_alert_rules_and_prometheusrule_are_generated_by_the_script()

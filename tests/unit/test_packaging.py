@@ -112,3 +112,13 @@ def test_the_wheel_carries_the_json_schemas_of_the_outputs(wheel: zipfile.ZipFil
     in_repo = sorted(f"kvlens/schemas/{p.name}" for p in (ROOT / "service/kvlens/schemas").glob("*.json"))
     assert shipped == in_repo and len(shipped) == 6
     assert all(wheel.read(name) == (ROOT / "service" / name).read_bytes() for name in shipped)
+
+
+def test_the_image_gives_numba_a_cache_directory_it_can_write() -> None:
+    """numba uses no cache directory it cannot write, not even to read it: the image's package
+    directory is read-only at run time (so its build-time cache there was never read, and without
+    a writable one the KV index's loops compile at each start, tests/hostile/test_read_only_package.py)."""
+    text = (ROOT / "Dockerfile").read_text()
+    assert "KVLENS_STATE_DIR=/var/lib/kvlens \\" in text
+    assert "NUMBA_CACHE_DIR=/var/lib/kvlens/numba" in text
+    assert text.index("kernels.warm()") < text.index("chown -R 65532:65532 /var/lib/kvlens")

@@ -34,6 +34,12 @@ def batch_of(records: list[dict[str, Any]]) -> Validated:
     return validated
 
 
+def count(aggregator: Aggregator, validated: Validated) -> None:
+    """As the sidecar counts a batch: the sums, then the tenants' block storers."""
+    aggregator.add(validated, "push")
+    aggregator.tenants.store(validated.batch, validated.batch.prefix_keys())
+
+
 def test_cross_tenant_tokens_by_hand() -> None:
     storers = BlockStorers(capacity=100)
     hits = storers.add(batch_of(scenario()).batch)
@@ -111,7 +117,7 @@ def value(found: dict[str, list[Any]], family: str, **labels: str) -> float:
 
 def test_per_tenant_accounting_and_cross_tenant_tokens_are_exported() -> None:
     aggregator = Aggregator(load_settings(tenant_remember_blocks=100))
-    aggregator.add(batch_of(scenario()), "push")
+    count(aggregator, batch_of(scenario()))
     found = families(aggregator)
     for tenant, tokens in CROSS_TENANT_TOKENS.items():
         assert value(found, "kvlens_cross_tenant_cached_tokens", tenant=tenant) == tokens
@@ -143,7 +149,7 @@ def test_the_tenant_label_cap_holds_under_100k_tenants() -> None:
         {"tenant": f"tenant-{i}", "prompt_tokens": 32, "cached_tokens": 16, "prefix_hashes": [i % 7, i]}
         for i in range(100_000)
     ]
-    aggregator.add(batch_of(records), "push")
+    count(aggregator, batch_of(records))
     found = families(aggregator)
     tenants = {s.labels["tenant"] for name, samples in found.items() for s in samples if "tenant" in s.labels}
     assert tenants == {"tenant-0", "tenant-1", "tenant-2", "tenant-3", "tenant-4", "other"}

@@ -214,8 +214,10 @@ class Aggregator:
             slots = lookup[reduced.model_codes]
             overflow = int(np.count_nonzero(slots == self._models.other))
             sums = self._sum(batch, reduced, slots)
-            self.tenants.add(batch, reduced)
             context = self._context_means(batch, slots)
+            # last before the sums' commit below, which cannot fail: nothing of a batch that
+            # raised is counted (the sender's retry then counts it once)
+            self.tenants.add(batch, reduced)
         rejected = validated.rejections.counts_by_reason()
         with self._lock:
             health = self._health

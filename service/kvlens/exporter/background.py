@@ -13,6 +13,7 @@ import httpx
 from kvlens.audit.probe import IsolationProbes
 from kvlens.errors import ScrapeError
 from kvlens.exporter.aggregator import Aggregator
+from kvlens.exporter.consumers import GuardedConsumers
 from kvlens.exporter.diagnoses import RequestDiagnoses
 from kvlens.exporter.labels import ClosedLabels
 from kvlens.exporter.modelled import ModelledCauses
@@ -42,6 +43,7 @@ def fleet_index(settings: KVEventsSettings) -> FleetIndex:
         shard=parse_shard(settings.kv_events_shard),
         require_cache_salt=settings.kv_events_require_cache_salt,
         sessions=settings.kv_events_sessions,
+        group_kinds=settings.kv_events_group_kinds,
     )
 
 
@@ -103,6 +105,13 @@ class BackgroundSources:
             settings.modelled_block_size,
             None if self.kv_events is None else self.kv_events.index,
         )
+        self.consumers = GuardedConsumers(
+            [
+                "diagnoses",
+                *(["modelled"] if self.modelled is not None else []),
+                *(["tenant_storers"] if aggregator.tenants.storers is not None else []),
+            ]
+        )
         targets = settings.targets()
         self.isolation = IsolationProbes(targets, settings.isolation_every_seconds) if targets else None
         self._tasks: list[asyncio.Task[None]] = []
@@ -135,12 +144,22 @@ class BackgroundSources:
             await asyncio.to_thread(thread.join, 10)
 
     def count(self, validated: Validated, source: str) -> None:
-        """Add records to the sums, to the requests' diagnoses, and to the modelled caches when
-        they are on."""
+        """Add records to the sums, then to their readers: the requests' diagnoses, the modelled
+        caches and the tenants' block storers when they are on.
+
+        What can fail on a batch comes before the sums (its prefix ids' keys, computed once for
+        all the readers): then nothing of it is counted and the sender may retry. After the sums
+        the readers run guarded (:mod:`kvlens.exporter.consumers`): a reader's failure is counted
+        and logged, never the request's, which would make the sender count the batch again."""
+        batch = validated.batch
+        keys = batch.prefix_keys()
         self.aggregator.add(validated, source)
-        self.diagnoses.add(validated.batch)
+        run = self.consumers.run
+        run("diagnoses", self.diagnoses.add, batch, keys)
         if self.modelled is not None:
-            self.modelled.add(validated.batch)
+            run("modelled", self.modelled.add, batch, keys)
+        if self.aggregator.tenants.storers is not None:
+            run("tenant_storers", self.aggregator.tenants.store, batch, keys)
 
     def problems(self) -> list[str]:
         """Why the sidecar cannot keep its promises now (readiness fails while there are any)."""

@@ -22,12 +22,13 @@ from kvlens.definitions import DEFAULT_COST_MODEL, UNITS, CostModel
 from kvlens.exporter import metrics
 from kvlens.exporter.aggregator import CACHE_LABELS, TTFT_COMPONENTS, Aggregator, Histograms, Snapshot
 from kvlens.exporter.background import BackgroundSources
+from kvlens.exporter.consumers import GuardedConsumers
 from kvlens.exporter.diagnoses import RequestDiagnoses
 from kvlens.exporter.modelled import ModelledCauses
 from kvlens.exporter.runtime import LAG_BUCKETS, ServiceHealth
 from kvlens.exporter.tenants import TenantAccounts
 from kvlens.exporter.upstream import UpstreamState
-from kvlens.fleet.index import CAUSES
+from kvlens.fleet.causes import CAUSES
 from kvlens.fleet.subscriber import KVEvents
 from kvlens.reduce import pack_hit
 from kvlens.sources.tail import SKIP_REASONS, TailStatus
@@ -49,6 +50,7 @@ class KVLensCollector(Collector):
         self.kv_events = background.kv_events if background is not None else None
         self.modelled = background.modelled if background is not None else None
         self.diagnoses = background.diagnoses if background is not None else None
+        self.consumers = background.consumers if background is not None else None
         self.isolation = background.isolation if background is not None else None
         self.health = health
         self.errors = 0
@@ -101,6 +103,8 @@ class KVLensCollector(Collector):
         yield from self._safely(_tenant_families, self.aggregator.tenants)
         if self.diagnoses is not None:
             yield from self._safely(_miss_family, self.diagnoses)
+        if self.consumers is not None:
+            yield from self._safely(_consumer_family, self.consumers)
         if self.aggregator.settings.model_shapes:
             shapes = self.aggregator.settings.model_shapes
             yield from self._safely(lambda snap: _decode_families(snap, self.upstream, shapes), snapshot)
@@ -371,6 +375,13 @@ def _miss_family(diagnoses: RequestDiagnoses) -> Metric:
     family = _counter(metrics.REQUEST_MISSES)
     for cause, count in diagnoses.counts().items():
         family.add_metric([cause], count)
+    return family
+
+
+def _consumer_family(consumers: GuardedConsumers) -> Metric:
+    family = _counter(metrics.INGEST_CONSUMER_ERRORS)
+    for consumer, count in consumers.errors().items():
+        family.add_metric([consumer], count)
     return family
 
 

@@ -304,7 +304,14 @@ REQUEST_MISSES = MetricSpec(
     "first such block: new, evicted_here, held_elsewhere, evicted_elsewhere (with KV events by engine "
     "hash), seen_elsewhere (records alone: held or evicted on another replica).",
 )
-DIAGNOSES: Final = (REQUEST_MISSES,)  # with the app's sources (serve): records' diagnoses
+INGEST_CONSUMER_ERRORS = MetricSpec(
+    "kvlens_ingest_consumer_errors",
+    "counter",
+    ("consumer",),
+    "Batches a reader after the sums failed on (diagnoses, modelled, tenant_storers): the batch stays "
+    "counted and answered 200, that reader's state misses it (a bug: logged with its traceback).",
+)
+DIAGNOSES: Final = (REQUEST_MISSES, INGEST_CONSUMER_ERRORS)  # with the app's sources (serve)
 KV_BLOCKS_STORED = MetricSpec(
     "kvlens_kv_blocks_stored",
     "counter",

@@ -22,8 +22,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Final
 
-from kvlens.fleet.index import FleetIndex, IndexSnapshot
+from kvlens.fleet.index import FleetIndex
 from kvlens.fleet.limits import MAX_REPLICAS
+from kvlens.fleet.snapshot import IndexSnapshot
 from kvlens.records import RecordBatch
 from kvlens.simulate.modelled import ModelledFleet
 
@@ -66,7 +67,9 @@ class ModelledCauses:
         self.replicas: dict[str, None] = {}
         self._lock = threading.Lock()  # the ingest worker and the tails' threads both add
 
-    def add(self, batch: RecordBatch) -> None:
+    def add(self, batch: RecordBatch, keys: list[list[int] | None] | None = None) -> None:
+        """``keys``: the batch's :meth:`~kvlens.records.RecordBatch.prefix_keys`, when the
+        caller computed them for all the batch's readers."""
         hashes = batch.prefix_hashes
         if all(h is None for h in hashes):
             return
@@ -74,9 +77,9 @@ class ModelledCauses:
             for i, ids in enumerate(hashes):
                 if ids is None:
                     continue
-                self.records[self._one(batch, i, ids)] += 1
+                self.records[self._one(batch, i, ids, None if keys is None else keys[i])] += 1
 
-    def _one(self, batch: RecordBatch, i: int, ids: list[int | str]) -> str:
+    def _one(self, batch: RecordBatch, i: int, ids: list[int | str], keys: list[int] | None) -> str:
         replica = batch.replica[i]
         if replica is None:
             return "no_replica"
@@ -87,7 +90,7 @@ class ModelledCauses:
             if len(self.replicas) >= self.max_replicas:
                 return "replicas"
             self.replicas[replica] = None
-        self.fleet.record(replica, ids, int(batch.prompt_tokens[i]))
+        self.fleet.record(replica, ids, int(batch.prompt_tokens[i]), keys)
         return MODELLED
 
     def snapshot(self) -> ModelledSnapshot:

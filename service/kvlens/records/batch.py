@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvlens.records.schema import FIELD_NAMES, REASON_CODE, REASONS, reason_message
+from kvlens.records.schema import FIELD_NAMES, REASON_CODE, REASONS, prefix_keys, reason_message
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,12 @@ class RecordBatch:
 
     def __len__(self) -> int:
         return int(self.prompt_tokens.size)
+
+    def prefix_keys(self) -> list[list[int] | None]:
+        """Each record's ``prefix_hashes`` as keys (:func:`~kvlens.records.schema.prefix_keys`),
+        None where absent. Computed once a batch by whoever counts it and handed to each reader
+        (diagnoses, modelled caches, tenants' storers): a body of string ids is hashed once."""
+        return [None if ids is None else prefix_keys(ids) for ids in self.prefix_hashes]
 
     def select(self, keep: npt.NDArray[np.bool_]) -> RecordBatch:
         """The records where ``keep`` is True."""

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import logging
 from types import ModuleType
 
 import numpy as np
@@ -12,6 +13,7 @@ from numba.core.registry import CPUDispatcher
 
 from kvlens.fleet.kernels import msgpack, rules, stamp
 from kvlens.fleet.kernels import table as tables
+from kvlens.fleet.kernels.cache import CACHE
 from kvlens.fleet.kernels.msgpack import msgpack_ints, read_batch
 from kvlens.fleet.kernels.rules import (
     FLEET_COUNTS,
@@ -37,6 +39,7 @@ from kvlens.fleet.kernels.table import (
     rebuild_rows,
 )
 
+log = logging.getLogger(__name__)
 _warm = False
 
 
@@ -46,6 +49,12 @@ def warm() -> None:
     global _warm
     if _warm:
         return
+    if not CACHE:
+        log.warning(
+            "kvlens: numba has no writable cache directory (the package's __pycache__, "
+            "NUMBA_CACHE_DIR, ~/.cache): the fleet index's loops are compiled in memory at each "
+            "start; set NUMBA_CACHE_DIR to a writable directory to compile them once"
+        )
     table, ring = new_table(MIN_SLOTS), Ring(1)
     stats, counts = np.zeros((1, STATS), np.int64), np.zeros(FLEET_COUNTS, np.int64)
     params = np.zeros(PARAMS, np.uint64)

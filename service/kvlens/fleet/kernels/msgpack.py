@@ -18,16 +18,19 @@ from numba import njit
 
 from kvlens.fleet import schema
 from kvlens.fleet.groups import PREFIX_KINDS
+from kvlens.fleet.kernels.cache import CACHE
 from kvlens.fleet.kernels.stamp import BUILT_FROM
 from kvlens.fleet.limits import MAX_BLOCK_SIZE, MEDIUM_TIERS, OTHER_TIER
 from kvlens.fleet.schema import EXTRA, GROUP, HASHES, INT, INTS, KIND, MEDIUM, NIL, PARENT, SIZE, TOKENS
 
 E_TYPE, E_OUTCOME, E_TIER, E_BLOCK_SIZE, E_HAS_PARENT = range(5)
 E_HASHES, E_HASHES_END, E_TOKENS, E_TOKENS_END = range(5, 9)  # its slices of hashes and tokens
-E_EXTRA, E_GROUP = 9, 10  # the extra keys given (-1: none); E_GROUP unused (another group: unsure)
-EVENT_FIELDS = 11
+E_EXTRA = 9  # the extra keys given (-1: none)
+EVENT_FIELDS = 10
 STORED_EVENT, REMOVED_EVENT, CLEARED_EVENT = range(3)  # E_TYPE
-APPLY, MALFORMED_EVENT, OTHER_GROUP_EVENT = range(3)  # E_OUTCOME
+# E_OUTCOME: an event of another KV cache group or kind is never read here (the payload is left to
+# msgspec's path, which counts it other_group), so an event read is applied or malformed
+APPLY, MALFORMED_EVENT = range(2)
 # The reader's arrays are as large as the payload (an integer takes a byte at least): a larger
 # payload is left to msgspec (a vLLM step's batch is well under it; subscriber.MAX_MESSAGE_BYTES is 16)
 MAX_READ_BYTES: Final = 1 << 20
@@ -62,13 +65,13 @@ _TAG_BYTES, _TAG_ENDS = _strings(("type",))
 _KIND_BYTES, _KIND_ENDS = _strings(tuple(sorted(PREFIX_KINDS)))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def built_from() -> int:
     """The sources this file's loops were compiled from (:mod:`.stamp`)."""
     return BUILT_FROM
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def _array_head(buf: Any, pos: int, end: int) -> tuple[int, int]:
     """(element count, position after the head) of a msgpack array at ``pos``; count -1 when
     there is none (another type, or cut short)."""
@@ -90,7 +93,7 @@ def _array_head(buf: Any, pos: int, end: int) -> tuple[int, int]:
     return -1, pos
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def _read_int(buf: Any, pos: int, end: int) -> tuple[int, Any, int]:
     """A msgpack integer at ``pos``: (1 when >= 0, 2 when negative, 0 when no integer), its
     value as uint64 (two's complement), the position after it."""
@@ -120,7 +123,7 @@ def _read_int(buf: Any, pos: int, end: int) -> tuple[int, Any, int]:
     return 2 if negative else 1, value, pos + 1 + width
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def _read_ints(buf: Any, pos: int, end: int, out: Any, at: int) -> tuple[int, int]:
     """A msgpack array of integers at ``pos`` into ``out[at:]`` (room checked by the caller: an
     integer takes a byte at least): (how many, the position after), how many -1 when it is
@@ -161,7 +164,7 @@ def _read_ints(buf: Any, pos: int, end: int, out: Any, at: int) -> tuple[int, in
     return count, pos
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def msgpack_ints(buf: Any) -> tuple[bool, Any]:
     """A msgpack array of integers (as ``token_ids`` arrive) as uint64, negative ones in two's
     complement: (True, the array), or (False, nothing) when ``buf`` is anything else."""
@@ -172,7 +175,7 @@ def msgpack_ints(buf: Any) -> tuple[bool, Any]:
     return True, out[:count]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def _read_str(buf: Any, pos: int, end: int) -> tuple[int, int, int]:
     """(start, length, position after) of a msgpack str at ``pos``; start -1 when none."""
     if pos >= end:
@@ -199,7 +202,7 @@ def _read_str(buf: Any, pos: int, end: int) -> tuple[int, int, int]:
     return start, length, start + length
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def _name(buf: Any, start: int, length: int, names: Any, ends: Any) -> int:
     """Which of ``names`` the bytes are, or -1."""
     begin = 0
@@ -216,7 +219,7 @@ def _name(buf: Any, start: int, length: int, names: Any, ends: Any) -> int:
     return -1
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def _ascii(buf: Any, start: int, length: int) -> bool:
     """ASCII is valid UTF-8 (msgspec checks str): other texts are left to msgspec."""
     for j in range(length):  # noqa: SIM110 - a loop numba compiles, not a generator
@@ -225,7 +228,7 @@ def _ascii(buf: Any, start: int, length: int) -> bool:
     return True
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def _text_or_nil(buf: Any, pos: int, end: int) -> tuple[int, int]:
     """A ``str | None`` field: (-2 for nil, -1 when unsure, else its tier: index.MEDIUM_TIERS's,
     OTHER_TIER for another text), the position after."""
@@ -238,7 +241,7 @@ def _text_or_nil(buf: Any, pos: int, end: int) -> tuple[int, int]:
     return (OTHER_TIER if found < 0 else _MEDIUM_TIER[found]), after
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def _int_or_nil(buf: Any, pos: int, end: int) -> tuple[int, Any, int]:
     """An ``int | None`` field: (0 none read, 1 >= 0, 2 negative, 3 nil), value, position after."""
     if pos < end and buf[pos] == 0xC0:
@@ -246,7 +249,7 @@ def _int_or_nil(buf: Any, pos: int, end: int) -> tuple[int, Any, int]:
     return _read_int(buf, pos, end)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def _field(
     action: int,
     buf: Any,
@@ -323,7 +326,7 @@ def _field(
     return True, pos, nh, nt
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def _event(
     buf: Any, pos: int, end: int, row: Any, parents: Any, e: int, hashes: Any, tokens: Any, nh: int, nt: int
 ) -> tuple[bool, int, int, int]:
@@ -379,7 +382,7 @@ def _event(
     return True, pos, nh, nt
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def read_batch(buf: Any) -> tuple[bool, Any, Any, Any, Any]:
     """An ``EventBatch`` payload ``[ts, events(, data_parallel_rank)]``: (True, a row a event
     (``E_*``), each BlockStored's parent hash, every event's block hashes, every BlockStored's
@@ -420,7 +423,7 @@ def read_batch(buf: Any) -> tuple[bool, Any, Any, Any, Any]:
     return True, events, parents, hashes[:nh], tokens[:nt]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def chain_start_blocks(buf: Any) -> int:
     """The blocks of the GPU stores without a parent (chains' starts) that a payload read here
     applies: a store whose token ids do not fill its blocks is dropped by the rules (malformed),

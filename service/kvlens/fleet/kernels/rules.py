@@ -21,6 +21,7 @@ from typing import Any, Final
 import numpy as np
 from numba import njit
 
+from kvlens.fleet.kernels.cache import CACHE
 from kvlens.fleet.kernels.msgpack import (
     APPLY,
     E_BLOCK_SIZE,
@@ -33,7 +34,6 @@ from kvlens.fleet.kernels.msgpack import (
     E_TOKENS_END,
     E_TYPE,
     MALFORMED_EVENT,
-    OTHER_GROUP_EVENT,
     REMOVED_EVENT,
     STORED_EVENT,
     msgpack_ints,
@@ -60,7 +60,7 @@ from kvlens.fleet.limits import TIERS
 
 _TOKEN: Final = np.uint64(0x100000001B3)  # FNV-1a's 64-bit prime
 _SEED: Final = np.uint64(0xCBF29CE484222325)
-# A replica's row of counters (``stats[replica]``): blocks per cause (kvlens.fleet.index.CAUSES's
+# A replica's row of counters (``stats[replica]``): blocks per cause (kvlens.fleet.causes.CAUSES's
 # order), tokens per cause, then per tier (kvlens.fleet.limits.TIERS) blocks stored, removed, held,
 # then per cause the causal pairs of the tokens whose depth is known (a token at position p, 1 the
 # first of its chain, attends to p tokens: C(n)'s b term summed a token, so a cause's modelled work
@@ -98,21 +98,22 @@ Arrays = tuple[Any, Any, Any, Any, Any, Any, Any, Any, Any]  # params, replica, 
 # remembered, ring, stats, fleet_counts, depths: the replica's table and its extra copies, the
 # fleet's holders and remembered blocks (kernels.table), the remembered keys' ring, the counters
 # (above), the depth of each block in the replica's table (kernels.table.Table.depths)
-# apply_events' tally of each type, then events malformed and of other groups
-TALLY = 5
-T_MALFORMED, T_OTHER_GROUP = 3, 4
+# apply_events' tally of each type, then events malformed (none of other KV cache groups: the
+# reader leaves their payloads to msgspec)
+TALLY = 4
+T_MALFORMED = 3
 # why apply_events stopped: done, or the caller's turn (tables to grow or shrink, an event it
 # applies itself) before calling again from the position it answered
 DONE, STOP_GROW, STOP_SHRINK, STOP_CALLER, UNREAD = range(5)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def built_from() -> int:
     """The sources this file's loops were compiled from (:mod:`.stamp`)."""
     return BUILT_FROM
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def content_keys(tokens: Any, block_size: int, parent: Any, extras: Any, out: Any) -> None:
     """Each block's content key, chained from its parent's: 60 bits (the top 4 of a replica
     table's value say which tiers hold the block). Tokens are hashed FNV-1a-like a token at a time,
@@ -128,7 +129,7 @@ def content_keys(tokens: Any, block_size: int, parent: Any, extras: Any, out: An
         out[i] = key
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def _remember(key: Any, bit: Any, cap: int, remembered: Any, ring: Any, fleet_counts: Any) -> None:
     row, found = find_slot(remembered, key)
     if found:
@@ -152,7 +153,7 @@ def _remember(key: Any, bit: Any, cap: int, remembered: Any, ring: Any, fleet_co
     insert_at(remembered, row, key, bit)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def _release(key: Any, bit: Any, cap: int, fleet: Any, remembered: Any, ring: Any, fleet_counts: Any) -> None:
     """The replica no longer holds ``key`` in any tier: off its holders, remembered."""
     row, found = find_slot(fleet, key)
@@ -167,7 +168,7 @@ def _release(key: Any, bit: Any, cap: int, fleet: Any, remembered: Any, ring: An
     _remember(key, bit, cap, remembered, ring, fleet_counts)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def _store(hashes: Any, tokens: Any, extras: Any, arrays: Arrays) -> int:
     params, replica, copies, fleet, remembered, _, stats, fleet_counts, depths = arrays
     count = hashes.size
@@ -298,7 +299,7 @@ def _store(hashes: Any, tokens: Any, extras: Any, arrays: Arrays) -> int:
     return 0
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def store(hashes: Any, raw: Any, tokens: Any, extras: Any, arrays: Arrays) -> int:
     """One ``BlockStored`` into ``replica``'s table (and ``copies``, its extra copies): classify
     each block and hold it (see :meth:`FleetIndex.stored`). Tokens come as msgpack bytes
@@ -312,7 +313,7 @@ def store(hashes: Any, raw: Any, tokens: Any, extras: Any, arrays: Arrays) -> in
     return _store(hashes, tokens, extras, arrays)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def _remove(hashes: Any, arrays: Arrays) -> int:
     params, replica, copies, fleet, remembered, ring, stats, fleet_counts, _ = arrays
     cap = np.int64(params[P_CAP])
@@ -375,7 +376,7 @@ def _remove(hashes: Any, arrays: Arrays) -> int:
     )
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def remove(hashes: Any, arrays: Arrays) -> int:
     """One ``BlockRemoved``: an extra copy of a block goes first (the block stays held).
     :data:`GROW` (nothing changed) when the remembered table or ring needs room first; else
@@ -384,7 +385,7 @@ def remove(hashes: Any, arrays: Arrays) -> int:
     return _remove(hashes, arrays)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def clear(arrays: Arrays, start: int, stop: int) -> None:
     """The blocks in rows ``start`` to ``stop`` of one replica's table (its two spare rows
     after the ``size`` probed ones), with their extra copies, removed: the caller goes through
@@ -429,7 +430,7 @@ def clear(arrays: Arrays, start: int, stop: int) -> None:
             _release(key, bit, cap, fleet, remembered, ring, fleet_counts)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def drop_bit(table: Any, bit: Any, holders: bool, fleet_counts: Any, start: int, stop: int) -> None:
     """``bit`` off the entries in rows ``start`` to ``stop``, a slice of a forgotten replica's
     pass over both fleet tables (:meth:`~kvlens.fleet.index.FleetIndex.forget_replica`), so that
@@ -453,7 +454,7 @@ def drop_bit(table: Any, bit: Any, holders: bool, fleet_counts: Any, start: int,
             delete_at(table, row)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def _apply_events(
     start: int,
     events: Any,
@@ -501,17 +502,15 @@ def _apply_events(
         tally[events[e, E_TYPE]] += 1
         if outcome == MALFORMED_EVENT:
             tally[T_MALFORMED] += 1
-        elif outcome == OTHER_GROUP_EVENT:
-            tally[T_OTHER_GROUP] += 1
     return n, DONE, 0
 
 
-@njit(cache=True, nogil=True)
-def apply_payload(buf: Any, start: int, arrays: Arrays) -> tuple[int, int, int, int, int, int, int, int]:
+@njit(cache=CACHE, nogil=True)
+def apply_payload(buf: Any, start: int, arrays: Arrays) -> tuple[int, int, int, int, int, int, int]:
     """A payload's events, from event ``start``, into ``replica``'s table (``params``' replica):
     read (:func:`read_batch`, :data:`UNREAD` when it is not sure of the payload: nothing changed),
     then applied as :func:`store` and :func:`remove` one by one would. Answers (position, why it
-    stopped, a value, then the tally: events of each type, malformed, of other groups). Done:
+    stopped, a value, then the tally: events of each type, malformed). Done:
     (events, :data:`DONE`, 0, tally). Else it is the caller's turn, then call again from the
     position: :data:`STOP_GROW` (grow the tables for the event at the position: the value is
     :data:`GROW` or :data:`GROW_COPIES`, as :func:`store` answers), :data:`STOP_SHRINK` (the
@@ -519,8 +518,8 @@ def apply_payload(buf: Any, start: int, arrays: Arrays) -> tuple[int, int, int, 
     caller applies the event at the position: an ``AllBlocksCleared``)."""
     ok, events, parents, hashes, tokens = read_batch(buf)
     if not ok:
-        return 0, UNREAD, 0, 0, 0, 0, 0, 0
+        return 0, UNREAD, 0, 0, 0, 0, 0
     tally = np.zeros(TALLY, np.int64)
     # the tally: events malformed in this call, all at DONE
     position, stop, value = _apply_events(start, events, parents, hashes, tokens, arrays, tally)
-    return position, stop, value, tally[0], tally[1], tally[2], tally[3], tally[4]
+    return position, stop, value, tally[0], tally[1], tally[2], tally[3]

@@ -20,6 +20,7 @@ from typing import Any, Final
 import numpy as np
 from numba import njit
 
+from kvlens.fleet.kernels.cache import CACHE
 from kvlens.fleet.kernels.stamp import BUILT_FROM
 
 EMPTY: Final = np.uint64(0)
@@ -58,13 +59,13 @@ _PAGE_VALUES: Final = 4096 // 8  # a page of uint64
 _FAULT_PAGES: Final = 2048  # pages mapped a slice (8 MiB, a few ms)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def built_from() -> int:
     """The sources this file's loops were compiled from (:mod:`.stamp`)."""
     return BUILT_FROM
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def mix(h: Any) -> Any:
     """MurmurHash3's 64-bit finalizer: a bijection, every input bit reaches every output bit."""
     h ^= h >> _S33
@@ -75,13 +76,13 @@ def mix(h: Any) -> Any:
     return h
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def _home(key: Any, size: int) -> Any:
     """The slot a key's probe starts at: Lemire's range reduction of a multiplicative hash."""
     return np.int64((((key * GOLDEN) >> _S32) * np.uint64(size)) >> _S32)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def find_slot(table: Any, key: Any) -> tuple[int, bool]:
     """(row of ``key``, True), or (where to insert it, False)."""
     size = table.shape[0] - 3
@@ -103,7 +104,7 @@ def find_slot(table: Any, key: Any) -> tuple[int, bool]:
             pos = 0
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def touch_home(table: Any, key: Any) -> Any:
     """The first slot ``key``'s probe reads (its value is nothing): the loops read these for
     every block of an event first, so that the cache misses of a large table overlap (independent
@@ -111,7 +112,7 @@ def touch_home(table: Any, key: Any) -> Any:
     return table[_home(key, table.shape[0] - 3), 0]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def insert_at(table: Any, row: int, key: Any, val: Any) -> None:
     last = table.shape[0] - 1
     if row >= last - 2:
@@ -124,7 +125,7 @@ def insert_at(table: Any, row: int, key: Any, val: Any) -> None:
     table[last, 0] += np.uint64(1)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def delete_at(table: Any, row: int) -> None:
     """Leaves a tombstone (no key moves: shifting the keys after it back costs a scan of the
     rest of its run, several times a tombstone on a large table), except where the slot after it
@@ -149,7 +150,7 @@ def delete_at(table: Any, row: int) -> None:
         before = before - 1 if before > 0 else size - 1
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def has_room(table: Any, inserts: int) -> bool:
     """Whether ``inserts`` more keys keep the used slots under :data:`MAX_LOAD` (else the caller
     rebuilds the table first: :meth:`Table.reserve`, the same rule)."""
@@ -157,7 +158,7 @@ def has_room(table: Any, inserts: int) -> bool:
     return bool(np.int64(table[last, 1]) + inserts <= np.int64(MAX_LOAD * (last - 2)))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def is_sparse(table: Any) -> bool:
     """Mostly empty: :meth:`Table.shrink` gives memory back (the same rule)."""
     last = table.shape[0] - 1
@@ -165,13 +166,13 @@ def is_sparse(table: Any) -> bool:
     return bool(limit > MIN_SLOTS * MAX_LOAD and np.int64(table[last, 0]) < limit // 4)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def lookup(table: Any, key: Any) -> tuple[bool, Any]:
     row, found = find_slot(table, key)
     return found, table[row, 1] if found else np.uint64(0)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=CACHE, nogil=True)
 def rebuild_rows(table: Any, new: Any, depths: Any, new_depths: Any, start: int, stop: int) -> None:
     """The live keys of rows ``start`` to ``stop`` of ``table`` into ``new`` (a table as large as
     it must be, counters included), in the old table's slot order, each at the first empty slot
