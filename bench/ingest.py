@@ -1,6 +1,7 @@
 """Ingest and exposition benchmarks, each printed beside a baseline measured in the same run.
 
     .venv/bin/python bench/ingest.py [--quick]
+    .venv/bin/python bench/ingest.py --http [--plugin] [--rounds N] [--before OTHER/service]
 
 Figures (medians of repeated runs; these machines are noisy, so compare ratios):
 - in-process ingest (decode + validate + aggregate) vs the raw orjson parse of the same NDJSON
@@ -8,6 +9,9 @@ Figures (medians of repeated runs; these machines are noisy, so compare ratios):
   ``.labels(...).inc()/.observe()`` per record);
 - HTTP ingest of 1,000-record NDJSON batches to ``kvlens serve`` vs the naive implementation
   served the same way (uvicorn, one worker, a separate process), with and without a scraper;
+  one client, the servers taking turns each round; with the servers' CPU per 100 bodies.
+  ``--plugin`` sends the same requests as the vLLM plugin does (JSON arrays, its fields, a
+  batch id each); ``--before`` serves another checkout's kvlens in the same rounds;
 - ``/metrics`` render time at about 2,000 and 20,000 series vs prometheus_client rendering
   the same number of series from its own Counter/Histogram objects;
 - RSS after 1M and after 10M records;
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -27,6 +32,7 @@ import sys
 import textwrap
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,10 +46,46 @@ from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.collector import KVLensCollector
 from kvlens.records import Record, batch_from_objects
 from kvlens.simulate.demo import DemoTraffic
-from kvlens.sources import push
+from kvlens.sources import push, vllm_plugin
+from kvlens.sources.vllm_plugin import records_from_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCH = 1000
+
+
+PLUGIN_HEADERS = {"content-type": "application/json", vllm_plugin.SOURCE_HEADER: vllm_plugin.SOURCE}
+PLUGIN_FIELDS = (
+    "request_id",
+    "prompt_tokens",
+    "cached_tokens",
+    "output_tokens",
+    "queue_seconds",
+    "prefill_seconds",
+    "decode_seconds",
+    "e2e_seconds",
+    "finish_reason",
+)
+
+
+def plugin_payload(bodies: list[bytes], seed: int = 1) -> list[bytes]:
+    """The same requests as the vLLM plugin sends them (sources/vllm_plugin.py): a JSON array of
+    its fields (vLLM's own, a request id like vLLM's, durations at full float precision, TTFT =
+    queue + prefill, the model and the replica), no arrival_time, block_size or prefix_hashes."""
+    rng = random.Random(seed)
+    out = []
+    for body in bodies:
+        rows = []
+        for line in body.splitlines():
+            demo = orjson.loads(line)
+            demo["request_id"] = f"cmpl-{rng.getrandbits(128):032x}-0"
+            values = tuple(
+                value * (1 + rng.random() * 1e-6) if name.endswith("_seconds") and value else value
+                for name in PLUGIN_FIELDS
+                for value in (demo.get(name),)
+            )  # in the order of the plugin's attributes
+            rows.append((demo.get("model"), "node-3:0", values))
+        out.append(b"[" + b",".join(vllm_plugin.encode_records(records_from_rows(rows))[0]) + b"]")
+    return out
 
 
 def payload(batches: int, seed: int = 1) -> list[bytes]:
@@ -114,9 +156,9 @@ class NaiveExporter:
 
     def ingest(self, body: bytes) -> int:
         accepted = 0
-        for line in body.splitlines():
+        for item in orjson.loads(body) if body[:1] == b"[" else body.splitlines():
             try:
-                record = Record.model_validate(orjson.loads(line))
+                record = Record.model_validate(item if isinstance(item, dict) else orjson.loads(item))
             except Exception:
                 continue
             n, h = record.prompt_tokens, record.cached_tokens
@@ -230,14 +272,18 @@ def tenant_cost(bodies: list[bytes], repeats: int) -> None:
         )
 
 
-def start_server(args: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(
+    args: list[str], env: dict[str, str] | None = None, service: Path = ROOT / "service"
+) -> tuple[subprocess.Popen[bytes], str]:
+    """A server on a free port, importing kvlens from ``service`` (this checkout's by default:
+    the venv's editable install may point at another one)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     process = subprocess.Popen(
         [sys.executable, *args, "--port", str(port)],
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join((str(service), str(ROOT))), **(env or {})},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -267,42 +313,75 @@ def http_rate(url: str, bodies: list[bytes], scrape: bool) -> tuple[float, float
     thread = threading.Thread(target=scraper)
     if scrape:
         thread.start()
-    records = sum(body.count(b"\n") for body in bodies)
+    records = 0
     with httpx.Client(timeout=60) as client:
         start = time.perf_counter()
         for body in bodies:
-            client.post(f"{url}/v1/records", content=body, headers={"content-type": "application/x-ndjson"})
+            headers = {"content-type": "application/x-ndjson"}
+            if body[:1] == b"[":  # as the vLLM plugin sends: a new batch id per batch
+                headers = {**PLUGIN_HEADERS, vllm_plugin.BATCH_HEADER: uuid.uuid4().hex}
+            answer = client.post(f"{url}/v1/records", content=body, headers=headers)
+            records += answer.json()["accepted"] if answer.status_code == 200 else 0
         elapsed = time.perf_counter() - start
     stop.set()
     if scrape:
         thread.join()
+    expected = sum(body.count(b"\n") or body.count(b"prompt_tokens") for body in bodies)
+    if records != expected:  # a server that refuses fast must not look fast
+        raise RuntimeError(f"{url} accepted {records} of {expected} records")
     return records / elapsed, statistics.median(scrape_times) if scrape_times else 0.0
 
 
-def over_http(bodies: list[bytes], repeats: int) -> None:
+def over_http(bodies: list[bytes], repeats: int, before: Path | None = None) -> None:
+    """Each server in turn every round (one client); with ``before``, also kvlens served from
+    that checkout's ``service/``. Rates and the servers' CPU seconds per round are medians."""
     naive_module = ROOT / "bench" / "_naive_app.py"
     naive_module.write_text(NAIVE_APP)
-    ours_process, ours_url = start_server(["-m", "kvlens.cli", "serve"])
-    naive_process, naive_url = start_server(
+    servers = {"kvlens": start_server(["-m", "kvlens.cli", "serve"])}
+    if before is not None:
+        servers["before"] = start_server(["-m", "kvlens.cli", "serve"], service=before)
+    servers["naive"] = start_server(
         ["-m", "uvicorn", "bench._naive_app:app", "--log-level", "warning", "--no-access-log"]
     )
+    rates: dict[str, list[float]] = {name: [] for name in servers}
+    cpu: dict[str, list[float]] = {name: [] for name in servers}
     try:
-        ours_rates, naive_rates = [], []
         for _ in range(repeats):  # taking turns, as in interleaved_rates
-            ours_rates.append(http_rate(ours_url, bodies, False)[0])
-            naive_rates.append(http_rate(naive_url, bodies, False)[0])
-        scraped, scrape_seconds = http_rate(ours_url, bodies, True)
+            for name, (process, url) in servers.items():
+                server = psutil.Process(process.pid)
+                start = server.cpu_times()
+                rates[name].append(http_rate(url, bodies, False)[0])
+                end = server.cpu_times()
+                cpu[name].append(end.user + end.system - start.user - start.system)
+        scraped, scrape_seconds = http_rate(servers["kvlens"][1], bodies, True)
     finally:
-        for process in (ours_process, naive_process):
+        for process, _ in servers.values():
             process.terminate()
             process.wait()
         naive_module.unlink()
-    ours = statistics.median(ours_rates)
-    print(f"HTTP ingest (1,000-record NDJSON)  {ours:>10,.0f} records/s (median of {repeats})")
+    ours = statistics.median(rates["kvlens"])
+    per_100 = 100 / len(bodies)
+    shape = "arrays as the vLLM plugin's" if bodies[0][:1] == b"[" else "NDJSON"
     print(
-        f"  naive served the same way        {statistics.median(naive_rates):>10,.0f} records/s   "
-        f"kvlens = {median_ratio(ours_rates, naive_rates):.1f}x (target >= 3x)"
+        f"HTTP ingest (1,000-record {shape})  {ours:>10,.0f} records/s (median of {repeats}), "
+        f"server CPU {statistics.median(cpu['kvlens']) * per_100:.2f} s per 100 bodies"
     )
+    if before is not None:
+        print(
+            f"  kvlens from {before}  {statistics.median(rates['before']):>10,.0f} records/s   "
+            f"now = {median_ratio(rates['kvlens'], rates['before']):.2f}x of it; server CPU "
+            f"{statistics.median(cpu['before']) * per_100:.2f} s per 100 bodies"
+        )
+    naive = statistics.median(rates["naive"])
+    lowest, highest = min(rates["kvlens"]) / max(rates["naive"]), max(rates["kvlens"]) / min(rates["naive"])
+    print(
+        f"  naive served the same way        {naive:>10,.0f} records/s   "
+        f"kvlens = {median_ratio(rates['kvlens'], rates['naive']):.2f}x (target >= 5x; spread "
+        f"{lowest:.2f}-{highest:.2f}); "
+        f"server CPU {statistics.median(cpu['naive']) * per_100:.2f} s per 100 bodies"
+    )
+    if before is not None:
+        print(f"  before = {median_ratio(rates['before'], rates['naive']):.2f}x the naive")
     print(
         f"  with a scrape every 200 ms       {scraped:>10,.0f} records/s   "
         f"= {scraped / ours:.0%} of unscraped; median scrape {scrape_seconds * 1000:.1f} ms"
@@ -379,6 +458,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="smaller runs (a smoke test, not figures)")
     parser.add_argument("--tenants", action="store_true", help="only the cost of tenants on the ingest path")
+    parser.add_argument("--http", action="store_true", help="only HTTP ingest against the naive sidecar")
+    parser.add_argument("--rounds", type=int, help="HTTP rounds (default 5, 3 with --quick)")
+    parser.add_argument("--plugin", action="store_true", help="HTTP: the vLLM plugin's bodies (arrays)")
+    parser.add_argument("--before", type=Path, metavar="DIR", help="HTTP: also kvlens from this service/ dir")
     args = parser.parse_args()
     repeats = 3 if args.quick else 7
     bodies = payload(20 if args.quick else 100)
@@ -387,8 +470,15 @@ def main() -> None:
     if args.tenants:
         tenant_cost(bodies, repeats)
         return
+    http_rounds = args.rounds or (3 if args.quick else 5)
+    http_bodies = plugin_payload(bodies) if args.plugin else bodies
+    if args.plugin:
+        print(f"HTTP: the plugin's arrays, {sum(map(len, http_bodies)) / len(http_bodies):,.0f} bytes each")
+    if args.http:
+        over_http(http_bodies[:20] if args.quick else http_bodies, http_rounds, args.before)
+        return
     in_process(bodies, repeats)
-    over_http(bodies[:20] if args.quick else bodies, 3 if args.quick else 5)
+    over_http(http_bodies[:20] if args.quick else http_bodies, http_rounds, args.before)
     for target in (2_000, 20_000):
         render(target, repeats)
     rss(2_000_000 if args.quick else 10_000_000)

@@ -251,3 +251,40 @@ def test_a_refused_batch_id_may_be_retried(client: TestClient) -> None:
     assert client.post("/v1/records", content=too_big, headers={"kvlens-batch-id": "b3"}).status_code == 413
     retry = client.post("/v1/records", content=orjson.dumps([GOOD]), headers={"kvlens-batch-id": "b3"})
     assert retry.json()["accepted"] == 1
+
+
+def test_the_ingest_answer_is_the_documented_model(client: TestClient) -> None:
+    """The answer is written by orjson on the hot path; it stays what IngestResult documents."""
+    from kvlens.exporter.app import IngestResult
+
+    bad = {"prompt_tokens": 10, "cached_tokens": 20}
+    response = client.post("/v1/records", content=ndjson([GOOD, bad, {"x": 1, **GOOD}]))
+    assert response.status_code == 200
+    expected = IngestResult.model_validate(response.json()).model_dump_json().encode()
+    assert response.content == expected
+    assert response.json()["rejected"][0]["index"] == 1
+    assert response.json()["accepted"] == 2
+
+
+def test_a_bug_on_the_ingest_path_is_a_500_that_quotes_nothing(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """POST /v1/records skips FastAPI's layers; an exception still gets the 500 of the rest."""
+    from kvlens.sources import push
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(CANARY)
+
+    monkeypatch.setattr(push, "read_records", broken)
+    response = client.post("/v1/records", content=ndjson([GOOD]))
+    assert (response.status_code, response.json()) == (500, {"error": "internal error"})
+    assert CANARY not in caplog.text
+    assert "RuntimeError in POST /v1/records" in caplog.text
+
+
+def test_ingest_under_a_root_path_is_routed_as_before() -> None:
+    app = create_app(load_settings(), CollectorRegistry())
+    with TestClient(app, root_path="/kvlens") as client:
+        response = client.post("/v1/records", content=ndjson([GOOD]))
+        assert (response.status_code, response.json()["accepted"]) == (200, 1)
+        assert client.get("/v1/records").status_code == 405

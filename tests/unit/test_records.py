@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from typing import Any
@@ -199,6 +200,29 @@ def test_fast_path_matches_the_column_validator_on_a_realistic_batch() -> None:
     fast = batch_from_json_array(orjson.dumps(records))
     assert fast is not None
     assert_same_batch(fast, batch_from_objects(records).batch)
+
+
+def test_fast_path_matches_the_column_validator_across_its_chunks() -> None:
+    """Columns are built WIRE_CHUNK records at a time: fields present in one chunk only, a bad
+    label in the last one, prefix_hashes kept or checked, all as the column validator has them."""
+    from kvlens.records.wire import WIRE_CHUNK
+
+    count = 2 * WIRE_CHUNK + 7
+    records: list[dict[str, Any]] = [
+        {**GOOD, "request_id": f"r{i}", "model": f"m{i % 3}", "prefix_hashes": [i, i + 1]}
+        if i < WIRE_CHUNK
+        else {**GOOD, "queue_seconds": i / 1000, "block_size": 16, "tenant": "" if i % 2 else "t"}
+        for i in range(count)
+    ]
+    for keep in (True, False):
+        fast = batch_from_json_lines(b"\n".join(map(orjson.dumps, records)), keep_prefix_hashes=keep)
+        assert fast is not None
+        expected = batch_from_objects(records).batch
+        if not keep:
+            expected = dataclasses.replace(expected, prefix_hashes=[None] * count)
+        assert_same_batch(fast, expected)
+    records[-1]["model"] = "tab\there"
+    assert batch_from_json_array(orjson.dumps(records)) is None
 
 
 @pytest.mark.parametrize(

@@ -290,12 +290,12 @@ class Aggregator:
             slots_complete, weights=components.overlapped[complete], minlength=self._model_slots
         )
         return GroupState(
-            requests=by_group().astype(np.int64),
+            requests=by_group().astype(np.int64, copy=False),
             prompt_tokens=by_group(reduced.prompt_tokens).astype(np.int64),
             cached_tokens=by_group(reduced.cached_tokens).astype(np.int64),
             prompt_work=by_unit(reduced.prompt_work),
             reused_work=by_unit(reduced.reused_work),
-            work_requests=by_unit().astype(np.int64),
+            work_requests=by_unit().astype(np.int64, copy=False),
             latency=latency,
             reuse=reuse,
             ttft_components=ttft_components,
@@ -344,4 +344,4 @@ def _histogram(
     bucket = np.searchsorted(edges, values, side="left")
     counts = np.bincount(rows * width + bucket, minlength=row_count * width).reshape(row_count, width)
     sums: FloatArray = np.bincount(rows, weights=values, minlength=row_count).astype(np.float64)
-    return Histograms(counts.astype(np.int64), sums)
+    return Histograms(counts.astype(np.int64, copy=False), sums)

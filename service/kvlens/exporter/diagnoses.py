@@ -51,6 +51,8 @@ class RequestDiagnoses:
     def add(self, batch: RecordBatch, keys: list[list[int] | None] | None = None) -> None:
         """``keys``: the batch's :meth:`~kvlens.records.RecordBatch.prefix_keys`, when the
         caller computed them for all the batch's readers."""
+        if batch.prefix_hashes.count(None) == len(batch):  # the common batch: a C pass, not a loop
+            return
         for i, ids in enumerate(batch.prefix_hashes):
             if ids is None:
                 continue
