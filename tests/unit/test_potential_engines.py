@@ -169,3 +169,32 @@ def test_the_sections_read_from_hashes_are_the_same_in_both_engines(tmp_path: Pa
     assert expected["misses"] is not None
     assert expected["cross_tenant"]["records_checked"] > 0
     assert got == expected
+
+
+def test_auto_reads_records_with_sessions_with_the_engine_that_reports_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Per-session reuse and the trace's theoretical reuse come from the numpy engine only: a
+    replay's records (each names its session) past the size where auto takes DuckDB must still
+    get them, not a report without the section."""
+    import kvlens.analysis.analyze as module
+
+    replayed = tmp_path / "replay.jsonl"
+    replayed.write_bytes(
+        b"".join(
+            orjson.dumps(
+                {
+                    "prompt_tokens": 100,
+                    "cached_tokens": 50 * (i % 2),
+                    "session_id": f"s{i % 3}",
+                    "trace_reusable_tokens": 60,
+                }  # fmt: skip
+            )
+            + b"\n"
+            for i in range(30)
+        )
+    )
+    monkeypatch.setattr(module, "AUTO_DUCKDB_BYTES", 0)
+    assert choose_engine("auto", [str(replayed)]) == "numpy"
+    result, _ = analyze([str(replayed)], load_settings(), engine=choose_engine("auto", [str(replayed)]))
+    assert result["sessions"] is not None and result["sessions"]["sessions"] == 3

@@ -10,8 +10,10 @@ and ``misses`` sections) both engines read: DuckDB keeps the records that hold t
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import os
+import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ CALIBRATION_MAX_POINTS = 200_000  # per model, duckdb engine: past it an even sa
 # Local JSON lines under this read faster in numpy: DuckDB's import and connection cost about
 # 0.2 CPU s, which its faster read repays from about 100k records (19 MB) on a 2-core machine.
 AUTO_DUCKDB_BYTES = 16 * 1024 * 1024
+SESSION_SNIFF_BYTES = 64 * 1024
 
 
 def analyze(
@@ -184,7 +187,8 @@ def choose_engine(requested: str, files: Sequence[str]) -> str:
     potential too: :mod:`kvlens.analysis.duckdb.potential`). That is duckdb (the ``scale``
     extra) when installed, for Parquet, URLs, pipes and every input past
     :data:`AUTO_DUCKDB_BYTES`; numpy for the small local files under it, where DuckDB's
-    start costs more than it saves. ``files`` is what :func:`kvlens.analysis.reader.resolve`
+    start costs more than it saves, and for local records that name sessions (only the numpy
+    engine reports reuse per session). ``files`` is what :func:`kvlens.analysis.reader.resolve`
     gave: the engine chosen reads those files, whichever it is."""
     if requested != "auto":
         return requested
@@ -193,7 +197,22 @@ def choose_engine(requested: str, files: Sequence[str]) -> str:
     local = [path for path in files if path != "-"]
     if len(local) < len(files) or any(not os.path.isfile(path) or reader.is_parquet(path) for path in local):
         return "duckdb"
-    return "duckdb" if sum(os.path.getsize(path) for path in local) >= AUTO_DUCKDB_BYTES else "numpy"
+    if sum(os.path.getsize(path) for path in local) < AUTO_DUCKDB_BYTES:
+        return "numpy"
+    # Per-session reuse and the trace's theoretical reuse are the numpy engine's (from each
+    # record): a replay's records name their session on every line, so the first line tells.
+    return "numpy" if any(_names_sessions(path) for path in local) else "duckdb"
+
+
+def _names_sessions(path: str) -> bool:
+    """Whether the first line of a JSON-lines file (gzip read) names a session or a trace's
+    theoretical reuse; only its first 64 KiB are read."""
+    try:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rb") as file:
+            first = file.read(SESSION_SNIFF_BYTES).split(b"\n", 1)[0]
+    except (OSError, EOFError, zlib.error):
+        return False  # the engine chosen reports the file's own error
+    return b'"session_id"' in first or b'"trace_reusable_tokens"' in first
 
 
 def _report(
