@@ -2,16 +2,22 @@
 
     .venv/bin/python bench/simulate.py [--scales 1,10,100]
 
-Figures (medians; these machines are noisy, so read the ratios):
+Figures (medians of CPU seconds, the process's own: these machines are shared and noisy, and
+wall time counts the others' turns; read the ratios):
 - the baseline: a naive ``OrderedDict`` LRU walking every block of the trace on one cache of the
   fleet's capacity, no queues, no pinning, nothing else;
 - each policy on 4 replicas of 1,000 blocks, the whole replay (queues, prefill and decode,
   reduction of the finished records), in blocks per second and as a multiple of the baseline's
   time. Goals: round_robin within 2x of the walk; prefix-aware policies, which consult every
-  replica's cache, within 2N = 8x;
+  replica's cache, within 2N = 8x. The replay is timed as :func:`simulate` runs it, without the
+  loss funnel: ``kvlens simulate`` also feeds each policy's KV events to a fleet index for its
+  funnel (when the ``kv-events`` extra is installed), a second analysis of every block beside
+  the replay, so it has a line of its own (round_robin with the funnel) and no goal;
 - the trace repeated 1x, 10x, 100x (each copy later in time and with its own blocks, streamed,
   never held in memory) in a fresh process each: seconds, blocks per second and peak RSS, so the
-  cost is seen to be linear in blocks and the memory bounded.
+  cost is seen to be linear in blocks and the memory bounded; and beside it, in the same process,
+  the naive walk of the same streamed blocks and the stream alone (making the copies' requests
+  costs both the same), so the ratio at each scale is (replay - stream) / (walk - stream).
 """
 
 from __future__ import annotations
@@ -23,8 +29,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from kvlens.simulate.policies import POLICIES
 from kvlens.simulate.run import Fleet, simulate
@@ -35,21 +41,27 @@ CAPACITY = 1000
 
 
 def repeated(requests: list[TraceRequest], times: int) -> Iterator[TraceRequest]:
-    """The trace ``times`` times over: each copy after the previous one, with blocks of its own."""
+    """The trace ``times`` times over: each copy after the previous one, with blocks of its own
+    (integers, as a trace reader's chained keys are: a tuple's hash is not cached, and counting
+    it at every lookup would weigh the map that looks up most)."""
     span = requests[-1].arrival + 1.0
     for copy in range(times):
         for r in requests:
-            blocks = r.blocks if copy == 0 else tuple((copy, b) for b in r.blocks)
+            blocks = r.blocks if copy == 0 else tuple(hash((copy, b)) for b in r.blocks)
             yield TraceRequest(r.index + copy * len(requests), r.arrival + copy * span, r.prompt_tokens,
                                r.output_tokens, blocks)  # fmt: skip
 
 
 def naive_walk(requests: list[TraceRequest], capacity: int) -> Callable[[], None]:
     ids = [block for r in requests for block in r.blocks]
+    return lambda: walk_blocks([ids], capacity)
 
-    def walk() -> None:
-        lru: OrderedDict[object, None] = OrderedDict()
-        for block in ids:
+
+def walk_blocks(runs: Iterable[Sequence[object]], capacity: int) -> None:
+    """Every block of every run through one LRU of ``capacity`` blocks."""
+    lru: OrderedDict[object, None] = OrderedDict()
+    for run in runs:
+        for block in run:
             if block in lru:
                 lru.move_to_end(block)
             else:
@@ -57,15 +69,13 @@ def naive_walk(requests: list[TraceRequest], capacity: int) -> Callable[[], None
                 if len(lru) > capacity:
                     lru.popitem(last=False)
 
-    return walk
-
 
 def median_seconds(run: Callable[[], object], repeats: int) -> float:
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = time.process_time()
         run()
-        times.append(time.perf_counter() - start)
+        times.append(time.process_time() - start)
     return statistics.median(times)
 
 
@@ -75,13 +85,23 @@ def scaled_run(times: int, policy: str) -> None:
     requests = list(trace.requests())
     blocks = sum(len(r.blocks) for r in requests) * times
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    start = time.perf_counter()
-    simulate(repeated(requests, times), Fleet(REPLICAS, CAPACITY, trace.block_size), policy)
-    seconds = time.perf_counter() - start
+    fleet = Fleet(REPLICAS, CAPACITY, trace.block_size)
+    seconds = median_seconds(lambda: simulate(repeated(requests, times), fleet, policy), 1)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    stream = median_seconds(lambda: deque(repeated(requests, times), maxlen=0), 1)
+    walk = median_seconds(
+        lambda: walk_blocks((r.blocks for r in repeated(requests, times)), REPLICAS * CAPACITY), 1
+    )
     print(
         json.dumps(
-            {"seconds": seconds, "blocks": blocks, "rss_mib": peak / 1024, "grew_mib": (peak - before) / 1024}
+            {
+                "seconds": seconds,
+                "blocks": blocks,
+                "rss_mib": peak / 1024,
+                "grew_mib": (peak - before) / 1024,
+                "stream_seconds": stream,
+                "walk_seconds": walk,
+            }
         )
     )
 
@@ -114,22 +134,49 @@ def main() -> None:
             seconds.append(took)
         goal = {"round_robin": " (goal <= 2x)", "prefix_affinity": f" (goal <= {2 * REPLICAS}x)"}
         goal["cost_aware"] = goal["prefix_affinity"]
-        rate = full_blocks / statistics.median(seconds)
-        print(
-            f"{policy:<16} {REPLICAS} replicas x {CAPACITY:,}      {rate:>12,.0f} "
-            f"blocks/s  = {statistics.median(ratios):.1f}x the walk's time{goal.get(policy, '')}"
-        )
-
+        print_policy(policy, full_blocks, seconds, ratios, goal.get(policy, ""))
     print("scaling (round_robin, streamed, a fresh process each):")
     for times in (int(s) for s in args.scales.split(",")):
         command = [sys.executable, __file__, "--scaled-run", str(times), "round_robin"]
         out = subprocess.run(command, capture_output=True, text=True, check=True)
         figures = json.loads(out.stdout)
+        stream = figures["stream_seconds"]
+        ratio = (figures["seconds"] - stream) / (figures["walk_seconds"] - stream)
         print(
             f"  {times:>4}x  {figures['blocks']:>12,} blocks  {figures['seconds']:>7.2f} s  "
             f"{figures['blocks'] / figures['seconds']:>12,.0f} blocks/s  "
-            f"peak RSS {figures['rss_mib']:.0f} MiB (+{figures['grew_mib']:.0f} MiB while simulating)"
+            f"peak RSS {figures['rss_mib']:.0f} MiB (+{figures['grew_mib']:.0f} MiB while simulating); "
+            f"walk {figures['walk_seconds']:.2f} s, stream {stream:.2f} s: {ratio:.1f}x the walk's time"
         )
+    from kvlens.fleet.index import compiled_loops_available
+
+    # The funnel, as kvlens simulate runs it with the extra; last, as the index and its compiled
+    # loops grow this process, and a scaled run's peak RSS counts its parent's at the fork.
+    if compiled_loops_available():
+        ratios, seconds = [], []
+        for _ in range(args.repeats):
+            base = median_seconds(walk, 1)
+            took = median_seconds(lambda: with_funnel(requests, fleet, trace.block_size), 1)
+            ratios.append(took / base)
+            seconds.append(took)
+        print_policy("rr + funnel", full_blocks, seconds, ratios, " (no goal: a second analysis)")
+
+
+def print_policy(name: str, blocks: int, seconds: list[float], ratios: list[float], goal: str) -> None:
+    rate = blocks / statistics.median(seconds)
+    print(
+        f"{name:<16} {REPLICAS} replicas x {CAPACITY:,}      {rate:>12,.0f} "
+        f"blocks/s  = {statistics.median(ratios):.1f}x the walk's time{goal}"
+    )
+
+
+def with_funnel(requests: list[TraceRequest], fleet: Fleet, block_size: int) -> None:
+    from kvlens.fleet.index import FleetIndex  # here: the scaled runs' RSS is the replay's alone
+    from kvlens.simulate.funnel import events_into, funnel
+
+    index = FleetIndex(hashes_alike=True)
+    outcome = simulate(requests, fleet, "round_robin", events=events_into(index, block_size))
+    funnel(outcome, index, fleet.service.prefill)
 
 
 if __name__ == "__main__":

@@ -188,7 +188,7 @@ def test_auto_reads_records_with_sessions_with_the_engine_that_reports_them(
                     "cached_tokens": 50 * (i % 2),
                     "session_id": f"s{i % 3}",
                     "trace_reusable_tokens": 60,
-                }  # fmt: skip
+                }
             )
             + b"\n"
             for i in range(30)

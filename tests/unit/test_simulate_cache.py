@@ -4,6 +4,8 @@ reuses less) on whole traces."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -108,3 +110,74 @@ def test_more_capacity_never_reuses_less(
     unbounded = walk(played, None, 16, "reachable").totals
     assert low.cached_tokens <= high.cached_tokens <= unbounded.cached_tokens
     assert low.hit_requests <= high.hit_requests <= unbounded.hit_requests
+
+
+class _Removed:
+    def __init__(self) -> None:
+        self.blocks: list[object] = []
+
+    def stored(self, blocks: object, parent: object, scope: object = None) -> None:
+        pass
+
+    def removed(self, blocks: list[object]) -> None:
+        self.blocks.extend(blocks)
+
+
+class _ModelLRU:
+    """The documented rule, spelled the plain way (an OrderedDict of the free blocks): the cache
+    keeps its free blocks in a dict and evicts its first keys, which must come to the same."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.held: dict[object, int] = {}
+        self.free: OrderedDict[object, None] = OrderedDict()
+        self.removed: list[object] = []
+
+    def acquire(self, blocks: tuple[int, ...], limit: int) -> tuple[int, int]:
+        count = 0
+        for block in blocks:
+            if block in self.held:
+                self.held[block] += 1
+            elif block in self.free:
+                del self.free[block]
+                self.held[block] = 1
+            else:
+                break
+            count += 1
+        stored = 0
+        for block in blocks[count:]:
+            if len(self.held) + len(self.free) >= self.capacity:
+                if not self.free:
+                    break
+                self.removed.append(self.free.popitem(last=False)[0])
+            self.held[block] = 1
+            stored += 1
+        return min(count, limit), count + stored
+
+    def release(self, blocks: tuple[int, ...], count: int) -> None:
+        for block in reversed(blocks[:count]):
+            self.held[block] -= 1
+            if not self.held[block]:
+                del self.held[block]
+                self.free[block] = None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 8), operations)
+def test_free_blocks_go_in_the_order_of_a_plain_lru(
+    capacity: int, steps: list[tuple[bool, tuple[int, ...]]]
+) -> None:
+    events = _Removed()
+    cache, model = PrefixCache(capacity, events), _ModelLRU(capacity)
+    running: list[tuple[tuple[int, ...], int]] = []
+    for start, blocks in steps:
+        if start or not running:
+            got = cache.acquire(blocks, len(blocks) - 1)
+            assert got == model.acquire(blocks, len(blocks) - 1)
+            running.append((blocks, got[1]))
+        else:
+            blocks, held = running.pop(0)
+            cache.release(blocks, held)
+            model.release(blocks, held)
+        assert events.blocks == model.removed
+        assert cache.evictions == len(model.removed)

@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import cast
 
+import numpy as np
+
 from kvlens.fleet.index import FleetIndex
 from kvlens.records import prefix_keys
 from kvlens.simulate.cache import PrefixCache
@@ -36,7 +38,9 @@ class IndexSink:
 
     def stored(self, blocks: Sequence[object], parent: object | None, scope: object = None) -> None:
         hashes = cast("list[int]", list(blocks))
-        tokens = [0] * (len(hashes) * self.block_size)
+        # as an array: a list of block_size Python ints per block, converted one by one, was
+        # 70% of a simulation's funnel (the index takes an array as it is)
+        tokens = np.zeros(len(hashes) * self.block_size, np.uint64)
         self.index.stored(self.name, hashes, cast("int | None", parent), tokens, self.block_size)
 
     def removed(self, blocks: Sequence[object]) -> None:

@@ -199,19 +199,21 @@ class Replica:
     def advance(self, until: float) -> None:
         """Play this replica's events up to ``until``: prefills ending, requests finishing, and
         the waiting ones starting as room frees."""
-        decoding = self._decoding
+        decoding, release, done = self._decoding, self.cache.release, self.done
+        pop = heapq.heappop
         while True:
             finish = decoding[0][0] if decoding else INF
             if finish <= self.prefill_end:
                 if finish > until or not decoding:
                     self.due = finish
                     return
-                _, _, job = heapq.heappop(decoding)
+                job = pop(decoding)[2]
                 job.finish = finish  # later than planned when prefills paused its decode
-                self.cache.release(job.blocks, job.held)
+                release(job.blocks, job.held)
                 self.context_tokens -= job.prompt_tokens + job.output_tokens
-                self.done.append(job)
-                self._start(finish)
+                done.append(job)
+                if self.waiting:  # else nobody can start (the common case: skip the call)
+                    self._start(finish)
             else:
                 if self.prefill_end > until:
                     self.due = self.prefill_end
@@ -251,10 +253,11 @@ class Replica:
         self.due = min(self.due, self._decoding[0][0] if self._decoding else INF, self.prefill_end)
 
     def _start(self, now: float) -> None:
-        if self.prefilling is not None or self.running >= self.model.max_running:
-            return
         waiting = self.waiting
-        if not self.queued:
+        # An empty line first: most calls find it so (``_left`` never exceeds the line's length)
+        if not waiting or self.prefilling is not None or len(self._decoding) >= self.model.max_running:
+            return
+        if len(waiting) == self._left:
             waiting.clear()  # whoever is left in it has departed
             self._left = 0
             return
@@ -262,11 +265,11 @@ class Replica:
             waiting.popleft()
             self._left -= 1
         job = waiting.popleft()
-        self.backlog = self.backlog - job.estimate if self.queued else 0.0
+        self.backlog = self.backlog - job.estimate if len(waiting) > self._left else 0.0
         reused, job.held = self.cache.acquire(job.blocks, job.limit, job.scope)
         job.cached_tokens = reused * self.block_size
         job.start = now
-        duration = self.prefill_seconds(job, reused)
+        duration = self.model.prefill.remaining_work_of(job.prompt_tokens, job.cached_tokens)
         self.busy_seconds += duration
         self.prefilling = job
         self.prefill_end = now + duration
@@ -283,9 +286,11 @@ class Replica:
             self.prefilled.append(job)
         self.prefilling = None
         self.prefill_end = INF
-        batch = len(self._decoding) + 1
+        decoding = self._decoding
+        batch = len(decoding) + 1
         step = self.model.decode.step_seconds(batch, self.context_tokens / batch)
         job.finish = now + max(job.output_tokens - 1, 0) * step  # the first token came with prefill
-        heapq.heappush(self._decoding, (job.finish, job.order, job))
+        heapq.heappush(decoding, (job.finish, job.order, job))
         self.served += 1
-        self._start(now)
+        if self.waiting:
+            self._start(now)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import IO, Any
 
 import numpy as np
@@ -145,12 +146,13 @@ def simulate(
     replicas, choose = fleet.build(policy_name, done, events)
     outcome = Outcome(policy_name, fleet.capacity_blocks)
     order = 0
+    block_size = fleet.block_size
     for request in requests:
         now = request.arrival
         for replica in replicas:
             if replica.due <= now:
                 replica.advance(now)
-        job = Job(request, order, fleet.block_size)
+        job = Job(request, order, block_size)
         replicas[choose(job, replicas, now)].enqueue(job, now)
         order += 1
         if len(done) >= CHUNK:
@@ -260,19 +262,19 @@ def _token_batch(prompt: list[int], cached: list[int], block_size: int) -> Recor
 def _job_batch(jobs: list[Job], block_size: int, arm: str) -> RecordBatch:
     count = len(jobs)
 
-    def column(values: Iterator[float]) -> npt.NDArray[np.float64]:
-        return np.fromiter(values, np.float64, count)
+    def column(name: str, dtype: type = np.float64) -> npt.NDArray[Any]:
+        return np.fromiter(map(attrgetter(name), jobs), dtype, count)
 
-    arrival = column(j.arrival for j in jobs)
-    start = column(j.start for j in jobs)
-    first = column(j.first_token for j in jobs)
-    finish = column(j.finish for j in jobs)
+    arrival = column("arrival")
+    start = column("start")
+    first = column("first_token")
+    finish = column("finish")
     return _batch(
         count,
         block_size,
-        prompt_tokens=np.fromiter((j.prompt_tokens for j in jobs), np.int64, count),
-        cached_tokens=np.fromiter((j.cached_tokens for j in jobs), np.int64, count),
-        output_tokens=np.fromiter((j.output_tokens for j in jobs), np.int64, count),
+        prompt_tokens=column("prompt_tokens", np.int64),
+        cached_tokens=column("cached_tokens", np.int64),
+        output_tokens=column("output_tokens", np.int64),
         queue_seconds=start - arrival,
         prefill_seconds=first - start,
         ttft_seconds=first - arrival,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvlens.errors import InputError
@@ -47,17 +47,17 @@ class TraceRequest:
     # cache sees are :attr:`keys`, never ``blocks`` (which the experiment's prompts are made from)
     cache_salt: str | None = None
     lora: str | None = None  # the LoRA adapter it runs on (``simulate serve --lora-modules``)
+    # The blocks as the engine keys them: :func:`salted` by ``cache_salt`` and LoRA. Made once
+    # here: every run of a sweep reads them (a salted request's chain is a hash per block).
+    keys: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "keys", salted(self.blocks, self.cache_salt, self.lora))
 
     @property
     def scope(self) -> Scope | None:
         """The cache scope its blocks are keyed in beside their content: (salt, LoRA), or None."""
         return (self.cache_salt, self.lora) if self.cache_salt or self.lora else None
-
-    @property
-    def keys(self) -> tuple[int, ...]:
-        """The blocks as the engine keys them: :func:`salted` by the request's ``cache_salt`` and
-        LoRA."""
-        return salted(self.blocks, self.cache_salt, self.lora)
 
 
 def count(value: Any, name: str, low: int = 0) -> int:
