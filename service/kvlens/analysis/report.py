@@ -173,13 +173,23 @@ def cells_of(derived: Derived, rows: npt.NDArray[np.bool_] | None = None) -> dic
     n, h = derived.batch.prompt_tokens, derived.batch.cached_tokens
     if rows is not None:
         code, n, h = code[rows], n[rows], h[rows]
-    keys, inverse = np.unique(code, return_inverse=True)
+    if code.size and int(code.max()) >= DENSE_CODES_PER_ROW * code.size:
+        # codes spread thin (a name per record): numbered densely first, so that the sums' tables
+        # are as long as the keys, not as the largest code
+        keys, inverse = np.unique(code, return_inverse=True)
+    else:
+        keys, inverse = np.arange(int(code.max()) + 1 if code.size else 0), code
+    counts = np.bincount(inverse, minlength=keys.size)
+    present = np.flatnonzero(counts)
     sums = [
-        _exact_sums(inverse, len(keys), column)
-        for column in (np.ones_like(n), n, h, n * (n + 1) // 2, h * (h + 1) // 2)
+        counts[present].tolist(),
+        *(
+            _exact_sums(inverse, keys.size, column, present)
+            for column in (n, h, n * (n + 1) // 2, h * (h + 1) // 2)
+        ),
     ]
     cells = {}
-    for i, value in enumerate(keys.tolist()):
+    for i, value in enumerate(keys[present].tolist()):
         rest, hit = unpack_hit(value)
         model, group = divmod(rest, groups)
         cells[(reduced.model_names[model], group, hit)] = Cell(*(column[i] for column in sums))
@@ -251,19 +261,28 @@ def _exact_sum(values: npt.NDArray[np.int64]) -> int:
     )
 
 
-def _exact_sums(inverse: npt.NDArray[np.intp], keys: int, values: npt.NDArray[np.int64]) -> list[int]:
-    """Per key, the exact (Python int) sum of ``values``: int64 partial sums of at most
-    :data:`SAFE_ROWS` rows, added as Python ints."""
-    order = np.argsort(inverse, kind="stable")
-    sorted_keys, sorted_values = inverse[order], values[order]
-    starts = np.flatnonzero(np.r_[True, sorted_keys[1:] != sorted_keys[:-1]]) if order.size else order
-    bounds = np.union1d(starts, np.arange(0, order.size, SAFE_ROWS))
-    out = [0] * keys
-    if order.size:
-        for key, partial in zip(
-            sorted_keys[bounds].tolist(), np.add.reduceat(sorted_values, bounds).tolist(), strict=True
-        ):
-            out[key] += int(partial)
+# Per-key sums without sorting: each value split in two parts of at most 26 bits, each part summed
+# by np.bincount in float64, exact while a sum stays below 2**53. Values are below 2**46 (n*(n+1)/2
+# with n <= MAX_TOKENS), so the high parts are below 2**20 and the low ones below 2**26: sums of
+# at most BINCOUNT_ROWS rows of either are exact.
+LOW_BITS = 26
+BINCOUNT_ROWS = 2**26
+DENSE_CODES_PER_ROW = 4  # codes above this many a row are numbered densely first (np.unique)
+
+
+def _exact_sums(
+    inverse: npt.NDArray[Any], keys: int, values: npt.NDArray[np.int64], present: npt.NDArray[np.intp]
+) -> list[int]:
+    """Per key in ``present`` (``inverse`` numbers each row's key below ``keys``), the exact
+    (Python int) sum of ``values``, each in [0, 2**46)."""
+    out = [0] * present.size
+    low_mask = (1 << LOW_BITS) - 1
+    for start in range(0, values.size, BINCOUNT_ROWS):
+        part, where = values[start : start + BINCOUNT_ROWS], inverse[start : start + BINCOUNT_ROWS]
+        low = np.bincount(where, part & low_mask, keys)[present].tolist()
+        high = np.bincount(where, part >> LOW_BITS, keys)[present].tolist()
+        for i, (low_sum, high_sum) in enumerate(zip(low, high, strict=True)):
+            out[i] += (int(high_sum) << LOW_BITS) + int(low_sum)
     return out
 
 
