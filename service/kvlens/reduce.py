@@ -13,6 +13,7 @@ record counts the same everywhere. Per record it decides:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, overload
@@ -43,9 +44,9 @@ class Reduced:
     ttft: TtftComponents
     ttft_complete: npt.NDArray[np.bool_]  # queue, prefill and TTFT all measured
 
-    @property
+    @functools.cached_property
     def model(self) -> npt.NDArray[np.object_]:
-        """The model name of each record."""
+        """The model name of each record: built once (a walk reads it record by record)."""
         return np.array(self.model_names, dtype=object)[self.model_codes]
 
     def totals(self, rows: npt.NDArray[np.bool_] | slice = slice(None)) -> Totals:
