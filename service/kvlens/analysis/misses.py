@@ -35,7 +35,7 @@ CAN_TELL: Final = (
 def request_misses(derived: Derived, worst: int = WORST) -> dict[str, Any] | None:
     """The records' misses per length group (None: no record has ``prefix_hashes``)."""
     batch = derived.batch
-    rows = [i for i, hashes in enumerate(batch.prefix_hashes) if hashes]
+    rows = batch.rows_holding("prefix_hashes")
     if not rows:
         return None
     arrival = batch.arrival_time[rows]
