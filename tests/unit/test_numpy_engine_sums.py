@@ -68,3 +68,20 @@ def test_rows_chosen_sum_those_alone() -> None:
     chosen = [record for record, keep in zip(records, rows.tolist(), strict=True) if keep]
     assert cells_of(derived, rows) == _python_cells(chosen, derived)
     assert cells_of(derived, np.zeros(100, bool)) == {}
+
+
+def test_modelled_work_per_request_whatever_models_share_a_cost_model() -> None:
+    from kvlens.definitions import UNITS, CostModel, modelled_work
+
+    article, flops = CostModel(), CostModel(a=2.0, b=3.0, unit="flops")
+    generator = np.random.default_rng(31)
+    n = generator.integers(0, MAX_TOKENS, 5000)
+    h = n // 3
+    for costs in ({0: article}, {0: article, 1: article}, {0: article, 1: flops, 2: article}):
+        keys = generator.integers(0, len(costs), n.size).astype(np.int32)
+        prompt, reused, unit = modelled_work(n, h, keys, costs.__getitem__)
+        for i in range(0, n.size, 97):
+            cost = costs[int(keys[i])]
+            assert prompt[i] == float(cost.work(n[i : i + 1])[0])
+            assert reused[i] == float(cost.work(h[i : i + 1])[0])
+            assert unit[i] == UNITS.index(cost.unit)

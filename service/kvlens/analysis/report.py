@@ -15,7 +15,7 @@ import numpy.typing as npt
 from kvlens import definitions
 from kvlens.definitions import CostModel, Totals, prompt_length_labels
 from kvlens.records import RecordBatch
-from kvlens.reduce import Reduced, pack_hit, reduce, unpack_hit
+from kvlens.reduce import Reduced, codes_of, pack_hit, reduce, unpack_hit
 from kvlens.stats import order_statistics, percentiles
 
 SCHEMA = "kvlens.analyze/v1"
@@ -203,11 +203,17 @@ def summarize(derived: Derived) -> Summary:
     n, h = batch.prompt_tokens, batch.cached_tokens
     cells = cells_of(derived)
     present = [(g, hit) for g in range(groups) for hit in (True, False)]
-    rows_of = {group: (reduced.length_group == group[0]) & (reduced.hit == group[1]) for group in present}
+    # the records sorted by group once (a stable radix sort of small codes), each column taken in
+    # that order once: a group's records are a slice, not a mask over every record a column
+    code = pack_hit(reduced.length_group, reduced.hit).astype(np.int16 if groups < 2**14 else np.intp)
+    order = np.argsort(code, kind="stable")
+    bounds = np.concatenate(([0], np.cumsum(np.bincount(code, minlength=codes_of(groups))))).tolist()
+    rows_of = {group: slice(bounds[pack_hit(*group)], bounds[pack_hit(*group) + 1]) for group in present}
+    sorted_columns = {name: getattr(batch, name)[order] for name in LATENCY_COLUMNS}
     latency = {
-        group: {name: percentiles(getattr(batch, name)[rows]) for name in LATENCY_COLUMNS}
+        group: {name: percentiles(sorted_columns[name][rows]) for name in LATENCY_COLUMNS}
         for group, rows in rows_of.items()
-        if rows.any()
+        if rows.stop > rows.start
     }
     parts, complete = reduced.ttft, reduced.ttft_complete
     decomposition = Decomposition(
@@ -226,19 +232,20 @@ def summarize(derived: Derived) -> Summary:
         (threshold,) = definitions.quantiles(
             int(present_ttft.size), (1 - SLOWEST_SHARE,), lambda r: order_statistics(present_ttft, r)
         )
-        slow = ~np.isnan(ttft) & (ttft >= threshold)
-        slowest = {group: int((slow & rows).sum()) for group, rows in rows_of.items()}
+        slow = (~np.isnan(ttft) & (ttft >= threshold))[order]
+        slowest = {group: int(np.count_nonzero(slow[rows])) for group, rows in rows_of.items()}
     prefill = {}
-    measured = ~np.isnan(batch.prefill_seconds)
+    sorted_n, sorted_h = n[order], h[order]
     for group, rows in rows_of.items():
-        chosen = rows & measured
+        seconds = sorted_columns["prefill_seconds"][rows]
+        chosen = ~np.isnan(seconds)
         if chosen.any():
-            seconds = batch.prefill_seconds[chosen]
-            per_token = seconds / np.maximum(n[chosen] - h[chosen], 1)
+            seconds, chosen_n, chosen_h = seconds[chosen], sorted_n[rows][chosen], sorted_h[rows][chosen]
+            per_token = seconds / np.maximum(chosen_n - chosen_h, 1)
             prefill[group] = PrefillGroup(
                 int(chosen.sum()),
-                int(n[chosen].sum()),
-                int(h[chosen].sum()),
+                int(chosen_n.sum()),
+                int(chosen_h.sum()),
                 _median(seconds),
                 _median(per_token),
             )
