@@ -65,9 +65,9 @@ _LIVE_WIRE_DECODER: Final = msgspec.json.Decoder(list[_LiveWireRecord])  # type:
 _HASHES_DECODER: Final = msgspec.json.Decoder(
     Annotated[list[int | str], msgspec.Meta(max_length=MAX_PREFIX_BLOCKS)]
 )
-# Decoded at a time from JSON lines: a slice's records stay in the CPU's caches while their columns
-# are taken and are freed at once (on 1M records the decode and the columns cost ~25 % less CPU
-# than in 8 MiB chunks; 16-512 KiB all did about as well).
+# JSON lines are decoded this much at a time: a slice's records stay in the CPU's caches while
+# their columns are taken, and are freed at once (on 1M records the decode and the columns cost
+# ~25 % less CPU than in 8 MiB chunks; 16-512 KiB all did about as well).
 SLICE_BYTES = 64 * 1024
 
 
@@ -118,8 +118,8 @@ class _Columns:
     the fields seen so far (``names``; the required ones at first): a field that no record holds
     is never read off each record, and its column is the absent value whole. A slice with
     another field is refused by that struct and decoded again by the struct of all fields (what
-    it refuses is invalid); the fields its records hold join ``names``, which only grows (each
-    slice is decoded at most twice, and at most once more than the fields it adds)."""
+    it refuses is invalid); the fields its records hold join ``names``, which only grows: a slice
+    is decoded twice only when it adds a field, so at most as many slices as there are fields."""
 
     def __init__(self, keep_prefix_hashes: bool) -> None:
         self.keep_prefix_hashes = keep_prefix_hashes
