@@ -40,7 +40,7 @@ from typing import Final
 import numpy as np
 
 from kvlens.definitions import DEFAULT_BLOCK_SIZE, cached_blocks
-from kvlens.records import RecordBatch, prefix_key
+from kvlens.records import RecordBatch, prefix_keys
 
 BYTES_PER_BLOCK: Final = 160  # measured 142: an OrderedDict entry and its 64-bit key int
 _SEVERAL: Final = 0  # a block stored by more than one tenant (a tenant's key is never 0: _tenant_key)
@@ -98,10 +98,7 @@ class BlockStorers:
         step is one pass at C speed (map, comprehension) rather than a Python loop per block: a
         chain is often hundreds of blocks."""
         storers = self._storers
-        try:  # ids that are all ints of 64 bits (vLLM's, the simulator's): one numpy pass
-            keys = np.array(chain, np.uint64).tolist()
-        except (OverflowError, TypeError, ValueError):
-            keys = [prefix_key(value) for value in chain]
+        keys = prefix_keys(chain)
         found = list(map(storers.get, keys))
         got: dict[int, int] = {}
         mine = {None, tenant, _SEVERAL}

@@ -13,7 +13,8 @@ import httpx
 import msgspec
 import pytest
 
-from kvlens.fleet.index import EVICTED_HERE, HELD_ELSEWHERE, NEW, FleetIndex
+from kvlens.fleet.causes import EVICTED_HERE, HELD_ELSEWHERE, NEW
+from kvlens.fleet.index import FleetIndex
 from kvlens.fleet.ordering import Publisher
 from kvlens.fleet.schema import KVEventBatch
 from kvlens.fleet.simulated import SimulatedEngine

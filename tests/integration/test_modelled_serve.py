@@ -11,7 +11,8 @@ import httpx
 import orjson
 import pytest
 
-from kvlens.fleet.index import CAUSES, EVICTED_ELSEWHERE, EVICTED_HERE, HELD_ELSEWHERE, NEW, FleetIndex
+from kvlens.fleet.causes import CAUSES, EVICTED_ELSEWHERE, EVICTED_HERE, HELD_ELSEWHERE, NEW
+from kvlens.fleet.index import FleetIndex
 from kvlens.simulate.modelled import ModelledFleet
 from kvlens.simulate.trace import BUNDLED, MOONCAKE, Trace
 from tests.live import start_kvlens

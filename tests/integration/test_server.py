@@ -166,6 +166,9 @@ def test_demo_replays_the_bundled_trace_on_a_simulated_fleet() -> None:
         assert stored > 0 and total(values, recomputed) == 512 * stored
         assert total(values, recomputed, cause="new") > 0
         assert total(values, recomputed, cause="unknown") == 0  # no store left out: every parent known
+        # the replicas serve the replayed model: their lost work in its FLOPs, as compute saved is
+        work = "kvlens_kv_recomputed_work_total"
+        assert total(values, work, unit="flops") == total(values, work) > 0
         assert total(values, "kvlens_kv_publisher_up") == 4
     finally:
         output = running.output()

@@ -8,6 +8,7 @@ from collections import Counter
 
 from kvlens.cli.demo import causes_summary, in_process_kv_events
 from kvlens.config import load_settings
+from kvlens.definitions import CostModel
 from kvlens.fleet.index import FleetIndex
 from kvlens.fleet.simulated import SimulatedEngine, into_index
 from kvlens.simulate.demo import ReplayKVEvents, ReplayTraffic
@@ -34,14 +35,24 @@ def test_the_demo_feed_gives_the_simulated_engines_causes_and_each_loop_the_same
     before = kv_events.snapshot()
     first = Counter(before.index.recomputed_tokens)
     assert first == expected
-    line = causes_summary(kv_events)
+    cost = CostModel(a=1.0, b=0.01, unit="flops")
+    line = causes_summary(kv_events, cost)
     by_cause: Counter[str] = Counter()
     for (_, cause), tokens in expected.items():
         by_cause[cause] += tokens
-    whole = sum(by_cause.values())
-    shares = dict(part.rsplit(" ", 2)[:2] for part in line.removeprefix("recomputed: ").split(", "))
+    work: Counter[str] = Counter()  # the funnel's: each cause's modelled work, its depths known
+    for (_, cause), amount in before.index.recomputed_work(cost).items():
+        work[cause] += amount
+    whole, whole_work = sum(by_cause.values()), sum(work.values())
+    assert line.startswith("recomputed: ") and line.endswith(" (tokens | flops)")
+    parts = line.removeprefix("recomputed: ").removesuffix(" (tokens | flops)").split(", ")
+    shares = {part.split(" ")[0]: part.split(" ")[1:] for part in parts}
+
+    def share(fraction: float) -> str:
+        return f"{100 * fraction:.0f}" if fraction >= 0.005 else "<1"
+
     assert shares == {
-        cause: f"{100 * tokens / whole:.0f}" if tokens / whole >= 0.005 else "<1"
+        cause: [share(tokens / whole), "|", share(work[cause] / whole_work), "%"]
         for cause, tokens in by_cause.items()
     }
     assert next(iter(shares)) == "new"

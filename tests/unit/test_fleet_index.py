@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from kvlens.definitions import SECONDS, UNITS
 from kvlens.exporter.promql import LOST
-from kvlens.fleet.index import (
+from kvlens.fleet.causes import (
     CAUSES,
     EVICTED_ELSEWHERE,
     EVICTED_HERE,
@@ -35,8 +35,8 @@ from kvlens.fleet.index import (
     HELD_HERE,
     NEW,
     UNKNOWN,
-    FleetIndex,
 )
+from kvlens.fleet.index import FleetIndex
 from kvlens.fleet.limits import HELD_ENTRY_BYTES, MAX_REPLICAS, REMEMBERED_ENTRY_BYTES
 from kvlens.fleet.simulated import SimulatedEngine, into_index
 from kvlens.simulate.replica import DEFAULT_SERVICE

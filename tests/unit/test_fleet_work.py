@@ -7,7 +7,8 @@ import pytest
 
 from kvlens.definitions import CostModel, flops_cost_model
 from kvlens.exporter.collector import kv_families
-from kvlens.fleet.index import EVICTED_HERE, HELD_ELSEWHERE, NEW, UNKNOWN, FleetIndex
+from kvlens.fleet.causes import EVICTED_HERE, HELD_ELSEWHERE, NEW, UNKNOWN
+from kvlens.fleet.index import FleetIndex
 from kvlens.fleet.ordering import Publisher
 from kvlens.fleet.subscriber import KVEvents
 

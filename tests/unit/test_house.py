@@ -169,3 +169,20 @@ def test_no_module_borrows_another_modules_private_names() -> None:
         f"{path.relative_to(root)}: {name}" for path in paths for name in private_names_borrowed(path, known)
     }
     assert sorted(borrowed) == []
+
+
+def test_the_design_notes_plan_places_every_room_on_its_floor() -> None:
+    """docs/design.md's "Layout" names every room under service/kvlens/ once, under the floor
+    FLOORS gives it (a plan that lags the house misleads the next reader more than none)."""
+    design = (PACKAGE.parents[1] / "docs" / "design.md").read_text()
+    layout = design[design.index("## Layout") : design.index("## Measured figures")]
+    placed: dict[str, int] = {}
+    floor = 0
+    for line in layout.splitlines():
+        if line.startswith("floor "):
+            floor = int(line.split()[1].rstrip(":"))
+        elif line.startswith("service/kvlens/"):
+            name = line.split()[0].removeprefix("service/kvlens/").rstrip("/").removesuffix(".py")
+            assert name not in placed, f"{name} placed twice in docs/design.md"
+            placed[name] = floor
+    assert placed == ROOM_FLOOR

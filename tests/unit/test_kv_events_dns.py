@@ -16,8 +16,9 @@ from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.background import BackgroundSources
 from kvlens.exporter.collector import kv_families
 from kvlens.fleet import schema
+from kvlens.fleet.causes import EVICTED_ELSEWHERE, HELD_ELSEWHERE, NEW
 from kvlens.fleet.discovery import MAX_DISCOVERED, DnsTarget, resolve_addresses, wanted_publishers
-from kvlens.fleet.index import EVICTED_ELSEWHERE, HELD_ELSEWHERE, NEW, FleetIndex
+from kvlens.fleet.index import FleetIndex
 from kvlens.fleet.kernels import rules
 from kvlens.fleet.limits import MAX_VANISHED, VANISHED_RETENTION_SECONDS
 from kvlens.fleet.ordering import Consumer, Publisher

@@ -67,3 +67,12 @@ def test_without_numba_the_fleet_index_is_a_clear_settings_error(monkeypatch: py
     )
     with pytest.raises(SettingsError, match=r"pip install 'kvlens\[kv-events\]'"):
         FleetIndex()
+
+
+def test_tensorrt_llm_drains_with_shards_are_refused() -> None:
+    """A drain empties the engine's queue (kvlens.fleet.trtllm): each of N shards draining it
+    would get a part of the events, none the whole, so the shards' counts would not add up."""
+    trtllm = [{"name": "t0", "url": "http://10.0.0.7:8000"}]
+    assert load_settings(None, kv_events_trtllm=trtllm, kv_events_shard="0/1").kv_events_trtllm
+    with pytest.raises(SettingsError, match="kv_events_trtllm cannot be split into shards"):
+        load_settings(None, kv_events_trtllm=trtllm, kv_events_shard="0/2")

@@ -10,9 +10,11 @@ from typing import Any
 
 import pytest
 
-from kvlens.fleet.index import EVICTED_ELSEWHERE, HELD_ELSEWHERE, NEW, FleetIndex
-from kvlens.fleet.ordering import Consumer
+from kvlens.fleet.causes import EVICTED_ELSEWHERE, EVICTED_HERE, HELD_ELSEWHERE, NEW
+from kvlens.fleet.index import FleetIndex
+from kvlens.fleet.ordering import Consumer, Publisher
 from kvlens.fleet.trtllm import TrtllmFeed
+from tests import vllm_kv_events as vllm
 
 pytestmark = pytest.mark.timeout(120)  # a drain applied under the index's lock must not take it twice
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "trtllm"
@@ -169,3 +171,43 @@ def test_serve_drains_each_server_over_http_into_the_index() -> None:
     kv = background.kv_events
     assert kv.index.recomputed == {("t0", NEW): 3}
     assert kv.consumer.status["t0"].up == 1
+
+
+def test_an_event_id_jump_past_the_sequence_cap_is_one_jump_not_missed_events() -> None:
+    """The rule of a publisher's sequence (kvlens.fleet.ordering.MAX_SEQUENCE_GAP): a forward jump
+    wider than any engine sends is garbage or another numbering, counted once, no loss."""
+    consumer, t0, _ = fleet()
+    t0.apply_body(body(stored(0, None, (1, [1, 2]))))
+    t0.apply_body(body(stored(2**62, 1, (2, [3, 4]))))
+    status = consumer.status["t0"]
+    assert (status.gaps, status.jumps, status.missed, status.restarts) == (0, 1, 0, 0)
+    t0.apply_body(body(stored(2**62 + 3, 2, (3, [5, 6]))))  # the numbering goes on from there
+    assert (status.gaps, status.jumps, status.missed) == (1, 1, 2)
+    assert consumer.index.snapshot().held == {("t0", "GPU"): 3}  # a jump clears nothing
+
+
+def test_a_drain_is_applied_at_once_in_event_order_while_zeromq_batches_wait_their_window() -> None:
+    """The events skip the reorder window (kvlens.fleet.trtllm says why: no timestamp to order them
+    by, and one drainer of one ordered queue): a drain's events are applied when it arrives, in
+    event_id order, whatever the window; a ZeroMQ replica's batch still waits its window."""
+    now = 1_764_600_000.0
+    consumer = Consumer(
+        FleetIndex(),
+        [Publisher("v0", "tcp://v0:5557")],
+        reorder_seconds=5.0,
+        clock=lambda: 0.0,
+        wall_clock=lambda: now,
+    )
+    t0 = TrtllmFeed(consumer, "t0", "http://t0:8000")
+    store = vllm.BlockStored([9], None, [7, 8], 2, None, "GPU", None)
+    consumer.message(
+        "v0", 0, vllm.encode(vllm.KVEventBatch(ts=now, events=[store], data_parallel_rank=0)), None
+    )
+    assert consumer.status["v0"].batches == 0  # waiting for the window
+    removed = {"event_id": 1, "data": {"type": "removed", "block_hashes": [1]}, "window_size": 4096}
+    t0.apply_body(body(stored(0, None, (1, [1, 2])), removed, stored(2, None, (1, [1, 2]))))
+    assert consumer.index.recomputed == {("t0", NEW): 1, ("t0", EVICTED_HERE): 1}  # in event_id order
+    assert consumer.index.snapshot().held == {("t0", "GPU"): 1}
+    assert consumer.status["v0"].batches == 0  # the drain released nothing of the window
+    consumer.release(everything=True)
+    assert consumer.index.recomputed[("v0", NEW)] == 1

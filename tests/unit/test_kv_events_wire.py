@@ -13,7 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlens.fleet import wire
-from kvlens.fleet.index import EVICTED_HERE, HELD_ELSEWHERE, NEW, FleetIndex, token_array
+from kvlens.fleet.causes import EVICTED_HERE, HELD_ELSEWHERE, NEW
+from kvlens.fleet.index import FleetIndex
+from kvlens.fleet.keys import token_array
 from kvlens.fleet.ordering import Consumer, Publisher
 from kvlens.fleet.reorder import MAX_WAITING_BYTES
 from kvlens.fleet.wire import (

@@ -8,7 +8,7 @@ import pytest
 from kvlens.config import load_settings
 from kvlens.errors import SettingsError
 from kvlens.exporter.modelled import ModelledCauses
-from kvlens.fleet.index import HELD_ELSEWHERE, NEW
+from kvlens.fleet.causes import HELD_ELSEWHERE, NEW
 from kvlens.fleet.limits import MAX_REPLICAS
 from kvlens.records import batch_from_objects
 

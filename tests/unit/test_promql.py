@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvlens.exporter import metrics, promql
-from kvlens.fleet.index import CAUSES
+from kvlens.fleet.causes import CAUSES
 
 
 def test_cause_groups_split_the_fleet_index_causes_once_each() -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from kvlens.fleet.index import EVICTED_HERE, HELD_ELSEWHERE, NEW, FleetIndex
+from kvlens.fleet.causes import EVICTED_HERE, HELD_ELSEWHERE, NEW
+from kvlens.fleet.index import FleetIndex
 from kvlens.records import prefix_key
 from kvlens.simulate.modelled import ModelledFleet
 from kvlens.simulate.run import walk

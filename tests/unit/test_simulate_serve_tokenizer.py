@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -25,8 +26,13 @@ def library() -> object:
     return tokenizers.Tokenizer.from_file(str(FIXTURE / "tokenizer.json"))
 
 
+def no_config(path: object) -> Any:
+    """The settings loader ``kvlens simulate`` hands ``simulate serve``: unused without --config."""
+    raise AssertionError(f"no --config in these tests, asked for {path}")
+
+
 def served_with_tokenizer() -> requests.Served:
-    _, served = serve._checked(flags("--tokenizer", str(FIXTURE)))
+    _, served = serve._checked(flags("--tokenizer", str(FIXTURE)), no_config)
     return served
 
 
@@ -62,7 +68,7 @@ def test_generated_text_re_tokenizes_to_the_generated_count(library: object, cou
 
 
 def test_a_context_is_measured_in_the_tokenizers_tokens(library: object) -> None:
-    _, served = serve._checked(flags("--tokenizer", str(FIXTURE), "--max-model-len", "10"))
+    _, served = serve._checked(flags("--tokenizer", str(FIXTURE), "--max-model-len", "10"), no_config)
     with pytest.raises(requests.ApiError, match=f"your request has {len(library.encode(TEXT).ids)} input"):  # type: ignore[attr-defined]
         requests.completion(served, {"prompt": TEXT}, None)
 
@@ -90,6 +96,6 @@ def test_the_flags_mistakes_are_one_line_exit_2(
 
 
 def test_without_the_flag_text_is_one_token_a_byte() -> None:
-    _, served = serve._checked(flags())
+    _, served = serve._checked(flags(), no_config)
     answer = orjson.loads(requests.tokenize(served, orjson.dumps({"prompt": "héllo"})))
     assert answer["count"] == 6 and served.vocab_size == tokenizer.DEFAULT_VOCAB_SIZE

@@ -220,7 +220,7 @@ def _report(
     }
     result["diagnosis"] = diagnosis.diagnose(summary, labels, result, potential)
     result["sessions"] = None  # the numpy engine's, from each record (see sessions.session_report)
-    result["misses"] = None  # the numpy engine's, from each record's prefix_hashes (misses.request_misses)
+    result["misses"] = None  # set by _hash_sections for both engines, from prefix_hashes
     return result
 
 

@@ -20,7 +20,6 @@ import numpy as np
 
 from kvlens.analysis.report import Derived
 from kvlens.fleet.misses import HIT, LOST_CAUSES, MISS_CAUSES, Diagnosis, MissClassifier
-from kvlens.records import prefix_key
 
 WORST: Final = 5  # requests listed per length group
 REMEMBER_BLOCKS: Final = 50_000_000  # offline: every block of a large file (about 200 bytes each)
@@ -61,7 +60,7 @@ def request_misses(derived: Derived, worst: int = WORST) -> dict[str, Any] | Non
         diagnosis = classifier.diagnose(
             batch.request_id[i],
             batch.replica[i] or "",
-            [prefix_key(one) for one in batch.prefix_hashes[i] or []],
+            batch.prefix_hashes[i] or [],
             prompts[k],
             cached[k],
             sizes[k] if sizes[k] > 0 else DEFAULT_BLOCK,

@@ -13,10 +13,12 @@ from kvlens import terminal
 from kvlens.cli import SUMMARIES
 from kvlens.cli.common import build_server, examples, server_flags, settings_from
 from kvlens.config import Settings
+from kvlens.definitions import DEFAULT_COST_MODEL, CostModel
 from kvlens.errors import MissingExtra
 from kvlens.exporter.aggregator import Aggregator
 from kvlens.exporter.background import fleet_index
-from kvlens.fleet.index import CAUSES, compiled_loops_available
+from kvlens.fleet.causes import CAUSES
+from kvlens.fleet.index import compiled_loops_available
 from kvlens.fleet.ordering import Publisher
 from kvlens.fleet.subscriber import KVEvents
 from kvlens.records import batch_from_objects
@@ -72,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         if not settings.model_shapes:  # the replayed model's shape: compute saved in FLOPs
             settings = settings_from(args, docs=True, model_shapes={demo.REPLAY_MODEL: demo.REPLAY_SHAPE})
+        if not settings.kv_events_model:  # the replicas serve it: recomputed work in its unit too
+            settings = settings.model_copy(update={"kv_events_model": demo.REPLAY_MODEL})
         events = compiled_loops_available()  # the replicas' KV events: why reuse is lost
         if args.traffic == "agentic":
             replay = demo.ReplayTraffic(
@@ -204,7 +208,9 @@ def print_summary(aggregator: Aggregator, out: TextIO, kv_events: KVEvents | Non
         file=out,
         flush=True,
     )
-    causes = "" if kv_events is None else causes_summary(kv_events)
+    settings = aggregator.settings  # the work in the cost model of kvlens_kv_recomputed_work_total
+    cost = settings.cost_model_for(settings.kv_events_model)
+    causes = "" if kv_events is None else causes_summary(kv_events, cost)
     if causes:  # a line of its own: four causes would push the summary past 80 columns
         print("\n".join(terminal.wrap(f"  {causes}", terminal.width(), indent="    ")), file=out, flush=True)
 
@@ -213,13 +219,26 @@ def _share(fraction: float) -> str:
     return f"{100 * fraction:.0f}" if fraction >= 0.005 else "<1"
 
 
-def causes_summary(kv_events: KVEvents) -> str:
-    """Why the fleet recomputed what it stored: each lost-reuse cause's share of the tokens."""
-    by_cause: Counter[str] = Counter()
-    for (_, cause), tokens in kv_events.snapshot().index.recomputed_tokens.items():
-        by_cause[cause] += tokens
-    whole = sum(by_cause.values())
+def causes_summary(kv_events: KVEvents, cost: CostModel = DEFAULT_COST_MODEL) -> str:
+    """Why the fleet recomputed what it stored: each cause's share of the tokens, and beside it its
+    share of their modelled work by ``cost`` (the funnel's: a token weighs what recomputing it at
+    its depth costs, so a cause that loses deep blocks weighs more in work than in tokens; tokens
+    of unknown depth are in the first share only), as percentages like the summary's others."""
+    index = kv_events.snapshot().index
+    tokens: Counter[str] = Counter()
+    work: dict[str, float] = {}
+    for (_, cause), count in index.recomputed_tokens.items():
+        tokens[cause] += count
+    for (_, cause), amount in index.recomputed_work(cost).items():
+        work[cause] = work.get(cause, 0.0) + amount
+    whole, whole_work = sum(tokens.values()), sum(work.values())
     if not whole:
         return ""
-    shares = ", ".join(f"{cause} {_share(by_cause[cause] / whole)} %" for cause in CAUSES if by_cause[cause])
-    return f"recomputed: {shares}"
+
+    def of_work(cause: str) -> str:
+        return _share(work.get(cause, 0.0) / whole_work) if whole_work else "-"
+
+    shares = ", ".join(
+        f"{cause} {_share(tokens[cause] / whole)} | {of_work(cause)} %" for cause in CAUSES if tokens[cause]
+    )
+    return f"recomputed: {shares} (tokens | {cost.unit})"

@@ -199,7 +199,8 @@ def create_app(
         },
     )(ingest_traces)
     app.get(
-        "/v1/requests/{request_id}/diagnosis",
+        # :path: a request id may hold a "/" (sent as %2F, decoded before routing)
+        "/v1/requests/{request_id:path}/diagnosis",
         summary="Why one of the last requests missed the cache (records with prefix_hashes).",
         responses={
             401: {"model": ErrorBody, "description": "Missing or wrong bearer token (as ingest)."},

@@ -42,6 +42,7 @@ def fleet_index(settings: KVEventsSettings) -> FleetIndex:
         shard=parse_shard(settings.kv_events_shard),
         require_cache_salt=settings.kv_events_require_cache_salt,
         sessions=settings.kv_events_sessions,
+        group_kinds=settings.kv_events_group_kinds,
     )
 
 

@@ -27,7 +27,7 @@ from kvlens.exporter.modelled import ModelledCauses
 from kvlens.exporter.runtime import LAG_BUCKETS, ServiceHealth
 from kvlens.exporter.tenants import TenantAccounts
 from kvlens.exporter.upstream import UpstreamState
-from kvlens.fleet.index import CAUSES
+from kvlens.fleet.causes import CAUSES
 from kvlens.fleet.subscriber import KVEvents
 from kvlens.reduce import pack_hit
 from kvlens.sources.tail import SKIP_REASONS, TailStatus

@@ -22,8 +22,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Final
 
-from kvlens.fleet.index import FleetIndex, IndexSnapshot
+from kvlens.fleet.index import FleetIndex
 from kvlens.fleet.limits import MAX_REPLICAS
+from kvlens.fleet.snapshot import IndexSnapshot
 from kvlens.records import RecordBatch
 from kvlens.simulate.modelled import ModelledFleet
 

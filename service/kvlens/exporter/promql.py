@@ -33,7 +33,7 @@ from typing import Final
 
 from kvlens.exporter import metrics
 from kvlens.exporter.metrics import MetricSpec
-from kvlens.fleet.index import EVICTED_ELSEWHERE, EVICTED_HERE, HELD_ELSEWHERE, HELD_HERE, NEW, UNKNOWN
+from kvlens.fleet.causes import EVICTED_ELSEWHERE, EVICTED_HERE, HELD_ELSEWHERE, HELD_HERE, NEW, UNKNOWN
 
 # Grafana's windows: the rate interval (a time series) and the selected range (a stat, a table).
 RATE_INTERVAL: Final = "$__rate_interval"

@@ -27,7 +27,7 @@ import numpy.typing as npt
 from kvlens.definitions import UNITS
 from kvlens.exporter.labels import ClosedLabels
 from kvlens.records import RecordBatch
-from kvlens.reduce import Reduced
+from kvlens.reduce import HIT_STRIDE, Reduced, codes_of, pack_hit
 from kvlens.tenancy import BlockStorers
 
 
@@ -60,6 +60,7 @@ class TenantAccounts:
         slots = self._labels.capacity + 1  # + other
         self._slots = slots
         self._lock = threading.Lock()
+        self._storing = threading.Lock()  # the block storers'
         self._requests = np.zeros((slots, 2), np.int64)
         self._prompt_tokens = np.zeros(slots, np.int64)
         self._cached_tokens = np.zeros(slots, np.int64)
@@ -96,7 +97,9 @@ class TenantAccounts:
                 np.bincount(unit_slot, weights, minlength=size).astype(np.float64).reshape(len(UNITS), width)
             )
 
-        requests = np.bincount(slots * 2 + reduced.hit[take], minlength=width * 2).reshape(width, 2)
+        requests = np.bincount(pack_hit(slots, reduced.hit[take]), minlength=codes_of(width)).reshape(
+            width, HIT_STRIDE
+        )
         prompt_tokens, cached_tokens = by_slot(reduced.prompt_tokens), by_slot(reduced.cached_tokens)
         prompt_work, reused_work = by_unit(reduced.prompt_work), by_unit(reduced.reused_work)
         work_requests = by_unit(None).astype(np.int64)
@@ -108,8 +111,16 @@ class TenantAccounts:
             self._reused_work += reused_work
             self._work_requests += work_requests
             self._overflow += int(requests[self._labels.other].sum())
-            if self.storers is not None:  # in the order batches are counted, as the labels
-                for found in self.storers.add(batch):
+        if self.storers is None:
+            return
+        # One batch at a time, as they are counted; under a lock of their own, since a batch's
+        # chains take a pass a record (an 8 MiB body of 4M one-digit ids: seconds) and a
+        # scrape's snapshot must not wait for them.
+        with self._storing:
+            hits = self.storers.add(batch)
+        if hits:
+            with self._lock:
+                for found in hits:
                     self._cross[slot_of[tenants[found.row]]] += found.tokens
 
     def snapshot(self) -> TenantSnapshot:

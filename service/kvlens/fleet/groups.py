@@ -20,14 +20,21 @@ the kinds hold different things:
   later, or a group whose kind was never seen) is not followed either.
 
 An event without a group (older vLLM, SGLang, TensorRT-LLM) is group 0, and group 0 without a
-kind is full attention (a model of one group: what every engine before 0.33 sent). A replica
-with any other group or kind is **hybrid**: its payloads are read by msgspec (the compiled
-reader leaves every event of another group or kind), since its removals of group 0 need the
-group's kind, which the compiled reader does not keep.
+kind is full attention (a model of one group: what every engine before 0.33 sent). vLLM 0.33's
+GPU block pool sends ``group_idx`` but no kind (only its CPU offload's stores name one), and
+numbers a hybrid model's groups in the order their kinds first appear among the layers, so a
+model whose first layer is a sliding-window one has the window's group as group 0: the kinds
+are then **declared** (``declared``, the fleet's model's groups as the engine's
+``get_kv_cache_group_metadata()`` names them), every replica's groups taken from them until a
+store of its own names a group's kind. A replica with any other group or kind (declared or said)
+is **hybrid**: its payloads are read by msgspec (the compiled reader leaves every event of another
+group or kind), since its removals of group 0 need the group's kind, which the compiled reader
+does not keep.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Final
 
 PREFIX_KINDS: Final = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
@@ -44,10 +51,22 @@ class KVCacheGroups:
     """Each replica's groups and their kinds, as its stores said (bounded: :data:`MAX_GROUPS` a
     replica); fed and read under the index's lock."""
 
-    def __init__(self) -> None:
+    def __init__(self, declared: Sequence[str] = ()) -> None:
+        """``declared``: each group's kind, by group number, for every replica (none: learnt from
+        the stores only)."""
+        if len(declared) > MAX_GROUPS:
+            raise ValueError(f"at most {MAX_GROUPS} KV cache groups can be declared")
+        self._declared = {number: _kept(kind) for number, kind in enumerate(declared)}
         self._kinds: dict[str, dict[int, str]] = {}
         self._followed: dict[str, int] = {}  # the lowest full-attention group, when not 0
         self.hybrid: set[str] = set()
+        # declared other than one full-attention group: every replica is hybrid
+        self._all_hybrid = len(declared) > 1 or any(kind not in PREFIX_KINDS for kind in declared)
+        self._declared_followed = _lowest_prefix(self._declared)
+
+    def is_hybrid(self, replica: str) -> bool:
+        """Whether ``replica``'s payloads need the groups' kinds (msgspec's path)."""
+        return self._all_hybrid or replica in self.hybrid
 
     def role(self, replica: str, group: int | None, kind: str | None, *, store: bool) -> str:
         """:data:`FOLLOW` or :data:`OTHER` for an event of ``group`` (``kind`` as a store says it;
@@ -55,28 +74,39 @@ class KVCacheGroups:
         number = 0 if group is None else group
         if kind is not None or number != 0:
             self._learn(replica, number, kind)
-        kinds = self._kinds.get(replica)
-        known = None if kinds is None else kinds.get(number)
+        kinds = self._kinds.get(replica, self._declared)
+        known = kinds.get(number)
         prefix = known in PREFIX_KINDS or (known is None and number == 0)
         if not prefix:
             return OTHER
         if store:
-            return FOLLOW if number == self._followed.get(replica, 0) else OTHER
+            return FOLLOW if number == self._followed.get(replica, self._declared_followed) else OTHER
         return FOLLOW
 
     def _learn(self, replica: str, number: int, kind: str | None) -> None:
         if number != 0 or kind not in PREFIX_KINDS:
             self.hybrid.add(replica)
-        kinds = self._kinds.setdefault(replica, {})
+        kinds = self._kinds.setdefault(replica, dict(self._declared))
         if kind is None or (number not in kinds and len(kinds) >= MAX_GROUPS):
             return
-        kinds[number] = kind if len(kind) <= MAX_KIND_CHARS else "unknown"
-        prefix = [g for g, k in kinds.items() if k in PREFIX_KINDS]
-        if 0 not in kinds:
-            prefix.append(0)  # group 0 with no kind said: full attention, as before 0.33
-        self._followed[replica] = min(prefix) if prefix else 0
+        kinds[number] = _kept(kind)
+        self._followed[replica] = _lowest_prefix(kinds)
 
     def forget(self, replica: str) -> None:
+        """A replica gone: what its stores said goes (the declared kinds stay, for every one)."""
         self._kinds.pop(replica, None)
         self._followed.pop(replica, None)
         self.hybrid.discard(replica)
+
+
+def _kept(kind: str) -> str:
+    return kind if len(kind) <= MAX_KIND_CHARS else "unknown"
+
+
+def _lowest_prefix(kinds: dict[int, str]) -> int:
+    """The group whose stores are followed: the lowest full-attention one (group 0 when no kind is
+    said for it: full attention, as before 0.33; 0 when none is, and then none is followed)."""
+    prefix = [group for group, kind in kinds.items() if kind in PREFIX_KINDS]
+    if 0 not in kinds:
+        prefix.append(0)
+    return min(prefix) if prefix else 0

@@ -11,26 +11,18 @@ parent's. When every replica is known to hash alike (``hashes_alike``), the engi
 
 A block a replica **stores** in its primary tier (``GPU``; a ``medium`` of None is the GPU) is
 work the replica just did (prefill, or decode filling a block), and gets one cause, the first
-that applies:
-
-1. ``held_here``: this replica holds it already, in some tier (the engine recomputed a fully
-   cached prompt's last block, or loaded the block from its own CPU offload tier): no reuse lost;
-2. ``held_elsewhere``: another replica holds it now (routing: a router could have sent the
-   request there);
-3. ``evicted_here``: this replica held it before and removed it (capacity, here);
-4. ``evicted_elsewhere``: only other replicas held it before, none now (the fleet's capacity);
-5. ``new``: no replica holds it or is remembered to have held it (the workload);
-6. ``unknown``: its parent's content is unknown (the store of the parent was missed: kvlens
-   started after the engine, or a gap no replay repaired), so its content key cannot be chained.
+that applies (:mod:`kvlens.fleet.causes`: held here, held elsewhere, evicted here, evicted
+elsewhere, new, or unknown when its parent's content is unknown and its key cannot be chained).
 
 Each classified block's **depth** (the blocks before it in its chain: its parent's depth + 1, 0
 without a parent) is kept beside it in the replica's table, so that its tokens' positions are
 known: a token at position ``p`` (1-based) attends to ``p`` tokens, and a cause's causal pairs,
 summed in integers, give its modelled prefill work by any cost model, ``a*tokens + b*pairs``
-(:meth:`IndexSnapshot.recomputed_work`: the same ``C(n) - C(h)`` as compute saved, so a block lost
-at depth 100 weighs what recomputing it there costs). A block whose parent this replica does not
-hold (its chain's start never seen), a child of one, or one past 65,534 blocks deep has no depth:
-its tokens are counted apart (``depth_unknown_tokens``), and no work is modelled for them.
+(:meth:`kvlens.fleet.snapshot.IndexSnapshot.recomputed_work`: the same ``C(n) - C(h)`` as
+compute saved, so a block lost at depth 100 weighs what recomputing it there costs). A block
+whose parent this replica does not hold (its chain's start never seen), a child of one, or one
+past 65,534 blocks deep has no depth: its tokens are counted apart (``depth_unknown_tokens``),
+and no work is modelled for them.
 
 Stores into other tiers (``CPU``, ``STORAGE``: offload copies) are counted, and make the replica a
 holder, but are not work and get no cause. ``AllBlocksCleared`` and a publisher restart remove
@@ -77,19 +69,19 @@ its parent's, whatever the parent's shard).
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, cast
 
 import msgspec
 import numpy as np
 
-from kvlens.definitions import CostModel
 from kvlens.errors import MissingExtra
+from kvlens.fleet.causes import CAUSES
 from kvlens.fleet.groups import KVCacheGroups
+from kvlens.fleet.keys import EngineHash, engine_key, extra_digest, hash_array, token_array
 from kvlens.fleet.limits import (
     MAX_BLOCK_SIZE,
     MAX_HELD_BLOCKS,
@@ -101,65 +93,11 @@ from kvlens.fleet.limits import (
 )
 from kvlens.fleet.lock import IndexLock
 from kvlens.fleet.sessions import SessionLedger
+from kvlens.fleet.snapshot import IndexSnapshot
 
 if TYPE_CHECKING:
     from kvlens.fleet.kernels import table as tables
     from kvlens.fleet.kernels.rules import Arrays
-
-HELD_HERE: Final = "held_here"
-HELD_ELSEWHERE: Final = "held_elsewhere"
-EVICTED_HERE: Final = "evicted_here"
-EVICTED_ELSEWHERE: Final = "evicted_elsewhere"
-NEW: Final = "new"
-UNKNOWN: Final = "unknown"
-CAUSES: Final = (NEW, EVICTED_HERE, HELD_ELSEWHERE, EVICTED_ELSEWHERE, HELD_HERE, UNKNOWN)
-MASK64: Final = (1 << 64) - 1
-
-EngineHash = int | bytes
-_encode = msgspec.msgpack.Encoder().encode
-
-
-def engine_key(block_hash: EngineHash) -> int:
-    """An engine hash as a 64-bit unsigned int (vLLM sends the low 64 bits of its digest by
-    default; raw digest bytes with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``; SGLang may send a
-    negative int64)."""
-    if isinstance(block_hash, int):
-        return block_hash & MASK64
-    return int.from_bytes(block_hash[-8:], "big")
-
-
-def _hash_array(block_hashes: Sequence[EngineHash]) -> np.ndarray[Any, np.dtype[np.uint64]]:
-    try:
-        return np.array(block_hashes, dtype=np.uint64)
-    except (TypeError, OverflowError, ValueError):  # bytes, or negative ints
-        return np.array([engine_key(h) for h in block_hashes], dtype=np.uint64)
-
-
-def token_array(token_ids: Sequence[int] | msgspec.Raw) -> np.ndarray[Any, np.dtype[np.uint64]] | None:
-    """Token ids as uint64 (negative ones in two's complement), from a decoded list or straight
-    from the msgpack bytes (:mod:`kvlens.fleet.wire` leaves them raw: parsing them here is
-    cheaper than building a list of ints); None when they are not all integers."""
-    from kvlens.fleet.kernels.msgpack import msgpack_ints
-
-    if isinstance(token_ids, msgspec.Raw):
-        ok, tokens = msgpack_ints(np.frombuffer(token_ids, dtype=np.uint8))
-        return tokens if ok else None
-    try:
-        return np.array(token_ids, dtype=np.int64).view(np.uint64)
-    except (TypeError, OverflowError, ValueError):
-        try:
-            return np.array([t & MASK64 for t in token_ids], dtype=np.uint64)
-        except TypeError:
-            return None
-
-
-def _extra_digest(lora_name: str | None, extra: Any) -> int:
-    """Extra keys hashed the same in every process (``hash()`` of a str is salted per process,
-    and shards must agree on keys)."""
-    if lora_name is None and extra is None:
-        return 0
-    material = _encode([lora_name, extra])
-    return int.from_bytes(hashlib.blake2b(material, digest_size=8).digest(), "big")
 
 
 @dataclass
@@ -168,39 +106,6 @@ class _Replica:
     number: int  # its bit in the fleet's masks, its row of counters
     table: tables.Table  # engine hash -> content key | the tiers holding it << 60
     copies: tables.Table  # engine hash -> its extra copies, kernels.rules.COPY_BITS a tier
-
-
-@dataclass
-class IndexSnapshot:
-    recomputed_blocks: dict[tuple[str, str], int]  # (replica, cause) -> blocks
-    recomputed_tokens: dict[tuple[str, str], int]  # (replica, cause) -> tokens
-    recomputed_pairs: dict[tuple[str, str], int]  # (replica, cause) -> causal pairs, known depth
-    depth_unknown_tokens: dict[tuple[str, str], int]  # (replica, cause) -> tokens, depth unknown
-    stored: dict[tuple[str, str], int]  # (replica, medium) -> blocks stored
-    removed: dict[tuple[str, str], int]  # (replica, medium) -> blocks removed
-    held: dict[tuple[str, str], int]  # (replica, medium) -> blocks held now
-    distinct_blocks: int  # blocks some replica holds
-    duplicated_blocks: int  # (block, replica) holdings beyond the first of each block
-    remembered_blocks: int
-    forgotten_blocks: int
-    untracked_blocks: int
-    unknown_removed: int
-    memory_bytes: int
-    # replica -> blocks of primary-tier stores that start a chain without a cache salt (counted
-    # with ``require_cache_salt`` only, by shard 0 only)
-    unsalted_blocks: dict[str, int] = field(default_factory=dict)
-
-    def recomputed_work(self, cost: CostModel) -> dict[tuple[str, str], float]:
-        """(replica, cause) -> the modelled prefill work of its recomputed tokens whose depth is
-        known: ``a*tokens + b*pairs`` (:meth:`CostModel.work_of_sums`), each token's pairs from
-        its position in its chain, so a block lost deep in a long prompt weighs what recomputing
-        it costs (the same cost model as compute saved). Tokens of unknown depth are left out
-        (:attr:`depth_unknown_tokens`), never given a guessed position."""
-        work = {}
-        for key, tokens in self.recomputed_tokens.items():
-            known = tokens - self.depth_unknown_tokens.get(key, 0)
-            work[key] = cost.work_of_sums(known, self.recomputed_pairs.get(key, 0))
-        return work
 
 
 _NO_TOKENS: Final = np.zeros(0, np.uint64)
@@ -225,7 +130,10 @@ class FleetIndex:
         shard: tuple[int, int] = (0, 1),
         require_cache_salt: bool = False,
         sessions: int = 0,
+        group_kinds: Sequence[str] = (),
     ) -> None:
+        """``group_kinds``: the fleet's model's KV cache groups' kinds, by group number, when its
+        events do not say them (vLLM 0.33's GPU pool: :mod:`kvlens.fleet.groups`)."""
         if not compiled_loops_available():  # before serving, not at the first event
             raise MissingExtra("the fleet index", "kv-events")
         from kvlens.fleet import kernels  # numba: only where KV events are followed
@@ -260,7 +168,7 @@ class FleetIndex:
         # with it, blocks stored at the start of a chain without a salt are counted (note_chain_start)
         self.require_cache_salt = require_cache_salt
         self._unsalted: Counter[str] = Counter()  # replica -> blocks; kept when it is forgotten
-        self.groups = KVCacheGroups()
+        self.groups = KVCacheGroups(group_kinds)
         # the last ``sessions`` sessions' stores by cause (vLLM's session_id; kvlens.fleet.sessions)
         self.sessions = (
             SessionLedger(sessions, CAUSES) if sessions > 0 else None
@@ -364,7 +272,7 @@ class FleetIndex:
             return False
         state = self._replicas.get(replica) or self.replica(replica)
         tier = tier_number(medium or PRIMARY)
-        hashes = _hash_array(block_hashes)
+        hashes = hash_array(block_hashes)
         count = hashes.size
         if isinstance(token_ids, msgspec.Raw):
             raw, tokens = np.frombuffer(token_ids, dtype=np.uint8), _NO_TOKENS
@@ -379,7 +287,7 @@ class FleetIndex:
         else:
             extras = np.array(
                 [
-                    _extra_digest(lora_name, None if extra_keys is None else extra_keys[i])
+                    extra_digest(lora_name, None if extra_keys is None else extra_keys[i])
                     for i in range(count)
                 ],
                 dtype=np.uint64,
@@ -423,10 +331,10 @@ class FleetIndex:
         :func:`kvlens.fleet.kernels.msgpack.read_batch` says which), as
         :func:`kvlens.fleet.wire.decode_batch` then :meth:`stored`, :meth:`removed` and
         :meth:`cleared` event by event would (tested); the loop hands back what it leaves to this
-        class (growing and shrinking tables, ``AllBlocksCleared``). Returns what
-        became of the events (events of each type, malformed, of other KV cache groups: left out),
-        or None, nothing changed, for a payload the loop leaves to msgspec."""
-        if replica in self.groups.hybrid:  # its removals need its groups' kinds: msgspec's path
+        class (growing and shrinking tables, ``AllBlocksCleared``). Returns what became of the
+        events (events of each type, malformed), or None, nothing changed, for a payload the loop
+        leaves to msgspec (one with an event of another KV cache group, which msgspec counts)."""
+        if self.groups.is_hybrid(replica):  # its removals need its groups' kinds: msgspec's path
             return None
         if self.sessions is not None and b"session_id" in payload:  # causes an event: msgspec's path
             return None
@@ -490,7 +398,7 @@ class FleetIndex:
         ``remaining`` (vLLM's ``remaining_copy_counts``, #48933: the engine's physical copies of
         each hash left after it), as many go as leave that many held here (at least none)."""
         state = self._replicas.get(replica) or self.replica(replica)
-        hashes = _hash_array(block_hashes)
+        hashes = hash_array(block_hashes)
         if remaining is not None:
             hashes = self._to_remaining(state, hashes, tier_number(medium or PRIMARY), remaining)
         k = self._k

@@ -31,10 +31,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Final
+from itertools import repeat
+from typing import Any, Final
+
+import numpy as np
 
 from kvlens.definitions import CostModel
 from kvlens.fleet.limits import MAX_REPLICAS
+from kvlens.records import prefix_keys
 
 HIT: Final = "hit"  # every cached-able block came from cache: nothing missed
 NEW: Final = "new"
@@ -123,51 +127,48 @@ class MissClassifier:
             number = self._replicas[replica] = len(self._replicas)
         return 1 << number
 
-    def _cause(self, key: int, bit: int, replica: str) -> str:
-        seen = self._seen.get(key, 0)
-        if seen & bit:
-            return EVICTED_HERE
-        if not seen:
-            return NEW
-        if self.holders is None:
-            return SEEN_ELSEWHERE
-        holding = [name for name in self.holders(key) if name != replica]
-        return HELD_ELSEWHERE if holding else EVICTED_ELSEWHERE
-
     def diagnose(
         self,
         request_id: str | None,
         replica: str,
-        keys: Sequence[int],
+        ids: Sequence[int | str],
         prompt_tokens: int,
         cached_tokens: int,
         block_size: int,
         model: str | None = None,
     ) -> Diagnosis | None:
-        """One finished request (its block ids as ints, see
-        :func:`kvlens.records.prefix_key`), then its blocks remembered as seen on
-        ``replica``; None (nothing remembered) for a replica past :data:`MAX_REPLICAS`."""
+        """One finished request (its ``prefix_hashes``, keyed by
+        :func:`kvlens.records.prefix_keys`), then its blocks remembered as seen on ``replica``;
+        None (nothing remembered) for a replica past :data:`MAX_REPLICAS`.
+
+        Each step is a pass at C speed (numpy, map), not a Python call a block: a record may
+        carry 100,000 ids, and a body of the shortest ones (``1,``) 4M; only a block seen on
+        another replica, with ``holders``, is looked up one by one (once a distinct id)."""
         bit = self._bit(replica)
         if bit is None or block_size < 1:
             return None
-        full = min(len(keys), prompt_tokens // block_size)
+        full = min(len(ids), prompt_tokens // block_size)
         first = min(cached_tokens // block_size, full)
+        keys = prefix_keys(ids[:full])
         tokens = [0] * len(MISS_CAUSES)
         pairs = [0] * len(MISS_CAUSES)
         first_cause = HIT
-        for depth in range(first, full):
-            cause = self._cause(keys[depth], bit, replica)
-            if depth == first:
-                first_cause = cause
-            i = _POSITION[cause]
-            tokens[i] += block_size
-            pairs[i] += block_pairs(depth, block_size)
+        if first < full:
+            causes = self._causes(keys[first:], bit, replica)
+            first_cause = MISS_CAUSES[int(causes[0])]
+            depths = np.arange(first, full, dtype=np.float64)  # sums exact: under 2^53
+            counts = np.bincount(causes, minlength=len(MISS_CAUSES)).tolist()
+            depth_sums = np.bincount(causes, weights=depths, minlength=len(MISS_CAUSES)).tolist()
+            for i, (count, depth_sum) in enumerate(zip(counts, depth_sums, strict=True)):
+                # block_pairs summed over the cause's depths
+                tokens[i] = count * block_size
+                pairs[i] = block_size * block_size * int(depth_sum) + count * block_pairs(0, block_size)
         tail = prompt_tokens - max(cached_tokens, full * block_size)
         if tail > 0:  # a final partial block: never cached by a block cache
             start = max(cached_tokens, full * block_size)
             tokens[0] += tail
             pairs[0] += tail * start + tail * (tail + 1) // 2
-        self._remember(keys[:full], bit)
+        self._remember(keys, bit)
         return Diagnosis(
             request_id,
             replica,
@@ -181,15 +182,33 @@ class MissClassifier:
             tuple(pairs),
         )
 
-    def _remember(self, keys: Sequence[int], bit: int) -> None:
+    def _causes(self, keys: list[int], bit: int, replica: str) -> np.ndarray[Any, np.dtype[np.intp]]:
+        """Each block's cause, as its position in :data:`MISS_CAUSES`, from what was seen before."""
+        seen = np.array(list(map(self._seen.get, keys, repeat(0))), dtype=np.uint64)
+        elsewhere = _POSITION[SEEN_ELSEWHERE]
+        causes = np.where(seen == 0, _POSITION[NEW], elsewhere)
+        causes[(seen & np.uint64(bit)) != 0] = _POSITION[EVICTED_HERE]
+        if self.holders is not None:
+            # one look-up a distinct id (each takes the index's lock): an id repeated at every
+            # position must not buy a look-up each
+            told: dict[int, int] = {}
+            for i in np.flatnonzero(causes == elsewhere).tolist():
+                key = keys[i]
+                cause = told.get(key)
+                if cause is None:
+                    holding = any(name != replica for name in self.holders(key))
+                    cause = told[key] = _POSITION[HELD_ELSEWHERE if holding else EVICTED_ELSEWHERE]
+                causes[i] = cause
+        return causes
+
+    def _remember(self, keys: list[int], bit: int) -> None:
+        """The keys seen on ``bit``'s replica, each now the most recently seen (in the order of its
+        last place in ``keys``)."""
         seen = self._seen
-        for key in keys:
-            bits = seen.get(key)
-            if bits is None:
-                seen[key] = bit
-            else:
-                seen[key] = bits | bit
-                seen.move_to_end(key)  # recently seen: forgotten last
-        while len(seen) > self.remember_blocks:
+        order = list(dict.fromkeys(reversed(keys)))
+        order.reverse()
+        before = map(seen.pop, order, repeat(0))
+        seen.update(zip(order, [bits | bit for bits in before], strict=True))
+        for _ in range(len(seen) - self.remember_blocks):
             seen.popitem(last=False)
             self.forgotten += 1

@@ -53,8 +53,9 @@ from kvlens.fleet.wire import MALFORMED, OTHER_GROUP, MalformedPayload, apply, b
 
 log = logging.getLogger(__name__)
 # A forward jump of a publisher's sequence wider than this is no loss (a vLLM engine, one batch a
-# step, takes over a year at 100 steps a second to send as many): counted as one jump, not as
-# missed batches (a jump to 2^63 - 1 added 9.2e18 to a counter that then shows no +1).
+# step, takes over a year at 100 steps a second to send as many; TensorRT-LLM's event_id, an event
+# each, 5 days at 10k events a second between two drains): counted as one jump, not as missed
+# batches or events (a jump to 2^63 - 1 added 9.2e18 to a counter that then shows no +1).
 MAX_SEQUENCE_GAP: Final = 2**32
 # What waits in the reorder queue in place of a payload: the replica's blocks are all gone (a
 # restart), or the replica left the fleet (its slot in the index is freed too).
@@ -207,24 +208,18 @@ class Consumer:
         if restarted:
             status.restarts += 1
             self._last_ts.pop(replica, None)
-        if expected is not None and seq > expected:
-            if seq - expected > MAX_SEQUENCE_GAP:
-                # more than any publisher sends in a year: no loss to count, a jump (garbage,
-                # or a publisher that does not number from 0); the blocks it held stay
-                status.jumps += 1
-            else:
-                status.gaps += 1
-                repaired = False
-                # a gap wider than any replay answer cannot be repaired: not asked, nor its numbers listed
-                if replay is not None and seq - expected <= MAX_REPLAY_FRAMES:
-                    status.replays += 1
-                    frames = [(s, p) for s, p in replay(expected) if expected <= s < seq]
-                    if [number for number, _ in frames] == list(range(expected, seq)):
-                        payloads = [replayed for _, replayed in frames] + payloads
-                        status.replayed += len(frames)
-                        repaired = True
-                if not repaired:
-                    status.missed += seq - expected
+        if expected is not None and seq > expected and gap_or_jump(status, expected, seq):
+            repaired = False
+            # a gap wider than any replay answer cannot be repaired: not asked, nor its numbers listed
+            if replay is not None and seq - expected <= MAX_REPLAY_FRAMES:
+                status.replays += 1
+                frames = [(s, p) for s, p in replay(expected) if expected <= s < seq]
+                if [number for number, _ in frames] == list(range(expected, seq)):
+                    payloads = [replayed for _, replayed in frames] + payloads
+                    status.replayed += len(frames)
+                    repaired = True
+            if not repaired:
+                status.missed += seq - expected
         status.next_seq = seq + 1
         now = self.clock()
         clear_queued = False
@@ -323,7 +318,7 @@ class Consumer:
             # the usual payload: read and applied in one compiled call
             tally = self.index.apply_payload(replica, payload)
             if tally is not None:
-                stored, removed, cleared, malformed, other_group = tally
+                stored, removed, cleared, malformed = tally  # other groups' events: msgspec's path
                 events = status.events
                 if stored:
                     events[STORED] += stored
@@ -332,7 +327,6 @@ class Consumer:
                 if cleared:
                     events[CLEARED_EVENT] += cleared
                 status.malformed_events += malformed
-                status.other_group_events += other_group
                 return
         try:
             decoded = decode_batch(payload)
@@ -350,6 +344,19 @@ class Consumer:
                     status.malformed_events += 1
                 elif outcome == OTHER_GROUP:
                     status.other_group_events += 1
+
+
+def gap_or_jump(status: PublisherStatus, expected: int, seq: int) -> bool:
+    """A replica's numbering went forward from ``expected`` (due next) to ``seq``: a **gap**,
+    counted, whose skipped numbers the caller repairs or counts missed (True); or, wider than
+    :data:`MAX_SEQUENCE_GAP`, a **jump**, counted once, no loss (False: garbage, or a publisher
+    that does not number from 0; the blocks held stay). The one rule of both numberings, a
+    ZeroMQ publisher's sequence and TensorRT-LLM's ``event_id`` (:mod:`kvlens.fleet.trtllm`)."""
+    if seq - expected > MAX_SEQUENCE_GAP:
+        status.jumps += 1
+        return False
+    status.gaps += 1
+    return True
 
 
 def _expected(status: PublisherStatus, seq: int, epoch: bytes | None) -> tuple[int | None, bool]:

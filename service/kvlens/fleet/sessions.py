@@ -3,7 +3,7 @@
 vLLM names on each store the request context that stored (or, with ``kv_cache_report_mode``,
 reused) its blocks (``session_id``). With ``kv_events_sessions`` > 0 the index keeps, for the
 most recent that many sessions, the replica that stored for it last and the tokens of its GPU
-stores by cause (:data:`kvlens.fleet.index.CAUSES`): what the per-request view reads for a
+stores by cause (:data:`kvlens.fleet.causes.CAUSES`): what the per-request view reads for a
 request that names its session (:meth:`SessionLedger.get`, the one function to call).
 
 Bounds: a session id is outside input (free text), so it is never a label nor logged; one longer

@@ -4,8 +4,9 @@ are :mod:`kvlens.fleet.limits`)."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvlens.fleet.groups import MAX_GROUPS, MAX_KIND_CHARS
 from kvlens.fleet.limits import (
     HELD_ENTRY_BYTES,
     MAX_HELD_BLOCKS,
@@ -106,6 +107,12 @@ class KVEventsSettings(BaseModel):
     kv_events_hashes_alike: bool = Field(
         False, description="Every replica hashes blocks alike (same algorithm and seed): key by engine hash."
     )
+    kv_events_group_kinds: list[str] = Field(
+        [],
+        description="The followed fleet's model's KV cache groups' kinds by group number (full_attention, "
+        "sliding_window, mamba, ...: vLLM's get_kv_cache_group_metadata()), for every replica: vLLM 0.33's "
+        "GPU events say a block's group but not its kind; empty: group 0 is taken as full attention.",
+    )
     kv_events_remember_blocks: int = Field(
         REMEMBER_BLOCKS,
         ge=0,
@@ -161,6 +168,15 @@ class KVEventsSettings(BaseModel):
             raise ValueError(f"at most {MAX_REPLICAS} KV events publishers (one bit each in the fleet index)")
         return publishers
 
+    @field_validator("kv_events_group_kinds")
+    @classmethod
+    def _group_kinds(cls, kinds: list[str]) -> list[str]:
+        if len(kinds) > MAX_GROUPS or not all(0 < len(kind) <= MAX_KIND_CHARS for kind in kinds):
+            raise ValueError(
+                f"at most {MAX_GROUPS} KV cache group kinds, each of 1 to {MAX_KIND_CHARS} characters"
+            )
+        return kinds
+
     @field_validator("kv_events_dns")
     @classmethod
     def _dns_targets(cls, targets: list[str]) -> list[str]:
@@ -173,6 +189,16 @@ class KVEventsSettings(BaseModel):
     def _shard(cls, shard: str) -> str:
         parse_shard(shard)
         return shard
+
+    @model_validator(mode="after")
+    def _trtllm_unsharded(self) -> KVEventsSettings:
+        # a drain empties the engine's queue: N shards draining it would each get a part
+        if self.kv_events_trtllm and parse_shard(self.kv_events_shard)[1] > 1:
+            raise ValueError(
+                "kv_events_trtllm cannot be split into shards: a drain empties TensorRT-LLM's queue, so "
+                "each shard would get only part of the events; follow it from one kvlens (shard 0/1)"
+            )
+        return self
 
 
 def parse_dns_target(text: str) -> tuple[str, int, int | None]:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kvlens.fleet.index import MASK64, FleetIndex
+from kvlens.fleet.index import FleetIndex
+from kvlens.fleet.keys import MASK64
 from kvlens.fleet.schema import BlockRemoved, BlockStored, Event
 from kvlens.fleet.wire import APPLIED, apply
 

@@ -34,10 +34,11 @@ from typing import Any, Final
 
 from kvlens.errors import MissingExtra
 from kvlens.fleet.discovery import MAX_DISCOVERED, DnsTarget, wanted_publishers
-from kvlens.fleet.index import FleetIndex, IndexSnapshot
+from kvlens.fleet.index import FleetIndex
 from kvlens.fleet.limits import VANISHED_RETENTION_SECONDS
 from kvlens.fleet.ordering import Consumer, Publisher, PublisherStatus
 from kvlens.fleet.replay import ReplayAnswer, ReplayBudget
+from kvlens.fleet.snapshot import IndexSnapshot
 from kvlens.fleet.wire import sglang_epoch
 
 log = logging.getLogger(__name__)

@@ -35,13 +35,30 @@ What kvlens does with them (:func:`apply_events`):
 - ``window_size``: with variable sliding-window attention a cache per window sends events; only
   the largest window seen on the replica is followed (the full-attention one, a prefix chain:
   :mod:`kvlens.fleet.groups`), the others counted ``other_group``.
-- ``attention_dp_rank`` > 0: each attention-DP rank has a cache of its own: replica ``NAME/dpR``.
+- ``attention_dp_rank`` > 0: each attention-DP rank has a cache of its own: replica ``NAME/dpR``;
+  a rank outside 0 .. :data:`~kvlens.fleet.limits.MAX_REPLICAS` - 1 (more replicas than the index
+  follows) is a malformed event, so the ranks an endpoint names cannot grow kvlens's replicas.
 - ``event_id`` numbers each rank's events from 0: a jump forward is a gap (the events between
   counted missed: a drain holds at most ``event_buffer_max_size`` events, older ones dropped by
-  the engine), one going back a restart.
+  the engine), or past :data:`~kvlens.fleet.ordering.MAX_SEQUENCE_GAP` one jump, no loss (the
+  rule of a ZeroMQ publisher's sequence, :func:`~kvlens.fleet.ordering.gap_or_jump`); one going
+  back is a restart.
 
-Anything else (another type, a field of the wrong type) is counted (``unknown_event``,
-``malformed_event``) and skipped; a body that is no JSON list is one ``malformed_payload``.
+Anything else (another type, a field of the wrong type, an event over :data:`MAX_EVENT_BYTES`) is
+counted (``unknown_event``, ``malformed_event``) and skipped; a body that is no JSON list is one
+``malformed_payload``.
+
+**No reorder window** (:mod:`kvlens.fleet.reorder`, which ZeroMQ batches go through): a drain's
+events are applied when it arrives, in the order the engine queued them (tested). The window
+orders batches of different replicas by the engines' timestamps, so that processes on the same
+events (shards) apply them in one order; neither half applies here. These events carry no
+timestamp, only the drain's arrival on kvlens's own clock, up to a poll interval after them, so
+queueing a drain would delay it without ordering it better. And the drain is destructive: one
+client, so no second process sees these events in another order. A replica's own order needs no
+window: one task drains an endpoint, a drain after the one before it is applied, and a drain
+holds the engine's queue in ``event_id`` order. The cost, in a fleet mixing both: a drain's events
+can be applied before a ZeroMQ batch stamped earlier that still waits (at most
+``kv_events_reorder_seconds``), which may swap the causes of a block both stored within it.
 """
 
 from __future__ import annotations
@@ -51,12 +68,17 @@ from typing import Any, Final
 import msgspec
 
 from kvlens.fleet.index import FleetIndex
-from kvlens.fleet.ordering import Consumer, Publisher, PublisherStatus
+from kvlens.fleet.limits import MAX_REPLICAS
+from kvlens.fleet.ordering import Consumer, Publisher, PublisherStatus, gap_or_jump
 from kvlens.fleet.schema import CLEARED, REMOVED, STORED
 
 UPDATED: Final = "BlockUpdated"  # its events' label (kvlens_kv_events_total's type)
 CACHE_LEVELS: Final = ("GPU", "CPU")  # cache_level 0 and 1; another: "other"
 MAX_BODY_BYTES: Final = 64 * 1024 * 1024  # a drain past it is refused (about 100k blocks of 64 tokens)
+# An event past it is malformed, never decoded: a list of small ints costs about 18 bytes of memory
+# a byte of JSON (a removed event of 64 MiB of "1," decoded took 1,180 MiB); an honest stored
+# event of a 256k-token prompt, at about 65 bytes a token, is under it.
+MAX_EVENT_BYTES: Final = 16 * 1024 * 1024
 
 
 class _Token(msgspec.Struct):
@@ -148,7 +170,13 @@ class TrtllmFeed:
         with index.lock:
             self.status(self.name).batches += 1
             for raw in raws:
-                self._apply(index, raw)
+                if len(raw) > MAX_EVENT_BYTES:
+                    self.status(self.name).malformed_events += 1
+                else:
+                    self._apply(index, raw)
+                # a scrape or another replica's batch waiting gets the index between events: a
+                # 64 MiB drain takes seconds (547,000 one-block events: 11 s)
+                index.lock.pause()
 
     def _apply(self, index: FleetIndex, raw: msgspec.Raw) -> None:
         try:
@@ -164,7 +192,11 @@ class TrtllmFeed:
             else:
                 status.malformed_events += 1
             return
-        replica = replica_name(self.name, event.attention_dp_rank)
+        rank = event.attention_dp_rank
+        if rank is not None and not 0 <= rank < MAX_REPLICAS:
+            self.status(self.name).malformed_events += 1
+            return
+        replica = replica_name(self.name, rank)
         status = self.status(replica)
         if not self.consumer.admitted(replica, status):
             return
@@ -195,7 +227,9 @@ class TrtllmFeed:
         self, index: FleetIndex, replica: str, status: PublisherStatus, event_id: int | None
     ) -> None:
         """Gaps and restarts from ``event_id``: a jump forward counts the events it skipped as
-        missed (no replay exists), one going back is a restart (the replica cleared)."""
+        missed (no replay exists), unless wider than a publisher's sequence may jump
+        (:func:`~kvlens.fleet.ordering.gap_or_jump`: one jump, no loss); one going back is a
+        restart (the replica cleared)."""
         if event_id is None:
             return
         expected = status.next_seq
@@ -203,8 +237,8 @@ class TrtllmFeed:
         if expected is None or event_id == expected:
             return
         if event_id > expected:
-            status.gaps += 1
-            status.missed += event_id - expected
+            if gap_or_jump(status, expected, event_id):
+                status.missed += event_id - expected
             return
         status.restarts += 1
         index.cleared(replica)

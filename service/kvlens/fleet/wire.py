@@ -263,7 +263,7 @@ def apply(index: FleetIndex, replica: str, event: Event) -> str:
         group = getattr(fields, "group_idx", None)
         spec = getattr(fields, "kv_cache_spec_kind", None) if kind == STORED else None
         groups = index.groups  # a model of one group (the usual) costs the test alone
-        if (group not in (None, 0) or spec is not None or replica in groups.hybrid) and groups.role(
+        if (group not in (None, 0) or spec is not None or groups.is_hybrid(replica)) and groups.role(
             replica, group, spec, store=kind == STORED
         ) != FOLLOW:
             return OTHER_GROUP

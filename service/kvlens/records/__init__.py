@@ -29,6 +29,7 @@ from kvlens.records.schema import (
     FieldSpec,
     Record,
     prefix_key,
+    prefix_keys,
     reason_message,
 )
 from kvlens.records.validate import batch_from_objects, reduce_to_known
@@ -60,6 +61,7 @@ __all__ = [
     "decode_prefix_hashes",
     "labels_valid",
     "prefix_key",
+    "prefix_keys",
     "reason_message",
     "reduce_to_known",
     "strict_records",

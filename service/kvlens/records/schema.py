@@ -10,10 +10,12 @@ from __future__ import annotations
 import hashlib
 import string
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Final
 
 import annotated_types
+import numpy as np
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from kvlens.records.labels import MAX_LABEL_BYTES, checked_label
@@ -232,3 +234,16 @@ def prefix_key(prefix_id: int | str) -> int:
 
 
 ABSENT_INT: Final = -1  # an absent optional count in a batch (NaN for an absent duration)
+
+
+def prefix_keys(prefix_ids: Sequence[int | str]) -> list[int]:
+    """:func:`prefix_key` of each id; ids that are all ints in one numpy pass (at C speed: a
+    record may carry 100,000). Only ints take that pass: numpy reads a string of decimal digits as
+    the number it spells, which for a 16-hex-digit id is not the key it is."""
+    if set(map(type, prefix_ids)) <= {int}:
+        for dtype in (np.uint64, np.int64):  # the low 64 bits: a negative int in two's complement
+            try:
+                return np.array(prefix_ids, dtype).view(np.uint64).tolist()  # type: ignore[no-any-return]
+            except OverflowError:
+                continue
+    return list(map(prefix_key, prefix_ids))

@@ -141,7 +141,14 @@ class PrefixCache:
         """A request starts: it reuses its cached leading blocks (at most ``limit``), and holds
         every block it has until :meth:`release`, the new ones cached where there is room (told to
         ``events`` with the request's ``scope``). Returns (blocks reused, blocks held: a prefix of
-        ``blocks``)."""
+        ``blocks``).
+
+        A chain is taken up to its first repeated block: a prefix chain never repeats one (each
+        block's id chains its parent's), so a repeat is a cycle sent as ids (a record's
+        ``prefix_hashes``, a trace's), and what follows it no prefix of this prompt; held
+        twice, it was released twice (a KeyError)."""
+        if len(set(blocks)) < len(blocks):
+            blocks = blocks[: _first_repeat(blocks)]
         held, free = self._held, self._free
         holders_of = held.get
         count = 0
@@ -195,3 +202,13 @@ class PrefixCache:
             self.events.removed(list(self._free))
         self._free.clear()
         return count
+
+
+def _first_repeat(blocks: Sequence[object]) -> int:
+    """The position of the first block that came before in ``blocks`` (one is known to)."""
+    seen: set[object] = set()
+    for position, block in enumerate(blocks):
+        if block in seen:
+            return position
+        seen.add(block)
+    return len(blocks)

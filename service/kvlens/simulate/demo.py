@@ -261,7 +261,7 @@ class ReplayKVEvents:
         self._seq[rank] += 1
 
     def feed(self, start: float, end: float) -> None:
-        from kvlens.fleet.index import MASK64
+        from kvlens.fleet.keys import MASK64
         from kvlens.fleet.schema import AllBlocksCleared
 
         for loop, (_, replica, stored, blocks, parent) in self.traffic.cache_events(start, end):

@@ -19,7 +19,8 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from kvlens.definitions import UNITS, CostModel
-from kvlens.fleet.index import EVICTED_ELSEWHERE, EVICTED_HERE, HELD_ELSEWHERE, HELD_HERE, FleetIndex
+from kvlens.fleet.causes import EVICTED_ELSEWHERE, EVICTED_HERE, HELD_ELSEWHERE, HELD_HERE
+from kvlens.fleet.index import FleetIndex
 from kvlens.simulate.cache import CacheEvents
 from kvlens.simulate.modelled import IndexSink
 from kvlens.simulate.run import Outcome

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import cast
 
 from kvlens.fleet.index import FleetIndex
-from kvlens.records import prefix_key
+from kvlens.records import prefix_keys
 from kvlens.simulate.cache import PrefixCache
 
 
@@ -63,7 +63,7 @@ class ModelledFleet:
     def record(self, replica: str, prefix_ids: Sequence[int | str], prompt_tokens: int) -> int:
         """One finished request: its blocks through ``replica``'s modelled cache. Returns the
         tokens the modelled cache would have reused."""
-        keys = tuple(prefix_key(i) for i in prefix_ids)
+        keys = prefix_keys(prefix_ids)
         if self.partial_last_block and prompt_tokens % self.block_size and keys:
             keys = keys[:-1]
         cache = self._caches.get(replica)

@@ -24,10 +24,12 @@ from kvlens.fleet.schema import EXTRA, GROUP, HASHES, INT, INTS, KIND, MEDIUM, N
 
 E_TYPE, E_OUTCOME, E_TIER, E_BLOCK_SIZE, E_HAS_PARENT = range(5)
 E_HASHES, E_HASHES_END, E_TOKENS, E_TOKENS_END = range(5, 9)  # its slices of hashes and tokens
-E_EXTRA, E_GROUP = 9, 10  # the extra keys given (-1: none); E_GROUP unused (another group: unsure)
-EVENT_FIELDS = 11
+E_EXTRA = 9  # the extra keys given (-1: none)
+EVENT_FIELDS = 10
 STORED_EVENT, REMOVED_EVENT, CLEARED_EVENT = range(3)  # E_TYPE
-APPLY, MALFORMED_EVENT, OTHER_GROUP_EVENT = range(3)  # E_OUTCOME
+# E_OUTCOME: an event of another KV cache group or kind is never read here (the payload is left to
+# msgspec's path, which counts it other_group), so an event read is applied or malformed
+APPLY, MALFORMED_EVENT = range(2)
 # The reader's arrays are as large as the payload (an integer takes a byte at least): a larger
 # payload is left to msgspec (a vLLM step's batch is well under it; subscriber.MAX_MESSAGE_BYTES is 16)
 MAX_READ_BYTES: Final = 1 << 20

@@ -33,7 +33,6 @@ from kvlens.fleet.kernels.msgpack import (
     E_TOKENS_END,
     E_TYPE,
     MALFORMED_EVENT,
-    OTHER_GROUP_EVENT,
     REMOVED_EVENT,
     STORED_EVENT,
     msgpack_ints,
@@ -60,7 +59,7 @@ from kvlens.fleet.limits import TIERS
 
 _TOKEN: Final = np.uint64(0x100000001B3)  # FNV-1a's 64-bit prime
 _SEED: Final = np.uint64(0xCBF29CE484222325)
-# A replica's row of counters (``stats[replica]``): blocks per cause (kvlens.fleet.index.CAUSES's
+# A replica's row of counters (``stats[replica]``): blocks per cause (kvlens.fleet.causes.CAUSES's
 # order), tokens per cause, then per tier (kvlens.fleet.limits.TIERS) blocks stored, removed, held,
 # then per cause the causal pairs of the tokens whose depth is known (a token at position p, 1 the
 # first of its chain, attends to p tokens: C(n)'s b term summed a token, so a cause's modelled work
@@ -98,9 +97,10 @@ Arrays = tuple[Any, Any, Any, Any, Any, Any, Any, Any, Any]  # params, replica, 
 # remembered, ring, stats, fleet_counts, depths: the replica's table and its extra copies, the
 # fleet's holders and remembered blocks (kernels.table), the remembered keys' ring, the counters
 # (above), the depth of each block in the replica's table (kernels.table.Table.depths)
-# apply_events' tally of each type, then events malformed and of other groups
-TALLY = 5
-T_MALFORMED, T_OTHER_GROUP = 3, 4
+# apply_events' tally of each type, then events malformed (none of other KV cache groups: the
+# reader leaves their payloads to msgspec)
+TALLY = 4
+T_MALFORMED = 3
 # why apply_events stopped: done, or the caller's turn (tables to grow or shrink, an event it
 # applies itself) before calling again from the position it answered
 DONE, STOP_GROW, STOP_SHRINK, STOP_CALLER, UNREAD = range(5)
@@ -501,17 +501,15 @@ def _apply_events(
         tally[events[e, E_TYPE]] += 1
         if outcome == MALFORMED_EVENT:
             tally[T_MALFORMED] += 1
-        elif outcome == OTHER_GROUP_EVENT:
-            tally[T_OTHER_GROUP] += 1
     return n, DONE, 0
 
 
 @njit(cache=True, nogil=True)
-def apply_payload(buf: Any, start: int, arrays: Arrays) -> tuple[int, int, int, int, int, int, int, int]:
+def apply_payload(buf: Any, start: int, arrays: Arrays) -> tuple[int, int, int, int, int, int, int]:
     """A payload's events, from event ``start``, into ``replica``'s table (``params``' replica):
     read (:func:`read_batch`, :data:`UNREAD` when it is not sure of the payload: nothing changed),
     then applied as :func:`store` and :func:`remove` one by one would. Answers (position, why it
-    stopped, a value, then the tally: events of each type, malformed, of other groups). Done:
+    stopped, a value, then the tally: events of each type, malformed). Done:
     (events, :data:`DONE`, 0, tally). Else it is the caller's turn, then call again from the
     position: :data:`STOP_GROW` (grow the tables for the event at the position: the value is
     :data:`GROW` or :data:`GROW_COPIES`, as :func:`store` answers), :data:`STOP_SHRINK` (the
@@ -519,8 +517,8 @@ def apply_payload(buf: Any, start: int, arrays: Arrays) -> tuple[int, int, int, 
     caller applies the event at the position: an ``AllBlocksCleared``)."""
     ok, events, parents, hashes, tokens = read_batch(buf)
     if not ok:
-        return 0, UNREAD, 0, 0, 0, 0, 0, 0
+        return 0, UNREAD, 0, 0, 0, 0, 0
     tally = np.zeros(TALLY, np.int64)
     # the tally: events malformed in this call, all at DONE
     position, stop, value = _apply_events(start, events, parents, hashes, tokens, arrays, tally)
-    return position, stop, value, tally[0], tally[1], tally[2], tally[3], tally[4]
+    return position, stop, value, tally[0], tally[1], tally[2], tally[3]
