@@ -116,12 +116,18 @@ def modelled_work(
     """``C(n)``, ``C(h)`` and the unit (an index into ``UNITS``) per request, each with its own
     model's cost (``keys`` name the model of each request; ``cost_for`` maps a key to its cost
     model)."""
+    by_cost: dict[CostModel, list[Any]] = {}
+    for key in np.unique(keys).tolist():
+        by_cost.setdefault(cost_for(key), []).append(key)
+    if len(by_cost) == 1:  # one cost model for every request (the common case): no rows to pick
+        (cost,) = by_cost
+        unit_of_all = np.full(prompt_tokens.shape, UNITS.index(cost.unit), np.int8)
+        return cost.work(prompt_tokens), cost.work(cached_tokens), unit_of_all
     prompt_work = np.empty_like(prompt_tokens, dtype=np.float64)
     reused_work = np.empty_like(prompt_tokens, dtype=np.float64)
     unit = np.empty_like(prompt_tokens, dtype=np.int8)
-    for key in np.unique(keys).tolist():
-        rows = keys == key
-        cost = cost_for(key)
+    for cost, group in by_cost.items():
+        rows = keys == group[0] if len(group) == 1 else np.isin(keys, group)
         prompt_work[rows] = cost.work(prompt_tokens[rows])
         reused_work[rows] = cost.work(cached_tokens[rows])
         unit[rows] = UNITS.index(cost.unit)

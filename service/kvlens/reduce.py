@@ -13,6 +13,7 @@ record counts the same everywhere. Per record it decides:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, overload
@@ -43,10 +44,22 @@ class Reduced:
     ttft: TtftComponents
     ttft_complete: npt.NDArray[np.bool_]  # queue, prefill and TTFT all measured
 
-    @property
+    @functools.cached_property
     def model(self) -> npt.NDArray[np.object_]:
-        """The model name of each record."""
+        """The model name of each record: built once (a walk reads it record by record)."""
         return np.array(self.model_names, dtype=object)[self.model_codes]
+
+    def rows_by_model(self) -> list[tuple[str, npt.NDArray[np.bool_]]]:
+        """Each model name some record has (in name order) and its records, found from the codes
+        (a comparison of integers, not of a name a record)."""
+        held = np.flatnonzero(np.bincount(self.model_codes, minlength=len(self.model_names))).tolist()
+        out = []
+        for name in sorted({self.model_names[code] for code in held}):
+            codes = [code for code in held if self.model_names[code] == name]
+            out.append(
+                (name, self.model_codes == codes[0] if len(codes) == 1 else np.isin(self.model_codes, codes))
+            )
+        return out
 
     def totals(self, rows: npt.NDArray[np.bool_] | slice = slice(None)) -> Totals:
         """The sums of the records in ``rows`` (all by default), modelled work per unit."""

@@ -178,11 +178,18 @@ def test_validator_agrees_with_documented_schema(record: dict[str, Any]) -> None
     assert (len(validated.batch) == 1) == schema_accepts, validated.rejections.details(1)
 
     fast = batch_from_json_array(f"[{text}]".encode())
+    # as lines, after a record without optional fields: the field-by-field decode (records/wire)
+    lines = batch_from_json_lines(
+        f'{{"prompt_tokens": 1, "cached_tokens": 0}}\n{text}'.encode(), keep_prefix_hashes=True
+    )
     if schema_accepts and "unknown" not in record:
         assert fast is not None
         assert_same_batch(fast, validated.batch)
+        assert lines is not None
+        assert_same_batch(lines.select(np.arange(2) == 1), validated.batch)
     else:
         assert fast is None
+        assert lines is None
 
 
 def assert_same_batch(first: RecordBatch, second: RecordBatch) -> None:
@@ -203,10 +210,12 @@ def test_fast_path_matches_the_column_validator_on_a_realistic_batch() -> None:
 
 
 def test_fast_path_matches_the_column_validator_across_its_chunks() -> None:
-    """Columns are built WIRE_CHUNK records at a time: fields present in one chunk only, a bad
-    label in the last one, prefix_hashes kept or checked, all as the column validator has them."""
-    from kvlens.records.wire import WIRE_CHUNK
+    """Columns are built a slice of SLICE_BYTES at a time: fields present in some slices only, a
+    bad label in the last one, prefix_hashes kept or checked, all as the column validator has
+    them (every record here is over 64 bytes: the first WIRE_CHUNK span more than one slice)."""
+    from kvlens.records.wire import SLICE_BYTES
 
+    WIRE_CHUNK = SLICE_BYTES // 64  # records past the first slice at least
     count = 2 * WIRE_CHUNK + 7
     records: list[dict[str, Any]] = [
         {**GOOD, "request_id": f"r{i}", "model": f"m{i % 3}", "prefix_hashes": [i, i + 1]}
@@ -245,3 +254,34 @@ def test_a_lone_surrogate_in_text_sends_the_batch_to_the_record_by_record_valida
     line = '{"prompt_tokens": 10, "cached_tokens": 1, "' + field + '": "a\\ud800"}'
     assert batch_from_json_array(f"[{line}]".encode()) is None
     assert batch_from_json_lines(line.encode()) is None
+
+
+@pytest.mark.parametrize("keep_prefix_hashes", [True, False])
+def test_lines_read_a_field_first_seen_slices_later_as_the_validator_does(
+    monkeypatch: pytest.MonkeyPatch, keep_prefix_hashes: bool
+) -> None:
+    """JSON lines are decoded a slice at a time by the struct of the fields seen so far: a field
+    that appears only after many slices is read (and checked) like any other."""
+    from kvlens.records import wire
+
+    monkeypatch.setattr(wire, "SLICE_BYTES", 64)  # a slice a record or two
+    late = {
+        **GOOD,
+        "model": "m",
+        "tenant": "t",
+        "ttft_seconds": 0.5,
+        "block_size": 16,
+        "prefix_hashes": [1, "a"],
+    }
+    records = [GOOD] * 20 + [late] + [GOOD] * 5 + [{**GOOD, "e2e_seconds": 2.0}]
+    text = b"\n".join(orjson.dumps(record) for record in records)
+    lines = batch_from_json_lines(text, keep_prefix_hashes=keep_prefix_hashes)
+    assert lines is not None
+    expected = batch_from_objects(records).batch
+    if not keep_prefix_hashes:
+        expected = expected.select(np.ones(len(records), bool))
+        object.__setattr__(expected, "prefix_hashes", [None] * len(records))
+    assert_same_batch(lines, expected)
+    for refused in ({**GOOD, "prefix_hashes": [1.5]}, {**GOOD, "model": "tab\there"}, {**GOOD, "unknown": 1}):
+        bad = text + b"\n" + orjson.dumps(refused)
+        assert batch_from_json_lines(bad, keep_prefix_hashes=keep_prefix_hashes) is None, refused

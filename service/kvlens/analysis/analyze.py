@@ -123,8 +123,8 @@ def analyze(
                 read.batch.cached_tokens[rows],
                 read.batch.prefill_seconds[rows],
             )
-            for name in sorted(set(derived.model))
-            if (rows := derived.model == name).any() and not np.isnan(read.batch.prefill_seconds[rows]).all()
+            for name, rows in derived.reduced.rows_by_model()
+            if not np.isnan(read.batch.prefill_seconds[rows]).all()
         ]
     return _calibrated(result, fits, settings, prefill_points)
 

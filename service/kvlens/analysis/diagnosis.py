@@ -151,7 +151,7 @@ def prefix_potential(derived: Derived) -> dict[str, Any] | None:
     the token reuse an unbounded cache would have reached. The ``duckdb`` engine computes the
     same in SQL (:func:`kvlens.analysis.duckdb.potential.prefix_potential`)."""
     batch = derived.batch
-    rows = [i for i, hashes in enumerate(batch.prefix_hashes) if hashes]
+    rows = batch.rows_holding("prefix_hashes")
     if not rows:
         return None
     arrival = batch.arrival_time[rows]

@@ -34,7 +34,7 @@ CAN_TELL: Final = (
 def request_misses(derived: Derived, worst: int = WORST) -> dict[str, Any] | None:
     """The records' misses per length group (None: no record has ``prefix_hashes``)."""
     batch = derived.batch
-    rows = [i for i, hashes in enumerate(batch.prefix_hashes) if hashes]
+    rows = batch.rows_holding("prefix_hashes")
     if not rows:
         return None
     arrival = batch.arrival_time[rows]
@@ -42,22 +42,37 @@ def request_misses(derived: Derived, worst: int = WORST) -> dict[str, Any] | Non
     classifier = MissClassifier(REMEMBER_BLOCKS)
     groups: dict[str, dict[str, Any]] = {}
     listed: dict[str, list[tuple[float, Diagnosis]]] = {}
-    for i in order:
-        size = int(batch.block_size[i])
+    # each column read once in walk order as Python values, each model's cost model looked up
+    # once: a numpy scalar a field and the settings' lookup a record cost more than the walk
+    sizes, prompts, cached, codes, length_groups = (
+        column[order].tolist()
+        for column in (
+            batch.block_size,
+            batch.prompt_tokens,
+            batch.cached_tokens,
+            derived.reduced.model_codes,
+            derived.length_group,
+        )
+    )
+    costs = {name: derived.cost_for(name) for name in set(derived.reduced.model_names)}
+    for k, i in enumerate(order):
+        model = derived.reduced.model_names[codes[k]]
         diagnosis = classifier.diagnose(
             batch.request_id[i],
             batch.replica[i] or "",
             batch.prefix_hashes[i] or [],
-            int(batch.prompt_tokens[i]),
-            int(batch.cached_tokens[i]),
-            size if size > 0 else DEFAULT_BLOCK,
-            str(derived.model[i]),
+            prompts[k],
+            cached[k],
+            sizes[k] if sizes[k] > 0 else DEFAULT_BLOCK,
+            model,
         )
         if diagnosis is None:
             continue
-        cost = derived.cost_for(str(derived.model[i]))
-        label = derived.length_labels[int(derived.length_group[i])]
-        group = groups.setdefault(label, _empty_group())
+        cost = costs[model]
+        label = derived.length_labels[length_groups[k]]
+        if label not in groups:
+            groups[label] = _empty_group()
+        group = groups[label]
         group["records"] += 1
         group["first_miss"][diagnosis.cause] += 1
         for cause, work in diagnosis.work(cost).items():

@@ -26,7 +26,7 @@ from kvlens.errors import InputError, MissingExtra
 from kvlens.records import (
     RecordBatch,
     Rejections,
-    batch_from_json_array,
+    batch_from_json_lines,
     batch_from_objects,
     strict_records,
 )
@@ -271,14 +271,6 @@ def _first_format(chunk: bytes) -> str | None:
     return None
 
 
-def _as_array(chunk: bytes) -> tuple[bytes, int] | None:
-    """The chunk's lines as one JSON array and their number, when every line can be an element
-    as it is (no blank line, no carriage return); None otherwise."""
-    if not chunk or b"\r" in chunk or b"\n\n" in chunk or chunk.startswith(b"\n"):
-        return None
-    return b"[" + chunk.replace(b"\n", b",") + b"]", chunk.count(b"\n") + 1
-
-
 def record_lines(chunk: bytes) -> int:
     """The number of lines of the chunk when each starts with ``{`` (no blank line, no indent)
     and none ends with a carriage return, else 0. Then each line holds at least one value, and
@@ -302,9 +294,8 @@ def _read_chunk(
     *,
     try_fast: bool = True,  # False: the strict decoder refused the chunk already
 ) -> RecordBatch:
-    if try_fast and file_format == "kvlens" and model is None and (array := _as_array(chunk)) is not None:
-        data, lines = array
-        fast = batch_from_json_array(data)
+    if try_fast and file_format == "kvlens" and model is None and (lines := record_lines(chunk)):
+        fast = batch_from_json_lines(chunk, keep_prefix_hashes=True)
         if fast is not None and len(fast) == lines:  # one record a line, each valid
             result.lines += lines
             return fast

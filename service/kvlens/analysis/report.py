@@ -15,7 +15,7 @@ import numpy.typing as npt
 from kvlens import definitions
 from kvlens.definitions import CostModel, Totals, prompt_length_labels
 from kvlens.records import RecordBatch
-from kvlens.reduce import Reduced, pack_hit, reduce, unpack_hit
+from kvlens.reduce import Reduced, codes_of, pack_hit, reduce, unpack_hit
 from kvlens.stats import order_statistics, percentiles
 
 SCHEMA = "kvlens.analyze/v1"
@@ -173,13 +173,23 @@ def cells_of(derived: Derived, rows: npt.NDArray[np.bool_] | None = None) -> dic
     n, h = derived.batch.prompt_tokens, derived.batch.cached_tokens
     if rows is not None:
         code, n, h = code[rows], n[rows], h[rows]
-    keys, inverse = np.unique(code, return_inverse=True)
+    if code.size and int(code.max()) >= DENSE_CODES_PER_ROW * code.size:
+        # codes spread thin (a name per record): numbered densely first, so that the sums' tables
+        # are as long as the keys, not as the largest code
+        keys, inverse = np.unique(code, return_inverse=True)
+    else:
+        keys, inverse = np.arange(int(code.max()) + 1 if code.size else 0), code
+    counts = np.bincount(inverse, minlength=keys.size)
+    present = np.flatnonzero(counts)
     sums = [
-        _exact_sums(inverse, len(keys), column)
-        for column in (np.ones_like(n), n, h, n * (n + 1) // 2, h * (h + 1) // 2)
+        counts[present].tolist(),
+        *(
+            _exact_sums(inverse, keys.size, column, present)
+            for column in (n, h, n * (n + 1) // 2, h * (h + 1) // 2)
+        ),
     ]
     cells = {}
-    for i, value in enumerate(keys.tolist()):
+    for i, value in enumerate(keys[present].tolist()):
         rest, hit = unpack_hit(value)
         model, group = divmod(rest, groups)
         cells[(reduced.model_names[model], group, hit)] = Cell(*(column[i] for column in sums))
@@ -193,11 +203,17 @@ def summarize(derived: Derived) -> Summary:
     n, h = batch.prompt_tokens, batch.cached_tokens
     cells = cells_of(derived)
     present = [(g, hit) for g in range(groups) for hit in (True, False)]
-    rows_of = {group: (reduced.length_group == group[0]) & (reduced.hit == group[1]) for group in present}
+    # the records sorted by group once (a stable radix sort of small codes), each column taken in
+    # that order once: a group's records are a slice, not a mask over every record a column
+    code = pack_hit(reduced.length_group, reduced.hit).astype(np.int16 if groups < 2**14 else np.intp)
+    order = np.argsort(code, kind="stable")
+    bounds = np.concatenate(([0], np.cumsum(np.bincount(code, minlength=codes_of(groups))))).tolist()
+    rows_of = {group: slice(bounds[pack_hit(*group)], bounds[pack_hit(*group) + 1]) for group in present}
+    sorted_columns = {name: getattr(batch, name)[order] for name in LATENCY_COLUMNS}
     latency = {
-        group: {name: percentiles(getattr(batch, name)[rows]) for name in LATENCY_COLUMNS}
+        group: {name: percentiles(sorted_columns[name][rows]) for name in LATENCY_COLUMNS}
         for group, rows in rows_of.items()
-        if rows.any()
+        if rows.stop > rows.start
     }
     parts, complete = reduced.ttft, reduced.ttft_complete
     decomposition = Decomposition(
@@ -216,19 +232,20 @@ def summarize(derived: Derived) -> Summary:
         (threshold,) = definitions.quantiles(
             int(present_ttft.size), (1 - SLOWEST_SHARE,), lambda r: order_statistics(present_ttft, r)
         )
-        slow = ~np.isnan(ttft) & (ttft >= threshold)
-        slowest = {group: int((slow & rows).sum()) for group, rows in rows_of.items()}
+        slow = (~np.isnan(ttft) & (ttft >= threshold))[order]
+        slowest = {group: int(np.count_nonzero(slow[rows])) for group, rows in rows_of.items()}
     prefill = {}
-    measured = ~np.isnan(batch.prefill_seconds)
+    sorted_n, sorted_h = n[order], h[order]
     for group, rows in rows_of.items():
-        chosen = rows & measured
+        seconds = sorted_columns["prefill_seconds"][rows]
+        chosen = ~np.isnan(seconds)
         if chosen.any():
-            seconds = batch.prefill_seconds[chosen]
-            per_token = seconds / np.maximum(n[chosen] - h[chosen], 1)
+            seconds, chosen_n, chosen_h = seconds[chosen], sorted_n[rows][chosen], sorted_h[rows][chosen]
+            per_token = seconds / np.maximum(chosen_n - chosen_h, 1)
             prefill[group] = PrefillGroup(
                 int(chosen.sum()),
-                int(n[chosen].sum()),
-                int(h[chosen].sum()),
+                int(chosen_n.sum()),
+                int(chosen_h.sum()),
                 _median(seconds),
                 _median(per_token),
             )
@@ -251,19 +268,28 @@ def _exact_sum(values: npt.NDArray[np.int64]) -> int:
     )
 
 
-def _exact_sums(inverse: npt.NDArray[np.intp], keys: int, values: npt.NDArray[np.int64]) -> list[int]:
-    """Per key, the exact (Python int) sum of ``values``: int64 partial sums of at most
-    :data:`SAFE_ROWS` rows, added as Python ints."""
-    order = np.argsort(inverse, kind="stable")
-    sorted_keys, sorted_values = inverse[order], values[order]
-    starts = np.flatnonzero(np.r_[True, sorted_keys[1:] != sorted_keys[:-1]]) if order.size else order
-    bounds = np.union1d(starts, np.arange(0, order.size, SAFE_ROWS))
-    out = [0] * keys
-    if order.size:
-        for key, partial in zip(
-            sorted_keys[bounds].tolist(), np.add.reduceat(sorted_values, bounds).tolist(), strict=True
-        ):
-            out[key] += int(partial)
+# Per-key sums without sorting: each value split in two parts of at most 26 bits, each part summed
+# by np.bincount in float64, exact while a sum stays below 2**53. Values are below 2**46 (n*(n+1)/2
+# with n <= MAX_TOKENS), so the high parts are below 2**20 and the low ones below 2**26: sums of
+# at most BINCOUNT_ROWS rows of either are exact.
+LOW_BITS = 26
+BINCOUNT_ROWS = 2**26
+DENSE_CODES_PER_ROW = 4  # codes above this many a row are numbered densely first (np.unique)
+
+
+def _exact_sums(
+    inverse: npt.NDArray[Any], keys: int, values: npt.NDArray[np.int64], present: npt.NDArray[np.intp]
+) -> list[int]:
+    """Per key in ``present`` (``inverse`` numbers each row's key below ``keys``), the exact
+    (Python int) sum of ``values``, each in [0, 2**46)."""
+    out = [0] * present.size
+    low_mask = (1 << LOW_BITS) - 1
+    for start in range(0, values.size, BINCOUNT_ROWS):
+        part, where = values[start : start + BINCOUNT_ROWS], inverse[start : start + BINCOUNT_ROWS]
+        low = np.bincount(where, part & low_mask, keys)[present].tolist()
+        high = np.bincount(where, part >> LOW_BITS, keys)[present].tolist()
+        for i, (low_sum, high_sum) in enumerate(zip(low, high, strict=True)):
+            out[i] += (int(high_sum) << LOW_BITS) + int(low_sum)
     return out
 
 

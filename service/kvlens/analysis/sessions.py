@@ -74,7 +74,7 @@ def session_report(batch: RecordBatch, worst: int = WORST) -> dict[str, Any] | N
     """The per-session and per-run figures of ``batch``; None when no record carries a session
     or a theoretical reuse (nothing to say beyond the overall report)."""
     reusable = batch.trace_reusable_tokens
-    has_sessions = any(session is not None for session in batch.session_id)
+    has_sessions = batch.session_id.count(None) < len(batch.session_id)
     if not has_sessions and not (reusable >= 0).any():
         return None
     run = _Sums()

@@ -32,7 +32,7 @@ class _Pair:
 def cross_tenant(batch: RecordBatch, remember_blocks: int = 0) -> dict[str, Any] | None:
     """The section, or None when no record carries both a tenant and ``prefix_hashes`` (the
     report then has no such key: reports of records without tenants are unchanged)."""
-    rows = [i for i, (t, h) in enumerate(zip(batch.tenant, batch.prefix_hashes, strict=True)) if t and h]
+    rows = batch.rows_holding("tenant", "prefix_hashes")
     if not rows:
         return None
     arrival = batch.arrival_time[rows]

@@ -100,6 +100,15 @@ class RecordBatch:
         (diagnoses, modelled caches, tenants' storers): a body of string ids is hashed once."""
         return [None if ids is None else prefix_keys(ids) for ids in self.prefix_hashes]
 
+    def rows_holding(self, *names: str) -> list[int]:
+        """The rows where each of the list columns ``names`` (``prefix_hashes``, ``tenant``, ...)
+        holds a value (not None, not empty). A column that holds none answers at once: counting
+        Nones is a scan of identities, where testing each record costs a Python step a record."""
+        columns = [getattr(self, name) for name in names]
+        if any(column.count(None) == len(column) for column in columns):
+            return []
+        return [i for i, values in enumerate(zip(*columns, strict=True)) if all(values)]
+
     def select(self, keep: npt.NDArray[np.bool_]) -> RecordBatch:
         """The records where ``keep`` is True."""
         columns: dict[str, Any] = {}

@@ -3,7 +3,11 @@ from :data:`~kvlens.records.schema.FIELDS`, never a dict per record."""
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
+import operator
+from collections.abc import Callable, Iterator
 from typing import Annotated, Any, Final
 
 import msgspec
@@ -13,20 +17,35 @@ import numpy.typing as npt
 from kvlens import jsonscan
 from kvlens.records.batch import RecordBatch, assemble
 from kvlens.records.labels import labels_valid
-from kvlens.records.schema import ABSENT_INT, FIELDS, MAX_PREFIX_BLOCKS, TOO_MANY_HASHES
+from kvlens.records.schema import (
+    ABSENT_INT,
+    FIELD_NAMES,
+    FIELDS,
+    MAX_PREFIX_BLOCKS,
+    TOO_MANY_HASHES,
+    FieldSpec,
+)
 
 # A JSON array whose records are all valid and carry only known fields is decoded and validated
 # in one pass by msgspec against a struct built from the same FIELDS. Anything else (one bad
 # record, an unknown field) returns None and goes through batch_from_objects, which reports each
 # record's reason and counts unknown fields.
 
+_ABSENT_RAW: Final = msgspec.Raw()  # prefix_hashes' default in the live structs: absent
+ALL_FIELDS: Final = frozenset(FIELD_NAMES)
+REQUIRED_FIELDS: Final = frozenset(spec.name for spec in FIELDS if spec.required)
 
-def _wire_struct(prefix_hashes: Any) -> type[msgspec.Struct]:
+
+def _wire_struct(prefix_hashes: Any, names: frozenset[str] = ALL_FIELDS) -> type[msgspec.Struct]:
+    """The struct of the fields ``names`` (all by default): a record with any other field is
+    refused, as it is by the struct of all fields when the field is unknown."""
     kinds: dict[type, Any] = {int: int, float: float, str: str, list: prefix_hashes}
     fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
     for spec in FIELDS:
+        if spec.name not in names:
+            continue
         if spec.kind is list and prefix_hashes is msgspec.Raw:
-            fields.append((spec.name, msgspec.Raw, msgspec.Raw()))
+            fields.append((spec.name, msgspec.Raw, _ABSENT_RAW))
             continue
         limits: dict[str, Any] = {"ge": spec.low, "le": spec.high, "max_length": spec.max_length}
         meta = msgspec.Meta(**{k: v for k, v in limits.items() if v is not None})
@@ -43,12 +62,18 @@ _WireRecord = _wire_struct(list[int | str])
 _LiveWireRecord = _wire_struct(msgspec.Raw)
 _WIRE_DECODER: Final = msgspec.json.Decoder(list[_WireRecord])  # type: ignore[valid-type]
 _LIVE_WIRE_DECODER: Final = msgspec.json.Decoder(list[_LiveWireRecord])  # type: ignore[valid-type]
-_LIVE_LINE_DECODER: Final = msgspec.json.Decoder(_LiveWireRecord)
-_LINE_DECODER: Final = msgspec.json.Decoder(_WireRecord)
-_ABSENT_RAW: Final = _LiveWireRecord.__struct_defaults__[-1]  # prefix_hashes' default: absent
 _HASHES_DECODER: Final = msgspec.json.Decoder(
     Annotated[list[int | str], msgspec.Meta(max_length=MAX_PREFIX_BLOCKS)]
 )
+# JSON lines are decoded this much at a time: a slice's records stay in the CPU's caches while
+# their columns are taken, and are freed at once (on 1M records the decode and the columns cost
+# ~25 % less CPU than in 8 MiB chunks; 16-512 KiB all did about as well).
+SLICE_BYTES = 64 * 1024
+
+
+@functools.lru_cache(maxsize=64)
+def _line_decoder(names: frozenset[str], keep_prefix_hashes: bool) -> msgspec.json.Decoder[Any]:
+    return msgspec.json.Decoder(_wire_struct(list[int | str] if keep_prefix_hashes else msgspec.Raw, names))
 
 
 def batch_from_json_array(data: bytes, *, keep_prefix_hashes: bool = True) -> RecordBatch | None:
@@ -59,79 +84,161 @@ def batch_from_json_array(data: bytes, *, keep_prefix_hashes: bool = True) -> Re
         records = jsonscan.decode((_WIRE_DECODER if keep_prefix_hashes else _LIVE_WIRE_DECODER).decode, data)
     except msgspec.DecodeError:
         return None
-    return _wire_batch(records, keep_prefix_hashes)
+    columns = _Columns(keep_prefix_hashes)
+    columns.add(records, ALL_FIELDS)
+    # the structs freed before the columns are joined: a body of 50,000 records held as structs
+    # and as whole columns at once went past its documented memory (4 x the body)
+    del records
+    return columns.batch()
 
 
 def batch_from_json_lines(data: bytes, *, keep_prefix_hashes: bool = False) -> RecordBatch | None:
     """Like :func:`batch_from_json_array` (by default as live: prefix_hashes checked, not kept)
     for JSON values separated by whitespace: NDJSON, or one pretty-printed record."""
-    decoder = _LINE_DECODER if keep_prefix_hashes else _LIVE_LINE_DECODER
+    columns = _Columns(keep_prefix_hashes)
     try:
-        records = jsonscan.decode(decoder.decode_lines, data)
+        for piece in _slices(data):
+            columns.add(*columns.decode(piece))
     except msgspec.DecodeError:
         return None
-    return _wire_batch(records, keep_prefix_hashes)
+    return columns.batch()
 
 
-WIRE_CHUNK: Final = 1024  # records turned into columns at a time (see _wire_batch)
+def _slices(data: bytes) -> Iterator[memoryview]:
+    """``data`` in pieces of about :data:`SLICE_BYTES`, each cut just after a newline that a
+    ``{`` follows. Valid records never hold one (no newline inside a string, no object inside a
+    record), so a cut falls between records, and text that is valid in pieces is valid whole."""
+    view, start = memoryview(data), 0
+    while start < len(data):
+        end = data.find(b"\n{", start + SLICE_BYTES)
+        end = len(data) if end < 0 else end + 1
+        yield view[start:end]
+        start = end
 
 
-def _wire_batch(records: list[Any], keep_prefix_hashes: bool) -> RecordBatch | None:
-    count = len(records)
-    columns: dict[str, Any] = {
-        spec.name: np.empty(count, np.int64 if spec.kind is int else np.float64)
-        if spec.kind is int or spec.kind is float
-        else [None] * count  # filled in place: a list grown by extend is copied as it grows
-        for spec in FIELDS
-    }
-    # A tuple per record (one C call each), transposed by zip: the columns in FIELDS' order, the
-    # struct's own (a getattr per field and record cost twice as much). A chunk at a time, into
-    # the columns: a record's tuple costs ~200 bytes while it lives, which for 50,000 records put
-    # the request past its documented memory.
-    for start in range(0, count, WIRE_CHUNK):
-        chunk = records[start : start + WIRE_CHUNK]
-        values = zip(*map(msgspec.structs.astuple, chunk), strict=True)
-        for spec, raw in zip(FIELDS, values, strict=True):
-            column = columns[spec.name]
-            if spec.kind is int or spec.kind is float:
-                column[start : start + len(chunk)] = _numbers_with_absent(raw, spec.kind, len(chunk))
-            elif spec.kind is str:
-                strings = [v or None for v in raw] if "" in raw else raw
-                if spec.is_label and not labels_valid(strings):
+class _Columns:
+    """The columns of records decoded a slice at a time. Each slice is decoded by the struct of
+    the fields seen so far (``names``; the required ones at first): a field that no record holds
+    is never read off each record, and its column is the absent value whole. A slice with
+    another field is refused by that struct and decoded again by the struct of all fields (what
+    it refuses is invalid); the fields its records hold join ``names``, which only grows: a slice
+    is decoded twice only when it adds a field, so at most as many slices as there are fields."""
+
+    def __init__(self, keep_prefix_hashes: bool) -> None:
+        self.keep_prefix_hashes = keep_prefix_hashes
+        self.names = REQUIRED_FIELDS
+        self.parts: list[tuple[int, dict[str, Any]]] = []  # (records, the columns of names)
+
+    def decode(self, piece: memoryview) -> tuple[list[Any], frozenset[str]]:
+        """The records of JSON lines ``piece`` and the fields to read off them; DecodeError when
+        one is not a valid record of known fields."""
+        try:
+            return jsonscan.decode(
+                _line_decoder(self.names, self.keep_prefix_hashes).decode_lines, piece
+            ), self.names
+        except msgspec.DecodeError:
+            if self.names == ALL_FIELDS:
+                raise
+        records = jsonscan.decode(_line_decoder(ALL_FIELDS, self.keep_prefix_hashes).decode_lines, piece)
+        absent = None if self.keep_prefix_hashes else _ABSENT_RAW  # what a missing field decodes to
+        held = {
+            name
+            for name in ALL_FIELDS - self.names
+            if operator.countOf(
+                map(operator.attrgetter(name), records), None if name != "prefix_hashes" else absent
+            )
+            < len(records)
+        }
+        self.names = self.names | held
+        return records, self.names
+
+    def add(self, records: list[Any], names: frozenset[str]) -> None:
+        count = len(records)
+        part: dict[str, Any] = {}
+        for spec in FIELDS:
+            if spec.name in names:
+                get = operator.attrgetter(spec.name)
+                part[spec.name] = (
+                    _numbers(records, get, spec.kind, count)
+                    if spec.kind in (int, float)
+                    else list(map(get, records))
+                )
+        self.parts.append((count, part))
+
+    def batch(self) -> RecordBatch | None:
+        """The batch of the records added; None when a check that the struct cannot make fails
+        (labels, ``cached_tokens <= prompt_tokens``, live prefix_hashes)."""
+        count = sum(records for records, _ in self.parts)
+        columns: dict[str, Any] = {}
+        for spec in FIELDS:
+            name = spec.name
+            numbers = spec.kind is int or spec.kind is float
+            if not any(name in part for _, part in self.parts):
+                columns[name] = _absent(spec, count)
+                continue
+            # each part's column taken out as it is joined (one part: used as it is), so that the
+            # parts and the joined columns are not all held at once
+            pieces = [
+                part.pop(name) if name in part else _absent(spec, records) for records, part in self.parts
+            ]
+            if numbers:
+                columns[name] = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+                continue
+            raw = pieces[0] if len(pieces) == 1 else list(itertools.chain.from_iterable(pieces))
+            if spec.kind is str:
+                if "" in raw:
+                    raw = [v or None for v in raw]
+                if spec.is_label and not labels_valid(raw):
                     return None
-                column[start : start + len(chunk)] = strings
-            elif keep_prefix_hashes:
-                column[start : start + len(chunk)] = raw
-            else:  # the column stays None: checked, not kept
-                if raw.count(_ABSENT_RAW) != len(raw) and any(
-                    r is not _ABSENT_RAW and bytes(r) != b"null" and type(decode_prefix_hashes(r)) is not list
+                columns[name] = raw
+            elif self.keep_prefix_hashes:
+                columns[name] = raw
+            else:
+                if any(
+                    r is not None
+                    and r is not _ABSENT_RAW
+                    and bytes(r) != b"null"
+                    and type(decode_prefix_hashes(r)) is not list
                     for r in raw
                 ):
                     return None
-    if (columns["cached_tokens"] > columns["prompt_tokens"]).any():
-        return None
-    return assemble(columns)
+                columns[name] = [None] * count
+        if (columns["cached_tokens"] > columns["prompt_tokens"]).any():
+            return None
+        return assemble(columns)
 
 
-STRICT_SLICE_BYTES = 128 * 1024  # lines decoded at a time by strict_records
+def _absent(spec: FieldSpec, count: int) -> Any:
+    """The column of ``count`` records without the field ``spec``."""
+    if spec.kind is int:
+        return np.full(count, ABSENT_INT, np.int64)
+    if spec.kind is float:
+        return np.full(count, math.nan, np.float64)
+    return [None] * count
+
+
+def _numbers(records: list[Any], get: Callable[[Any], Any], kind: type, count: int) -> npt.NDArray[Any]:
+    dtype = np.int64 if kind is int else np.float64
+    try:
+        return np.fromiter(map(get, records), dtype, count)
+    except TypeError:  # some are None (absent)
+        absent = ABSENT_INT if kind is int else math.nan
+        return np.fromiter((absent if v is None else v for v in map(get, records)), dtype, count)
 
 
 def strict_records(lines: bytes) -> int | None:
     """How many records the JSON lines ``lines`` hold when the decoder of
     :func:`batch_from_json_lines` (keeping prefix_hashes) accepts each (kinds and bounds, known
-    fields only), without building them; None when it does not (a record spanning lines may
-    also give None: the lines are decoded :data:`STRICT_SLICE_BYTES` at a time). Two checks are left to the
-    caller, as the batch functions make them after decoding: ``cached_tokens <= prompt_tokens``
-    and :func:`labels_valid` over :data:`LABEL_FIELDS`."""
-    count, start, view = 0, 0, memoryview(lines)
+    fields only), without building their columns; None when it does not. Two checks are left to
+    the caller, as the batch functions make them after decoding: ``cached_tokens <=
+    prompt_tokens`` and :func:`labels_valid` over :data:`LABEL_FIELDS`."""
+    count, columns = 0, _Columns(keep_prefix_hashes=True)
     try:
-        # a slice of lines at a time: its records stay in the CPU's caches and are freed at
-        # once (the strict decode of 1M records took ~40 % less CPU than in one call)
-        while start < len(lines):
-            end = lines.find(b"\n", start + STRICT_SLICE_BYTES)
-            end = len(lines) if end < 0 else end + 1
-            count += len(jsonscan.decode(_LINE_DECODER.decode_lines, view[start:end]))
-            start = end
+        # a slice of lines at a time (as batch_from_json_lines): its records stay in the CPU's
+        # caches and are freed at once (the strict decode of 1M records took ~40 % less CPU
+        # than in one call)
+        for piece in _slices(lines):
+            count += len(columns.decode(piece)[0])
     except msgspec.DecodeError:
         return None
     return count
@@ -149,16 +256,3 @@ def decode_prefix_hashes(raw: bytes | msgspec.Raw) -> list[int | str] | None:
     except msgspec.DecodeError:
         return None
     return hashes
-
-
-def _numbers_with_absent(raw: tuple[Any, ...], kind: type, count: int) -> npt.NDArray[Any]:
-    """A column of numbers, absent ones (None) as ABSENT_INT or NaN. A field absent from every
-    record (common: a source sends few of the optional ones) costs a fill, not a pass in Python."""
-    dtype = np.int64 if kind is int else np.float64
-    try:
-        return np.fromiter(raw, dtype, count)  # fails at the first None
-    except TypeError:
-        absent = ABSENT_INT if kind is int else math.nan
-        if raw.count(None) == count:
-            return np.full(count, absent, dtype)
-        return np.fromiter((absent if v is None else v for v in raw), dtype, count)

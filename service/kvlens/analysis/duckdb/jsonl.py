@@ -8,7 +8,7 @@ the file is then read a chunk at a time as follows (so is a pipe, and a file of 
 A chunk of lines that the strict decoder accepts (:func:`kvlens.analysis.reader.parsed_of`:
 every line one valid kvlens record of known fields only) is written to a temporary file and
 parsed by DuckDB's ``read_json`` into typed columns: building a Python object for each value
-and a column from them cost several times the decoding (``records.wire._wire_batch``), parsing the
+and a column from them cost about the decoding again (``records.wire._Columns``), parsing the
 text again in DuckDB a fraction of it. The values are the decoder's: every line is strict JSON
 with each field of its kind (a count is a JSON integer, a duration a finite number, a label a
 string), so DuckDB's leniencies (``5.0`` or ``"5"`` read into an integer column, NaN, trailing
