@@ -53,7 +53,7 @@ def test_the_shipped_image_and_manifests_give_the_state_directory_a_writable_vol
     assert state_dir, "the image must set KVLENS_STATE_DIR"
     path = state_dir.group(1)
     assert re.search(rf'VOLUME \["?{re.escape(path)}"?\]', dockerfile), "a VOLUME there (read-only root)"
-    assert re.search(rf"chown 65532:65532 {re.escape(path)}", dockerfile), "owned by the image's user"
+    assert re.search(rf"chown (-R )?65532:65532 {re.escape(path)}\b", dockerfile), "owned by the image's user"
 
     deployment = yaml.safe_load((ROOT / "deploy/kubernetes/deployment.yaml").read_text())
     pod = deployment["spec"]["template"]["spec"]
