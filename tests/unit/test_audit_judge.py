@@ -115,3 +115,18 @@ def test_timing_is_inconclusive_when_a_hit_is_not_faster() -> None:
     (timing,) = [result for result in judge(FIVE, pairs) if result.case == "timing"]
     assert timing.verdict == "inconclusive" and timing.note.startswith("a hit is not measurably faster")
     assert timing.hits == 0  # no gap: no suspect is like a hit rather than a miss
+
+
+def test_timing_without_a_cached_hit_is_inconclusive_never_pass() -> None:
+    # prefix caching off, on a loaded host: the same salt's second requests are misses by their
+    # cached tokens, yet faster than the first ones (a warm connection, a quieter moment); timed
+    # against those as if they were hits, honest-looking suspects read "pass" (seen in CI)
+    warm_miss = Sent(0.010, 0)
+    pairs = {
+        "same_salt": [(Sent(0.030 + i / 1000, 0), warm_miss) for i in range(5)],
+        "different_salt": [(Sent(0.031 + i / 1000, 0), Sent(0.029 + i / 1000, 0)) for i in range(5)],
+        "salt_vs_none": [(Sent(0.032 + i / 1000, 0), Sent(0.030, 0)) for i in range(5)],
+    }
+    got = verdicts(pairs, FIVE)
+    assert got["same_salt"] == "inconclusive"
+    assert got["timing"] == "inconclusive"

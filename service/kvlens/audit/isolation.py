@@ -368,7 +368,14 @@ def _judge_timing(repeats: int, pairs: dict[str, list[tuple[Sent, Sent]]]) -> Ca
         if first.ttft_seconds is not None
     ]
     suspects = [second.ttft_seconds for _, second in different if second.ttft_seconds is not None]
-    hit_times = [second.ttft_seconds for _, second in pairs[SAME_SALT] if second.ttft_seconds is not None]
+    # the known hits: the same salt's second requests that the engine says were served from cache
+    # (a second request that missed is no hit, however fast: caching off on a loaded host made
+    # warm misses the reference, and honest-looking suspects passed with no hit to compare to)
+    hit_times = [
+        second.ttft_seconds
+        for _, second in pairs[SAME_SALT]
+        if second.ttft_seconds is not None and (second.cached_tokens or 0) > 0
+    ]
     majority = repeats // 2 + 1
     shape: dict[str, Any] = {
         "case": TIMING,
@@ -380,7 +387,14 @@ def _judge_timing(repeats: int, pairs: dict[str, list[tuple[Sent, Sent]]]) -> Ca
         ],
         "ttft_second_seconds": suspects,
     }
-    if min(len(misses), len(suspects), len(hit_times)) < majority:
+    if len(hit_times) < majority:
+        return CaseResult(
+            verdict=INCONCLUSIVE,
+            note="the same salt did not hit in most repeats: no hit to time against",
+            hits=0,
+            **shape,
+        )
+    if min(len(misses), len(suspects)) < majority:
         return CaseResult(verdict=INCONCLUSIVE, note="too few answered requests to compare", hits=0, **shape)
     hit_median, miss_median = statistics.median(hit_times), statistics.median(misses)
     threshold = math.sqrt(max(hit_median, 0.0) * miss_median)
