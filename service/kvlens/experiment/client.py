@@ -252,22 +252,9 @@ async def replay(
                 pass
             await sleep_until(due)
             await slots.acquire()
-            sent = time.perf_counter()
-            lag = max(0.0, sent - due)
-            progress.sent += 1
-            progress.in_flight += 1
-            progress.lags.append(lag)
-            if lag > endpoint.late_after_seconds:
-                progress.late += 1
-            record = request_record(endpoint, arm, request, lag, wall_start + (sent - start))
-            answer = client.begin(endpoint.path, body, sent, request.output_tokens)
-            pending.add(answer)
-            answer.add_done_callback(
-                functools.partial(
-                    ended_record, record=record, endpoint=endpoint, writer=writer, progress=progress
-                )
+            answer = send_planned(
+                client, endpoint, arm, request, body, (start, due, wall_start), writer, progress, pending
             )
-            answer.add_done_callback(pending.discard)
             answer.add_done_callback(lambda _: slots.release())
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
@@ -351,6 +338,39 @@ async def chat_body(
     return orjson.dumps(
         {"model": endpoint.model, "messages": messages, **_generation(output_tokens), **_salted(salt)}
     )
+
+
+def send_planned(
+    client: StreamClient,
+    endpoint: Endpoint,
+    arm: str,
+    request: Planned,
+    body: bytes,
+    clock: tuple[float, float, float],
+    writer: RecordWriter,
+    progress: Progress,
+    pending: set[asyncio.Future[Exchange]],
+) -> asyncio.Future[Exchange]:
+    """Send ``request`` now (its slot taken) and begin its record, ended by its answer: the one
+    step of both schedules (timestamps here, sessions in :mod:`kvlens.experiment.sessions`).
+    ``clock``: the run's start (perf counter), the request's due time on it, and the run's start
+    in wall time; its lag behind ``due`` is counted, late past the endpoint's bound."""
+    start, due, wall_start = clock
+    sent = time.perf_counter()
+    lag = max(0.0, sent - due)
+    progress.sent += 1
+    progress.in_flight += 1
+    progress.lags.append(lag)
+    if lag > endpoint.late_after_seconds:
+        progress.late += 1
+    record = request_record(endpoint, arm, request, lag, wall_start + (sent - start))
+    answer = client.begin(endpoint.path, body, sent, request.output_tokens)
+    pending.add(answer)
+    answer.add_done_callback(
+        functools.partial(ended_record, record=record, endpoint=endpoint, writer=writer, progress=progress)
+    )
+    answer.add_done_callback(pending.discard)
+    return answer
 
 
 def request_record(endpoint: Endpoint, arm: str, request: Planned, lag: float, wall: float) -> dict[str, Any]:

@@ -26,7 +26,6 @@ nothing, and neither do two conversations of one replay whose block ids happen t
 from __future__ import annotations
 
 import asyncio
-import functools
 import math
 import time
 from collections.abc import Iterable
@@ -41,8 +40,7 @@ from kvlens.experiment.client import (
     RecordWriter,
     chat_body,
     completions_body,
-    ended_record,
-    request_record,
+    send_planned,
     sleep_until,
 )
 from kvlens.experiment.prompts import PromptSynthesizer
@@ -170,23 +168,18 @@ async def replay_sessions(
             else completions_body(endpoint.model, tokens, request.output_tokens, request.salt)
         )
         await slots.acquire()
-        sent = time.perf_counter()
-        lag = max(0.0, sent - deadline)
-        progress.sent += 1
-        progress.in_flight += 1
-        progress.lags.append(lag)
-        if lag > endpoint.late_after_seconds:
-            progress.late += 1
-        record = request_record(endpoint, arm, request, lag, wall_start + (sent - start))
         try:
-            answer = client.begin(endpoint.path, body, sent, request.output_tokens)
-            in_flight.add(answer)
-            answer.add_done_callback(
-                functools.partial(
-                    ended_record, record=record, endpoint=endpoint, writer=writer, progress=progress
-                )
+            answer = send_planned(
+                client,
+                endpoint,
+                arm,
+                request,
+                body,
+                (start, deadline, wall_start),
+                writer,
+                progress,
+                in_flight,
             )
-            answer.add_done_callback(in_flight.discard)
             await asyncio.wait({answer})
         finally:
             slots.release()
