@@ -23,7 +23,6 @@ tests check it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import islice
 from typing import Protocol
 
 from kvlens.simulate.trace import Scope
@@ -47,7 +46,20 @@ class CacheEvents(Protocol):
 
 
 class PrefixCache:
-    __slots__ = ("_free", "_held", "capacity", "events", "evictions", "private", "refused")
+    __slots__ = (
+        "_anomalies",
+        "_cached",
+        "_front",
+        "_held",
+        "_order",
+        "_revived",
+        "_shared",
+        "capacity",
+        "events",
+        "evictions",
+        "private",
+        "refused",
+    )
 
     def __init__(self, capacity_blocks: int | None, events: CacheEvents | None = None) -> None:
         """``capacity_blocks``: blocks the replica's KV memory holds; None: unbounded. ``events``
@@ -56,23 +68,33 @@ class PrefixCache:
         if capacity_blocks is not None and capacity_blocks < 0:
             raise ValueError("capacity must be >= 0 blocks")
         self.capacity = capacity_blocks
-        self._held: dict[object, int] = {}  # block -> running requests holding it
-        # Cached, held by none; least recently freed first. A plain dict keeps insertion order,
-        # and its inserts and deletes cost less than an OrderedDict's (which links every key):
-        # evicting takes its first keys (the slots its deletes left at the front are skipped in
-        # C, and dropped at its next resize). The simulator's blocks go through here two to
-        # three times each, which made this a fifth of a round-robin replay.
-        self._free: dict[object, None] = {}
+        # The simulator's blocks go through here two to three times each (cached and held, freed,
+        # evicted), which made this most of a round-robin replay: the cache keeps them in sets
+        # and lists changed a run of a request's blocks at a time (one C loop each), never block
+        # by block in Python.
+        self._cached: set[object] = set()  # every cached block, held or free
+        self._held: set[object] = set()  # cached blocks running requests hold
+        self._shared: dict[object, int] = {}  # held blocks: their holders beyond the first
+        # The free blocks, least recently freed first, from ``_front`` on (a request's blocks are
+        # freed last block first). A free block taken again (a hit) leaves a dead entry behind,
+        # counted in ``_revived``: a block's first entries are its dead ones (its live entry, if
+        # it is free, is its last), and eviction skips them.
+        self._order: list[object] = []
+        self._front = 0
+        self._revived: dict[object, int] = {}
+        # Requests whose ids were no prefix chain (a block repeated, or cached after one that is
+        # not): after the first, every request's new blocks are checked before they are cached
+        self._anomalies = 0
         self.evictions = 0
         self.refused = 0  # blocks left uncached: no room (every cached block held by a request)
         self.private = 0  # blocks running requests hold outside the cache (reserve)
         self.events = events
 
     def __len__(self) -> int:
-        return len(self._held) + len(self._free)
+        return len(self._cached)
 
     def __contains__(self, block: object) -> bool:
-        return block in self._held or block in self._free
+        return block in self._cached
 
     @property
     def held_blocks(self) -> int:
@@ -106,7 +128,10 @@ class PrefixCache:
             available = self.capacity - len(self._held) - self.private
             if count > available:
                 return False
-            self._evict(len(self._held) + len(self._free) + self.private + count - self.capacity)
+            cached = len(self._cached)
+            evict = min(cached + self.private + count - self.capacity, cached - len(self._held))
+            if evict > 0:
+                self._evict(evict)
         self.private += count
         return True
 
@@ -114,30 +139,17 @@ class PrefixCache:
         """Blocks taken by :meth:`reserve` go back to the free memory."""
         self.private -= count
 
-    def _evict(self, count: int) -> None:
-        free = self._free
-        count = min(count, len(free))
-        if count <= 0:
-            return
-        oldest = list(islice(free, count))
-        pop = free.pop
-        for block in oldest:
-            pop(block)
-        if self.events is not None:
-            self.events.removed(oldest)
-        self.evictions += count
-
     def held(self, block: object) -> int:
         """Running requests holding ``block`` (0: free or not cached)."""
-        return self._held.get(block, 0)
+        return 1 + self._shared.get(block, 0) if block in self._held else 0
 
     def cached_prefix(self, blocks: Sequence[object], limit: int) -> int:
         """Leading blocks of ``blocks`` that are cached, at most ``limit`` (what a request would
         reuse here now; nothing changes)."""
-        held, free = self._held, self._free
+        cached = self._cached
         count = 0
         for block in blocks:
-            if count >= limit or (block not in held and block not in free):
+            if count >= limit or block not in cached:
                 break
             count += 1
         return count
@@ -148,72 +160,196 @@ class PrefixCache:
         ``events`` with the request's ``scope``). Returns (blocks reused, blocks held: a prefix of
         ``blocks``).
 
-        A chain is taken up to its first repeated block: a prefix chain never repeats one (each
-        block's id chains its parent's), so a repeat is a cycle sent as ids (a record's
-        ``prefix_hashes``, a trace's), and what follows it no prefix of this prompt; held
-        twice, it was released twice (a KeyError)."""
-        if len(set(blocks)) < len(blocks):
-            blocks = blocks[: _first_repeat(blocks)]
-        held, free = self._held, self._free
-        holders_of = held.get
+        The cache is prefix-closed (a block is freed no earlier than any block after it, so it is
+        evicted no earlier), so past the first block it lacks it holds none of a chain's rest.
+        Ids that are no prefix chain (a record's ``prefix_hashes``, a trace's ``hash_ids``: a
+        sender can send anything) are taken up to the first block that breaks the rule
+        (:func:`_chain_end`): one that came before (a cycle), or one cached after one that is not;
+        what follows it is no prefix of what this prompt shares."""
+        cached = self._cached
         count = 0
         for block in blocks:  # the cached leading run
-            holders = holders_of(block)
-            if holders is not None:
-                held[block] = holders + 1
-            elif block in free:
-                del free[block]
-                held[block] = 1
-            else:
+            if block not in cached:
                 break
             count += 1
-        reused = min(count, limit)
-        if count == len(blocks):
-            return reused, count
-        # The cache is prefix-closed (a block is freed no earlier than any block after it, so it
-        # is evicted no earlier), so past the first block it lacks it holds none of the rest:
-        # they are cached at once, as many as there is room for once free blocks are evicted.
-        rest = len(blocks) - count
+        if count:
+            if count > 1 and len(set(blocks[:count])) < count:
+                return self.acquire(blocks[: _chain_end(blocks, cached)], limit, scope)
+            new = blocks[count:]
+        else:
+            new = blocks
+        if new:
+            before = len(cached)
+            if self._anomalies and not cached.isdisjoint(new):
+                self._anomalies += 1
+                return self.acquire(blocks[: _chain_end(blocks, cached)], limit, scope)
+            cached.update(new)
+            if len(cached) - before < len(new):  # a block repeats, or was cached: no chain
+                self._uncache(new)
+                return self.acquire(blocks[: _chain_end(blocks, cached)], limit, scope)
+        held = self._held
+        if count:
+            shared, revived = self._shared, self._revived
+            for block in blocks[:count] if new else blocks:
+                if block in held:
+                    shared[block] = shared.get(block, 0) + 1
+                else:  # free: held again, its entry in the free order dead
+                    held.add(block)
+                    revived[block] = revived.get(block, 0) + 1
+        if not new:
+            return min(count, limit), count
+        rest = len(new)
         if self.capacity is not None:
-            room = self.capacity - len(held) - len(free) - self.private
+            room = self.capacity - before - self.private
             if room < rest:
-                evict = min(rest - room, len(free))
-                self._evict(evict)
-                self.refused += rest - room - evict
-                rest = room + evict
-        stored = blocks[count : count + rest]
-        held.update(dict.fromkeys(stored, 1))
-        if self.events is not None and stored:
-            self.events.stored(stored, blocks[count - 1] if count else None, scope)
-        return reused, count + rest
+                evict = min(rest - room, before - len(held))
+                if evict > 0:
+                    self._evict(evict)
+                else:
+                    evict = 0
+                keep = max(room + evict, 0)
+                self.refused += rest - keep
+                if keep < rest:
+                    cached.difference_update(new[keep:])
+                    new = new[:keep]
+                    rest = keep
+        if rest:
+            held.update(new)
+            if self.events is not None:
+                self.events.stored(new, blocks[count - 1] if count else None, scope)
+        return min(count, limit), count + rest
+
+    def _uncache(self, new: Sequence[object]) -> None:
+        """Undo ``_cached.update(new)``: the blocks of ``new`` that were cached before are those
+        held or with an entry in the free order (every block with one is cached). The free order
+        is read whole, once per cache: from then on each request's new blocks are checked before
+        they are cached (``_anomalies``), which costs a pass over them that chains never need."""
+        fresh = set(new)
+        if self._anomalies:  # checked: none was cached, some repeat
+            kept: set[object] = set()
+        else:
+            kept = fresh.intersection(self._order[self._front :]) | fresh.intersection(self._held)
+        self._cached.difference_update(fresh - kept)
+        self._anomalies += 1
 
     def release(self, blocks: Sequence[object], count: int) -> None:
         """The request that acquired ``blocks`` (holding the first ``count``) finished: they stay
         cached, evictable once no running request holds them, its last block first."""
-        held, free = self._held, self._free
-        release = held.pop
-        for block in reversed(blocks if count == len(blocks) else blocks[:count]):
-            holders = release(block)
-            if holders == 1:
-                free[block] = None
+        if count <= 0:
+            return
+        run = blocks if count == len(blocks) else blocks[:count]
+        shared = self._shared
+        if shared:
+            # Blocks others hold too: a leading run, as requests hold their chains' prefixes
+            # (checked after: ids that are no chain can share any block)
+            others = 0
+            for block in run:
+                holders = shared.get(block)
+                if holders is None:
+                    break
+                if holders == 1:
+                    del shared[block]
+                else:
+                    shared[block] = holders - 1
+                others += 1
+            if others:
+                run = run[others:]
+            if not shared.keys().isdisjoint(run):
+                self._release_each(run)
+                return
+        self._held.difference_update(run)
+        order = self._order
+        order += run[::-1]
+        # Dead entries cost memory until eviction passes them (never, unbounded): past twice the
+        # cached blocks, the free order keeps its live entries alone.
+        if len(order) > 2 * len(self._cached) + 4096 + self._front:
+            self._compact()
+
+    def _release_each(self, run: Sequence[object]) -> None:
+        shared, freed = self._shared, []
+        for block in reversed(run):
+            holders = shared.get(block)
+            if holders is None:
+                freed.append(block)
+            elif holders == 1:
+                del shared[block]
             else:
-                held[block] = holders - 1
+                shared[block] = holders - 1
+        self._held.difference_update(freed)
+        self._order += freed
+        if len(self._order) > 2 * len(self._cached) + 4096 + self._front:
+            self._compact()
+
+    def _compact(self) -> None:
+        self._order = self._live()
+        self._front = 0
+        self._revived.clear()
+
+    def _live(self) -> list[object]:
+        """The free blocks, least recently freed first (the free order without its dead entries;
+        nothing changes)."""
+        revived = dict(self._revived)
+        live = []
+        for block in self._order[self._front :]:
+            dead = revived.get(block)
+            if dead is None:
+                live.append(block)
+            elif dead == 1:
+                del revived[block]
+            else:
+                revived[block] = dead - 1
+        return live
+
+    def _evict(self, count: int) -> None:
+        """Evict the ``count`` least recently freed blocks (at most the free ones: the caller
+        checks)."""
+        order, revived = self._order, self._revived
+        front = self._front
+        end = front + count
+        victims = order[front:end]
+        if revived and not revived.keys().isdisjoint(victims):
+            victims = []
+            end = front
+            while len(victims) < count:
+                block = order[end]
+                end += 1
+                dead = revived.get(block)
+                if dead is None:
+                    victims.append(block)
+                elif dead == 1:
+                    del revived[block]
+                else:
+                    revived[block] = dead - 1
+        if end > 4096 and end * 2 > len(order):  # the evicted entries go, a half at a time
+            del order[:end]
+            end = 0
+        self._front = end
+        self._cached.difference_update(victims)
+        if self.events is not None:
+            self.events.removed(victims)
+        self.evictions += count
 
     def drop_free(self) -> int:
         """Forget every cached block no running request holds (vLLM's reset of the prefix cache;
         held blocks stay, as a running request still needs them). Returns how many went."""
-        count = len(self._free)
-        if self.events is not None and count:
-            self.events.removed(list(self._free))
-        self._free.clear()
-        return count
+        free = self._live()
+        self._order = []
+        self._front = 0
+        self._revived.clear()
+        self._cached.difference_update(free)
+        if self.events is not None and free:
+            self.events.removed(free)
+        return len(free)
 
 
-def _first_repeat(blocks: Sequence[object]) -> int:
-    """The position of the first block that came before in ``blocks`` (one is known to)."""
+def _chain_end(blocks: Sequence[object], cached: set[object]) -> int:
+    """How many leading ``blocks`` :meth:`PrefixCache.acquire` takes: up to the first that came
+    before in ``blocks``, or that ``cached`` holds after one it does not."""
     seen: set[object] = set()
+    missed = False
     for position, block in enumerate(blocks):
-        if block in seen:
+        if block in seen or (missed and block in cached):
             return position
+        missed = missed or block not in cached
         seen.add(block)
     return len(blocks)
