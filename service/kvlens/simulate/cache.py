@@ -354,6 +354,7 @@ class PrefixCache:
                             rest.append(block)
                     own = rest
             hold.live = False
+            hold.blocks = None  # its free blocks keep the hold: not the request's ids
             freed = [*freed, *own] if freed else own
         self._held -= len(freed)
         order = self._order
