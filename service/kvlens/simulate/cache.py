@@ -18,12 +18,16 @@ So the cache is prefix-closed: a block is freed no earlier than the blocks after
 holding a block holds its prefix, and frees its tail first), hence evicted no earlier, and a
 cached block's whole prefix is cached. :meth:`PrefixCache.acquire` relies on it; the property
 tests check it.
+
+The cost: a simulator's replay sends every block of a trace through here, so a block costs two
+dict operations (cached, evicted), a request's finish frees its own blocks at once (their
+:class:`_Hold` dies), and the free blocks are a list in the order they were freed (evicted by
+slicing). The property tests hold it to a plain LRU of the free blocks, event by event.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import islice
 from typing import Protocol
 
 from kvlens.simulate.trace import Scope
@@ -46,8 +50,46 @@ class CacheEvents(Protocol):
     def removed(self, blocks: Sequence[object]) -> None: ...
 
 
+class _Hold:
+    """What keeps a block held: the request that stored it, or took it back from the free blocks
+    (its owner), while it runs. The owner's blocks are ``blocks[start:count]``, the end of what it
+    holds (before ``start``, blocks others held when it came); when it finishes, ``live`` goes
+    False and every block still kept by it is free at once."""
+
+    __slots__ = ("blocks", "count", "live", "start")
+
+    def __init__(self, blocks: Sequence[object] | None, start: int) -> None:
+        self.blocks = blocks
+        self.start = start
+        self.count = start
+        self.live = True
+
+
+# The hold of a block whose owner finished while others still held it (each of them but one
+# counted in ``PrefixCache._shared``: the one the pin stands for frees it)
+_PINNED = _Hold(None, 0)
+# The hold of a free block whose owner is not known (any dead hold means free)
+_FREED = _Hold(None, 0)
+_FREED.live = False
+
+
 class PrefixCache:
-    __slots__ = ("_free", "_held", "capacity", "events", "evictions", "private", "refused")
+    __slots__ = (
+        "_anomalies",
+        "_cached",
+        "_front",
+        "_held",
+        "_order",
+        "_owners",
+        "_pinned",
+        "_revived",
+        "_shared",
+        "capacity",
+        "events",
+        "evictions",
+        "private",
+        "refused",
+    )
 
     def __init__(self, capacity_blocks: int | None, events: CacheEvents | None = None) -> None:
         """``capacity_blocks``: blocks the replica's KV memory holds; None: unbounded. ``events``
@@ -56,42 +98,54 @@ class PrefixCache:
         if capacity_blocks is not None and capacity_blocks < 0:
             raise ValueError("capacity must be >= 0 blocks")
         self.capacity = capacity_blocks
-        self._held: dict[object, int] = {}  # block -> running requests holding it
-        # Cached, held by none; least recently freed first. A plain dict keeps insertion order,
-        # and its inserts and deletes cost less than an OrderedDict's (which links every key):
-        # evicting takes its first keys (the slots its deletes left at the front are skipped in
-        # C, and dropped at its next resize). The simulator's blocks go through here two to
-        # three times each, which made this a fifth of a round-robin replay.
-        self._free: dict[object, None] = {}
+        # The simulator's blocks go through here two to three times each (cached and held, freed,
+        # evicted), which made this most of a round-robin replay: a block costs two dict
+        # operations (cached, evicted), its request's finish one for all of them (its hold dies).
+        self._cached: dict[object, _Hold] = {}  # every cached block: what holds it (dead: free)
+        self._held = 0  # cached blocks held (their hold live)
+        self._shared: dict[object, int] = {}  # held blocks: their holders beyond the one their hold is
+        self._owners: set[_Hold] = set()  # the live holds of running requests
+        self._pinned: set[object] = set()  # blocks held by _PINNED
+        # The free blocks, least recently freed first, from ``_front`` on (a request's blocks are
+        # freed last block first). A free block taken again (a hit) leaves a dead entry behind,
+        # counted in ``_revived``: a block's first entries are its dead ones (its live entry, if
+        # it is free, is its last), and eviction skips them.
+        self._order: list[object] = []
+        self._front = 0
+        self._revived: dict[object, int] = {}
+        # Requests whose ids were no prefix chain (a block repeated, cached after one that is not,
+        # held after one that is free): after the first, every request's new blocks are checked
+        # before they are cached
+        self._anomalies = 0
         self.evictions = 0
         self.refused = 0  # blocks left uncached: no room (every cached block held by a request)
         self.private = 0  # blocks running requests hold outside the cache (reserve)
         self.events = events
 
     def __len__(self) -> int:
-        return len(self._held) + len(self._free)
+        return len(self._cached)
 
     def __contains__(self, block: object) -> bool:
-        return block in self._held or block in self._free
+        return block in self._cached
 
     @property
     def held_blocks(self) -> int:
         """Blocks running requests hold, in the cache or reserved beside it (the rest of the
         memory is free or could be evicted: vLLM's ``kv_cache_usage_perc`` is this share)."""
-        return len(self._held) + self.private
+        return self._held + self.private
 
     def available(self) -> int | None:
         """Blocks a request could still take: free ones and evictable cached ones (None:
         unbounded)."""
-        return None if self.capacity is None else self.capacity - len(self._held) - self.private
+        return None if self.capacity is None else self.capacity - self._held - self.private
 
     def held_prefix(self, blocks: Sequence[object], limit: int) -> int:
         """Leading blocks of ``blocks`` (at most ``limit``) that running requests hold: a request
         starting now shares them and needs no memory for them."""
-        held = self._held
+        cached = self._cached
         count = 0
         for block in blocks:
-            if count >= limit or block not in held:
+            if count >= limit or block not in cached or not cached[block].live:
                 break
             count += 1
         return count
@@ -103,10 +157,13 @@ class PrefixCache:
         if count <= 0:
             return True
         if self.capacity is not None:
-            available = self.capacity - len(self._held) - self.private
+            available = self.capacity - self._held - self.private
             if count > available:
                 return False
-            self._evict(len(self._held) + len(self._free) + self.private + count - self.capacity)
+            cached = len(self._cached)
+            evict = min(cached + self.private + count - self.capacity, cached - self._held)
+            if evict > 0:
+                self._evict(evict)
         self.private += count
         return True
 
@@ -114,30 +171,18 @@ class PrefixCache:
         """Blocks taken by :meth:`reserve` go back to the free memory."""
         self.private -= count
 
-    def _evict(self, count: int) -> None:
-        free = self._free
-        count = min(count, len(free))
-        if count <= 0:
-            return
-        oldest = list(islice(free, count))
-        pop = free.pop
-        for block in oldest:
-            pop(block)
-        if self.events is not None:
-            self.events.removed(oldest)
-        self.evictions += count
-
     def held(self, block: object) -> int:
         """Running requests holding ``block`` (0: free or not cached)."""
-        return self._held.get(block, 0)
+        hold = self._cached.get(block)
+        return 1 + self._shared.get(block, 0) if hold is not None and hold.live else 0
 
     def cached_prefix(self, blocks: Sequence[object], limit: int) -> int:
         """Leading blocks of ``blocks`` that are cached, at most ``limit`` (what a request would
         reuse here now; nothing changes)."""
-        held, free = self._held, self._free
+        cached = self._cached
         count = 0
         for block in blocks:
-            if count >= limit or (block not in held and block not in free):
+            if count >= limit or block not in cached:
                 break
             count += 1
         return count
@@ -148,72 +193,254 @@ class PrefixCache:
         ``events`` with the request's ``scope``). Returns (blocks reused, blocks held: a prefix of
         ``blocks``).
 
-        A chain is taken up to its first repeated block: a prefix chain never repeats one (each
-        block's id chains its parent's), so a repeat is a cycle sent as ids (a record's
-        ``prefix_hashes``, a trace's), and what follows it no prefix of this prompt; held
-        twice, it was released twice (a KeyError)."""
-        if len(set(blocks)) < len(blocks):
-            blocks = blocks[: _first_repeat(blocks)]
-        held, free = self._held, self._free
-        holders_of = held.get
+        The cache is prefix-closed (a block is freed no earlier than any block after it, so it is
+        evicted no earlier), and so is what running requests hold: past the first block a chain
+        lacks, the cache holds none of its rest, and past the first free one, none of its
+        cached blocks is held. Ids that are no prefix chain (a record's ``prefix_hashes``, a
+        trace's ``hash_ids``: a sender can send anything) are taken up to the first block that
+        breaks the rule (:meth:`_chain_end`): one that came before (a cycle), one cached after
+        one that is not, or one held after one that is free; what follows it is no prefix of
+        what this prompt shares."""
+        cached = self._cached
         count = 0
         for block in blocks:  # the cached leading run
-            holders = holders_of(block)
-            if holders is not None:
-                held[block] = holders + 1
-            elif block in free:
-                del free[block]
-                held[block] = 1
-            else:
+            if block not in cached:
                 break
             count += 1
-        reused = min(count, limit)
-        if count == len(blocks):
-            return reused, count
-        # The cache is prefix-closed (a block is freed no earlier than any block after it, so it
-        # is evicted no earlier), so past the first block it lacks it holds none of the rest:
-        # they are cached at once, as many as there is room for once free blocks are evicted.
-        rest = len(blocks) - count
+        start = count  # where the blocks this request will keep (take back, or store) begin
+        if count:
+            run = blocks[:count] if count < len(blocks) else blocks
+            if count > 1 and len(set(run)) < count:
+                return self.acquire(blocks[: self._chain_end(blocks)], limit, scope)
+            start = 0
+            for block in run:  # others hold it: the request shares it
+                if not cached[block].live:
+                    break
+                start += 1
+            if start < count and any(cached[block].live for block in run[start:]):
+                return self.acquire(blocks[: self._chain_end(blocks)], limit, scope)
+            new = blocks[count:]
+        else:
+            new = blocks
+        hold = None
+        if new:
+            hold = _Hold(blocks, start)
+            before = len(cached)
+            if self._anomalies and not cached.keys().isdisjoint(new):
+                self._anomalies += 1
+                return self.acquire(blocks[: self._chain_end(blocks)], limit, scope)
+            for block in new:
+                cached[block] = hold
+            if len(cached) - before < len(new):  # a block repeats, or was cached: no chain
+                self._uncache(new)
+                return self.acquire(blocks[: self._chain_end(blocks)], limit, scope)
+        if count:
+            shared = self._shared
+            for block in run[:start] if start < count else run:
+                shared[block] = shared.get(block, 0) + 1
+            if start < count:  # free: taken back, each leaving a dead entry in the free order
+                if hold is None:
+                    hold = _Hold(blocks, start)
+                revived = self._revived
+                for block in run[start:] if start else run:
+                    cached[block] = hold
+                    revived[block] = revived.get(block, 0) + 1
+                self._held += count - start
+        if not new:
+            if hold is not None:
+                hold.count = count
+                self._owners.add(hold)
+            return min(count, limit), count
+        assert hold is not None
+        rest = len(new)
         if self.capacity is not None:
-            room = self.capacity - len(held) - len(free) - self.private
+            room = self.capacity - before - self.private
             if room < rest:
-                evict = min(rest - room, len(free))
-                self._evict(evict)
-                self.refused += rest - room - evict
-                rest = room + evict
-        stored = blocks[count : count + rest]
-        held.update(dict.fromkeys(stored, 1))
-        if self.events is not None and stored:
-            self.events.stored(stored, blocks[count - 1] if count else None, scope)
-        return reused, count + rest
+                evict = min(rest - room, before - self._held)
+                if evict > 0:
+                    self._evict(evict)
+                else:
+                    evict = 0
+                keep = max(room + evict, 0)
+                self.refused += rest - keep
+                if keep < rest:
+                    for block in new[keep:]:
+                        del cached[block]
+                    new = new[:keep]
+                    rest = keep
+        hold.count = count + rest
+        if hold.count > start:
+            self._owners.add(hold)
+        if rest:
+            self._held += rest
+            if self.events is not None:
+                self.events.stored(new, blocks[count - 1] if count else None, scope)
+        return min(count, limit), count + rest
+
+    def _chain_end(self, blocks: Sequence[object]) -> int:
+        """How many leading ``blocks`` :meth:`acquire` takes: up to the first that came before, is
+        cached after one that is not, or is held after one that is free."""
+        cached = self._cached
+        seen: set[object] = set()
+        missed = freed = False
+        for position, block in enumerate(blocks):
+            hold = cached.get(block)
+            if block in seen or (missed and hold is not None) or (freed and hold is not None and hold.live):
+                return position
+            missed = missed or hold is None
+            freed = freed or (hold is not None and not hold.live)
+            seen.add(block)
+        return len(blocks)
+
+    def _uncache(self, new: Sequence[object]) -> None:
+        """Undo the caching of ``new`` (each set to a request's hold): the blocks that were cached
+        before get their holds back (a running request's, found among the owners'; pinned; or free,
+        found in the free order), the others go. This reads the whole cache, once: from then on
+        each request's new blocks are checked before they are cached (``_anomalies``), a pass
+        over them that chains never need."""
+        cached = self._cached
+        fresh = set(new)
+        was: dict[object, _Hold] = {}
+        if not self._anomalies:
+            for owner in self._owners:
+                assert owner.blocks is not None
+                for block in owner.blocks[owner.start : owner.count]:
+                    if block in fresh:
+                        was[block] = owner
+            for block in fresh.intersection(self._order[self._front :]):
+                was.setdefault(block, _FREED)
+            for block in fresh.intersection(self._pinned):
+                was.setdefault(block, _PINNED)
+        for block in fresh:
+            if block in was:
+                cached[block] = was[block]
+            else:
+                cached.pop(block, None)
+        self._anomalies += 1
 
     def release(self, blocks: Sequence[object], count: int) -> None:
         """The request that acquired ``blocks`` (holding the first ``count``) finished: they stay
         cached, evictable once no running request holds them, its last block first."""
-        held, free = self._held, self._free
-        release = held.pop
-        for block in reversed(blocks if count == len(blocks) else blocks[:count]):
-            holders = release(block)
-            if holders == 1:
-                free[block] = None
+        if count <= 0:
+            return
+        run = blocks if count == len(blocks) else blocks[:count]
+        cached = self._cached
+        hold = cached[run[-1]]
+        if hold.count != count or (
+            hold.blocks is not blocks and (hold.blocks is None or list(hold.blocks[:count]) != list(run))
+        ):  # it kept no block of its own (another request holds its last): it shared them all
+            freed: Sequence[object] = self._unshare(run)
+        else:  # its own blocks are free at once, but for those others hold too
+            self._owners.discard(hold)
+            start = hold.start
+            freed = self._unshare(run[:start]) if start else []
+            own = run[start:] if start else run
+            shared = self._shared
+            if shared:
+                kept = 0
+                for block in own:  # others hold its leading ones, if any (a chain's prefix)
+                    if block not in shared:
+                        break
+                    self._pin(block)
+                    kept += 1
+                if kept:
+                    own = own[kept:]
+                if not shared.keys().isdisjoint(own):  # ids that are no chain: any of them
+                    rest: list[object] = []
+                    for block in own:
+                        if block in shared:
+                            self._pin(block)
+                        else:
+                            rest.append(block)
+                    own = rest
+            hold.live = False
+            hold.blocks = None  # its free blocks keep the hold: not the request's ids
+            freed = [*freed, *own] if freed else own
+        self._held -= len(freed)
+        order = self._order
+        order += freed[::-1]
+        # Dead entries cost memory until eviction passes them (never, unbounded): past twice the
+        # cached blocks, the free order keeps its live entries alone.
+        if len(order) > 2 * len(cached) + 4096 + self._front:
+            self._order = self._live_from(self._front, len(cached) - self._held)[0]
+            self._front = 0
+            self._revived.clear()
+
+    def _pin(self, block: object) -> None:
+        """The owner of ``block`` finished while others hold it: it stays held, by one of them
+        (the pin) and the rest (``_shared``)."""
+        self._cached[block] = _PINNED
+        self._pinned.add(block)
+        holders = self._shared[block]
+        if holders == 1:
+            del self._shared[block]
+        else:
+            self._shared[block] = holders - 1
+
+    def _unshare(self, run: Sequence[object]) -> list[object]:
+        """A request that shared ``run`` (each block held by others when it came) lets go of it:
+        each block one holder fewer. Returns those it was the last holder of (now free)."""
+        cached, shared = self._cached, self._shared
+        freed = []
+        for block in run:
+            holders = shared.get(block)
+            if holders is None:  # it was the holder its pin stood for
+                cached[block] = _FREED
+                self._pinned.discard(block)
+                freed.append(block)
+            elif holders == 1:
+                del shared[block]
             else:
-                held[block] = holders - 1
+                shared[block] = holders - 1
+        return freed
+
+    def _live_from(self, front: int, count: int) -> tuple[list[object], int]:
+        """The first ``count`` live entries of the free order from ``front`` on, and the position
+        after the last; the dead entries passed are forgotten."""
+        order, revived = self._order, self._revived
+        live: list[object] = []
+        end = front
+        while len(live) < count:
+            block = order[end]
+            end += 1
+            dead = revived.get(block)
+            if dead is None:
+                live.append(block)
+            elif dead == 1:
+                del revived[block]
+            else:
+                revived[block] = dead - 1
+        return live, end
+
+    def _evict(self, count: int) -> None:
+        """Evict the ``count`` least recently freed blocks (at most the free ones: the caller
+        checks)."""
+        order, revived = self._order, self._revived
+        front = self._front
+        end = front + count
+        victims = order[front:end]
+        if revived and not revived.keys().isdisjoint(victims):
+            victims, end = self._live_from(front, count)
+        if end > 4096 and end * 2 > len(order):  # the evicted entries go, a half at a time
+            del order[:end]
+            end = 0
+        self._front = end
+        cached = self._cached
+        for block in victims:
+            del cached[block]
+        if self.events is not None:
+            self.events.removed(victims)
+        self.evictions += count
 
     def drop_free(self) -> int:
         """Forget every cached block no running request holds (vLLM's reset of the prefix cache;
         held blocks stay, as a running request still needs them). Returns how many went."""
-        count = len(self._free)
-        if self.events is not None and count:
-            self.events.removed(list(self._free))
-        self._free.clear()
-        return count
-
-
-def _first_repeat(blocks: Sequence[object]) -> int:
-    """The position of the first block that came before in ``blocks`` (one is known to)."""
-    seen: set[object] = set()
-    for position, block in enumerate(blocks):
-        if block in seen:
-            return position
-        seen.add(block)
-    return len(blocks)
+        free = self._live_from(self._front, len(self._cached) - self._held)[0]
+        self._order = []
+        self._front = 0
+        self._revived.clear()
+        for block in free:
+            del self._cached[block]
+        if self.events is not None and free:
+            self.events.removed(free)
+        return len(free)
