@@ -32,6 +32,9 @@ DEFAULT_LATENCY_BUCKETS = (
 )  # fmt: skip
 DEFAULT_REUSE_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 DEFAULT_PROMPT_LENGTH_EDGES = (512, 2048, 8192, 32768)
+# A block whose storing tenant is remembered (kvlens.tenancy: an OrderedDict entry and its 64-bit
+# key; 142 measured by tests/unit/test_tenancy.py): bounds tenant_remember_blocks
+TENANT_BLOCK_BYTES = 160
 
 
 class CostModelSetting(BaseModel):
@@ -149,10 +152,9 @@ class Accounting(BaseModel):
     tenant_remember_blocks: int = Field(
         0,
         ge=0,
-        le=100_000_000,
-        description="Set: blocks whose storing tenant is remembered (about 160 bytes each, least "
-        "recently seen forgotten first), from records' tenant and prefix_hashes: "
-        "kvlens_cross_tenant_cached_tokens_total.",
+        **limits.memory_bound(20_000_000, TENANT_BLOCK_BYTES),
+        description="Set: blocks whose storing tenant is remembered (least recently seen forgotten "
+        "first), from records' tenant and prefix_hashes: kvlens_cross_tenant_cached_tokens_total.",
     )
     model_shapes: dict[str, ModelShapeSetting] = Field(
         {}, description="Per model: decode shape for the live weight-quantization estimate (kvlens_decode_*)."

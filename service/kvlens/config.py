@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 
+from kvlens import limits
 from kvlens.analysis.settings import AnalysisSettings
 from kvlens.errors import SettingsError
 from kvlens.exporter.settings import SidecarSettings
@@ -133,6 +135,7 @@ def _validated(settings_cls: type[M], overrides: dict[str, Any]) -> M:
     except ValidationError as error:
         lines = [
             f"{'.'.join(str(p) for p in e['loc']) or '(file)'}: {e['msg'].removeprefix('Value error, ')}"
+            + _memory_note(settings_cls, e)
             for e in error.errors()
         ]
         if len(lines) == 1:
@@ -140,6 +143,26 @@ def _validated(settings_cls: type[M], overrides: dict[str, Any]) -> M:
         raise SettingsError(f"{len(lines)} invalid setting(s):\n  " + "\n  ".join(lines)) from None
     except Exception as error:  # a YAML syntax error, an unreadable file
         raise SettingsError(f"config file {config_file}: {error}") from None
+
+
+def _memory_bound(info: FieldInfo) -> tuple[int, int] | None:
+    """A count setting's bound and the most one of its entries costs
+    (:func:`kvlens.limits.memory_bound`), or None for a setting of another kind."""
+    extra = info.json_schema_extra
+    bytes_each = extra.get("bytes_each") if isinstance(extra, dict) else None
+    if not isinstance(bytes_each, int):
+        return None
+    return int(next(m.le for m in info.metadata if getattr(m, "le", None) is not None)), bytes_each
+
+
+def _memory_note(settings_cls: type[BaseModel], error: Any) -> str:
+    """Why a count past its bound is refused: the memory the bound already allows."""
+    info = settings_cls.model_fields.get(str(error["loc"][0])) if error["loc"] else None
+    bound = None if info is None or error["type"] != "less_than_equal" else _memory_bound(info)
+    if bound is None:
+        return ""
+    budget = limits.SETTING_MEMORY_BUDGET / limits.SIZE_UNITS["gib"]
+    return f" (at most {limits.worst_case(*bound)}: no setting may ask for more than {budget:g} GiB)"
 
 
 def settings_table() -> str:
@@ -150,7 +173,10 @@ def settings_table() -> str:
         if isinstance(default, BaseModel):
             default = default.model_dump()
         shown = "unset" if default is None else f"`{_compact(default)}`"
-        rows.append(f"| `{name}` | `{ENV_PREFIX}{name.upper()}` | {shown} | {info.description} |")
+        meaning, bound = info.description, _memory_bound(info)
+        if bound is not None:
+            meaning = f"{meaning} At most {bound[0]:,} ({limits.worst_case(*bound)})."
+        rows.append(f"| `{name}` | `{ENV_PREFIX}{name.upper()}` | {shown} | {meaning} |")
     return "\n".join(rows)
 
 

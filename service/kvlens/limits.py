@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Final
+from typing import Any, Final
 
 DEFAULT_PORT: Final = 9433  # ingest (POST /v1/records) and /metrics
 ENV_PREFIX: Final = "KVLENS_"  # of every setting's environment variable (the command line's help says it)
@@ -44,3 +44,26 @@ def parse_size(text: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"not a positive size: {text!r}")
     return value
+
+
+# The most memory one setting may ask for at its upper bound: a count setting's bound times the most
+# one entry costs (measured) stays within it, so that a value with a zero too many is refused at
+# start-up, naming the setting and its bound, rather than found later by the OOM killer. The
+# settings that share a table (kv_events_remember_blocks and kv_events_max_held_blocks) have each
+# their own share of it.
+SETTING_MEMORY_BUDGET: Final = 4 * SIZE_UNITS["gib"]
+
+
+def memory_bound(count: int, bytes_each: int) -> dict[str, Any]:
+    """A count setting's ``Field`` bound: at most ``count`` entries of at most ``bytes_each`` bytes
+    (checked here, when the settings are defined, to stay within :data:`SETTING_MEMORY_BUDGET`),
+    ``bytes_each`` kept beside it for the settings loader's refusal and the settings table
+    (:func:`worst_case`)."""
+    if count * bytes_each > SETTING_MEMORY_BUDGET:
+        raise ValueError(f"{worst_case(count, bytes_each)} is past the {SETTING_MEMORY_BUDGET:,}-byte budget")
+    return {"le": count, "json_schema_extra": {"bytes_each": bytes_each}}
+
+
+def worst_case(count: int, bytes_each: int) -> str:
+    """``10,000,000 x 260 bytes = 2.4 GiB``: the memory a count setting at ``count`` may take."""
+    return f"{count:,} x {bytes_each:,} bytes = {count * bytes_each / SIZE_UNITS['gib']:.1f} GiB"

@@ -26,7 +26,7 @@ shared system prompt seen every minute stays). A block is keyed by
 :func:`kvlens.records.prefix_key` (64 bits: an int and its 16-hex-digit spelling are one block, a
 long string is not kept); a tenant by the ``hash`` of its name (one int per record, shared by the
 blocks it stored). Two different tenants share a key with odds about ``n**2 / 2**62``: a miscount,
-never a crash. About :data:`BYTES_PER_BLOCK` bytes a block
+never a crash. About :data:`~kvlens.accounting.TENANT_BLOCK_BYTES` bytes a block
 (measured by ``tests/unit/test_tenancy.py``). Not thread-safe: the caller holds a lock.
 """
 
@@ -42,7 +42,6 @@ import numpy as np
 from kvlens.definitions import DEFAULT_BLOCK_SIZE, cached_blocks
 from kvlens.records import RecordBatch, prefix_keys
 
-BYTES_PER_BLOCK: Final = 160  # measured 142: an OrderedDict entry and its 64-bit key int
 _SEVERAL: Final = 0  # a block stored by more than one tenant (a tenant's key is never 0: _tenant_key)
 
 

@@ -1,10 +1,12 @@
 """Output at the terminal: its width (``COLUMNS`` when set, as rich reads it; 80 when stdout is
 no terminal), plain lines wrapped between words, never through a number, a ratio as every text
-report spells it (:func:`percent`), and the one rich console every table and line printed with
+report spells it (:func:`percent`), a name's control characters shown as their escapes
+(:func:`visible`), and the one rich console every table and line printed with
 rich goes through (:func:`console`)."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import textwrap
 from typing import TYPE_CHECKING, Any
@@ -18,6 +20,25 @@ NARROWEST = 80  # what every text output is laid out to fit; wider terminals may
 def percent(value: float | None, digits: int = 2) -> str:
     """A ratio as a percentage (``0.0154`` -> ``1.54 %``); ``n/a`` where there is none."""
     return "n/a" if value is None else f"{100 * value:.{digits}f} %"
+
+
+# What would end a line or act on the screen rather than show: C0 and C1 controls, DEL, and the
+# separators str.splitlines also breaks at (U+2028, U+2029)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(found: re.Match[str]) -> str:
+    char = found.group()
+    return _ESCAPES.get(char) or (f"\\x{ord(char):02x}" if ord(char) < 0x100 else f"\\u{ord(char):04x}")
+
+
+def visible(text: str) -> str:
+    """``text`` with each control character shown as its escape (``a\\nb``, ``\\x1b``, ``\\u2028``),
+    as Python's repr spells it: a name from the records or the command line (an arm, an endpoint,
+    a request id) put into a line of a report stays inside that line, and an escape sequence is
+    never sent to whoever reads the file. Text without one is returned as it is."""
+    return _CONTROL.sub(_escape, text)
 
 
 def width() -> int:

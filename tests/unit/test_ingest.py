@@ -15,6 +15,7 @@ from starlette.types import Message
 from kvlens.errors import ArrivingBytesFull, BodyDisplaced, BodyTooSlow, ClientDisconnected, PayloadTooLarge
 from kvlens.exporter.ingest import BatchLedger, LogThrottle, RecentRecords
 from kvlens.exporter.runtime import LoopLag, ScrapeRenderer
+from kvlens.exporter.settings import BATCH_ID_BYTES
 from kvlens.http.bodies import ArrivingBodies, BodyLimits, BodyReader, IngestGate
 from kvlens.http.server import ConnectionGuard
 from kvlens.records import batch_from_objects
@@ -53,7 +54,7 @@ def test_ten_thousand_committed_ids_hold_under_5_mib() -> None:
     used = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     assert used < 5 * 1024 * 1024
-    assert used / 10_000 < 250  # bytes per id, as documented (about 130-200)
+    assert used / 10_000 <= BATCH_ID_BYTES  # bytes per id: the bound of batch_id_window
 
 
 def test_recent_records_drop_replays_and_keep_children_that_measured_differently() -> None:

@@ -12,7 +12,9 @@ import pytest
 
 from kvlens.cli import main
 from kvlens.definitions import CostModel
-from kvlens.exporter.diagnoses import DIAGNOSIS_BYTES, RequestDiagnoses
+from kvlens.exporter.diagnoses import RequestDiagnoses
+from kvlens.exporter.settings import DIAGNOSIS_BYTES
+from kvlens.fleet.limits import SEEN_BLOCK_BYTES
 from kvlens.fleet.misses import (
     EVICTED_ELSEWHERE,
     EVICTED_HERE,
@@ -20,7 +22,6 @@ from kvlens.fleet.misses import (
     HIT,
     MISS_CAUSES,
     NEW,
-    SEEN_BLOCK_BYTES,
     SEEN_ELSEWHERE,
     Diagnosis,
     MissClassifier,

@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvlens.accounting import TENANT_BLOCK_BYTES
 from kvlens.analysis.tenants import cross_tenant
 from kvlens.cli import main
 from kvlens.config import load_settings
@@ -23,7 +24,7 @@ from kvlens.exporter.app import create_app
 from kvlens.exporter.collector import KVLensCollector
 from kvlens.records import Validated, batch_from_objects
 from kvlens.sources import formats
-from kvlens.tenancy import BYTES_PER_BLOCK, BlockStorers, CrossTenantHit, tenant_key
+from kvlens.tenancy import BlockStorers, CrossTenantHit, tenant_key
 from tests.json_outputs import validate
 from tests.tenants import CROSS_TENANT_TOKENS, PAIRS, scenario
 
@@ -95,7 +96,7 @@ def test_memory_per_remembered_block() -> None:
         tracemalloc.stop()
     print(f"memory per remembered block: {per_block:.0f} bytes")
     assert len(storers) == blocks
-    assert per_block <= BYTES_PER_BLOCK
+    assert per_block <= TENANT_BLOCK_BYTES
 
 
 def families(aggregator: Aggregator) -> dict[str, list[Any]]:

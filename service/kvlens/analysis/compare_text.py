@@ -10,7 +10,7 @@ from typing import Any
 from kvlens import stats
 from kvlens.analysis import per_request, run_facts, sessions
 from kvlens.analysis.compare import METRICS
-from kvlens.analysis.render import markdown_table
+from kvlens.analysis.render import markdown_table, md_lines, md_text
 from kvlens.terminal import console as terminal_console
 from kvlens.terminal import percent
 
@@ -137,17 +137,17 @@ def _direction(delta: float, ci: list[float] | None) -> str:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    lines = [f"# kvlens compare (baseline: {result['baseline']})", ""]
+    lines = [f"# kvlens compare (baseline: {md_text(result['baseline'])})", ""]
     if "paired" in result:  # the article's question first: which requests waited less
-        lines += per_request.markdown(result["paired"], result["baseline"], markdown_table)
+        lines += per_request.markdown(result["paired"], result["baseline"])
         lines += ["## By prompt length and cache status in the baseline", ""]
-    lines += [f"- {line}" for line in verdict(result)]
+    lines += md_lines(verdict(result))
     lines.append("")
-    lines += [f"- {line}" for line in warmup_lines(result)]
-    lines += [f"- {line}" for line in run_facts.error_lines(result)]
-    lines += [f"- {line}" for line in sessions.arm_lines(result.get("sessions"))]
+    lines += md_lines(
+        warmup_lines(result) + run_facts.error_lines(result) + sessions.arm_lines(result.get("sessions"))
+    )
     lines += ["", markdown_table(table_header(result), table_rows(result)), ""]
-    lines += [f"- {metric.removesuffix('_seconds')}: {UNMEASURED}" for metric in unmeasured(result)]
+    lines += md_lines([f"{metric.removesuffix('_seconds')}: {UNMEASURED}" for metric in unmeasured(result)])
     lines += ["", REUSE_IS_NOT_SPEEDUP, "", run_facts.PRESUMES_QUALITY]
     return "\n".join(lines) + "\n"
 

@@ -29,6 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvlens import stats
+from kvlens.analysis.render import markdown_table, md_lines
 
 MAX_LISTED: Final = 20  # requests that did not benefit, listed per arm (all are counted)
 MISSED, HIT_NOT_FASTER = "missed", "hit_not_faster"
@@ -284,17 +285,17 @@ def lines(section: dict[str, Any], baseline: str) -> list[str]:
     return out
 
 
-def markdown(section: dict[str, Any], baseline: str, table: Any) -> list[str]:
-    """The section's Markdown lines; ``table(header, rows)`` draws a table."""
+def markdown(section: dict[str, Any], baseline: str) -> list[str]:
+    """The section's Markdown lines."""
     out = ["## Which requests waited less (paired by request)", ""]
-    out += [f"- {line}" for line in lines(section, baseline)]
-    out += ["", table(header({**section, "baseline": baseline}), rows(section)), ""]
+    out += md_lines(lines(section, baseline))
+    out += ["", markdown_table(header({**section, "baseline": baseline}), rows(section)), ""]
     listed = listed_rows(section)
     if listed:
         out += [
             f"Requests that did not benefit (first {MAX_LISTED} per arm):",
             "",
-            table(LISTED_HEADER, listed),
+            markdown_table(LISTED_HEADER, listed),
             "",
         ]
     return out

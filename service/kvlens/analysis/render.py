@@ -8,7 +8,7 @@ from typing import Any
 
 from kvlens.analysis import sessions
 from kvlens.terminal import console as terminal_console
-from kvlens.terminal import percent
+from kvlens.terminal import percent, visible
 
 RATIO_NAMES = (
     ("request_hit_ratio", "Request hit ratio"),
@@ -269,12 +269,12 @@ def markdown(report: dict[str, Any]) -> str:
         out += _markdown_records(report)
     if report["calibration"]:
         out += ["## Calibration", ""]
-        out += [f"- {line.strip()}" for fit in report["calibration"] for line in calibration_lines(fit)]
+        out += md_lines([line.strip() for fit in report["calibration"] for line in calibration_lines(fit)])
     return "\n".join(out) + "\n"
 
 
 def _markdown_records(report: dict[str, Any]) -> list[str]:
-    out = [f"- {line}" for line in summary_lines(report)]
+    out = md_lines(summary_lines(report))
     out += [
         "",
         "## By prompt length and hit status",
@@ -287,15 +287,15 @@ def _markdown_records(report: dict[str, Any]) -> list[str]:
     out += [markdown_table(MODEL_HEADER, model_rows), ""]
     if report.get("misses"):
         out += ["## Why requests missed", "", markdown_table(MISS_HEADER, _miss_rows(report["misses"])), ""]
-        out += [f"- {line}" for line in _worst_lines(report["misses"])]
+        out += md_lines(_worst_lines(report["misses"]))
         out += ["", report["misses"]["note"], ""]
     out += ["## Diagnosis", ""]
-    out += [f"- **{d['severity']}** {d['title']}: {d['detail']}" for d in report["diagnosis"]] or [
-        "- nothing found"
-    ]
+    out += [
+        f"- **{d['severity']}** {md_text(d['title'])}: {md_text(d['detail'])}" for d in report["diagnosis"]
+    ] or ["- nothing found"]
     if "cross_tenant" in report:
         section = report["cross_tenant"]
-        out += ["", "## Tenants sharing a cache scope", "", f"- {_cross_tenant_line(section)}"]
+        out += ["", "## Tenants sharing a cache scope", "", *md_lines([_cross_tenant_line(section)])]
         if section["pairs"]:
             out += ["", markdown_table(CROSS_TENANT_HEADER, _cross_tenant_rows(section))]
     return [*out, ""]
@@ -340,23 +340,38 @@ def _worst_lines(misses: dict[str, Any]) -> list[str]:
     ]
 
 
-# What Markdown would read in a cell: the backslash itself, the cell's end (|), code (`),
+# What Markdown would read inside a line: the backslash itself, a cell's end (|), code (`),
 # emphasis (* and ~ anywhere, _ at a word's edge: between letters it is text), HTML and entities
-# (< and &), a link's or image's target (]( ); a newline ends the row, so it becomes <br>.
+# (< and &), a link's or image's target (]( ).
 _MD_SPECIAL = re.compile(r"[\\|`*~<&]|\](?=\()|(?<![0-9A-Za-z])_|_(?![0-9A-Za-z])")
-_NEWLINE = re.compile(r"\r\n|\r|\n")
+# What would open a block at a bullet's start (in a cell or mid-line it is text): a heading (#),
+# a quote (>), a list ("- ", "+ ") or a rule (---), a numbered list ("1. ", "1) ").
+_MD_BLOCK = re.compile(r"^(?:[#>]|[-+](?=\s|$|-))")
+_MD_NUMBERED = re.compile(r"^(\d+)([.)])(?=\s|$)")
 
 
-def md_cell(text: str) -> str:
-    """A Markdown table's cell showing ``text`` as written, whatever it holds: names from the
-    records and the command line (a model ``a|b``, a request id with a newline, an arm
-    ``[l](url)``) never split the row or become markup. Numbers and words pass unchanged."""
-    return _NEWLINE.sub("<br>", _MD_SPECIAL.sub(lambda found: "\\" + found.group(), text))
+def md_text(text: str) -> str:
+    """``text`` as Markdown showing it as written, in a line or a table's cell: every name from
+    the records and the command line (an arm ``a|b`` or ``*x*``, a request id or a file name with
+    a newline, an endpoint ``[l](url)``) goes into kvlens's Markdown through here or
+    :func:`md_lines`, so it never ends its line or its row, splits a cell or becomes markup.
+    Control characters are shown as their escapes (:func:`kvlens.terminal.visible`: ``a\\nb``).
+    Numbers and words pass unchanged."""
+    return visible(_MD_SPECIAL.sub(lambda found: "\\" + found.group(), text))
+
+
+def md_lines(lines: list[str]) -> list[str]:
+    """Lines of text (the terminal's, holding names) as Markdown bullets, each through
+    :func:`md_text`, and a start that would open a block (``# h``, ``1. x``) escaped."""
+    return [
+        "- " + _MD_NUMBERED.sub(r"\1\\\2", _MD_BLOCK.sub(lambda found: "\\" + found.group(), md_text(line)))
+        for line in lines
+    ]
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     """Every Markdown table of kvlens (analyze, compare, an experiment's report.md): each cell
-    through :func:`md_cell`."""
-    lines = ["| " + " | ".join(map(md_cell, header)) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(map(md_cell, row)) + " |" for row in rows]
+    through :func:`md_text`."""
+    lines = ["| " + " | ".join(map(md_text, header)) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(map(md_text, row)) + " |" for row in rows]
     return "\n".join(lines)

@@ -4,13 +4,12 @@ matplotlib (the ``plot`` extra), as ``kvlens simulate --plot`` does."""
 
 from __future__ import annotations
 
-import html
 from pathlib import Path
 from typing import Any
 
 from kvlens.analysis.html_report import Axis, Box, tick_label
 from kvlens.experiment.protocol import ExperimentError
-from kvlens.simulate.render import COLORS, pyplot
+from kvlens.simulate.render import COLORS, legend, plot_label, pyplot, svg_text
 
 TITLE = "Attainment against request rate"
 BOX = Box(width=640, height=380, right=150)  # room right of the plot for the endpoints' names
@@ -84,11 +83,11 @@ def svg(result: dict[str, Any], box: Box = BOX) -> str:
             for rate, share in line
         )
         parts.append(
-            f'<g class="series" data-endpoint="{html.escape(name)}">'
+            f'<g class="series" data-endpoint="{svg_text(name)}">'
             f'<polyline fill="none" stroke="{colour}" stroke-width="2" points="{coordinates}"/>{dots}'
             # the names at the foot of the right margin: the target's label is near the top
             f'<text x="{box.x_end + 6}" y="{box.y_end - 16 * (len(points) - 1 - index)}" fill="{colour}">'
-            f"{html.escape(name)}</text></g>"
+            f"{svg_text(name)}</text></g>"
         )
     parts.append("</svg>")
     return "\n".join(parts) + "\n"
@@ -99,7 +98,7 @@ def _png(result: dict[str, Any], path: Path) -> None:
     points = series(result)
     figure, axes = plt.subplots(figsize=(7, 4))
     for name, line in points.items():
-        axes.plot([r for r, _ in line], [100 * a for _, a in line], marker="o", label=name)
+        axes.plot([r for r, _ in line], [100 * a for _, a in line], marker="o", label=plot_label(name))
     rates = [rate for line in points.values() for rate, _ in line]
     if max(rates) / min(rates) > 10:
         axes.set_xscale("log")
@@ -108,7 +107,7 @@ def _png(result: dict[str, Any], path: Path) -> None:
     axes.set_ylabel("attainment (%)")
     axes.set_ylim(0, 100)
     axes.set_title(TITLE)
-    axes.legend()
+    legend(axes)
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)

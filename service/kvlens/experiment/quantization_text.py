@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvlens.terminal import NARROWEST, wrap, wrapped
+from kvlens.terminal import NARROWEST, visible, wrap, wrapped
 
 
 def text(result: dict[str, Any]) -> str:
@@ -85,7 +85,8 @@ def text(result: dict[str, Any]) -> str:
             )
         lines += step_lines(result)
         lines += wrapped(load["attribution"], NARROWEST)
-    return "\n".join(lines) + "\n"
+    # the endpoints' names are the user's: a control character in one is shown, never obeyed
+    return "\n".join(map(visible, lines)) + "\n"
 
 
 # The metrics of a row's latency_percentiles, as the table names them

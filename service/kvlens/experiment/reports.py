@@ -19,7 +19,7 @@ from typing import Any, Final
 from kvlens.analysis import run_facts
 from kvlens.analysis.html_report import STYLE
 from kvlens.experiment.protocol import ExperimentError
-from kvlens.terminal import NARROWEST, wrap
+from kvlens.terminal import NARROWEST, visible, wrap
 
 REPORTS: Final = ("report.md", "report.html", "report.json")
 DEFAULT_MAX_ERROR_RATE: Final = 0.05
@@ -55,7 +55,9 @@ def text_page(title: str, text: str) -> str:
 
 def with_facts(text: str, report: dict[str, Any]) -> str:
     """A report's text with its failed requests and the reminder that latency is not quality."""
-    failed = [folded for line in run_facts.error_lines(report) for folded in wrap(f"- {line}", NARROWEST)]
+    failed = [
+        folded for line in run_facts.error_lines(report) for folded in wrap(f"- {visible(line)}", NARROWEST)
+    ]
     lines = ["Failed requests:", *failed, ""] if failed else []
     return text + "\n".join([*lines, *wrap(run_facts.PRESUMES_QUALITY, NARROWEST, indent=""), ""])
 

@@ -4,7 +4,8 @@ records), ``kvlens_request_misses_total{cause}`` counts the records that missed 
 missed block's cause, and the last ``diagnosis_requests`` diagnoses with a ``request_id`` are kept
 for ``GET /v1/requests/{request_id}/diagnosis`` (the oldest dropped first; a request id seen
 again replaces its diagnosis). Memory: at most ``diagnosis_requests`` diagnoses of about
-:data:`DIAGNOSIS_BYTES` each, and the classifier's ``diagnosis_remember_blocks`` block ids.
+:data:`~kvlens.exporter.settings.DIAGNOSIS_BYTES` each, and the classifier's
+``diagnosis_remember_blocks`` block ids.
 
 A record without ``replica`` is a request of one unnamed replica (a single engine); its
 ``block_size``, when absent, is ``modelled_block_size``. With KV events followed by engine hash
@@ -16,13 +17,10 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, OrderedDict
-from typing import Final
 
 from kvlens.fleet.index import FleetIndex
 from kvlens.fleet.misses import HIT, MISS_CAUSES, Diagnosis, MissClassifier
 from kvlens.records import RecordBatch
-
-DIAGNOSIS_BYTES: Final = 700  # measured (tests/unit/test_diagnoses_endpoint.py), ids included
 
 
 class RequestDiagnoses:

@@ -353,18 +353,29 @@ KV_REJECTED = MetricSpec(
     "to 10 s ahead of kvlens's clock: not used to order it, its events used), error (a kvlens bug, "
     "logged).",
 )
+# The three below count what kvlens.fleet.ordering.gap_or_jump decides, for a ZeroMQ publisher's
+# sequence and TensorRT-LLM's event_id alike (its MAX_SEQUENCE_GAP is the 2^32).
 KV_GAPS = MetricSpec(
-    "kvlens_kv_sequence_gaps", "counter", ("replica",), "Jumps in a publisher's sequence numbers."
+    "kvlens_kv_sequence_gaps",
+    "counter",
+    ("replica",),
+    "Messages (TensorRT-LLM: events) whose sequence number (event_id) skipped 1 to 2^32 numbers "
+    "past the one due next, one each (more is a jump: kvlens_kv_sequence_jumps_total).",
 )
 KV_JUMPS = MetricSpec(
     "kvlens_kv_sequence_jumps",
     "counter",
     ("replica",),
-    "Forward jumps of a publisher's sequence wider than 2^32 (no engine sends that many): counted "
-    "here once, not as gaps nor missed batches; the replica's blocks kept.",
+    "Messages (TensorRT-LLM: events) whose sequence number (event_id) is more than 2^32 past the "
+    "one due next (the last seen + 1; 0 in a new SGLang epoch), one each: counted neither as a gap "
+    "nor as missed, no replay asked, the replica's blocks kept; its numbering goes on from there.",
 )
 KV_MISSED = MetricSpec(
-    "kvlens_kv_missed_batches", "counter", ("replica",), "Batches lost in gaps no replay repaired."
+    "kvlens_kv_missed_batches",
+    "counter",
+    ("replica",),
+    "Batches (TensorRT-LLM: events) lost in gaps: every number a gap skipped, unless a replay "
+    "brought all of them back.",
 )
 KV_REPLAYS = MetricSpec(
     "kvlens_kv_replays", "counter", ("replica",), "Replays asked of a publisher's replay endpoint."

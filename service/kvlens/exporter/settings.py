@@ -4,15 +4,26 @@ the sidecar's functions take; :class:`kvlens.config.Settings` reads it from the 
 
 from __future__ import annotations
 
+from typing import Final
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvlens.accounting import Accounting
 from kvlens.audit.settings import IsolationSettings
+from kvlens.fleet.limits import SEEN_BLOCK_BYTES
 from kvlens.fleet.settings import KVEventsSettings
 from kvlens.http.access import loopback
 from kvlens.http.settings import AuthSettings, ServerSettings
+from kvlens.limits import memory_bound
 from kvlens.simulate.settings import ModelledSettings
 from kvlens.sources.settings import ScrapeSettings, TailSettings
+
+# The most one remembered entry costs, measured with tracemalloc by the tests named; each bounds
+# its setting (kvlens.limits.memory_bound).
+BATCH_ID_BYTES: Final = 250  # a committed batch id: digest, counts, entry (tests/unit/test_ingest.py)
+RECORD_KEY_BYTES: Final = 100  # a record's key for de-duplication (tests/unit/test_ingest.py)
+DIAGNOSIS_BYTES: Final = 700  # a diagnosis kept, 36-character ids (tests/unit/test_misses.py)
+DIAGNOSIS_MAX_BYTES: Final = 1_850  # ... with 256-character ids of emoji and 128-byte names
 
 
 class IngestSettings(BaseModel):
@@ -46,8 +57,8 @@ class IngestSettings(BaseModel):
     batch_id_window: int = Field(
         10_000,
         ge=0,
-        le=1_000_000,
-        description="Committed `kvlens-batch-id`s remembered (about 130 bytes each).",
+        **memory_bound(1_000_000, BATCH_ID_BYTES),
+        description="Committed `kvlens-batch-id`s remembered.",
     )
     dedupe_request_ids: bool = Field(
         False, description="De-duplicate records by request_id and content (else per request: kvlens-dedupe)."
@@ -55,8 +66,8 @@ class IngestSettings(BaseModel):
     request_id_window: int = Field(
         100_000,
         ge=1,
-        le=10_000_000,
-        description="Records remembered for de-duplication (about 60 bytes each).",
+        **memory_bound(10_000_000, RECORD_KEY_BYTES),
+        description="Records remembered for de-duplication.",
     )
     max_rejections_listed: int = Field(
         100, ge=0, le=100_000, description="Rejections listed per ingest answer (the count is exact)."
@@ -71,17 +82,17 @@ class DiagnosisSettings(BaseModel):
     diagnosis_requests: int = Field(
         10_000,
         ge=0,
-        le=1_000_000,
+        **memory_bound(1_000_000, DIAGNOSIS_MAX_BYTES),
         description="Diagnoses of the last requests kept for GET /v1/requests/{request_id}/diagnosis "
-        "(records with prefix_hashes and request_id; about 700 bytes each); 0: none kept, "
-        "kvlens_request_misses_total still counted.",
+        f"(records with prefix_hashes and request_id; about {DIAGNOSIS_BYTES} bytes each with "
+        "36-character ids); 0: none kept, kvlens_request_misses_total still counted.",
     )
     diagnosis_remember_blocks: int = Field(
         200_000,
         ge=1,
-        le=100_000_000,
-        description="Block ids remembered to diagnose requests' misses (about 260 bytes each; the oldest "
-        "forgotten first: a block forgotten is new again).",
+        **memory_bound(10_000_000, SEEN_BLOCK_BYTES),
+        description="Block ids remembered to diagnose requests' misses (the oldest forgotten first: a "
+        "block forgotten is new again).",
     )
 
 

@@ -43,6 +43,15 @@ MAX_HELD_BLOCKS: Final = 10_000_000
 # block with its place in the ring (8 bytes, the ring grown by a quarter); tested.
 HELD_ENTRY_BYTES: Final = 48
 REMEMBERED_ENTRY_BYTES: Final = 34
+# The bounds of those caps: together 3.8 GiB, within kvlens.limits.SETTING_MEMORY_BUDGET (one
+# index holds both), 5x the defaults.
+MAX_REMEMBER_BLOCKS_BOUND: Final = 50_000_000
+MAX_HELD_BLOCKS_BOUND: Final = 50_000_000
+# A block id the miss classifier remembers (an OrderedDict entry and its key; tests/unit/test_misses.py).
+SEEN_BLOCK_BYTES: Final = 260
+# A session kept by kv_events_sessions, at its longest id (256 emoji: 1,440 bytes measured with
+# tracemalloc; 440 with a 36-character id; tests/hostile/test_setting_memory_bounds.py).
+SESSION_BYTES: Final = 1_500
 
 # A vanished replica's series are exported this long before they are dropped: well past any
 # scrape interval, so that Prometheus saw its last counts (its blocks removed when it left).

@@ -50,7 +50,6 @@ MISS_CAUSES: Final = (NEW, EVICTED_HERE, HELD_ELSEWHERE, EVICTED_ELSEWHERE, SEEN
 LOST_CAUSES: Final = (EVICTED_HERE, HELD_ELSEWHERE, EVICTED_ELSEWHERE, SEEN_ELSEWHERE)  # reuse lost
 _POSITION: Final = {cause: i for i, cause in enumerate(MISS_CAUSES)}
 REMEMBER_BLOCKS: Final = 200_000
-SEEN_BLOCK_BYTES: Final = 260  # measured (tests/unit/test_misses.py)
 
 Holders = Callable[[int], Sequence[str]]  # a block id -> the replicas that hold it now
 

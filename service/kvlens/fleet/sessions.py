@@ -9,7 +9,8 @@ request that names its session (:meth:`SessionLedger.get`, the one function to c
 Bounds: a session id is outside input (free text), so it is never a label nor logged; one longer
 than :data:`MAX_SESSION_CHARS` is not kept (counted in :attr:`SessionLedger.too_long`); past the
 cap the least recently stored-for session is forgotten (counted in :attr:`SessionLedger.forgotten`).
-An entry costs about 400 bytes, so 10,000 sessions about 4 MB.
+An entry costs about 440 bytes with a 36-character id, at most
+:data:`~kvlens.fleet.limits.SESSION_BYTES` with the longest (10,000 sessions: 4.4 to 15 MB).
 
 Cost: a payload carrying a session id goes msgspec's path (the compiled loop applies a payload in
 one call, not an event at a time), about 1.3-1.6 times the CPU a block (bench/kv_events.py); so it

@@ -10,12 +10,16 @@ from kvlens.fleet.groups import MAX_GROUPS, MAX_KIND_CHARS
 from kvlens.fleet.limits import (
     HELD_ENTRY_BYTES,
     MAX_HELD_BLOCKS,
+    MAX_HELD_BLOCKS_BOUND,
+    MAX_REMEMBER_BLOCKS_BOUND,
     MAX_REPLICAS,
     MAX_VANISHED,
     REMEMBER_BLOCKS,
     REMEMBERED_ENTRY_BYTES,
+    SESSION_BYTES,
     VANISHED_RETENTION_SECONDS,
 )
+from kvlens.limits import memory_bound
 from kvlens.records.labels import MAX_LABEL_BYTES, valid_label
 
 
@@ -116,16 +120,15 @@ class KVEventsSettings(BaseModel):
     kv_events_remember_blocks: int = Field(
         REMEMBER_BLOCKS,
         ge=0,
-        description=f"Blocks remembered to have been held (at most {REMEMBERED_ENTRY_BYTES} bytes each); "
-        "oldest forgotten past it.",
+        **memory_bound(MAX_REMEMBER_BLOCKS_BOUND, REMEMBERED_ENTRY_BYTES),
+        description="Blocks remembered to have been held; oldest forgotten past it.",
     )
     kv_events_max_held_blocks: int = Field(
         MAX_HELD_BLOCKS,
         ge=0,
-        description=(
-            "Holdings kept, a (block, replica, tier) or an extra copy of a hash (at most "
-            f"{HELD_ENTRY_BYTES} bytes each); stores past it not kept (counted untracked)."
-        ),
+        **memory_bound(MAX_HELD_BLOCKS_BOUND, HELD_ENTRY_BYTES),
+        description="Holdings kept, a (block, replica, tier) or an extra copy of a hash; stores past it "
+        "not kept (counted untracked).",
     )
     kv_events_reorder_seconds: float = Field(
         0.25,
@@ -144,7 +147,7 @@ class KVEventsSettings(BaseModel):
     kv_events_sessions: int = Field(
         0,
         ge=0,
-        le=1_000_000,
+        **memory_bound(1_000_000, SESSION_BYTES),
         description="Keep the tokens of each of the last N sessions' GPU stores by cause (vLLM's session_id "
         "on KV events), for the per-request view; 0: off (payloads with a session id read more slowly).",
     )

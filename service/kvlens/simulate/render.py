@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlens.errors import MissingExtra
-from kvlens.terminal import NARROWEST, percent, wrapped
+from kvlens.terminal import NARROWEST, percent, visible, wrapped
 
 BAR_WIDTH = 40
 COLORS = ("#3b7dd8", "#d8683b", "#3bb273", "#9b59b6", "#7f8c8d", "#c0392b")
@@ -194,10 +194,32 @@ def svg(result: dict[str, Any], width: int = 640, height: int = 360) -> str:
             x, y = at(c, r)
             parts.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{color}"/>')
         parts.append(
-            f'<text x="{right + 6}" y="{top + 16 * index + 20}" fill="{color}">{html.escape(name)}</text>'
+            f'<text x="{right + 6}" y="{top + 16 * index + 20}" fill="{color}">{svg_text(name)}</text>'
         )
     parts.append("</svg>")
     return "\n".join(parts) + "\n"
+
+
+def svg_text(name: str) -> str:
+    """A name in an SVG we write, as written: XML's markup escaped, and a control character (which
+    XML refuses: the file would not parse) shown as its escape."""
+    return html.escape(visible(name))
+
+
+def plot_label(name: str) -> str:
+    """A name as a matplotlib label showing it as written: matplotlib reads text between two
+    ``$`` as mathtext (``a$b$c`` drew an italic b; ``p$\\q$`` raised ValueError at draw time, so
+    ``--plot`` crashed after the run), and draws a control character as a missing glyph. Each
+    ``$`` escaped (``\\$`` is a dollar in plain text; a backslash elsewhere is text) and control
+    characters shown as their escapes. Every name the plots draw goes through here."""
+    return visible(name).replace("$", r"\$")
+
+
+def legend(axes: Any, **options: Any) -> None:
+    """A legend of every line on ``axes`` under its label: matplotlib's own choice leaves out a
+    line whose label starts with ``_`` (an endpoint ``_b`` was missing from it)."""
+    lines = axes.get_lines()
+    axes.legend(lines, [line.get_label() for line in lines], **options)
 
 
 def pyplot() -> Any:
@@ -218,7 +240,12 @@ def _png(result: dict[str, Any], path: Path) -> None:
     finite = [c for c, _ in series["pooled"] if c is not None]
     figure, axes = plt.subplots(figsize=(7, 4))
     for name, points in series.items():
-        axes.plot([_x(c, finite) for c, _ in points], [100 * r for _, r in points], marker="o", label=name)
+        axes.plot(
+            [_x(c, finite) for c, _ in points],
+            [100 * r for _, r in points],
+            marker="o",
+            label=plot_label(name),
+        )
     axes.axhline(
         100 * (result["reachable"]["token_reuse_ratio"] or 0.0),
         color="black",
@@ -229,7 +256,7 @@ def _png(result: dict[str, Any], path: Path) -> None:
     axes.set_xlabel("cache capacity per replica (blocks)")
     axes.set_ylabel("token reuse (%)")
     axes.set_ylim(0, 100)
-    axes.legend(fontsize="small")
+    legend(axes, fontsize="small")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
