@@ -13,7 +13,6 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import IO, Any
 
 import numpy as np
@@ -262,19 +261,18 @@ def _token_batch(prompt: list[int], cached: list[int], block_size: int) -> Recor
 def _job_batch(jobs: list[Job], block_size: int, arm: str) -> RecordBatch:
     count = len(jobs)
 
-    def column(name: str, dtype: type = np.float64) -> npt.NDArray[Any]:
-        return np.fromiter(map(attrgetter(name), jobs), dtype, count)
-
-    arrival = column("arrival")
-    start = column("start")
-    first = column("first_token")
-    finish = column("finish")
+    # A list of each attribute, then its array: numpy pulling every value through an
+    # attrgetter took half again as long (a tenth of a replay's time outside its caches)
+    arrival = np.fromiter([job.arrival for job in jobs], np.float64, count)
+    start = np.fromiter([job.start for job in jobs], np.float64, count)
+    first = np.fromiter([job.first_token for job in jobs], np.float64, count)
+    finish = np.fromiter([job.finish for job in jobs], np.float64, count)
     return _batch(
         count,
         block_size,
-        prompt_tokens=column("prompt_tokens", np.int64),
-        cached_tokens=column("cached_tokens", np.int64),
-        output_tokens=column("output_tokens", np.int64),
+        prompt_tokens=np.fromiter([job.prompt_tokens for job in jobs], np.int64, count),
+        cached_tokens=np.fromiter([job.cached_tokens for job in jobs], np.int64, count),
+        output_tokens=np.fromiter([job.output_tokens for job in jobs], np.int64, count),
         queue_seconds=start - arrival,
         prefill_seconds=first - start,
         ttft_seconds=first - arrival,
