@@ -118,11 +118,13 @@ class Job:
 
 class Replica:
     __slots__ = (
+        "_acquire",
         "_chunked_prefill",
         "_decoding",
         "_left",
         "_max_running",
         "_prefill_seconds",
+        "_release",
         "_step_seconds",
         "backlog",
         "block_size",
@@ -172,12 +174,13 @@ class Replica:
         # Jobs whose first token came, for a caller that must act on it (the real-time server
         # streams from then on); offline nothing needs it, so None.
         self.prefilled: list[Job] | None = None
-        # The service model's parts the event loop reads per request, looked up once here (each
-        # replay reads them a few times a request; the model is frozen)
+        # What the event loop reads per request, looked up once here (the model is frozen and
+        # the cache never replaced): a replay's time outside its caches was a fifth lookups
         self._max_running = model.max_running
         self._chunked_prefill = model.chunked_prefill
         self._prefill_seconds = model.prefill.remaining_work_of
         self._step_seconds = model.decode.step_seconds
+        self._acquire, self._release = self.cache.acquire, self.cache.release
 
     @property
     def running(self) -> int:
@@ -212,7 +215,7 @@ class Replica:
         """Play this replica's events up to ``until``: prefills ending, requests finishing, and
         the waiting ones starting as room frees. A replay runs this for every request, so the
         first token's event is played here rather than in a method of its own."""
-        decoding, release, done = self._decoding, self.cache.release, self.done
+        decoding, release, done = self._decoding, self._release, self.done
         while True:
             prefill_end = self.prefill_end
             if decoding:
@@ -226,15 +229,14 @@ class Replica:
                     release(job.blocks, job.held)
                     self.context_tokens -= job.prompt_tokens + job.output_tokens
                     done.append(job)
-                    if self.waiting and self.prefilling is None:  # else nobody can start: skip the call
+                    if self.prefilling is None and self.waiting:  # else nobody can start: skip the call
                         self._start(finish)
                     continue
-            if prefill_end > until or prefill_end == INF:  # INF: no prefill (and no decode)
+            job = self.prefilling
+            if job is None or prefill_end > until:  # None: no prefill (its end is INF), no decode
                 self.due = prefill_end
                 return
             # the prefill ends: its first token, then the decode at the batch it joins
-            job = self.prefilling
-            assert job is not None
             job.first_token = prefill_end
             if self.prefilled is not None:
                 self.prefilled.append(job)
@@ -243,10 +245,11 @@ class Replica:
             steps = job.output_tokens - 1  # the first token came with prefill
             if steps > 0:
                 batch = len(decoding) + 1
-                job.finish = prefill_end + steps * self._step_seconds(batch, self.context_tokens / batch)
+                finish = prefill_end + steps * self._step_seconds(batch, self.context_tokens / batch)
             else:
-                job.finish = prefill_end
-            heappush(decoding, (job.finish, job.order, job))
+                finish = prefill_end
+            job.finish = finish
+            heappush(decoding, (finish, job.order, job))
             self.served += 1
             if self.waiting:
                 self._start(prefill_end)
@@ -300,7 +303,7 @@ class Replica:
             self._left = left
         job = waiting.popleft()
         self.backlog = self.backlog - job.estimate if len(waiting) > left else 0.0
-        reused, job.held = self.cache.acquire(job.blocks, job.limit, job.scope)
+        reused, job.held = self._acquire(job.blocks, job.limit, job.scope)
         cached = job.cached_tokens = reused * self.block_size
         job.start = now
         duration = self._prefill_seconds(job.prompt_tokens, cached)
