@@ -65,6 +65,20 @@ class CostModel:
         linear, pairs = _remaining(float(prompt_tokens), float(cached_tokens))
         return self._of(linear, pairs)
 
+    def remaining_work_function(self) -> Callable[[int, int], float]:
+        """:meth:`remaining_work_of` of this model in one call: the arithmetic of
+        :func:`_remaining` and :meth:`_of` in the same order (so the same float), with ``a`` and
+        ``b`` bound. The simulator costs a prefill per request, where the calls cost more than
+        the arithmetic; a test holds it to :meth:`remaining_work_of`."""
+        a, b = self.a, self.b
+
+        def remaining(prompt_tokens: int, cached_tokens: int) -> float:
+            h = float(cached_tokens)
+            m = float(prompt_tokens) - h
+            return a * m + b * (m * h + m * (m + 1.0) / 2.0)
+
+        return remaining
+
     def work_of_sums(self, tokens: int, pairs: int) -> float:
         """``sum C(n)`` of requests whose ``n`` add up to ``tokens`` and whose causal pairs
         ``n*(n+1)/2`` add up to ``pairs``: ``C`` is linear in both, so work summed from exact
