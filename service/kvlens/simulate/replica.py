@@ -233,11 +233,11 @@ class Replica:
                     if finish > until:
                         self.due = finish
                         return
-                    job = heappop(decoding)[2]
-                    job.finish = finish  # later than planned when prefills paused its decode
-                    release(job.blocks, job.held)
-                    self.context_tokens -= job.prompt_tokens + job.output_tokens
-                    done.append(job)
+                    finished = heappop(decoding)[2]
+                    finished.finish = finish  # later than planned when prefills paused its decode
+                    release(finished.blocks, finished.held)
+                    self.context_tokens -= finished.prompt_tokens + finished.output_tokens
+                    done.append(finished)
                     if self.prefilling is None and self.waiting:  # else nobody can start: skip the call
                         self._start(finish)
                     continue

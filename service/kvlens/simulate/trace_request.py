@@ -51,7 +51,7 @@ class TraceRequest:
     # here: every run of a sweep reads them (a salted request's chain is a hash per block).
     keys: tuple[int, ...] = field(init=False, repr=False, compare=False)
     # The cache scope its blocks are keyed in beside their content: (salt, LoRA), or None. Made
-    # once here too (as a property, its call was a sixth of making a run's job of a request).
+    # once here too (as a property, its call was a quarter of making a run's job of a request).
     scope: Scope | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
