@@ -211,7 +211,7 @@ class Replica:
         return (self.prefill_end - now if self.prefilling is not None else 0.0) + self.backlog
 
     def prefill_seconds(self, job: Job, cached_blocks: int) -> float:
-        return self.model.prefill.remaining_work_of(job.prompt_tokens, cached_blocks * self.block_size)
+        return self._prefill_seconds(job.prompt_tokens, cached_blocks * self.block_size)
 
     def enqueue(self, job: Job, now: float) -> None:
         job.replica = self.index
