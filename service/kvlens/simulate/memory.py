@@ -155,7 +155,7 @@ class MemoryReplica(Replica):
         if job.start == INF:  # the first admission fixes the hit, the start
             job.start = now
             job.cached_tokens = reused * self.block_size
-        duration = self.model.prefill.remaining_work_of(tokens, reused * self.block_size)
+        duration = self._prefill_seconds(tokens, reused * self.block_size)
         self.busy_seconds += duration
         self.prefilling = job
         self.prefill_end = now + duration
@@ -221,7 +221,7 @@ class MemoryReplica(Replica):
             return
         context = sum(job.prompt_tokens + job.generated for job in running)
         batch = len(running)
-        self.step_end = now + self.model.decode.step_seconds(batch, context / batch)
+        self.step_end = now + self._step_seconds(batch, context / batch)
         self.due = min(self.due, self.step_end)
 
     def _preempt(self, job: Job) -> None:

@@ -19,10 +19,11 @@ The service model, documented in the README:
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from heapq import heapify, heappop, heappush
 
 from kvlens import bandwidth
 from kvlens.definitions import CostModel
@@ -47,6 +48,15 @@ class DecodeModel:
     def step_seconds(self, batch: int, mean_context_tokens: float) -> float:
         read = bandwidth.step_bytes(self.weight_bytes, batch, mean_context_tokens * self.kv_bytes_per_token)
         return bandwidth.step_seconds(read, self.bandwidth_bytes_per_second, extra=self.step_overhead_seconds)
+
+    def step_function(self) -> Callable[[int, float], float]:
+        """:meth:`step_seconds` in one call (:func:`kvlens.bandwidth.decode_step_seconds`)."""
+        return bandwidth.decode_step_seconds(
+            self.weight_bytes,
+            self.kv_bytes_per_token,
+            self.bandwidth_bytes_per_second,
+            extra=self.step_overhead_seconds,
+        )
 
 
 @dataclass(frozen=True)
@@ -117,8 +127,14 @@ class Job:
 
 class Replica:
     __slots__ = (
+        "_acquire",
+        "_chunked_prefill",
         "_decoding",
         "_left",
+        "_max_running",
+        "_prefill_seconds",
+        "_release",
+        "_step_seconds",
         "backlog",
         "block_size",
         "busy_seconds",
@@ -167,6 +183,13 @@ class Replica:
         # Jobs whose first token came, for a caller that must act on it (the real-time server
         # streams from then on); offline nothing needs it, so None.
         self.prefilled: list[Job] | None = None
+        # What the event loop calls per request, looked up once here (the model is frozen and the
+        # cache never replaced); the costs in one call each, the same floats as the model's methods
+        self._max_running = model.max_running
+        self._chunked_prefill = model.chunked_prefill
+        self._prefill_seconds = model.prefill.remaining_work_function()
+        self._step_seconds = model.decode.step_function()
+        self._acquire, self._release = self.cache.acquire, self.cache.release
 
     @property
     def running(self) -> int:
@@ -188,37 +211,57 @@ class Replica:
         return (self.prefill_end - now if self.prefilling is not None else 0.0) + self.backlog
 
     def prefill_seconds(self, job: Job, cached_blocks: int) -> float:
-        return self.model.prefill.remaining_work_of(job.prompt_tokens, cached_blocks * self.block_size)
+        return self._prefill_seconds(job.prompt_tokens, cached_blocks * self.block_size)
 
     def enqueue(self, job: Job, now: float) -> None:
         job.replica = self.index
         self.waiting.append(job)
         self.backlog += job.estimate
-        self._start(now)
+        if self.prefilling is None:  # else it waits for the prefill lane (skip the call)
+            self._start(now)
 
     def advance(self, until: float) -> None:
         """Play this replica's events up to ``until``: prefills ending, requests finishing, and
-        the waiting ones starting as room frees."""
-        decoding, release, done = self._decoding, self.cache.release, self.done
-        pop = heapq.heappop
+        the waiting ones starting as room frees. A replay runs this for every request, so the
+        first token's event is played here rather than in a method of its own."""
+        decoding, release, done = self._decoding, self._release, self.done
         while True:
-            finish = decoding[0][0] if decoding else INF
-            if finish <= self.prefill_end:
-                if finish > until or not decoding:
-                    self.due = finish
-                    return
-                job = pop(decoding)[2]
-                job.finish = finish  # later than planned when prefills paused its decode
-                release(job.blocks, job.held)
-                self.context_tokens -= job.prompt_tokens + job.output_tokens
-                done.append(job)
-                if self.waiting:  # else nobody can start (the common case: skip the call)
-                    self._start(finish)
+            prefill_end = self.prefill_end
+            if decoding:
+                finish = decoding[0][0]
+                if finish <= prefill_end:
+                    if finish > until:
+                        self.due = finish
+                        return
+                    finished = heappop(decoding)[2]
+                    finished.finish = finish  # later than planned when prefills paused its decode
+                    release(finished.blocks, finished.held)
+                    self.context_tokens -= finished.prompt_tokens + finished.output_tokens
+                    done.append(finished)
+                    if self.prefilling is None and self.waiting:  # else nobody can start: skip the call
+                        self._start(finish)
+                    continue
+            job = self.prefilling
+            if job is None or prefill_end > until:  # None: no prefill (its end is INF), no decode
+                self.due = prefill_end
+                return
+            # the prefill ends: its first token, then the decode at the batch it joins
+            job.first_token = prefill_end
+            if self.prefilled is not None:
+                self.prefilled.append(job)
+            self.prefilling = None
+            self.prefill_end = INF
+            steps = job.output_tokens - 1  # the first token came with prefill
+            if steps > 0:
+                batch = len(decoding) + 1
+                finish = prefill_end + steps * self._step_seconds(batch, self.context_tokens / batch)
             else:
-                if self.prefill_end > until:
-                    self.due = self.prefill_end
-                    return
-                self._first_token(self.prefill_end)
+                finish = prefill_end
+            job.finish = finish
+            heappush(decoding, (finish, job.order, job))
+            self.served += 1
+            if self.waiting:
+                self._start(prefill_end)
 
     def abort(self, job: Job, now: float) -> None:
         """A request leaves before it finished (its client went away), at ``now`` (the caller
@@ -238,13 +281,13 @@ class Replica:
             return
         if job is self.prefilling:
             self.context_tokens -= job.output_tokens - 1
-            job.output_tokens = 1  # _first_token then schedules its end with its first token
+            job.output_tokens = 1  # advance then schedules its end with its first token
             return
         entry = next((e for e in self._decoding if e[2] is job), None)
         if entry is None:
             return
         self._decoding.remove(entry)
-        heapq.heapify(self._decoding)
+        heapify(self._decoding)
         job.finish = now
         self.cache.release(job.blocks, job.held)
         self.context_tokens -= job.prompt_tokens + job.output_tokens
@@ -255,42 +298,29 @@ class Replica:
     def _start(self, now: float) -> None:
         waiting = self.waiting
         # An empty line first: most calls find it so (``_left`` never exceeds the line's length)
-        if not waiting or self.prefilling is not None or len(self._decoding) >= self.model.max_running:
+        if not waiting or self.prefilling is not None or len(self._decoding) >= self._max_running:
             return
-        if len(waiting) == self._left:
-            waiting.clear()  # whoever is left in it has departed
-            self._left = 0
-            return
-        while waiting[0].start != INF:  # left while waiting
-            waiting.popleft()
-            self._left -= 1
+        left = self._left
+        if left:
+            if len(waiting) == left:
+                waiting.clear()  # whoever is left in it has departed
+                self._left = 0
+                return
+            while waiting[0].start != INF:  # left while waiting
+                waiting.popleft()
+                left -= 1
+            self._left = left
         job = waiting.popleft()
-        self.backlog = self.backlog - job.estimate if len(waiting) > self._left else 0.0
-        reused, job.held = self.cache.acquire(job.blocks, job.limit, job.scope)
-        job.cached_tokens = reused * self.block_size
+        self.backlog = self.backlog - job.estimate if len(waiting) > left else 0.0
+        reused, job.held = self._acquire(job.blocks, job.limit, job.scope)
+        cached = job.cached_tokens = reused * self.block_size
         job.start = now
-        duration = self.model.prefill.remaining_work_of(job.prompt_tokens, job.cached_tokens)
+        duration = self._prefill_seconds(job.prompt_tokens, cached)
         self.busy_seconds += duration
         self.prefilling = job
-        self.prefill_end = now + duration
-        self.due = min(self.due, self.prefill_end)
+        end = self.prefill_end = now + duration
+        if end < self.due:
+            self.due = end
         self.context_tokens += job.prompt_tokens + job.output_tokens
-        if not self.model.chunked_prefill and self._decoding:  # the prefill pauses every decode
+        if not self._chunked_prefill and self._decoding:  # the prefill pauses every decode
             self._decoding[:] = [(finish + duration, order, j) for finish, order, j in self._decoding]
-
-    def _first_token(self, now: float) -> None:
-        job = self.prefilling
-        assert job is not None
-        job.first_token = now
-        if self.prefilled is not None:
-            self.prefilled.append(job)
-        self.prefilling = None
-        self.prefill_end = INF
-        decoding = self._decoding
-        batch = len(decoding) + 1
-        step = self.model.decode.step_seconds(batch, self.context_tokens / batch)
-        job.finish = now + max(job.output_tokens - 1, 0) * step  # the first token came with prefill
-        heapq.heappush(decoding, (job.finish, job.order, job))
-        self.served += 1
-        if self.waiting:
-            self._start(now)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import IO, Any
 
 import numpy as np
@@ -147,15 +146,16 @@ def simulate(
     outcome = Outcome(policy_name, fleet.capacity_blocks)
     order = 0
     block_size = fleet.block_size
+    new_job, chunk = Job, CHUNK  # locals: this loop runs once a request
     for request in requests:
         now = request.arrival
         for replica in replicas:
             if replica.due <= now:
                 replica.advance(now)
-        job = Job(request, order, block_size)
+        job = new_job(request, order, block_size)
         replicas[choose(job, replicas, now)].enqueue(job, now)
         order += 1
-        if len(done) >= CHUNK:
+        if len(done) >= chunk:
             _flush(done, outcome, fleet, arm, writer)
         if progress is not None and order % 1024 == 0:
             progress(1024)
@@ -239,59 +239,58 @@ class _InArrivalOrder:
 
 
 def _token_batch(prompt: list[int], cached: list[int], block_size: int) -> RecordBatch:
-    count = len(prompt)
-    absent = np.full(count, np.nan)
-    return _batch(
-        count,
-        block_size,
-        prompt_tokens=np.array(prompt, np.int64),
-        cached_tokens=np.array(cached, np.int64),
-        output_tokens=np.full(count, -1, np.int64),
-        queue_seconds=absent,
-        prefill_seconds=absent,
-        ttft_seconds=absent,
-        decode_seconds=absent,
-        e2e_seconds=absent,
-        arrival_time=absent,
-        replica=[None] * count,
-        arm=[None] * count,
-        request_id=[None] * count,
-    )
+    return _batch(len(prompt), block_size, np.array(prompt, np.int64), np.array(cached, np.int64))
 
 
 def _job_batch(jobs: list[Job], block_size: int, arm: str) -> RecordBatch:
     count = len(jobs)
-
-    def column(name: str, dtype: type = np.float64) -> npt.NDArray[Any]:
-        return np.fromiter(map(attrgetter(name), jobs), dtype, count)
-
-    arrival = column("arrival")
-    start = column("start")
-    first = column("first_token")
-    finish = column("finish")
+    # A list of each attribute, then its array: numpy pulling every value through an
+    # attrgetter took half again as long (a tenth of a replay's time outside its caches)
+    arrival = np.fromiter([job.arrival for job in jobs], np.float64, count)
+    start = np.fromiter([job.start for job in jobs], np.float64, count)
+    first = np.fromiter([job.first_token for job in jobs], np.float64, count)
     return _batch(
         count,
         block_size,
-        prompt_tokens=column("prompt_tokens", np.int64),
-        cached_tokens=column("cached_tokens", np.int64),
-        output_tokens=column("output_tokens", np.int64),
+        np.fromiter([job.prompt_tokens for job in jobs], np.int64, count),
+        np.fromiter([job.cached_tokens for job in jobs], np.int64, count),
         queue_seconds=start - arrival,
         prefill_seconds=first - start,
         ttft_seconds=first - arrival,
-        decode_seconds=finish - first,
-        e2e_seconds=finish - arrival,
-        arrival_time=arrival,
-        replica=[None] * count,  # labels the reducer does not read (the records carry them)
         arm=[arm] * count,
-        request_id=[None] * count,
     )
 
 
-def _batch(count: int, block_size: int, **columns: Any) -> RecordBatch:
+def _batch(
+    count: int,
+    block_size: int,
+    prompt_tokens: npt.NDArray[np.int64],
+    cached_tokens: npt.NDArray[np.int64],
+    **measured: Any,
+) -> RecordBatch:
+    """``count`` simulated requests as :meth:`Outcome.add` reduces them: their tokens and the
+    ``measured`` columns; every other column absent (the reduction and the latency percentiles
+    do not read them; the records carry them)."""
+    absent = np.full(count, np.nan)
+    columns: dict[str, Any] = {
+        "queue_seconds": absent,
+        "prefill_seconds": absent,
+        "ttft_seconds": absent,
+        "decode_seconds": absent,
+        "e2e_seconds": absent,
+        "arrival_time": absent,
+        "arm": [None] * count,
+    }
+    columns.update(measured)
     return RecordBatch(
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached_tokens,
+        output_tokens=np.full(count, -1, np.int64),
         block_size=np.full(count, block_size, np.int64),
         model_codes=np.zeros(count, np.int32),
         model_names=[MODEL],
+        replica=[None] * count,
+        request_id=[None] * count,
         tenant=[None] * count,
         finish_reason=[None] * count,
         session_id=[None] * count,

@@ -50,14 +50,14 @@ class TraceRequest:
     # The blocks as the engine keys them: :func:`salted` by ``cache_salt`` and LoRA. Made once
     # here: every run of a sweep reads them (a salted request's chain is a hash per block).
     keys: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    # The cache scope its blocks are keyed in beside their content: (salt, LoRA), or None. Made
+    # once here too (as a property, its call was a quarter of making a run's job of a request).
+    scope: Scope | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "keys", salted(self.blocks, self.cache_salt, self.lora))
-
-    @property
-    def scope(self) -> Scope | None:
-        """The cache scope its blocks are keyed in beside their content: (salt, LoRA), or None."""
-        return (self.cache_salt, self.lora) if self.cache_salt or self.lora else None
+        salt, lora = self.cache_salt, self.lora
+        object.__setattr__(self, "keys", salted(self.blocks, salt, lora))
+        object.__setattr__(self, "scope", (salt, lora) if salt or lora else None)
 
 
 def count(value: Any, name: str, low: int = 0) -> int:
