@@ -20,7 +20,7 @@ from __future__ import annotations
 import csv
 import math
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,25 +55,6 @@ def step_seconds(
 ) -> float:
     """``max(bytes / bandwidth, compute floor) + extra``."""
     return max(bytes_read / bandwidth, compute_floor) + extra
-
-
-def decode_step_seconds(
-    weight_bytes: float,
-    kv_bytes_per_token: float,
-    bandwidth: float,
-    compute_floor: float = 0.0,
-    extra: float = 0.0,
-) -> Callable[[float, float], float]:
-    """One model's decode step time as a function of the batch ``B`` and its mean context ``S``
-    tokens: :func:`step_seconds` of :func:`step_bytes` with ``K = S*c``, the same arithmetic in
-    the same order (so the same float) in one call. The simulator times a step per request, where
-    the three calls cost more than the arithmetic; a test holds it to the two functions."""
-
-    def seconds(batch: float, mean_context_tokens: float) -> float:
-        read = weight_bytes + batch * (mean_context_tokens * kv_bytes_per_token)
-        return max(read / bandwidth, compute_floor) + extra
-
-    return seconds
 
 
 def weight_share(weight_bytes: float, batch: float, kv_bytes_per_seq: float) -> float:

@@ -59,23 +59,18 @@ class CostModel:
         return self._of(*remaining_work_terms(prompt_tokens, cached_tokens))
 
     def remaining_work_of(self, prompt_tokens: int, cached_tokens: int) -> float:
-        """:meth:`remaining_work` of one request, in plain floats (the simulator's inner loop
-        costs requests one at a time, where numpy's per-call overhead would dominate)."""
-        # unpacked: a star call cost an eighth more, in the simulator's loop of one call a request
-        linear, pairs = _remaining(float(prompt_tokens), float(cached_tokens))
-        return self._of(linear, pairs)
+        """:meth:`remaining_work` of one request, in plain floats."""
+        return self._of(*_remaining(float(prompt_tokens), float(cached_tokens)))
 
     def remaining_work_function(self) -> Callable[[int, int], float]:
-        """:meth:`remaining_work_of` of this model in one call: the arithmetic of
-        :func:`_remaining` and :meth:`_of` in the same order (so the same float), with ``a`` and
-        ``b`` bound. The simulator costs a prefill per request, where the calls cost more than
-        the arithmetic; a test holds it to :meth:`remaining_work_of`."""
+        """:meth:`remaining_work` of one request at a time, in plain floats, ``a`` and ``b`` bound
+        (the simulator costs requests one at a time, where numpy's per-call overhead, and a method
+        call per term, would dominate)."""
         a, b = self.a, self.b
 
         def remaining(prompt_tokens: int, cached_tokens: int) -> float:
-            h = float(cached_tokens)
-            m = float(prompt_tokens) - h
-            return a * m + b * (m * h + m * (m + 1.0) / 2.0)
+            linear, pairs = _remaining(float(prompt_tokens), float(cached_tokens))
+            return a * linear + b * pairs
 
         return remaining
 

@@ -6,8 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from kvlens import bandwidth as bw
 from kvlens import limits
@@ -50,23 +48,6 @@ def test_decode_step_table(batch: int, ms_16: str, ms_4: str, speedup: str) -> N
         speedup,
     )
     assert step.throughput_16 == pytest.approx(batch / step.seconds_16)
-
-
-@given(
-    st.floats(0, 1e12),
-    st.floats(0, 1e7),
-    st.floats(1e6, 1e14),
-    st.floats(0, 1.0),
-    st.floats(0, 1.0),
-    st.integers(1, 4096),
-    st.floats(0, 1e7),
-)
-def test_the_precomputed_step_is_the_same_float(
-    weights: float, per_token: float, bandwidth: float, floor: float, extra: float, batch: int, context: float
-) -> None:
-    step = bw.decode_step_seconds(weights, per_token, bandwidth, floor, extra)
-    read = bw.step_bytes(weights, batch, bw.kv_bytes_per_sequence(context, per_token))
-    assert step(batch, context) == bw.step_seconds(read, bandwidth, floor, extra)
 
 
 def test_break_even_extra_time_and_compute_floor() -> None:

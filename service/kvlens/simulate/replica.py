@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from heapq import heapify, heappop, heappush
 
@@ -48,15 +47,6 @@ class DecodeModel:
     def step_seconds(self, batch: int, mean_context_tokens: float) -> float:
         read = bandwidth.step_bytes(self.weight_bytes, batch, mean_context_tokens * self.kv_bytes_per_token)
         return bandwidth.step_seconds(read, self.bandwidth_bytes_per_second, extra=self.step_overhead_seconds)
-
-    def step_function(self) -> Callable[[int, float], float]:
-        """:meth:`step_seconds` in one call (:func:`kvlens.bandwidth.decode_step_seconds`)."""
-        return bandwidth.decode_step_seconds(
-            self.weight_bytes,
-            self.kv_bytes_per_token,
-            self.bandwidth_bytes_per_second,
-            extra=self.step_overhead_seconds,
-        )
 
 
 @dataclass(frozen=True)
@@ -184,11 +174,11 @@ class Replica:
         # streams from then on); offline nothing needs it, so None.
         self.prefilled: list[Job] | None = None
         # What the event loop calls per request, looked up once here (the model is frozen and the
-        # cache never replaced); the costs in one call each, the same floats as the model's methods
+        # cache never replaced)
         self._max_running = model.max_running
         self._chunked_prefill = model.chunked_prefill
         self._prefill_seconds = model.prefill.remaining_work_function()
-        self._step_seconds = model.decode.step_function()
+        self._step_seconds = model.decode.step_seconds
         self._acquire, self._release = self.cache.acquire, self.cache.release
 
     @property
