@@ -248,12 +248,14 @@ class Table:
         return total
 
     def reserve(self, inserts: int, pause: Pause = _no_pause) -> None:
-        """Room for ``inserts`` more keys under :data:`MAX_LOAD`: rebuilt at :attr:`fill` (the
-        same size when tombstones took the room), or at least doubled when it grows below
-        :data:`SMALL_SLOTS`."""
+        """Room for ``inserts`` more keys under :data:`MAX_LOAD`: rebuilt at :attr:`fill`, or at
+        least doubled when it grows below :data:`SMALL_SLOTS`; at the same size when tombstones
+        took the room (never smaller: a churning table sized at its fill would be rebuilt again
+        after a few removals' tombstones, every slot moved each time; memory is given back by
+        :meth:`shrink` once it is mostly empty, as for any table past its most held)."""
         if not has_room(self.rows, inserts):
             slots, need = self.rows.shape[0] - 3, _slots(self.live + inserts, self.fill)
-            self._rebuild(max(need, min(2 * slots, SMALL_SLOTS)) if need > slots else need, pause)
+            self._rebuild(max(need, min(2 * slots, SMALL_SLOTS)) if need > slots else slots, pause)
 
     def shrink(self, pause: Pause = _no_pause) -> None:
         """Give memory back once most entries are gone (a replica cleared, a cap lowered)."""
