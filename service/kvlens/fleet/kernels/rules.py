@@ -117,16 +117,42 @@ def built_from() -> int:
 def content_keys(tokens: Any, block_size: int, parent: Any, extras: Any, out: Any) -> None:
     """Each block's content key, chained from its parent's: 60 bits (the top 4 of a replica
     table's value say which tiers hold the block). Tokens are hashed FNV-1a-like a token at a time,
-    then mixed with the block's extra keys digest and the parent's key."""
+    then mixed with the block's extra keys digest (``extras`` empty: none) and the parent's key.
+    Four blocks' token hashes at a time: each is a chain of dependent multiplies, and four
+    independent chains overlap in the processor where one waits on each multiply (measured:
+    the hashing was a fifth of the compiled call's time on vLLM's 16-token blocks)."""
     key = parent
-    for i in range(out.size):
-        h = _SEED
+    count = out.size
+    some_extras = extras.size != 0
+    i = 0
+    while i + 4 <= count:
+        h0 = h1 = h2 = h3 = _SEED
         base = i * block_size
-        for j in range(block_size):
-            h = (h ^ tokens[base + j]) * _TOKEN
-        h = mix(h ^ extras[i])
-        key = mix(key * GOLDEN + h) & MASK60
+        for j in range(base, base + block_size):
+            h0 = (h0 ^ tokens[j]) * _TOKEN
+            h1 = (h1 ^ tokens[j + block_size]) * _TOKEN
+            h2 = (h2 ^ tokens[j + 2 * block_size]) * _TOKEN
+            h3 = (h3 ^ tokens[j + 3 * block_size]) * _TOKEN
+        if some_extras:
+            h0, h1, h2, h3 = h0 ^ extras[i], h1 ^ extras[i + 1], h2 ^ extras[i + 2], h3 ^ extras[i + 3]
+        key = mix(key * GOLDEN + mix(h0)) & MASK60
         out[i] = key
+        key = mix(key * GOLDEN + mix(h1)) & MASK60
+        out[i + 1] = key
+        key = mix(key * GOLDEN + mix(h2)) & MASK60
+        out[i + 2] = key
+        key = mix(key * GOLDEN + mix(h3)) & MASK60
+        out[i + 3] = key
+        i += 4
+    for b in range(i, count):
+        h = _SEED
+        base = b * block_size
+        for j in range(base, base + block_size):
+            h = (h ^ tokens[j]) * _TOKEN
+        if some_extras:
+            h ^= extras[b]
+        key = mix(key * GOLDEN + mix(h)) & MASK60
+        out[b] = key
 
 
 @njit(cache=CACHE, nogil=True)
@@ -211,7 +237,7 @@ def _store(hashes: Any, tokens: Any, extras: Any, arrays: Arrays) -> int:
         chained = True  # a block's key needs no parent
     else:
         keys = np.empty(count, np.uint64)
-        content_keys(tokens, block_size, parent, extras if extras.size else np.zeros(count, np.uint64), keys)
+        content_keys(tokens, block_size, parent, extras, keys)
     touched = np.uint64(0)
     for b in range(count):
         touched ^= (
