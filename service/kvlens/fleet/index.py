@@ -347,24 +347,22 @@ class FleetIndex:
         while True:
             position, stop, value, *tally = k.apply_payload(payload, position, self._arrays(state))
             if stop == k.DONE:
-                tally[k.T_MALFORMED] += malformed
+                if malformed:
+                    tally[k.T_MALFORMED] += malformed
                 if self.require_cache_salt and tally[k.STORED_EVENT]:
                     self._count_unsalted(replica, payload)
-                return cast("list[int]", tally)  # numba answers ints
+                return tally  # numba answers ints
             malformed += tally[k.T_MALFORMED]
             if stop == k.UNREAD:
                 return None
             if stop == k.STOP_SHRINK:
                 self._shrink(state, value)
-            elif stop == k.STOP_GROW:
-                reader = self._reader
-                events = reader.read_batch(payload)[1]  # the event it stopped at (rare)
-                row = events[position]
-                blocks = int(row[reader.E_HASHES_END] - row[reader.E_HASHES])
-                if row[reader.E_TYPE] == reader.STORED_EVENT:
-                    self._room_to_store(state, blocks, value)
-                else:
-                    self._room_to_remove(blocks)
+            elif stop == k.STOP_GROW:  # room for the value's blocks, the event at the position
+                self._room_to_store(state, value, k.GROW)
+            elif stop == k.STOP_GROW_COPIES:
+                self._room_to_store(state, value, k.GROW_COPIES)
+            elif stop == k.STOP_GROW_REMEMBERED:
+                self._room_to_remove(value)
             else:  # STOP_CALLER: an AllBlocksCleared
                 self.cleared(replica)
                 params[k.P_REPLICA] = state.number

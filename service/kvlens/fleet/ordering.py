@@ -312,11 +312,13 @@ class Consumer:
 
     def _apply(self, replica: str, status: PublisherStatus, payload: bytes) -> None:
         status.batches += 1
-        with self.index.lock:
-            if not self.admitted(replica, status):
+        index = self.index
+        with index.lock:
+            # admitted() only when a slot is refused, now or before (its log to reset)
+            if (self._refused or not index.admit(replica)) and not self.admitted(replica, status):
                 return
             # the usual payload: read and applied in one compiled call
-            tally = self.index.apply_payload(replica, payload)
+            tally = index.apply_payload(replica, payload)
             if tally is not None:
                 stored, removed, cleared, malformed = tally  # other groups' events: msgspec's path
                 events = status.events

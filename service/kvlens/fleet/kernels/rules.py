@@ -55,6 +55,7 @@ from kvlens.fleet.kernels.table import (
     is_sparse,
     mix,
     touch_home,
+    touch_home_depth,
 )
 from kvlens.fleet.limits import TIERS
 
@@ -103,8 +104,10 @@ Arrays = tuple[Any, Any, Any, Any, Any, Any, Any, Any, Any]  # params, replica, 
 TALLY = 4
 T_MALFORMED = 3
 # why apply_events stopped: done, or the caller's turn (tables to grow or shrink, an event it
-# applies itself) before calling again from the position it answered
-DONE, STOP_GROW, STOP_SHRINK, STOP_CALLER, UNREAD = range(5)
+# applies itself) before calling again from the position it answered; a table to grow for the
+# event at the position (the value: its blocks): the replica's and the fleet's (a store's GROW),
+# the replica's extra copies (GROW_COPIES), the remembered table and ring (a removal's GROW)
+DONE, STOP_GROW, STOP_SHRINK, STOP_CALLER, UNREAD, STOP_GROW_COPIES, STOP_GROW_REMEMBERED = range(7)
 
 
 @njit(cache=CACHE, nogil=True)
@@ -241,7 +244,9 @@ def _store(hashes: Any, tokens: Any, extras: Any, arrays: Arrays) -> int:
     touched = np.uint64(0)
     for b in range(count):
         touched ^= (
-            touch_home(replica, hashes[b]) ^ touch_home(fleet, keys[b]) ^ touch_home(remembered, keys[b])
+            touch_home_depth(replica, depths, hashes[b])
+            ^ touch_home(fleet, keys[b])
+            ^ touch_home(remembered, keys[b])
         )
     params[P_TOUCHED] = touched
     added = 0
@@ -511,14 +516,16 @@ def _apply_events(
                 no_extras,
                 arrays,
             )
-            if done == GROW or done == GROW_COPIES:  # noqa: SIM109 - a tuple's `in`: not in numba
-                return e, STOP_GROW, done
+            if done == GROW:
+                return e, STOP_GROW, row[E_HASHES_END] - row[E_HASHES]
+            if done == GROW_COPIES:
+                return e, STOP_GROW_COPIES, row[E_HASHES_END] - row[E_HASHES]
             if done < 0:  # the token ids do not fill its blocks (counted now: a call after a
                 tally[T_MALFORMED] += 1  # stop reads the payload anew)
         elif kind == REMOVED_EVENT:
             done = _remove(hashes[row[E_HASHES] : row[E_HASHES_END]], arrays)
             if done == GROW:
-                return e, STOP_GROW, GROW
+                return e, STOP_GROW_REMEMBERED, row[E_HASHES_END] - row[E_HASHES]
             if done:
                 return e + 1, STOP_SHRINK, done
         else:
@@ -538,8 +545,8 @@ def apply_payload(buf: Any, start: int, arrays: Arrays) -> tuple[int, int, int, 
     then applied as :func:`store` and :func:`remove` one by one would. Answers (position, why it
     stopped, a value, then the tally: events of each type, malformed). Done:
     (events, :data:`DONE`, 0, tally). Else it is the caller's turn, then call again from the
-    position: :data:`STOP_GROW` (grow the tables for the event at the position: the value is
-    :data:`GROW` or :data:`GROW_COPIES`, as :func:`store` answers), :data:`STOP_SHRINK` (the
+    position: :data:`STOP_GROW`, :data:`STOP_GROW_COPIES` or :data:`STOP_GROW_REMEMBERED` (grow
+    those tables for the event at the position: the value is its blocks), :data:`STOP_SHRINK` (the
     event before it left tables mostly empty: the value's flags), :data:`STOP_CALLER` (the
     caller applies the event at the position: an ``AllBlocksCleared``)."""
     ok, events, parents, hashes, tokens = read_batch(buf)
