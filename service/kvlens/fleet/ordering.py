@@ -191,9 +191,12 @@ class Consumer:
         the last is a restart whatever the sequence, and the new lifecycle's sequence began at
         0, so what comes before ``seq`` is a gap."""
         status = self.status[replica]
-        expected, restarted = _expected(status, seq, epoch)
-        if epoch is not None:
-            status.epoch = epoch
+        if epoch is None and seq == status.next_seq:  # the usual: _expected's answer, without the call
+            expected, restarted = seq, False
+        else:
+            expected, restarted = _expected(status, seq, epoch)
+            if epoch is not None:
+                status.epoch = epoch
         if seq == expected and not restarted and not self.reorder_seconds and not self._waiting:
             # the usual message (the next one, no window, nothing queued): applied now, as the
             # queue would at once, without its cost
@@ -252,7 +255,8 @@ class Consumer:
                     MAX_TIMESTAMP_LEAD_SECONDS,
                 )
             stamp = self._waiting.newest
-        key = max(stamp, self._last_ts.get(replica, -math.inf))
+        last = self._last_ts.get(replica, -math.inf)
+        key = last if last > stamp else stamp  # max(stamp, last), without the call
         self._last_ts[replica] = key
         if key > self._waiting.newest:
             self._waiting.newest = key
