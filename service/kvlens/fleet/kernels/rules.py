@@ -498,7 +498,7 @@ def _apply_events(
     """The events :func:`read_batch` read, from ``start``, as :func:`store` and :func:`remove` one
     by one would (see :func:`apply_payload`)."""
     params = arrays[0]
-    no_extras = np.zeros(0, np.uint64)
+    no_extras = parents[:0]  # a view: no allocation
     n = events.shape[0]
     for e in range(start, n):
         row = events[e]
