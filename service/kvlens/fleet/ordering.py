@@ -192,7 +192,8 @@ class Consumer:
         0, so what comes before ``seq`` is a gap."""
         status = self.status[replica]
         if epoch is None and seq == status.next_seq:  # the usual: _expected's answer, without the call
-            expected, restarted = seq, False
+            expected: int | None = seq
+            restarted = False
         else:
             expected, restarted = _expected(status, seq, epoch)
             if epoch is not None:
