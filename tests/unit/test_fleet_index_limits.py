@@ -186,3 +186,24 @@ def test_a_churning_table_is_rebuilt_at_its_own_size_when_tombstones_take_its_ro
     assert index.snapshot().held == {("a", "GPU"): 4_900}
     assert {size for pair in rebuilds for size in pair} == {grown}
     assert len(rebuilds) <= 20_000 // (int(table.MAX_LOAD * grown) - 4_900 - 50)
+
+
+@pytest.mark.parametrize("alike", [False, True])
+def test_a_hash_removed_again_in_one_event_finds_what_the_event_left(alike: bool) -> None:
+    """A removal finds each hash's row once, ahead of its loop: a hash named again in the same
+    event (the engine's copies of it, or one more than it holds) sees what the earlier ones
+    left, the keys 0 and 1 (kept apart from the probed slots) too."""
+    index = FleetIndex(hashes_alike=alike)
+    for _ in range(2):  # each hash twice in the GPU (the second an extra copy), a chain each
+        for block in (0, 1, 5):
+            index.stored("a", [block], None, [block], 1)
+    index.stored("a", [5], None, [5], 1, medium="CPU")
+    # 0: its copy, its block, then nothing held (unknown); 1: its copy; 5: its copy, its GPU
+    # block (still held in the CPU), then nothing held in the GPU (unknown)
+    index.removed("a", [0, 0, 0, 1, 5, 5, 5])
+    snapshot = index.snapshot()
+    assert snapshot.held == {("a", "GPU"): 1, ("a", "CPU"): 1}
+    assert snapshot.removed == {("a", "GPU"): 5}
+    assert (snapshot.unknown_removed, snapshot.distinct_blocks, snapshot.remembered_blocks) == (2, 2, 1)
+    index.stored("a", [0], None, [0], 1)  # held before, here: evicted_here
+    assert index.recomputed[("a", "evicted_here")] == 1

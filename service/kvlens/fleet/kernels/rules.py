@@ -361,15 +361,20 @@ def _remove(hashes: Any, arrays: Arrays) -> int:
     touched = np.uint64(0)
     for b in range(hashes.size):
         touched ^= touch_home(replica, hashes[b])
+    # each hash's row, found once: a removal inserts nothing, so a hash not held now is not
+    # held below, and one held is where it was found unless this event removed it already
+    rows = np.empty(hashes.size, np.int64)
     for b in range(hashes.size):  # then the fleet's lines of the blocks held
         row, found = find_slot(replica, hashes[b])
+        rows[b] = row if found else -1
         if found:
             key = hashes[b] if alike else replica[row, 1] & MASK60
             touched ^= touch_home(fleet, key) ^ touch_home(remembered, key)
     params[P_TOUCHED] = touched
     for b in range(hashes.size):
         engine_hash = hashes[b]
-        row, found = find_slot(replica, engine_hash)
+        row = rows[b]
+        found = row >= 0 and replica[row, 0] == (engine_hash if engine_hash >= PRESENT else PRESENT)
         if not found or not replica[row, 1] & tier_bits:
             # its store was missed (or not kept); without hashes alike its shard is unknown, so
             # shard 0 counts it
