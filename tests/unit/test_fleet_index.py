@@ -37,6 +37,7 @@ from kvlens.fleet.causes import (
     UNKNOWN,
 )
 from kvlens.fleet.index import FleetIndex
+from kvlens.fleet.keys import extra_digest
 from kvlens.fleet.limits import HELD_ENTRY_BYTES, MAX_REPLICAS, REMEMBERED_ENTRY_BYTES
 from kvlens.fleet.simulated import SimulatedEngine, into_index
 from kvlens.simulate.replica import DEFAULT_SERVICE
@@ -614,3 +615,75 @@ def test_more_replicas_than_the_masks_hold_is_an_error_naming_the_replica() -> N
     assert index.recomputed[f"r{MAX_REPLICAS - 1}", HELD_ELSEWHERE] == 1
     with pytest.raises(ValueError, match="'r64': the index follows at most 64 replicas"):
         index.stored("r64", [1], None, tokens(1), 4)
+
+
+_M64 = (1 << 64) - 1
+
+
+def _murmur_mix(h: int) -> int:
+    h ^= h >> 33
+    h = h * 0xFF51AFD7ED558CCD & _M64
+    h ^= h >> 33
+    h = h * 0xC4CEB9FE1A85EC53 & _M64
+    return h ^ h >> 33
+
+
+def plain_content_keys(tokens: list[int], size: int, parent: int, extras: list[int]) -> list[int]:
+    """The content key as the index's docstring defines it, a block at a time in Python ints:
+    FNV-1a-like over the block's tokens, mixed with its extra keys' digest, chained from the
+    parent's key, 60 bits."""
+    key, keys = parent, []
+    for block in range(len(tokens) // size):
+        h = 0xCBF29CE484222325
+        for token in tokens[block * size : (block + 1) * size]:
+            h = (h ^ token) * 0x100000001B3 & _M64
+        h = _murmur_mix(h ^ (extras[block] if extras else 0))
+        key = _murmur_mix((key * 0x9E3779B97F4A7C15 + h) & _M64) & ((1 << 60) - 1)
+        keys.append(key)
+    return keys
+
+
+@pytest.mark.parametrize("lora", [None, "adapter"])
+def test_content_keys_are_the_plain_definition_whatever_the_blocks_an_event(lora: str | None) -> None:
+    """Events of 1 to 11 blocks (the compiled loop hashes four blocks' tokens at a time, the
+    rest one by one), chained from a parent, with and without extra keys: each block is held
+    under the key the plain definition gives (the same in every process and version)."""
+    rng = random.Random(3)
+    index = FleetIndex()
+    parent_hash, parent_key, first = 7, 0, 100
+    index.stored("a", [parent_hash], None, [5, 6, 7], 3, lora_name=lora)
+    extras = [extra_digest(lora, None)] if lora else []
+    parent_key = plain_content_keys([5, 6, 7], 3, 0, extras)[0]
+    for blocks in range(1, 12):
+        tokens = [rng.randrange(1 << rng.choice([7, 16, 32, 64])) for _ in range(blocks * 3)]
+        hashes = list(range(first, first + blocks))
+        index.stored("a", hashes, parent_hash, tokens, 3, lora_name=lora)
+        keys = plain_content_keys(tokens, 3, parent_key, [extra_digest(lora, None)] * blocks if lora else [])
+        assert [index.holders(key) for key in keys] == [["a"]] * blocks
+        parent_hash, parent_key, first = hashes[-1], keys[-1], first + blocks
+
+
+def test_the_arrays_handed_to_the_compiled_loops_keep_the_types_of_their_entry_point() -> None:
+    """A payload's loop is called past numba's dispatcher, which would type its arguments each
+    call (kernels.entry_point: the types of the first arrays, unchecked after): every replica's
+    arrays, through tables grown, shrunk, cleared and forgotten, extra copies, every tier and a
+    capped memory of removed blocks, have the types of a new replica's."""
+    from numba import typeof
+
+    index = FleetIndex(remember_blocks=3_000)
+    wanted = typeof(index._arrays(index.replica("fresh")))
+    seen = 0
+    for round_ in range(3):
+        for name in ("a", "b"):
+            blocks = list(range(round_ * 20_000, round_ * 20_000 + 20_000))
+            index.stored(name, blocks, None, blocks, 1)
+            index.stored(name, blocks[:500], None, blocks[:500], 1)  # extra copies
+            index.stored(name, blocks[:300], None, blocks[:300], 1, medium="CPU")
+            index.removed(name, blocks[:19_000])
+            for state in index._replicas.values():
+                assert typeof(index._arrays(state)) == wanted
+                seen += 1
+        index.cleared("a")
+        index.forget_replica("b")
+    assert seen == 3 * (2 + 3)
+    assert index.snapshot().forgotten_blocks > 0

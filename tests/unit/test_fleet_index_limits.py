@@ -153,3 +153,57 @@ def test_a_clear_grows_the_remembered_table_a_slice_at_a_time(monkeypatch: pytes
     snapshot = index.snapshot()
     assert (snapshot.remembered_blocks, snapshot.forgotten_blocks) == (20_000, 20_000)
     assert index._remembered.rows.shape[0] - 3 <= math.ceil((20_000 + 1024) / table.FILL)
+
+
+def test_a_churning_table_is_rebuilt_at_its_own_size_when_tombstones_take_its_room(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A replica at its capacity (each store evicts as much): removals leave tombstones, and the
+    rebuild that clears them keeps the table's size. Rebuilt at its fill instead (smaller: the
+    table had doubled past it), it was rebuilt again after a few hundred removals, every slot
+    moved each time (83 rebuilds in bench/kv_events.py's run, 63 of them at one size)."""
+    rebuilds: list[tuple[int, int]] = []
+    rebuild = table.Table._rebuild
+
+    def counted(self: table.Table, slots: int, pause: table.Pause) -> None:
+        if self.depths.size:  # a replica's table
+            rebuilds.append((self.rows.shape[0] - 3, slots))
+        rebuild(self, slots, pause)
+
+    monkeypatch.setattr(table.Table, "_rebuild", counted)
+    index = FleetIndex(hashes_alike=True)
+    for first in range(0, 4_900, 50):
+        blocks = list(range(first, first + 50))
+        index.stored("a", blocks, None, blocks, 1)
+    grown = index._replicas["a"].table.rows.shape[0] - 3
+    assert grown == 8192  # doubled from 256 (below table.SMALL_SLOTS)
+    del rebuilds[:]
+    for first in range(4_900, 24_900, 50):  # 20,000 blocks through: the oldest 50 go, 50 come
+        gone = list(range(first - 4_900, first - 4_850))
+        index.removed("a", gone)
+        blocks = list(range(first, first + 50))
+        index.stored("a", blocks, None, blocks, 1)
+    assert index.snapshot().held == {("a", "GPU"): 4_900}
+    assert {size for pair in rebuilds for size in pair} == {grown}
+    assert len(rebuilds) <= 20_000 // (int(table.MAX_LOAD * grown) - 4_900 - 50)
+
+
+@pytest.mark.parametrize("alike", [False, True])
+def test_a_hash_removed_again_in_one_event_finds_what_the_event_left(alike: bool) -> None:
+    """A removal finds each hash's row once, ahead of its loop: a hash named again in the same
+    event (the engine's copies of it, or one more than it holds) sees what the earlier ones
+    left, the keys 0 and 1 (kept apart from the probed slots) too."""
+    index = FleetIndex(hashes_alike=alike)
+    for _ in range(2):  # each hash twice in the GPU (the second an extra copy), a chain each
+        for block in (0, 1, 5):
+            index.stored("a", [block], None, [block], 1)
+    index.stored("a", [5], None, [5], 1, medium="CPU")
+    # 0: its copy, its block, then nothing held (unknown); 1: its copy; 5: its copy, its GPU
+    # block (still held in the CPU), then nothing held in the GPU (unknown)
+    index.removed("a", [0, 0, 0, 1, 5, 5, 5])
+    snapshot = index.snapshot()
+    assert snapshot.held == {("a", "GPU"): 1, ("a", "CPU"): 1}
+    assert snapshot.removed == {("a", "GPU"): 5}
+    assert (snapshot.unknown_removed, snapshot.distinct_blocks, snapshot.remembered_blocks) == (2, 2, 1)
+    index.stored("a", [0], None, [0], 1)  # held before, here: evicted_here
+    assert index.recomputed[("a", "evicted_here")] == 1

@@ -173,6 +173,11 @@ class FleetIndex:
         self.sessions = (
             SessionLedger(sessions, CAUSES) if sessions > 0 else None
         )  # a hybrid model's KV cache groups, per replica (kvlens.fleet.groups)
+        # a payload's loop called past numba's dispatcher (kernels.entry_point): for the types of a
+        # bytes payload and of the arrays every replica hands it (their dtypes and shapes fixed
+        # by the tables, tested); a payload of another type goes through the dispatcher
+        some = _Replica("", 0, table.Table(depths=True), table.Table())
+        self._apply_entry = kernels.entry_point(rules.apply_payload, b"", 0, self._arrays(some))
 
     # --- feeding ---------------------------------------------------------------------------
 
@@ -344,27 +349,26 @@ class FleetIndex:
         params[k.P_REPLICA] = state.number  # the loop sets the rest an event
         position = 0
         malformed = 0  # by earlier calls (each call reads the payload anew)
+        apply = self._apply_entry if type(payload) is bytes else k.apply_payload
         while True:
-            position, stop, value, *tally = k.apply_payload(payload, position, self._arrays(state))
+            position, stop, value, *tally = apply(payload, position, self._arrays(state))
             if stop == k.DONE:
-                tally[k.T_MALFORMED] += malformed
+                if malformed:
+                    tally[k.T_MALFORMED] += malformed
                 if self.require_cache_salt and tally[k.STORED_EVENT]:
                     self._count_unsalted(replica, payload)
-                return cast("list[int]", tally)  # numba answers ints
+                return tally  # numba answers ints
             malformed += tally[k.T_MALFORMED]
             if stop == k.UNREAD:
                 return None
             if stop == k.STOP_SHRINK:
                 self._shrink(state, value)
-            elif stop == k.STOP_GROW:
-                reader = self._reader
-                events = reader.read_batch(payload)[1]  # the event it stopped at (rare)
-                row = events[position]
-                blocks = int(row[reader.E_HASHES_END] - row[reader.E_HASHES])
-                if row[reader.E_TYPE] == reader.STORED_EVENT:
-                    self._room_to_store(state, blocks, value)
-                else:
-                    self._room_to_remove(blocks)
+            elif stop == k.STOP_GROW:  # room for the value's blocks, the event at the position
+                self._room_to_store(state, value, k.GROW)
+            elif stop == k.STOP_GROW_COPIES:
+                self._room_to_store(state, value, k.GROW_COPIES)
+            elif stop == k.STOP_GROW_REMEMBERED:
+                self._room_to_remove(value)
             else:  # STOP_CALLER: an AllBlocksCleared
                 self.cleared(replica)
                 params[k.P_REPLICA] = state.number

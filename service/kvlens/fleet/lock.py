@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 from types import TracebackType
 
+_get_ident = threading.get_ident
+
 
 class IndexLock:
     """The index's lock (a ``threading.Lock``: ``with index.lock:``), which its holder can hand
@@ -20,15 +22,19 @@ class IndexLock:
         self._taken = threading.Event()  # a waiter got the lock (after a pause released it)
         self._owner: int | None = None
 
-    def acquire(self) -> None:
-        if not self._lock.acquire(blocking=False):
-            with self._count_lock:
-                self._waiting += 1
-            self._lock.acquire()
-            with self._count_lock:
-                self._waiting -= 1
-            self._taken.set()
-        self._owner = threading.get_ident()
+    def acquire(self) -> IndexLock:
+        if not self._lock.acquire(False):
+            self._wait()
+        self._owner = _get_ident()
+        return self
+
+    def _wait(self) -> None:
+        with self._count_lock:
+            self._waiting += 1
+        self._lock.acquire()
+        with self._count_lock:
+            self._waiting -= 1
+        self._taken.set()
 
     def release(self) -> None:
         self._owner = None
@@ -37,14 +43,14 @@ class IndexLock:
     def locked(self) -> bool:
         return self._lock.locked()
 
-    def __enter__(self) -> IndexLock:
-        self.acquire()
-        return self
+    # ``with index.lock:`` is taken a KV events batch: the methods themselves, not a call more each
+    __enter__ = acquire
 
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.release()
+        self._owner = None
+        self._lock.release()
 
     def pause(self) -> None:
         """Called by the holder between slices: a thread waiting for the lock now takes it (the

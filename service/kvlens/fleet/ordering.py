@@ -191,9 +191,13 @@ class Consumer:
         the last is a restart whatever the sequence, and the new lifecycle's sequence began at
         0, so what comes before ``seq`` is a gap."""
         status = self.status[replica]
-        expected, restarted = _expected(status, seq, epoch)
-        if epoch is not None:
-            status.epoch = epoch
+        if epoch is None and seq == status.next_seq:  # the usual: _expected's answer, without the call
+            expected: int | None = seq
+            restarted = False
+        else:
+            expected, restarted = _expected(status, seq, epoch)
+            if epoch is not None:
+                status.epoch = epoch
         if seq == expected and not restarted and not self.reorder_seconds and not self._waiting:
             # the usual message (the next one, no window, nothing queued): applied now, as the
             # queue would at once, without its cost
@@ -252,7 +256,8 @@ class Consumer:
                     MAX_TIMESTAMP_LEAD_SECONDS,
                 )
             stamp = self._waiting.newest
-        key = max(stamp, self._last_ts.get(replica, -math.inf))
+        last = self._last_ts.get(replica, -math.inf)
+        key = last if last > stamp else stamp  # max(stamp, last), without the call
         self._last_ts[replica] = key
         if key > self._waiting.newest:
             self._waiting.newest = key
@@ -312,11 +317,13 @@ class Consumer:
 
     def _apply(self, replica: str, status: PublisherStatus, payload: bytes) -> None:
         status.batches += 1
-        with self.index.lock:
-            if not self.admitted(replica, status):
+        index = self.index
+        with index.lock:
+            # admitted() only when a slot is refused, now or before (its log to reset)
+            if (self._refused or not index.admit(replica)) and not self.admitted(replica, status):
                 return
             # the usual payload: read and applied in one compiled call
-            tally = self.index.apply_payload(replica, payload)
+            tally = index.apply_payload(replica, payload)
             if tally is not None:
                 stored, removed, cleared, malformed = tally  # other groups' events: msgspec's path
                 events = status.events

@@ -383,32 +383,37 @@ def _event(
 
 
 @njit(cache=CACHE, nogil=True)
+def _unread() -> tuple[bool, Any, Any, Any, Any]:
+    """:func:`read_batch`'s answer for a payload it leaves (its arrays allocated only then)."""
+    empty = np.zeros(0, np.uint64)
+    return False, np.zeros((0, EVENT_FIELDS), np.int64), empty, empty, empty
+
+
+@njit(cache=CACHE, nogil=True)
 def read_batch(buf: Any) -> tuple[bool, Any, Any, Any, Any]:
     """An ``EventBatch`` payload ``[ts, events(, data_parallel_rank)]``: (True, a row a event
     (``E_*``), each BlockStored's parent hash, every event's block hashes, every BlockStored's
     token ids), or (False, ...) for anything it is not sure of (then msgspec reads it). ``buf``:
     the payload's bytes (or an array of them)."""
     end = len(buf)
-    events = np.zeros((0, EVENT_FIELDS), np.int64)
-    parents = np.zeros(0, np.uint64)
-    hashes = np.zeros(0, np.uint64)
-    tokens = np.zeros(0, np.uint64)
     count, pos = _array_head(buf, 0, end)
     if (count != 2 and count != 3) or pos >= end or end > MAX_READ_BYTES:
-        return False, events, parents, hashes, tokens
+        return _unread()
     if buf[pos] == 0xCB:  # ts: float64 (vLLM) or float32
         pos += 9
     elif buf[pos] == 0xCA:
         pos += 5
     else:
-        return False, events, parents, hashes, tokens
+        return _unread()
     n, pos = _array_head(buf, pos, end)
     if n < 0 or n * _MIN_EVENT_BYTES > end - pos:  # a row an event: not more than can be read
-        return False, events, parents, hashes, tokens
+        return _unread()
     events = np.zeros((n, EVENT_FIELDS), np.int64)
     parents = np.zeros(n, np.uint64)
-    hashes = np.empty(end, np.uint64)  # an integer takes a byte at least
-    tokens = np.empty(end, np.uint64)
+    # the hashes, then the tokens, in one array (an allocation a payload less: a fixed cost of
+    # every batch); an integer takes a byte at least
+    values = np.empty(2 * end, np.uint64)
+    hashes, tokens = values[:end], values[end:]
     nh = nt = 0
     for e in range(n):
         ok, pos, nh, nt = _event(buf, pos, end, events[e], parents, e, hashes, tokens, nh, nt)

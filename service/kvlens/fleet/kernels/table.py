@@ -113,6 +113,13 @@ def touch_home(table: Any, key: Any) -> Any:
 
 
 @njit(cache=CACHE, nogil=True)
+def touch_home_depth(table: Any, depths: Any, key: Any) -> Any:
+    """:func:`touch_home` and the depth beside that slot (a replica's table): its own line."""
+    home = _home(key, table.shape[0] - 3)
+    return table[home, 0] ^ depths[home]
+
+
+@njit(cache=CACHE, nogil=True)
 def insert_at(table: Any, row: int, key: Any, val: Any) -> None:
     last = table.shape[0] - 1
     if row >= last - 2:
@@ -183,6 +190,7 @@ def rebuild_rows(table: Any, new: Any, depths: Any, new_depths: Any, start: int,
     slots = new.shape[0] - 3
     last = slots + 2
     moving = depths.size != 0
+    moved = np.uint64(0)  # added to the counters once: a row's += would wait on the previous one's
     for i in range(start, min(stop, size)):
         key = table[i, 0]
         if key > TOMB:
@@ -195,8 +203,9 @@ def rebuild_rows(table: Any, new: Any, depths: Any, new_depths: Any, start: int,
             new[pos, 1] = table[i, 1]
             if moving:
                 new_depths[pos] = depths[i]
-            new[last, 0] += np.uint64(1)
-            new[last, 1] += np.uint64(1)
+            moved += np.uint64(1)
+    new[last, 0] += moved
+    new[last, 1] += moved
     if stop >= size:
         for spare in range(2):
             if table[size + spare, 0] == PRESENT:
@@ -248,12 +257,14 @@ class Table:
         return total
 
     def reserve(self, inserts: int, pause: Pause = _no_pause) -> None:
-        """Room for ``inserts`` more keys under :data:`MAX_LOAD`: rebuilt at :attr:`fill` (the
-        same size when tombstones took the room), or at least doubled when it grows below
-        :data:`SMALL_SLOTS`."""
+        """Room for ``inserts`` more keys under :data:`MAX_LOAD`: rebuilt at :attr:`fill`, or at
+        least doubled when it grows below :data:`SMALL_SLOTS`; at the same size when tombstones
+        took the room (never smaller: a churning table sized at its fill would be rebuilt again
+        after a few removals' tombstones, every slot moved each time; memory is given back by
+        :meth:`shrink` once it is mostly empty, as for any table past its most held)."""
         if not has_room(self.rows, inserts):
             slots, need = self.rows.shape[0] - 3, _slots(self.live + inserts, self.fill)
-            self._rebuild(max(need, min(2 * slots, SMALL_SLOTS)) if need > slots else need, pause)
+            self._rebuild(max(need, min(2 * slots, SMALL_SLOTS)) if need > slots else slots, pause)
 
     def shrink(self, pause: Pause = _no_pause) -> None:
         """Give memory back once most entries are gone (a replica cleared, a cap lowered)."""
