@@ -661,29 +661,3 @@ def test_content_keys_are_the_plain_definition_whatever_the_blocks_an_event(lora
         keys = plain_content_keys(tokens, 3, parent_key, [extra_digest(lora, None)] * blocks if lora else [])
         assert [index.holders(key) for key in keys] == [["a"]] * blocks
         parent_hash, parent_key, first = hashes[-1], keys[-1], first + blocks
-
-
-def test_the_arrays_handed_to_the_compiled_loops_keep_the_types_of_their_entry_point() -> None:
-    """A payload's loop is called past numba's dispatcher, which would type its arguments each
-    call (kernels.entry_point: the types of the first arrays, unchecked after): every replica's
-    arrays, through tables grown, shrunk, cleared and forgotten, extra copies, every tier and a
-    capped memory of removed blocks, have the types of a new replica's."""
-    from numba import typeof
-
-    index = FleetIndex(remember_blocks=3_000)
-    wanted = typeof(index._arrays(index.replica("fresh")))
-    seen = 0
-    for round_ in range(3):
-        for name in ("a", "b"):
-            blocks = list(range(round_ * 20_000, round_ * 20_000 + 20_000))
-            index.stored(name, blocks, None, blocks, 1)
-            index.stored(name, blocks[:500], None, blocks[:500], 1)  # extra copies
-            index.stored(name, blocks[:300], None, blocks[:300], 1, medium="CPU")
-            index.removed(name, blocks[:19_000])
-            for state in index._replicas.values():
-                assert typeof(index._arrays(state)) == wanted
-                seen += 1
-        index.cleared("a")
-        index.forget_replica("b")
-    assert seen == 3 * (2 + 3)
-    assert index.snapshot().forgotten_blocks > 0

@@ -173,11 +173,6 @@ class FleetIndex:
         self.sessions = (
             SessionLedger(sessions, CAUSES) if sessions > 0 else None
         )  # a hybrid model's KV cache groups, per replica (kvlens.fleet.groups)
-        # a payload's loop called past numba's dispatcher (kernels.entry_point): for the types of a
-        # bytes payload and of the arrays every replica hands it (their dtypes and shapes fixed
-        # by the tables, tested); a payload of another type goes through the dispatcher
-        some = _Replica("", 0, table.Table(depths=True), table.Table())
-        self._apply_entry = kernels.entry_point(rules.apply_payload, b"", 0, self._arrays(some))
 
     # --- feeding ---------------------------------------------------------------------------
 
@@ -349,9 +344,8 @@ class FleetIndex:
         params[k.P_REPLICA] = state.number  # the loop sets the rest an event
         position = 0
         malformed = 0  # by earlier calls (each call reads the payload anew)
-        apply = self._apply_entry if type(payload) is bytes else k.apply_payload
         while True:
-            position, stop, value, *tally = apply(payload, position, self._arrays(state))
+            position, stop, value, *tally = k.apply_payload(payload, position, self._arrays(state))
             if stop == k.DONE:
                 if malformed:
                     tally[k.T_MALFORMED] += malformed

@@ -6,12 +6,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from types import ModuleType
-from typing import ParamSpec, TypeVar
 
 import numpy as np
-from numba.core.dispatcher import Dispatcher
 from numba.core.registry import CPUDispatcher
 
 from kvlens.fleet.kernels import msgpack, rules, stamp
@@ -43,8 +40,6 @@ from kvlens.fleet.kernels.table import (
 )
 
 log = logging.getLogger(__name__)
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
 _warm = False
 
 
@@ -85,18 +80,6 @@ def warm() -> None:
     is_sparse(table)
     _recompile_when_stale((tables, msgpack, rules))
     _warm = True
-
-
-def entry_point(loop: Dispatcher[Callable[_P, _R]], *args: object) -> Callable[_P, _R]:
-    """``loop`` compiled for the types of ``args`` (compiled now if it was not), to be called
-    without numba's dispatcher: the caller's calls must pass arguments of exactly these types
-    (the entry point unboxes them as such, unchecked). The dispatcher types every argument of
-    every call: for a payload and the index's nine arrays, 0.45 us of the 1.3 us a call costs
-    (measured), a twentieth of a one-event batch's time."""
-    signature = tuple(loop.typeof_pyval(arg) for arg in args)
-    if signature not in loop.overloads:
-        loop.compile(signature)
-    return loop.get_overload(signature)
 
 
 def _recompile_when_stale(modules: tuple[ModuleType, ...]) -> None:
