@@ -188,3 +188,45 @@ def test_a_cache_with_every_block_in_use_caches_nothing_more() -> None:
     cache = PrefixCache(1)
     assert cache.acquire(("a",), 1) == (0, 1)
     assert cache.acquire(("b",), 1) == (0, 0)
+
+
+def test_a_replay_makes_no_reference_cycle_and_runs_with_the_cyclic_collector_paused() -> None:
+    """simulate() pauses Python's cyclic collector while it replays (its walks over the process's
+    long-lived objects were a tenth of a long replay): safe only while a replay, with its records
+    and its KV events into a fleet index, leaves no cycle behind for it to find."""
+    import gc
+    import io
+
+    from kvlens.fleet.index import FleetIndex
+    from kvlens.simulate.funnel import events_into
+    from kvlens.simulate.run import write_records
+    from kvlens.simulate.trace import BUNDLED, open_trace
+
+    trace = open_trace(BUNDLED)
+    requests = list(trace.requests())[:1500]
+    fleet = Fleet(3, 300, trace.block_size)
+    seen: list[bool] = []
+    index = FleetIndex(hashes_alike=True)
+    out = io.BytesIO()
+    gc.collect()
+    was = gc.get_threshold()
+    try:
+        gc.set_threshold(0)  # nothing collected but by the calls below
+        simulate(
+            requests,
+            fleet,
+            "round_robin",
+            records=write_records(out),
+            progress=lambda _: seen.append(gc.isenabled()),
+            events=events_into(index, trace.block_size),
+        )
+        assert gc.collect() == 0
+    finally:
+        gc.set_threshold(*was)
+    assert seen and not any(seen) and gc.isenabled() and out.getvalue()
+    gc.disable()
+    try:
+        simulate(requests[:10], fleet, "round_robin")
+        assert not gc.isenabled()  # set back as it was
+    finally:
+        gc.enable()
