@@ -250,18 +250,22 @@ class PrefixCache:
             if hold is not None:
                 hold.count = count
                 self._owners.add(hold)
-            return min(count, limit), count
+            return count if count < limit else limit, count
         assert hold is not None
         rest = len(new)
         if self.capacity is not None:
             room = self.capacity - before - self.private
             if room < rest:
-                evict = min(rest - room, before - self._held)
+                # conditionals, not min() and max(): a request pays for each call
+                evict = rest - room
+                free = before - self._held
+                if evict > free:
+                    evict = free
                 if evict > 0:
                     self._evict(evict)
                 else:
                     evict = 0
-                keep = max(room + evict, 0)
+                keep = room + evict if room + evict > 0 else 0
                 self.refused += rest - keep
                 if keep < rest:
                     for block in new[keep:]:
@@ -275,7 +279,7 @@ class PrefixCache:
             self._held += rest
             if self.events is not None:
                 self.events.stored(new, blocks[count - 1] if count else None, scope)
-        return min(count, limit), count + rest
+        return count if count < limit else limit, count + rest
 
     def _chain_end(self, blocks: Sequence[object]) -> int:
         """How many leading ``blocks`` :meth:`acquire` takes: up to the first that came before, is
@@ -295,8 +299,8 @@ class PrefixCache:
     def _uncache(self, new: Sequence[object]) -> None:
         """Undo the caching of ``new`` (each set to a request's hold): the blocks that were cached
         before get their holds back (a running request's, found among the owners'; pinned; or free,
-        found in the free order), the others go. This reads the whole cache, once: from then on
-        each request's new blocks are checked before they are cached (``_anomalies``), a pass
+        found in the free order), the others go. This reads the whole cache, once: from then
+        on each request's new blocks are checked before they are cached (``_anomalies``), a pass
         over them that chains never need."""
         cached = self._cached
         fresh = set(new)
