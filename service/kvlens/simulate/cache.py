@@ -21,12 +21,15 @@ tests check it.
 
 The cost: a simulator's replay sends every block of a trace through here, so a block costs two
 dict operations (cached, evicted), a request's finish frees its own blocks at once (their
-:class:`_Hold` dies), and the free blocks are a list in the order they were freed (evicted by
-slicing). The property tests hold it to a plain LRU of the free blocks, event by event.
+:class:`_Hold` dies), and the free blocks are a list in the order they were freed, in runs (one a
+finish), evicted by slicing; a block taken back from a run marks it, and only a marked run is
+read entry by entry. The property tests hold it to a plain LRU of the free blocks, event by
+event.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -54,23 +57,23 @@ class _Hold:
     """What keeps a block held: the request that stored it, or took it back from the free blocks
     (its owner), while it runs. The owner's blocks are ``blocks[start:count]``, the end of what it
     holds (before ``start``, blocks others held when it came); when it finishes, ``live`` goes
-    False and every block still kept by it is free at once."""
+    False and every block still kept by it is free at once, freed together (one run of the free
+    order). ``touched``: a block freed by it was taken again since (its entry in that run is
+    dead: the block is held, or free in a later run)."""
 
-    __slots__ = ("blocks", "count", "live", "start")
+    __slots__ = ("blocks", "count", "live", "start", "touched")
 
     def __init__(self, blocks: Sequence[object] | None, start: int) -> None:
         self.blocks = blocks
         self.start = start
         self.count = start
         self.live = True
+        self.touched = False
 
 
 # The hold of a block whose owner finished while others still held it (each of them but one
 # counted in ``PrefixCache._shared``: the one the pin stands for frees it)
 _PINNED = _Hold(None, 0)
-# The hold of a free block whose owner is not known (any dead hold means free)
-_FREED = _Hold(None, 0)
-_FREED.live = False
 
 
 class PrefixCache:
@@ -82,7 +85,7 @@ class PrefixCache:
         "_order",
         "_owners",
         "_pinned",
-        "_revived",
+        "_runs",
         "_shared",
         "capacity",
         "events",
@@ -107,12 +110,13 @@ class PrefixCache:
         self._owners: set[_Hold] = set()  # the live holds of running requests
         self._pinned: set[object] = set()  # blocks held by _PINNED
         # The free blocks, least recently freed first, from ``_front`` on (a request's blocks are
-        # freed last block first). A free block taken again (a hit) leaves a dead entry behind,
-        # counted in ``_revived``: a block's first entries are its dead ones (its live entry, if
-        # it is free, is its last), and eviction skips them.
+        # freed last block first), in runs: each what one finish freed, ``_runs`` their ends and
+        # the hold that freed them. A free block taken again (a hit) leaves a dead entry in its
+        # run, and marks the run's hold touched: an entry is live while its block still has its
+        # run's hold, and a run untouched is live whole (eviction slices it, no block looked up).
         self._order: list[object] = []
         self._front = 0
-        self._revived: dict[object, int] = {}
+        self._runs: deque[tuple[int, _Hold]] = deque()
         # Requests whose ids were no prefix chain (a block repeated, cached after one that is not,
         # held after one that is free): after the first, every request's new blocks are checked
         # before they are cached
@@ -241,10 +245,9 @@ class PrefixCache:
             if start < count:  # free: taken back, each leaving a dead entry in the free order
                 if hold is None:
                     hold = _Hold(blocks, start)
-                revived = self._revived
                 for block in run[start:] if start else run:
+                    cached[block].touched = True
                     cached[block] = hold
-                    revived[block] = revived.get(block, 0) + 1
                 self._held += count - start
         if not new:
             if hold is not None:
@@ -305,14 +308,21 @@ class PrefixCache:
         cached = self._cached
         fresh = set(new)
         was: dict[object, _Hold] = {}
+        free: dict[object, _Hold] = {}
         if not self._anomalies:
             for owner in self._owners:
                 assert owner.blocks is not None
                 for block in owner.blocks[owner.start : owner.count]:
                     if block in fresh:
                         was[block] = owner
-            for block in fresh.intersection(self._order[self._front :]):
-                was.setdefault(block, _FREED)
+            position = self._front
+            for end, freer in self._runs:  # a free block's live entry is its last
+                for block in self._order[position:end] if end > position else ():
+                    if block in fresh and block not in was:
+                        free[block] = freer
+                position = max(position, end)
+            for block, freer in free.items():
+                was.setdefault(block, freer)
             for block in fresh.intersection(self._pinned):
                 was.setdefault(block, _PINNED)
         for block in fresh:
@@ -333,11 +343,13 @@ class PrefixCache:
         if hold.count != count or (
             hold.blocks is not blocks and (hold.blocks is None or list(hold.blocks[:count]) != list(run))
         ):  # it kept no block of its own (another request holds its last): it shared them all
-            freed: Sequence[object] = self._unshare(run)
+            hold = _Hold(None, 0)
+            hold.live = False
+            freed: Sequence[object] = self._unshare(run, hold)
         else:  # its own blocks are free at once, but for those others hold too
             self._owners.discard(hold)
             start = hold.start
-            freed = self._unshare(run[:start]) if start else []
+            freed = self._unshare(run[:start], hold) if start else []
             own = run[start:] if start else run
             shared = self._shared
             if shared:
@@ -360,15 +372,16 @@ class PrefixCache:
             hold.live = False
             hold.blocks = None  # its free blocks keep the hold: not the request's ids
             freed = [*freed, *own] if freed else own
+        if not freed:
+            return
         self._held -= len(freed)
         order = self._order
         order += freed[::-1]
+        self._runs.append((len(order), hold))
         # Dead entries cost memory until eviction passes them (never, unbounded): past twice the
         # cached blocks, the free order keeps its live entries alone.
         if len(order) > 2 * len(cached) + 4096 + self._front:
-            self._order = self._live_from(self._front, len(cached) - self._held)[0]
-            self._front = 0
-            self._revived.clear()
+            self._compact()
 
     def _pin(self, block: object) -> None:
         """The owner of ``block`` finished while others hold it: it stays held, by one of them
@@ -381,15 +394,16 @@ class PrefixCache:
         else:
             self._shared[block] = holders - 1
 
-    def _unshare(self, run: Sequence[object]) -> list[object]:
+    def _unshare(self, run: Sequence[object], hold: _Hold) -> list[object]:
         """A request that shared ``run`` (each block held by others when it came) lets go of it:
-        each block one holder fewer. Returns those it was the last holder of (now free)."""
+        each block one holder fewer. Returns those it was the last holder of, now kept by ``hold``
+        (its own, dead once it finished)."""
         cached, shared = self._cached, self._shared
         freed = []
         for block in run:
             holders = shared.get(block)
             if holders is None:  # it was the holder its pin stood for
-                cached[block] = _FREED
+                cached[block] = hold
                 self._pinned.discard(block)
                 freed.append(block)
             elif holders == 1:
@@ -398,35 +412,67 @@ class PrefixCache:
                 shared[block] = holders - 1
         return freed
 
-    def _live_from(self, front: int, count: int) -> tuple[list[object], int]:
-        """The first ``count`` live entries of the free order from ``front`` on, and the position
-        after the last; the dead entries passed are forgotten."""
-        order, revived = self._order, self._revived
+    def _live_entries(self, front: int, count: int) -> tuple[list[object], int]:
+        """The first ``count`` live entries of the free order from ``front`` on (fewer if it has
+        fewer), and the position after the last."""
         live: list[object] = []
-        end = front
-        while len(live) < count:
-            block = order[end]
-            end += 1
-            dead = revived.get(block)
-            if dead is None:
-                live.append(block)
-            elif dead == 1:
-                del revived[block]
-            else:
-                revived[block] = dead - 1
-        return live, end
+        position = front
+        if count <= 0:
+            return live, position
+        for end, hold in self._runs:
+            if end > position:
+                taken, position = self._live_in_run(position, end, hold, count - len(live))
+                live += taken
+                if len(live) == count:
+                    break
+        return live, position
+
+    def _live_in_run(self, position: int, end: int, hold: _Hold, count: int) -> tuple[list[object], int]:
+        """The first ``count`` live entries of a run from ``position`` until its ``end``, and the
+        position after the last (``end`` if fewer): untouched, all are live; touched, those whose
+        block still has the run's hold."""
+        order = self._order
+        if not hold.touched:
+            stop = min(end, position + count)
+            return order[position:stop], stop
+        cached = self._cached
+        at = [i for i in range(position, end) if cached.get(order[i]) is hold][:count]
+        return [order[i] for i in at], (at[-1] + 1 if len(at) == count else end)
+
+    def _compact(self) -> None:
+        """The free order with its live entries alone, each run untouched again."""
+        order: list[object] = []
+        runs: deque[tuple[int, _Hold]] = deque()
+        position = self._front
+        for end, hold in self._runs:
+            if end > position:
+                live, position = self._live_in_run(position, end, hold, end - position)
+                if live:
+                    order += live
+                    hold.touched = False
+                    runs.append((len(order), hold))
+        self._order, self._front, self._runs = order, 0, runs
 
     def _evict(self, count: int) -> None:
         """Evict the ``count`` least recently freed blocks (at most the free ones: the caller
         checks)."""
-        order, revived = self._order, self._revived
+        order, runs = self._order, self._runs
         front = self._front
         end = front + count
-        victims = order[front:end]
-        if revived and not revived.keys().isdisjoint(victims):
-            victims, end = self._live_from(front, count)
+        while runs[0][0] <= front:  # runs evicted whole
+            runs.popleft()
+        for run_end, hold in runs:  # the runs the slice reaches: untouched, it is all live
+            if hold.touched:
+                victims, end = self._live_entries(front, count)
+                break
+            if run_end >= end:
+                victims = order[front:end]
+                break
+        else:
+            victims, end = self._live_entries(front, count)
         if end > 4096 and end * 2 > len(order):  # the evicted entries go, a half at a time
             del order[:end]
+            self._runs = deque((run_end - end, hold) for run_end, hold in runs if run_end > end)
             end = 0
         self._front = end
         cached = self._cached
@@ -439,10 +485,10 @@ class PrefixCache:
     def drop_free(self) -> int:
         """Forget every cached block no running request holds (vLLM's reset of the prefix cache;
         held blocks stay, as a running request still needs them). Returns how many went."""
-        free = self._live_from(self._front, len(self._cached) - self._held)[0]
+        free = self._live_entries(self._front, len(self._cached) - self._held)[0]
         self._order = []
         self._front = 0
-        self._revived.clear()
+        self._runs.clear()
         for block in free:
             del self._cached[block]
         if self.events is not None and free:
