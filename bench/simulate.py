@@ -14,11 +14,11 @@ wall time counts the others' turns; read the ratios):
   funnel (when the ``kv-events`` extra is installed), a second analysis of every block beside
   the replay, so it has a line of its own (round_robin with the funnel) and no goal;
 - the trace repeated 1x, 10x, 100x (each copy later in time and with its own blocks, streamed,
-  never held in memory) in a fresh process each: seconds, blocks per second and peak RSS, so the
-  cost is seen to be linear in blocks and the memory bounded; and beside it, in the same process,
-  the naive walk of the same streamed blocks and the stream alone (making the copies' requests
-  costs both the same), so the ratio at each scale is (replay - stream) / (walk - stream): the
-  median over ``--scaled-rounds`` rounds of the three in turn (default 3).
+  never held in memory): seconds, blocks per second and peak RSS, so the cost is seen to be
+  linear in blocks and the memory bounded; and beside it the naive walk of the same streamed
+  blocks and the stream alone (making the copies' requests costs both the same), so the ratio at
+  each scale is (replay - stream) / (walk - stream): each of the three in a fresh process, the
+  median over ``--scaled-rounds`` rounds (default 3).
 """
 
 from __future__ import annotations
@@ -80,34 +80,49 @@ def median_seconds(run: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def scaled_run(times: int, policy: str, rounds: int) -> None:
-    """In a fresh process: replay the trace ``times`` times over; print seconds and peak RSS.
-    ``rounds`` rounds of (stream, walk, replay) in turn, each figure their median, and the ratio
-    the median of the rounds' ratios (the machine's state changes between rounds, not within)."""
+def scaled_run(times: int, policy: str, what: str) -> None:
+    """In a fresh process: ``what`` (the replay, the stream alone, or the walk) of the trace
+    ``times`` times over; print its CPU seconds and, for the replay, peak RSS. Each in a process
+    of its own: run in turn in one process, whichever came after the replay or the walk took
+    about a twentieth longer at 100x (the heap they leave behind), which made the ratio depend on
+    the order the three were run in."""
     trace = open_trace(BUNDLED)
     requests = list(trace.requests())
     blocks = sum(len(r.blocks) for r in requests) * times
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     fleet = Fleet(REPLICAS, CAPACITY, trace.block_size)
-    figures: dict[str, list[float]] = {"seconds": [], "stream_seconds": [], "walk_seconds": [], "ratio": []}
-    peak = before
+    runs: dict[str, Callable[[int], object]] = {
+        "replay": lambda n: simulate(repeated(requests, n), fleet, policy),
+        "stream": lambda n: deque(repeated(requests, n), maxlen=0),
+        "walk": lambda n: walk_blocks((r.blocks for r in repeated(requests, n)), REPLICAS * CAPACITY),
+    }
+    runs[what](1)  # warm: a process's first run pays for first calls (most of a 1x run's time)
+    seconds = median_seconds(lambda: runs[what](times), 1)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    grew = (peak - before) / 1024
+    print(json.dumps({"seconds": seconds, "blocks": blocks, "rss_mib": peak / 1024, "grew_mib": grew}))
+
+
+def scaled(times: int, policy: str, rounds: int) -> dict[str, float]:
+    """``rounds`` rounds of the replay, the stream and the walk, each in a fresh process: their
+    median seconds, the replay's peak RSS, and the median of the rounds' ratios
+    (replay - stream) / (walk - stream)."""
+    figures: dict[str, list[float]] = {"replay": [], "stream": [], "walk": [], "ratio": []}
+    replay: dict[str, float] = {}
     for _ in range(rounds):
-        seconds = median_seconds(lambda: simulate(repeated(requests, times), fleet, policy), 1)
-        peak = max(peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
-        stream = median_seconds(lambda: deque(repeated(requests, times), maxlen=0), 1)
-        walk = median_seconds(
-            lambda: walk_blocks((r.blocks for r in repeated(requests, times)), REPLICAS * CAPACITY), 1
-        )
-        figures["seconds"].append(seconds)
-        figures["stream_seconds"].append(stream)
-        figures["walk_seconds"].append(walk)
-        figures["ratio"].append((seconds - stream) / (walk - stream))
-    print(
-        json.dumps(
-            {name: statistics.median(values) for name, values in figures.items()}
-            | {"blocks": blocks, "rss_mib": peak / 1024, "grew_mib": (peak - before) / 1024}
-        )
-    )
+        for what in ("replay", "stream", "walk"):
+            command = [sys.executable, __file__, "--scaled-run", str(times), policy, what]
+            out = json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
+            figures[what].append(out["seconds"])
+            if what == "replay":
+                replay = out
+        stream = figures["stream"][-1]
+        figures["ratio"].append((figures["replay"][-1] - stream) / (figures["walk"][-1] - stream))
+    return {name: statistics.median(values) for name, values in figures.items()} | {
+        "blocks": replay["blocks"],
+        "rss_mib": replay["rss_mib"],
+        "grew_mib": replay["grew_mib"],
+    }
 
 
 def main() -> None:
@@ -115,10 +130,10 @@ def main() -> None:
     parser.add_argument("--scales", default="1,10,100")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--scaled-rounds", type=int, default=3, help="rounds of each scaled run (medians)")
-    parser.add_argument("--scaled-run", nargs=2, metavar=("TIMES", "POLICY"), help=argparse.SUPPRESS)
+    parser.add_argument("--scaled-run", nargs=3, metavar=("TIMES", "POLICY", "WHAT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.scaled_run:
-        scaled_run(int(args.scaled_run[0]), args.scaled_run[1], args.scaled_rounds)
+        scaled_run(int(args.scaled_run[0]), args.scaled_run[1], args.scaled_run[2])
         return
 
     trace = open_trace(BUNDLED)
@@ -142,16 +157,13 @@ def main() -> None:
         print_policy(policy, full_blocks, seconds, ratios, goal.get(policy, ""))
     print("scaling (round_robin, streamed, a fresh process each):")
     for times in (int(s) for s in args.scales.split(",")):
-        command = [sys.executable, __file__, "--scaled-run", str(times), "round_robin"]
-        command += ["--scaled-rounds", str(args.scaled_rounds)]
-        out = subprocess.run(command, capture_output=True, text=True, check=True)
-        figures = json.loads(out.stdout)
-        stream, ratio = figures["stream_seconds"], figures["ratio"]
+        figures = scaled(times, "round_robin", args.scaled_rounds)
+        stream, ratio = figures["stream"], figures["ratio"]
         print(
-            f"  {times:>4}x  {figures['blocks']:>12,} blocks  {figures['seconds']:>7.2f} s  "
-            f"{figures['blocks'] / figures['seconds']:>12,.0f} blocks/s  "
+            f"  {times:>4}x  {figures['blocks']:>12,} blocks  {figures['replay']:>7.2f} s  "
+            f"{figures['blocks'] / figures['replay']:>12,.0f} blocks/s  "
             f"peak RSS {figures['rss_mib']:.0f} MiB (+{figures['grew_mib']:.0f} MiB while simulating); "
-            f"walk {figures['walk_seconds']:.2f} s, stream {stream:.2f} s: {ratio:.2f}x the walk's time "
+            f"walk {figures['walk']:.2f} s, stream {stream:.2f} s: {ratio:.2f}x the walk's time "
             f"(median of {args.scaled_rounds} rounds; goal <= 2x)"
         )
     from kvlens.fleet.index import compiled_loops_available
