@@ -116,3 +116,18 @@ def test_a_kept_session_costs_at_most_its_bytes_even_with_the_longest_id(id_char
     tracemalloc.stop()
     assert ledger.forgotten == 10_000
     assert 300 < used / 10_000 <= SESSION_BYTES
+
+
+def test_modelled_caches_are_refused_past_the_budget_for_their_replicas() -> None:
+    """modelled_capacity_blocks is per replica: its bound is the product with modelled_max_replicas
+    (before, any capacity was taken: 10M blocks for 64 replicas asked for about 120 GiB)."""
+    from kvlens.simulate.cache import BLOCK_BYTES
+
+    with pytest.raises(SettingsError) as refused:
+        load_settings(modelled_capacity_blocks=10_000_000)
+    message = str(refused.value)
+    assert "modelled_capacity_blocks 10,000,000" in message and "64 replicas" in message
+    assert "GiB" in message and "fewer blocks, or fewer replicas" in message
+    fits = SETTING_MEMORY_BUDGET // (4 * BLOCK_BYTES)
+    settings = load_settings(modelled_capacity_blocks=fits, modelled_max_replicas=4)
+    assert settings.modelled_capacity_blocks == fits

@@ -293,3 +293,22 @@ def test_blocks_taken_again_and_again_leave_bounded_memory() -> None:
         tracemalloc.stop()
     assert peak < 1 << 20
     assert len(cache) == 8 and cache.held_blocks == 0
+
+
+def test_a_cached_block_costs_at_most_block_bytes() -> None:
+    """BLOCK_BYTES (the modelled caches' memory bound) against the cache filled to its capacity by
+    16-block requests, at the peak (its dict and free order growing); the keys are the caller's."""
+    from kvlens.simulate.cache import BLOCK_BYTES
+
+    capacity = 100_000
+    requests = [tuple(range(start, start + 16)) for start in range(10**12, 10**12 + 3 * capacity, 16)]
+    tracemalloc.start()
+    try:
+        cache = PrefixCache(capacity)
+        for blocks in requests:
+            cache.release(blocks, cache.acquire(blocks, 15)[1])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(cache) == capacity
+    assert 80 < peak / capacity <= BLOCK_BYTES

@@ -35,6 +35,11 @@ from typing import Protocol
 
 from kvlens.simulate.trace import Scope
 
+# The most a cached block costs the cache (its dict entry, its entry in the free order, its share
+# of a hold), measured at the peak of filling (its dict and its order growing); tested. The keys
+# are the caller's.
+BLOCK_BYTES = 200
+
 
 def hit_limit(prompt_tokens: int, block_size: int) -> int:
     """The most blocks of a prompt a prefix cache serves: vLLM recomputes a prompt's last token

@@ -4,11 +4,13 @@ without KV events from records' prefix ids (:class:`ModelledSettings`)."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvlens.accounting import Accounting
 from kvlens.fleet.limits import MAX_REPLICAS
 from kvlens.http.settings import AuthSettings, ServerSettings
+from kvlens.limits import SETTING_MEMORY_BUDGET, SIZE_UNITS, worst_case
+from kvlens.simulate.cache import BLOCK_BYTES
 
 
 class ModelledSettings(BaseModel):
@@ -20,7 +22,8 @@ class ModelledSettings(BaseModel):
         None,
         ge=1,
         description="Set: records with prefix_hashes and replica go through one modelled cache of this "
-        "many blocks per replica: kvlens_kv_modelled_recomputed_tokens_total (causes without KV events).",
+        "many blocks per replica: kvlens_kv_modelled_recomputed_tokens_total (causes without KV events). "
+        f"Each block costs up to {BLOCK_BYTES} bytes: times modelled_max_replicas, at most 4 GiB.",
     )
     modelled_block_size: int = Field(
         16,
@@ -46,6 +49,19 @@ class ModelledSettings(BaseModel):
         if replicas > MAX_REPLICAS:
             raise ValueError(f"at most {MAX_REPLICAS} (one bit each in the fleet index's holder masks)")
         return replicas
+
+    @model_validator(mode="after")
+    def _modelled_caches_fit_the_budget(self) -> ModelledSettings:
+        # a cache of modelled_capacity_blocks for each replica: the product is what may be kept
+        capacity, replicas = self.modelled_capacity_blocks, self.modelled_max_replicas
+        if capacity is not None and capacity * replicas * BLOCK_BYTES > SETTING_MEMORY_BUDGET:
+            budget = SETTING_MEMORY_BUDGET / SIZE_UNITS["gib"]
+            raise ValueError(
+                f"modelled_capacity_blocks {capacity:,} for each of modelled_max_replicas {replicas} "
+                f"replicas may take {worst_case(capacity * replicas, BLOCK_BYTES)}: no setting may ask for "
+                f"more than {budget:g} GiB (fewer blocks, or fewer replicas)"
+            )
+        return self
 
 
 class ServeSettings(Accounting, AuthSettings, ServerSettings):
