@@ -344,6 +344,7 @@ class FleetIndex:
         params[k.P_REPLICA] = state.number  # the loop sets the rest an event
         position = 0
         malformed = 0  # by earlier calls (each call reads the payload anew)
+        tally: list[int]  # numba answers ints
         while True:
             position, stop, value, *tally = k.apply_payload(payload, position, self._arrays(state))
             if stop == k.DONE:
@@ -351,7 +352,7 @@ class FleetIndex:
                     tally[k.T_MALFORMED] += malformed
                 if self.require_cache_salt and tally[k.STORED_EVENT]:
                     self._count_unsalted(replica, payload)
-                return tally  # numba answers ints
+                return tally
             malformed += tally[k.T_MALFORMED]
             if stop == k.UNREAD:
                 return None
