@@ -390,9 +390,13 @@ def test_progress_counts_each_byte_once_when_the_file_is_read_again_a_chunk_at_a
     finally:
         engine.close()
     size = path.stat().st_size
-    # read whole (three chunks, the last refused), taken back, then read a chunk at a time
-    assert steps[:4] == [4 * (len(VALID) + 1), 4 * (len(VALID) + 1), len(VALID) + 9, -size]
-    assert sum(steps[4:]) == size
+    # read whole until refused (by the decoder at the broken line, or sooner by DuckDB, which reads
+    # the same file in a thread and may refuse it first: its pace decides, so the steps before the
+    # take-back vary), taken back, then read a chunk at a time: every byte counted once
+    back = next(i for i, step in enumerate(steps) if step < 0)
+    assert back >= 1 and all(step > 0 for step in steps[:back])
+    assert sum(steps[:back]) == -steps[back] <= size
+    assert all(step > 0 for step in steps[back + 1 :]) and sum(steps[back + 1 :]) == size
 
 
 def first_read_changed(monkeypatch: pytest.MonkeyPatch, change: Callable[[list[Any]], list[Any]]) -> None:
