@@ -247,7 +247,7 @@ class PrefixCache:
             shared = self._shared
             for block in run[:start] if start < count else run:
                 shared[block] = shared.get(block, 0) + 1
-            if start < count:  # free: taken back, each leaving a dead entry in the free order
+            if start < count:  # free: taken back, its entry in its run of the free order dead (run marked)
                 if hold is None:
                     hold = _Hold(blocks, start)
                 for block in run[start:] if start else run:
