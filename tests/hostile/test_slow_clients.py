@@ -30,7 +30,16 @@ from tests.article import article_records
 from tests.hostile.conftest import Serve
 from tests.hostile.test_connections import closed_within
 from tests.hostile.test_defaults import write_pair
-from tests.live import Running, Samples, in_thread, parse_samples, raise_open_files_limit, start_kvlens, total
+from tests.live import (
+    Running,
+    Samples,
+    in_thread,
+    parse_samples,
+    raise_open_files_limit,
+    start_kvlens,
+    total,
+    until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -193,7 +202,9 @@ def test_past_max_arriving_bodies_a_post_is_refused_before_its_body_is_read(serv
                     started = time.monotonic()
                     assert client.get(f"{sidecar.url}/healthz").status_code == 200
                     assert time.monotonic() - started < 2.0  # a hang check only (was 2.8-6.3 s)
-            assert flood.reopened >= 300
+            # each of the 300 answered (and reopened): the flood's pace, not the probes', decides
+            # when (the probes took 0.1 s in a fresh-clone CI run, the flood had reopened 56 then)
+            until(lambda: flood.reopened >= 300, timeout=30)
         finally:
             flood.close()
         assert sidecar.value("kvlens_ingest_in_flight") == 8
