@@ -6,6 +6,7 @@ rich goes through (:func:`console`)."""
 
 from __future__ import annotations
 
+import functools
 import re
 import shutil
 import textwrap
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rich.console import Console
+    from rich.text import Text
 
 NARROWEST = 80  # what every text output is laid out to fit; wider terminals may show more
 
@@ -41,6 +43,18 @@ def visible(text: str) -> str:
     return _CONTROL.sub(_escape, text)
 
 
+# The same but the newline: text kvlens prints on lines of its own at a terminal (rich's)
+_CONTROL_IN_LINES = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def printable(text: str) -> str:
+    """``text`` with each control character but the newline shown as its escape (as
+    :func:`visible`): what kvlens prints at a terminal may hold a name from the records or the
+    command line, whose ESC or CSI would set a window's title, clear the screen or recolour it,
+    and whose carriage return would overwrite the line, instead of showing."""
+    return _CONTROL_IN_LINES.sub(_escape, text)
+
+
 def width() -> int:
     return shutil.get_terminal_size((NARROWEST, 24)).columns
 
@@ -64,8 +78,18 @@ def console(**options: Any) -> Console:
     with rich may hold a name from the records or the command line (a model, tenant, request id,
     arm, file name), and rich would read "[/x]" as markup (MarkupError), "[bold]z" as a style
     (its brackets lost) and ":smile:" as an emoji, in a table's title, header or cell as in a
-    line. Styles are given as ``rich.text.Text`` spans, never as markup in a string. (rich is
-    the analyze extra: imported here, when a table is printed.)"""
+    line; and it would pass a name's escape sequences to the terminal, so every string it renders
+    goes through :func:`printable`. Styles are given as ``rich.text.Text`` spans, never as markup
+    in a string. (rich is the analyze extra: imported here, when a table is printed.)"""
+    return _text_console()(markup=False, emoji=False, **options)
+
+
+@functools.cache
+def _text_console() -> type[Console]:
     from rich.console import Console
 
-    return Console(markup=False, emoji=False, **options)
+    class TextConsole(Console):
+        def render_str(self, text: str, **options: Any) -> Text:
+            return super().render_str(printable(text), **options)
+
+    return TextConsole

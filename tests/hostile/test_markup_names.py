@@ -15,6 +15,7 @@ import pytest
 from kvlens.cli import main
 from kvlens.cli.replay import progress_line
 from kvlens.experiment.client import Progress
+from kvlens.terminal import visible
 
 MARKUP = ["[/x]", "[bold]z", "[link=e]m", "x:smile:y"]
 ARM_MARKUP = ["[/x]", "[bold]z", "[red]q[/]", "x:smile:y"]  # an arm's name ends at its first "="
@@ -29,7 +30,7 @@ def write_records(path: Path, records: list[dict[str, Any]]) -> Path:
 def analyzed(name: str, tmp_path: Path) -> Path:
     """Records whose model, tenant and request id are ``name``, tenants sharing blocks (a label
     never holds a control character: the records refuse one, so a newline goes in the id only)."""
-    label = "m" if any(c < " " for c in name) else name
+    label = "m" if any(c < " " or "\x7f" <= c <= "\x9f" for c in name) else name
     return write_records(
         tmp_path / "records.jsonl",
         [
@@ -44,7 +45,8 @@ def compared(name: str, tmp_path: Path) -> list[str]:
     """``--arm`` flags of two arms, the second named ``name``, whose request ids are ``name`` and
     ``name`` with a number: each pairs, and some did not benefit (listed by request id)."""
     flags = []
-    label = "m" if any(c < " " for c in name) else name  # a label refuses control characters
+    # a label refuses control characters
+    label = "m" if any(c < " " or "\x7f" <= c <= "\x9f" for c in name) else name
     for arm, ttft in (("base", 0.1), (name, 0.1)):
         rows = [
             {"request_id": f"{name}{i}", "prompt_tokens": 600, "cached_tokens": 0 if i % 2 else 512,
@@ -110,3 +112,24 @@ def test_simulate_and_replay_progress_print_names_as_written(
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     progress_line(text, Progress(), 4)
     assert capsys.readouterr().err.startswith(f"\r{text}: 0/4 done")
+
+
+# A terminal acts on these instead of showing them: a window title set, the screen cleared, a
+# colour (ESC and its 8-bit form, CSI)
+ESCAPES = ["\x1b]0;pwned\x07", "\x1b[2J\x1b[H", "a\x9b31mb", "c\rd"]
+
+
+@pytest.mark.parametrize("text", ESCAPES)
+def test_the_terminal_report_shows_a_names_control_characters_never_sends_them(
+    text: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A request id from the records (a label refuses control characters) reaches analyze's and
+    compare's terminal reports; rich passed ESC and CSI through to the terminal as they were."""
+    assert main(["analyze", str(analyzed(text, tmp_path)), "--engine", "numpy"]) == 0
+    out = capsys.readouterr().out
+    assert not any(char in out for char in "\x1b\x9b\r\x07")
+    assert visible(text) in out
+    assert main(["compare", *compared(text, tmp_path), "--engine", "numpy"]) == 0
+    out = capsys.readouterr().out
+    assert not any(char in out for char in "\x1b\x9b\r\x07")
+    assert visible(text) in out

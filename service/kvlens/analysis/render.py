@@ -8,7 +8,7 @@ from typing import Any
 
 from kvlens.analysis import sessions
 from kvlens.terminal import console as terminal_console
-from kvlens.terminal import percent, visible
+from kvlens.terminal import percent, printable, visible
 
 RATIO_NAMES = (
     ("request_hit_ratio", "Request hit ratio"),
@@ -153,7 +153,11 @@ def _terminal_records(console: Any, report: dict[str, Any]) -> None:
             console.print(line, markup=False)
     for item in report["diagnosis"]:
         console.print(
-            Text.assemble((item["severity"].upper(), "bold"), f" {item['title']}\n  {item['detail']}")
+            # a Text is no string rich renders through the console's printable(): its parts are
+            Text.assemble(
+                (item["severity"].upper(), "bold"),
+                f" {printable(item['title'])}\n  {printable(item['detail'])}",
+            )
         )
     if "cross_tenant" in report:
         console.print(_cross_tenant_line(report["cross_tenant"]))
